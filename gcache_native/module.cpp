@@ -1,0 +1,17 @@
+// Python module gcache._native: each part registers its own bindings.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void bind_checksum(py::module_& m);  // checksum_bindings.cpp
+void bind_store(py::module_& m);     // store_bindings.cpp
+void bind_server(py::module_& m);    // server_bindings.cpp
+void bind_io(py::module_& m);        // io_bindings.cpp (client-side socket helpers)
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "GCache native core: arena, index, disk segments, data server";
+  bind_checksum(m);
+  bind_store(m);
+  bind_server(m);
+  bind_io(m);
+}

@@ -1,0 +1,16 @@
+"""Builds gcache._native from the C++ sources in gcache_native/ during install."""
+import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+native = Pybind11Extension(
+    "gcache._native",
+    sorted(glob.glob("gcache_native/*.cpp")),
+    include_dirs=["gcache_native"],
+    cxx_std=17,
+    extra_compile_args=["-O2", "-g0", "-Wall", "-Wno-unused-function", "-pthread"],
+    extra_link_args=["-pthread"],
+)
+
+setup(ext_modules=[native], cmdclass={"build_ext": build_ext})
