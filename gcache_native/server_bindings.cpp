@@ -1,3 +1,144 @@
+// gcache._native.Server: one node (metrics + store + data server) for the
+// gcache-server daemon. Python only configures, starts, stops and reads stats.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <set>
+#include <string>
+
+#include "metrics.h"
+#include "server.h"
+#include "store.h"
+
 namespace py = pybind11;
-void bind_server(py::module_& m) { (void)m; }
+
+namespace {
+
+using gcache::Metrics;
+using gcache::Server;
+using gcache::ServerConfig;
+using gcache::Store;
+using gcache::StoreConfig;
+
+// The store could not open its data dir (locked, unreadable, full...).
+class StoreOpenError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Node {
+  // Declaration order = reverse destruction order: server, then store.
+  std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<Server> server;
+};
+
+void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
+  static const std::set<std::string> known = {
+      "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
+      "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
+      "memory_bytes", "disk_bytes", "data_dir", "segment_bytes", "value_bytes_max",
+      "small_queue_fraction", "eviction_attempts_max", "warm_restart"};
+  for (auto item : config) {
+    const std::string key = py::cast<std::string>(item.first);
+    if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
+    py::handle v = item.second;
+    if (key == "host") vc->host = py::cast<std::string>(v);
+    else if (key == "port") vc->port = py::cast<uint16_t>(v);
+    else if (key == "connections_max") vc->connections_max = py::cast<uint32_t>(v);
+    else if (key == "idle_timeout_s") vc->idle_timeout_s = py::cast<double>(v);
+    else if (key == "stall_timeout_s") vc->stall_timeout_s = py::cast<double>(v);
+    else if (key == "meta_bytes_max") vc->meta_bytes_max = py::cast<uint32_t>(v);
+    else if (key == "frame_payload_bytes_max") vc->frame_payload_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "batch_keys_max") vc->batch_keys_max = py::cast<uint32_t>(v);
+    else if (key == "socket_buffer_bytes") vc->socket_buffer_bytes = py::cast<int>(v);
+    else if (key == "epoch") vc->epoch = py::cast<int64_t>(v);
+    else if (key == "version") vc->version = py::cast<std::string>(v);
+    else if (key == "memory_bytes") sc->memory_bytes = py::cast<uint64_t>(v);
+    else if (key == "disk_bytes") sc->disk_bytes = py::cast<uint64_t>(v);
+    else if (key == "data_dir") sc->data_dir = py::cast<std::string>(v);
+    else if (key == "segment_bytes") sc->segment_bytes = py::cast<uint64_t>(v);
+    else if (key == "value_bytes_max") sc->value_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "small_queue_fraction") sc->small_queue_fraction = py::cast<double>(v);
+    else if (key == "eviction_attempts_max") sc->eviction_attempts_max = py::cast<uint32_t>(v);
+    else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
+  }
+}
+
+py::dict stats_dict(Node& node) {
+  py::dict counters, gauges, histograms;
+  for (const auto& [name, value] : node.metrics->counters()) counters[py::str(name)] = value;
+  std::vector<std::pair<std::string, int64_t>> g;
+  node.store->fill_gauges(&g);
+  g.emplace_back("connections_open", node.metrics->connections_open.load());
+  for (const auto& [name, value] : g) gauges[py::str(name)] = value;
+  for (const auto& [name, buckets] : node.metrics->histograms())
+    histograms[py::str(name)] = py::cast(buckets);
+  py::dict out;
+  out["counters"] = counters;
+  out["gauges"] = gauges;
+  out["histograms"] = histograms;
+  return out;
+}
+
+}  // namespace
+
+void bind_server(py::module_& m) {
+  py::register_exception<gcache::BindError>(m, "BindError", PyExc_OSError);
+  py::register_exception<StoreOpenError>(m, "StoreOpenError", PyExc_RuntimeError);
+
+  py::class_<Node>(m, "Server", R"doc(
+One GCache node: metrics, the store (memory arena + disk segments) and the
+TCP data server of docs/protocol.md.
+
+Server(config: dict) opens the store and binds the port; it serves nothing
+until start(). Config keys: host, port (0 = any free port), connections_max,
+idle_timeout_s, stall_timeout_s, meta_bytes_max, frame_payload_bytes_max,
+batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
+data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
+eviction_attempts_max, warm_restart. Unknown keys raise ValueError.
+Raises StoreOpenError (data dir unusable) or BindError (port taken).
+)doc")
+      .def(py::init([](py::dict config) {
+             StoreConfig sc;
+             ServerConfig vc;
+             read_config(config, &sc, &vc);
+             auto node = std::make_unique<Node>();
+             py::gil_scoped_release release;
+             node->metrics = std::make_unique<Metrics>();
+             try {
+               node->store = std::make_unique<Store>(sc, node->metrics.get());
+             } catch (const std::exception& e) {
+               throw StoreOpenError(std::string("cannot open the store in '") + sc.data_dir +
+                                    "': " + e.what());
+             }
+             node->server = std::make_unique<Server>(vc, node->store.get(), node->metrics.get());
+             return node;
+           }),
+           py::arg("config"))
+      .def_property_readonly("port", [](Node& n) { return n.server->port(); },
+                             "The listening port (the real one when 0 was asked).")
+      .def("start", [](Node& n) {
+             py::gil_scoped_release release;
+             n.server->start();
+           }, "Starts accepting connections (returns at once).")
+      .def("stop", [](Node& n, double grace_s) {
+             py::gil_scoped_release release;
+             n.server->stop(grace_s);
+           }, py::arg("grace_s") = 10.0,
+           "Stops accepting, finishes requests already received, closes connections; "
+           "after grace_s cuts off the rest. Idempotent. Does not flush.")
+      .def("flush", [](Node& n) {
+             py::gil_scoped_release release;
+             n.store->flush();
+           }, "Writes the memory tier and the warm list to disk (fsynced).")
+      .def("check_integrity", [](Node& n) {
+             py::gil_scoped_release release;
+             n.store->check_integrity();
+           }, "Raises naming the first broken store invariant.")
+      .def("stats", &stats_dict,
+           "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}}")
+      .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
+      .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); });
+}

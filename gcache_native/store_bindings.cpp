@@ -1,3 +1,222 @@
+// gcache._native.Store: the storage engine for tests and tools (the data
+// server calls the C++ API directly). Every store call releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include "checksum.h"
+#include "store.h"
+
 namespace py = pybind11;
-void bind_store(py::module_& m) { (void)m; }
+using namespace gcache;
+
+namespace {
+
+// Owns the Store and its Metrics. Lease objects share it, so the arena stays
+// mapped while any of them (or a memoryview of one) is alive.
+struct StoreHandle {
+  Metrics metrics;
+  std::unique_ptr<Store> store;
+  std::atomic<int64_t> lease_objects{0};  // alive PyLease objects (they may export views)
+  std::atomic<int64_t> leases_held{0};    // of those, not yet released
+  bool closing = false;                   // close() ran; destroy when the last PyLease dies
+
+  Store& get() {
+    if (!store || closing) throw std::runtime_error("Store is closed");
+    return *store;
+  }
+};
+
+struct PyLease {
+  std::shared_ptr<StoreHandle> handle;
+  Lease lease;
+  bool held = true;
+
+  PyLease(std::shared_ptr<StoreHandle> h, const Lease& l) : handle(std::move(h)), lease(l) {
+    ++handle->lease_objects;
+    ++handle->leases_held;
+  }
+  ~PyLease() {
+    release();
+    if (--handle->lease_objects == 0 && handle->closing) {
+      py::gil_scoped_release nogil;
+      handle->store.reset();  // deferred close: no view into the arena is left
+    }
+  }
+  void release() {
+    if (!held) return;
+    held = false;
+    --handle->leases_held;
+    py::gil_scoped_release nogil;
+    handle->store->release(lease);
+  }
+};
+
+struct PyStore {
+  std::shared_ptr<StoreHandle> handle = std::make_shared<StoreHandle>();
+
+  PyStore(uint64_t memory_bytes, uint64_t disk_bytes, const std::string& data_dir, uint64_t segment_bytes,
+          uint64_t value_bytes_max, double small_queue_fraction, uint32_t eviction_attempts_max, bool warm_restart) {
+    StoreConfig config;
+    config.memory_bytes = memory_bytes;
+    config.disk_bytes = disk_bytes;
+    config.data_dir = data_dir;
+    config.segment_bytes = segment_bytes;
+    config.value_bytes_max = value_bytes_max;
+    config.small_queue_fraction = small_queue_fraction;
+    config.eviction_attempts_max = eviction_attempts_max;
+    config.warm_restart = warm_restart;
+    py::gil_scoped_release nogil;
+    handle->store = std::make_unique<Store>(config, &handle->metrics);
+  }
+
+  int put(const py::bytes& key, const py::buffer& value, py::object checksum) {
+    std::string k = key;
+    py::buffer_info info = value.request();
+    if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument("put: value must be a contiguous buffer");
+    const uint8_t* data = static_cast<const uint8_t*>(info.ptr);
+    uint64_t length = static_cast<uint64_t>(info.size * info.itemsize);
+    bool explicit_checksum = !checksum.is_none();
+    uint64_t sum = explicit_checksum ? checksum.cast<uint64_t>() : 0;
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    if (!explicit_checksum) sum = xxh64(data, length);
+    Reservation r;
+    PutStatus status = store.begin_put(k, length, &r);
+    if (status != PutStatus::Stored) return static_cast<int>(status);
+    if (length > 0) memcpy(r.data, data, length);
+    return static_cast<int>(store.commit_put(k, r, sum));
+  }
+
+  py::object acquire(const py::bytes& key) {
+    std::string k = key;
+    Store& store = handle->get();
+    Lease lease;
+    bool hit;
+    {
+      py::gil_scoped_release nogil;
+      hit = store.acquire(k, &lease);
+    }
+    if (!hit) return py::none();
+    return py::cast(new PyLease(handle, lease), py::return_value_policy::take_ownership);
+  }
+
+  py::object get(const py::bytes& key) {
+    std::string k = key;
+    Store& store = handle->get();
+    Lease lease;
+    bool hit;
+    {
+      py::gil_scoped_release nogil;
+      hit = store.acquire(k, &lease);
+    }
+    if (!hit) return py::none();
+    py::bytes out(reinterpret_cast<const char*>(lease.data), lease.length);
+    py::gil_scoped_release nogil;
+    store.release(lease);
+    return std::move(out);
+  }
+
+  bool contains(const py::bytes& key) {
+    std::string k = key;
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    return store.contains(k);
+  }
+
+  bool remove(const py::bytes& key) {
+    std::string k = key;
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    return store.remove(k);
+  }
+
+  void flush() {
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    store.flush();
+  }
+
+  void check_integrity() {
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    store.check_integrity();
+  }
+
+  // Unmaps the arena, closes segments and releases the data-dir lock. Refused
+  // while a lease is held; deferred until the last Lease object (and so the
+  // last memoryview of the arena) is gone.
+  void close() {
+    if (!handle->store || handle->closing) return;
+    if (handle->leases_held > 0)
+      throw std::runtime_error("close: " + std::to_string(handle->leases_held.load()) +
+                               " leases are still held; release() them first");
+    handle->closing = true;
+    if (handle->lease_objects > 0) return;
+    py::gil_scoped_release nogil;
+    handle->store.reset();
+  }
+
+  py::dict stats() {
+    Store& store = handle->get();
+    std::vector<std::pair<std::string, int64_t>> gauges;
+    {
+      py::gil_scoped_release nogil;
+      store.fill_gauges(&gauges);
+    }
+    py::dict out;
+    for (auto& [name, value] : handle->metrics.counters()) out[py::str(name)] = value;
+    for (auto& [name, value] : gauges) out[py::str(name)] = value;
+    return out;
+  }
+};
+
+}  // namespace
+
+void bind_store(py::module_& m) {
+  py::class_<PyLease>(m, "Lease", py::buffer_protocol(),
+                      "A value pinned in the arena; read it via .data, then release() (or use `with`).")
+      .def_buffer([](PyLease& self) -> py::buffer_info {
+        if (!self.held) throw std::runtime_error("Lease was released; acquire the key again to read it");
+        return py::buffer_info(const_cast<uint8_t*>(self.lease.data), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(self.lease.length)}, {1}, true);
+      })
+      .def_property_readonly("data", [](py::object self) { return py::memoryview(self); },
+                             "read-only memoryview into the arena, valid until release()")
+      .def_property_readonly("length", [](PyLease& self) { return self.lease.length; })
+      .def_property_readonly("checksum", [](PyLease& self) { return self.lease.checksum; })
+      .def_property_readonly("held", [](PyLease& self) { return self.held; })
+      .def("release", &PyLease::release)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyLease& self, py::args) { self.release(); });
+
+  py::class_<PyStore>(m, "Store", "The node's storage engine: memory arena + disk segments (see docs/storage.md).")
+      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, uint64_t, double, uint32_t, bool>(),
+           py::arg("memory_bytes"), py::arg("disk_bytes"), py::arg("data_dir"), py::arg("segment_bytes") = 64ull << 20,
+           py::arg("value_bytes_max") = 64ull << 20, py::arg("small_queue_fraction") = 0.10,
+           py::arg("eviction_attempts_max") = 4096, py::arg("warm_restart") = true)
+      .def("put", &PyStore::put, py::arg("key"), py::arg("value"), py::arg("checksum") = py::none(),
+           "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...).")
+      .def("get", &PyStore::get, py::arg("key"), "Copy of the value, or None on a miss.")
+      .def("acquire", &PyStore::acquire, py::arg("key"), "A Lease on the value, or None on a miss.")
+      .def("contains", &PyStore::contains, py::arg("key"))
+      .def("remove", &PyStore::remove, py::arg("key"))
+      .def("flush", &PyStore::flush)
+      .def("check_integrity", &PyStore::check_integrity)
+      .def("close", &PyStore::close)
+      .def("stats", &PyStore::stats)
+      .def_property_readonly("arena_bytes", [](PyStore& self) { return self.handle->get().arena_bytes(); })
+      .def_property_readonly("arena_fd", [](PyStore& self) { return self.handle->get().arena_fd(); })
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyStore& self, py::args) { self.close(); })
+      .def_property_readonly_static("STORED", [](py::object) { return static_cast<int>(PutStatus::Stored); })
+      .def_property_readonly_static("EXISTS", [](py::object) { return static_cast<int>(PutStatus::Exists); })
+      .def_property_readonly_static("NO_SPACE", [](py::object) { return static_cast<int>(PutStatus::NoSpace); })
+      .def_property_readonly_static("CHECKSUM_MISMATCH", [](py::object) { return static_cast<int>(PutStatus::ChecksumMismatch); })
+      .def_property_readonly_static("TOO_LARGE", [](py::object) { return static_cast<int>(PutStatus::TooLarge); })
+      .def_property_readonly_static("KEY_INVALID", [](py::object) { return static_cast<int>(PutStatus::KeyInvalid); });
+}

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+
+# One BLAS thread: on 2 shared cores, BLAS thread pools only fight each other.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import shutil
 import signal
 import socket

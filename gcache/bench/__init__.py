@@ -1,0 +1,1 @@
+"""gcache-bench: GCache throughput/latency side by side with Redis and Mooncake Store."""

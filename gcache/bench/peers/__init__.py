@@ -1,0 +1,1 @@
+"""One adapter per store; each runs the identical workloads in workloads.py."""

@@ -1,0 +1,120 @@
+"""Redis through redis-py pipelines (SET / GET / EXISTS), and a local redis-server."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from gcache.bench.peers.base import Peer, PeerSpec
+
+REDIS_START_TIMEOUT_S = 10.0
+REDIS_SOCKET_TIMEOUT_S = 60.0
+
+
+class RedisPeer(Peer):
+    name = "redis"
+
+    def __init__(self, address: str):
+        import redis  # optional dependency: only --vs redis needs it
+
+        host, port = address.rsplit(":", 1)
+        self.client = redis.Redis(host=host, port=int(port), socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        self.client.ping()
+
+    def put_from(self, keys, buf, size):
+        view = memoryview(buf)
+        pipe = self.client.pipeline(transaction=False)
+        for i, key in enumerate(keys):
+            pipe.set(key, view[i * size:(i + 1) * size])
+        return sum(1 for ok in pipe.execute() if ok)
+
+    def get_into(self, keys, buf, size):
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        hits = 0
+        for i, value in enumerate(pipe.execute()):
+            if value is not None and len(value) == size:
+                # redis-py returns bytes; landing them in the caller's buffer is part of the job
+                buf[i * size:(i + 1) * size] = np.frombuffer(value, dtype=np.uint8)
+                hits += 1
+        return hits
+
+    def exists(self, keys):
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return sum(pipe.execute())
+
+    def get_one(self, key):
+        return self.client.get(key)
+
+    def remove(self, keys):
+        if keys:
+            self.client.delete(*keys)
+
+    def close(self):
+        self.client.close()
+
+
+def open_peer(spec: PeerSpec) -> Peer:
+    return RedisPeer(spec.address)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A throwaway redis-server on a free loopback port, no persistence."""
+
+    def __init__(self):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
+        self.port = _free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="gcache-bench-redis-")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start with code {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not accept connections within {REDIS_START_TIMEOUT_S}s")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.dir.cleanup()
+
+
+def parse_redis_url(url: str) -> str:
+    """'redis://host:port' or 'host:port' -> 'host:port'."""
+    address = url.split("://", 1)[-1].split("/", 1)[0]
+    if ":" not in address:
+        address += ":6379"
+    return address

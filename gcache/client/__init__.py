@@ -1,0 +1,4 @@
+"""The GCache Python client: `gcache.Client("host:port")`."""
+from gcache.client.client import Client
+
+__all__ = ["Client"]

@@ -1,0 +1,311 @@
+"""gcache.Client: the Python client of one gcache-server.
+
+Method names follow Mooncake Store's `MooncakeDistributedStore`, so an engine
+can swap stores. Misses are None / False; errors are gcache.errors exceptions.
+Every call runs in the calling thread on a pooled connection (no hand-offs);
+a batch larger than one frame is split and pipelined on that connection.
+Every operation is idempotent (values are immutable, remove is idempotent), so
+each is retried on a fresh connection when a connection fails.
+"""
+from __future__ import annotations
+
+import time
+
+from gcache import errors
+from gcache.client import pipeline
+from gcache.client.buffers import BufferRegistry, byte_view, slice_view
+from gcache.client.connection import Connection, parse_address
+from gcache.client.operations import (BatchResult, ExistsOp, GetIntoOp, GetOp, MetaOp, PutOp,
+                                      RemoveOp)
+from gcache.client.pool import ConnectionPool
+from gcache.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
+
+RETRIES_MAX = 10
+PIPELINE_DEPTH_MAX = 64
+
+
+def _is_address(obj) -> bool:
+    return isinstance(obj, int) and not isinstance(obj, bool)
+
+
+class Client:
+    """Client of one gcache-server at "host:port". Thread-safe; use one per process.
+
+    timeout_s: the longest any socket wait may go without progress, and the
+        longest a call waits for a free pooled connection.
+    connect_timeout_s: the longest a new connection may take to open.
+    pool_size: open connections at most (one per concurrently calling thread).
+    retries: extra attempts, on a fresh connection, after a connection failure.
+    verify_checksums: check every value read against its xxh64.
+    batch_keys_max / frame_payload_bytes_max: a batch is split into frames of
+        at most this many keys / payload bytes (must not exceed the server's).
+    pipeline_depth: frames in flight at once on one connection.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:7600", *, timeout_s: float = 5.0,
+                 connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
+                 verify_checksums: bool = False, batch_keys_max: int = 4096,
+                 frame_payload_bytes_max: int = 64 * 1024 * 1024, pipeline_depth: int = 8,
+                 retry_backoff_s: float = 0.01):
+        parse_address(address)
+        if not 0 < timeout_s <= 3600 or not 0 < connect_timeout_s <= 3600:
+            raise errors.InvalidArgumentError("timeout_s and connect_timeout_s must be in (0, 3600]")
+        if not 0 <= retries <= RETRIES_MAX:
+            raise errors.InvalidArgumentError(f"retries must be in [0, {RETRIES_MAX}], got {retries}")
+        if not 1 <= batch_keys_max <= BATCH_KEYS_MAX:
+            raise errors.InvalidArgumentError(f"batch_keys_max must be in [1, {BATCH_KEYS_MAX}]")
+        if frame_payload_bytes_max < 1:
+            raise errors.InvalidArgumentError("frame_payload_bytes_max must be >= 1")
+        if not 1 <= pipeline_depth <= PIPELINE_DEPTH_MAX:
+            raise errors.InvalidArgumentError(f"pipeline_depth must be in [1, {PIPELINE_DEPTH_MAX}]")
+        if not 0 <= retry_backoff_s <= 10:
+            raise errors.InvalidArgumentError("retry_backoff_s must be in [0, 10]")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.verify_checksums = verify_checksums
+        self.batch_keys_max = batch_keys_max
+        self.frame_payload_bytes_max = frame_payload_bytes_max
+        self.pipeline_depth = pipeline_depth
+        self.retry_backoff_s = retry_backoff_s
+        self._pool = ConnectionPool(
+            lambda: Connection(address, timeout_s, connect_timeout_s), pool_size, timeout_s)
+        self._registry = BufferRegistry()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes every pooled connection; later calls raise ClientClosedError."""
+        self._pool.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"gcache.Client({self.address!r}, open_connections={self._pool.open_count})"
+
+    # -- the retry loop -------------------------------------------------------
+
+    def _run(self, ops: list, result: BatchResult) -> None:
+        attempt = 0
+        stale_retry_left = True
+        while True:
+            conn = None
+            try:
+                conn = self._pool.acquire()
+                pipeline.run(conn, ops, self.pipeline_depth)
+                break
+            except errors.ConnectionError as exc:
+                self._pool.discard_idle()  # their server likely went away too
+                if conn is not None and conn.reused and stale_retry_left:
+                    # The server may have closed this idle pooled connection (idle
+                    # timeout, restart): one immediate retry, not counted as an attempt.
+                    stale_retry_left = False
+                    result.reset()
+                    continue
+                if attempt >= self.retries:
+                    raise type(exc)(f"{exc} (gave up after {attempt + 1} attempt(s))",
+                                    self.address) from exc
+                time.sleep(self.retry_backoff_s * (2 ** attempt))
+                attempt += 1
+                result.reset()
+            finally:
+                if conn is not None:
+                    self._pool.release(conn)
+        result.raise_problems(self.address)
+
+    def _split(self, n: int, sizes=None) -> list[tuple[int, int]]:
+        """[lo, hi) slices of at most batch_keys_max keys and frame_payload_bytes_max bytes."""
+        if sizes is None:
+            step = self.batch_keys_max
+            return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        slices, lo, total = [], 0, 0
+        for i, size in enumerate(sizes):
+            if i > lo and (i - lo >= self.batch_keys_max
+                           or total + size > self.frame_payload_bytes_max):
+                slices.append((lo, i))
+                lo, total = i, 0
+            total += size
+        if lo < n:
+            slices.append((lo, n))
+        return slices
+
+    # -- buffers --------------------------------------------------------------
+
+    def register_buffer(self, buffer_or_ptr, size: int | None = None) -> int:
+        """Registers memory that later calls may name by int address; returns 0 (Mooncake).
+
+        Takes any buffer-protocol object (kept alive until unregistered) or an
+        int address plus its size in bytes (the caller keeps that memory alive).
+        """
+        self._registry.register(buffer_or_ptr, size)
+        return 0
+
+    def unregister_buffer(self, buffer_or_ptr) -> int:
+        """Forgets a registered buffer; returns 0, or -1 if it was not registered."""
+        return 0 if self._registry.unregister(buffer_or_ptr) else -1
+
+    def _view(self, buffer, offset, size, writable: bool, what: str) -> memoryview:
+        if _is_address(buffer):
+            if size is None:  # Mooncake's (key, buffer_ptr, size): the third argument is the size
+                if not offset:
+                    raise errors.InvalidArgumentError(
+                        f"{what}: an address needs a size in bytes: {what}(key, address, size)")
+                offset, size = 0, offset
+            return self._registry.resolve(buffer + offset, size, writable)
+        return slice_view(byte_view(buffer, writable), offset, size, what)
+
+    def _views(self, n: int, buffers, sizes, offsets, writable: bool, what: str) -> list[memoryview]:
+        """One view per key from a list of buffers/addresses, or slices of one buffer."""
+        for name, seq in (("sizes", sizes), ("offsets", offsets)):
+            if seq is not None and len(seq) != n:
+                raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(seq)} {name}")
+        if isinstance(buffers, (list, tuple)):
+            if len(buffers) != n:
+                raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(buffers)} buffers")
+            views, cache = [], {}
+            for i, buf in enumerate(buffers):
+                offset = offsets[i] if offsets is not None else 0
+                size = sizes[i] if sizes is not None else None
+                if _is_address(buf):
+                    if size is None:
+                        raise errors.InvalidArgumentError(f"{what}: addresses need sizes")
+                    views.append(self._registry.resolve(buf + offset, size, writable))
+                    continue
+                base = cache.get(id(buf))
+                if base is None:
+                    base = cache[id(buf)] = byte_view(buf, writable)
+                views.append(slice_view(base, offset, size, what))
+            return views
+        if offsets is None or sizes is None:
+            raise errors.InvalidArgumentError(
+                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)")
+        if _is_address(buffers):
+            return [self._registry.resolve(buffers + o, s, writable) for o, s in zip(offsets, sizes)]
+        base = byte_view(buffers, writable)
+        return [slice_view(base, o, s, what) for o, s in zip(offsets, sizes)]
+
+    # -- puts -------------------------------------------------------------------
+
+    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        result = BatchResult(keys)
+        if keys:
+            slices = self._split(len(keys), [len(v) for v in views])
+            self._run([PutOp(result, lo, hi, views[lo:hi]) for lo, hi in slices], result)
+        return result.values
+
+    def put(self, key, value) -> bool:
+        """Stores `value` (any bytes-like object). False: not admitted (no space), try later."""
+        return self._put_views([normalize_key(key)], [byte_view(value, writable=False)])[0]
+
+    def put_batch(self, keys, values) -> list[bool]:
+        keys = normalize_keys(keys)
+        if len(values) != len(keys):
+            raise errors.InvalidArgumentError(f"put_batch: {len(keys)} keys but {len(values)} values")
+        return self._put_views(keys, [byte_view(v, writable=False) for v in values])
+
+    def put_from(self, key, buffer, offset: int = 0, size: int | None = None) -> bool:
+        """Stores buffer[offset:offset+size] without copying it.
+
+        `buffer` is any buffer-protocol object, or an int address inside a
+        registered buffer; Mooncake's put_from(key, address, size) also works.
+        """
+        view = self._view(buffer, offset, size, writable=False, what="put_from")
+        return self._put_views([normalize_key(key)], [view])[0]
+
+    def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
+        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
+        keys = normalize_keys(keys)
+        views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
+        return self._put_views(keys, views)
+
+    # -- gets -------------------------------------------------------------------
+
+    def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list:
+        if targets is None:
+            return [GetOp(result, lo, hi, self.verify_checksums) for lo, hi in self._split(len(keys))]
+        slices = self._split(len(keys), [len(t) for t in targets])
+        return [GetIntoOp(result, lo, hi, self.verify_checksums, targets[lo:hi]) for lo, hi in slices]
+
+    def get(self, key):
+        """The value as bytes, or None on a miss. get_into avoids the copy into bytes."""
+        result = BatchResult([normalize_key(key)])
+        self._run(self._get_ops(result.keys, result), result)
+        return result.values[0]
+
+    def get_batch(self, keys) -> list:
+        result = BatchResult(normalize_keys(keys))
+        if result.keys:
+            self._run(self._get_ops(result.keys, result), result)
+        return result.values
+
+    def get_into(self, key, buffer, offset: int = 0, size: int | None = None):
+        """Reads the value into buffer[offset:offset+size]; returns its length, None on a miss.
+
+        BufferTooSmallError if the value does not fit (the buffer is left untouched).
+        """
+        view = self._view(buffer, offset, size, writable=True, what="get_into")
+        result = BatchResult([normalize_key(key)])
+        self._run(self._get_ops(result.keys, result, [view]), result)
+        return result.values[0]
+
+    def batch_get_into(self, keys, buffers, sizes=None, offsets=None) -> list:
+        """Reads each value into its own slice; per key its length, or None on a miss."""
+        keys = normalize_keys(keys)
+        views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
+        result = BatchResult(keys)
+        if keys:
+            self._run(self._get_ops(keys, result, views), result)
+        return result.values
+
+    # -- exists / remove ----------------------------------------------------------
+
+    def _exists(self, keys: list[bytes]) -> BatchResult:
+        result = BatchResult(keys)
+        if keys:
+            self._run([ExistsOp(result, lo, hi) for lo, hi in self._split(len(keys))], result)
+        return result
+
+    def is_exist(self, key) -> bool:
+        return self._exists([normalize_key(key)]).values[0]
+
+    def batch_is_exist(self, keys) -> list[bool]:
+        return self._exists(normalize_keys(keys)).values
+
+    def batch_exists_prefix(self, keys) -> int:
+        """How many leading keys exist (what HiCache's batch_exists needs)."""
+        result = self._exists(normalize_keys(keys))
+        total = 0
+        for lo, hi in self._split(len(result.keys)):
+            total += result.prefixes[lo]
+            if result.prefixes[lo] < hi - lo:
+                break
+        return total
+
+    def remove(self, key) -> bool:
+        """Removes a key; True if it existed. Removing a missing key is not an error."""
+        return self.batch_remove([key])[0]
+
+    def batch_remove(self, keys) -> list[bool]:
+        result = BatchResult(normalize_keys(keys))
+        if result.keys:
+            self._run([RemoveOp(result, lo, hi) for lo, hi in self._split(len(result.keys))], result)
+        return result.values
+
+    # -- control ------------------------------------------------------------------
+
+    def _meta_call(self, opcode: Opcode) -> dict:
+        result = BatchResult([])
+        self._run([MetaOp(opcode, result)], result)
+        return result.meta
+
+    def ping(self) -> dict:
+        """{"version": str, "epoch": int} from the server; raises if it cannot be reached."""
+        return self._meta_call(Opcode.PING)
+
+    def stats(self) -> dict:
+        """{"counters": {...}, "gauges": {...}, "histograms": {...}} from the server."""
+        return self._meta_call(Opcode.STATS)

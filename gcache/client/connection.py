@@ -1,0 +1,245 @@
+"""One TCP connection to a gcache-server: framed sends and buffered, zero-copy reads.
+
+Timeouts are enforced by the kernel (SO_RCVTIMEO / SO_SNDTIMEO) on a blocking
+socket, so each recv/send is one syscall instead of poll + syscall: a wait that
+makes no progress for `timeout_s` raises TimeoutError. Any failure marks the
+connection broken; the pool then closes it instead of reusing it.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+import builtins
+
+from gcache import errors
+from gcache.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
+
+try:  # one recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop
+    from gcache._native import recv_into_buffers as _native_recv_into_buffers
+except ImportError:  # an older native module
+    _native_recv_into_buffers = None
+
+READ_BUFFER_BYTES = 64 * 1024
+# Reads larger than this go straight into the caller's buffer; smaller ones are
+# served from the read buffer (one recv often brings header, meta and value).
+DIRECT_READ_BYTES_MIN = 16 * 1024
+IOV_PER_SENDMSG_MAX = 512  # well under Linux IOV_MAX (1024)
+# A bulk read gets timeout_s plus one second per this many bytes (the native
+# reader takes one deadline for the whole transfer, not one per wait).
+BULK_READ_BYTES_PER_S_MIN = 64 * 1024 * 1024
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise errors.InvalidArgumentError(
+            f"server address {address!r} must look like host:port, e.g. 127.0.0.1:7600")
+    return host.strip("[]"), int(port)
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+class Connection:
+    """A blocking socket plus a small read buffer. Not thread-safe: one user at a time."""
+
+    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.broken = False
+        self.reused = False  # set by the pool when handed out again after being idle
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except ConnectionRefusedError as exc:
+            raise errors.ConnectionError(
+                f"cannot connect to gcache-server at {address}: connection refused; "
+                "is the server running and listening on that port?", address) from exc
+        except (socket.timeout, TimeoutError) as exc:
+            raise errors.ConnectionError(
+                f"cannot connect to gcache-server at {address} within {connect_timeout_s}s; "
+                "check the address and that the host is reachable", address) from exc
+        except OSError as exc:
+            raise errors.ConnectionError(
+                f"cannot connect to gcache-server at {address}: {exc}", address) from exc
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+        self.sock = sock
+        self._rbuf = bytearray(READ_BUFFER_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._pos = 0
+        self._end = 0
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- errors -------------------------------------------------------------
+
+    def _fail(self, exc: BaseException, doing: str):
+        self.broken = True
+        if isinstance(exc, BlockingIOError):
+            return errors.TimeoutError(
+                f"gcache-server at {self.address} made no progress {doing} for {self.timeout_s}s; "
+                "it may be overloaded or hung: check it, or raise timeout_s", self.address)
+        return errors.ConnectionError(
+            f"connection to gcache-server at {self.address} failed while {doing}: {exc}; "
+            "the server may have restarted or stopped", self.address)
+
+    def _closed_by_peer(self, doing: str):
+        self.broken = True
+        return errors.ConnectionError(
+            f"gcache-server at {self.address} closed the connection while {doing}; "
+            "it may have restarted, shut down, or dropped an idle connection", self.address)
+
+    # -- sending ------------------------------------------------------------
+
+    def send(self, parts: list) -> None:
+        """Sends byte buffers back to back with sendmsg (gather write, no joining)."""
+        pending = [p for p in parts if len(p)]
+        i = 0
+        try:
+            while i < len(pending):
+                sent = self.sock.sendmsg(pending[i:i + IOV_PER_SENDMSG_MAX])
+                while sent:
+                    size = len(pending[i])
+                    if sent >= size:
+                        sent -= size
+                        i += 1
+                    else:
+                        pending[i] = memoryview(pending[i])[sent:]
+                        sent = 0
+        except OSError as exc:
+            raise self._fail(exc, "sending a request") from exc
+
+    # -- receiving ----------------------------------------------------------
+
+    def _recv_some(self, view) -> int:
+        try:
+            n = self.sock.recv_into(view)
+        except OSError as exc:
+            raise self._fail(exc, "waiting for a response") from exc
+        if n == 0:
+            raise self._closed_by_peer("a response was expected")
+        return n
+
+    def _fill(self, needed: int) -> None:
+        """Ensures `needed` (<= buffer size) bytes are buffered."""
+        if self._end - self._pos >= needed:
+            return
+        if self._pos + needed > READ_BUFFER_BYTES:
+            tail = self._rbuf[self._pos:self._end]
+            self._rbuf[:len(tail)] = tail
+            self._end = len(tail)
+            self._pos = 0
+        while self._end - self._pos < needed:
+            self._end += self._recv_some(self._rview[self._end:])
+
+    def read_header(self) -> tuple[int, int, int, int, int, int]:
+        """Returns (opcode, flags, request_id, meta_len, status, payload_len)."""
+        self._fill(HEADER_BYTES)
+        magic, version, opcode, flags, request_id, meta_len, status, payload_len = \
+            HEADER.unpack_from(self._rbuf, self._pos)
+        self._pos += HEADER_BYTES
+        if magic != MAGIC or version != VERSION:
+            self.broken = True
+            raise errors.ProtocolError(
+                f"gcache-server at {self.address} sent a frame with magic {magic!r} version "
+                f"{version} (expected {MAGIC!r} v{VERSION}): is that port a GCache v1 server?")
+        if meta_len > META_BYTES_MAX:
+            self.broken = True
+            raise errors.ProtocolError(
+                f"gcache-server at {self.address} sent {meta_len} B of metadata, over the "
+                f"{META_BYTES_MAX} B limit")
+        return opcode, flags, request_id, meta_len, status, payload_len
+
+    def read_meta(self, meta_len: int) -> dict:
+        try:
+            if meta_len <= READ_BUFFER_BYTES:
+                self._fill(meta_len)
+                start = self._pos
+                self._pos += meta_len
+                return decode_meta(self._rview[start:start + meta_len])
+            big = bytearray(meta_len)
+            self.read_into(memoryview(big))
+            return decode_meta(big)
+        except errors.ProtocolError:
+            self.broken = True
+            raise
+
+    def read_into(self, target: memoryview) -> None:
+        """Fills `target` (a byte memoryview) completely from the stream."""
+        size = len(target)
+        got = min(self._end - self._pos, size)
+        if got:
+            target[:got] = self._rview[self._pos:self._pos + got]
+            self._pos += got
+        while got < size:
+            left = size - got
+            if left >= DIRECT_READ_BYTES_MIN:
+                got += self._recv_some(target[got:])
+            else:
+                self._fill(left)
+                target[got:] = self._rview[self._pos:self._pos + left]
+                self._pos += left
+                got = size
+
+    def read_into_many(self, targets: list[memoryview]) -> None:
+        """Fills every target in order: buffered bytes first, then one scatter read."""
+        rest = []
+        for target in targets:
+            buffered = self._end - self._pos
+            if buffered:
+                got = min(buffered, len(target))
+                target[:got] = self._rview[self._pos:self._pos + got]
+                self._pos += got
+                if got < len(target):
+                    rest.append(target[got:])
+            elif len(target):
+                rest.append(target)
+        total = sum(len(t) for t in rest)
+        if _native_recv_into_buffers is None or total < DIRECT_READ_BYTES_MIN:
+            for target in rest:
+                self.read_into(target)
+            return
+        timeout_ms = int((self.timeout_s + total / BULK_READ_BYTES_PER_S_MIN) * 1000)
+        try:
+            _native_recv_into_buffers(self.sock.fileno(), rest, timeout_ms)
+        except builtins.TimeoutError as exc:
+            self.broken = True
+            raise errors.TimeoutError(
+                f"gcache-server at {self.address} did not deliver {total} bytes within "
+                f"{timeout_ms} ms; it may be overloaded or hung: check it, or raise timeout_s",
+                self.address) from exc
+        except OSError as exc:
+            raise self._fail(exc, "receiving values") from exc
+
+    def buffered_bytes(self) -> int:
+        return self._end - self._pos
+
+    def read_bytes(self, size: int) -> bytes:
+        if size <= self._end - self._pos:
+            start = self._pos
+            self._pos += size
+            return bytes(self._rview[start:start + size])
+        out = bytearray(size)
+        self.read_into(memoryview(out))
+        return bytes(out)
+
+    def skip(self, size: int) -> None:
+        """Reads and drops `size` bytes (a value that did not fit the caller's buffer)."""
+        while size:
+            if self._pos == self._end:
+                self._pos = self._end = 0
+                self._end = self._recv_some(self._rview)
+            step = min(size, self._end - self._pos)
+            self._pos += step
+            size -= step

@@ -1,0 +1,271 @@
+"""Request frames of one batch slice, and how each reads its response.
+
+An operation covers keys [lo, hi) of a caller's batch and writes its answers
+into the shared `BatchResult`, so a batch split into several frames (and any
+retry of them) fills one result list. Per-key problems (value too large,
+buffer too small, bad checksum) are collected and raised once the whole batch
+has been read, so the connection stays in sync and other keys still count.
+"""
+from __future__ import annotations
+
+from gcache import errors
+from gcache._native import xxh64
+from gcache.protocol import (HEADER_BYTES, Opcode, PutStatus, RemoveStatus, encode_header,
+                             encode_keys_meta, encode_meta)
+
+# Bytes per key a response map may use, for bounding what is in flight (msgpack
+# uint64 is 9 bytes at most; a bool 1).
+_RESPONSE_BYTES_PER_KEY = 9
+_RESPONSE_BYTES_FIXED = HEADER_BYTES + 64
+RESPONSE_BYTES_UNBOUNDED = 1 << 62  # an int, so in-flight sums stay exact
+
+
+class BatchResult:
+    """Answers for a whole batch plus the per-key problems found while reading."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+        self.values: list = [None] * len(keys)
+        self.prefixes: dict[int, int] = {}  # lo -> leading existing keys in that slice
+        self.meta: dict | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.too_large: list[int] = []
+        self.too_small: list[tuple[int, int]] = []  # (index, value size)
+        self.bad_checksum: list[int] = []
+
+    def raise_problems(self, address: str) -> None:
+        if self.too_large:
+            keys = [self.keys[i] for i in self.too_large]
+            exc = errors.ValueTooLargeError(
+                f"gcache-server at {address} refused {len(keys)} value(s) as larger than its "
+                f"--value-bytes-max (first key {keys[0]!r}): split the value or raise the limit",
+                keys)
+            exc.results = self.values
+            raise exc
+        if self.too_small:
+            keys = [self.keys[i] for i, _ in self.too_small]
+            sizes = [size for _, size in self.too_small]
+            exc = errors.BufferTooSmallError(
+                f"{len(keys)} value(s) did not fit their buffers (key {keys[0]!r} needs "
+                f"{sizes[0]} bytes); those buffers were left untouched: pass larger buffers",
+                keys, sizes)
+            exc.results = self.values
+            raise exc
+        if self.bad_checksum:
+            keys = [self.keys[i] for i in self.bad_checksum]
+            exc = errors.ChecksumMismatchError(
+                f"{len(keys)} value(s) failed their xxh64 check (first key {keys[0]!r}): the "
+                "bytes were corrupted or the buffer changed while being sent; retry the call",
+                keys)
+            exc.results = self.values
+            raise exc
+
+
+def _expect_list(meta: dict, field: str, n: int) -> list:
+    value = meta.get(field)
+    if not isinstance(value, list) or len(value) != n:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise errors.ProtocolError(f"response field {field!r} should list {n} entries, got {got}")
+    return value
+
+
+class Operation:
+    """One request frame. Subclasses set the opcode and read the response."""
+
+    opcode: Opcode
+
+    def __init__(self, result: BatchResult | None, lo: int = 0, hi: int = 0):
+        self.result = result
+        self.lo = lo
+        self.hi = hi
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.result.keys[self.lo:self.hi]
+
+    def request_meta_bytes(self) -> bytes:
+        return encode_keys_meta(self.keys)
+
+    def payload(self) -> list:
+        return []
+
+    def payload_bytes(self) -> int:
+        return 0
+
+    def response_bytes_max(self) -> int:
+        return _RESPONSE_BYTES_FIXED + _RESPONSE_BYTES_PER_KEY * (self.hi - self.lo)
+
+    def frame(self, request_id: int) -> tuple[list, int]:
+        """(buffers to send, request bytes) for this operation."""
+        meta = self.request_meta_bytes()
+        payload = self.payload()
+        payload_len = self.payload_bytes()
+        head = encode_header(self.opcode, request_id, len(meta), payload_len) + meta
+        return [head, *payload], len(head) + payload_len
+
+    def on_response(self, conn, meta: dict, payload_len: int) -> None:
+        raise NotImplementedError
+
+
+class PutOp(Operation):
+    opcode = Opcode.PUT_BATCH
+
+    def __init__(self, result: BatchResult, lo: int, hi: int, values: list[memoryview]):
+        super().__init__(result, lo, hi)
+        self.values = values  # views for keys lo..hi-1
+
+    def request_meta_bytes(self) -> bytes:
+        # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
+        # overlaps the server storing frame k.
+        sums = [xxh64(v) for v in self.values]
+        return encode_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums})
+
+    def payload(self) -> list:
+        return self.values
+
+    def payload_bytes(self) -> int:
+        return sum(len(v) for v in self.values)
+
+    def on_response(self, conn, meta, payload_len):
+        statuses = _expect_list(meta, "st", self.hi - self.lo)
+        conn.skip(payload_len)
+        out = self.result.values
+        for i, st in enumerate(statuses, self.lo):
+            if st == PutStatus.STORED or st == PutStatus.EXISTS:
+                out[i] = True
+            elif st == PutStatus.NO_SPACE:
+                out[i] = False
+            elif st == PutStatus.VALUE_TOO_LARGE:
+                out[i] = False
+                self.result.too_large.append(i)
+            elif st == PutStatus.CHECKSUM_MISMATCH:
+                out[i] = False
+                self.result.bad_checksum.append(i)
+            elif st == PutStatus.KEY_INVALID:
+                raise errors.KeyInvalidError(f"gcache-server rejected key {self.result.keys[i]!r}")
+            else:
+                raise errors.ProtocolError(f"unknown put status {st!r} for key {self.result.keys[i]!r}")
+
+
+class _ValuesOp(Operation):
+    """GET_BATCH: the response lists value lengths (-1 = miss), then the values."""
+
+    opcode = Opcode.GET_BATCH
+
+    def __init__(self, result, lo, hi, verify_checksums: bool):
+        super().__init__(result, lo, hi)
+        self.verify = verify_checksums
+
+    def response_bytes_max(self) -> int:
+        return RESPONSE_BYTES_UNBOUNDED
+
+    def on_response(self, conn, meta, payload_len):
+        n = self.hi - self.lo
+        lens = _expect_list(meta, "lens", n)
+        sums = _expect_list(meta, "sums", n) if self.verify else None
+        if sum(size for size in lens if size > 0) != payload_len:
+            raise errors.ProtocolError(
+                f"GET response payload is {payload_len} bytes but its lengths add up to "
+                f"{sum(size for size in lens if size > 0)}")
+        self.read_values(conn, lens, sums, payload_len)
+
+    def read_values(self, conn, lens: list, sums: list | None, payload_len: int) -> None:
+        raise NotImplementedError
+
+
+class GetOp(_ValuesOp):
+    """Values come back as new bytes objects."""
+
+    def read_values(self, conn, lens, sums, payload_len):
+        out = self.result.values
+        if payload_len <= conn.buffered_bytes():  # small values: already read, one copy each
+            for j, size in enumerate(lens):
+                out[self.lo + j] = conn.read_bytes(size) if size >= 0 else None
+        else:
+            arrays = [bytearray(size) if size >= 0 else None for size in lens]
+            conn.read_into_many([memoryview(a) for a in arrays if a is not None])
+            for j, array in enumerate(arrays):
+                out[self.lo + j] = bytes(array) if array is not None else None
+        if sums is not None:
+            for j, size in enumerate(lens):
+                value = out[self.lo + j]
+                if value is not None and xxh64(value) != sums[j]:
+                    self.result.bad_checksum.append(self.lo + j)
+                    out[self.lo + j] = None
+
+
+class GetIntoOp(_ValuesOp):
+    """Values land directly in the caller's buffers (one per key)."""
+
+    def __init__(self, result, lo, hi, verify_checksums, targets: list[memoryview]):
+        super().__init__(result, lo, hi, verify_checksums)
+        self.targets = targets
+
+    def read_values(self, conn, lens, sums, payload_len):
+        out = self.result.values
+        dests = []
+        for j, size in enumerate(lens):
+            target = self.targets[j]
+            if size < 0:
+                out[self.lo + j] = None
+            elif size > len(target):
+                out[self.lo + j] = None
+                self.result.too_small.append((self.lo + j, size))
+                dests.append(None)
+            else:
+                out[self.lo + j] = size
+                dests.append(target[:size] if size != len(target) else target)
+        if None not in dests:
+            conn.read_into_many(dests)
+        else:  # never write past a caller's buffer: drop the values that do not fit
+            for dest, size in zip(dests, (size for size in lens if size >= 0)):
+                if dest is None:
+                    conn.skip(size)
+                else:
+                    conn.read_into(dest)
+        if sums is not None:
+            for j, size in enumerate(lens):
+                if out[self.lo + j] is not None and xxh64(self.targets[j][:size]) != sums[j]:
+                    self.result.bad_checksum.append(self.lo + j)
+
+
+class ExistsOp(Operation):
+    opcode = Opcode.EXISTS_BATCH
+
+    def on_response(self, conn, meta, payload_len):
+        flags = _expect_list(meta, "ex", self.hi - self.lo)
+        prefix = meta.get("prefix")
+        if not isinstance(prefix, int) or not 0 <= prefix <= self.hi - self.lo:
+            raise errors.ProtocolError(f"EXISTS response has a bad prefix {prefix!r}")
+        conn.skip(payload_len)
+        self.result.values[self.lo:self.hi] = [bool(f) for f in flags]
+        self.result.prefixes[self.lo] = prefix
+
+
+class RemoveOp(Operation):
+    opcode = Opcode.REMOVE_BATCH
+
+    def on_response(self, conn, meta, payload_len):
+        statuses = _expect_list(meta, "st", self.hi - self.lo)
+        conn.skip(payload_len)
+        self.result.values[self.lo:self.hi] = [st == RemoveStatus.REMOVED for st in statuses]
+
+
+class MetaOp(Operation):
+    """PING / STATS: an empty request map; the answer is the response map."""
+
+    def __init__(self, opcode: Opcode, result: BatchResult):
+        super().__init__(result)
+        self.opcode = opcode
+
+    def request_meta_bytes(self) -> bytes:
+        return b"\x80"  # msgpack {}
+
+    def response_bytes_max(self) -> int:
+        return RESPONSE_BYTES_UNBOUNDED
+
+    def on_response(self, conn, meta, payload_len):
+        conn.skip(payload_len)
+        self.result.meta = meta

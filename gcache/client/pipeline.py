@@ -1,0 +1,98 @@
+"""Sends a batch's frames back to back on one connection and reads answers in order.
+
+Deadlock rule: a new frame may join frames already in flight only while the
+requests in flight are small (the server can always buffer them) or their
+responses are small (we can always buffer those). Otherwise we first read the
+oldest response. One frame alone can never deadlock: the server reads all of it
+before it answers.
+"""
+from __future__ import annotations
+
+from collections import deque
+from itertools import count
+
+from gcache import errors
+from gcache.client.connection import Connection
+from gcache.client.operations import Operation
+from gcache.protocol import FLAG_RESPONSE, FrameStatus
+
+# Bytes that kernel socket buffers absorb without blocking (default tcp_rmem is
+# 128 KiB; half of it holds data).
+IN_FLIGHT_WINDOW_BYTES = 64 * 1024
+
+_request_ids = count(1)  # process-wide; next() on count is atomic under the GIL
+
+
+def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
+    """The exception for a non-OK frame status (docs/protocol.md, 'Frame status')."""
+    message = meta.get("error") if isinstance(meta.get("error"), str) else ""
+    kind = meta.get("kind") if isinstance(meta.get("kind"), str) else ""
+    where = f"gcache-server at {address}"
+    if status == FrameStatus.BUSY:
+        return errors.ServerBusyError(
+            f"{where} is at its connection limit ({message}); retry later, lower pool_size, "
+            "or raise the server's --connections-max", address)
+    if status == FrameStatus.SHUTTING_DOWN:
+        return errors.ServerShuttingDownError(f"{where} is shutting down: {message}", address)
+    if status == FrameStatus.LIMIT_EXCEEDED:
+        return errors.LimitExceededError(
+            f"{where} refused a request over its limits: {message}; send smaller batches "
+            "(Client batch_keys_max / frame_payload_bytes_max)", kind, status)
+    if status in (FrameStatus.BAD_FRAME, FrameStatus.BAD_VERSION, FrameStatus.UNKNOWN_OPCODE):
+        return errors.ProtocolError(
+            f"{where} rejected a frame ({FrameStatus(status).name}, {kind}): {message}; "
+            "the client and server versions may not match")
+    if status == FrameStatus.INTERNAL:
+        return errors.ServerError(f"{where} failed internally ({kind}): {message}; "
+                                  "check the server log", kind, status)
+    return errors.ProtocolError(f"{where} answered with unknown frame status {status}: {message}")
+
+
+def _receive(conn: Connection, request_id: int, op: Operation) -> None:
+    opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
+    meta = conn.read_meta(meta_len)
+    if status != FrameStatus.OK:
+        conn.broken = True  # the rest of the stream is not worth resynchronising
+        raise status_error(status, meta, conn.address)
+    if rid != request_id or opcode != op.opcode or not flags & FLAG_RESPONSE:
+        conn.broken = True
+        raise errors.ProtocolError(
+            f"gcache-server at {conn.address} answered request {rid} op {opcode}, "
+            f"expected {request_id} op {int(op.opcode)}: responses are out of order")
+    op.on_response(conn, meta, payload_len)
+
+
+def run(conn: Connection, ops: list[Operation], depth_max: int) -> None:
+    """Runs every operation on `conn`; on any exception the connection is marked broken."""
+    try:
+        if len(ops) == 1:  # the common case: no bookkeeping
+            request_id = next(_request_ids)
+            parts, _ = ops[0].frame(request_id)
+            conn.send(parts)
+            _receive(conn, request_id, ops[0])
+            return
+        in_flight: deque = deque()
+        request_bytes = 0
+        response_bytes = 0
+        for op in ops:
+            request_id = next(_request_ids)
+            parts, size = op.frame(request_id)
+            reply_max = op.response_bytes_max()
+            while in_flight and not (
+                    len(in_flight) < depth_max
+                    and (request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
+                         or response_bytes + reply_max <= IN_FLIGHT_WINDOW_BYTES)):
+                old_id, old_op, old_size, old_reply = in_flight.popleft()
+                _receive(conn, old_id, old_op)
+                request_bytes -= old_size
+                response_bytes -= old_reply
+            conn.send(parts)
+            in_flight.append((request_id, op, size, reply_max))
+            request_bytes += size
+            response_bytes += reply_max
+        while in_flight:
+            old_id, old_op, _, _ = in_flight.popleft()
+            _receive(conn, old_id, old_op)
+    except BaseException:
+        conn.broken = True
+        raise

@@ -1,0 +1,89 @@
+"""A bounded pool of connections to one server, shared by the client's threads."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from gcache import errors
+from gcache.client.connection import Connection
+
+# A connection idle this long may have been closed by the server's idle timeout
+# (300 s by default); it is replaced rather than reused.
+IDLE_REUSE_S_MAX = 240.0
+
+
+class ConnectionPool:
+    """At most `size_max` open connections; idle ones are reused last-in first-out."""
+
+    def __init__(self, connect: Callable[[], Connection], size_max: int, acquire_timeout_s: float):
+        if size_max < 1:
+            raise errors.InvalidArgumentError(f"pool_size must be >= 1, got {size_max}")
+        self._connect = connect
+        self.size_max = size_max
+        self._acquire_timeout_s = acquire_timeout_s
+        self._cond = threading.Condition(threading.Lock())
+        self._idle: list[tuple[Connection, float]] = []
+        self._open = 0
+        self._closed = False
+
+    def acquire(self) -> Connection:
+        with self._cond:
+            deadline = None
+            while True:
+                if self._closed:
+                    raise errors.ClientClosedError("this gcache.Client was closed; create a new one")
+                if self._idle:
+                    conn, idle_since = self._idle.pop()
+                    if time.monotonic() - idle_since < IDLE_REUSE_S_MAX:
+                        conn.reused = True
+                        return conn
+                    conn.close()
+                    self._open -= 1
+                    continue
+                if self._open < self.size_max:
+                    self._open += 1
+                    break
+                if deadline is None:
+                    deadline = time.monotonic() + self._acquire_timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    if not self._idle and self._open >= self.size_max:
+                        raise errors.PoolExhaustedError(
+                            f"all {self.size_max} pooled connections stayed busy for "
+                            f"{self._acquire_timeout_s}s: raise pool_size or use fewer threads")
+        try:
+            return self._connect()  # outside the lock: connecting can take a while
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, conn: Connection) -> None:
+        """Returns a connection; a broken one (or any after close()) is closed instead."""
+        with self._cond:
+            if conn.broken or self._closed:
+                conn.close()
+                self._open -= 1
+            else:
+                self._idle.append((conn, time.monotonic()))
+            self._cond.notify()
+
+    def discard_idle(self) -> None:
+        """Closes every idle connection: after one failed, the rest are likely stale too."""
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for conn, _ in idle:
+            conn.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+        self.discard_idle()
+
+    @property
+    def open_count(self) -> int:
+        return self._open

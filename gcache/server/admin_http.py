@@ -1,0 +1,85 @@
+"""Admin HTTP endpoint of gcache-server (stdlib http.server, one thread).
+
+GET /metrics  Prometheus text (see prometheus.render)
+GET /healthz  200 while the process runs
+GET /readyz   200 while serving, 503 once shutdown began
+POST /flush   writes the memory tier and warm list to disk, 200 when done
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from gcache.server import prometheus
+
+log = logging.getLogger("gcache.server.admin")
+
+
+class AdminHttpServer:
+    """Serves the admin endpoints in a daemon thread until close()."""
+
+    def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None],
+                 ready: Callable[[], bool]):
+        handler = _make_handler(stats, flush, ready)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise OSError(e.errno, f"admin HTTP {host}:{port}: {e.strerror}; "
+                                   "pick a free --admin-port, or 0 to turn it off") from e
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gcache-admin-http",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+        self._httpd.server_close()
+
+
+def _make_handler(stats, flush, ready):
+    flush_lock = threading.Lock()  # one flush at a time
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "gcache-admin"
+
+        def _reply(self, code: int, body: str, content_type: str = "text/plain; charset=utf-8") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, prometheus.render(stats()), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/healthz":
+                self._reply(200, "ok\n")
+            elif path == "/readyz":
+                if ready():
+                    self._reply(200, "ready\n")
+                else:
+                    self._reply(503, "shutting down\n")
+            else:
+                self._reply(404, "not found; try /metrics, /healthz, /readyz or POST /flush\n")
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path.split("?", 1)[0] != "/flush":
+                self._reply(404, "not found; the only POST endpoint is /flush\n")
+                return
+            with flush_lock:
+                flush()
+            self._reply(200, "flushed\n")
+
+        def log_message(self, fmt, *args) -> None:
+            log.debug("admin %s " + fmt, self.client_address[0], *args)
+
+    return Handler

@@ -1,0 +1,225 @@
+"""gcache-server configuration: command-line flags, an optional TOML file, sizes.
+
+Precedence: command line > config file > defaults. Every flag can be set in
+the file under the same name (dashes or underscores), e.g. `memory = "1GiB"`.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A flag or config-file value is invalid; the message says which and why."""
+
+
+def parse_size(text: str | int) -> int:
+    """'64MiB' -> 67108864; accepts B, KiB/MiB/GiB/TiB, KB/MB/GB/TB or plain bytes."""
+    if isinstance(text, bool):
+        raise ConfigError(f"size {text!r} is not a number of bytes")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size {text} is negative")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"size {text!r} is not understood; write e.g. 4096, 64MiB, 1GiB or 500MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 7600
+    memory: int = 1 << 30
+    disk: int = 4 << 30
+    data_dir: str = "./gcache-data"
+    admin_host: str | None = None  # None: same as host
+    admin_port: int = 7601
+    grpc_port: int = 0
+    value_bytes_max: int = 64 << 20
+    batch_keys_max: int = 16384
+    frame_payload_bytes_max: int = 2 << 30
+    connections_max: int = 1024
+    idle_timeout_s: float = 300.0
+    stall_timeout_s: float = 30.0
+    segment_bytes: int = 64 << 20
+    warm_restart: bool = True
+    shutdown_grace_s: float = 10.0
+    log_level: str = "info"
+
+    def native_config(self) -> dict:
+        """The dict gcache._native.Server(config) takes."""
+        return {
+            "host": self.host, "port": self.port,
+            "memory_bytes": self.memory, "disk_bytes": self.disk, "data_dir": self.data_dir,
+            "value_bytes_max": self.value_bytes_max, "batch_keys_max": self.batch_keys_max,
+            "frame_payload_bytes_max": self.frame_payload_bytes_max,
+            "connections_max": self.connections_max, "idle_timeout_s": self.idle_timeout_s,
+            "stall_timeout_s": self.stall_timeout_s, "segment_bytes": self.segment_bytes,
+            "warm_restart": self.warm_restart,
+        }
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes"}
+
+EPILOG = """\
+sizes accept bytes or a unit: KiB MiB GiB TiB (powers of 2), KB MB GB TB (powers of 10).
+
+config file: TOML; any flag above by its name (dashes or underscores), e.g.
+  memory = "8GiB"
+  data-dir = "/var/lib/gcache"
+command-line flags override the file.
+
+signals: SIGTERM / SIGINT stop gracefully: requests already received finish, the
+memory tier is written to disk (a restart comes back warm), then exit 0.
+
+exit codes:
+  0  clean stop
+  1  internal error
+  2  usage or configuration error (bad flag, bad value, unreadable config file)
+  3  cannot serve: port already in use, data dir locked or unusable
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gcache-server",
+        description="GCache node: a memory + disk KV-cache store served over TCP (docs/protocol.md).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Defaults are None so the config file can fill what the command line left out.
+    p.add_argument("--config", metavar="FILE", help="TOML config file (command-line flags win)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="data port (default 7600; 0 = any free port)")
+    p.add_argument("--memory", help="memory tier (shared-memory arena) size (default 1GiB)")
+    p.add_argument("--disk", help="disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)")
+    p.add_argument("--data-dir", help="directory for disk segments and the warm list (default ./gcache-data)")
+    p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
+    p.add_argument("--admin-port", type=int,
+                   help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, POST /flush; "
+                        "0 = off (default 7601)")
+    p.add_argument("--grpc-port", type=int,
+                   help="admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)")
+    p.add_argument("--value-bytes-max", help="largest value accepted (default 64MiB)")
+    p.add_argument("--batch-keys-max", type=int, help="most keys in one batch request (default 16384)")
+    p.add_argument("--frame-payload-bytes-max",
+                   help="largest payload of one request or response frame (default 2GiB)")
+    p.add_argument("--connections-max", type=int, help="most open client connections (default 1024)")
+    p.add_argument("--idle-timeout-s", type=float, help="close connections idle this long (default 300)")
+    p.add_argument("--stall-timeout-s", type=float,
+                   help="close a connection whose frame stops arriving mid-way for this long (default 30)")
+    p.add_argument("--segment-bytes", help="target disk segment file size (default 64MiB)")
+    p.add_argument("--warm-restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="reload the warm list into memory at start (default on)")
+    p.add_argument("--shutdown-grace-s", type=float,
+                   help="on SIGTERM, how long requests in flight may take to finish (default 10)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity (default info)")
+    return p
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    known = {f.name for f in fields(ServerSettings)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown key {key!r}; see gcache-server --help")
+        out[name] = value
+    return out
+
+
+def _coerce(name: str, value, kind) -> object:
+    try:
+        if name in _SIZE_FIELDS:
+            return parse_size(value)
+        if kind is bool or kind == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false, not {value!r}")
+            return value
+        if kind in (int, "int"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, not {value!r}")
+            return value
+        if kind in (float, "float"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, not {value!r}")
+            return float(value)
+        return None if value is None else str(value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def _validate(s: ServerSettings) -> None:
+    checks = [
+        (0 <= s.port <= 65535, "--port must be 0..65535"),
+        (0 <= s.admin_port <= 65535, "--admin-port must be 0..65535"),
+        (0 <= s.grpc_port <= 65535, "--grpc-port must be 0..65535"),
+        (s.memory >= 1 << 20, "--memory must be at least 1MiB"),
+        (s.value_bytes_max >= 1, "--value-bytes-max must be at least 1 byte"),
+        (s.value_bytes_max <= s.frame_payload_bytes_max,
+         "--value-bytes-max must not exceed --frame-payload-bytes-max"),
+        (1 <= s.batch_keys_max <= 1 << 20, "--batch-keys-max must be 1..1048576"),
+        (1 <= s.connections_max <= 1 << 20, "--connections-max must be 1..1048576"),
+        (s.idle_timeout_s > 0, "--idle-timeout-s must be positive"),
+        (s.stall_timeout_s > 0, "--stall-timeout-s must be positive"),
+        (s.shutdown_grace_s >= 0, "--shutdown-grace-s must not be negative"),
+        (s.segment_bytes >= 1 << 20, "--segment-bytes must be at least 1MiB"),
+        (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
+        (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def load_settings(argv: list[str] | None = None) -> ServerSettings:
+    """Parses argv (argparse exits 2 on a bad flag) and merges the config file.
+
+    Raises ConfigError for bad values.
+    """
+    args = build_parser().parse_args(argv)
+    merged: dict = {}
+    if args.config:
+        merged.update(_read_config_file(args.config))
+    for name, value in vars(args).items():
+        if name != "config" and value is not None:
+            merged[name] = value
+    settings = ServerSettings()
+    types = {f.name: f.type for f in fields(ServerSettings)}
+    for name, value in merged.items():
+        kind = types[name]
+        if name == "admin_host":
+            kind = str
+        setattr(settings, name, _coerce(name, value, kind))
+    _validate(settings)
+    return settings

@@ -1,0 +1,145 @@
+"""gcache-server: runs one GCache node until SIGTERM / SIGINT.
+
+The native core (gcache._native.Server) serves the data protocol on its own
+threads; this process configures it, serves the admin endpoints, and on a
+signal stops it gracefully and flushes the memory tier to disk.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+from gcache import __version__
+from gcache.server.config import (
+    EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ConfigError, ServerSettings, load_settings,
+)
+
+log = logging.getLogger("gcache.server")
+
+
+class Node:
+    """The running node: native server plus optional admin servers."""
+
+    def __init__(self, settings: ServerSettings):
+        from gcache import _native  # imported late so --help works without the build
+
+        self.settings = settings
+        self.stopping = threading.Event()
+        self.native = None
+        self.admin_http = None
+        self.admin_grpc = None
+        # Admin ports bind first: once the data port accepts, everything is up.
+        try:
+            admin_host = settings.admin_host or settings.host
+            if settings.admin_port:
+                from gcache.server.admin_http import AdminHttpServer
+
+                self.admin_http = AdminHttpServer(admin_host, settings.admin_port, self.stats,
+                                                  self.flush, self.ready)
+            if settings.grpc_port:
+                from gcache.server.admin_grpc import AdminGrpcServer
+
+                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush)
+            config = settings.native_config()
+            config["version"] = __version__
+            self.native = _native.Server(config)
+        except BaseException:
+            self._close_admin()
+            raise
+
+    def stats(self) -> dict:
+        return self.native.stats()
+
+    def flush(self) -> None:
+        self.native.flush()
+
+    def _close_admin(self) -> None:
+        if self.admin_grpc:
+            self.admin_grpc.close()
+        if self.admin_http:
+            self.admin_http.close()
+
+    def ready(self) -> bool:
+        return not self.stopping.is_set()
+
+    def start(self) -> None:
+        self.native.start()
+        if self.admin_http:
+            self.admin_http.start()
+        if self.admin_grpc:
+            self.admin_grpc.start()
+
+    def shutdown(self) -> None:
+        """Graceful stop: finish requests in flight, then write memory to disk."""
+        self.stopping.set()
+        log.info("stopping: finishing requests in flight (grace %.1fs)", self.settings.shutdown_grace_s)
+        self.native.stop(self.settings.shutdown_grace_s)
+        if self.settings.disk:
+            log.info("flushing the memory tier to %s", self.settings.data_dir)
+            self.native.flush()
+        else:
+            log.info("no disk tier (--disk 0): memory contents are not kept")
+        self._close_admin()
+        log.info("stopped cleanly")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(settings: ServerSettings) -> int:
+    from gcache import _native
+
+    log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    # Installed before the store opens (which can take a while), so a signal
+    # during start-up still ends in a clean stop.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        node = Node(settings)
+    except _native.StoreOpenError as e:
+        log.error("%s; check --data-dir exists, is writable and no other gcache-server uses it", e)
+        return EXIT_UNAVAILABLE
+    except (_native.BindError, OSError) as e:
+        log.error("cannot listen: %s", e)
+        return EXIT_UNAVAILABLE
+
+    node.start()
+    admin = f", admin http :{node.admin_http.port}" if node.admin_http else ""
+    admin += f", admin grpc :{node.admin_grpc.port}" if node.admin_grpc else ""
+    log.info("gcache-server %s serving on %s:%d%s", __version__, settings.host, node.native.port, admin)
+    while not stop.wait(0.5):  # short waits keep signal handling prompt
+        pass
+    node.shutdown()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except ConfigError as e:
+        print(f"gcache-server: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(settings.log_level)
+    try:
+        return run(settings)
+    except Exception:  # noqa: BLE001 -- last resort: log it and use the documented exit code
+        log.exception("internal error; please report it with this log")
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Renders a node's stats() dict in the Prometheus text exposition format."""
+from __future__ import annotations
+
+HISTOGRAM_BUCKETS = 32  # bucket i: [2^i, 2^(i+1)) microseconds; the last one is open-ended
+
+
+def render(stats: dict, prefix: str = "gcache") -> str:
+    """stats: {"counters": {name: int}, "gauges": {name: int}, "histograms": {name: [counts]}}.
+
+    Counters become `<prefix>_<name>_total`, gauges `<prefix>_<name>`, latency
+    histograms `<prefix>_<name>_latency_seconds` with cumulative `_bucket{le=...}`
+    lines (upper bounds 2^(i+1) us, then +Inf) and `_count`.
+    """
+    lines: list[str] = []
+    for name, value in sorted(stats.get("counters", {}).items()):
+        metric = f"{prefix}_{name}_total"
+        lines.append(f"# TYPE {metric} counter")
+        lines.append(f"{metric} {int(value)}")
+    for name, value in sorted(stats.get("gauges", {}).items()):
+        metric = f"{prefix}_{name}"
+        lines.append(f"# TYPE {metric} gauge")
+        lines.append(f"{metric} {int(value)}")
+    for name, buckets in sorted(stats.get("histograms", {}).items()):
+        metric = f"{prefix}_{name}_latency_seconds"
+        lines.append(f"# TYPE {metric} histogram")
+        cumulative = 0
+        for i, count in enumerate(buckets[:-1]):
+            cumulative += int(count)
+            upper_s = (1 << (i + 1)) / 1e6
+            lines.append(f'{metric}_bucket{{le="{upper_s:.6g}"}} {cumulative}')
+        cumulative += int(buckets[-1]) if buckets else 0
+        lines.append(f'{metric}_bucket{{le="+Inf"}} {cumulative}')
+        lines.append(f"{metric}_count {cumulative}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,755 @@
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <string_view>
+#include <vector>
+
+#include "frame.h"
+#include "msgpack_lite.h"
+
+namespace gcache {
+namespace {
+
+constexpr size_t kScratchBytes = 256 << 10;     // discard buffer per connection
+constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed after use
+constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
+constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int clamp_ms(double seconds) {
+  const double ms = seconds * 1000.0;
+  if (ms <= 0) return 0;
+  if (ms >= double(INT_MAX)) return INT_MAX;
+  return int(ms);
+}
+
+// Thrown by the socket helpers when the connection cannot be used any more.
+struct ConnectionLost {
+  bool timeout;
+};
+
+long read_proc_long(const char* path) {
+  std::ifstream in(path);
+  long v = -1;
+  in >> v;
+  return in ? v : -1;
+}
+
+// Sets SO_SNDBUF/SO_RCVBUF only where the kernel grants the full size:
+// a smaller explicit size would switch off TCP autotuning and be slower.
+void set_socket_buffers(int fd, int bytes) {
+  if (bytes <= 0) return;
+  static const long rmem_max = read_proc_long("/proc/sys/net/core/rmem_max");
+  static const long wmem_max = read_proc_long("/proc/sys/net/core/wmem_max");
+  if (rmem_max >= bytes) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+  if (wmem_max >= bytes) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+}
+
+void set_timeout(int fd, int option, double seconds) {
+  timeval tv{};
+  if (seconds > 0) {
+    tv.tv_sec = time_t(seconds);
+    tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
+    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
+  }
+  setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
+}
+
+// Reads exactly n bytes; a peer that goes silent for the socket's
+// SO_RCVTIMEO (the stall timeout) or closes mid-way throws.
+void recv_exact(int fd, void* buf, size_t n) {
+  auto* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    const ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= size_t(r);
+    } else if (r == 0) {
+      throw ConnectionLost{false};
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      throw ConnectionLost{true};
+    } else if (errno != EINTR) {
+      throw ConnectionLost{false};
+    }
+  }
+}
+
+// Writes every byte of iov[0..count); the iovecs are consumed in place.
+void send_all(int fd, iovec* iov, size_t count) {
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = count < size_t(IOV_MAX) ? count : size_t(IOV_MAX);
+    ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw ConnectionLost{errno == EAGAIN || errno == EWOULDBLOCK};
+    }
+    size_t sent = size_t(r);
+    while (count > 0 && sent >= iov->iov_len) {
+      sent -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + sent;
+      iov->iov_len -= sent;
+    }
+  }
+}
+
+Histogram* histogram_for(Metrics* m, uint8_t opcode) {
+  switch (Opcode(opcode)) {
+    case Opcode::Ping: return &m->latency_ping;
+    case Opcode::Stats: return &m->latency_stats;
+    case Opcode::PutBatch: return &m->latency_put_batch;
+    case Opcode::GetBatch: return &m->latency_get_batch;
+    case Opcode::ExistsBatch: return &m->latency_exists_batch;
+    case Opcode::RemoveBatch: return &m->latency_remove_batch;
+  }
+  return nullptr;
+}
+
+void count_error(Metrics* m, FrameStatus s) {
+  switch (s) {
+    case FrameStatus::BadFrame: m->errors_bad_frame++; break;
+    case FrameStatus::UnknownOpcode: m->errors_unknown_opcode++; break;
+    case FrameStatus::LimitExceeded: m->errors_limit_exceeded++; break;
+    case FrameStatus::BadVersion: m->errors_bad_version++; break;
+    case FrameStatus::Busy: m->errors_busy++; break;
+    case FrameStatus::Internal: m->errors_internal++; break;
+    default: break;
+  }
+}
+
+// Keys and per-key numbers of one batch request; views point into the
+// connection's meta buffer.
+struct BatchMeta {
+  std::vector<std::string_view> keys;
+  std::vector<uint64_t> lens;
+  std::vector<uint64_t> sums;
+  bool has_keys = false, has_lens = false, has_sums = false;
+  void clear() {
+    keys.clear();
+    lens.clear();
+    sums.clear();
+    has_keys = has_lens = has_sums = false;
+  }
+};
+
+}  // namespace
+
+// Outcome of handling one frame.
+struct Server::Reply {
+  FrameStatus status = FrameStatus::Ok;
+  std::string error;
+  static Reply fail(FrameStatus s, std::string message) { return Reply{s, std::move(message)}; }
+};
+using Reply = Server::Reply;
+
+struct Server::Connection {
+  int fd = -1;
+  std::thread thread;
+  std::atomic<bool> finished{false};
+  std::vector<uint8_t> meta;
+  std::vector<uint8_t> scratch;
+  MsgpackWriter out{kFrameHeaderBytes};
+  BatchMeta batch;
+  std::vector<Lease> leases;
+  std::vector<iovec> iov;
+};
+
+namespace {
+
+// Reads and drops n bytes through the connection's bounded scratch buffer.
+void discard(Server::Connection* c, uint64_t n) {
+  if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
+  while (n > 0) {
+    const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
+    recv_exact(c->fd, c->scratch.data(), chunk);
+    n -= chunk;
+  }
+}
+
+void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, FrameStatus status,
+                   const std::vector<Lease>* payload = nullptr, uint64_t payload_len = 0) {
+  std::vector<uint8_t>& buf = c->out.buffer();
+  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()),
+                     status, payload_len);
+  c->iov.clear();
+  c->iov.push_back(iovec{buf.data(), buf.size()});
+  if (payload != nullptr) {
+    for (const Lease& l : *payload)
+      if (l.length > 0) c->iov.push_back(iovec{const_cast<uint8_t*>(l.data), size_t(l.length)});
+  }
+  send_all(c->fd, c->iov.data(), c->iov.size());
+}
+
+void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
+                FrameStatus status, const std::string& message) {
+  count_error(m, status);
+  c->out.clear();
+  c->out.map(2);
+  c->out.str("error");
+  c->out.str(message);
+  c->out.str("kind");
+  c->out.str(frame_status_name(status));
+  send_response(c, opcode, request_id, status);
+}
+
+// After a fatal error response: half-close so the response is delivered
+// before FIN, then drain (bounded) so closing does not reset the peer.
+void linger_close(Server::Connection* c) {
+  shutdown(c->fd, SHUT_WR);
+  if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
+  const int64_t deadline = now_us() + int64_t(kLingerMs) * 1000;
+  size_t drained = 0;
+  while (drained < kLingerBytesMax) {
+    const int64_t left_us = deadline - now_us();
+    if (left_us <= 0) break;
+    pollfd p{c->fd, POLLIN, 0};
+    if (poll(&p, 1, int(left_us / 1000) + 1) <= 0) break;
+    const ssize_t r = recv(c->fd, c->scratch.data(), c->scratch.size(), MSG_DONTWAIT);
+    if (r <= 0) break;
+    drained += size_t(r);
+  }
+}
+
+// Parses a request's metadata map: "keys", "lens", "sums"; other keys
+// (e.g. "epoch") are skipped. An empty metadata section means {}.
+Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b) {
+  b->clear();
+  if (meta.empty()) return {};
+  MsgpackReader r(meta.data(), meta.size());
+  uint32_t entries;
+  auto bad = [&r](const char* what) {
+    return Reply::fail(FrameStatus::BadFrame,
+                       std::string("malformed metadata: ") + what + " (" + r.error() +
+                           "); send a msgpack map as docs/protocol.md describes");
+  };
+  if (!r.read_map(&entries)) return bad("not a map");
+  for (uint32_t i = 0; i < entries; ++i) {
+    std::string_view name;
+    if (!r.read_bytes(&name)) return bad("map key is not a string");
+    const bool is_keys = name == "keys", is_lens = name == "lens", is_sums = name == "sums";
+    if (!is_keys && !is_lens && !is_sums) {
+      if (!r.skip()) return bad("unreadable value");
+      continue;
+    }
+    uint32_t n;
+    if (!r.read_array(&n)) return bad("\"keys\"/\"lens\"/\"sums\" must be arrays");
+    if (n > batch_keys_max) {
+      return Reply::fail(FrameStatus::LimitExceeded,
+                         "batch of " + std::to_string(n) + " keys exceeds batch_keys_max=" +
+                             std::to_string(batch_keys_max) + "; split the batch");
+    }
+    if (is_keys) {
+      b->has_keys = true;
+      b->keys.resize(n);
+      for (uint32_t k = 0; k < n; ++k)
+        if (!r.read_bytes(&b->keys[k])) return bad("every key must be bin or str");
+    } else {
+      std::vector<uint64_t>& v = is_lens ? b->lens : b->sums;
+      (is_lens ? b->has_lens : b->has_sums) = true;
+      v.resize(n);
+      for (uint32_t k = 0; k < n; ++k)
+        if (!r.read_uint(&v[k])) return bad("lens/sums must be unsigned integers");
+    }
+  }
+  if (!r.at_end()) return bad("bytes after the metadata map");
+  return {};
+}
+
+// Releases every lease of a GET response, also when sending fails.
+struct LeaseGuard {
+  Store* store;
+  std::vector<Lease>* leases;
+  ~LeaseGuard() {
+    for (const Lease& l : *leases) store->release(l);
+    leases->clear();
+  }
+};
+
+}  // namespace
+
+Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
+    : config_(config), store_(store), metrics_(metrics) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port_text = std::to_string(config.port);
+  const int gai = getaddrinfo(config.host.empty() ? nullptr : config.host.c_str(), port_text.c_str(),
+                              &hints, &found);
+  if (gai != 0) {
+    throw BindError("cannot resolve host '" + config.host + "': " + gai_strerror(gai) +
+                    "; pass an IP address or a resolvable name to --host");
+  }
+  std::string last_error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    set_socket_buffers(fd, config.socket_buffer_bytes);  // inherited by accepted sockets
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
+      listen_fd_ = fd;
+      break;
+    }
+    last_error = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  if (listen_fd_ < 0) {
+    throw BindError("cannot listen on " + config.host + ":" + port_text + ": " + last_error +
+                    "; pick a free port with --port or stop the process using it");
+  }
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (pipe2(wake_fds_, O_CLOEXEC) != 0) {
+    close(listen_fd_);
+    throw std::runtime_error(std::string("pipe2 failed: ") + std::strerror(errno));
+  }
+}
+
+Server::~Server() {
+  stop(0);
+  close(wake_fds_[0]);
+  close(wake_fds_[1]);
+}
+
+void Server::start() {
+  if (stopping_ || started_.exchange(true)) return;
+  accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+void Server::stop(double grace_s) {
+  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  if (!stopping_.exchange(true)) {
+    stop_deadline_us_ = now_us() + int64_t(grace_s > 0 ? grace_s * 1e6 : 0);
+    const char byte = 1;
+    (void)!write(wake_fds_[1], &byte, 1);
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  std::unique_lock<std::mutex> lock(conns_mu_);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::microseconds(std::max<int64_t>(0, stop_deadline_us_ - now_us()));
+  conns_cv_.wait_until(lock, deadline, [this] {
+    for (auto& c : conns_)
+      if (!c->finished) return false;
+    return true;
+  });
+  // Past the grace period: cut off whatever is still mid-request.
+  for (auto& c : conns_)
+    if (!c->finished && c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
+  std::list<std::unique_ptr<Connection>> all;
+  all.swap(conns_);
+  lock.unlock();
+  for (auto& c : all)
+    if (c->thread.joinable()) c->thread.join();
+}
+
+void Server::reap_finished() {
+  std::list<std::unique_ptr<Connection>> done;
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      if ((*it)->finished) {
+        done.push_back(std::move(*it));
+        it = conns_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& c : done) c->thread.join();
+}
+
+void Server::accept_loop() {
+  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
+  while (!stopping_) {
+    if (poll(fds, 2, 1000) < 0 && errno != EINTR) break;
+    if (stopping_ || (fds[1].revents & POLLIN)) break;
+    reap_finished();
+    if (!(fds[0].revents & POLLIN)) continue;
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // don't spin on fd exhaustion
+      continue;
+    }
+    metrics_->connections_accepted++;
+    if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
+      Connection busy;
+      busy.fd = fd;
+      set_timeout(fd, SO_SNDTIMEO, 0.1);  // never let one peer stall the accept loop
+      try {
+        send_error(&busy, metrics_, 0, 0, FrameStatus::Busy,
+                   "server has " + std::to_string(config_.connections_max) +
+                       " connections (connections_max); retry later, reuse pooled connections, or "
+                       "raise --connections-max");
+      } catch (const ConnectionLost&) {
+      }
+      shutdown(fd, SHUT_WR);
+      close(fd);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    set_socket_buffers(fd, config_.socket_buffer_bytes);
+    set_timeout(fd, SO_RCVTIMEO, config_.stall_timeout_s);
+    set_timeout(fd, SO_SNDTIMEO, config_.stall_timeout_s);
+    auto conn = std::make_unique<Connection>();
+    conn->fd = fd;
+    Connection* raw = conn.get();
+    metrics_->connections_open++;
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    try {
+      raw->thread = std::thread([this, raw] { serve(raw); });
+      conns_.push_back(std::move(conn));
+    } catch (const std::system_error&) {
+      metrics_->errors_internal++;
+      metrics_->connections_open--;
+      close(fd);
+    }
+  }
+}
+
+void Server::serve(Connection* c) {
+  const int fd = c->fd;
+  uint8_t header_bytes[kFrameHeaderBytes];
+  try {
+    for (;;) {
+      // Wait for the next frame: idle timeout, or the stop signal when idle.
+      pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
+      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(config_.idle_timeout_s));
+      if (ready < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
+      if (ready == 0 || fds[0].revents == 0) break;  // idle timeout, or stopping and idle
+      if (stopping_ && now_us() > stop_deadline_us_) break;
+
+      // First byte: a clean EOF here is an ordinary close.
+      ssize_t got;
+      do got = recv(fd, header_bytes, kFrameHeaderBytes, MSG_DONTWAIT);
+      while (got < 0 && errno == EINTR);
+      if (got == 0) break;
+      if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) continue;
+        break;
+      }
+      if (size_t(got) < kFrameHeaderBytes)
+        recv_exact(fd, header_bytes + got, kFrameHeaderBytes - size_t(got));
+
+      const int64_t start_us = now_us();
+      const FrameHeader h = parse_frame_header(header_bytes);
+      metrics_->requests++;
+      if (!frame_magic_ok(h)) {
+        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+                   "bad magic: every frame starts with the bytes 'GCH1' (docs/protocol.md); "
+                   "the connection is closed, reconnect and resend");
+        linger_close(c);
+        break;
+      }
+      if (h.version != kProtocolVersion) {
+        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadVersion,
+                   "protocol version " + std::to_string(h.version) + " is not supported; this server "
+                   "speaks version 1: upgrade or downgrade the client");
+        linger_close(c);
+        break;
+      }
+      if (h.meta_len > config_.meta_bytes_max || h.payload_len > config_.frame_payload_bytes_max) {
+        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
+                   "frame too large (meta_len=" + std::to_string(h.meta_len) + " max " +
+                       std::to_string(config_.meta_bytes_max) + ", payload_len=" +
+                       std::to_string(h.payload_len) + " max " +
+                       std::to_string(config_.frame_payload_bytes_max) +
+                       "); split the batch; the connection is closed");
+        linger_close(c);
+        break;
+      }
+      Histogram* latency = histogram_for(metrics_, h.opcode);
+      if (latency == nullptr) {
+        discard(c, uint64_t(h.meta_len) + h.payload_len);
+        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
+                   "unknown opcode " + std::to_string(h.opcode) +
+                       "; this server knows opcodes 1-6 (docs/protocol.md); frame skipped");
+        continue;
+      }
+      handle_frame(c, h);
+      latency->record_us(uint64_t(now_us() - start_us));
+      if (c->meta.capacity() > kMetaKeepBytes) std::vector<uint8_t>().swap(c->meta);
+    }
+  } catch (const ConnectionLost& lost) {
+    if (lost.timeout) metrics_->errors_timeout++;
+  } catch (const std::exception&) {
+    metrics_->errors_internal++;  // cannot answer: framing state unknown
+  }
+  std::lock_guard<std::mutex> lock(conns_mu_);
+  close(c->fd);
+  c->fd = -1;
+  metrics_->connections_open--;
+  c->finished = true;
+  conns_cv_.notify_all();
+}
+
+void Server::handle_frame(Connection* c, const FrameHeader& h) {
+  const Opcode op = Opcode(h.opcode);
+  // Grow with the bytes that actually arrive: a header that merely claims
+  // 16 MiB of metadata must not make the server allocate it up front.
+  c->meta.clear();
+  size_t got = 0;
+  while (got < h.meta_len) {
+    const size_t chunk = std::min<size_t>(h.meta_len - got, std::max<size_t>(64 << 10, got));
+    c->meta.resize(got + chunk);
+    recv_exact(c->fd, c->meta.data() + got, chunk);
+    got += chunk;
+  }
+  if (op != Opcode::PutBatch && h.payload_len > 0) {
+    discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "this opcode carries no payload but payload_len=" + std::to_string(h.payload_len) +
+                   "; send payload_len=0");
+    return;
+  }
+  Reply parsed = parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch);
+  if (parsed.status != FrameStatus::Ok) {
+    if (op == Opcode::PutBatch) discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, parsed.status, parsed.error);
+    return;
+  }
+  const BatchMeta& b = c->batch;
+  const bool batch_op = op == Opcode::PutBatch || op == Opcode::GetBatch ||
+                        op == Opcode::ExistsBatch || op == Opcode::RemoveBatch;
+  if (batch_op && !b.has_keys) {
+    if (op == Opcode::PutBatch) discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "metadata needs \"keys\": a list of bin keys (docs/protocol.md)");
+    return;
+  }
+  Reply reply;
+  try {
+    switch (op) {
+      case Opcode::PutBatch: reply = handle_put(c, h); break;
+      case Opcode::GetBatch: reply = handle_get(c, h); break;
+      case Opcode::ExistsBatch: reply = handle_exists(c, h); break;
+      case Opcode::RemoveBatch: reply = handle_remove(c, h); break;
+      case Opcode::Stats: reply = handle_stats(c, h); break;
+      case Opcode::Ping: reply = handle_ping(c, h); break;
+    }
+  } catch (const ConnectionLost&) {
+    throw;
+  } catch (const std::exception& e) {
+    reply = Reply::fail(FrameStatus::Internal,
+                        std::string("internal error: ") + e.what() + "; retry, and report it if it repeats");
+  }
+  if (reply.status != FrameStatus::Ok)
+    send_error(c, metrics_, h.opcode, h.request_id, reply.status, reply.error);
+}
+
+Reply Server::handle_put(Connection* c, const FrameHeader& h) {
+  const BatchMeta& b = c->batch;
+  const size_t n = b.keys.size();
+  if (!b.has_lens || !b.has_sums || b.lens.size() != n || b.sums.size() != n) {
+    discard(c, h.payload_len);
+    return Reply::fail(FrameStatus::BadFrame,
+                       "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length");
+  }
+  uint64_t total = 0;
+  for (uint64_t len : b.lens) {
+    if (len > h.payload_len - total) {  // also catches overflow
+      total = UINT64_MAX;
+      break;
+    }
+    total += len;
+  }
+  if (total != h.payload_len) {
+    discard(c, h.payload_len);
+    return Reply::fail(FrameStatus::BadFrame,
+                       "sum of \"lens\" does not equal payload_len=" + std::to_string(h.payload_len) +
+                           "; send every value's length, values concatenated in key order");
+  }
+  std::vector<uint8_t> statuses(n);
+  uint64_t consumed = 0;
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      Reservation r;
+      PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r);
+      if (s == PutStatus::Stored) {
+        try {
+          recv_exact(c->fd, r.data, size_t(b.lens[i]));  // socket -> arena, no copy
+        } catch (...) {
+          store_->abort_put(r);
+          throw;
+        }
+        consumed += b.lens[i];
+        s = store_->commit_put(b.keys[i], r, b.sums[i]);
+      } else {
+        discard(c, b.lens[i]);
+        consumed += b.lens[i];
+      }
+      statuses[i] = uint8_t(s);
+    }
+  } catch (const ConnectionLost&) {
+    throw;
+  } catch (const std::exception&) {
+    discard(c, h.payload_len - consumed);  // keep the framing for the next request
+    throw;
+  }
+  metrics_->bytes_in += h.payload_len;
+  c->out.clear();
+  c->out.map(1);
+  c->out.str("st");
+  c->out.array(uint32_t(n));
+  for (uint8_t s : statuses) c->out.uint(s);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_get(Connection* c, const FrameHeader& h) {
+  const BatchMeta& b = c->batch;
+  const size_t n = b.keys.size();
+  LeaseGuard guard{store_, &c->leases};
+  c->leases.reserve(n);
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(2);
+  out.str("lens");
+  out.array(uint32_t(n));
+  std::vector<uint64_t> sums(n, 0);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Lease lease;
+    if (!store_->acquire(b.keys[i], &lease)) {
+      out.integer(-1);
+      continue;
+    }
+    c->leases.push_back(lease);
+    total += lease.length;
+    if (total > config_.frame_payload_bytes_max) {
+      return Reply::fail(FrameStatus::LimitExceeded,
+                         "found values exceed the frame payload limit of " +
+                             std::to_string(config_.frame_payload_bytes_max) +
+                             " bytes; split the batch");
+    }
+    out.uint(lease.length);
+    sums[i] = lease.checksum;
+  }
+  out.str("sums");
+  out.array(uint32_t(n));
+  for (uint64_t s : sums) out.uint(s);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, total);  // arena -> socket
+  metrics_->bytes_out += total;
+  return {};
+}
+
+Reply Server::handle_exists(Connection* c, const FrameHeader& h) {
+  const BatchMeta& b = c->batch;
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(2);
+  out.str("ex");
+  out.array(uint32_t(b.keys.size()));
+  uint64_t prefix = 0;
+  bool leading = true;
+  for (std::string_view key : b.keys) {
+    const bool present = store_->contains(key);
+    out.boolean(present);
+    leading = leading && present;
+    if (leading) ++prefix;
+  }
+  out.str("prefix");
+  out.uint(prefix);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_remove(Connection* c, const FrameHeader& h) {
+  const BatchMeta& b = c->batch;
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(1);
+  out.str("st");
+  out.array(uint32_t(b.keys.size()));
+  for (std::string_view key : b.keys) out.uint(store_->remove(key) ? 0 : 1);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(3);
+  const auto counters = metrics_->counters();
+  out.str("counters");
+  out.map(uint32_t(counters.size()));
+  for (const auto& [name, value] : counters) {
+    out.str(name);
+    out.uint(value);
+  }
+  std::vector<std::pair<std::string, int64_t>> gauges;
+  store_->fill_gauges(&gauges);
+  gauges.emplace_back("connections_open", metrics_->connections_open.load());
+  out.str("gauges");
+  out.map(uint32_t(gauges.size()));
+  for (const auto& [name, value] : gauges) {
+    out.str(name);
+    out.integer(value);
+  }
+  const auto histograms = metrics_->histograms();
+  out.str("histograms");
+  out.map(uint32_t(histograms.size()));
+  for (const auto& [name, buckets] : histograms) {
+    out.str(name);
+    out.array(uint32_t(buckets.size()));
+    for (uint64_t v : buckets) out.uint(v);
+  }
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(2);
+  out.str("version");
+  out.str(config_.version);
+  out.str("epoch");
+  out.integer(config_.epoch);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+}  // namespace gcache

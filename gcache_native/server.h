@@ -1,0 +1,90 @@
+// The node's data server: docs/protocol.md over TCP, one thread per
+// connection, payload bytes moved between socket and arena with no copy.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "metrics.h"
+#include "store.h"
+
+namespace gcache {
+
+struct FrameHeader;
+
+struct ServerConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 7600;                          // 0 = any free port (see Server::port())
+  uint32_t connections_max = 1024;               // beyond it: BUSY, then close
+  double idle_timeout_s = 300;                   // between frames
+  double stall_timeout_s = 30;                   // a frame (or a response send) that stops mid-way
+  uint32_t meta_bytes_max = 16u << 20;
+  uint64_t frame_payload_bytes_max = 2ull << 30;  // request payload and response payload
+  uint32_t batch_keys_max = 16384;
+  int socket_buffer_bytes = 4 << 20;             // SO_SNDBUF / SO_RCVBUF
+  int64_t epoch = 0;                             // reported by PING
+  std::string version = "0.1.0";                 // reported by PING
+};
+
+// Raised when the listening socket cannot be created (port taken, bad host).
+class BindError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Counters it owns: requests, bytes_in / bytes_out (value payload bytes),
+// connections_accepted, errors_*, the per-opcode latency histograms and the
+// connections_open gauge.
+class Server {
+ public:
+  // Binds and listens (throws BindError); serves nothing until start().
+  Server(const ServerConfig& config, Store* store, Metrics* metrics);
+  ~Server();  // stop(0)
+
+  uint16_t port() const { return port_; }
+  void start();
+  // Stops accepting, lets every connection finish the requests it has
+  // already received, closes idle ones, and after grace_s cuts the rest off.
+  // Returns once every thread has exited. Idempotent.
+  void stop(double grace_s);
+
+  struct Connection;  // private to server.cpp
+  struct Reply;       // private to server.cpp
+
+ private:
+  void accept_loop();
+  void serve(Connection* conn);
+  void reap_finished();
+  void handle_frame(Connection* c, const FrameHeader& h);
+  Reply handle_put(Connection* c, const FrameHeader& h);
+  Reply handle_get(Connection* c, const FrameHeader& h);
+  Reply handle_exists(Connection* c, const FrameHeader& h);
+  Reply handle_remove(Connection* c, const FrameHeader& h);
+  Reply handle_stats(Connection* c, const FrameHeader& h);
+  Reply handle_ping(Connection* c, const FrameHeader& h);
+
+  ServerConfig config_;
+  Store* store_;
+  Metrics* metrics_;
+  int listen_fd_ = -1;
+  int wake_fds_[2] = {-1, -1};  // written once on stop; every poll() watches [0]
+  uint16_t port_ = 0;
+  std::thread accept_thread_;
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> stop_deadline_us_{0};
+  std::mutex stop_mu_;  // serializes stop() calls
+
+  std::mutex conns_mu_;
+  std::condition_variable conns_cv_;
+  std::list<std::unique_ptr<Connection>> conns_;
+};
+
+}  // namespace gcache

@@ -1,0 +1,534 @@
+// The Store: one lock over the index, the arena allocator, the S3-FIFO queues
+// and the disk segments. Payload copies into and out of the arena happen
+// outside the lock (the caller's, or ours for loads from disk); disk writes
+// (demotions, tombstones) happen under it and are one pwritev each.
+#include "store.h"
+
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "arena_allocator.h"
+#include "arena_shared_memory.h"
+#include "checksum.h"
+#include "disk_segments.h"
+#include "eviction_s3fifo.h"
+#include "store_entry.h"
+#include "store_warm_list.h"
+
+namespace gcache {
+
+namespace {
+void bump(std::atomic<uint64_t>& counter, uint64_t n = 1) { counter.fetch_add(n, std::memory_order_relaxed); }
+
+uint64_t arena_size_for(uint64_t memory_bytes) {
+  if (memory_bytes < kArenaPageBytes) throw std::runtime_error("memory_bytes must be at least 4 KiB");
+  return memory_bytes / kArenaPageBytes * kArenaPageBytes;
+}
+}  // namespace
+
+struct Store::Impl {
+  StoreConfig cfg;
+  Metrics* metrics;
+  SharedArena arena;
+  BlockAllocator allocator;
+  S3Fifo fifo;
+  std::unique_ptr<DiskSegments> disk;  // null: no disk tier
+
+  std::mutex mu;
+  // Keys are views of Entry::key (stable: entries never move), so a lookup
+  // allocates nothing.
+  std::unordered_map<std::string_view, Entry*> index;
+  std::unordered_set<Entry*> doomed;                                // unlinked, still leased/pinned
+  std::unordered_map<uint32_t, std::list<Entry*>> segment_entries;  // live value records per segment
+  std::unordered_map<uint64_t, uint64_t> reserved;                  // offset -> block: puts and loads in flight
+  uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases_active = 0;
+
+  Impl(const StoreConfig& c, Metrics* m)
+      : cfg(c), metrics(m), arena(arena_size_for(c.memory_bytes)), allocator(arena.bytes()),
+        fifo(arena.bytes(), c.small_queue_fraction) {
+    if (!cfg.data_dir.empty() && cfg.disk_bytes > 0)
+      disk = std::make_unique<DiskSegments>(cfg.data_dir, cfg.disk_bytes, cfg.segment_bytes, metrics);
+  }
+
+  ~Impl() {
+    for (auto& kv : index) delete kv.second;
+    for (Entry* e : doomed) delete e;
+  }
+
+  Entry* find(std::string_view key) {
+    auto it = index.find(key);
+    return it == index.end() ? nullptr : it->second;
+  }
+
+  // ---- tier membership; every counter change goes through these four ----
+  void attach_memory(Entry* e, uint64_t offset, uint64_t block) {
+    e->in_memory = true;
+    e->mem_offset = offset;
+    e->mem_block = block;
+    ++mem_entries;
+    mem_value_bytes += e->length;
+  }
+  void detach_memory(Entry* e) {
+    fifo.remove(e);
+    allocator.free(e->mem_offset, e->mem_block);
+    e->in_memory = false;
+    --mem_entries;
+    mem_value_bytes -= e->length;
+  }
+  void attach_disk(Entry* e, const RecordLocation& location) {
+    e->on_disk = true;
+    e->disk = location;
+    auto& list = segment_entries[location.segment];
+    e->disk_pos = list.insert(list.end(), e);
+    ++disk_entries;
+  }
+  void detach_disk(Entry* e) {
+    auto it = segment_entries.find(e->disk.segment);
+    it->second.erase(e->disk_pos);
+    if (it->second.empty()) segment_entries.erase(it);
+    e->on_disk = false;
+    --disk_entries;
+  }
+
+  // Removes the key from the index; the Entry dies now or at its last release.
+  void unlink(Entry* e) {
+    index.erase(std::string_view(e->key));
+    fifo.remove(e);
+    if (e->on_disk) detach_disk(e);
+    if (e->leases > 0 || e->pins > 0) {
+      e->doomed = true;
+      doomed.insert(e);
+      return;
+    }
+    if (e->in_memory) detach_memory(e);
+    delete e;
+  }
+  void destroy_if_unused(Entry* e) {
+    if (!e->doomed || e->leases > 0 || e->pins > 0) return;
+    doomed.erase(e);
+    if (e->in_memory) detach_memory(e);
+    delete e;
+  }
+
+  // ---- disk tier ----
+  // Reclaims oldest segments until `bytes` more fit within disk_bytes.
+  bool make_room(uint64_t bytes) {
+    if (bytes > disk->disk_bytes()) return false;
+    uint32_t id;
+    while (disk->used_bytes() + bytes > disk->disk_bytes()) {
+      if (!disk->oldest(&id)) return false;
+      reclaim(id, bytes);
+    }
+    return true;
+  }
+
+  // Drops one segment. Live records read since they were written get copied
+  // forward once, within a bounded budget; other disk-only values leave the
+  // store; values also in memory just lose their disk copy.
+  void reclaim(uint32_t id, uint64_t bytes_needed) {
+    std::list<Entry*> live;
+    auto it = segment_entries.find(id);
+    if (it != segment_entries.end()) live.swap(it->second);
+    segment_entries.erase(id);
+    SegmentFileRef file = disk->drop(id);  // stays readable for the copies below
+    uint64_t free_after = disk->disk_bytes() - std::min(disk->disk_bytes(), disk->used_bytes() + bytes_needed);
+    uint64_t budget = std::min<uint64_t>(free_after, cfg.segment_bytes / 4);
+    std::vector<uint8_t> bounce;
+    for (Entry* e : live) {
+      e->on_disk = false;
+      --disk_entries;
+      uint64_t bytes = record_bytes(e->key.size(), e->length);
+      if (e->read_since_written && !e->copied_forward && bytes <= budget &&
+          copy_forward(e, *file, &bounce)) {
+        budget -= bytes;
+        continue;
+      }
+      if (!e->in_memory) {
+        bump(metrics->evictions_disk);
+        unlink(e);
+      }
+    }
+  }
+
+  bool copy_forward(Entry* e, const SegmentFile& file, std::vector<uint8_t>* bounce) {
+    const uint8_t* value = arena.base() + e->mem_offset;
+    if (!e->in_memory) {
+      bounce->resize(e->length);
+      if (!read_segment(file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, bounce->data()))
+        return false;
+      if (xxh64(bounce->data(), e->length) != e->checksum) {
+        bump(metrics->checksum_failures);
+        return false;
+      }
+      value = bounce->data();
+    }
+    RecordLocation location;
+    if (!disk->append(kRecordValue, e->key, value, e->length, e->checksum, &location)) return false;
+    attach_disk(e, location);
+    e->copied_forward = true;
+    e->read_since_written = false;
+    return true;
+  }
+
+  bool write_value(Entry* e) {
+    if (!disk || !make_room(record_bytes(e->key.size(), e->length))) return false;
+    RecordLocation location;
+    if (!disk->append(kRecordValue, e->key, arena.base() + e->mem_offset, e->length, e->checksum, &location))
+      return false;
+    attach_disk(e, location);
+    e->copied_forward = false;
+    e->read_since_written = false;
+    return true;
+  }
+
+  void write_tombstone(const std::string& key) {
+    RecordLocation location;
+    if (disk && make_room(record_bytes(key.size(), 0))) disk->append(kRecordTombstone, key, nullptr, 0, 0, &location);
+  }
+
+  // ---- memory tier ----
+  // Evicting from memory demotes: a dirty value is written to disk first; a
+  // value that cannot be written leaves the store.
+  void evict_from_memory(Entry* e) {
+    bump(metrics->evictions_memory);
+    if (!e->on_disk) {
+      if (write_value(e)) {
+        bump(metrics->demotions_to_disk);
+      } else {
+        unlink(e);
+        return;
+      }
+    }
+    detach_memory(e);
+  }
+
+  bool allocate(uint64_t block, uint64_t* offset, bool may_evict) {
+    if (block > arena.bytes()) return false;
+    for (uint32_t attempt = 0;; ++attempt) {
+      if (allocator.allocate(block, offset)) return true;
+      if (!may_evict || attempt >= cfg.eviction_attempts_max) return false;
+      Entry* victim = nullptr;
+      switch (fifo.next(&victim)) {
+        case S3Fifo::Step::Empty: return false;
+        case S3Fifo::Step::Skipped: bump(metrics->lease_skips); break;
+        case S3Fifo::Step::Moved: break;
+        case S3Fifo::Step::Victim: evict_from_memory(victim); break;
+      }
+    }
+  }
+
+  void lease(Entry* e, Lease* out) {
+    ++e->leases;
+    ++leases_active;
+    out->entry = e;
+    out->data = arena.base() + e->mem_offset;
+    out->length = e->length;
+    out->checksum = e->checksum;
+  }
+
+  // ---- open ----
+  void rebuild_index() {
+    disk->scan([this](const ScannedRecord& record) {
+      Entry* e = find(record.key);
+      if (record.header.kind == kRecordTombstone) {
+        if (e) unlink(e);
+        return;
+      }
+      if (!e) {
+        e = new Entry;
+        e->key = record.key;
+        index.emplace(std::string_view(e->key), e);
+      } else {
+        detach_disk(e);
+      }
+      e->length = record.header.value_len;
+      e->checksum = record.header.value_checksum;
+      attach_disk(e, record.location);
+    });
+    make_room(0);  // the operator may have lowered disk_bytes
+  }
+
+  // Loads the keys of the last warm shutdown back into free arena space.
+  void load_warm_list() {
+    std::string path = disk->dir() + "/warm.list";
+    std::vector<WarmItem> items = read_warm_list(path);
+    unlink_file(path);
+    for (auto& item : items) {
+      Entry* e = find(item.key);
+      if (!e || e->in_memory || !e->on_disk) continue;
+      uint64_t block = block_bytes_for(e->length), offset;
+      if (!allocator.allocate(block, &offset)) continue;
+      SegmentFileRef file = disk->file(e->disk.segment);
+      uint8_t* dest = arena.base() + offset;
+      if (!file || !read_segment(*file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, dest) ||
+          xxh64(dest, e->length) != e->checksum) {
+        allocator.free(offset, block);
+        continue;  // a bad record is found (and dropped) by its first read
+      }
+      attach_memory(e, offset, block);
+      fifo.insert_cold(e, static_cast<QueueId>(item.queue), item.freq);
+    }
+  }
+  static void unlink_file(const std::string& path) { ::remove(path.c_str()); }
+};
+
+Store::Store(const StoreConfig& config, Metrics* metrics) : impl_(new Impl(config, metrics)) {
+  if (impl_->disk) {
+    impl_->rebuild_index();
+    if (config.warm_restart) impl_->load_warm_list();
+  }
+}
+
+Store::~Store() = default;
+
+PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* out) {
+  Impl& s = *impl_;
+  if (key.empty() || key.size() > kKeyBytesMax) return PutStatus::KeyInvalid;
+  if (length > s.cfg.value_bytes_max) {
+    bump(s.metrics->puts_too_large);
+    return PutStatus::TooLarge;
+  }
+  std::lock_guard<std::mutex> guard(s.mu);
+  if (s.find(key)) {
+    bump(s.metrics->puts_exists);
+    return PutStatus::Exists;
+  }
+  uint64_t block = block_bytes_for(length), offset = 0;
+  if (!s.allocate(block, &offset, true)) {
+    bump(s.metrics->puts_no_space);
+    return PutStatus::NoSpace;
+  }
+  if (block > 0) s.reserved.emplace(offset, block);
+  out->data = s.arena.base() + offset;
+  out->length = length;
+  out->offset = offset;
+  out->block_bytes = block;
+  return PutStatus::Stored;
+}
+
+PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t checksum) {
+  Impl& s = *impl_;
+  bool sound = xxh64(r.data, r.length) == checksum;  // outside the lock: the big read
+  std::lock_guard<std::mutex> guard(s.mu);
+  if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("commit_put: unknown reservation");
+  if (!sound || key.empty() || key.size() > kKeyBytesMax) {
+    s.allocator.free(r.offset, r.block_bytes);
+    if (!sound) bump(s.metrics->checksum_failures_put);
+    return sound ? PutStatus::KeyInvalid : PutStatus::ChecksumMismatch;
+  }
+  if (s.find(key)) {  // a concurrent put of the same key won
+    s.allocator.free(r.offset, r.block_bytes);
+    bump(s.metrics->puts_exists);
+    return PutStatus::Exists;
+  }
+  Entry* e = new Entry;
+  e->key = std::string(key);
+  e->length = r.length;
+  e->checksum = checksum;
+  s.index.emplace(std::string_view(e->key), e);
+  s.attach_memory(e, r.offset, r.block_bytes);
+  s.fifo.insert(e, key_hash_of(e->key));
+  bump(s.metrics->puts_stored);
+  return PutStatus::Stored;
+}
+
+void Store::abort_put(const Reservation& r) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("abort_put: unknown reservation");
+  s.allocator.free(r.offset, r.block_bytes);
+}
+
+bool Store::acquire(std::string_view key, Lease* out) {
+  Impl& s = *impl_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  Entry* e = s.find(key);
+  if (!e) {
+    bump(s.metrics->misses);
+    return false;
+  }
+  e->read_since_written = true;
+  if (e->in_memory) {
+    s.fifo.touch(e);
+    s.lease(e, out);
+    bump(s.metrics->hits_memory);
+    return true;
+  }
+  // Disk only: load into a private block, outside the lock.
+  uint64_t block = block_bytes_for(e->length), offset = 0;
+  if (!s.allocate(block, &offset, true)) {
+    bump(s.metrics->misses);
+    return false;
+  }
+  if (block > 0) s.reserved.emplace(offset, block);
+  ++e->pins;
+  RecordLocation location = e->disk;
+  SegmentFileRef file = s.disk->file(location.segment);
+  uint64_t length = e->length, checksum = e->checksum;
+  uint64_t value_offset = location.offset + sizeof(RecordHeader) + e->key.size();
+  uint8_t* dest = s.arena.base() + offset;
+
+  lock.unlock();
+  bool read_ok = file && read_segment(*file, value_offset, length, dest);
+  bool sound = read_ok && xxh64(dest, length) == checksum;
+  lock.lock();
+
+  if (block > 0) s.reserved.erase(offset);
+  bool same_record = !e->doomed && e->on_disk && e->disk.segment == location.segment &&
+                     e->disk.offset == location.offset;
+  if (!read_ok) {
+    bump(s.metrics->disk_errors);
+  } else if (!sound) {
+    bump(s.metrics->checksum_failures);
+    if (same_record) {  // drop the record for good: a tombstone keeps it from coming back
+      std::string bad_key = e->key;
+      s.unlink(e);  // still pinned, so `e` stays valid below
+      s.write_tombstone(bad_key);
+    }
+  }
+  bool publish = sound && !e->doomed;
+  if (publish && !e->in_memory) {
+    s.attach_memory(e, offset, block);  // clean: keeps its disk copy
+    s.fifo.insert(e, key_hash_of(e->key));
+    bump(s.metrics->hits_disk);
+    bump(s.metrics->promotions_to_memory);
+  } else {
+    s.allocator.free(offset, block);  // failed, removed meanwhile, or another reader loaded it first
+    if (publish) {
+      s.fifo.touch(e);
+      bump(s.metrics->hits_memory);
+    }
+  }
+  --e->pins;
+  if (publish) {
+    s.lease(e, out);
+    return true;
+  }
+  s.destroy_if_unused(e);
+  bump(s.metrics->misses);
+  return false;
+}
+
+void Store::release(const Lease& lease) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  Entry* e = lease.entry;
+  if (!e || e->leases == 0) throw std::logic_error("release: lease not held");
+  --e->leases;
+  --s.leases_active;
+  s.destroy_if_unused(e);
+}
+
+bool Store::contains(std::string_view key) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  return s.find(key) != nullptr;
+}
+
+bool Store::remove(std::string_view key) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  Entry* e = s.find(key);
+  if (!e) return false;
+  bool had_disk_copy = e->on_disk;
+  std::string removed_key = e->key;
+  s.unlink(e);
+  if (had_disk_copy) s.write_tombstone(removed_key);
+  bump(s.metrics->removes);
+  return true;
+}
+
+void Store::flush() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  if (!s.disk) return;
+  // Coldest first, so if the disk is smaller than memory the hottest survive.
+  std::vector<Entry*> order(s.fifo.small().begin(), s.fifo.small().end());
+  order.insert(order.end(), s.fifo.main().begin(), s.fifo.main().end());
+  for (Entry* e : order)
+    if (!e->on_disk) s.write_value(e);
+  s.disk->sync_all();
+  std::vector<WarmItem> warm;
+  for (auto it = order.rbegin(); it != order.rend(); ++it)
+    if ((*it)->on_disk) warm.push_back({(*it)->key, static_cast<uint8_t>((*it)->queue), (*it)->freq});
+  if (!write_warm_list(s.disk->dir() + "/warm.list", warm)) bump(s.metrics->disk_errors);
+  s.disk->sync_all();
+}
+
+void Store::check_integrity() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  auto fail = [](const std::string& what) { throw std::logic_error("store integrity: " + what); };
+  std::vector<std::pair<uint64_t, uint64_t>> used;
+  uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases = 0;
+  auto visit = [&](Entry* e) {
+    if (e->in_memory) {
+      if (e->mem_block != block_bytes_for(e->length)) fail("block size class mismatch for key " + e->key);
+      if (e->mem_offset + e->mem_block > s.arena.bytes()) fail("block outside the arena");
+      used.emplace_back(e->mem_offset, e->mem_block);
+      ++mem_entries;
+      mem_value_bytes += e->length;
+    }
+    leases += e->leases;
+  };
+  for (auto& [key, e] : s.index) {
+    if (e->key != key || e->doomed) fail("index entry mismatch for key " + e->key);
+    visit(e);
+    if (e->in_memory != (e->queue != QueueId::None)) fail("queue membership does not match the memory tier");
+    if (!e->in_memory && !e->on_disk) fail("entry in neither tier: " + e->key);
+    if (e->on_disk) {
+      if (!s.disk) fail("disk copy without a disk tier");
+      ++disk_entries;
+      if (*e->disk_pos != e) fail("segment list position broken");
+      if (e->disk.offset + record_bytes(e->key.size(), e->length) > s.disk->segment_size(e->disk.segment))
+        fail("disk record past the end of its segment");
+    }
+  }
+  for (Entry* e : s.doomed) {
+    if (!e->doomed || (e->leases == 0 && e->pins == 0) || e->queue != QueueId::None || e->on_disk)
+      fail("doomed entry state");
+    visit(e);
+  }
+  for (auto& [offset, block] : s.reserved) used.emplace_back(offset, block);
+  s.allocator.check(used);
+  if (mem_entries != s.mem_entries || mem_value_bytes != s.mem_value_bytes) fail("memory tier counters drifted");
+  if (leases != s.leases_active) fail("lease count drifted");
+  if (s.fifo.count() + s.doomed.size() < s.mem_entries) fail("memory entries missing from the queues");
+  s.fifo.check();
+  size_t listed = 0;
+  for (auto& [id, list] : s.segment_entries)
+    for (Entry* e : list) {
+      ++listed;
+      if (!e->on_disk || e->disk.segment != id) fail("segment list holds a foreign entry");
+    }
+  if (listed != disk_entries || disk_entries != s.disk_entries) fail("disk tier counters drifted");
+  if (s.disk) s.disk->check();
+  if (s.arena.bytes() - s.allocator.free_bytes() > s.cfg.memory_bytes) fail("memory tier over capacity");
+}
+
+int Store::arena_fd() const { return impl_->arena.fd(); }
+uint64_t Store::arena_bytes() const { return impl_->arena.bytes(); }
+
+void Store::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  auto add = [out](const char* name, uint64_t value) { out->emplace_back(name, static_cast<int64_t>(value)); };
+  add("keys", s.index.size());
+  add("keys_memory", s.mem_entries);
+  add("keys_disk", s.disk_entries);
+  add("memory_value_bytes", s.mem_value_bytes);
+  add("arena_bytes", s.arena.bytes());
+  add("arena_free_bytes", s.allocator.free_bytes());
+  add("arena_largest_free_bytes", s.allocator.largest_free());
+  add("memory_small_queue_bytes", s.fifo.small_bytes());
+  add("memory_main_queue_bytes", s.fifo.main_bytes());
+  add("ghost_keys", s.fifo.ghost_count());
+  add("leases_active", s.leases_active);
+  add("disk_bytes", s.disk ? s.disk->disk_bytes() : 0);
+  add("disk_used_bytes", s.disk ? s.disk->used_bytes() : 0);
+  add("disk_segments", s.disk ? s.disk->segment_count() : 0);
+}
+
+}  // namespace gcache

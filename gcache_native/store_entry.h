@@ -1,0 +1,44 @@
+// One index entry: a key's value, its copies in the memory and disk tiers,
+// and its eviction and lease state. Private to the Store (guarded by its lock).
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <string>
+
+#include "disk_segments.h"
+
+namespace gcache {
+
+enum class QueueId : uint8_t { None = 0, Small = 1, Main = 2 };
+
+struct Entry {
+  std::string key;
+  uint64_t length = 0;
+  uint64_t checksum = 0;  // xxh64 of the value
+
+  // Memory copy: a block of the arena.
+  bool in_memory = false;
+  uint64_t mem_offset = 0;
+  uint64_t mem_block = 0;
+
+  // Disk copy: a value record in a segment. Entries without a disk copy are
+  // "dirty": evicting them from memory writes a record first.
+  bool on_disk = false;
+  RecordLocation disk;
+  std::list<Entry*>::iterator disk_pos;  // in the segment's live list
+
+  // S3-FIFO state of the memory copy.
+  QueueId queue = QueueId::None;
+  uint8_t freq = 0;  // 0..3, bumped per hit
+  std::list<Entry*>::iterator queue_pos;
+
+  uint32_t leases = 0;  // readers holding the memory copy
+  uint32_t pins = 0;    // loads from disk in flight (keep the Entry alive)
+  bool doomed = false;  // unlinked from the index; freed when leases and pins reach 0
+
+  bool read_since_written = false;  // earns one copy-forward when its segment is reclaimed
+  bool copied_forward = false;
+};
+
+}  // namespace gcache

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything GCache needs into ./.venv, from nothing:
+# redis-server (for the side-by-side bench and its tests), the Python package
+# with its native core compiled by its own build, and the test/bench extras.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON="${PYTHON:-python3}"
+
+# Debian packages: redis-server (the side-by-side bench and its tests);
+# libibverbs1 + libnuma1 (what the Mooncake wheel links against).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+for pkg in libibverbs1 libnuma1; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]} (Debian packages)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+echo "setup: building and installing gcache (compiles gcache_native/, about a minute)"
+.venv/bin/python -m pip install -q -e ".[test,bench]"
+
+# Mooncake Store is only a peer for `gcache-bench --vs mooncake`; its wheel
+# may not install on every machine, and nothing else needs it.
+if [ "${GCACHE_SKIP_MOONCAKE:-0}" != "1" ]; then
+  .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda >/dev/null 2>&1 \
+    && echo "setup: mooncake-transfer-engine-non-cuda installed (for --vs mooncake)" \
+    || echo "setup: mooncake wheel not installable here; gcache-bench --vs mooncake will say so"
+fi
+echo "setup: done"

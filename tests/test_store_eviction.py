@@ -1,0 +1,129 @@
+"""Eviction: S3-FIFO keeps a hot set through a scan, leases pin values, capacity holds."""
+import os
+from pathlib import Path
+
+import pytest
+
+from gcache._native import Store
+
+MIB = 1 << 20
+KIB = 1 << 10
+
+
+def segment_bytes_on_disk(data_dir: Path) -> int:
+    return sum(p.stat().st_size for p in data_dir.glob("seg-*.log"))
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return tmp_path / "data"
+
+
+def test_hot_set_survives_a_scan_of_one_off_keys(data_dir):
+    with Store(8 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB) as s:
+        hot = {b"hot%d" % i: os.urandom(64 * KIB) for i in range(16)}  # 1 MiB of 8
+        for k, v in hot.items():
+            assert s.put(k, v) == Store.STORED
+        for _ in range(2):
+            for k, v in hot.items():
+                assert s.get(k) == v
+        for i in range(400):  # 25 MiB of one-off keys, 3x the memory tier
+            assert s.put(b"scan%d" % i, os.urandom(64 * KIB)) == Store.STORED
+        s.check_integrity()
+        before = s.stats()
+        assert before["evictions_memory"] > 0
+        for k, v in hot.items():
+            assert s.get(k) == v
+        after = s.stats()
+        assert after["hits_memory"] - before["hits_memory"] == len(hot)
+        assert after["hits_disk"] == before["hits_disk"]
+
+
+def test_leased_value_keeps_exact_bytes_through_eviction_and_removal(data_dir):
+    with Store(4 * MIB, 16 * MIB, str(data_dir), segment_bytes=1 * MIB) as s:
+        value = os.urandom(256 * KIB)
+        s.put(b"leased", value)
+        lease = s.acquire(b"leased")
+        view = lease.data
+        for i in range(100):  # 25 MiB through a 4 MiB arena
+            s.put(b"filler%d" % i, os.urandom(256 * KIB))
+        assert s.remove(b"leased") is True
+        for i in range(100, 140):
+            s.put(b"filler%d" % i, bytes([i]) * (256 * KIB))
+            s.check_integrity()
+        assert bytes(view) == value
+        assert s.stats()["lease_skips"] > 0
+        assert s.get(b"leased") is None
+        del view
+        lease.release()
+        del lease
+        s.check_integrity()
+        assert s.stats()["leases_active"] == 0
+
+
+def test_all_memory_leased_gives_no_space_not_a_hang(tmp_path):
+    with Store(1 * MIB, 0, "", eviction_attempts_max=64) as s:
+        leases = []
+        for i in range(4):
+            assert s.put(b"k%d" % i, bytes(256 * KIB)) == Store.STORED
+            leases.append(s.acquire(b"k%d" % i))
+        assert s.put(b"one-more", bytes(256 * KIB)) == Store.NO_SPACE
+        assert s.stats()["puts_no_space"] == 1
+        s.check_integrity()
+        for lease in leases:
+            lease.release()
+        del leases, lease
+        assert s.put(b"one-more", bytes(256 * KIB)) == Store.STORED
+        s.check_integrity()
+
+
+def test_value_bigger_than_memory_is_no_space(tmp_path):
+    with Store(1 * MIB, 0, "", value_bytes_max=4 * MIB) as s:
+        assert s.put(b"big", bytes(2 * MIB)) == Store.NO_SPACE
+        assert not s.contains(b"big")
+        s.check_integrity()
+
+
+def test_memory_and_disk_capacity_never_exceeded(data_dir):
+    disk_bytes = 6 * MIB
+    with Store(2 * MIB, disk_bytes, str(data_dir), segment_bytes=1 * MIB, value_bytes_max=1 * MIB) as s:
+        rng = __import__("random").Random(7)
+        for i in range(300):
+            size = rng.choice([0, 1, 4 * KIB, 100 * KIB, 300 * KIB, 1 * MIB])
+            s.put(b"k%d" % i, os.urandom(size))
+            if rng.random() < 0.3:
+                s.get(b"k%d" % rng.randrange(i + 1))
+            s.check_integrity()
+            stats = s.stats()
+            assert stats["arena_bytes"] - stats["arena_free_bytes"] <= 2 * MIB
+            assert segment_bytes_on_disk(data_dir) <= disk_bytes
+            assert stats["disk_used_bytes"] == segment_bytes_on_disk(data_dir)
+        stats = s.stats()
+        assert stats["segments_reclaimed"] > 0
+        assert stats["evictions_disk"] > 0
+
+
+def test_size_classes_bound_waste(tmp_path):
+    # 65 KiB + 1 B lands in the 72 KiB class: waste stays under 12.5%.
+    with Store(1 * MIB, 0, "") as s:
+        s.put(b"k", bytes(65 * KIB + 1))
+        used = s.stats()["arena_bytes"] - s.stats()["arena_free_bytes"]
+        assert used == 72 * KIB
+
+
+def test_disk_reclaim_gives_read_records_a_second_chance(data_dir):
+    value = {name: os.urandom(100 * KIB) for name in (b"read", b"unread")}
+    s = Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False)
+    for name, v in value.items():
+        s.put(name, v)
+    for i in range(12):  # pushes both out of memory into the first segment
+        s.put(b"a%d" % i, os.urandom(100 * KIB))
+    assert s.get(b"read") == value[b"read"]
+    for i in range(50):  # 5 MiB: the first segment is reclaimed, later ones are not
+        s.put(b"b%d" % i, os.urandom(100 * KIB))
+        s.check_integrity()
+    assert s.stats()["segments_reclaimed"] > 0
+    s.close()  # no flush: only disk records count
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False) as s:
+        assert s.get(b"read") == value[b"read"]  # copied forward once
+        assert s.get(b"unread") is None  # reclaimed with its segment
