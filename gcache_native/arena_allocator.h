@@ -31,6 +31,7 @@ class BlockAllocator {
   uint64_t free_bytes() const { return free_bytes_; }
   uint64_t largest_free() const;
   size_t free_ranges() const { return by_offset_.size(); }
+  const std::map<uint64_t, uint64_t>& free_by_offset() const { return by_offset_; }
 
   // Throws std::logic_error unless the free ranges plus `used` (offset, size)
   // blocks tile the arena exactly: no overlap, no gap, no double free.

@@ -38,18 +38,6 @@ SharedArena::SharedArena(uint64_t bytes) : bytes_(bytes) {
     throw std::runtime_error("cannot map the memory arena (" + std::to_string(bytes_) + " bytes): " + strerror(err));
   }
   base_ = static_cast<uint8_t*>(p);
-  prefault();
-}
-
-// Faults every page in at open: first-touch faults on shared memory (page
-// allocation + zeroing) would otherwise slow the first pass of puts several
-// times over. Best effort: without MADV_POPULATE_WRITE pages fault lazily.
-void SharedArena::prefault() {
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-  if (madvise(base_, bytes_, MADV_POPULATE_WRITE) == 0) return;
-  (void)fallocate(fd_, 0, 0, static_cast<off_t>(bytes_));  // at least allocate the pages
 }
 
 SharedArena::~SharedArena() {

@@ -19,8 +19,6 @@ class SharedArena {
   int fd() const { return fd_; }
 
  private:
-  void prefault();
-
   uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
   int fd_ = -1;

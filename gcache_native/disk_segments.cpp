@@ -145,10 +145,9 @@ DiskSegments::Segment& DiskSegments::open_new_segment() {
   return segment;
 }
 
-bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len,
-                          uint64_t value_checksum, RecordLocation* out) {
+bool DiskSegments::reserve(std::string_view key, uint64_t value_len, RecordLocation* out, SegmentFileRef* file) {
   uint64_t bytes = record_bytes(key.size(), value_len);
-  if (used_bytes_ + bytes > disk_bytes_) throw std::logic_error("append: caller did not make room on disk");
+  if (used_bytes_ + bytes > disk_bytes_) throw std::logic_error("reserve: caller did not make room on disk");
   Segment* head = segments_.empty() ? nullptr : &segments_.rbegin()->second;
   try {
     if (!head || (head->bytes > 0 && head->bytes + bytes > segment_bytes_)) head = &open_new_segment();
@@ -156,6 +155,18 @@ bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value,
     metrics_->disk_errors.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
+  out->segment = head->file->id;
+  out->offset = head->bytes;
+  *file = head->file;
+  head->bytes += bytes;
+  used_bytes_ += bytes;
+  return true;
+}
+
+bool DiskSegments::write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind,
+                                std::string_view key, const void* value, uint64_t value_len,
+                                uint64_t value_checksum) {
+  uint64_t bytes = record_bytes(key.size(), value_len);
   RecordHeader header = make_record_header(kind, key, value_len, value_checksum);
   static const uint8_t kZeros[8] = {};
   uint64_t pad = bytes - sizeof(header) - key.size() - value_len;
@@ -166,13 +177,9 @@ bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value,
   uint64_t written = 0;
   int first = 0;
   while (written < bytes) {  // pwritev may write short; resume where it stopped
-    ssize_t n = pwritev(head->file->fd, parts + first, 4 - first, static_cast<off_t>(head->bytes + written));
+    ssize_t n = pwritev(file.fd, parts + first, 4 - first, static_cast<off_t>(at.offset + written));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (ftruncate(head->file->fd, static_cast<off_t>(head->bytes)) != 0) { /* size is re-read by check() */ }
-      metrics_->disk_errors.fetch_add(1, std::memory_order_relaxed);
-      return false;
-    }
+    if (n <= 0) return false;
     written += static_cast<uint64_t>(n);
     uint64_t advance = static_cast<uint64_t>(n);
     while (first < 4 && advance >= parts[first].iov_len) advance -= parts[first++].iov_len;
@@ -181,11 +188,26 @@ bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value,
       parts[first].iov_len -= advance;
     }
   }
-  out->segment = head->file->id;
-  out->offset = head->bytes;
-  head->bytes += bytes;
-  used_bytes_ += bytes;
   return true;
+}
+
+void DiskSegments::cancel(const RecordLocation& at, uint64_t bytes) {
+  metrics_->disk_errors.fetch_add(1, std::memory_order_relaxed);
+  auto it = segments_.find(at.segment);
+  if (it == segments_.end() || it->second.bytes != at.offset + bytes)
+    throw std::logic_error("cancel: the record is not the last one of its segment");
+  if (ftruncate(it->second.file->fd, static_cast<off_t>(at.offset)) != 0) { /* check() reports the size */ }
+  it->second.bytes = at.offset;
+  used_bytes_ -= bytes;
+}
+
+bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len,
+                          uint64_t value_checksum, RecordLocation* out) {
+  SegmentFileRef file;
+  if (!reserve(key, value_len, out, &file)) return false;
+  if (write_record(*file, *out, kind, key, value, value_len, value_checksum)) return true;
+  cancel(*out, record_bytes(key.size(), value_len));
+  return false;
 }
 
 SegmentFileRef DiskSegments::drop(uint32_t id) {

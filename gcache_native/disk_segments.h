@@ -54,6 +54,16 @@ class DiskSegments {
   bool append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len,
               uint64_t value_checksum, RecordLocation* out);
 
+  // The same in three steps, so the bytes can be written without the Store's
+  // lock: reserve() places the record at the tail (making room is still the
+  // caller's job), write_record() needs no lock, and cancel() takes a failed
+  // record back off the tail. The caller serializes reserve..cancel, so a
+  // reserved record is always the last one and a crash can only tear the tail.
+  bool reserve(std::string_view key, uint64_t value_len, RecordLocation* out, SegmentFileRef* file);
+  static bool write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind, std::string_view key,
+                           const void* value, uint64_t value_len, uint64_t value_checksum);
+  void cancel(const RecordLocation& at, uint64_t bytes);
+
   // Unlinks a segment; the returned file stays readable until released.
   SegmentFileRef drop(uint32_t id);
   SegmentFileRef file(uint32_t id) const;

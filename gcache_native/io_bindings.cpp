@@ -103,10 +103,11 @@ size_t run(int fd, const py::list& buffers, int64_t timeout_ms, bool sending) {
   const size_t total = collect(buffers, !sending, &infos, &iov);
   int err = 0;
   IoResult r;
-  {
-    py::gil_scoped_release release;
-    r = transfer(fd, iov, sending, timeout_ms, &err);
-  }
+  // Not gil_scoped_release: its noexcept destructor turns the forced unwind
+  // that ends a daemon thread at interpreter exit into std::terminate.
+  PyThreadState* saved = PyEval_SaveThread();
+  r = transfer(fd, iov, sending, timeout_ms, &err);  // never throws
+  PyEval_RestoreThread(saved);
   const char* what = sending ? "send" : "receive";
   switch (r) {
     case IoResult::Done: return total;

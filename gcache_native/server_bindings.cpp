@@ -66,6 +66,21 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
   }
 }
 
+// Runs f with the GIL released. Not gil_scoped_release: its noexcept
+// destructor turns the forced unwind that ends a daemon thread (e.g. an admin
+// HTTP request) at interpreter exit into std::terminate.
+template <class F>
+void without_gil(F&& f) {
+  PyThreadState* saved = PyEval_SaveThread();
+  try {
+    f();
+  } catch (...) {
+    PyEval_RestoreThread(saved);
+    throw;
+  }
+  PyEval_RestoreThread(saved);
+}
+
 py::dict stats_dict(Node& node) {
   py::dict counters, gauges, histograms;
   for (const auto& [name, value] : node.metrics->counters()) counters[py::str(name)] = value;
@@ -119,24 +134,16 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
            py::arg("config"))
       .def_property_readonly("port", [](Node& n) { return n.server->port(); },
                              "The listening port (the real one when 0 was asked).")
-      .def("start", [](Node& n) {
-             py::gil_scoped_release release;
-             n.server->start();
-           }, "Starts accepting connections (returns at once).")
-      .def("stop", [](Node& n, double grace_s) {
-             py::gil_scoped_release release;
-             n.server->stop(grace_s);
-           }, py::arg("grace_s") = 10.0,
+      .def("start", [](Node& n) { without_gil([&] { n.server->start(); }); },
+           "Starts accepting connections (returns at once).")
+      .def("stop", [](Node& n, double grace_s) { without_gil([&] { n.server->stop(grace_s); }); },
+           py::arg("grace_s") = 10.0,
            "Stops accepting, finishes requests already received, closes connections; "
            "after grace_s cuts off the rest. Idempotent. Does not flush.")
-      .def("flush", [](Node& n) {
-             py::gil_scoped_release release;
-             n.store->flush();
-           }, "Writes the memory tier and the warm list to disk (fsynced).")
-      .def("check_integrity", [](Node& n) {
-             py::gil_scoped_release release;
-             n.store->check_integrity();
-           }, "Raises naming the first broken store invariant.")
+      .def("flush", [](Node& n) { without_gil([&] { n.store->flush(); }); },
+           "Writes the memory tier and the warm list to disk (fsynced).")
+      .def("check_integrity", [](Node& n) { without_gil([&] { n.store->check_integrity(); }); },
+           "Raises naming the first broken store invariant.")
       .def("stats", &stats_dict,
            "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}}")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })

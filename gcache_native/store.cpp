@@ -1,9 +1,11 @@
-// The Store: one lock over the index, the arena allocator, the S3-FIFO queues
-// and the disk segments. Payload copies into and out of the arena happen
-// outside the lock (the caller's, or ours for loads from disk); disk writes
-// (demotions, tombstones) happen under it and are one pwritev each.
+// The Store: one lock (mu) over the index, the arena allocator, the S3-FIFO
+// queues and the disk bookkeeping. Payload copies into and out of the arena
+// happen outside it (the caller's, or ours for loads from disk), and so do
+// demotion writes: a second lock (disk_mu, always taken before mu) serializes
+// disk appends and reclaims, so only the last record can ever be torn.
 #include "store.h"
 
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -36,13 +38,16 @@ struct Store::Impl {
   S3Fifo fifo;
   std::unique_ptr<DiskSegments> disk;  // null: no disk tier
 
+  std::mutex disk_mu;  // order: disk_mu, then mu
   std::mutex mu;
   // Keys are views of Entry::key (stable: entries never move), so a lookup
   // allocates nothing.
   std::unordered_map<std::string_view, Entry*> index;
   std::unordered_set<Entry*> doomed;                                // unlinked, still leased/pinned
   std::unordered_map<uint32_t, std::list<Entry*>> segment_entries;  // live value records per segment
-  std::unordered_map<uint64_t, uint64_t> reserved;                  // offset -> block: puts and loads in flight
+  std::map<uint64_t, uint64_t> reserved;                            // offset -> block: puts and loads in flight
+  std::map<uint64_t, Entry*> mem_by_offset;                         // memory copies in address order
+  uint64_t window_cursor = 0;                                       // where the next window search starts
   uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases_active = 0;
 
   Impl(const StoreConfig& c, Metrics* m)
@@ -57,6 +62,23 @@ struct Store::Impl {
     for (Entry* e : doomed) delete e;
   }
 
+  struct Locks {
+    std::unique_lock<std::mutex> store;
+    std::unique_lock<std::mutex> disk;
+    explicit Locks(Impl& s) : store(s.mu), disk(s.disk_mu, std::defer_lock) {}
+  };
+  // Adds disk_mu to a held mu, dropping mu while waiting (lock order), so the
+  // caller must re-check what it looked at. True if it was taken here.
+  bool hold_disk(Locks& l) {
+    if (l.disk.owns_lock()) return false;
+    if (!l.disk.try_lock()) {
+      l.store.unlock();
+      l.disk.lock();
+      l.store.lock();
+    }
+    return true;
+  }
+
   Entry* find(std::string_view key) {
     auto it = index.find(key);
     return it == index.end() ? nullptr : it->second;
@@ -67,12 +89,14 @@ struct Store::Impl {
     e->in_memory = true;
     e->mem_offset = offset;
     e->mem_block = block;
+    if (block > 0) mem_by_offset.emplace(offset, e);
     ++mem_entries;
     mem_value_bytes += e->length;
   }
   void detach_memory(Entry* e) {
     fifo.remove(e);
     allocator.free(e->mem_offset, e->mem_block);
+    if (e->mem_block > 0) mem_by_offset.erase(e->mem_offset);
     e->in_memory = false;
     --mem_entries;
     mem_value_bytes -= e->length;
@@ -189,34 +213,120 @@ struct Store::Impl {
   }
 
   // ---- memory tier ----
-  // Evicting from memory demotes: a dirty value is written to disk first; a
-  // value that cannot be written leaves the store.
-  void evict_from_memory(Entry* e) {
-    bump(metrics->evictions_memory);
-    if (!e->on_disk) {
-      if (write_value(e)) {
-        bump(metrics->demotions_to_disk);
-      } else {
-        unlink(e);
-        return;
-      }
+  // Evicting from memory demotes: a dirty value is written to disk first
+  // (without mu, the value pinned); a value that cannot be written leaves the
+  // store. A value leased while it was being written stays, now clean.
+  void evict_from_memory(Entry* e, Locks& l) {
+    fifo.remove(e);
+    if (e->on_disk || !disk) {
+      bump(metrics->evictions_memory);
+      if (e->on_disk) detach_memory(e); else unlink(e);
+      return;
     }
-    detach_memory(e);
+    ++e->pins;
+    e->demoting = true;
+    bool took_disk = hold_disk(l);
+    uint64_t bytes = record_bytes(e->key.size(), e->length);
+    RecordLocation location;
+    SegmentFileRef file;
+    bool written = !e->doomed && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
+    if (written) {
+      l.store.unlock();  // key, length, checksum and the block are stable while pinned
+      written = DiskSegments::write_record(*file, location, kRecordValue, e->key, arena.base() + e->mem_offset,
+                                           e->length, e->checksum);
+      l.store.lock();
+      if (!written) disk->cancel(location, bytes);
+    }
+    e->demoting = false;
+    --e->pins;
+    if (written && e->doomed) {
+      write_tombstone(e->key);  // removed meanwhile: keep the record from coming back
+    } else if (written) {
+      attach_disk(e, location);
+      e->copied_forward = false;
+      e->read_since_written = false;
+      bump(metrics->demotions_to_disk);
+    }
+    if (e->doomed) {
+      destroy_if_unused(e);
+    } else if (e->leases > 0) {
+      fifo.insert_cold(e, QueueId::Main, e->freq);  // read meanwhile: stays, looked at again soon
+    } else {
+      bump(metrics->evictions_memory);
+      if (written) detach_memory(e); else unlink(e);
+    }
+    if (took_disk) l.disk.unlock();
   }
 
-  bool allocate(uint64_t block, uint64_t* offset, bool may_evict) {
+  // Takes a block, evicting when `l` is given (which may drop mu meanwhile).
+  bool allocate(uint64_t block, uint64_t* offset, Locks* l) {
     if (block > arena.bytes()) return false;
     for (uint32_t attempt = 0;; ++attempt) {
       if (allocator.allocate(block, offset)) return true;
-      if (!may_evict || attempt >= cfg.eviction_attempts_max) return false;
+      if (!l) return false;
+      // Enough bytes are free, just not in one piece: stop evicting in FIFO
+      // order (it would take many more victims) and clear one window instead.
+      bool fragmented = attempt >= 64 && allocator.free_bytes() >= 2 * block;
+      if (fragmented || attempt >= cfg.eviction_attempts_max)
+        return evict_window(block, *l) && allocator.allocate(block, offset);
       Entry* victim = nullptr;
       switch (fifo.next(&victim)) {
         case S3Fifo::Step::Empty: return false;
         case S3Fifo::Step::Skipped: bump(metrics->lease_skips); break;
         case S3Fifo::Step::Moved: break;
-        case S3Fifo::Step::Victim: evict_from_memory(victim); break;
+        case S3Fifo::Step::Victim: evict_from_memory(victim, *l); break;
       }
     }
+  }
+
+  // Fallback when FIFO order frees enough bytes but not in one piece (a large
+  // value in an arena fragmented by small ones): evicts every value in the
+  // first address window of `block` bytes that holds no leased, loading or
+  // reserved block, searching from a rotating cursor. O(values) per call.
+  bool evict_window(uint64_t block, Locks& l) {
+    struct Span { uint64_t offset, bytes; Entry* entry; bool pinned; };
+    std::vector<Span> spans;  // everything that is not free, in address order
+    spans.reserve(mem_by_offset.size() + reserved.size());
+    auto e_it = mem_by_offset.begin();
+    auto r_it = reserved.begin();
+    while (e_it != mem_by_offset.end() || r_it != reserved.end()) {
+      if (r_it == reserved.end() || (e_it != mem_by_offset.end() && e_it->first < r_it->first)) {
+        Entry* e = e_it->second;
+        spans.push_back({e->mem_offset, e->mem_block, e, e->leases > 0 || e->pins > 0 || e->doomed});
+        ++e_it;
+      } else {
+        spans.push_back({r_it->first, r_it->second, nullptr, true});
+        ++r_it;
+      }
+    }
+    // The first window at or after `lowest` that overlaps no pinned span.
+    auto find_from = [&](uint64_t lowest, uint64_t* start) {
+      uint64_t candidate = lowest;
+      for (const Span& span : spans) {
+        if (!span.pinned || span.offset + span.bytes <= candidate) continue;
+        if (span.offset >= candidate + block) break;
+        candidate = span.offset + span.bytes;  // overlaps: try right after it
+      }
+      *start = candidate;
+      return candidate + block <= arena.bytes();
+    };
+    uint64_t start;
+    uint64_t cursor = window_cursor / kArenaPageBytes * kArenaPageBytes;
+    if (!find_from(cursor, &start) && !find_from(0, &start)) return false;
+    window_cursor = (start + block) % arena.bytes();
+    std::vector<Entry*> victims;
+    for (const Span& span : spans)
+      if (span.entry && span.offset < start + block && span.offset + span.bytes > start) victims.push_back(span.entry);
+    for (Entry* e : victims) ++e->pins;  // evicting one may drop mu: keep the rest alive
+    for (Entry* e : victims) {
+      --e->pins;
+      if (e->doomed) {
+        destroy_if_unused(e);
+      } else if (e->in_memory && !e->demoting && e->leases == 0 && e->pins == 0) {
+        evict_from_memory(e, l);
+      }
+    }
+    return true;
   }
 
   void lease(Entry* e, Lease* out) {
@@ -290,13 +400,13 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     bump(s.metrics->puts_too_large);
     return PutStatus::TooLarge;
   }
-  std::lock_guard<std::mutex> guard(s.mu);
+  Impl::Locks l(s);
   if (s.find(key)) {
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
   }
   uint64_t block = block_bytes_for(length), offset = 0;
-  if (!s.allocate(block, &offset, true)) {
+  if (!s.allocate(block, &offset, &l)) {
     bump(s.metrics->puts_no_space);
     return PutStatus::NoSpace;
   }
@@ -343,7 +453,7 @@ void Store::abort_put(const Reservation& r) {
 
 bool Store::acquire(std::string_view key, Lease* out) {
   Impl& s = *impl_;
-  std::unique_lock<std::mutex> lock(s.mu);
+  Impl::Locks l(s);
   Entry* e = s.find(key);
   if (!e) {
     bump(s.metrics->misses);
@@ -356,24 +466,36 @@ bool Store::acquire(std::string_view key, Lease* out) {
     bump(s.metrics->hits_memory);
     return true;
   }
-  // Disk only: load into a private block, outside the lock.
+  // Disk only: load into a private block, outside the lock. The pin keeps
+  // `e` alive: making room may reclaim its segment and unlink it.
+  ++e->pins;
   uint64_t block = block_bytes_for(e->length), offset = 0;
-  if (!s.allocate(block, &offset, true)) {
+  bool allocated = s.allocate(block, &offset, &l);  // may drop mu while evicting
+  if (!allocated || e->doomed || e->in_memory) {
+    if (allocated) s.allocator.free(offset, block);
+    --e->pins;
+    if (allocated && !e->doomed) {  // another reader loaded it meanwhile
+      s.fifo.touch(e);
+      s.lease(e, out);
+      bump(s.metrics->hits_memory);
+      return true;
+    }
+    s.destroy_if_unused(e);
     bump(s.metrics->misses);
     return false;
   }
   if (block > 0) s.reserved.emplace(offset, block);
-  ++e->pins;
   RecordLocation location = e->disk;
   SegmentFileRef file = s.disk->file(location.segment);
   uint64_t length = e->length, checksum = e->checksum;
   uint64_t value_offset = location.offset + sizeof(RecordHeader) + e->key.size();
   uint8_t* dest = s.arena.base() + offset;
 
-  lock.unlock();
+  l.store.unlock();
   bool read_ok = file && read_segment(*file, value_offset, length, dest);
   bool sound = read_ok && xxh64(dest, length) == checksum;
-  lock.lock();
+  l.store.lock();
+  if (read_ok && !sound) s.hold_disk(l);  // the unlink and its tombstone go together
 
   if (block > 0) s.reserved.erase(offset);
   bool same_record = !e->doomed && e->on_disk && e->disk.segment == location.segment &&
@@ -429,9 +551,14 @@ bool Store::contains(std::string_view key) {
 
 bool Store::remove(std::string_view key) {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> guard(s.mu);
+  Impl::Locks l(s);
   Entry* e = s.find(key);
   if (!e) return false;
+  if (e->on_disk) {  // the unlink and its tombstone go together: a put in between would be shadowed
+    s.hold_disk(l);
+    e = s.find(key);
+    if (!e) return false;
+  }
   bool had_disk_copy = e->on_disk;
   std::string removed_key = e->key;
   s.unlink(e);
@@ -442,8 +569,9 @@ bool Store::remove(std::string_view key) {
 
 void Store::flush() {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> guard(s.mu);
+  Impl::Locks l(s);
   if (!s.disk) return;
+  s.hold_disk(l);
   // Coldest first, so if the disk is smaller than memory the hottest survive.
   std::vector<Entry*> order(s.fifo.small().begin(), s.fifo.small().end());
   order.insert(order.end(), s.fifo.main().begin(), s.fifo.main().end());
@@ -459,15 +587,17 @@ void Store::flush() {
 
 void Store::check_integrity() {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> guard(s.mu);
+  Impl::Locks l(s);
+  s.hold_disk(l);  // no record half-written
   auto fail = [](const std::string& what) { throw std::logic_error("store integrity: " + what); };
   std::vector<std::pair<uint64_t, uint64_t>> used;
-  uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases = 0;
+  uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases = 0, blocks = 0;
   auto visit = [&](Entry* e) {
     if (e->in_memory) {
       if (e->mem_block != block_bytes_for(e->length)) fail("block size class mismatch for key " + e->key);
       if (e->mem_offset + e->mem_block > s.arena.bytes()) fail("block outside the arena");
       used.emplace_back(e->mem_offset, e->mem_block);
+      if (e->mem_block > 0) ++blocks;
       ++mem_entries;
       mem_value_bytes += e->length;
     }
@@ -476,7 +606,9 @@ void Store::check_integrity() {
   for (auto& [key, e] : s.index) {
     if (e->key != key || e->doomed) fail("index entry mismatch for key " + e->key);
     visit(e);
-    if (e->in_memory != (e->queue != QueueId::None)) fail("queue membership does not match the memory tier");
+    if (!e->demoting && e->in_memory != (e->queue != QueueId::None))
+      fail("queue membership does not match the memory tier");
+    if (e->demoting && (e->queue != QueueId::None || !e->in_memory || e->pins == 0)) fail("demoting entry state");
     if (!e->in_memory && !e->on_disk) fail("entry in neither tier: " + e->key);
     if (e->on_disk) {
       if (!s.disk) fail("disk copy without a disk tier");
@@ -492,10 +624,15 @@ void Store::check_integrity() {
     visit(e);
   }
   for (auto& [offset, block] : s.reserved) used.emplace_back(offset, block);
+  size_t mapped = 0;
+  for (auto& [offset, e] : s.mem_by_offset) {
+    if (!e->in_memory || e->mem_offset != offset) fail("address map out of step with memory copies");
+    ++mapped;
+  }
+  if (mapped != blocks) fail("address map misses memory copies");
   s.allocator.check(used);
   if (mem_entries != s.mem_entries || mem_value_bytes != s.mem_value_bytes) fail("memory tier counters drifted");
   if (leases != s.leases_active) fail("lease count drifted");
-  if (s.fifo.count() + s.doomed.size() < s.mem_entries) fail("memory entries missing from the queues");
   s.fifo.check();
   size_t listed = 0;
   for (auto& [id, list] : s.segment_entries)

@@ -36,6 +36,7 @@ struct Entry {
   uint32_t leases = 0;  // readers holding the memory copy
   uint32_t pins = 0;    // loads from disk in flight (keep the Entry alive)
   bool doomed = false;  // unlinked from the index; freed when leases and pins reach 0
+  bool demoting = false;  // being written to disk outside the lock: out of the queues, pinned
 
   bool read_since_written = false;  // earns one copy-forward when its segment is reclaimed
   bool copied_forward = false;

@@ -127,3 +127,23 @@ def test_disk_reclaim_gives_read_records_a_second_chance(data_dir):
     with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False) as s:
         assert s.get(b"read") == value[b"read"]  # copied forward once
         assert s.get(b"unread") is None  # reclaimed with its segment
+
+
+def test_large_put_into_an_arena_fragmented_by_small_values(tmp_path):
+    # Every other 4 KiB value removed: half the arena is free, in 4 KiB holes.
+    with Store(4 * MIB, 0, "", eviction_attempts_max=32) as s:  # FIFO alone frees < 1 MiB in one piece
+        for i in range(1024):
+            assert s.put(b"small%d" % i, bytes([i % 256]) * 4096) == Store.STORED
+        for i in range(0, 1024, 2):
+            s.remove(b"small%d" % i)
+        lease = s.acquire(b"small1")  # a leased value in the way must be stepped over
+        big = os.urandom(1 * MIB)
+        assert s.put(b"big", big) == Store.STORED
+        s.check_integrity()
+        assert s.get(b"big") == big
+        assert bytes(lease.data) == bytes([1]) * 4096
+        lease.release()
+        del lease
+        for i in range(1, 1024, 2):
+            assert s.get(b"small%d" % i) in (None, bytes([i % 256]) * 4096)
+        s.check_integrity()

@@ -18,18 +18,21 @@ SIZES = st.sampled_from([0, 1, 3 * KIB, 4 * KIB, 70 * KIB, 200 * KIB, 400 * KIB]
 
 
 class StoreModel(RuleBasedStateMachine):
-    @initialize()
-    def open(self):
+    @initialize(attempts=st.sampled_from([2, 4096]))
+    def open(self, attempts):
         import tempfile
 
         self.dir = Path(tempfile.mkdtemp(prefix="gcache-model-"))
         self.model = {}  # key -> bytes (may be missing from the store: it is a cache)
         self.removed = set()
         self.leases = []
+        self.attempts = attempts
         self.store = self._open()
 
     def _open(self):
-        return Store(1 * MIB, 2 * MIB, str(self.dir), segment_bytes=512 * KIB, value_bytes_max=512 * KIB)
+        # Few FIFO attempts, so the fragmentation fallback (window eviction) runs often too.
+        return Store(1 * MIB, 2 * MIB, str(self.dir), segment_bytes=512 * KIB, value_bytes_max=512 * KIB,
+                     eviction_attempts_max=self.attempts)
 
     @rule(key=KEYS, size=SIZES, seed=st.integers(0, 255))
     def put(self, key, size, seed):
@@ -110,6 +113,6 @@ class StoreModel(RuleBasedStateMachine):
 
 
 StoreModel.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_store_matches_dict_model = StoreModel.TestCase

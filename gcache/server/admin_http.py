@@ -28,7 +28,10 @@ class AdminHttpServer:
         except OSError as e:
             raise OSError(e.errno, f"admin HTTP {host}:{port}: {e.strerror}; "
                                    "pick a free --admin-port, or 0 to turn it off") from e
-        self._httpd.daemon_threads = True
+        # Request threads are joined on close, so a POST /flush in progress
+        # finishes before the process exits; Handler.timeout bounds each one.
+        self._httpd.daemon_threads = False
+        self._httpd.block_on_close = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="gcache-admin-http",
                                         daemon=True)
@@ -48,6 +51,7 @@ def _make_handler(stats, flush, ready):
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "gcache-admin"
+        timeout = 10  # seconds a client may take to send its request
 
         def _reply(self, code: int, body: str, content_type: str = "text/plain; charset=utf-8") -> None:
             data = body.encode()
