@@ -33,31 +33,37 @@ def memcpy_gbps(size_bytes: int = MEMCPY_BYTES, rounds: int = 4) -> float:
 
 SENDER_CODE = r"""
 import socket, sys
-port, total, chunk = map(int, sys.argv[1:4])
-payload = memoryview(bytearray(b"\x01" * chunk))
+port, total, chunk, buffer_bytes = map(int, sys.argv[1:5])
+payload = memoryview(bytearray(b"\x01" * buffer_bytes))
 with socket.create_connection(("127.0.0.1", port), timeout=60) as out:
     sent = 0
     while sent < total:
-        n = min(chunk, total - sent)
-        out.sendall(payload[:n])
+        at = sent % buffer_bytes
+        n = min(chunk, total - sent, buffer_bytes - at)
+        out.sendall(payload[at:at + n])
         sent += n
 """
 
 
-def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOPBACK_CHUNK_BYTES) -> float:
+def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOPBACK_CHUNK_BYTES,
+                      buffer_bytes: int | None = None) -> float:
     """Bandwidth of one TCP stream over 127.0.0.1, from a sender process to this one.
 
     Two processes, like a client and a store; both sides copy with no Python in
     the loop but a 4 MiB sendall / recv_into, so this is the kernel's loopback
-    copy cost, the ceiling for one TCP stream.
+    copy cost, the ceiling for one TCP stream. With the default buffer_bytes
+    (= chunk_bytes) both ends reuse one cache-resident 4 MiB buffer: the best
+    case. buffer_bytes = one batch's bytes makes both ends stream through
+    memory the size of a batch, as a store's arena and a caller's buffer do.
     """
+    buffer_bytes = max(buffer_bytes or chunk_bytes, chunk_bytes)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     listener.settimeout(LOOPBACK_TIMEOUT_S)
     sender = subprocess.Popen([sys.executable, "-c", SENDER_CODE, str(listener.getsockname()[1]),
-                               str(total_bytes), str(chunk_bytes)])
-    sink = memoryview(np.empty(chunk_bytes, dtype=np.uint8))
+                               str(total_bytes), str(chunk_bytes), str(buffer_bytes)])
+    sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8))
     received = first_bytes = 0
     elapsed = 0.0
     try:
@@ -69,7 +75,8 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
             first_bytes = n
             start = time.perf_counter()
             while received < total_bytes and n:
-                n = conn.recv_into(sink, chunk_bytes)
+                at = received % buffer_bytes
+                n = conn.recv_into(sink[at:], min(chunk_bytes, buffer_bytes - at))
                 received += n
             elapsed = time.perf_counter() - start
     finally:
@@ -85,13 +92,22 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
     return (total_bytes - first_bytes) / max(elapsed, 1e-9) / 1e9
 
 
-def measure_limits(repeat: int) -> dict:
-    """Runs both probes `repeat` times; medians plus every run."""
+def measure_limits(repeat: int, batch_bytes: int | None = None) -> dict:
+    """Runs the probes `repeat` times; medians plus every run.
+
+    loopback_tcp_gbps is the cache-resident best case (what the targets use);
+    loopback_tcp_batch_gbps streams through buffers of one batch's bytes.
+    """
     memcpy_runs = [memcpy_gbps() for _ in range(repeat)]
     loopback_runs = [loopback_tcp_gbps() for _ in range(repeat)]
-    return {
+    limits = {
         "memcpy_gbps": statistics.median(memcpy_runs),
         "loopback_tcp_gbps": statistics.median(loopback_runs),
         "memcpy_gbps_runs": memcpy_runs,
         "loopback_tcp_gbps_runs": loopback_runs,
     }
+    if batch_bytes:
+        batch_runs = [loopback_tcp_gbps(buffer_bytes=batch_bytes) for _ in range(repeat)]
+        limits["loopback_tcp_batch_gbps"] = statistics.median(batch_runs)
+        limits["loopback_tcp_batch_gbps_runs"] = batch_runs
+    return limits

@@ -151,7 +151,7 @@ def execute(args: argparse.Namespace) -> dict:
                 local_server = LocalServer(data_dir, memory=args.memory, disk=args.disk).start()
                 server_info.update(address=local_server.address, memory=args.memory, disk=args.disk)
             progress.step("machine limits", LIMITS_ESTIMATE_S * args.repeat)
-            limits = machine_limits.measure_limits(args.repeat)
+            limits = machine_limits.measure_limits(args.repeat, cfg.value_size * cfg.batch)
 
             gcache_spec = PeerSpec("gcache", server_info["address"])
             peers["gcache"] = {"available": True, "address": gcache_spec.address,
