@@ -14,7 +14,9 @@ constexpr int kHistogramBuckets = 32;  // bucket i: [2^i, 2^(i+1)) microseconds
 
 struct Histogram {
   std::atomic<uint64_t> buckets[kHistogramBuckets] = {};
+  std::atomic<uint64_t> sum_us{0};  // Prometheus `_sum`: rate(sum) / rate(count) is the mean
   void record_us(uint64_t us) {
+    sum_us.fetch_add(us, std::memory_order_relaxed);
     int b = 0;
     while (us > 1 && b < kHistogramBuckets - 1) { us >>= 1; ++b; }
     buckets[b].fetch_add(1, std::memory_order_relaxed);
@@ -43,6 +45,7 @@ struct Histogram {
   X(disk_errors)                      \
   X(torn_records_skipped)             \
   X(segments_reclaimed)               \
+  X(disk_copy_forwards)               \
   X(errors_bad_frame)                 \
   X(errors_unknown_opcode)            \
   X(errors_limit_exceeded)            \
@@ -89,6 +92,15 @@ struct Metrics {
   }
     GCACHE_HISTOGRAMS(GCACHE_READ_HIST)
 #undef GCACHE_READ_HIST
+    return out;
+  }
+
+  // Sum of every recorded latency per histogram, in microseconds.
+  std::vector<std::pair<std::string, uint64_t>> histogram_sums_us() const {
+    std::vector<std::pair<std::string, uint64_t>> out;
+#define GCACHE_READ_HIST_SUM(name) out.emplace_back(#name, latency_##name.sum_us.load(std::memory_order_relaxed));
+    GCACHE_HISTOGRAMS(GCACHE_READ_HIST_SUM)
+#undef GCACHE_READ_HIST_SUM
     return out;
   }
 };

@@ -711,7 +711,7 @@ Reply Server::handle_remove(Connection* c, const FrameHeader& h) {
 Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(3);
+  out.map(4);
   const auto counters = metrics_->counters();
   out.str("counters");
   out.map(uint32_t(counters.size()));
@@ -735,6 +735,13 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
     out.str(name);
     out.array(uint32_t(buckets.size()));
     for (uint64_t v : buckets) out.uint(v);
+  }
+  const auto sums = metrics_->histogram_sums_us();
+  out.str("histogram_sums_us");
+  out.map(uint32_t(sums.size()));
+  for (const auto& [name, sum] : sums) {
+    out.str(name);
+    out.uint(sum);
   }
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};

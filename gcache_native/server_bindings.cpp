@@ -82,7 +82,7 @@ void without_gil(F&& f) {
 }
 
 py::dict stats_dict(Node& node) {
-  py::dict counters, gauges, histograms;
+  py::dict counters, gauges, histograms, histogram_sums_us;
   for (const auto& [name, value] : node.metrics->counters()) counters[py::str(name)] = value;
   std::vector<std::pair<std::string, int64_t>> g;
   node.store->fill_gauges(&g);
@@ -90,10 +90,12 @@ py::dict stats_dict(Node& node) {
   for (const auto& [name, value] : g) gauges[py::str(name)] = value;
   for (const auto& [name, buckets] : node.metrics->histograms())
     histograms[py::str(name)] = py::cast(buckets);
+  for (const auto& [name, sum] : node.metrics->histogram_sums_us()) histogram_sums_us[py::str(name)] = sum;
   py::dict out;
   out["counters"] = counters;
   out["gauges"] = gauges;
   out["histograms"] = histograms;
+  out["histogram_sums_us"] = histogram_sums_us;
   return out;
 }
 
@@ -145,7 +147,8 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
       .def("check_integrity", [](Node& n) { without_gil([&] { n.store->check_integrity(); }); },
            "Raises naming the first broken store invariant.")
       .def("stats", &stats_dict,
-           "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}}")
+           "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}, "
+           "'histogram_sums_us': {name: int}}")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
       .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); });
 }

@@ -166,6 +166,7 @@ struct Store::Impl {
       uint64_t bytes = record_bytes(e->key.size(), e->length);
       if (e->read_since_written && !e->copied_forward && bytes <= budget &&
           copy_forward(e, *file, &bounce)) {
+        bump(metrics->disk_copy_forwards);
         budget -= bytes;
         continue;
       }

@@ -6,88 +6,25 @@ import os
 # One BLAS thread: on 2 shared cores, BLAS thread pools only fight each other.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from gcache.bench.local_server import LocalServer, free_port
+from gcache.bench.peers.redis_peer import LocalRedis
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """One gcache-server subprocess. start() returns once its port accepts."""
+class ServerProcess(LocalServer):
+    """A gcache-server subprocess for tests: small tiers, an admin port, start() waits for its port."""
 
     def __init__(self, data_dir: Path, memory: str = "64MiB", disk: str = "256MiB", extra_args=()):
-        self.data_dir = Path(data_dir)
-        self.memory = memory
-        self.disk = disk
-        self.extra_args = list(extra_args)
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.data_dir.parent / f"server-{self.port}.log"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 20.0) -> "ServerProcess":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            sys.executable, "-m", "gcache.server.main",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--admin-port", str(self.admin_port),
-            "--memory", self.memory, "--disk", self.disk,
-            "--data-dir", str(self.data_dir),
-            *self.extra_args,
-        ]
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gcache-server exited with {self.proc.returncode}: {self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"gcache-server did not start in {timeout_s}s: {self.log()}")
+        super().__init__(data_dir, memory=memory, disk=disk, extra_args=extra_args,
+                         admin_port=free_port(), start_timeout_s=20.0)
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        """Sends `sig` and waits; returns the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.log_tail()
 
 
 @pytest.fixture
@@ -112,27 +49,16 @@ def server(server_factory):
 
 
 @pytest.fixture
-def redis_server(tmp_path):
+def redis_server():
     """A real redis-server on a free loopback port (skips if not installed)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed: run the README's setup command")
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            time.sleep(0.05)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
+    if shutil.which("redis-server") is None:
+        message = "redis-server is not installed: run the README's setup command (./setup.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI runs setup.sh, so a missing server is a broken setup
+        pytest.skip(message)
+    redis = LocalRedis()
+    yield redis.address
+    redis.stop()
 
 
 def pytest_configure(config):

@@ -18,17 +18,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalServer:
-    """One gcache-server on a free loopback port; its output goes to `data_dir`/../server.log."""
+def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float, what: str, log_tail=lambda: "") -> None:
+    """Returns once 127.0.0.1:`port` accepts; raises if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} at start:\n{log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on port {port} within {timeout_s}s:\n{log_tail()}")
 
-    def __init__(self, data_dir: Path, memory: str = "1GiB", disk: str = "2GiB", extra_args=()):
+
+class LocalServer:
+    """One gcache-server on a free loopback port; its output goes to `data_dir`/../gcache-server-PORT.log.
+
+    Used by gcache-bench, gcache-demo and the tests' fixtures.
+    """
+
+    def __init__(self, data_dir: Path, memory: str = "1GiB", disk: str = "2GiB", extra_args=(),
+                 admin_port: int = 0, start_timeout_s: float = START_TIMEOUT_S):
         self.data_dir = Path(data_dir)
         self.memory = memory
         self.disk = disk
         self.extra_args = list(extra_args)
         self.port = free_port()
+        self.admin_port = admin_port
+        self.start_timeout_s = start_timeout_s
         self.log_path = self.data_dir.parent / f"gcache-server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        self._log = None
 
     @property
     def address(self) -> str:
@@ -37,21 +58,16 @@ class LocalServer:
     def start(self) -> "LocalServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1", "--port", str(self.port),
-                "--admin-port", "0", "--memory", self.memory, "--disk", self.disk,
+                "--admin-port", str(self.admin_port), "--memory", self.memory, "--disk", self.disk,
                 "--data-dir", str(self.data_dir), *self.extra_args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gcache-server exited with {self.proc.returncode} at start:\n{self.log_tail()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"gcache-server did not listen within {START_TIMEOUT_S}s:\n{self.log_tail()}")
+        try:
+            wait_listening(self.proc, self.port, self.start_timeout_s, "gcache-server", self.log_tail)
+        except RuntimeError:
+            self.kill()
+            raise
+        return self
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -59,16 +75,26 @@ class LocalServer:
         except OSError:
             return ""
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Sends `sig`, waits, returns the exit code (SIGKILL after STOP_TIMEOUT_S)."""
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Sends `sig`, waits, returns the exit code (SIGKILL after `timeout_s`: then -9)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            code = self.proc.wait(STOP_TIMEOUT_S)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait(STOP_TIMEOUT_S)
-        self._log.close()
+        finally:
+            if self._log is not None:
+                self._log.close()
         return code

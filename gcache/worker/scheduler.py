@@ -82,6 +82,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.epoch = 0  # bumped by the engine whenever the tree's contents change
+        self._waiters: dict[int, int] = {}  # rid -> waiting requests held back for its prefill
 
     # ---- queue ops -------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -128,14 +129,30 @@ class Scheduler:
         return r.to_compute if r.state is RequestState.RUNNING else r.uncached_estimate
 
     def priority(self, r: Request, now: float) -> tuple:
+        """Smaller first. need / (1 + waiters) is Smith's rule: a prefill that k held-back
+        requests will reuse finishes k + 1 first tokens' worth of work, so it ranks as if it
+        were k + 1 times shorter (otherwise a hot document's first reader, being long, ranks
+        last and its followers wait behind everyone)."""
         wait = now - r.arrival_s
         if wait >= self.config.max_wait_s:
             return (0, r.arrival_s, r.rid)  # starvation lane: FCFS among the aged
-        return (1, self.need_of(r) - self.config.aging_tokens_per_s * wait, r.arrival_s, r.rid)
+        need = self.need_of(r) / (1 + self._waiters.get(r.rid, 0))
+        return (1, need - self.config.aging_tokens_per_s * wait, r.arrival_s, r.rid)
+
+    def _count_waiters(self, prefilling: list[Request], now: float) -> None:
+        """How many waiting requests each prefilling request would hold back (dedup)."""
+        self._waiters = {}
+        if not prefilling:
+            return
+        for r in self.waiting[: self.config.scan_max]:
+            leader = self._dedup_leader(r, prefilling, now)
+            if leader is not None:
+                self._waiters[leader.rid] = self._waiters.get(leader.rid, 0) + 1
 
     def _plan_ttft(self, prefilling: list[Request], now: float, budget: int,
                    free_slots: int) -> list[Chunk]:
         cfg = self.config
+        self._count_waiters(prefilling, now)
         cands = sorted(prefilling + self.waiting, key=lambda r: self.priority(r, now))
         chosen: list[Request] = []
         in_flight = list(prefilling)  # requests computing uncached tokens this step
@@ -149,14 +166,20 @@ class Scheduler:
         return self._split_budget(chosen, budget)
 
     def _should_defer(self, r: Request, in_flight: list[Request], now: float) -> bool:
+        return self._dedup_leader(r, in_flight, now) is not None
+
+    def _dedup_leader(self, r: Request, in_flight: list[Request], now: float) -> Request | None:
+        """The in-flight request computing at least dedup_min_tokens of r's uncached prefix."""
         if now - r.arrival_s >= self.config.max_wait_s:
-            return False
-        cached = r.num_tokens - r.uncached_estimate
+            return None
+        end = r.num_tokens - r.uncached_estimate + self.config.dedup_min_tokens  # cached + min
+        if end > len(r.prompt):
+            return None
+        head = r.prompt[:end]
         for other in in_flight:
-            shared = shared_prefix_len(r.prompt, other.prompt)
-            if shared - cached >= self.config.dedup_min_tokens:
-                return True
-        return False
+            if other is not r and len(other.prompt) >= end and np.array_equal(other.prompt[:end], head):
+                return other
+        return None
 
     def _split_budget(self, chosen: list[Request], budget: int) -> list[Chunk]:
         cfg = self.config

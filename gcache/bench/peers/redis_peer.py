@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 
 import numpy as np
 
+from gcache.bench.local_server import free_port, wait_listening
 from gcache.bench.peers.base import Peer, PeerSpec
 
 REDIS_START_TIMEOUT_S = 10.0
@@ -65,12 +64,6 @@ def open_peer(spec: PeerSpec) -> Peer:
     return RedisPeer(spec.address)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalRedis:
     """A throwaway redis-server on a free loopback port, no persistence."""
 
@@ -78,24 +71,18 @@ class LocalRedis:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = tempfile.TemporaryDirectory(prefix="gcache-bench-redis-")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start with code {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not accept connections within {REDIS_START_TIMEOUT_S}s")
+        try:
+            wait_listening(self.proc, self.port, REDIS_START_TIMEOUT_S, "redis-server")
+        except RuntimeError:
+            self.stop()
+            raise
 
     @property
     def address(self) -> str:
