@@ -4,8 +4,14 @@ Both policies run the real Engine (real scheduler, SWA radix tree, dual pools, p
 accounting, preemption). Compute is either
   --mode sim  (default): SimulatedModel, a cost model that advances a virtual clock
               (gcache/worker/sim_model.py documents the formula); deterministic, fast;
-  --mode real: the real numpy model; each step advances the virtual clock by its measured
-              wall time (so the shared machine's noise shows up in the figures).
+  --mode real: the real numpy model computes every batch. On this shared 2-core machine one
+              batch's wall time varies up to 5x between identical runs, so by default
+              (--clock fitted) the bench first times the real model on a grid of batch shapes
+              (the fastest of --cal-repeats runs each), fits CostModel's coefficients to
+              them, and advances the virtual clock by the fitted cost of each batch the real
+              model runs: both policies pay the same, measured, noise-free price per batch.
+              --clock wall advances it by each step's measured wall time instead (noisy).
+  --cost fitted (with --mode sim): the same fitted costs, simulated compute; fast.
 Arrivals are a seeded Poisson process in virtual time; TTFT = first token - arrival.
 
 Workload (seeded): short requests (fresh prompts, 32..256 tokens) and long requests
@@ -33,7 +39,87 @@ from gcache.worker.engine import Engine, EngineConfig  # noqa: E402
 from gcache.worker.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.request import SamplingParams  # noqa: E402
 from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.sim_model import SimulatedModel, VirtualClock  # noqa: E402
+from gcache.worker.sim_model import CostModel, SimulatedModel, VirtualClock  # noqa: E402
+
+CAL_SHAPES = ([[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)]
+              + [[(n, ctx)] + [(1, 300)] * nd for n in (16, 64, 128, 256, 384, 512)
+                 for ctx in (0, 1024) for nd in (0, 16)])  # [(new tokens, context before)] per batch
+
+
+def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on relative error (active set: drop the most negative)."""
+    active = list(range(X.shape[1]))
+    A = X / y[:, None]
+    while True:
+        c = np.linalg.lstsq(A[:, active], np.ones(len(y)), rcond=None)[0]
+        if (c >= 0).all():
+            out = np.zeros(X.shape[1])
+            out[active] = c
+            return out
+        del active[int(np.argmin(c))]
+
+
+def calibrate(cfg: ModelConfig, repeats: int) -> tuple[CostModel, float]:
+    """Fit CostModel to the real model's batch times on this machine; returns the model
+    and the median |relative error| of the fit over the calibration shapes."""
+    from gcache.worker.kv_pool import RequestKV
+    from gcache.worker.model import Model
+    model, rng = Model(cfg), np.random.default_rng(0)
+    kv = DualKVCache(cfg, 8192, 8192)
+    proto = CostModel(swa_dense=True)
+    f = len(cfg.full_layers) / cfg.layers
+    rows, times = [], []
+    for shape in CAL_SHAPES:
+        reqs = [RequestKV(cfg.page_size, cfg.window) for _ in shape]
+        for r, (n, ctx) in zip(reqs, shape):
+            assert r.grow(kv, ctx + n)
+        best = float("inf")
+        for _ in range(repeats):
+            for r, (n, ctx) in zip(reqs, shape):
+                r.num_tokens = ctx  # K/V before ctx is whatever the pages hold: fine for timing
+            work = [(rng.integers(0, 256, size=n), None, r) for r, (n, _) in zip(reqs, shape)]
+            t0 = time.perf_counter()
+            model.forward_batch(work, kv)
+            best = min(best, time.perf_counter() - t0)
+        for r in reqs:
+            r.release(kv)
+        rows.append(proto.features([(n, ctx + n) for n, ctx in shape], f, cfg.window))
+        times.append(best)
+    X, y = np.array(rows), np.array(times)
+    c = nnls_relative(X, y)
+    fitted = CostModel(base_s=c[0], token_s=c[1], req_s=c[2], kv_s=c[3], read_s=c[4], swa_dense=True)
+    return fitted, float(np.median(np.abs(X @ c / y - 1)))
+
+
+def load_or_calibrate(args) -> tuple[CostModel, float]:
+    """--cal-file: reuse a saved fit (so seeds and policies share one), else fit and save."""
+    import json
+    if args.cal_file and os.path.exists(args.cal_file):
+        with open(args.cal_file) as f:
+            d = json.load(f)
+        return CostModel(**d["cost"]), d["median_rel_error"]
+    cost, err = calibrate(ModelConfig(dtype="float32"), args.cal_repeats)
+    if args.cal_file:
+        with open(args.cal_file, "w") as f:
+            json.dump({"cost": cost.__dict__, "median_rel_error": err}, f)
+    return cost, err
+
+
+class FittedClockModel:
+    """The real model computes each batch; the virtual clock advances by its fitted cost."""
+
+    def __init__(self, model, cost: CostModel, clock: VirtualClock) -> None:
+        self.model, self.cost, self.clock = model, cost, clock
+        self.full_fraction = len(model.config.full_layers) / model.config.layers
+        self.wall_s = 0.0
+
+    def forward_batch(self, chunks, kv, all_logits: bool = False) -> list:
+        shape = [(len(tokens), req.num_tokens + len(tokens)) for tokens, _, req in chunks]
+        t0 = time.perf_counter()
+        out = self.model.forward_batch(chunks, kv, all_logits)
+        self.wall_s += time.perf_counter() - t0
+        self.clock.advance(self.cost.cost_s(self.cost.features(shape, self.full_fraction, self.model.config.window)))
+        return out
 
 
 def make_workload(args) -> list[tuple[float, list[int], int]]:
@@ -62,10 +148,13 @@ def make_workload(args) -> list[tuple[float, list[int], int]]:
 
 def build_engine(args, policy: str, clock: VirtualClock) -> Engine:
     cfg = ModelConfig(dtype="float32")  # the default small hybrid model: 14 layers, W=128, ps=16
-    model = SimulatedModel(cfg, clock) if args.mode == "sim" else None
-    if model is None:
+    if args.mode == "sim":
+        model = SimulatedModel(cfg, clock, args.cost_model)
+    else:
         from gcache.worker.model import Model
         model = Model(cfg)
+        if args.clock == "fitted":
+            model = FittedClockModel(model, args.cost_model, clock)
     kv = DualKVCache(cfg, args.full_pages, args.swa_pages)
     sc = SchedulerConfig(policy=policy, max_running=32, max_tokens_per_step=args.step_tokens,
                          chunk_tokens=args.chunk_tokens, long_threshold_tokens=args.long_tokens,
@@ -88,7 +177,7 @@ def run_policy(args, policy: str, workload) -> dict:
         if engine.has_work():
             t0 = time.perf_counter()
             engine.step()
-            if args.mode == "real":
+            if args.mode == "real" and args.clock == "wall":
                 clock.advance(time.perf_counter() - t0)
         elif i < len(workload):
             clock.advance_to(workload[i][0])
@@ -97,6 +186,8 @@ def run_policy(args, policy: str, workload) -> dict:
     long_ = [r.ttft_s for r in reqs if len(r.prompt) >= args.long_tokens]
     short = [r.ttft_s for r in reqs if len(r.prompt) < args.long_tokens]
     m = engine.metrics.snapshot()
+    if isinstance(engine.model, FittedClockModel):
+        print(f"  {policy}: real compute {engine.model.wall_s:.1f}s wall, {clock():.1f}s virtual (fitted)")
     return {"policy": policy, "n_long": len(long_), "n_short": len(short),
             "long_p50": np.percentile(long_, 50), "long_p90": np.percentile(long_, 90),
             "short_p50": np.percentile(short, 50), "short_p90": np.percentile(short, 90),
@@ -120,6 +211,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--aging", type=float, default=500.0, help="uncached tokens per second waited")
     ap.add_argument("--max-wait-s", type=float, default=20.0)
+    ap.add_argument("--clock", choices=("fitted", "wall"), default="fitted", help="--mode real: see above")
+    ap.add_argument("--cost", choices=("default", "fitted"), default="default", help="--mode sim: see above")
+    ap.add_argument("--cal-repeats", type=int, default=5)
+    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
     ap.add_argument("--dedup-min-tokens", type=int, default=32, help="ablation: 10**9 turns in-flight dedup off")
     args = ap.parse_args(argv)
     if args.mode == "real" and args.scale == 1.0 and args.requests == 600:
@@ -127,6 +222,13 @@ def main(argv=None) -> int:
     args.long_tokens = args.long_tokens or int(1024 * args.scale)
     workload = make_workload(args)
     print("command: .venv/bin/python bench/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    args.cost_model = CostModel()
+    if (args.mode == "real" and args.clock == "fitted") or (args.mode == "sim" and args.cost == "fitted"):
+        args.cost_model, err = load_or_calibrate(args)
+        c = args.cost_model
+        print(f"fitted cost: base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
+              f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
+              f" median |error| {err:.1%} over {len(CAL_SHAPES)} shapes")
     print(f"mode={args.mode} requests={len(workload)} rate={args.rate}/s seed={args.seed} scale={args.scale}")
     rows = [run_policy(args, p, workload) for p in ("fcfs", "ttft")]
     head = f"{'policy':7} {'long':>5} {'short':>5} {'long P50':>9} {'long P90':>9} {'short P50':>10} " \

@@ -139,3 +139,17 @@ def test_pooled_connection_closed_by_server_idle_timeout_is_replaced(server_fact
         conn.sock.settimeout(None)
         client._pool.release(conn)
         assert client.get(b"k") == b"v"  # retried once on a fresh connection, though retries=0
+
+
+def test_retry_backoff_is_capped_so_a_failing_call_stays_bounded():
+    from conftest import free_port
+
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused at once
+    fast = Client(nowhere, timeout_s=5, retries=10, retry_backoff_s=0.01)
+    assert [fast.backoff_s(a) for a in (0, 1, 6, 7, 9)] == [0.01, 0.02, 0.64, 1.0, 1.0]
+    slow = Client(nowhere, timeout_s=0.05, retries=10, retry_backoff_s=10)
+    assert {slow.backoff_s(a) for a in range(10)} == {0.05}  # not 10 * 2^9 s
+    with pytest.raises(errors.ConnectionError, match=r"refused.*gave up after 11 attempt"):
+        slow.ping()  # ten sleeps of 0.05 s
+    fast.close()
+    slow.close()

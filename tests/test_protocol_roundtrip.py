@@ -87,11 +87,12 @@ def test_ping_and_stats(node):
         assert isinstance(pong["version"], str) and pong["epoch"] == 0
         c.request(PING, {"epoch": 7, "unknown": [1, {"x": None}]})  # extra keys are ignored
         stats = c.stats()
-        assert set(stats) == {"counters", "gauges", "histograms"}
+        assert set(stats) == {"counters", "gauges", "histograms", "histogram_sums_us"}
         assert stats["counters"]["requests"] >= 2
         assert stats["gauges"]["connections_open"] >= 1
         assert all(len(b) == 32 for b in stats["histograms"].values())
         assert sum(stats["histograms"]["ping"]) >= 2
+        assert set(stats["histogram_sums_us"]) == set(stats["histograms"])
 
 
 def test_counters_move(node):

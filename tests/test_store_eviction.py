@@ -147,3 +147,21 @@ def test_large_put_into_an_arena_fragmented_by_small_values(tmp_path):
         for i in range(1, 1024, 2):
             assert s.get(b"small%d" % i) in (None, bytes([i % 256]) * 4096)
         s.check_integrity()
+
+
+def test_copy_forwards_are_counted_once_per_read_record(data_dir):
+    value = {name: os.urandom(100 * KIB) for name in (b"read", b"unread")}
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False) as s:
+        for name, v in value.items():
+            s.put(name, v)
+        for i in range(12):  # pushes both out of memory into the first segment
+            s.put(b"a%d" % i, os.urandom(100 * KIB))
+        assert s.get(b"read") == value[b"read"]
+        assert s.stats()["disk_copy_forwards"] == 0  # nothing reclaimed yet
+        for i in range(50):  # reclaims the first segment: "read" moves forward, nothing else was read
+            s.put(b"b%d" % i, os.urandom(100 * KIB))
+        stats = s.stats()
+        assert stats["segments_reclaimed"] > 0
+        assert stats["disk_copy_forwards"] == 1
+        assert s.get(b"read") == value[b"read"]
+        assert s.get(b"unread") is None

@@ -22,6 +22,9 @@ from gcache.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_key
 
 RETRIES_MAX = 10
 PIPELINE_DEPTH_MAX = 64
+# One backoff sleep at most: retry_backoff_s doubles per attempt, and 10 s * 2^9
+# would park a caller for over an hour.
+RETRY_BACKOFF_MAX_S = 1.0
 
 
 def _is_address(obj) -> bool:
@@ -35,10 +38,16 @@ class Client:
         longest a call waits for a free pooled connection.
     connect_timeout_s: the longest a new connection may take to open.
     pool_size: open connections at most (one per concurrently calling thread).
-    retries: extra attempts, on a fresh connection, after a connection failure.
+    retries: extra attempts, on a fresh connection, after a connection failure
+        (refused, reset, closed). A timeout is not retried: the server made no
+        progress for timeout_s, and retrying would only multiply the wait.
+    retry_backoff_s: sleep before the first retry, doubling per retry, each
+        sleep capped at min(RETRY_BACKOFF_MAX_S, timeout_s).
     verify_checksums: check every value read against its xxh64.
     batch_keys_max / frame_payload_bytes_max: a batch is split into frames of
         at most this many keys / payload bytes (must not exceed the server's).
+        A GET frame whose found values exceed the server's frame limit is split
+        again on its LIMIT_EXCEEDED answer, on the same connection.
     pipeline_depth: frames in flight at once on one connection.
     """
 
@@ -109,13 +118,17 @@ class Client:
                 if attempt >= self.retries:
                     raise type(exc)(f"{exc} (gave up after {attempt + 1} attempt(s))",
                                     self.address) from exc
-                time.sleep(self.retry_backoff_s * (2 ** attempt))
+                time.sleep(self.backoff_s(attempt))
                 attempt += 1
                 result.reset()
             finally:
                 if conn is not None:
                     self._pool.release(conn)
         result.raise_problems(self.address)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Sleep before retry `attempt` (0-based): doubling, capped by RETRY_BACKOFF_MAX_S and timeout_s."""
+        return min(self.retry_backoff_s * (2 ** attempt), RETRY_BACKOFF_MAX_S, self.timeout_s)
 
     def _split(self, n: int, sizes=None) -> list[tuple[int, int]]:
         """[lo, hi) slices of at most batch_keys_max keys and frame_payload_bytes_max bytes."""

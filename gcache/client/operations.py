@@ -108,6 +108,11 @@ class Operation:
     def on_response(self, conn, meta: dict, payload_len: int) -> None:
         raise NotImplementedError
 
+    def split(self) -> list["Operation"] | None:
+        """Two operations covering this one's keys, for a frame the server refused as
+        over its limits while keeping the connection open; None if it cannot split."""
+        return None
+
 
 class PutOp(Operation):
     opcode = Opcode.PUT_BATCH
@@ -174,9 +179,25 @@ class _ValuesOp(Operation):
     def read_values(self, conn, lens: list, sums: list | None, payload_len: int) -> None:
         raise NotImplementedError
 
+    def split(self):
+        # LIMIT_EXCEEDED on a GET (found values over the server's frame payload
+        # limit, or more keys than its batch_keys_max) leaves the connection open:
+        # halves are retried on it. One key cannot be split; it cannot hit the
+        # payload limit either, since the server keeps value_bytes_max <= it.
+        if self.hi - self.lo < 2:
+            return None
+        mid = (self.lo + self.hi) // 2
+        return [self.part(self.lo, mid), self.part(mid, self.hi)]
+
+    def part(self, lo: int, hi: int) -> "_ValuesOp":
+        raise NotImplementedError
+
 
 class GetOp(_ValuesOp):
     """Values come back as new bytes objects."""
+
+    def part(self, lo, hi):
+        return GetOp(self.result, lo, hi, self.verify)
 
     def read_values(self, conn, lens, sums, payload_len):
         out = self.result.values
@@ -202,6 +223,9 @@ class GetIntoOp(_ValuesOp):
     def __init__(self, result, lo, hi, verify_checksums, targets: list[memoryview]):
         super().__init__(result, lo, hi, verify_checksums)
         self.targets = targets
+
+    def part(self, lo, hi):
+        return GetIntoOp(self.result, lo, hi, self.verify, self.targets[lo - self.lo:hi - self.lo])
 
     def read_values(self, conn, lens, sums, payload_len):
         out = self.result.values

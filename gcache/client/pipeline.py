@@ -14,7 +14,7 @@ from itertools import count
 from gcache import errors
 from gcache.client.connection import Connection
 from gcache.client.operations import Operation
-from gcache.protocol import FLAG_RESPONSE, FrameStatus
+from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode
 
 # Bytes that kernel socket buffers absorb without blocking (default tcp_rmem is
 # 128 KiB; half of it holds data).
@@ -48,10 +48,24 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
     return errors.ProtocolError(f"{where} answered with unknown frame status {status}: {message}")
 
 
-def _receive(conn: Connection, request_id: int, op: Operation) -> None:
+def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation] | None:
+    """Reads one response into `op`; returns the operations to send instead, if the
+    server refused `op` as over its limits and `op` can be split."""
     opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
     meta = conn.read_meta(meta_len)
     if status != FrameStatus.OK:
+        if (status == FrameStatus.LIMIT_EXCEEDED and rid == request_id and opcode == op.opcode
+                and payload_len == 0):
+            halves = op.split()  # GETs only: the server kept the connection open
+            if halves is not None:
+                return halves
+            if op.opcode == Opcode.GET_BATCH:  # one key, still over: stored under larger limits
+                conn.broken = True
+                raise errors.LimitExceededError(
+                    f"gcache-server at {conn.address} cannot send the value of key {op.keys[0]!r} "
+                    f"in one frame ({meta.get('error')}); it was stored under a larger "
+                    "--value-bytes-max: raise the server's --frame-payload-bytes-max",
+                    "LIMIT_EXCEEDED", status)
         conn.broken = True  # the rest of the stream is not worth resynchronising
         raise status_error(status, meta, conn.address)
     if rid != request_id or opcode != op.opcode or not flags & FLAG_RESPONSE:
@@ -60,21 +74,45 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> None:
             f"gcache-server at {conn.address} answered request {rid} op {opcode}, "
             f"expected {request_id} op {int(op.opcode)}: responses are out of order")
     op.on_response(conn, meta, payload_len)
+    return None
 
 
 def run(conn: Connection, ops: list[Operation], depth_max: int) -> None:
-    """Runs every operation on `conn`; on any exception the connection is marked broken."""
+    """Runs every operation on `conn`; on any exception the connection is marked broken.
+
+    An operation the server refuses as too large (a GET whose found values exceed
+    its frame payload limit) is replaced by its two halves, sent on the same
+    connection. Each split halves a key range, so a batch of n keys is split at
+    most n - 1 times; a single key that is still refused raises.
+    """
     try:
         if len(ops) == 1:  # the common case: no bookkeeping
             request_id = next(_request_ids)
             parts, _ = ops[0].frame(request_id)
             conn.send(parts)
-            _receive(conn, request_id, ops[0])
-            return
+            halves = _receive(conn, request_id, ops[0])
+            if halves is None:
+                return
+            ops = halves
+        pending: deque = deque(ops)
         in_flight: deque = deque()
         request_bytes = 0
         response_bytes = 0
-        for op in ops:
+
+        def receive_oldest() -> None:
+            nonlocal request_bytes, response_bytes
+            old_id, old_op, old_size, old_reply = in_flight.popleft()
+            halves = _receive(conn, old_id, old_op)
+            if halves is not None:
+                pending.extendleft(reversed(halves))
+            request_bytes -= old_size
+            response_bytes -= old_reply
+
+        while pending or in_flight:
+            if not pending:
+                receive_oldest()
+                continue
+            op = pending.popleft()
             request_id = next(_request_ids)
             parts, size = op.frame(request_id)
             reply_max = op.response_bytes_max()
@@ -82,17 +120,11 @@ def run(conn: Connection, ops: list[Operation], depth_max: int) -> None:
                     len(in_flight) < depth_max
                     and (request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
                          or response_bytes + reply_max <= IN_FLIGHT_WINDOW_BYTES)):
-                old_id, old_op, old_size, old_reply = in_flight.popleft()
-                _receive(conn, old_id, old_op)
-                request_bytes -= old_size
-                response_bytes -= old_reply
+                receive_oldest()
             conn.send(parts)
             in_flight.append((request_id, op, size, reply_max))
             request_bytes += size
             response_bytes += reply_max
-        while in_flight:
-            old_id, old_op, _, _ = in_flight.popleft()
-            _receive(conn, old_id, old_op)
     except BaseException:
         conn.broken = True
         raise

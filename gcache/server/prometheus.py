@@ -5,11 +5,13 @@ HISTOGRAM_BUCKETS = 32  # bucket i: [2^i, 2^(i+1)) microseconds; the last one is
 
 
 def render(stats: dict, prefix: str = "gcache") -> str:
-    """stats: {"counters": {name: int}, "gauges": {name: int}, "histograms": {name: [counts]}}.
+    """stats: {"counters": {name: int}, "gauges": {name: int}, "histograms": {name: [counts]},
+    "histogram_sums_us": {name: int}}.
 
     Counters become `<prefix>_<name>_total`, gauges `<prefix>_<name>`, latency
     histograms `<prefix>_<name>_latency_seconds` with cumulative `_bucket{le=...}`
-    lines (upper bounds 2^(i+1) us, then +Inf) and `_count`.
+    lines (upper bounds 2^(i+1) us, then +Inf), `_sum` (seconds, from
+    histogram_sums_us; 0 if a node does not report it) and `_count`.
     """
     lines: list[str] = []
     for name, value in sorted(stats.get("counters", {}).items()):
@@ -20,6 +22,7 @@ def render(stats: dict, prefix: str = "gcache") -> str:
         metric = f"{prefix}_{name}"
         lines.append(f"# TYPE {metric} gauge")
         lines.append(f"{metric} {int(value)}")
+    sums_us = stats.get("histogram_sums_us", {})
     for name, buckets in sorted(stats.get("histograms", {}).items()):
         metric = f"{prefix}_{name}_latency_seconds"
         lines.append(f"# TYPE {metric} histogram")
@@ -30,5 +33,7 @@ def render(stats: dict, prefix: str = "gcache") -> str:
             lines.append(f'{metric}_bucket{{le="{upper_s:.6g}"}} {cumulative}')
         cumulative += int(buckets[-1]) if buckets else 0
         lines.append(f'{metric}_bucket{{le="+Inf"}} {cumulative}')
+        # Fixed-point seconds: exact to the microsecond, never exponent notation.
+        lines.append(f"{metric}_sum {int(sums_us.get(name, 0)) / 1e6:.6f}")
         lines.append(f"{metric}_count {cumulative}")
     return "\n".join(lines) + "\n"

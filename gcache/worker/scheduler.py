@@ -43,6 +43,7 @@ class SchedulerConfig:
     dedup_min_tokens: int = 32       # shared uncached prefix worth waiting for
     estimates_per_step: int = 64     # tree matches spent refreshing stale estimates per step
     scan_max: int = 256              # candidates examined per plan
+    srpt_chunks: bool = True         # TTFT: the first in priority order takes all it needs
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -116,7 +117,8 @@ class Scheduler:
 
     def _plan_fcfs(self, prefilling: list[Request], budget: int, free_slots: int) -> list[Chunk]:
         cands = sorted(prefilling, key=lambda r: (r.arrival_s, r.rid)) + self.waiting[:free_slots]
-        return self._grant(cands[: self.config.scan_max], [False] * len(cands), {False: budget, True: 0})
+        return self._grant(cands[: self.config.scan_max], [False] * len(cands), {False: budget, True: 0},
+                           cap=False)
 
     def _refresh_estimates(self) -> None:
         stale = [r for r in self.waiting if r.estimate_epoch != self.epoch]
@@ -185,14 +187,17 @@ class Scheduler:
         cfg = self.config
         is_short = [self.need_of(r) <= cfg.long_threshold_tokens for r in chosen]
         short = int(budget * cfg.short_share) if any(is_short) else 0
-        return self._grant(chosen, is_short, {True: short, False: budget - short})
+        return self._grant(chosen, is_short, {True: short, False: budget - short}, cap=self.config.srpt_chunks)
 
-    def _grant(self, order: list[Request], bucket: list[bool], left: dict[bool, int]) -> list[Chunk]:
-        """Pass 1: in order, up to chunk_tokens each from the request's bucket. Pass 2
+    def _grant(self, order: list[Request], bucket: list[bool], left: dict[bool, int],
+               cap: bool = False) -> list[Chunk]:
+        """Pass 1: in order, up to chunk_tokens each (FCFS; TTFT unless srpt_chunks) or up to
+        its whole need (TTFT with srpt_chunks) from the request's bucket. Pass 2
         (work-conserving, both policies): leftover budget to the same order, uncapped."""
         grant = [0] * len(order)
+        per_req = self.config.chunk_tokens if not cap else 1 << 62
         for i, r in enumerate(order):
-            take = min(self.need_of(r), self.config.chunk_tokens, left[bucket[i]])
+            take = min(self.need_of(r), per_req, left[bucket[i]])
             grant[i] = take
             left[bucket[i]] -= take
         spare = left[True] + left[False]
