@@ -10,7 +10,10 @@ accounting, preemption). Compute is either
               (the fastest of --cal-repeats runs each), fits CostModel's coefficients to
               them, and advances the virtual clock by the fitted cost of each batch the real
               model runs: both policies pay the same, measured, noise-free price per batch.
+              The fitted clock counts model compute only, not the scheduler's Python time.
               --clock wall advances it by each step's measured wall time instead (noisy).
+              (Wall mode used to stamp the first token before advancing the clock, so TTFT
+              left out the step that produced it; it now counts that step.)
   --cost fitted (with --mode sim): the same fitted costs, simulated compute; fast.
 Arrivals are a seeded Poisson process in virtual time; TTFT = first token - arrival.
 
@@ -19,7 +22,7 @@ Workload (seeded): short requests (fresh prompts, 32..256 tokens) and long reque
 document come in bursts, as when a user asks several things about one file) and fresh long
 documents. "long" = prompt of >= --long-tokens tokens.
 
-Usage:  .venv/bin/python bench/ttft.py [--mode sim|real] [--requests N] [--rate R] [--seed S]
+Usage:  .venv/bin/python bench/ttft.py [--mode sim|real] [--requests N] [--rate R] [--seed S | --seeds 0,1,2]
 """
 from __future__ import annotations
 
@@ -111,14 +114,16 @@ class FittedClockModel:
     def __init__(self, model, cost: CostModel, clock: VirtualClock) -> None:
         self.model, self.cost, self.clock = model, cost, clock
         self.full_fraction = len(model.config.full_layers) / model.config.layers
-        self.wall_s = 0.0
+        self.wall_s = self.fitted_s = 0.0
 
     def forward_batch(self, chunks, kv, all_logits: bool = False) -> list:
         shape = [(len(tokens), req.num_tokens + len(tokens)) for tokens, _, req in chunks]
         t0 = time.perf_counter()
         out = self.model.forward_batch(chunks, kv, all_logits)
         self.wall_s += time.perf_counter() - t0
-        self.clock.advance(self.cost.cost_s(self.cost.features(shape, self.full_fraction, self.model.config.window)))
+        cost = self.cost.cost_s(self.cost.features(shape, self.full_fraction, self.model.config.window))
+        self.fitted_s += cost
+        self.clock.advance(cost)
         return out
 
 
@@ -176,9 +181,13 @@ def run_policy(args, policy: str, workload) -> dict:
             i += 1
         if engine.has_work():
             t0 = time.perf_counter()
+            pending = [r for r in reqs if r.first_token_s is None]
             engine.step()
             if args.mode == "real" and args.clock == "wall":
                 clock.advance(time.perf_counter() - t0)
+                for r in pending:  # the engine stamped them before the clock moved: the step counts
+                    if r.first_token_s is not None:
+                        r.first_token_s = clock()
         elif i < len(workload):
             clock.advance_to(workload[i][0])
         else:
@@ -187,7 +196,7 @@ def run_policy(args, policy: str, workload) -> dict:
     short = [r.ttft_s for r in reqs if len(r.prompt) < args.long_tokens]
     m = engine.metrics.snapshot()
     if isinstance(engine.model, FittedClockModel):
-        print(f"  {policy}: real compute {engine.model.wall_s:.1f}s wall, {clock():.1f}s virtual (fitted)")
+        print(f"  {policy}: real model compute {engine.model.wall_s:.1f}s measured wall, {engine.model.fitted_s:.1f}s fitted")
     return {"policy": policy, "n_long": len(long_), "n_short": len(short),
             "long_p50": np.percentile(long_, 50), "long_p90": np.percentile(long_, 90),
             "short_p50": np.percentile(short, 50), "short_p90": np.percentile(short, 90),
@@ -201,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--rate", type=float, default=20.0, help="arrivals per virtual second")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="", help="comma-separated seeds: a table each, then the medians")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length")
     ap.add_argument("--long-fraction", type=float, default=0.3)
     ap.add_argument("--long-tokens", type=int, default=0, help="long = prompt >= this (default 1024*scale)")
@@ -217,10 +227,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
     ap.add_argument("--dedup-min-tokens", type=int, default=32, help="ablation: 10**9 turns in-flight dedup off")
     args = ap.parse_args(argv)
-    if args.mode == "real" and args.scale == 1.0 and args.requests == 600:
-        args.scale, args.requests, args.rate = 0.125, 160, 4.0  # keep CPU runs to minutes
+    if args.mode == "real" and args.scale == 1.0 and args.requests == 600 and args.rate == 20.0:
+        # Keep CPU runs to minutes. Scale 0.25 keeps long prompts (256..768) several steps
+        # long; at 0.125 every prompt fits one 512-token step and order hardly matters. At
+        # 8/s the fitted costs give queueing without overload (6/s: light, 10/s: heavy).
+        args.scale, args.requests, args.rate = 0.25, 200, 8.0
     args.long_tokens = args.long_tokens or int(1024 * args.scale)
-    workload = make_workload(args)
     print("command: .venv/bin/python bench/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     args.cost_model = CostModel()
     if (args.mode == "real" and args.clock == "fitted") or (args.mode == "sim" and args.cost == "fitted"):
@@ -229,6 +241,28 @@ def main(argv=None) -> int:
         print(f"fitted cost: base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
               f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
               f" median |error| {err:.1%} over {len(CAL_SHAPES)} shapes")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    changes = []
+    for seed in seeds:
+        args.seed = seed
+        changes.append(run_seed(args))
+    if len(seeds) > 1:
+        med = {k: float(np.median([c[k] for c in changes])) for k in changes[0]}
+        print(f"\nttft vs fcfs per seed {seeds}:")
+        for k in ("long_p90", "short_p50", "short_p90"):
+            print(f"  {k:9}: " + "  ".join(f"{c[k]:+6.1f}%" for c in changes) + f"   median {med[k]:+.1f}%")
+        print("goal on the medians:", "MET" if goal_met(med) else "NOT MET",
+              f"({sum(goal_met(c) for c in changes)}/{len(seeds)} seeds meet it alone)")
+    return 0
+
+
+def goal_met(change: dict) -> bool:
+    return change["long_p90"] <= -30 and change["short_p50"] <= 0 and change["short_p90"] <= 0
+
+
+def run_seed(args) -> dict:
+    """Both policies on one seeded workload; prints the table, returns ttft's % changes."""
+    workload = make_workload(args)
     print(f"mode={args.mode} requests={len(workload)} rate={args.rate}/s seed={args.seed} scale={args.scale}")
     rows = [run_policy(args, p, workload) for p in ("fcfs", "ttft")]
     head = f"{'policy':7} {'long':>5} {'short':>5} {'long P50':>9} {'long P90':>9} {'short P50':>10} " \
@@ -238,12 +272,11 @@ def main(argv=None) -> int:
         print(f"{r['policy']:7} {r['n_long']:5d} {r['n_short']:5d} {r['long_p50']:8.3f}s {r['long_p90']:8.3f}s "
               f"{r['short_p50']:9.3f}s {r['short_p90']:9.3f}s {r['hit']:6.1%} {r['preempt']:7d} {r['makespan']:8.1f}s")
     f, t = rows
-    ch = lambda k: (t[k] - f[k]) / f[k] * 100
-    print(f"ttft vs fcfs: long P90 {ch('long_p90'):+.1f}%, long P50 {ch('long_p50'):+.1f}%, "
-          f"short P50 {ch('short_p50'):+.1f}%, short P90 {ch('short_p90'):+.1f}%")
-    ok = ch("long_p90") <= -30 and t["short_p50"] <= f["short_p50"] and t["short_p90"] <= f["short_p90"]
-    print("goal (long P90 -30% or better, short no worse):", "MET" if ok else "NOT MET")
-    return 0
+    change = {k: (t[k] - f[k]) / f[k] * 100 for k in ("long_p90", "long_p50", "short_p50", "short_p90")}
+    print(f"ttft vs fcfs: long P90 {change['long_p90']:+.1f}%, long P50 {change['long_p50']:+.1f}%, "
+          f"short P50 {change['short_p50']:+.1f}%, short P90 {change['short_p90']:+.1f}%")
+    print("goal (long P90 -30% or better, short no worse):", "MET" if goal_met(change) else "NOT MET")
+    return change
 
 
 if __name__ == "__main__":

@@ -94,12 +94,15 @@ def _print_stats(stats: dict) -> None:
             for name in sorted(values):
                 print(f"  {name:<{width}}  {values[name]}")
     histograms = stats.get("histograms") or {}
+    sums_us = stats.get("histogram_sums_us") or {}
     if histograms:
         print("histograms (count per bucket [2^i, 2^(i+1)) us, non-empty buckets):")
         for name in sorted(histograms):
             buckets = histograms[name]
             cells = ", ".join(f"2^{i}us:{n}" for i, n in enumerate(buckets) if n)
-            print(f"  {name}: total {sum(buckets)}; {cells or 'empty'}")
+            total = sum(buckets)
+            mean = f", mean {sums_us[name] / total:.1f} us" if total and name in sums_us else ""
+            print(f"  {name}: total {total}{mean}; {cells or 'empty'}")
 
 
 def _run(args, client) -> int:

@@ -151,3 +151,74 @@ def test_token_slice_matches_the_full_sequence():
     for a in range(14):
         for b in range(a, 14):
             assert list(r.token_slice(a, b)) == full[a:b]
+
+
+def test_srpt_grants_let_the_head_of_the_queue_finish_instead_of_sharing_the_step():
+    a, b, c = req(150, 0.0), req(400, 0.1, 1), req(300, 0.2, 2)  # all long (> 100 tokens)
+    plans = {}
+    for srpt in (True, False):
+        s = sched(policy="ttft", aging_tokens_per_s=0.0, chunk_tokens=64, srpt_chunks=srpt)
+        for r in (a, b, c):
+            s.submit(r)
+        plans[srpt] = [(ch.req, ch.tokens) for ch in s.plan(now=1.0, budget=256)]
+    assert plans[True] == [(a, 150), (c, 106)]            # a's prefill completes this step
+    assert plans[False] == [(a, 64 + 64), (c, 64), (b, 64)]  # everyone moves, nobody finishes
+
+
+def test_a_prefill_that_others_wait_for_outranks_shorter_work():
+    """Smith's rule: the leader of held-back followers ranks by need / (1 + followers)."""
+    doc = [int(t) for t in np.random.default_rng(5).integers(0, 500, size=400)]
+    fresh = [int(t) for t in np.random.default_rng(6).integers(0, 500, size=200)]
+    for followers in (0, 3):
+        eng, clock = sim_engine("ttft", aging_tokens_per_s=0.0, dedup_min_tokens=16)
+        leader = eng.add_request(doc + [1], P)
+        eng.step()  # leader admitted, 128 of its 401 tokens computed (alone: the whole step)
+        assert leader.to_compute == 401 - 128
+        held = [eng.add_request(doc + [2 + i], P) for i in range(followers)]
+        other = eng.add_request(fresh, P)  # 200 uncached: shorter than the leader's 273
+        plan = [ch.req for ch in eng.scheduler.plan(clock(), 128)]
+        assert not set(held) & set(plan)  # followers wait for the leader's prefill
+        assert plan[0] is (leader if followers else other)
+        eng.run_until_idle(on_step=eng.check_integrity)
+        assert all(h.cached_tokens >= 400 - 16 for h in held)
+
+
+@pytest.mark.parametrize("max_wait_s", [0.05, 30.0])
+def test_short_requests_are_not_starved_by_a_stream_of_long_ones(max_wait_s):
+    """A long prompt arrives every step (and, with a small max_wait_s, they age into the
+    FCFS lane ahead of everyone); every short prompt still gets its first token within
+    two steps of arriving: the short bucket keeps budget for it and short_slots a running
+    slot (without that, aged longs filled every slot and shorts waited 29+ steps)."""
+    eng, clock = sim_engine("ttft", aging_tokens_per_s=5000.0, max_wait_s=max_wait_s,
+                            full_pages=4096, swa_pages=1024)
+    rng = np.random.default_rng(1)
+    shorts, steps_to_first = [], {}
+    for step in range(120):
+        eng.add_request([int(t) for t in rng.integers(0, 500, size=300)], P)
+        if step % 3 == 0:
+            shorts.append((eng.add_request([int(t) for t in rng.integers(0, 500, size=20)], P), step))
+        eng.step()
+        for r, arrived in shorts:
+            if r.first_token_s is not None and r.rid not in steps_to_first:
+                steps_to_first[r.rid] = step + 1 - arrived
+    assert len(eng.scheduler.waiting) > 20  # the longs really queue up
+    # One step, or two when the previous short's decode still holds the kept slot.
+    assert max(steps_to_first.values()) <= 2
+    assert len(steps_to_first) == len(shorts)
+    eng.run_until_idle(on_step=eng.check_integrity)
+
+
+def test_cost_model_features_and_the_dense_swa_band():
+    from gcache.worker.sim_model import CostModel
+    f, W = 2 / 14, 128
+    chunks = [(1, 1000), (256, 300)]  # a decode at context 1000, a 256-token chunk ending at 300
+    banded = CostModel().features(chunks, f, W)
+    dense = CostModel(swa_dense=True).features(chunks, f, W)
+    assert banded[:3] == dense[:3] == (1.0, 257.0, 2.0)
+    assert banded[3] == pytest.approx(1 * (f * 1000 + (1 - f) * 128) + 256 * (f * 300 + (1 - f) * 128))
+    assert dense[3] == pytest.approx(1 * (f * 1000 + (1 - f) * 129) + 256 * (f * 300 + (1 - f) * 300))
+    assert banded[4] == dense[4] == pytest.approx(f * 1000 + (1 - f) * 129 + f * 300 + (1 - f) * 300)
+    c = CostModel(base_s=1.0, token_s=2.0, req_s=3.0, kv_s=4.0, read_s=5.0)
+    assert c.cost_s((1, 10, 100, 1000, 10000)) == 1 + 20 + 300 + 4000 + 50000
+    # The defaults keep the original formula: no per-sequence or key-read term.
+    assert CostModel().cost_s(banded) == pytest.approx(0.004 + 40e-6 * 257 + 4e-9 * banded[3])

@@ -3,10 +3,16 @@
 TTFT policy (per step, over running-but-still-prefilling and waiting requests):
   * priority = uncached tokens (counted after prefix matching) - aging_tokens_per_s * wait;
     a request that waited max_wait_s or more jumps to a FCFS lane ahead of everyone, so no
-    wait is unbounded;
+    wait is unbounded; a prefilling request that held-back requests (dedup, below) wait for
+    ranks by need / (1 + waiters) (Smith's rule: its prefill serves them all);
+  * SRPT grants: in priority order each request takes all it needs (from its bucket) rather
+    than chunk_tokens apiece, so the head of the queue finishes instead of every candidate
+    sharing each step (processor sharing delays every long prefill to the end);
   * length buckets: while short requests (<= long_threshold_tokens uncached) want tokens,
     short_share of the prefill budget is reserved for them, so a long prefill that aged to
-    the front cannot stall them; leftover budget flows to whoever is next;
+    the front cannot stall them; leftover budget flows to whoever is next; and long requests
+    leave short_slots running slots free, or aged long prefills could fill every slot and a
+    short request would wait for one of them to finish;
   * in-flight prefix dedup: a waiting request whose uncached part is being computed right
     now by another request is held back (for at most max_wait_s) and gets it as a cache hit
     once that prefill lands in the tree, instead of computing it twice.
@@ -43,11 +49,14 @@ class SchedulerConfig:
     dedup_min_tokens: int = 32       # shared uncached prefix worth waiting for
     estimates_per_step: int = 64     # tree matches spent refreshing stale estimates per step
     scan_max: int = 256              # candidates examined per plan
-    srpt_chunks: bool = True         # TTFT: the first in priority order takes all it needs
+    short_slots: int = 1             # running slots a long request may not take (capped at max_running - 1)
+    srpt_chunks: bool = True         # TTFT: the head of the order takes all it needs (see _grant)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.short_slots < 0:
+            raise ValueError("SchedulerConfig.short_slots must be >= 0")
         for name in ("max_waiting", "max_running", "max_tokens_per_step", "chunk_tokens",
                      "long_threshold_tokens", "estimates_per_step", "scan_max"):
             if getattr(self, name) < 1:
@@ -118,7 +127,7 @@ class Scheduler:
     def _plan_fcfs(self, prefilling: list[Request], budget: int, free_slots: int) -> list[Chunk]:
         cands = sorted(prefilling, key=lambda r: (r.arrival_s, r.rid)) + self.waiting[:free_slots]
         return self._grant(cands[: self.config.scan_max], [False] * len(cands), {False: budget, True: 0},
-                           cap=False)
+                           srpt=False)
 
     def _refresh_estimates(self) -> None:
         stale = [r for r in self.waiting if r.estimate_epoch != self.epoch]
@@ -158,9 +167,11 @@ class Scheduler:
         cands = sorted(prefilling + self.waiting, key=lambda r: self.priority(r, now))
         chosen: list[Request] = []
         in_flight = list(prefilling)  # requests computing uncached tokens this step
+        keep = min(cfg.short_slots, cfg.max_running - 1)  # running slots long requests leave free
         for r in cands[: cfg.scan_max]:
             if r.state is RequestState.WAITING:
-                if free_slots <= 0 or self._should_defer(r, in_flight, now):
+                is_long = self.need_of(r) > cfg.long_threshold_tokens
+                if free_slots <= (keep if is_long else 0) or self._should_defer(r, in_flight, now):
                     continue
                 free_slots -= 1
                 in_flight.append(r)
@@ -187,17 +198,18 @@ class Scheduler:
         cfg = self.config
         is_short = [self.need_of(r) <= cfg.long_threshold_tokens for r in chosen]
         short = int(budget * cfg.short_share) if any(is_short) else 0
-        return self._grant(chosen, is_short, {True: short, False: budget - short}, cap=self.config.srpt_chunks)
+        return self._grant(chosen, is_short, {True: short, False: budget - short}, srpt=cfg.srpt_chunks)
 
     def _grant(self, order: list[Request], bucket: list[bool], left: dict[bool, int],
-               cap: bool = False) -> list[Chunk]:
-        """Pass 1: in order, up to chunk_tokens each (FCFS; TTFT unless srpt_chunks) or up to
-        its whole need (TTFT with srpt_chunks) from the request's bucket. Pass 2
-        (work-conserving, both policies): leftover budget to the same order, uncapped."""
+               srpt: bool) -> list[Chunk]:
+        """Pass 1: in order, from the request's bucket, up to chunk_tokens each (FCFS: every
+        candidate moves), or with srpt up to its whole need (the head of the priority order
+        finishes first instead of all sharing the step; in a queue that is what cuts TTFT).
+        Pass 2 (work-conserving, both policies): leftover budget to the same order, uncapped."""
         grant = [0] * len(order)
-        per_req = self.config.chunk_tokens if not cap else 1 << 62
+        per_req = self.need_of if srpt else (lambda r: self.config.chunk_tokens)
         for i, r in enumerate(order):
-            take = min(self.need_of(r), per_req, left[bucket[i]])
+            take = min(self.need_of(r), per_req(r), left[bucket[i]])
             grant[i] = take
             left[bucket[i]] -= take
         spare = left[True] + left[False]

@@ -8,8 +8,9 @@ Cost of one batch (seconds):
     + read_s * sum_i (f_full * ctx_i + (1 - f_full) * min(W + n_i, ctx_i))
 where ctx_i is request i's context after its n_i-token chunk and f_full the fraction of full
 layers (with swa_dense, min(W, ctx_i) becomes min(W + n_i, ctx_i): the numpy model scores a
-chunk against its whole key span and masks, where a banded kernel would not). req_s (per-sequence overhead) and read_s (gathering each sequence's keys once per
-step) are 0 by default; bench/ttft.py fits all five to the real numpy model (--mode real).
+chunk against its whole key span and masks, where a banded kernel would not).
+req_s (per-sequence overhead) and read_s (gathering each sequence's keys once per step) are
+0 by default; bench/ttft.py fits all five to the real numpy model (--mode real).
 """
 from __future__ import annotations
 
