@@ -72,16 +72,25 @@ void S3Fifo::remember_ghost(uint64_t key_hash) {
   ++ghost_counts_[key_hash];
   size_t capacity = std::max(kGhostMin, count());
   while (ghost_order_.size() > capacity) {
+    // Invariant: ghost_counts_[h] <= occurrences of h in ghost_order_, so an
+    // aged-out hash with no live count left is one a hit already consumed.
     auto it = ghost_counts_.find(ghost_order_.front());
-    if (--it->second == 0) ghost_counts_.erase(it);
+    if (it == ghost_counts_.end()) {
+      --ghost_stale_;
+    } else if (--it->second == 0) {
+      ghost_counts_.erase(it);
+    }
     ghost_order_.pop_front();
   }
 }
 
 bool S3Fifo::take_ghost(uint64_t key_hash) {
-  // The hash stays in the FIFO order until it ages out; only its count drops.
+  // A hit consumes one ghost occurrence; its slot in the FIFO order turns
+  // stale and is skipped when it ages out (no O(n) search of the deque).
   auto it = ghost_counts_.find(key_hash);
   if (it == ghost_counts_.end()) return false;
+  if (--it->second == 0) ghost_counts_.erase(it);
+  ++ghost_stale_;
   return true;
 }
 
@@ -99,8 +108,11 @@ void S3Fifo::check() const {
   }
   if (bytes != main_bytes_) throw std::logic_error("s3fifo: main queue byte count drifted");
   size_t ghosts = 0;
-  for (auto& [hash, n] : ghost_counts_) ghosts += n;
-  if (ghosts != ghost_order_.size()) throw std::logic_error("s3fifo: ghost counts drifted");
+  for (auto& [hash, n] : ghost_counts_) {
+    if (n == 0) throw std::logic_error("s3fifo: zero ghost count kept");
+    ghosts += n;
+  }
+  if (ghosts + ghost_stale_ != ghost_order_.size()) throw std::logic_error("s3fifo: ghost counts drifted");
 }
 
 }  // namespace gcache

@@ -33,7 +33,7 @@ class S3Fifo {
   uint64_t small_bytes() const { return small_bytes_; }
   uint64_t main_bytes() const { return main_bytes_; }
   size_t count() const { return small_.size() + main_.size(); }
-  size_t ghost_count() const { return ghost_order_.size(); }
+  size_t ghost_count() const { return ghost_order_.size() - ghost_stale_; }  // live ghosts
   const std::list<Entry*>& small() const { return small_; }
   const std::list<Entry*>& main() const { return main_; }
 
@@ -48,7 +48,8 @@ class S3Fifo {
   std::list<Entry*> small_, main_;
   uint64_t small_bytes_ = 0, main_bytes_ = 0;
   std::deque<uint64_t> ghost_order_;
-  std::unordered_map<uint64_t, uint32_t> ghost_counts_;
+  std::unordered_map<uint64_t, uint32_t> ghost_counts_;  // live occurrences per hash
+  size_t ghost_stale_ = 0;  // entries of ghost_order_ already consumed by a hit
 };
 
 uint64_t key_hash_of(const std::string& key);

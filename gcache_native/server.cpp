@@ -29,6 +29,11 @@ constexpr size_t kScratchBytes = 256 << 10;     // discard buffer per connection
 constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed after use
 constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
 constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
+// A frame (or a response) must move at least this fast on average. SO_RCVTIMEO
+// alone only catches a peer that goes fully silent: one trickling a byte per
+// (stall timeout - epsilon) would hold its PUT reservations or GET leases for
+// ever. 1 MiB/s is far below any real link, so only such peers are cut off.
+constexpr double kMinBytesPerSecond = double(1 << 20);
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -47,6 +52,22 @@ int clamp_ms(double seconds) {
 struct ConnectionLost {
   bool timeout;
 };
+
+// When a transfer of `bytes` begun at start_us must be over: the stall
+// timeout plus the time at kMinBytesPerSecond; 0 (no deadline) where the
+// stall timeout is off.
+int64_t transfer_deadline_us(int64_t start_us, double stall_timeout_s, uint64_t bytes) {
+  if (stall_timeout_s <= 0) return 0;
+  const double budget_s = stall_timeout_s + double(bytes) / kMinBytesPerSecond;
+  return start_us + int64_t(std::min(budget_s, 1e9) * 1e6);
+}
+
+// Checked after every partial read or write. A recv/send blocks for at most
+// the socket timeout (the stall timeout), so a peer overruns its deadline by
+// at most one stall timeout.
+void check_deadline(int64_t deadline_us) {
+  if (deadline_us > 0 && now_us() > deadline_us) throw ConnectionLost{true};
+}
 
 long read_proc_long(const char* path) {
   std::ifstream in(path);
@@ -76,14 +97,16 @@ void set_timeout(int fd, int option, double seconds) {
 }
 
 // Reads exactly n bytes; a peer that goes silent for the socket's
-// SO_RCVTIMEO (the stall timeout) or closes mid-way throws.
-void recv_exact(int fd, void* buf, size_t n) {
+// SO_RCVTIMEO (the stall timeout), misses deadline_us (0 = none) or closes
+// mid-way throws.
+void recv_exact(int fd, void* buf, size_t n, int64_t deadline_us) {
   auto* p = static_cast<uint8_t*>(buf);
   while (n > 0) {
     const ssize_t r = recv(fd, p, n, MSG_WAITALL);
     if (r > 0) {
       p += r;
       n -= size_t(r);
+      if (n > 0) check_deadline(deadline_us);  // a timed-out MSG_WAITALL returns its partial count
     } else if (r == 0) {
       throw ConnectionLost{false};
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -94,8 +117,9 @@ void recv_exact(int fd, void* buf, size_t n) {
   }
 }
 
-// Writes every byte of iov[0..count); the iovecs are consumed in place.
-void send_all(int fd, iovec* iov, size_t count) {
+// Writes every byte of iov[0..count) before deadline_us (0 = none); the
+// iovecs are consumed in place.
+void send_all(int fd, iovec* iov, size_t count, int64_t deadline_us) {
   while (count > 0) {
     msghdr msg{};
     msg.msg_iov = iov;
@@ -114,6 +138,7 @@ void send_all(int fd, iovec* iov, size_t count) {
     if (count > 0) {
       iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + sent;
       iov->iov_len -= sent;
+      check_deadline(deadline_us);  // a timed-out send returns its partial count
     }
   }
 }
@@ -177,6 +202,8 @@ struct Server::Connection {
   BatchMeta batch;
   std::vector<Lease> leases;
   std::vector<iovec> iov;
+  int64_t deadline_us = 0;  // of the frame being read (0 = none); see transfer_deadline_us
+  double stall_timeout_s = 0;
 };
 
 namespace {
@@ -186,7 +213,7 @@ void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
     const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
-    recv_exact(c->fd, c->scratch.data(), chunk);
+    recv_exact(c->fd, c->scratch.data(), chunk, c->deadline_us);
     n -= chunk;
   }
 }
@@ -202,7 +229,11 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
     for (const Lease& l : *payload)
       if (l.length > 0) c->iov.push_back(iovec{const_cast<uint8_t*>(l.data), size_t(l.length)});
   }
-  send_all(c->fd, c->iov.data(), c->iov.size());
+  // The response gets its own budget: the peer has to read all of it.
+  uint64_t bytes = 0;
+  for (const iovec& v : c->iov) bytes += v.iov_len;
+  send_all(c->fd, c->iov.data(), c->iov.size(),
+           transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
 }
 
 void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
@@ -413,6 +444,7 @@ void Server::accept_loop() {
     if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
       Connection busy;
       busy.fd = fd;
+      busy.stall_timeout_s = 0.1;
       set_timeout(fd, SO_SNDTIMEO, 0.1);  // never let one peer stall the accept loop
       try {
         send_error(&busy, metrics_, 0, 0, FrameStatus::Busy,
@@ -432,6 +464,7 @@ void Server::accept_loop() {
     set_timeout(fd, SO_SNDTIMEO, config_.stall_timeout_s);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
+    conn->stall_timeout_s = config_.stall_timeout_s;
     Connection* raw = conn.get();
     metrics_->connections_open++;
     std::lock_guard<std::mutex> lock(conns_mu_);
@@ -470,11 +503,17 @@ void Server::serve(Connection* c) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) continue;
         break;
       }
+      // One deadline for the whole frame, counted from its first byte.
+      const int64_t first_byte_us = now_us();
+      c->deadline_us = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, kFrameHeaderBytes);
       if (size_t(got) < kFrameHeaderBytes)
-        recv_exact(fd, header_bytes + got, kFrameHeaderBytes - size_t(got));
+        recv_exact(fd, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
 
       const int64_t start_us = now_us();
       const FrameHeader h = parse_frame_header(header_bytes);
+      c->deadline_us = transfer_deadline_us(
+          first_byte_us, config_.stall_timeout_s,
+          uint64_t(kFrameHeaderBytes) + h.meta_len + std::min<uint64_t>(h.payload_len, UINT64_MAX / 2));
       metrics_->requests++;
       if (!frame_magic_ok(h)) {
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
@@ -534,7 +573,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
   while (got < h.meta_len) {
     const size_t chunk = std::min<size_t>(h.meta_len - got, std::max<size_t>(64 << 10, got));
     c->meta.resize(got + chunk);
-    recv_exact(c->fd, c->meta.data() + got, chunk);
+    recv_exact(c->fd, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
   if (op != Opcode::PutBatch && h.payload_len > 0) {
@@ -609,7 +648,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h) {
       PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r);
       if (s == PutStatus::Stored) {
         try {
-          recv_exact(c->fd, r.data, size_t(b.lens[i]));  // socket -> arena, no copy
+          recv_exact(c->fd, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
         } catch (...) {
           store_->abort_put(r);
           throw;

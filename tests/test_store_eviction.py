@@ -165,3 +165,38 @@ def test_copy_forwards_are_counted_once_per_read_record(data_dir):
         assert stats["disk_copy_forwards"] == 1
         assert s.get(b"read") == value[b"read"]
         assert s.get(b"unread") is None
+
+
+def test_ghost_hit_consumes_its_ghost_entry(data_dir):
+    # S3-FIFO: a key evicted from the small queue leaves a ghost; re-inserting it
+    # goes straight to main and uses the ghost up, so a later re-insert
+    # starts in small again instead of skipping it until the ghost ages out.
+    with Store(4 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB) as s:
+        value = os.urandom(128 * KIB)
+        keys = [b"once%d" % i for i in range(64)]  # 8 MiB of one-off keys through 4 MiB
+        for k in keys:
+            assert s.put(k, value) == Store.STORED
+        for k in keys[-8:]:  # free 1 MiB so the re-inserts below evict nothing
+            assert s.remove(k) is True
+        ghosted = keys[0]  # first in, never hit: evicted from small into the ghost
+        assert s.remove(ghosted) is True
+        before = s.stats()
+        assert before["ghost_keys"] > 0
+
+        assert s.put(ghosted, value) == Store.STORED  # ghost hit: straight to main
+        hit = s.stats()
+        assert hit["evictions_memory"] == before["evictions_memory"]
+        assert hit["ghost_keys"] == before["ghost_keys"] - 1
+        assert hit["memory_main_queue_bytes"] > before["memory_main_queue_bytes"]
+        assert hit["memory_small_queue_bytes"] == before["memory_small_queue_bytes"]
+        s.check_integrity()
+
+        assert s.remove(ghosted) is True
+        removed = s.stats()
+        assert s.put(ghosted, value) == Store.STORED  # the ghost is used up: small again
+        again = s.stats()
+        assert again["evictions_memory"] == removed["evictions_memory"]
+        assert again["ghost_keys"] == removed["ghost_keys"]
+        assert again["memory_main_queue_bytes"] == removed["memory_main_queue_bytes"]
+        assert again["memory_small_queue_bytes"] > removed["memory_small_queue_bytes"]
+        s.check_integrity()

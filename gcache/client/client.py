@@ -299,7 +299,12 @@ class Client:
         return total
 
     def remove(self, key) -> bool:
-        """Removes a key; True if it existed. Removing a missing key is not an error."""
+        """Removes a key; True if it existed. Removing a missing key is not an error.
+
+        The final state is idempotent (the key is gone), the answer is not quite:
+        if the connection drops after the server removed the key but before its
+        answer arrived, the retry finds nothing and this returns False.
+        """
         return self.batch_remove([key])[0]
 
     def batch_remove(self, keys) -> list[bool]:

@@ -274,7 +274,11 @@ class RemoveOp(Operation):
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
-        self.result.values[self.lo:self.hi] = [st == RemoveStatus.REMOVED for st in statuses]
+        # OR with an earlier attempt's answer: a retry after a dropped connection
+        # re-sends frames already answered, and those keys are now NOT_FOUND.
+        earlier = self.result.values[self.lo:self.hi]
+        self.result.values[self.lo:self.hi] = [
+            bool(was) or st == RemoveStatus.REMOVED for was, st in zip(earlier, statuses)]
 
 
 class MetaOp(Operation):
