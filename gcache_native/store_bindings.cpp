@@ -92,29 +92,24 @@ struct PyStore {
     return static_cast<int>(store.commit_put(k, r, sum));
   }
 
-  py::object acquire(const py::bytes& key) {
+  // Store::acquire with the GIL released; false on a miss.
+  bool acquire_nogil(const py::bytes& key, Lease* lease) {
     std::string k = key;
     Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    return store.acquire(k, lease);
+  }
+
+  py::object acquire(const py::bytes& key) {
     Lease lease;
-    bool hit;
-    {
-      py::gil_scoped_release nogil;
-      hit = store.acquire(k, &lease);
-    }
-    if (!hit) return py::none();
+    if (!acquire_nogil(key, &lease)) return py::none();
     return py::cast(new PyLease(handle, lease), py::return_value_policy::take_ownership);
   }
 
   py::object get(const py::bytes& key) {
-    std::string k = key;
     Store& store = handle->get();
     Lease lease;
-    bool hit;
-    {
-      py::gil_scoped_release nogil;
-      hit = store.acquire(k, &lease);
-    }
-    if (!hit) return py::none();
+    if (!acquire_nogil(key, &lease)) return py::none();
     py::bytes out(reinterpret_cast<const char*>(lease.data), lease.length);
     py::gil_scoped_release nogil;
     store.release(lease);

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from gcache.bench.local_server import wait_listening
 
 MASTER_PORT = 50051               # the namespace is private, so fixed ports are free
 MASTER_METRICS_PORT = 9003
@@ -33,19 +34,6 @@ print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
 sys.stdin.read()       # lives until the bench closes our stdin
 store.close()
 """
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} at start")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {port} within {START_TIMEOUT_S}s")
 
 
 def _warm_segment(store, segment_bytes: int) -> None:
@@ -85,7 +73,7 @@ def main() -> int:
     )
     storage = None
     try:
-        _wait_port(MASTER_PORT, master, "mooncake_master")
+        wait_listening(master, MASTER_PORT, START_TIMEOUT_S, "mooncake_master")
         master_address = f"127.0.0.1:{MASTER_PORT}"
         storage = subprocess.Popen(
             [sys.executable, "-c", STORAGE_CODE, STORAGE_HOSTNAME, str(request["segment_bytes"]), master_address],
