@@ -6,7 +6,7 @@ from gcache.errors import (  # noqa: E402
     BufferTooSmallError, ChecksumMismatchError, GCacheError, KeyInvalidError, ProtocolError,
     ServerBusyError, ValueTooLargeError)
 
-__all__ = ["Client", "GCacheError", "BufferTooSmallError", "ChecksumMismatchError",
+__all__ = ["Client", "ClusterClient", "GCacheError", "BufferTooSmallError", "ChecksumMismatchError",
            "KeyInvalidError", "ProtocolError", "ServerBusyError", "ValueTooLargeError"]
 
 
@@ -15,4 +15,7 @@ def __getattr__(name):
     if name == "Client":
         from gcache.client import Client
         return Client
+    if name == "ClusterClient":
+        from gcache.client import ClusterClient
+        return ClusterClient
     raise AttributeError(f"module 'gcache' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`gcache`: operator commands against one gcache-server."""
+"""`gcache`: operator commands against one gcache-server, and `gcache admin` for the cluster."""
 from __future__ import annotations
 
 import argparse
@@ -19,14 +19,17 @@ EXIT_ERROR = 5
 EPILOG = f"""\
 exit codes:
   {EXIT_OK}  success
-  {EXIT_MISS}  miss: `get` found no value, or `exists` found a key missing
+  {EXIT_MISS}  miss: `get` found no value, or `exists` found a key missing;
+     `admin drain|remove`: no such node in the map
   {EXIT_USAGE}  bad arguments (including an invalid key or server address)
   {EXIT_NOT_ADMITTED}  `put` not admitted: the server has no space now; try later
-  {EXIT_UNREACHABLE}  the server could not be reached or did not answer in time
+  {EXIT_UNREACHABLE}  the server (for `admin`: every master) could not be reached or did not answer in time
   {EXIT_ERROR}  any other error (value too large, unreadable file, protocol or server error)
 
 keys are UTF-8 text; pass --hex-keys to give them as hex bytes.
 The server defaults to $GCACHE_SERVER, else 127.0.0.1:7600.
+`gcache admin --master URL map|status|drain NODE [--wait]|remove NODE` talks to the
+gcache-master replicas (URL gcache://h:p,h:p; default $GCACHE_MASTER).
 """
 
 # put reads the whole value into memory; this is an operator tool, not a loader.
@@ -62,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
 
     sub.add_parser("ping", help="check the server answers; print its version and round trip")
+
+    from gcache import cli_admin
+    cli_admin.add_parser(sub)
     return parser
 
 
@@ -154,6 +160,9 @@ def _run(args, client) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "admin":
+        from gcache import cli_admin
+        return cli_admin.main(args, sys.modules[__name__])
     from gcache.client import Client  # after parsing, so --help stays fast
     try:
         with Client(args.server, timeout_s=args.timeout_s, pool_size=1) as client:

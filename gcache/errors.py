@@ -73,6 +73,21 @@ class ServerError(GCacheError):
         self.status = status
 
 
+class StaleEpochError(ServerError):
+    """The node has a newer cluster map than the request's `epoch`; nothing was done.
+
+    `epoch` is the node's epoch and `map_bytes` its cluster map (msgpack; empty
+    if it has none). The cluster client adopts that map (or fetches one from a
+    master) and retries; the single-node client raises this as it is. The
+    connection stays usable.
+    """
+
+    def __init__(self, message: str, epoch: int = 0, map_bytes: bytes = b""):
+        super().__init__(message, "stale_epoch", 8)
+        self.epoch = epoch
+        self.map_bytes = map_bytes
+
+
 class LimitExceededError(ServerError):
     """A request went past a server limit (keys per batch, metadata or payload size)."""
 

@@ -46,6 +46,7 @@ class FrameStatus(IntEnum):
     BUSY = 5
     SHUTTING_DOWN = 6
     INTERNAL = 7
+    STALE_EPOCH = 8  # the request's cluster-map epoch is older than the node's; nothing was done
 
 
 class PutStatus(IntEnum):
@@ -113,17 +114,23 @@ def decode_meta(buf) -> dict:
 
 
 _KEYS_MAP_ONE = b"\x81\xa4keys\x91"  # msgpack: {"keys": [ <one element> ]}
+_KEYS_EPOCH_MAP_ONE = b"\x82\xa4keys\x91"  # msgpack: {"keys": [ <one element> ], "epoch": ...}
+_EPOCH_FIELD = b"\xa5epoch"
 
 
-def encode_keys_meta(keys: list[bytes]) -> bytes:
-    """msgpack of {"keys": keys} (keys as bin); the one-key case skips msgpack's overhead."""
+def encode_keys_meta(keys: list[bytes], epoch: int | None = None) -> bytes:
+    """msgpack of {"keys": keys} (keys as bin), plus "epoch" when given; the
+    one-key case skips msgpack's overhead."""
     if len(keys) == 1:
         key = keys[0]
         size = len(key)
-        if size < 256:
-            return _KEYS_MAP_ONE + b"\xc4" + bytes((size,)) + key
-        return _KEYS_MAP_ONE + b"\xc5" + size.to_bytes(2, "big") + key
-    return msgpack.packb({"keys": keys}, use_bin_type=True)
+        length = bytes((0xc4, size)) if size < 256 else b"\xc5" + size.to_bytes(2, "big")
+        if epoch is None:
+            return _KEYS_MAP_ONE + length + key
+        return _KEYS_EPOCH_MAP_ONE + length + key + _EPOCH_FIELD + msgpack.packb(epoch)
+    if epoch is None:
+        return msgpack.packb({"keys": keys}, use_bin_type=True)
+    return msgpack.packb({"keys": keys, "epoch": epoch}, use_bin_type=True)
 
 
 def encode_frame_head(opcode: int, request_id: int, meta: dict, payload_len: int = 0,

@@ -31,6 +31,7 @@ enum class FrameStatus : uint32_t {
   Busy = 5,
   ShuttingDown = 6,
   Internal = 7,
+  StaleEpoch = 8,  // the request's cluster-map epoch is older than the node's
 };
 
 inline const char* frame_status_name(FrameStatus s) {
@@ -43,6 +44,7 @@ inline const char* frame_status_name(FrameStatus s) {
     case FrameStatus::Busy: return "BUSY";
     case FrameStatus::ShuttingDown: return "SHUTTING_DOWN";
     case FrameStatus::Internal: return "INTERNAL";
+    case FrameStatus::StaleEpoch: return "STALE_EPOCH";
   }
   return "UNKNOWN";
 }

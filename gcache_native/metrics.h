@@ -54,7 +54,8 @@ struct Histogram {
   X(errors_internal)                  \
   X(errors_timeout)                   \
   X(connections_accepted)             \
-  X(requests)
+  X(requests)                         \
+  X(requests_stale_epoch)
 
 #define GCACHE_HISTOGRAMS(X) \
   X(put_batch)               \

@@ -7,6 +7,7 @@ void bind_checksum(py::module_& m);  // checksum_bindings.cpp
 void bind_store(py::module_& m);     // store_bindings.cpp
 void bind_server(py::module_& m);    // server_bindings.cpp
 void bind_io(py::module_& m);        // io_bindings.cpp (client-side socket helpers)
+void bind_ketama(py::module_& m);    // ketama.cpp (batch placement hashes)
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "GCache native core: arena, index, disk segments, data server";
@@ -14,4 +15,5 @@ PYBIND11_MODULE(_native, m) {
   bind_store(m);
   bind_server(m);
   bind_io(m);
+  bind_ketama(m);
 }

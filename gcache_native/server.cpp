@@ -34,6 +34,9 @@ constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes draine
 // (stall timeout - epsilon) would hold its PUT reservations or GET leases for
 // ever. 1 MiB/s is far below any real link, so only such peers are cut off.
 constexpr double kMinBytesPerSecond = double(1 << 20);
+// A cluster map is a few hundred bytes per node; this bound keeps every
+// STALE_EPOCH and PING answer far below the clients' 16 MiB metadata limit.
+constexpr size_t kClusterMapBytesMax = 4 << 20;
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -173,12 +176,13 @@ struct BatchMeta {
   std::vector<std::string_view> keys;
   std::vector<uint64_t> lens;
   std::vector<uint64_t> sums;
-  bool has_keys = false, has_lens = false, has_sums = false;
+  int64_t epoch = 0;  // the client's cluster-map epoch, if has_epoch
+  bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false;
   void clear() {
     keys.clear();
     lens.clear();
     sums.clear();
-    has_keys = has_lens = has_sums = false;
+    has_keys = has_lens = has_sums = has_epoch = false;
   }
 };
 
@@ -266,8 +270,8 @@ void linger_close(Server::Connection* c) {
   }
 }
 
-// Parses a request's metadata map: "keys", "lens", "sums"; other keys
-// (e.g. "epoch") are skipped. An empty metadata section means {}.
+// Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
+// keys are skipped. An empty metadata section means {}.
 Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b) {
   b->clear();
   if (meta.empty()) return {};
@@ -283,6 +287,11 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
     std::string_view name;
     if (!r.read_bytes(&name)) return bad("map key is not a string");
     const bool is_keys = name == "keys", is_lens = name == "lens", is_sums = name == "sums";
+    if (name == "epoch") {
+      if (!r.read_int(&b->epoch)) return bad("\"epoch\" must be an integer");
+      b->has_epoch = true;
+      continue;
+    }
     if (!is_keys && !is_lens && !is_sums) {
       if (!r.skip()) return bad("unreadable value");
       continue;
@@ -324,7 +333,8 @@ struct LeaseGuard {
 }  // namespace
 
 Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
-    : config_(config), store_(store), metrics_(metrics) {
+    : config_(config), store_(store), metrics_(metrics), epoch_(config.epoch),
+      map_bytes_(std::make_shared<const std::string>()) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -374,6 +384,30 @@ Server::~Server() {
   stop(0);
   close(wake_fds_[0]);
   close(wake_fds_[1]);
+}
+
+void Server::set_cluster_map(int64_t epoch, std::string map_bytes) {
+  if (map_bytes.size() > kClusterMapBytesMax) {
+    throw std::invalid_argument("cluster map of " + std::to_string(map_bytes.size()) +
+                                " bytes exceeds " + std::to_string(kClusterMapBytesMax) +
+                                "; a map holds a few hundred bytes per node");
+  }
+  auto blob = std::make_shared<const std::string>(std::move(map_bytes));
+  std::lock_guard<std::mutex> lock(map_mu_);
+  const int64_t current = epoch_.load(std::memory_order_relaxed);
+  if (epoch < current) {
+    throw std::invalid_argument("cluster map epoch " + std::to_string(epoch) + " is older than the node's " +
+                                std::to_string(current) + "; epochs never go backwards: pass the newer map");
+  }
+  // The map is in place before the epoch rises, so a request refused for the
+  // new epoch is always answered with a map at least that new.
+  map_bytes_ = std::move(blob);
+  epoch_.store(epoch, std::memory_order_release);
+}
+
+std::pair<int64_t, std::shared_ptr<const std::string>> Server::cluster_map() const {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  return {epoch_.load(std::memory_order_relaxed), map_bytes_};
 }
 
 void Server::start() {
@@ -598,6 +632,13 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
                "metadata needs \"keys\": a list of bin keys (docs/protocol.md)");
     return;
   }
+  // A client routing by an older map may be talking to the wrong node: refuse
+  // before touching the store. PING and STATS are always answered.
+  if (batch_op && b.has_epoch && b.epoch < epoch_.load(std::memory_order_acquire)) {
+    if (op == Opcode::PutBatch) discard(c, h.payload_len);  // no reservation was taken
+    send_stale_epoch(c, h);
+    return;
+  }
   Reply reply;
   try {
     switch (op) {
@@ -787,15 +828,36 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
 }
 
 Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
+  const auto [epoch, map_bytes] = cluster_map();
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(2);
+  out.map(3);
   out.str("version");
   out.str(config_.version);
   out.str("epoch");
-  out.integer(config_.epoch);
+  out.integer(epoch);
+  out.str("map");
+  out.bin(*map_bytes);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
+}
+
+void Server::send_stale_epoch(Connection* c, const FrameHeader& h) {
+  metrics_->requests_stale_epoch++;
+  const auto [epoch, map_bytes] = cluster_map();
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(4);
+  out.str("error");
+  out.str("request epoch " + std::to_string(c->batch.epoch) + " is older than this node's cluster map (epoch " +
+          std::to_string(epoch) + "); nothing was done: adopt the map in \"map\" and resend to its owners");
+  out.str("kind");
+  out.str("stale_epoch");
+  out.str("epoch");
+  out.integer(epoch);
+  out.str("map");
+  out.bin(*map_bytes);
+  send_response(c, h.opcode, h.request_id, FrameStatus::StaleEpoch);
 }
 
 }  // namespace gcache

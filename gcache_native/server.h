@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "metrics.h"
 #include "store.h"
@@ -29,7 +30,7 @@ struct ServerConfig {
   uint64_t frame_payload_bytes_max = 2ull << 30;  // request payload and response payload
   uint32_t batch_keys_max = 16384;
   int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning (measured faster on loopback)
-  int64_t epoch = 0;                             // reported by PING
+  int64_t epoch = 0;                             // initial cluster-map epoch (see set_cluster_map)
   std::string version = "0.1.0";                 // reported by PING
 };
 
@@ -50,6 +51,15 @@ class Server {
 
   uint16_t port() const { return port_; }
   void start();
+
+  // Cluster map (docs/cluster.md, "Epochs on the data path"): a data request
+  // whose "epoch" is below epoch() is answered STALE_EPOCH with this map and
+  // not executed. Throws std::invalid_argument if `epoch` is below the
+  // current one (an equal epoch replaces the map) or the map is too large.
+  void set_cluster_map(int64_t epoch, std::string map_bytes);
+  int64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+  // The current epoch and map, read together.
+  std::pair<int64_t, std::shared_ptr<const std::string>> cluster_map() const;
   // Stops accepting, lets every connection finish the requests it has
   // already received, closes idle ones, and after grace_s cuts the rest off.
   // Returns once every thread has exited. Idempotent.
@@ -69,6 +79,7 @@ class Server {
   Reply handle_remove(Connection* c, const FrameHeader& h);
   Reply handle_stats(Connection* c, const FrameHeader& h);
   Reply handle_ping(Connection* c, const FrameHeader& h);
+  void send_stale_epoch(Connection* c, const FrameHeader& h);
 
   ServerConfig config_;
   Store* store_;
@@ -81,6 +92,11 @@ class Server {
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> stop_deadline_us_{0};
   std::mutex stop_mu_;  // serializes stop() calls
+
+  // Read lock-free on every data request; written (with the map) under map_mu_.
+  std::atomic<int64_t> epoch_{0};
+  mutable std::mutex map_mu_;
+  std::shared_ptr<const std::string> map_bytes_;  // msgpack of the map; never null
 
   std::mutex conns_mu_;
   std::condition_variable conns_cv_;

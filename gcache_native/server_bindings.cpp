@@ -6,6 +6,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "metrics.h"
 #include "server.h"
@@ -149,6 +150,41 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
       .def("stats", &stats_dict,
            "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}, "
            "'histogram_sums_us': {name: int}}")
+      .def("set_cluster_map",
+           [](Node& n, int64_t epoch, py::bytes map_bytes) {
+             std::string blob = map_bytes;
+             n.server->set_cluster_map(epoch, std::move(blob));  // invalid_argument -> ValueError
+           },
+           py::arg("epoch"), py::arg("map_bytes"),
+           "Sets the cluster-map epoch and its msgpack map together. From then on a data request "
+           "carrying an older \"epoch\" is answered STALE_EPOCH with this map and not executed. "
+           "ValueError if epoch is below Server.epoch (equal replaces the map) or the map is over 4 MiB.")
+      .def_property_readonly("epoch", [](Node& n) { return n.server->epoch(); },
+                             "The current cluster-map epoch (config \"epoch\" until set_cluster_map).")
+      .def_property_readonly("cluster_map", [](Node& n) { return py::bytes(*n.server->cluster_map().second); },
+                             "The current cluster map blob (b\"\" until set_cluster_map).")
+      .def("keys",
+           [](Node& n, int64_t limit) {
+             if (limit < 0) throw py::value_error("keys: limit must be >= 0");
+             std::vector<std::string> keys;
+             without_gil([&] { keys = n.store->keys(size_t(limit)); });
+             py::list out(keys.size());
+             for (size_t i = 0; i < keys.size(); ++i) out[i] = py::bytes(keys[i]);
+             return out;
+           },
+           py::arg("limit"),
+           "Up to `limit` keys stored now (memory and disk tiers), in no particular order: a "
+           "snapshot taken under the store lock (values are not touched). Keys come back as bytes.")
+      .def("remove_keys",
+           [](Node& n, const std::vector<std::string>& keys) {
+             size_t removed = 0;
+             without_gil([&] {
+               for (const std::string& k : keys) removed += n.store->remove(k) ? 1 : 0;
+             });
+             return removed;
+           },
+           py::arg("keys"),
+           "Removes each key (bytes) from both tiers, as REMOVE_BATCH does; returns how many existed.")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
       .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); });
 }

@@ -5,6 +5,7 @@
 // disk appends and reclaims, so only the last record can ever be torn.
 #include "store.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -566,6 +567,18 @@ bool Store::remove(std::string_view key) {
   if (had_disk_copy) s.write_tombstone(removed_key);
   bump(s.metrics->removes);
   return true;
+}
+
+std::vector<std::string> Store::keys(size_t limit) {
+  Impl& s = *impl_;
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> guard(s.mu);
+  out.reserve(std::min(limit, s.index.size()));
+  for (const auto& kv : s.index) {
+    if (out.size() >= limit) break;
+    out.emplace_back(kv.first);
+  }
+  return out;
 }
 
 void Store::flush() {

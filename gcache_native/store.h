@@ -84,6 +84,10 @@ class Store {
   bool contains(std::string_view key);  // no lease, no promotion, no recency bump
   bool remove(std::string_view key);    // true if it existed; idempotent
 
+  // Up to `limit` keys stored now (either tier), in no particular order; a
+  // snapshot taken under the lock, values untouched. What rebalancing walks.
+  std::vector<std::string> keys(size_t limit);
+
   // Warm shutdown: writes every memory-only value to disk, writes the warm
   // list, fsyncs. Safe to call once; the store stays usable afterwards.
   void flush();

@@ -1,5 +1,4 @@
 """Many threads against one Store: one value per key, leases stay exact."""
-import os
 import threading
 
 import pytest

@@ -2,7 +2,6 @@
 
 A get returns the model's exact bytes or a miss (the store is a cache), never
 anything else; a remove'd key never comes back, even across restarts."""
-import os
 from pathlib import Path
 
 import hypothesis.strategies as st

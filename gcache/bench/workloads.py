@@ -10,7 +10,6 @@ Only the store calls are timed; preparation, warm-up and clean-up are not.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field

@@ -49,13 +49,26 @@ class Client:
         A GET frame whose found values exceed the server's frame limit is split
         again on its LIMIT_EXCEEDED answer, on the same connection.
     pipeline_depth: frames in flight at once on one connection.
+    epoch: the cluster-map epoch sent with every PUT/GET/EXISTS/REMOVE (settable
+        later as `client.epoch`); None sends none. A node with a newer map
+        refuses the call with StaleEpochError (not retried here; the connection
+        stays usable). The cluster client sets it; standalone use leaves it None.
+
+    An address "gcache://master:port[,master:port...]" gives a ClusterClient
+    (gcache.client.cluster_client) instead: the same methods over a whole cluster.
     """
+
+    def __new__(cls, address="127.0.0.1:7600", *args, **kwargs):
+        if cls is Client and isinstance(address, str) and address.startswith("gcache://"):
+            from gcache.client.cluster_client import ClusterClient
+            return ClusterClient(address, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, address: str = "127.0.0.1:7600", *, timeout_s: float = 5.0,
                  connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
                  verify_checksums: bool = False, batch_keys_max: int = 4096,
                  frame_payload_bytes_max: int = 64 * 1024 * 1024, pipeline_depth: int = 8,
-                 retry_backoff_s: float = 0.01):
+                 retry_backoff_s: float = 0.01, epoch: int | None = None):
         parse_address(address)
         if not 0 < timeout_s <= 3600 or not 0 < connect_timeout_s <= 3600:
             raise errors.InvalidArgumentError("timeout_s and connect_timeout_s must be in (0, 3600]")
@@ -77,6 +90,7 @@ class Client:
         self.frame_payload_bytes_max = frame_payload_bytes_max
         self.pipeline_depth = pipeline_depth
         self.retry_backoff_s = retry_backoff_s
+        self.epoch = epoch
         self._pool = ConnectionPool(
             lambda: Connection(address, timeout_s, connect_timeout_s), pool_size, timeout_s)
         self._registry = BufferRegistry()
@@ -96,16 +110,28 @@ class Client:
     def __repr__(self) -> str:
         return f"gcache.Client({self.address!r}, open_connections={self._pool.open_count})"
 
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int | None) -> None:
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)
+                                  or not 0 <= epoch < 2 ** 63):
+            raise errors.InvalidArgumentError(f"epoch must be None or an int in [0, 2**63), got {epoch!r}")
+        self._epoch = epoch
+
     # -- the retry loop -------------------------------------------------------
 
     def _run(self, ops: list, result: BatchResult) -> None:
+        epoch = self._epoch  # one epoch for every frame and retry of this call
         attempt = 0
         stale_retry_left = True
         while True:
             conn = None
             try:
                 conn = self._pool.acquire()
-                pipeline.run(conn, ops, self.pipeline_depth)
+                pipeline.run(conn, ops, self.pipeline_depth, epoch)
                 break
             except errors.ConnectionError as exc:
                 self._pool.discard_idle()  # their server likely went away too
@@ -321,8 +347,11 @@ class Client:
         return result.meta
 
     def ping(self) -> dict:
-        """{"version": str, "epoch": int} from the server; raises if it cannot be reached."""
-        return self._meta_call(Opcode.PING)
+        """{"version": str, "epoch": int, "map": bytes} from the server (map: its cluster
+        map as msgpack, b"" if it has none); raises if it cannot be reached."""
+        answer = self._meta_call(Opcode.PING)
+        answer.setdefault("map", b"")
+        return answer
 
     def stats(self) -> dict:
         """{"counters": {...}, "gauges": {...}, "histograms": {...}} from the server."""

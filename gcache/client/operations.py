@@ -85,8 +85,8 @@ class Operation:
     def keys(self) -> list[bytes]:
         return self.result.keys[self.lo:self.hi]
 
-    def request_meta_bytes(self) -> bytes:
-        return encode_keys_meta(self.keys)
+    def request_meta_bytes(self, epoch: int | None) -> bytes:
+        return encode_keys_meta(self.keys, epoch)
 
     def payload(self) -> list:
         return []
@@ -97,9 +97,10 @@ class Operation:
     def response_bytes_max(self) -> int:
         return _RESPONSE_BYTES_FIXED + _RESPONSE_BYTES_PER_KEY * (self.hi - self.lo)
 
-    def frame(self, request_id: int) -> tuple[list, int]:
-        """(buffers to send, request bytes) for this operation."""
-        meta = self.request_meta_bytes()
+    def frame(self, request_id: int, epoch: int | None = None) -> tuple[list, int]:
+        """(buffers to send, request bytes) for this operation; `epoch`, when not
+        None, goes into the request map (the node refuses it if its map is newer)."""
+        meta = self.request_meta_bytes(epoch)
         payload = self.payload()
         payload_len = self.payload_bytes()
         head = encode_header(self.opcode, request_id, len(meta), payload_len) + meta
@@ -121,11 +122,14 @@ class PutOp(Operation):
         super().__init__(result, lo, hi)
         self.values = values  # views for keys lo..hi-1
 
-    def request_meta_bytes(self) -> bytes:
+    def request_meta_bytes(self, epoch: int | None) -> bytes:
         # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
         # overlaps the server storing frame k.
         sums = [xxh64(v) for v in self.values]
-        return encode_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums})
+        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums}
+        if epoch is not None:
+            meta["epoch"] = epoch
+        return encode_meta(meta)
 
     def payload(self) -> list:
         return self.values
@@ -288,8 +292,8 @@ class MetaOp(Operation):
         super().__init__(result)
         self.opcode = opcode
 
-    def request_meta_bytes(self) -> bytes:
-        return b"\x80"  # msgpack {}
+    def request_meta_bytes(self, epoch: int | None) -> bytes:
+        return b"\x80"  # msgpack {}: PING and STATS are answered whatever the epoch
 
     def response_bytes_max(self) -> int:
         return RESPONSE_BYTES_UNBOUNDED

@@ -5,6 +5,10 @@ requests in flight are small (the server can always buffer them) or their
 responses are small (we can always buffer those). Otherwise we first read the
 oldest response. One frame alone can never deadlock: the server reads all of it
 before it answers.
+
+A STALE_EPOCH answer stops sending; the frames already in flight are read (the
+node refuses them too, or serves them if its epoch did not rise for them), so
+the connection stays in sync, and then StaleEpochError is raised.
 """
 from __future__ import annotations
 
@@ -42,6 +46,14 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
         return errors.ProtocolError(
             f"{where} rejected a frame ({FrameStatus(status).name}, {kind}): {message}; "
             "the client and server versions may not match")
+    if status == FrameStatus.STALE_EPOCH:
+        epoch = meta.get("epoch")
+        map_bytes = meta.get("map")
+        return errors.StaleEpochError(
+            f"{where} has a newer cluster map (epoch {epoch}) than this request; nothing was "
+            "done: the cluster client refreshes its map and retries",
+            epoch if isinstance(epoch, int) else 0,
+            bytes(map_bytes) if isinstance(map_bytes, (bytes, bytearray)) else b"")
     if status == FrameStatus.INTERNAL:
         return errors.ServerError(f"{where} failed internally ({kind}): {message}; "
                                   "check the server log", kind, status)
@@ -54,6 +66,9 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
     opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
     meta = conn.read_meta(meta_len)
     if status != FrameStatus.OK:
+        if (status == FrameStatus.STALE_EPOCH and rid == request_id and opcode == op.opcode
+                and payload_len == 0):
+            raise status_error(status, meta, conn.address)  # the frame was read whole: in sync
         if (status == FrameStatus.LIMIT_EXCEEDED and rid == request_id and opcode == op.opcode
                 and payload_len == 0):
             halves = op.split()  # GETs only: the server kept the connection open
@@ -77,18 +92,20 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
     return None
 
 
-def run(conn: Connection, ops: list[Operation], depth_max: int) -> None:
-    """Runs every operation on `conn`; on any exception the connection is marked broken.
+def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | None = None) -> None:
+    """Runs every operation on `conn`; on any exception the connection is marked
+    broken, except StaleEpochError, raised only once the stream is in sync.
 
-    An operation the server refuses as too large (a GET whose found values exceed
-    its frame payload limit) is replaced by its two halves, sent on the same
-    connection. Each split halves a key range, so a batch of n keys is split at
-    most n - 1 times; a single key that is still refused raises.
+    `epoch`, when not None, is sent in every request map. An operation the
+    server refuses as too large (a GET whose found values exceed its frame
+    payload limit) is replaced by its two halves, sent on the same connection.
+    Each split halves a key range, so a batch of n keys is split at most n - 1
+    times; a single key that is still refused raises.
     """
     try:
         if len(ops) == 1:  # the common case: no bookkeeping
             request_id = next(_request_ids)
-            parts, _ = ops[0].frame(request_id)
+            parts, _ = ops[0].frame(request_id, epoch)
             conn.send(parts)
             halves = _receive(conn, request_id, ops[0])
             if halves is None:
@@ -98,33 +115,46 @@ def run(conn: Connection, ops: list[Operation], depth_max: int) -> None:
         in_flight: deque = deque()
         request_bytes = 0
         response_bytes = 0
+        stale: errors.StaleEpochError | None = None
 
         def receive_oldest() -> None:
-            nonlocal request_bytes, response_bytes
+            nonlocal request_bytes, response_bytes, stale
             old_id, old_op, old_size, old_reply = in_flight.popleft()
-            halves = _receive(conn, old_id, old_op)
-            if halves is not None:
+            try:
+                halves = _receive(conn, old_id, old_op)
+            except errors.StaleEpochError as exc:
+                if conn.broken:
+                    raise
+                stale = stale or exc
+                halves = None
+            if halves is not None and stale is None:
                 pending.extendleft(reversed(halves))
             request_bytes -= old_size
             response_bytes -= old_reply
 
-        while pending or in_flight:
-            if not pending:
+        while (pending and stale is None) or in_flight:
+            if not pending or stale is not None:
                 receive_oldest()
                 continue
             op = pending.popleft()
             request_id = next(_request_ids)
-            parts, size = op.frame(request_id)
+            parts, size = op.frame(request_id, epoch)
             reply_max = op.response_bytes_max()
             while in_flight and not (
                     len(in_flight) < depth_max
                     and (request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
                          or response_bytes + reply_max <= IN_FLIGHT_WINDOW_BYTES)):
                 receive_oldest()
+            if stale is not None:
+                continue  # not sent: the node would refuse it too
             conn.send(parts)
             in_flight.append((request_id, op, size, reply_max))
             request_bytes += size
             response_bytes += reply_max
+        if stale is not None:
+            raise stale
+    except errors.StaleEpochError:
+        raise  # _receive marked the connection broken if the stream was not in sync
     except BaseException:
         conn.broken = True
         raise

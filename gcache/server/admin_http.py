@@ -3,10 +3,16 @@
 GET /metrics  Prometheus text (see prometheus.render)
 GET /healthz  200 while the process runs
 GET /readyz   200 while serving, 503 once shutdown began
+GET /cluster  JSON: the cluster agent's view (node id, state, epochs, rebalance
+              counters); {"cluster": false} on a standalone node
 POST /flush   writes the memory tier and warm list to disk, 200 when done
+POST /drain   asks the master to drain this node (active failover); the body,
+              if any, is the reason. 202 with the /cluster JSON; 409 on a
+              standalone node
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,13 +22,16 @@ from gcache.server import prometheus
 
 log = logging.getLogger("gcache.server.admin")
 
+REASON_BYTES_MAX = 1024  # of a POST /drain body
+
 
 class AdminHttpServer:
     """Serves the admin endpoints in a daemon thread until close()."""
 
     def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None],
-                 ready: Callable[[], bool]):
-        handler = _make_handler(stats, flush, ready)
+                 ready: Callable[[], bool], cluster: Callable[[], dict | None] = lambda: None,
+                 drain: Callable[[str], dict | None] = lambda reason: None):
+        handler = _make_handler(stats, flush, ready, cluster, drain)
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
@@ -46,7 +55,7 @@ class AdminHttpServer:
         self._httpd.server_close()
 
 
-def _make_handler(stats, flush, ready):
+def _make_handler(stats, flush, ready, cluster, drain):
     flush_lock = threading.Lock()  # one flush at a time
 
     class Handler(BaseHTTPRequestHandler):
@@ -62,6 +71,19 @@ def _make_handler(stats, flush, ready):
             self.wfile.write(data)
 
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            self._answer(self._get)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._answer(self._post)
+
+        def _answer(self, handle) -> None:
+            try:
+                handle()
+            except Exception as e:  # noqa: BLE001 -- answer 500 instead of dropping the connection
+                log.exception("admin %s %s failed", self.command, self.path)
+                self._reply(500, f"internal error: {e}\n")
+
+        def _get(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._reply(200, prometheus.render(stats()), "text/plain; version=0.0.4; charset=utf-8")
@@ -72,16 +94,37 @@ def _make_handler(stats, flush, ready):
                     self._reply(200, "ready\n")
                 else:
                     self._reply(503, "shutting down\n")
+            elif path == "/cluster":
+                view = cluster()
+                self._reply(200, json.dumps(view if view is not None else {"cluster": False},
+                                            sort_keys=True) + "\n", "application/json")
             else:
-                self._reply(404, "not found; try /metrics, /healthz, /readyz or POST /flush\n")
+                self._reply(404, "not found; try /metrics, /healthz, /readyz, /cluster, "
+                                 "POST /flush or POST /drain\n")
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.split("?", 1)[0] != "/flush":
-                self._reply(404, "not found; the only POST endpoint is /flush\n")
-                return
-            with flush_lock:
-                flush()
-            self._reply(200, "flushed\n")
+        def _body(self) -> str:
+            try:
+                length = min(int(self.headers.get("Content-Length") or 0), REASON_BYTES_MAX)
+            except ValueError:
+                length = 0
+            return self.rfile.read(length).decode("utf-8", "replace").strip() if length > 0 else ""
+
+        def _post(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/flush":
+                with flush_lock:
+                    flush()
+                self._reply(200, "flushed\n")
+            elif path == "/drain":
+                reason = self._body()
+                view = drain(f"operator: POST /drain{': ' + reason if reason else ''}")
+                if view is None:
+                    self._reply(409, "this node is standalone (no --master): there is no cluster "
+                                     "to drain it into\n")
+                else:
+                    self._reply(202, json.dumps(view, sort_keys=True) + "\n", "application/json")
+            else:
+                self._reply(404, "not found; the POST endpoints are /flush and /drain\n")
 
         def log_message(self, fmt, *args) -> None:
             log.debug("admin %s " + fmt, self.client_address[0], *args)

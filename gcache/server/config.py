@@ -9,7 +9,6 @@ import argparse
 import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -62,6 +61,22 @@ class ServerSettings:
     warm_restart: bool = True
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
+    # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
+    master: str = ""
+    node_id: str = ""       # "" = the advertise address
+    advertise: str = ""     # "" = host:port (the bound port if --port 0)
+    heartbeat_interval_s: float = 1.0
+    rebalance_batch_bytes: int = 64 << 20
+    memory_pressure_drain: float = 0.0  # 0 = off
+
+    def advertise_address(self, bound_port: int | None = None) -> str:
+        """host:port other nodes and clients use to reach this node's data port."""
+        if self.advertise:
+            return self.advertise
+        return f"{self.host}:{bound_port if bound_port is not None else self.port}"
+
+    def node_id_or_default(self, bound_port: int | None = None) -> str:
+        return self.node_id or self.advertise_address(bound_port)
 
     def native_config(self) -> dict:
         """The dict gcache._native.Server(config) takes."""
@@ -79,7 +94,13 @@ class ServerSettings:
         return asdict(self)
 
 
-_SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes"}
+_SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes",
+                "rebalance_batch_bytes"}
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+REBALANCE_BATCH_BYTES_MIN = 1 << 20
+REBALANCE_BATCH_BYTES_MAX = 1 << 30
+HEARTBEAT_INTERVAL_S_MIN = 0.05
+HEARTBEAT_INTERVAL_S_MAX = 60.0
 
 EPILOG = """\
 sizes accept bytes or a unit: KiB MiB GiB TiB (powers of 2), KB MB GB TB (powers of 10).
@@ -89,11 +110,17 @@ config file: TOML; any flag above by its name (dashes or underscores), e.g.
   data-dir = "/var/lib/gcache"
 command-line flags override the file.
 
+cluster: with --master the node registers with the gcache-master replicas,
+heartbeats, and moves keys to their owners when the map changes
+(docs/cluster.md). POST /drain on the admin port, the file DATA_DIR/DRAIN,
+disk errors or (with --memory-pressure-drain) sustained NO_SPACE refusals make
+the node drain itself; once drained and removed from the map it exits 0.
+
 signals: SIGTERM / SIGINT stop gracefully: requests already received finish, the
 memory tier is written to disk (a restart comes back warm), then exit 0.
 
 exit codes:
-  0  clean stop
+  0  clean stop, or left the cluster after a completed drain
   1  internal error
   2  usage or configuration error (bad flag, bad value, unreadable config file)
   3  cannot serve: port already in use, data dir locked or unusable
@@ -116,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="directory for disk segments and the warm list (default ./gcache-data)")
     p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
     p.add_argument("--admin-port", type=int,
-                   help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, POST /flush; "
+                   help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, /cluster, "
+                        "POST /flush, POST /drain; "
                         "0 = off (default 7601)")
     p.add_argument("--grpc-port", type=int,
                    help="admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)")
@@ -135,6 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long requests in flight may take to finish (default 10)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default info)")
+    cluster = p.add_argument_group("cluster (docs/cluster.md)")
+    cluster.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]",
+                         help="gcache-master replicas to register with (default: none, a standalone node)")
+    cluster.add_argument("--node-id", metavar="ID", help="this node's id in the map (default: --advertise)")
+    cluster.add_argument("--advertise", metavar="HOST:PORT",
+                         help="data address other nodes and clients use (default: --host:--port; "
+                              "required with --master when --host is 0.0.0.0 or ::)")
+    cluster.add_argument("--heartbeat-interval-s", type=float,
+                         help="seconds between heartbeats to the master (default 1.0)")
+    cluster.add_argument("--rebalance-batch-bytes",
+                         help="bytes moved per batch when keys move to their owners (default 64MiB)")
+    cluster.add_argument("--memory-pressure-drain", type=float, metavar="FRACTION",
+                         help="drain this node when more than this fraction of puts is refused "
+                              "for lack of space over a minute; 0 = off (default 0)")
     return p
 
 
@@ -200,6 +242,37 @@ def _validate(s: ServerSettings) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _validate_cluster(s)
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _validate_cluster(s: ServerSettings) -> None:
+    if s.advertise and not _is_host_port(s.advertise):
+        raise ConfigError(f"--advertise {s.advertise!r} is not host:port")
+    if s.advertise and s.advertise.rpartition(":")[0] in _WILDCARD_HOSTS:
+        raise ConfigError(f"--advertise {s.advertise!r} must name a reachable address, not a wildcard")
+    if s.node_id and not 0 < len(s.node_id.encode()) <= 128:
+        raise ConfigError("--node-id must be 1..128 bytes")
+    if not HEARTBEAT_INTERVAL_S_MIN <= s.heartbeat_interval_s <= HEARTBEAT_INTERVAL_S_MAX:
+        raise ConfigError(f"--heartbeat-interval-s must be {HEARTBEAT_INTERVAL_S_MIN}.."
+                          f"{HEARTBEAT_INTERVAL_S_MAX:g} seconds")
+    if not REBALANCE_BATCH_BYTES_MIN <= s.rebalance_batch_bytes <= REBALANCE_BATCH_BYTES_MAX:
+        raise ConfigError("--rebalance-batch-bytes must be 1MiB..1GiB")
+    if not 0.0 <= s.memory_pressure_drain < 1.0:
+        raise ConfigError("--memory-pressure-drain must be a fraction in [0, 1); 0 turns it off")
+    if not s.master:
+        return
+    for address in s.master.removeprefix("gcache://").split(","):
+        if not _is_host_port(address.strip()):
+            raise ConfigError(f"--master: {address.strip()!r} is not host:port; "
+                              "give HOST:PORT[,HOST:PORT...] of the gcache-master replicas")
+    if not s.advertise and s.host in _WILDCARD_HOSTS:
+        raise ConfigError(f"--host {s.host} listens on every interface: with --master, give "
+                          "--advertise HOST:PORT, the address other nodes and clients should use")
 
 
 def load_settings(argv: list[str] | None = None) -> ServerSettings:
@@ -218,7 +291,7 @@ def load_settings(argv: list[str] | None = None) -> ServerSettings:
     types = {f.name: f.type for f in fields(ServerSettings)}
     for name, value in merged.items():
         kind = types[name]
-        if name == "admin_host":
+        if name in ("admin_host", "master", "node_id", "advertise"):
             kind = str
         setattr(settings, name, _coerce(name, value, kind))
     _validate(settings)

@@ -2,7 +2,9 @@
 
 The native core (gcache._native.Server) serves the data protocol on its own
 threads; this process configures it, serves the admin endpoints, and on a
-signal stops it gracefully and flushes the memory tier to disk.
+signal stops it gracefully and flushes the memory tier to disk. With --master
+a cluster agent (gcache.server.cluster_agent) also runs; after a completed
+drain it stops the node the same way and the process exits 0.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Node:
         self.native = None
         self.admin_http = None
         self.admin_grpc = None
+        self.agent = None  # ClusterAgent with --master, started once the data port listens
         # Admin ports bind first: once the data port accepts, everything is up.
         try:
             admin_host = settings.admin_host or settings.host
@@ -38,7 +41,8 @@ class Node:
                 from gcache.server.admin_http import AdminHttpServer
 
                 self.admin_http = AdminHttpServer(admin_host, settings.admin_port, self.stats,
-                                                  self.flush, self.ready)
+                                                  self.flush, self.ready,
+                                                  cluster=self.cluster_status, drain=self.request_drain)
             if settings.grpc_port:
                 from gcache.server.admin_grpc import AdminGrpcServer
 
@@ -51,7 +55,20 @@ class Node:
             raise
 
     def stats(self) -> dict:
-        return self.native.stats()
+        stats = self.native.stats()
+        agent = self.agent
+        if agent is not None:  # rebalance counters and cluster gauges beside the native ones
+            for section, values in agent.metrics().items():
+                stats.setdefault(section, {}).update(values)
+        return stats
+
+    def cluster_status(self) -> dict | None:
+        """GET /cluster: the agent's view, or None for a standalone node."""
+        return self.agent.status() if self.agent is not None else None
+
+    def request_drain(self, reason: str) -> dict | None:
+        """POST /drain: None for a standalone node (nothing to drain into)."""
+        return self.agent.request_drain(reason) if self.agent is not None else None
 
     def flush(self) -> None:
         self.native.flush()
@@ -65,16 +82,32 @@ class Node:
     def ready(self) -> bool:
         return not self.stopping.is_set()
 
-    def start(self) -> None:
+    def start(self, on_drained=lambda: None) -> None:
         self.native.start()
+        if self.settings.master:
+            from gcache.server.cluster_agent import ClusterAgent
+
+            admin = ""
+            if self.admin_http:
+                admin_host = self.settings.admin_host or self.settings.host
+                if admin_host in ("0.0.0.0", "::", ""):
+                    admin_host = self.settings.advertise_address(self.native.port).rpartition(":")[0]
+                admin = f"{admin_host}:{self.admin_http.port}"
+            self.agent = ClusterAgent(self.settings, self.native, bound_port=self.native.port,
+                                      admin_address=admin, stats=self.native.stats,
+                                      on_drained=on_drained)
         if self.admin_http:
             self.admin_http.start()
         if self.admin_grpc:
             self.admin_grpc.start()
+        if self.agent is not None:
+            self.agent.start()
 
     def shutdown(self) -> None:
         """Graceful stop: finish requests in flight, then write memory to disk."""
         self.stopping.set()
+        if self.agent is not None:
+            self.agent.stop()  # no heartbeats or pushes while the data port closes
         log.info("stopping: finishing requests in flight (grace %.1fs)", self.settings.shutdown_grace_s)
         self.native.stop(self.settings.shutdown_grace_s)
         if self.settings.disk:
@@ -117,12 +150,20 @@ def run(settings: ServerSettings) -> int:
         log.error("cannot listen: %s", e)
         return EXIT_UNAVAILABLE
 
-    node.start()
+    drained = threading.Event()
+
+    def on_drained():
+        drained.set()
+        stop.set()
+
+    node.start(on_drained)
     admin = f", admin http :{node.admin_http.port}" if node.admin_http else ""
     admin += f", admin grpc :{node.admin_grpc.port}" if node.admin_grpc else ""
     log.info("gcache-server %s serving on %s:%d%s", __version__, settings.host, node.native.port, admin)
     while not stop.wait(0.5):  # short waits keep signal handling prompt
         pass
+    if drained.is_set():
+        log.info("drain complete: this node left the cluster; stopping")
     node.shutdown()
     return EXIT_OK
 

@@ -12,7 +12,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .completions import CompletionError, build_response, parse_completion

@@ -1,0 +1,496 @@
+"""gcache.ClusterClient: one client for a whole GCache cluster ("gcache://m1:p,m2:p").
+
+Same methods as the single-node gcache.Client. Every call groups its keys by
+their owner in the current cluster map (gcache.cluster.placement), runs each
+owner's part on that node's single-node Client, in parallel when there are
+several owners, and merges the answers back in the caller's key order.
+
+  - A node that cannot answer (refused, reset, timeout, busy, shutting down)
+    turns its keys into misses (None / False) and becomes *suspect* for
+    suspect_s: later calls skip it at once instead of waiting on it again, and
+    a map refresh is requested. A dead peer is never an exception.
+  - While a node joins or drains (map.migrating), a read that misses at the
+    owner is retried at the key's previous owner (the dual read), and a remove
+    goes to both.
+  - Every request carries the map's epoch; a node with a newer map refuses it
+    (StaleEpochError). The client adopts the node's map (or waits, bounded, for
+    one from the masters) and retries that part split by the new owners, at
+    most STALE_EPOCH_RETRIES_MAX times; keys still refused are misses.
+  - Argument errors and per-key problems (value too large, buffer too small,
+    checksum mismatch) raise as in the single-node client, after every part has
+    run; the exception's `results` holds the whole batch's answers.
+
+Buffers are never copied here: the caller's buffers are sliced into one
+memoryview per key and each node's views are handed to its Client.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
+
+import msgpack
+
+from gcache import errors
+from gcache.client.buffers import BufferRegistry, byte_view
+from gcache.client.client import Client
+from gcache.client.map_source import MapSource
+from gcache.client.node_set import NodeClient, NodeSet
+from gcache.cluster.cluster_map import DEAD, ClusterMap
+from gcache.cluster.placement import Placement
+from gcache.master.api import parse_master_url
+from gcache.protocol import normalize_key, normalize_keys
+
+log = logging.getLogger(__name__)
+
+STALE_EPOCH_RETRIES_MAX = 3
+PARALLEL_MAX_LIMIT = 256
+SUSPECT_S_MAX = 3600.0
+
+# "This node cannot answer now": its keys are misses and it becomes suspect.
+# (ServerBusyError and ServerShuttingDownError are ConnectionErrors, and a pool
+# whose connections all hang on a stopped node raises PoolExhaustedError, a
+# TimeoutError.)
+NODE_FAILURES = (errors.ConnectionError, errors.TimeoutError)
+# Per-key problems: the node handled the part's other keys; raised after the batch.
+KEY_PROBLEMS = (errors.ValueTooLargeError, errors.BufferTooSmallError, errors.ChecksumMismatchError)
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+# Raised by a node whose map is newer than the request's epoch.
+StaleEpochError = getattr(errors, "StaleEpochError", _NeverRaised)
+
+COUNTERS = ("node_errors", "suspect_skips", "fallback_reads", "fallback_hits",
+            "stale_epoch_retries")
+
+
+class _Routing(NamedTuple):
+    """Everything derived from one map; swapped as a whole, so a call sees one map."""
+    placement: Placement
+    nodes: dict  # node id -> NodeInfo
+    epoch: int
+
+
+class _Call:
+    """One call's answers (caller's key order) and what went wrong along the way."""
+
+    def __init__(self, n: int, miss, map_wait_s: float):
+        self.values = [miss] * n
+        self.problems: list[errors.GCacheError] = []
+        self.map_wait_deadline = time.monotonic() + map_wait_s
+
+    def missed(self, i: int) -> bool:
+        v = self.values[i]
+        return v is None or v is False
+
+
+def _is_hit(value) -> bool:
+    return value is not None and value is not False
+
+
+class ClusterClient:
+    """Client of a GCache cluster. Thread-safe; use one per process.
+
+    address: "gcache://host:port[,host:port...]", the gcache-master replicas.
+        May be None when `initial_map` is given (no refreshes then).
+    initial_map: a ClusterMap to start from instead of asking a master at
+        start; the masters (if any) are then only used for refreshes and may be
+        unreachable.
+    timeout_s, connect_timeout_s, pool_size, retries, verify_checksums and any
+        other keyword: passed to each node's single-node gcache.Client.
+        A call lasts at most about timeout_s * (retries + 1) per phase, even
+        when a node accepts connections but never answers.
+    map_refresh_s: how often the map is fetched from the masters.
+    suspect_s: how long a node that failed is skipped.
+    parallel_max: threads running owners' parts at once (shared by all calls).
+    master_timeout_s: per master RPC.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout_s: float = 2.0,
+                 connect_timeout_s: float = 0.5, pool_size: int = 8, retries: int = 1,
+                 verify_checksums: bool = False, map_refresh_s: float = 2.0,
+                 suspect_s: float = 1.0, parallel_max: int = 16,
+                 initial_map: ClusterMap | None = None, master_timeout_s: float = 2.0,
+                 **node_kwargs):
+        if address is None and initial_map is None:
+            raise errors.InvalidArgumentError(
+                "ClusterClient needs the masters, 'gcache://host:port[,host:port...]', "
+                "or initial_map=ClusterMap(...)")
+        masters = parse_master_url(address) if address is not None else None
+        if initial_map is not None and not isinstance(initial_map, ClusterMap):
+            raise errors.InvalidArgumentError(
+                f"initial_map must be a gcache.cluster.cluster_map.ClusterMap, got "
+                f"{type(initial_map).__name__} (ClusterMap.from_dict builds one from a dict)")
+        if not 1 <= parallel_max <= PARALLEL_MAX_LIMIT:
+            raise errors.InvalidArgumentError(f"parallel_max must be in [1, {PARALLEL_MAX_LIMIT}]")
+        if not 0 <= suspect_s <= SUSPECT_S_MAX:
+            raise errors.InvalidArgumentError(f"suspect_s must be in [0, {SUSPECT_S_MAX}]")
+        if not 0 < map_refresh_s <= 3600 or not 0 < master_timeout_s <= 3600:
+            raise errors.InvalidArgumentError("map_refresh_s and master_timeout_s must be in (0, 3600]")
+        node_kwargs.update(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                           pool_size=pool_size, retries=retries, verify_checksums=verify_checksums)
+        NodeClient("127.0.0.1:1", **node_kwargs).close()  # bad node options fail here, not later
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.parallel_max = parallel_max
+        self._node_kwargs = node_kwargs
+        self._registry = BufferRegistry()
+        self._closed = False
+        self._counter_lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._nodes = NodeSet(lambda addr: NodeClient(addr, **self._node_kwargs), suspect_s)
+        self._routing: _Routing | None = None
+        self._maps = MapSource(masters, self._on_map, initial_map=initial_map,
+                               refresh_s=map_refresh_s, master_timeout_s=master_timeout_s)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the map refresher and closes every node's connections; later calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        self._maps.close()
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+        self._nodes.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        masters = ",".join(self._maps.masters) or None
+        cmap = self._maps.current
+        return (f"gcache.ClusterClient(masters={masters!r}, epoch={cmap.epoch}, "
+                f"nodes={len(cmap.nodes)})")
+
+    @property
+    def cluster_map(self) -> ClusterMap:
+        """The newest map this client has seen."""
+        return self._maps.current
+
+    def client_stats(self) -> dict:
+        """This client's own counters (not the nodes'): see COUNTERS, plus map_refreshes
+        (master answers received) and map_updates (newer maps adopted)."""
+        with self._counter_lock:
+            out = dict(self._counters)
+        out["map_refreshes"] = self._maps.refreshes
+        out["map_updates"] = self._maps.adoptions
+        return out
+
+    def refresh_map(self) -> bool:
+        """Fetches the map from the masters now, in this thread; True if it was newer."""
+        return self._maps.refresh_once()
+
+    # -- map -> routing ---------------------------------------------------------
+
+    def _on_map(self, cmap: ClusterMap) -> None:
+        # Placement first, then close clients of nodes that left: a call that
+        # still holds the old routing and hits a closed client retries (see _run_part).
+        self._routing = _Routing(Placement(cmap), {n.id: n for n in cmap.nodes}, cmap.epoch)
+        self._nodes.sync(cmap)
+
+    def _count(self, name: str, k: int = 1) -> None:
+        if k:
+            with self._counter_lock:
+                self._counters[name] += k
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one")
+
+    # -- running parts ----------------------------------------------------------
+
+    def _run_part(self, routing: _Routing, node_id: str, idx: list[int], fn) -> tuple:
+        """(kind, payload): ok/answers, miss, stale/exc, retry, problem/exc, error/exc."""
+        node = routing.nodes.get(node_id)
+        if node is None or node.state == DEAD:
+            return "miss", None
+        if self._nodes.is_suspect(node_id):
+            self._count("suspect_skips", len(idx))
+            return "miss", None
+        try:
+            client = self._nodes.client(node)
+            with client.using_epoch(routing.epoch):
+                return "ok", fn(client, idx)
+        except StaleEpochError as exc:
+            return "stale", exc
+        except KEY_PROBLEMS as exc:
+            return "problem", exc
+        except NODE_FAILURES as exc:
+            self._count("node_errors")
+            self._nodes.mark_suspect(node_id)
+            self._maps.request_refresh()
+            log.debug("gcache node %s (%s) failed, suspect for %ss: %s",
+                      node_id, node.address, self._nodes.suspect_s, exc)
+            return "miss", None
+        except errors.ClientClosedError as exc:
+            if self._closed:
+                return "error", exc
+            return "retry", None  # a newer map closed this node's client mid-call
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            return "error", exc
+
+    def _executor_get(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            self._check_open()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.parallel_max, thread_name_prefix="gcache-part")
+            return self._executor
+
+    def _run_parts(self, routing: _Routing, parts: list, fn) -> list[tuple]:
+        if len(parts) == 1:
+            return [self._run_part(routing, *parts[0], fn)]
+        # Every part is waited for, even after another failed: a part still running
+        # could otherwise write into a caller's buffer after the call returned.
+        # Each part is bounded by its node Client's timeouts.
+        try:
+            futures = [self._executor_get().submit(self._run_part, routing, nid, idx, fn)
+                       for nid, idx in parts[1:]]
+        except RuntimeError:  # executor shut down: close() raced this call
+            raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one")
+        first = self._run_part(routing, *parts[0], fn)
+        return [first] + [f.result() for f in futures]
+
+    def _execute(self, routing: _Routing, groups: dict, fn, call: _Call) -> list[int]:
+        """Runs each node's part of `groups` ({node id: [key indexes]}), merging hits into
+        call.values; returns the indexes to retry with a newer map."""
+        parts = [(nid, idx) for nid, idx in groups.items() if nid is not None]  # None: no owner
+        if not parts:
+            return []
+        retry: list[int] = []
+        stale: list = []
+        error = None
+        for (nid, idx), (kind, payload) in zip(parts, self._run_parts(routing, parts, fn)):
+            if kind == "ok":
+                self._merge(call, idx, payload)
+            elif kind == "problem":
+                if payload.results is not None:
+                    self._merge(call, idx, payload.results)
+                call.problems.append(payload)
+            elif kind in ("stale", "retry"):
+                retry.extend(idx)
+                if kind == "stale":
+                    stale.append(payload)
+            elif kind == "error" and error is None:
+                error = payload
+        if error is not None:
+            raise error
+        for exc in stale:
+            self._adopt_from_stale(exc, call)
+        return retry
+
+    @staticmethod
+    def _merge(call: _Call, idx: list[int], answers: list) -> None:
+        # Only hits are written: a miss never hides a hit from another phase
+        # (a remove that found the key at the owner or at the previous owner is True).
+        values = call.values
+        for i, v in zip(idx, answers):
+            if _is_hit(v):
+                values[i] = v
+
+    def _adopt_from_stale(self, exc, call: _Call) -> None:
+        node_epoch = getattr(exc, "epoch", 0)
+        map_bytes = getattr(exc, "map_bytes", b"")
+        if map_bytes:
+            try:
+                self._maps.offer(ClusterMap.from_dict(msgpack.unpackb(map_bytes, raw=False)))
+            except Exception as bad:  # noqa: BLE001 - the node's map is only a hint
+                log.debug("ignoring an unreadable map in a STALE_EPOCH answer: %s", bad)
+        if isinstance(node_epoch, int) and self._maps.current.epoch < node_epoch:
+            self._maps.wait_for_epoch(node_epoch, call.map_wait_deadline - time.monotonic())
+
+    def _batch(self, keys: list[bytes], miss, fn: Callable, *, read: bool = False,
+               remove: bool = False) -> _Call:
+        """Runs `fn(node_client, key_indexes) -> answers` for every owner's keys."""
+        self._check_open()
+        call = _Call(len(keys), miss, self.timeout_s)
+        if not keys:
+            return call
+        routing = self._routing
+        todo = range(len(keys))
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            owner = routing.placement.owner
+            groups: dict = {}
+            for i in todo:
+                groups.setdefault(owner(keys[i]), []).append(i)
+            todo = self._execute(routing, groups, fn, call)
+            if not todo or attempt == STALE_EPOCH_RETRIES_MAX or self._routing is routing:
+                break  # done, out of retries, or no newer map to retry with: misses
+            self._count("stale_epoch_retries")
+            routing = self._routing
+        if (read or remove) and routing.placement.migrating:
+            self._fall_back(routing, keys, fn, call, count=read, every_key=remove)
+        if call.problems:
+            self._raise_problems(call)
+        return call
+
+    def _fall_back(self, routing: _Routing, keys, fn, call: _Call, count: bool,
+                   every_key: bool) -> None:
+        """The dual read: keys that missed at their owner, at their previous owner."""
+        placement = routing.placement
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            if every_key or call.missed(i):
+                target = placement.fallback(key, placement.owner(key))
+                if target is not None:
+                    groups.setdefault(target, []).append(i)
+        if not groups:
+            return
+        tried = [i for idx in groups.values() for i in idx]
+        self._execute(routing, groups, fn, call)  # a stale node here: those keys stay misses
+        if count:
+            self._count("fallback_reads", len(tried))
+            self._count("fallback_hits", sum(1 for i in tried if not call.missed(i)))
+
+    @staticmethod
+    def _raise_problems(call: _Call) -> None:
+        """Raises the first per-key problem, with every part's keys of that kind."""
+        first = call.problems[0]
+        seen = set(first.keys)
+        for other in call.problems[1:]:
+            if type(other) is not type(first):
+                continue
+            sizes = other.sizes if isinstance(other, errors.BufferTooSmallError) else other.keys
+            for key, size in zip(other.keys, sizes):
+                if key not in seen:  # the same key may fail at its owner and its previous owner
+                    seen.add(key)
+                    first.keys.append(key)
+                    if isinstance(first, errors.BufferTooSmallError):
+                        first.sizes.append(size)
+        first.results = call.values
+        raise first
+
+    # -- buffers (same rules as the single-node client) ---------------------------
+
+    register_buffer = Client.register_buffer
+    unregister_buffer = Client.unregister_buffer
+    _view = Client._view
+    _views = Client._views
+
+    # -- puts -----------------------------------------------------------------------
+
+    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        def put_part(client, idx):
+            return client.batch_put_from([keys[i] for i in idx], [views[i] for i in idx])
+        return self._batch(keys, False, put_part).values
+
+    def put(self, key, value) -> bool:
+        """Stores `value` at its owner. False: not admitted, or the owner is down."""
+        return self._put_views([normalize_key(key)], [byte_view(value, writable=False)])[0]
+
+    def put_batch(self, keys, values) -> list[bool]:
+        keys = normalize_keys(keys)
+        if len(values) != len(keys):
+            raise errors.InvalidArgumentError(f"put_batch: {len(keys)} keys but {len(values)} values")
+        return self._put_views(keys, [byte_view(v, writable=False) for v in values])
+
+    def put_from(self, key, buffer, offset: int = 0, size: int | None = None) -> bool:
+        """Stores buffer[offset:offset+size] without copying it (or an address in a
+        registered buffer: put_from(key, address, size))."""
+        view = self._view(buffer, offset, size, writable=False, what="put_from")
+        return self._put_views([normalize_key(key)], [view])[0]
+
+    def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
+        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
+        keys = normalize_keys(keys)
+        views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
+        return self._put_views(keys, views)
+
+    # -- gets -------------------------------------------------------------------------
+
+    def get(self, key):
+        """The value as bytes, or None on a miss (or when its node is down)."""
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys) -> list:
+        keys = normalize_keys(keys)
+
+        def get_part(client, idx):
+            return client.get_batch([keys[i] for i in idx])
+        return self._batch(keys, None, get_part, read=True).values
+
+    def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
+        def get_into_part(client, idx):
+            return client.batch_get_into([keys[i] for i in idx], [views[i] for i in idx])
+        return self._batch(keys, None, get_into_part, read=True).values
+
+    def get_into(self, key, buffer, offset: int = 0, size: int | None = None):
+        """Reads the value into buffer[offset:offset+size]; its length, None on a miss."""
+        view = self._view(buffer, offset, size, writable=True, what="get_into")
+        return self._get_views([normalize_key(key)], [view])[0]
+
+    def batch_get_into(self, keys, buffers, sizes=None, offsets=None) -> list:
+        """Reads each value into its own slice; per key its length, or None on a miss."""
+        keys = normalize_keys(keys)
+        views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
+        return self._get_views(keys, views)
+
+    # -- exists / remove ------------------------------------------------------------------
+
+    def is_exist(self, key) -> bool:
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys) -> list[bool]:
+        keys = normalize_keys(keys)
+
+        def exists_part(client, idx):
+            return client.batch_is_exist([keys[i] for i in idx])
+        return self._batch(keys, False, exists_part, read=True).values
+
+    def batch_exists_prefix(self, keys) -> int:
+        """How many leading keys exist (one EXISTS round trip per owner, plus the
+        dual read while a node joins or drains)."""
+        total = 0
+        for found in self.batch_is_exist(keys):
+            if not found:
+                break
+            total += 1
+        return total
+
+    def remove(self, key) -> bool:
+        """Removes a key (at its owner and, during a migration, its previous owner)."""
+        return self.batch_remove([key])[0]
+
+    def batch_remove(self, keys) -> list[bool]:
+        keys = normalize_keys(keys)
+
+        def remove_part(client, idx):
+            return client.batch_remove([keys[i] for i in idx])
+        return self._batch(keys, False, remove_part, remove=True).values
+
+    # -- control --------------------------------------------------------------------------
+
+    def _per_node(self, method: str) -> dict:
+        self._check_open()
+        nodes = [n for n in self._routing.nodes.values() if n.state != DEAD]
+
+        def ask(node):
+            try:
+                return getattr(self._nodes.client(node), method)()
+            except errors.GCacheError as exc:
+                return f"{type(exc).__name__}: {exc}"
+        if len(nodes) <= 1:
+            return {n.id: ask(n) for n in nodes}
+        futures = {n.id: self._executor_get().submit(ask, n) for n in nodes}
+        return {nid: f.result() for nid, f in futures.items()}
+
+    def ping(self) -> dict:
+        """{node id: the node's PING answer, or an error string} for every live node."""
+        return self._per_node("ping")
+
+    def stats(self) -> dict:
+        """{node id: the node's STATS answer, or an error string} for every live node."""
+        return self._per_node("stats")

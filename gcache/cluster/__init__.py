@@ -1,0 +1,1 @@
+"""Cluster pieces shared by the master, the nodes and the clients: the map and placement."""

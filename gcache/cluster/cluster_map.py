@@ -1,0 +1,119 @@
+"""The cluster map: (epoch, nodes[id, address, weight, state]), immutable.
+
+The master owns it (Raft-replicated); nodes and clients hold copies and
+compute placement from them (gcache.cluster.placement). The epoch rises by one
+on every change that any reader could care about, so "newer" is just a larger
+epoch. Encoded as a plain dict (msgpack / JSON) by `to_dict` / `from_dict`.
+
+States:
+  joining   registered, owns keys (writes go to it), migration into it running;
+            readers fall back to the previous owner on a miss.
+  active    owns its share of keys.
+  draining  serves reads only; pushes its keys to their next owners, then leaves.
+  dead      missed heartbeats; owns nothing and is never contacted.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+JOINING, ACTIVE, DRAINING, DEAD = "joining", "active", "draining", "dead"
+STATES = (JOINING, ACTIVE, DRAINING, DEAD)
+# Owners of new writes and first reads.
+WRITE_STATES = (JOINING, ACTIVE)
+# Owners before the migration in progress: a miss at the write owner falls back here.
+PREVIOUS_STATES = (ACTIVE, DRAINING)
+
+NODE_ID_BYTES_MAX = 128
+NODES_MAX = 4096
+WEIGHT_MAX = 1 << 20
+
+
+class MapError(ValueError):
+    """A cluster map (or a node entry) that breaks the rules above."""
+
+
+class NodeInfo(NamedTuple):
+    id: str
+    address: str            # "host:port" of the data server
+    weight: int             # >= 1, proportional to capacity (see weight_for_capacity)
+    state: str
+    changed_epoch: int = 0  # epoch at which `state` (or address/weight) last changed
+    admin: str = ""         # "host:port" of the node's admin HTTP, "" if none
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeInfo":
+        try:
+            node = cls(id=str(d["id"]), address=str(d["address"]), weight=int(d["weight"]),
+                       state=str(d["state"]), changed_epoch=int(d.get("changed_epoch", 0)),
+                       admin=str(d.get("admin", "")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MapError(f"bad node entry {d!r}: {e}") from None
+        node.validate()
+        return node
+
+    def validate(self) -> None:
+        if not 0 < len(self.id.encode()) <= NODE_ID_BYTES_MAX:
+            raise MapError(f"node id must be 1..{NODE_ID_BYTES_MAX} bytes, got {self.id!r}")
+        if self.state not in STATES:
+            raise MapError(f"node {self.id}: state {self.state!r} is not one of {STATES}")
+        if not 1 <= self.weight <= WEIGHT_MAX:
+            raise MapError(f"node {self.id}: weight {self.weight} not in [1, {WEIGHT_MAX}]")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise MapError(f"node {self.id}: address {self.address!r} is not host:port")
+
+
+class ClusterMap(NamedTuple):
+    epoch: int
+    nodes: tuple  # of NodeInfo, sorted by id
+
+    @classmethod
+    def empty(cls) -> "ClusterMap":
+        return cls(0, ())
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        return None
+
+    def in_states(self, states) -> list[NodeInfo]:
+        return [n for n in self.nodes if n.state in states]
+
+    @property
+    def migrating(self) -> bool:
+        """True while some node joins or drains: readers may fall back to previous owners."""
+        return any(n.state in (JOINING, DRAINING) for n in self.nodes)
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "nodes": [n.to_dict() for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterMap":
+        if not isinstance(d, dict) or not isinstance(d.get("epoch"), int) \
+                or not isinstance(d.get("nodes"), (list, tuple)):
+            raise MapError(f"a cluster map is {{'epoch': int, 'nodes': [...]}}, got {d!r:.200}")
+        if len(d["nodes"]) > NODES_MAX:
+            raise MapError(f"map has {len(d['nodes'])} nodes, more than {NODES_MAX}")
+        nodes = tuple(sorted((NodeInfo.from_dict(n) for n in d["nodes"]), key=lambda n: n.id))
+        if len({n.id for n in nodes}) != len(nodes):
+            raise MapError("map lists a node id twice")
+        return cls(d["epoch"], nodes)
+
+    def with_node(self, node: NodeInfo) -> "ClusterMap":
+        """A map at epoch + 1 where `node` is added or replaces the entry with its id."""
+        node = node._replace(changed_epoch=self.epoch + 1)
+        node.validate()
+        others = [n for n in self.nodes if n.id != node.id]
+        return ClusterMap(self.epoch + 1, tuple(sorted(others + [node], key=lambda n: n.id)))
+
+    def without_node(self, node_id: str) -> "ClusterMap":
+        return ClusterMap(self.epoch + 1, tuple(n for n in self.nodes if n.id != node_id))
+
+
+def weight_for_capacity(capacity_bytes: int) -> int:
+    """Ring weight from a node's capacity (memory + disk): one unit per GiB, at least 1."""
+    return max(1, min(WEIGHT_MAX, capacity_bytes >> 30))

@@ -1,0 +1,333 @@
+"""A whole GCache cluster on one machine, each process on its own loopback address.
+
+Masters listen on 127.0.0.11, .12, ... and nodes on 127.0.0.31, .32, ...
+(ports picked free on each address). Used by `gcache-cluster up/down`,
+gcache-demo, the checker and the tests. The layout is kept in DIR/cluster.json
+so another process (`gcache-cluster down`) can find and stop what `up` started:
+
+  {"client_url": "gcache://...", "settings": {...},
+   "members": [{"role": "master"|"node", "id", "host", "ports": {...},
+                "data_dir", "log", "pid"}, ...]}
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gcache.cluster.cluster_map import ACTIVE, ClusterMap
+from gcache.master.api import MasterClient, MasterUnavailableError
+
+MASTER_HOST_BASE = 11
+NODE_HOST_BASE = 31
+MASTERS_MAX = 5
+NODES_MAX = 64
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+LAYOUT_FILE = "cluster.json"
+
+
+def free_port_on(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited: it only waits to be reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _pid_is(pid: int, marker: str) -> bool:
+    """Whether `pid` still runs our process (its command line names `marker`), not a reused pid."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return marker.encode() in f.read()
+    except OSError:
+        return False
+
+
+@dataclass
+class Member:
+    """One process of the local cluster."""
+
+    role: str  # "master" or "node"
+    id: str
+    host: str
+    ports: dict
+    data_dir: str
+    log: str
+    args: list = field(default_factory=list)
+    pid: int = 0
+
+    @property
+    def address(self) -> str:
+        """The address clients use: the gRPC API of a master, the data port of a node."""
+        return f"{self.host}:{self.ports['grpc' if self.role == 'master' else 'data']}"
+
+    def alive(self) -> bool:
+        return self.pid > 0 and _pid_alive(self.pid) and _pid_is(self.pid, self.data_dir)
+
+    def send(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+
+class LocalCluster:
+    """Starts, changes and stops a local cluster. Not thread-safe: one controller at a time."""
+
+    def __init__(self, directory, *, masters: int = 3, nodes: int = 3, memory: str = "256MiB",
+                 disk: str = "512MiB", heartbeat_interval_s: float = 0.5,
+                 heartbeat_timeout_s: float = 3.0, migration_timeout_s: float = 60.0,
+                 tick_s: float = 0.2, node_args=(), master_args=()):
+        if not 1 <= masters <= MASTERS_MAX:
+            raise ValueError(f"masters must be 1..{MASTERS_MAX}, got {masters}")
+        if not 0 <= nodes <= NODES_MAX:
+            raise ValueError(f"nodes must be 0..{NODES_MAX}, got {nodes}")
+        self.dir = Path(directory).resolve()
+        self.settings = dict(masters=masters, nodes=nodes, memory=memory, disk=disk,
+                             heartbeat_interval_s=heartbeat_interval_s,
+                             heartbeat_timeout_s=heartbeat_timeout_s,
+                             migration_timeout_s=migration_timeout_s, tick_s=tick_s,
+                             node_args=list(node_args), master_args=list(master_args))
+        self.members: list[Member] = []
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._master_client: MasterClient | None = None
+
+    # -- layout ----------------------------------------------------------------
+
+    @property
+    def masters(self) -> list[Member]:
+        return [m for m in self.members if m.role == "master"]
+
+    @property
+    def nodes(self) -> list[Member]:
+        return [m for m in self.members if m.role == "node"]
+
+    @property
+    def client_url(self) -> str:
+        return "gcache://" + ",".join(m.address for m in self.masters)
+
+    def member(self, member_id: str) -> Member:
+        for m in self.members:
+            if m.id == member_id:
+                return m
+        raise KeyError(f"no member {member_id!r} in {self.dir / LAYOUT_FILE}")
+
+    def save(self) -> None:
+        layout = {"client_url": self.client_url, "settings": self.settings,
+                  "members": [asdict(m) for m in self.members]}
+        tmp = self.dir / (LAYOUT_FILE + ".tmp")
+        tmp.write_text(json.dumps(layout, indent=2) + "\n")
+        os.replace(tmp, self.dir / LAYOUT_FILE)
+
+    @classmethod
+    def load(cls, directory) -> "LocalCluster":
+        path = Path(directory).resolve() / LAYOUT_FILE
+        try:
+            layout = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"{path}: no cluster layout here ({e}); run gcache-cluster up") from None
+        settings = dict(layout["settings"])
+        cluster = cls(directory, **settings)
+        cluster.members = [Member(**m) for m in layout["members"]]
+        return cluster
+
+    def master_client(self) -> MasterClient:
+        if self._master_client is None:
+            self._master_client = MasterClient([m.address for m in self.masters], timeout_s=1.0)
+        return self._master_client
+
+    # -- processes ---------------------------------------------------------------
+
+    def _new_master(self, index: int) -> Member:
+        host = f"127.0.0.{MASTER_HOST_BASE + index}"
+        ports = {"grpc": free_port_on(host), "raft": free_port_on(host), "http": free_port_on(host)}
+        mid = f"m{index + 1}"
+        return Member("master", mid, host, ports, str(self.dir / mid), str(self.dir / f"{mid}.log"))
+
+    def _master_args(self, m: Member) -> list[str]:
+        s = self.settings
+        peers = ",".join(f"{o.host}:{o.ports['raft']}" for o in self.masters if o is not m)
+        return [sys.executable, "-m", "gcache.master.main",
+                "--grpc", m.address, "--raft", f"{m.host}:{m.ports['raft']}", "--peers", peers,
+                "--http", f"{m.host}:{m.ports['http']}", "--data-dir", m.data_dir,
+                "--heartbeat-timeout-s", str(s["heartbeat_timeout_s"]),
+                "--migration-timeout-s", str(s["migration_timeout_s"]),
+                "--tick-s", str(s["tick_s"]), *s["master_args"]]
+
+    def _new_node(self) -> Member:
+        used = {m.host for m in self.nodes}
+        index = next(i for i in range(NODES_MAX) if f"127.0.0.{NODE_HOST_BASE + i}" not in used)
+        host = f"127.0.0.{NODE_HOST_BASE + index}"
+        ports = {"data": free_port_on(host), "admin": free_port_on(host)}
+        nid = f"n{index + 1}"
+        return Member("node", nid, host, ports, str(self.dir / nid), str(self.dir / f"{nid}.log"))
+
+    def _node_args(self, n: Member) -> list[str]:
+        s = self.settings
+        return [sys.executable, "-m", "gcache.server.main",
+                "--host", n.host, "--port", str(n.ports["data"]),
+                "--admin-host", n.host, "--admin-port", str(n.ports["admin"]),
+                "--memory", s["memory"], "--disk", s["disk"], "--data-dir", n.data_dir,
+                "--master", ",".join(m.address for m in self.masters),
+                "--node-id", n.id, "--advertise", n.address,
+                "--heartbeat-interval-s", str(s["heartbeat_interval_s"]), *s["node_args"]]
+
+    def start(self, m: Member) -> None:
+        """Starts (or restarts) one member's process, detached from the caller's terminal."""
+        if m.alive():
+            raise RuntimeError(f"{m.role} {m.id} is already running (pid {m.pid})")
+        Path(m.data_dir).mkdir(parents=True, exist_ok=True)
+        m.args = self._master_args(m) if m.role == "master" else self._node_args(m)
+        with open(m.log, "ab") as log:
+            proc = subprocess.Popen(m.args, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._procs[proc.pid] = proc
+        m.pid = proc.pid
+        self.save()
+
+    def _reap(self) -> None:
+        for pid, proc in list(self._procs.items()):
+            if proc.poll() is not None:
+                del self._procs[pid]
+
+    def stop(self, m: Member, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Sends `sig` and waits for the exit; SIGKILL after `timeout_s`. A paused process is resumed."""
+        if not m.alive():
+            return
+        m.send(sig)
+        if sig != signal.SIGKILL:
+            m.send(signal.SIGCONT)
+        if not self._wait_exit(m, timeout_s):
+            m.send(signal.SIGKILL)
+            self._wait_exit(m, timeout_s)
+
+    def kill(self, m: Member) -> None:
+        self.stop(m, signal.SIGKILL)
+
+    def _wait_exit(self, m: Member, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not m.alive():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def exit_code(self, m: Member) -> int | None:
+        proc = self._procs.get(m.pid)
+        return proc.poll() if proc is not None else None
+
+    def log_tail(self, m: Member, chars: int = 3000) -> str:
+        try:
+            return Path(m.log).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    # -- waiting -------------------------------------------------------------------
+
+    def wait_leader(self, timeout_s: float = START_TIMEOUT_S) -> Member:
+        """The master member that is Raft leader, once one is known to a live replica."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in self.masters:
+                if not m.alive():
+                    continue
+                try:
+                    raft = MasterClient([m.address], timeout_s=0.5).call("Status").get("raft", {})
+                except (MasterUnavailableError, Exception):  # noqa: BLE001 -- not up yet
+                    continue
+                leader = raft.get("leader")
+                for cand in self.masters:
+                    if leader and leader == f"{cand.host}:{cand.ports['raft']}" and cand.alive():
+                        return cand
+            time.sleep(0.1)
+        raise TimeoutError(f"no master leader within {timeout_s}s; logs in {self.dir}")
+
+    def current_map(self) -> ClusterMap:
+        cmap = self.master_client().get_map()
+        return cmap if cmap is not None else ClusterMap.empty()
+
+    def wait_map(self, predicate, timeout_s: float, what: str) -> ClusterMap:
+        """Polls the masters until predicate(map) holds; TimeoutError says what was awaited."""
+        deadline = time.monotonic() + timeout_s
+        cmap = None
+        while time.monotonic() < deadline:
+            try:
+                cmap = self.current_map()
+                if predicate(cmap):
+                    return cmap
+            except MasterUnavailableError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{what}: not reached within {timeout_s}s; last map {cmap}")
+
+    def wait_active(self, node_ids, timeout_s: float = START_TIMEOUT_S) -> ClusterMap:
+        ids = set(node_ids)
+
+        def all_active(cmap: ClusterMap) -> bool:
+            return all((n := cmap.node(i)) is not None and n.state == ACTIVE for i in ids)
+        return self.wait_map(all_active, timeout_s, f"nodes {sorted(ids)} active")
+
+    # -- whole-cluster operations ------------------------------------------------------
+
+    def up(self, timeout_s: float = START_TIMEOUT_S) -> "LocalCluster":
+        """Starts every master, waits for a leader, starts every node, waits until all are active."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / LAYOUT_FILE).exists() and any(m.alive() for m in LocalCluster.load(self.dir).members):
+            raise RuntimeError(f"a cluster already runs from {self.dir}; gcache-cluster down --dir {self.dir}")
+        try:
+            self.members = [self._new_master(i) for i in range(self.settings["masters"])]
+            for m in self.masters:
+                self.start(m)
+            self.wait_leader(timeout_s)
+            for _ in range(self.settings["nodes"]):
+                self.members.append(self._new_node())
+            for n in self.nodes:
+                self.start(n)
+            self.wait_active([n.id for n in self.nodes], timeout_s)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def add_node(self, timeout_s: float = START_TIMEOUT_S, wait_active: bool = True) -> Member:
+        """Starts one more node (a join); waits until the master has it active."""
+        n = self._new_node()
+        self.members.append(n)
+        self.start(n)
+        if wait_active:
+            self.wait_active([n.id], timeout_s)
+        return n
+
+    def down(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every node, then every master; SIGKILL what does not exit within timeout_s."""
+        for group in (self.nodes, self.masters):
+            for m in group:
+                m.send(signal.SIGCONT)
+                m.send(signal.SIGTERM)
+            for m in group:
+                if not self._wait_exit(m, timeout_s):
+                    m.send(signal.SIGKILL)
+                    self._wait_exit(m, 5.0)
+        if self._master_client is not None:
+            self._master_client.close()
+            self._master_client = None
+        if self.members:
+            self.save()

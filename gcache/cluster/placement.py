@@ -1,0 +1,181 @@
+"""Placement: which node owns a key, computed from the cluster map alone.
+
+A ketama ring (uhashring, md5, virtual nodes, weights proportional to
+capacity) is built once per map. Two rings matter while a node joins or drains:
+
+  write ring     nodes `joining` or `active`: where keys go, and where reads go first.
+  previous ring  nodes `active` or `draining`: the owners before the migration in
+                 progress; a read that misses at the write owner falls back here.
+
+A key's point is its md5 exactly as uhashring's ketama hashes an ASCII key
+(the first 4 digest bytes, little-endian); its owner is the node of the first
+ring point above it, wrapping to the first point. One key: hashlib + bisect.
+A batch: the native ketama_hashes (GIL released) + numpy.searchsorted, and the
+owners stay small ints (indexes into the ring's node ids) until grouped.
+"""
+from __future__ import annotations
+
+from bisect import bisect
+from hashlib import md5
+
+import numpy as np
+from uhashring import HashRing
+
+from gcache._native import ketama_hashes
+from gcache.cluster.cluster_map import PREVIOUS_STATES, WRITE_STATES, ClusterMap
+
+VNODES = 160  # points per node = VNODES * 4 (ketama replicas) at equal weights
+# Up to this many keys a batch is placed key by key: numpy's fixed cost per
+# call (a few microseconds per array op) beats the per-key loop only above it.
+SCALAR_KEYS_MAX = 8
+
+
+def key_points(keys) -> np.ndarray:
+    """The ketama point (uint32) of every key (bytes) in `keys`."""
+    return np.frombuffer(ketama_hashes(keys), dtype="<u4")
+
+
+def _key_point(key: bytes) -> int:
+    d = md5(key).digest()
+    return d[0] | (d[1] << 8) | (d[2] << 16) | (d[3] << 24)
+
+
+class Ring:
+    """One consistent-hash ring over a set of node ids. Empty rings own nothing."""
+
+    def __init__(self, weights: dict[str, int]):
+        self.node_ids = tuple(sorted(weights))
+        if weights:
+            ring = HashRing(nodes={nid: {"weight": w, "vnodes": VNODES}
+                                   for nid, w in weights.items()}, hash_fn="ketama")
+            points = list(ring.runtime._keys)  # sorted; equal points share one owner
+            owners = [ring.runtime._ring[p] for p in points]
+        else:
+            points, owners = [], []
+        self._points = points
+        self._owners = owners
+        self._point_array = np.array(points, dtype=np.uint32)
+        slot = {nid: i for i, nid in enumerate(self.node_ids)}
+        # Owner of each point as an index into node_ids, plus the first point's
+        # owner once more at the end: a key above the last point wraps to it.
+        self._owner_slots = np.array([slot[o] for o in owners] + [slot[o] for o in owners[:1]],
+                                     dtype=np.intp)
+
+    def __bool__(self) -> bool:
+        return bool(self._points)
+
+    def owner(self, key: bytes) -> str | None:
+        if not self._points:
+            return None
+        i = bisect(self._points, _key_point(key))
+        return self._owners[i if i < len(self._points) else 0]
+
+    def slots_of_points(self, points: np.ndarray) -> np.ndarray:
+        """Each point's owner as an index into node_ids (the ring must not be empty)."""
+        return self._owner_slots[np.searchsorted(self._point_array, points, side="right")]
+
+    def owner_slots(self, keys) -> np.ndarray:
+        """Each key's owner as an index into node_ids (the ring must not be empty)."""
+        return self.slots_of_points(key_points(keys))
+
+    def owners(self, keys) -> list:
+        if not self._points:
+            return [None] * len(keys)
+        if len(keys) <= SCALAR_KEYS_MAX:
+            return [self.owner(k) for k in keys]
+        ids = self.node_ids
+        return [ids[s] for s in self.owner_slots(keys).tolist()]
+
+
+def _group_slots(slots: np.ndarray, names, positions: list[int]) -> dict:
+    """{names[slot]: [positions[j] for each j with slots[j] == slot]}, in first-seen
+    order of the slots, each list in `positions` order."""
+    counts = np.bincount(slots, minlength=len(names))
+    used = np.flatnonzero(counts)
+    if len(used) == 1:
+        return {names[int(used[0])]: positions}
+    order = np.argsort(slots, kind="stable")
+    ends = np.cumsum(counts[used]).tolist()
+    starts = [0] + ends[:-1]
+    firsts = order[starts].tolist()
+    order_list = order.tolist()
+    groups = []
+    for slot, lo, hi, first in zip(used.tolist(), starts, ends, firsts):
+        groups.append((first, names[slot], [positions[j] for j in order_list[lo:hi]]))
+    groups.sort()  # first appearance, as a key-by-key loop would build the dict
+    return {name: idx for _, name, idx in groups}
+
+
+class Placement:
+    """The write ring and the previous ring of one map."""
+
+    def __init__(self, cmap: ClusterMap):
+        self.map = cmap
+        self.write = Ring({n.id: n.weight for n in cmap.in_states(WRITE_STATES)})
+        self.previous = Ring({n.id: n.weight for n in cmap.in_states(PREVIOUS_STATES)})
+        self.migrating = cmap.migrating
+        # Both rings' owners in one index space (write ids, then previous-only
+        # ids), so write and previous owners compare as ints.
+        names = list(self.write.node_ids)
+        names += [nid for nid in self.previous.node_ids if nid not in self.write.node_ids]
+        self._names = tuple(names)
+        shared = {nid: i for i, nid in enumerate(names)}
+        self._previous_to_shared = np.array([shared[nid] for nid in self.previous.node_ids],
+                                            dtype=np.intp)
+
+    def owner(self, key: bytes) -> str | None:
+        return self.write.owner(key)
+
+    def fallback(self, key: bytes, owner: str | None) -> str | None:
+        """Where to read `key` after a miss at `owner`: the previous owner, if it differs."""
+        if not self.migrating:
+            return None
+        prev = self.previous.owner(key)
+        return prev if prev != owner else None
+
+    def group(self, keys, indexes=None) -> dict:
+        """{owner id or None: [indexes into keys]}; None collects keys no node owns.
+
+        indexes: place only these positions of `keys` (default: all). Owners
+        appear in the order of their first key; each list keeps the keys' order.
+        """
+        positions = list(range(len(keys))) if indexes is None else list(indexes)
+        if not positions:
+            return {}
+        if not self.write:
+            return {None: positions}
+        if len(positions) <= SCALAR_KEYS_MAX:
+            groups: dict = {}
+            owner = self.write.owner
+            for i in positions:
+                groups.setdefault(owner(keys[i]), []).append(i)
+            return groups
+        subset = keys if indexes is None else [keys[i] for i in positions]
+        return _group_slots(self.write.owner_slots(subset), self.write.node_ids, positions)
+
+    def fallback_group(self, keys, indexes) -> dict:
+        """{previous owner id: [indexes]} for the `indexes` of `keys` whose previous
+        owner differs from their write owner: group() of the dual read. {} when
+        nothing migrates."""
+        positions = list(indexes)
+        if not self.migrating or not positions or not self.previous:
+            return {}
+        if len(positions) <= SCALAR_KEYS_MAX:
+            groups: dict = {}
+            for i in positions:
+                key = keys[i]
+                target = self.fallback(key, self.owner(key))
+                if target is not None:
+                    groups.setdefault(target, []).append(i)
+            return groups
+        points = key_points([keys[i] for i in positions])
+        previous = self._previous_to_shared[self.previous.slots_of_points(points)]
+        if self.write:
+            differs = previous != self.write.slots_of_points(points)  # write slots are shared slots
+        else:
+            differs = np.ones(len(positions), dtype=bool)
+        picked = np.flatnonzero(differs)
+        if not len(picked):
+            return {}
+        kept = [positions[j] for j in picked.tolist()]
+        return _group_slots(previous[picked], self._names, kept)

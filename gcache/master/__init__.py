@@ -1,0 +1,1 @@
+"""gcache-master: the Raft-replicated control plane (membership, epochs, heartbeats, drains)."""

@@ -1,0 +1,306 @@
+"""Rebalance: move the keys this node no longer owns to their owners (docs/cluster.md).
+
+For a map M, every local key whose write-ring owner is another node is read
+from this node's own data port and PUT to that owner with `epoch=M.epoch` (an
+owner with a newer map refuses it: the rebalance stops, a newer map is on its
+way). Pushed keys are then removed here, unless this node is draining or has
+left the map (it keeps serving fallback reads until it exits). In drop mode
+(the first map after the process starts or re-registers) such keys are removed
+without being pushed: they may have been removed or replaced while it was away.
+
+Reading without per-value copies: values go straight from the socket into one
+reusable bytearray with `batch_get_into`, and from there to the owner's socket
+with `batch_put_from`. Value sizes are not known in advance, so every key of a
+batch gets a slot of `slot_bytes`, the largest value size seen so far (a first
+probe batch of PROBE_KEYS keys uses big slots to learn it). A value larger than
+its slot is not read (BufferTooSmallError names it and its size): the slot
+grows and the key goes back into the queue. KV-cache values are mostly one
+size, so slots waste little and each batch is one GET and one PUT frame train.
+The buffer holds at most max(batch_bytes, the largest value) bytes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from gcache import errors
+from gcache.cluster.cluster_map import DEAD, DRAINING, ClusterMap
+from gcache.cluster.placement import Placement
+
+log = logging.getLogger("gcache.server.rebalance")
+
+KEYS_SNAPSHOT_MAX = 2_000_000  # keys listed per pass (Python bytes: ~100 B each)
+PASSES_MAX = 64                 # snapshots per rebalance, each removing what it pushed
+BATCH_KEYS_MAX = 4096
+PROBE_KEYS = 16
+PUSH_ATTEMPTS = 3               # per batch, on top of the client's own retries
+PUSH_BACKOFF_S = 0.2
+CLIENT_TIMEOUT_S = 10.0
+
+
+class RebalanceAborted(Exception):
+    """A newer map arrived (or the node is stopping): start over with that one."""
+
+
+@dataclass
+class RebalanceCounters:
+    """Totals since the process started; /metrics and GET /cluster show them."""
+
+    rebalances: int = 0
+    rebalances_aborted: int = 0
+    keys_pushed: int = 0
+    bytes_pushed: int = 0
+    keys_dropped: int = 0
+    push_failures: int = 0   # keys not pushed: owner unreachable or refused them
+    push_no_space: int = 0   # keys an owner refused NO_SPACE (kept here)
+    seconds: float = 0.0
+    last_epoch: int = 0
+    last_mb_per_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+@dataclass
+class RebalanceResult:
+    epoch: int
+    mode: str                 # "push" or "drop"
+    keys_seen: int = 0
+    keys_unowned: int = 0
+    keys_pushed: int = 0
+    bytes_pushed: int = 0
+    keys_dropped: int = 0
+    push_failures: int = 0
+    push_no_space: int = 0
+    owners: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_pushed / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def keeps_local_copies(cmap: ClusterMap, node_id: str) -> bool:
+    """A draining node (or one that already left the map) keeps serving what it pushed."""
+    me = cmap.node(node_id)
+    return me is None or me.state in (DRAINING, DEAD)
+
+
+class Rebalancer:
+    """Moves one node's unowned keys for one map at a time (not thread-safe: one caller)."""
+
+    def __init__(self, node_id: str, local_address: str, *,
+                 list_keys: Callable[[int], list],
+                 remove_keys: Callable[[list], object] | None = None,
+                 batch_bytes: int = 64 << 20, batch_keys: int = BATCH_KEYS_MAX,
+                 counters: RebalanceCounters | None = None,
+                 keys_snapshot_max: int = KEYS_SNAPSHOT_MAX):
+        from gcache.client import Client  # late: the server imports this module at start
+
+        self.node_id = node_id
+        self.batch_bytes = batch_bytes
+        self.batch_keys = max(1, min(batch_keys, BATCH_KEYS_MAX))
+        self.counters = counters or RebalanceCounters()
+        self.keys_snapshot_max = keys_snapshot_max
+        self._list_keys = list_keys
+        self._remove_keys = remove_keys
+        self._client_class = Client
+        self._local = Client(local_address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1)
+        self._buffer = bytearray(0)
+        self._slot_bytes = 0  # largest value seen; 0 = unknown yet
+
+    def close(self) -> None:
+        self._local.close()
+
+    # -- one map --------------------------------------------------------------
+
+    def run(self, cmap: ClusterMap, *, drop: bool = False,
+            should_abort: Callable[[], bool] = lambda: False) -> RebalanceResult:
+        """Rebalances for `cmap`; raises RebalanceAborted if should_abort() turns true."""
+        result = RebalanceResult(cmap.epoch, "drop" if drop else "push")
+        start = time.monotonic()
+        placement = Placement(cmap)
+        keep = keeps_local_copies(cmap, self.node_id)
+        clients: dict[str, object] = {}
+        try:
+            for _ in range(PASSES_MAX):
+                keys = self._list_keys(self.keys_snapshot_max)
+                truncated = len(keys) >= self.keys_snapshot_max
+                result.keys_seen += len(keys)
+                groups = self._unowned(placement, keys)
+                del keys
+                result.keys_unowned += sum(len(g) for g in groups.values())
+                if truncated and keep:
+                    # Another pass must see the keys this one could not list, and
+                    # only removing what was pushed makes them visible.
+                    log.warning("more than %d keys: removing pushed keys even though this "
+                                "node keeps serving reads", self.keys_snapshot_max)
+                removed = 0
+                for owner_id, owner_keys in groups.items():
+                    if should_abort():
+                        raise RebalanceAborted()
+                    if drop:
+                        removed += self._drop(owner_keys, result)
+                        continue
+                    node = cmap.node(owner_id)
+                    client = clients.get(owner_id)
+                    if client is None:
+                        client = clients[owner_id] = self._owner_client(node.address, cmap.epoch)
+                    result.owners += 1
+                    removed += self._push_group(client, node.address, owner_keys,
+                                                keep and not truncated, result, should_abort)
+                if not truncated or removed == 0:
+                    break
+        except RebalanceAborted:
+            self.counters.add(rebalances_aborted=1)
+            raise
+        finally:
+            for client in clients.values():
+                client.close()
+            result.seconds = time.monotonic() - start
+            self.counters.add(seconds=result.seconds)
+        self.counters.add(rebalances=1)
+        self.counters.last_epoch = cmap.epoch
+        self.counters.last_mb_per_s = round(result.mb_per_s, 1)
+        log.info("rebalance epoch %d (%s): %d keys, %d unowned; pushed %d (%.1f MB) to %d node(s), "
+                 "dropped %d, failed %d, no space %d; %.2f s, %.1f MB/s",
+                 cmap.epoch, result.mode, result.keys_seen, result.keys_unowned, result.keys_pushed,
+                 result.bytes_pushed / 1e6, result.owners, result.keys_dropped, result.push_failures,
+                 result.push_no_space, result.seconds, result.mb_per_s)
+        return result
+
+    def _unowned(self, placement: Placement, keys: list) -> dict[str, list]:
+        """{owner id: [keys]} for the keys another node owns (keys nobody owns stay)."""
+        groups: dict[str, list] = {}
+        owner_of = placement.write.owner
+        me = self.node_id
+        for key in keys:
+            owner = owner_of(key)
+            if owner is not None and owner != me:
+                groups.setdefault(owner, []).append(key)
+        return groups
+
+    def _owner_client(self, address: str, epoch: int):
+        return self._client_class(address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1, retries=1,
+                                  epoch=epoch)
+
+    # -- removing -------------------------------------------------------------
+
+    def _remove(self, keys: list) -> int:
+        if not keys:
+            return 0
+        if self._remove_keys is not None:
+            self._remove_keys(keys)
+        else:
+            for lo in range(0, len(keys), self.batch_keys):
+                self._local.batch_remove(keys[lo:lo + self.batch_keys])
+        return len(keys)
+
+    def _drop(self, keys: list, result: RebalanceResult) -> int:
+        for lo in range(0, len(keys), self.batch_keys):
+            self._remove(keys[lo:lo + self.batch_keys])
+        result.keys_dropped += len(keys)
+        self.counters.add(keys_dropped=len(keys))
+        return len(keys)
+
+    # -- pushing --------------------------------------------------------------
+
+    def _push_group(self, client, address: str, keys: list, keep: bool,
+                    result: RebalanceResult, should_abort) -> int:
+        """Pushes `keys` to one owner; returns how many were removed locally."""
+        queue = collections.deque(keys)
+        removed = 0
+        while queue:
+            if should_abort():
+                raise RebalanceAborted()
+            batch, offsets, sizes = self._read_batch(queue)
+            if not batch:
+                continue
+            stored = self._put(client, address, batch, offsets, sizes, result)
+            if stored is None:  # owner unreachable: give up on it for this epoch
+                failed = len(batch) + len(queue)
+                result.push_failures += failed
+                self.counters.add(push_failures=failed)
+                return removed
+            done = [k for k, ok in zip(batch, stored) if ok]
+            nbytes = sum(s for s, ok in zip(sizes, stored) if ok)
+            result.keys_pushed += len(done)
+            result.bytes_pushed += nbytes
+            self.counters.add(keys_pushed=len(done), bytes_pushed=nbytes)
+            if not keep:
+                removed += self._remove(done)
+        return removed
+
+    def _read_batch(self, queue: collections.deque) -> tuple[list, list, list]:
+        """Reads the next keys of `queue` into the buffer: (found keys, offsets, sizes)."""
+        if self._slot_bytes:
+            slot = self._slot_bytes
+            n = max(1, min(self.batch_keys, self.batch_bytes // slot, len(queue)))
+        else:
+            n = min(PROBE_KEYS, len(queue))
+            slot = max(1, self.batch_bytes // n)
+        keys = [queue.popleft() for _ in range(n)]
+        if len(self._buffer) < n * slot:
+            self._buffer = bytearray(n * slot)
+        slot_offsets = [i * slot for i in range(n)]
+        try:
+            lens = self._local.batch_get_into(keys, self._buffer, sizes=[slot] * n,
+                                              offsets=slot_offsets)
+        except errors.BufferTooSmallError as e:
+            lens = e.results  # None for the keys that did not fit: read them again
+            queue.extendleft(reversed(e.keys))
+            self._slot_bytes = max(self._slot_bytes, max(e.sizes))
+        found = [(k, o, s) for k, o, s in zip(keys, slot_offsets, lens) if s is not None]
+        if found:
+            self._slot_bytes = max(self._slot_bytes, max(1, max(s for _, _, s in found)))
+        # Misses: evicted or removed since the snapshot; nothing to move.
+        return [k for k, _, _ in found], [o for _, o, _ in found], [s for _, _, s in found]
+
+    def _put(self, client, address: str, keys, offsets, sizes, result) -> list | None:
+        """Per-key True (stored / already there), False (refused); None if unreachable."""
+        for attempt in range(PUSH_ATTEMPTS):
+            too_large = 0
+            try:
+                stored = client.batch_put_from(keys, self._buffer, sizes=sizes, offsets=offsets)
+            except errors.StaleEpochError as e:
+                raise RebalanceAborted(f"{address} has a newer map") from e
+            except errors.ValueTooLargeError as e:
+                stored, too_large = e.results, len(e.keys)
+                result.push_failures += too_large
+                self.counters.add(push_failures=too_large)
+                log.warning("%s refused %d value(s) as too large (its --value-bytes-max is "
+                            "smaller than this node's); they stay here", address, too_large)
+            except (errors.ConnectionError, errors.TimeoutError) as e:
+                if attempt + 1 < PUSH_ATTEMPTS:
+                    time.sleep(PUSH_BACKOFF_S * 2 ** attempt)
+                    continue
+                log.warning("cannot push to %s: %s; its keys stay here until the next map", address, e)
+                return None
+            no_space = sum(1 for ok in stored if not ok) - too_large
+            if no_space:
+                result.push_no_space += no_space
+                self.counters.add(push_no_space=no_space)
+            return stored
+        return None
+
+def rebalance(cmap: ClusterMap, node_id: str, local_address: str, *, list_keys,
+              remove_keys=None, drop: bool = False, batch_bytes: int = 64 << 20,
+              counters: RebalanceCounters | None = None) -> RebalanceResult:
+    """One rebalance for `cmap` with a fresh Rebalancer (tests and tools)."""
+    rebalancer = Rebalancer(node_id, local_address, list_keys=list_keys, remove_keys=remove_keys,
+                            batch_bytes=batch_bytes, counters=counters)
+    try:
+        return rebalancer.run(cmap, drop=drop)
+    finally:
+        rebalancer.close()
