@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -289,6 +290,16 @@ def test_cluster_drain_join_dead_and_return(cluster):
     pushes = [line.split("rebalance ", 1)[1] for line in nodes["n1"].log_tail(20000).splitlines()
               if "(push)" in line]
     print(f"\ndrain: n1 exited 0 {drain_s:.2f}s after POST /drain; last push: {pushes[-1:]}")
+
+    # Restarted after its drain (what a DaemonSet does), n1 stays out of the cluster.
+    assert (nodes["n1"].data_dir / "DRAINED").exists()
+    nodes["n1"].start()
+    time.sleep(5 * HEARTBEAT_INTERVAL_S)
+    assert "n1" not in _states(master), nodes["n1"].log_tail()
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        nodes["n1"].admin("/readyz")
+    assert answer.value.code == 503
+    nodes["n1"].kill()
     del nodes["n1"]
 
     # Join: n4 enters joining, the others push its keys, it becomes active.

@@ -5,9 +5,12 @@ Deterministic: fixed keys, fixed maps.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import random
 import threading
 
+import numpy as np
 import pytest
 from uhashring import HashRing
 from uhashring.ring_ketama import KetamaRing
@@ -68,6 +71,38 @@ def test_ketama_hashes_from_many_threads_at_once():
     assert all(r == [expected] * 3 for r in results)
 
 
+def reference_search(points: list[int], needles: list[int]) -> list[int]:
+    return [bisect.bisect_right(points, x) % len(points) for x in needles]
+
+
+@pytest.mark.parametrize("point_count", [1, 2, 3, 7, 640, 2560])
+@pytest.mark.parametrize("needle_count", [1, 255, 256, 5000])  # binary search / bucket table
+def test_ketama_search_is_bisect_right_wrapping_at_the_end(point_count, needle_count):
+    rng = random.Random(point_count * 10_007 + needle_count)
+    points = sorted(rng.getrandbits(32) for _ in range(point_count))
+    points = sorted(points + points[: point_count // 3])  # equal points, as rings may have
+    edges = [0, 2 ** 32 - 1] + [p + d for p in points[:50] for d in (-1, 0, 1) if 0 <= p + d < 2 ** 32]
+    needles = (edges + [rng.getrandbits(32) for _ in range(needle_count)])[:max(needle_count, 1)]
+    at = _native.ketama_search(np.array(points, dtype=np.uint32), np.array(needles, dtype=np.uint32))
+    assert np.frombuffer(at, dtype=np.uint32).tolist() == reference_search(points, needles)
+
+
+def test_ketama_search_takes_hashes_bytes_and_refuses_bad_buffers():
+    points = np.array([10, 20, 2 ** 31], dtype=np.uint32)
+    needles = np.array([5, 10, 15, 2 ** 31, 2 ** 32 - 1], dtype=np.uint32)
+    assert np.frombuffer(_native.ketama_search(points, needles.tobytes()), dtype=np.uint32).tolist() \
+        == [0, 1, 1, 0, 0]
+    assert _native.ketama_search(points, b"") == b""
+    with pytest.raises(ValueError, match="no points"):
+        _native.ketama_search(np.array([], dtype=np.uint32), needles)
+    with pytest.raises(TypeError, match="uint32"):
+        _native.ketama_search(points.astype(np.int64), needles)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _native.ketama_search(points, b"abc")
+    with pytest.raises(ValueError, match="aligned"):
+        _native.ketama_search(points, np.zeros(9, dtype=np.uint8)[1:].view(np.uint32))
+
+
 WEIGHTS = [
     {"a": 1, "b": 1, "c": 1},
     {"gpu-node-00": 1088, "gpu-node-01": 2176, "gpu-node-02": 1088, "gpu-node-03": 544},
@@ -94,15 +129,14 @@ def test_keys_above_the_last_point_wrap_to_the_first_points_owner():
     last = max(ring._points)
     above = [k for k in KEYS if md5_point(k) > last]
     assert above, "the fixed keys include some above the last ring point"
-    first_owner = ring.owner_slots([KEYS[0]])  # any key; only the wrap target matters below
-    assert first_owner is not None
-    wrapped = ring.owners(above * 4)  # enough keys for the batch path
-    assert set(wrapped) == {ring._owners[0]}
+    wrapped = ring.owners(above * (SCALAR_KEYS_MAX + 1))  # enough keys for the batch path
+    assert set(wrapped) == {ring._owners[0]} == {ring.owner(k) for k in above}
 
 
-def cluster_map(states: dict[str, str]) -> ClusterMap:
+def cluster_map(states: dict[str, str], equal_weights: bool = False) -> ClusterMap:
     return ClusterMap.from_dict({"epoch": 3, "nodes": [
-        {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": 1 + i % 2, "state": st}
+        {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": 1 if equal_weights else 1 + i % 2,
+         "state": st}
         for i, (nid, st) in enumerate(sorted(states.items()))]})
 
 
@@ -157,7 +191,8 @@ def test_group_and_fallback_group_equal_the_key_by_key_answers(map_name, subset)
 
 
 def test_fallback_group_finds_the_moved_keys_while_a_node_joins():
-    placement = Placement(cluster_map(MAPS["joining"]))
+    # Equal weights: a join moves keys only to the new node (see test_placement.py).
+    placement = Placement(cluster_map(MAPS["joining"], equal_weights=True))
     groups = placement.fallback_group(KEYS, range(len(KEYS)))
     moved = [i for i, k in enumerate(KEYS) if placement.owner(k) == "new"]
     assert moved and sorted(i for idx in groups.values() for i in idx) == moved

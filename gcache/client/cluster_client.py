@@ -79,8 +79,12 @@ class _Routing(NamedTuple):
 class _Call:
     """One call's answers (caller's key order) and what went wrong along the way."""
 
+    __slots__ = ("values", "miss", "merged", "problems", "map_wait_deadline")
+
     def __init__(self, n: int, miss, map_wait_s: float):
         self.values = [miss] * n
+        self.miss = miss
+        self.merged = False  # False: every value is still `miss`
         self.problems: list[errors.GCacheError] = []
         self.map_wait_deadline = time.monotonic() + map_wait_s
 
@@ -91,6 +95,13 @@ class _Call:
 
 def _is_hit(value) -> bool:
     return value is not None and value is not False
+
+
+def _pick(seq: list, idx: list[int]) -> list:
+    """seq's items at idx. Index lists (Placement.group, fallback_group, retries)
+    hold distinct positions in increasing order, so one as long as seq is all of
+    it: seq itself is passed on, not copied."""
+    return seq if len(idx) == len(seq) else [seq[i] for i in idx]
 
 
 class ClusterClient:
@@ -266,14 +277,25 @@ class ClusterClient:
 
     def _execute(self, routing: _Routing, groups: dict, fn, call: _Call) -> list[int]:
         """Runs each node's part of `groups` ({node id: [key indexes]}), merging hits into
-        call.values; returns the indexes to retry with a newer map."""
-        parts = [(nid, idx) for nid, idx in groups.items() if nid is not None]  # None: no owner
-        if not parts:
-            return []
+        call.values; returns the indexes to retry with a newer map, in increasing order."""
+        if len(groups) == 1:  # one owner (every single-key call): no lists, no threads
+            (nid, idx), = groups.items()
+            if nid is None:  # no owner
+                return []
+            kind, payload = outcome = self._run_part(routing, nid, idx, fn)
+            if kind == "ok":
+                self._merge(call, idx, payload)
+                return []
+            parts, outcomes = ((nid, idx),), (outcome,)
+        else:
+            parts = [(nid, idx) for nid, idx in groups.items() if nid is not None]
+            if not parts:
+                return []
+            outcomes = self._run_parts(routing, parts, fn)
         retry: list[int] = []
         stale: list = []
         error = None
-        for (nid, idx), (kind, payload) in zip(parts, self._run_parts(routing, parts, fn)):
+        for (nid, idx), (kind, payload) in zip(parts, outcomes):
             if kind == "ok":
                 self._merge(call, idx, payload)
             elif kind == "problem":
@@ -290,6 +312,8 @@ class ClusterClient:
             raise error
         for exc in stale:
             self._adopt_from_stale(exc, call)
+        if len(parts) > 1:
+            retry.sort()  # parts each keep key order, but their concatenation does not
         return retry
 
     @staticmethod
@@ -297,9 +321,15 @@ class ClusterClient:
         # Only hits are written: a miss never hides a hit from another phase
         # (a remove that found the key at the owner or at the previous owner is True).
         values = call.values
-        for i, v in zip(idx, answers):
-            if _is_hit(v):
-                values[i] = v
+        if not call.merged and len(idx) == len(values):
+            # The whole batch, first answers: every value is still a miss.
+            miss = call.miss
+            call.values = [v if v is not None and v is not False else miss for v in answers]
+        else:
+            for i, v in zip(idx, answers):
+                if v is not None and v is not False:
+                    values[i] = v
+        call.merged = True
 
     def _adopt_from_stale(self, exc, call: _Call) -> None:
         node_epoch = getattr(exc, "epoch", 0)
@@ -320,13 +350,9 @@ class ClusterClient:
         if not keys:
             return call
         routing = self._routing
-        todo = range(len(keys))
+        todo = None  # every key
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            owner = routing.placement.owner
-            groups: dict = {}
-            for i in todo:
-                groups.setdefault(owner(keys[i]), []).append(i)
-            todo = self._execute(routing, groups, fn, call)
+            todo = self._execute(routing, routing.placement.group(keys, todo), fn, call)
             if not todo or attempt == STALE_EPOCH_RETRIES_MAX or self._routing is routing:
                 break  # done, out of retries, or no newer map to retry with: misses
             self._count("stale_epoch_retries")
@@ -340,13 +366,11 @@ class ClusterClient:
     def _fall_back(self, routing: _Routing, keys, fn, call: _Call, count: bool,
                    every_key: bool) -> None:
         """The dual read: keys that missed at their owner, at their previous owner."""
-        placement = routing.placement
-        groups: dict = {}
-        for i, key in enumerate(keys):
-            if every_key or call.missed(i):
-                target = placement.fallback(key, placement.owner(key))
-                if target is not None:
-                    groups.setdefault(target, []).append(i)
+        if every_key:
+            candidates = range(len(keys))
+        else:
+            candidates = [i for i, v in enumerate(call.values) if v is None or v is False]
+        groups = routing.placement.fallback_group(keys, candidates)
         if not groups:
             return
         tried = [i for idx in groups.values() for i in idx]
@@ -384,7 +408,7 @@ class ClusterClient:
 
     def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         def put_part(client, idx):
-            return client.batch_put_from([keys[i] for i in idx], [views[i] for i in idx])
+            return client.batch_put_from(_pick(keys, idx), _pick(views, idx))
         return self._batch(keys, False, put_part).values
 
     def put(self, key, value) -> bool:
@@ -419,12 +443,12 @@ class ClusterClient:
         keys = normalize_keys(keys)
 
         def get_part(client, idx):
-            return client.get_batch([keys[i] for i in idx])
+            return client.get_batch(_pick(keys, idx))
         return self._batch(keys, None, get_part, read=True).values
 
     def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
         def get_into_part(client, idx):
-            return client.batch_get_into([keys[i] for i in idx], [views[i] for i in idx])
+            return client.batch_get_into(_pick(keys, idx), _pick(views, idx))
         return self._batch(keys, None, get_into_part, read=True).values
 
     def get_into(self, key, buffer, offset: int = 0, size: int | None = None):
@@ -447,7 +471,7 @@ class ClusterClient:
         keys = normalize_keys(keys)
 
         def exists_part(client, idx):
-            return client.batch_is_exist([keys[i] for i in idx])
+            return client.batch_is_exist(_pick(keys, idx))
         return self._batch(keys, False, exists_part, read=True).values
 
     def batch_exists_prefix(self, keys) -> int:
@@ -468,7 +492,7 @@ class ClusterClient:
         keys = normalize_keys(keys)
 
         def remove_part(client, idx):
-            return client.batch_remove([keys[i] for i in idx])
+            return client.batch_remove(_pick(keys, idx))
         return self._batch(keys, False, remove_part, remove=True).values
 
     # -- control --------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Concurrent client threads write content-addressed values (each value is
 derived from its key, so any value read can be verified) and read them back,
 while a fault schedule drawn from the seed runs against the cluster: kill -9
-the master leader, kill -9 a node, SIGSTOP a node, partition a node (SIGSTOP
-here: loopback addresses share one network namespace), drain a node, join a
-node. It checks three things:
+the master leader, kill -9 a node, SIGSTOP a node, partition a node (its
+network namespace's link down when the cluster runs with netns=True, else
+SIGSTOP: loopback addresses share one network namespace), drain a node, join
+a node. It checks three things:
 
   1. every get returns the exact value or a miss, never wrong bytes;
   2. no client call blocks past its bound (the client's timeout budget);
@@ -161,21 +162,30 @@ class FaultRunner:
         time.sleep(self.hold_s)
         self.cluster.start(leader)
 
-    def _lose_node(self, fault: str, sig: int) -> None:
+    def _lose_node(self, fault: str, sig: int | None) -> None:
+        """Loses a node by `sig`, or by a network partition when sig is None; then heals it."""
         node = self._live_node()
         if node is None:
             return
         started = time.monotonic()
-        node.send(sig)
-        self.log(f"fault {fault}: {signal.Signals(sig).name} {node.id}")
-        self._wait_state(node.id, lambda n: n is not None and n.state == DEAD, f"{node.id} marked dead")
-        self._time("dead_marked_s", time.monotonic() - started)
-        time.sleep(self.hold_s)
-        if sig == signal.SIGKILL:
-            self.cluster.kill(node)  # reap it
-            self.cluster.start(node)
+        if sig is None:
+            self.cluster.partition(node)
+            self.log(f"fault {fault}: netns partition of {node.id} (link down in {node.netns})")
         else:
-            node.send(signal.SIGCONT)
+            node.send(sig)
+            self.log(f"fault {fault}: {signal.Signals(sig).name} {node.id}")
+        try:
+            self._wait_state(node.id, lambda n: n is not None and n.state == DEAD, f"{node.id} marked dead")
+            self._time("dead_marked_s", time.monotonic() - started)
+            time.sleep(self.hold_s)
+        finally:  # heal even when the wait failed, so the run goes on with every node
+            if sig is None:
+                self.cluster.heal(node)
+            elif sig == signal.SIGKILL:
+                self.cluster.kill(node)  # reap it
+                self.cluster.start(node)
+            else:
+                node.send(signal.SIGCONT)
         started = time.monotonic()
         self.cluster.wait_active([node.id], self.settle_timeout_s)
         self._time("rejoin_active_s", time.monotonic() - started)
@@ -187,8 +197,13 @@ class FaultRunner:
         self._lose_node("stop_node", signal.SIGSTOP)
 
     def partition_node(self) -> None:
+        if getattr(self.cluster, "netns_mode", False):
+            self._lose_node("partition_node", None)
+            return
         # Every process shares the loopback namespace here, so a partition is
         # simulated by SIGSTOP: the node neither sends nor answers.
+        self.log("fault partition_node: no network namespaces (cluster not in netns mode), "
+                 "using SIGSTOP instead")
         self._lose_node("partition_node", signal.SIGSTOP)
 
     def drain(self) -> None:

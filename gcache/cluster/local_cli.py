@@ -1,13 +1,16 @@
 """gcache-cluster: a local GCache cluster on loopback, for development, demos and tests.
 
   gcache-cluster up --masters 3 --nodes 3 --dir DIR   start it in the background
+  gcache-cluster up --netns ... --dir DIR             each node in its own network namespace
+                                                      (root; real partitions in `check`)
   gcache-cluster status --dir DIR                     processes and the cluster map
   gcache-cluster add-node --dir DIR                   start one more node (a join)
   gcache-cluster down --dir DIR                       stop everything `up` started
   gcache-cluster check --dir DIR --seed N             run the fault checker against it
 
 DIR/cluster.json holds the client URL (use it as gcache.Client(url)) and, for
-every process, its role, id, addresses, pid, data dir and log file.
+every process, its role, id, addresses, pid, data dir and log file; with
+--netns also the bridge, subnet and each node's namespace (`down` removes them).
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     up.add_argument("--migration-timeout-s", type=float, default=60.0)
     up.add_argument("--timeout-s", type=float, default=60.0, help="longest wait for the cluster to be up")
+    up.add_argument("--netns", action="store_true",
+                    help="run each node in its own network namespace behind a bridge, so a partition "
+                         "cuts its network for real (needs root and iproute2)")
     for name, text in (("status", "show the processes and the map"),
                        ("add-node", "start one more node and wait until it is active"),
                        ("down", "stop every process of the cluster")):
@@ -47,10 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _status(cluster: LocalCluster) -> int:
     print(f"client url: {cluster.client_url}")
+    if cluster.network is not None:
+        net = cluster.network
+        print(f"network: namespaces, bridge {net.bridge} {net.subnet} (masters on {net.gateway})")
     for m in cluster.members:
         state = "running" if m.alive() else "stopped"
         ports = " ".join(f"{k}={v}" for k, v in m.ports.items())
-        print(f"  {m.role:6} {m.id:4} {m.host:12} {ports:40} pid {m.pid:<8} {state}  log {m.log}")
+        where = f"  netns {m.netns}" if m.netns else ""
+        print(f"  {m.role:6} {m.id:4} {m.host:12} {ports:40} pid {m.pid:<8} {state}  log {m.log}{where}")
     try:
         cmap = cluster.current_map()
     except Exception as e:  # noqa: BLE001 -- status must print what it can
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster = LocalCluster(args.dir, masters=args.masters, nodes=args.nodes, memory=args.memory,
                                    disk=args.disk, heartbeat_interval_s=args.heartbeat_interval_s,
                                    heartbeat_timeout_s=args.heartbeat_timeout_s,
-                                   migration_timeout_s=args.migration_timeout_s)
+                                   migration_timeout_s=args.migration_timeout_s, netns=args.netns)
             cluster.up(args.timeout_s)
             print(json.dumps({"client_url": cluster.client_url, "layout": str(cluster.dir / "cluster.json")}))
             return EXIT_OK
@@ -82,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if args.command == "down":
             cluster.down()
-            print(f"stopped {len(cluster.members)} processes")
+            net = f"; removed bridge {cluster.network.bridge} and node namespaces" if cluster.network else ""
+            print(f"stopped {len(cluster.members)} processes{net}")
             return EXIT_OK
         if args.command == "check":
             from gcache.cluster.checker import run_checker_cli

@@ -6,8 +6,13 @@ gcache-demo, the checker and the tests. The layout is kept in DIR/cluster.json
 so another process (`gcache-cluster down`) can find and stop what `up` started:
 
   {"client_url": "gcache://...", "settings": {...},
+   "network": {"mode": "loopback"} | {"mode": "netns", "tag", "subnet", "bridge", "gateway"},
    "members": [{"role": "master"|"node", "id", "host", "ports": {...},
-                "data_dir", "log", "pid"}, ...]}
+                "data_dir", "log", "pid", "netns", "veth"}, ...]}
+
+With netns=True (root, iproute2; gcache/cluster/netns.py) every node runs in
+its own network namespace behind a bridge, and partition(node) really cuts it
+off the network; masters listen on the bridge address with distinct ports.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
+from gcache.cluster.netns import NetnsNetwork, require_netns
 from gcache.master.api import MasterClient, MasterUnavailableError
 
 MASTER_HOST_BASE = 11
@@ -31,6 +37,9 @@ NODES_MAX = 64
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 LAYOUT_FILE = "cluster.json"
+# A node's namespace is its own: every node can use the same fixed ports there.
+NETNS_NODE_PORTS = {"data": 7600, "admin": 7601}
+EXEC_WAIT_S = 5.0
 
 
 def free_port_on(host: str) -> int:
@@ -74,6 +83,8 @@ class Member:
     log: str
     args: list = field(default_factory=list)
     pid: int = 0
+    netns: str = ""  # the node's network namespace in netns mode
+    veth: str = ""   # its root-side veth, a port of the cluster bridge
 
     @property
     def address(self) -> str:
@@ -94,7 +105,7 @@ class LocalCluster:
     def __init__(self, directory, *, masters: int = 3, nodes: int = 3, memory: str = "256MiB",
                  disk: str = "512MiB", heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 3.0, migration_timeout_s: float = 60.0,
-                 tick_s: float = 0.2, node_args=(), master_args=()):
+                 tick_s: float = 0.2, node_args=(), master_args=(), netns: bool = False):
         if not 1 <= masters <= MASTERS_MAX:
             raise ValueError(f"masters must be 1..{MASTERS_MAX}, got {masters}")
         if not 0 <= nodes <= NODES_MAX:
@@ -104,7 +115,10 @@ class LocalCluster:
                              heartbeat_interval_s=heartbeat_interval_s,
                              heartbeat_timeout_s=heartbeat_timeout_s,
                              migration_timeout_s=migration_timeout_s, tick_s=tick_s,
-                             node_args=list(node_args), master_args=list(master_args))
+                             node_args=list(node_args), master_args=list(master_args), netns=bool(netns))
+        if netns:
+            require_netns()  # says why not, before anything starts
+        self.network: NetnsNetwork | None = None  # set by up() in netns mode
         self.members: list[Member] = []
         self._procs: dict[int, subprocess.Popen] = {}
         self._master_client: MasterClient | None = None
@@ -120,6 +134,10 @@ class LocalCluster:
         return [m for m in self.members if m.role == "node"]
 
     @property
+    def netns_mode(self) -> bool:
+        return self.network is not None
+
+    @property
     def client_url(self) -> str:
         return "gcache://" + ",".join(m.address for m in self.masters)
 
@@ -131,6 +149,7 @@ class LocalCluster:
 
     def save(self) -> None:
         layout = {"client_url": self.client_url, "settings": self.settings,
+                  "network": self.network.to_dict() if self.network else {"mode": "loopback"},
                   "members": [asdict(m) for m in self.members]}
         tmp = self.dir / (LAYOUT_FILE + ".tmp")
         tmp.write_text(json.dumps(layout, indent=2) + "\n")
@@ -144,7 +163,11 @@ class LocalCluster:
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"{path}: no cluster layout here ({e}); run gcache-cluster up") from None
         settings = dict(layout["settings"])
-        cluster = cls(directory, **settings)
+        netns = settings.pop("netns", False)
+        cluster = cls(directory, **settings)  # no availability probe: down must work regardless
+        cluster.settings["netns"] = netns
+        if layout.get("network", {}).get("mode") == "netns":
+            cluster.network = NetnsNetwork.from_dict(layout["network"])
         cluster.members = [Member(**m) for m in layout["members"]]
         return cluster
 
@@ -155,9 +178,22 @@ class LocalCluster:
 
     # -- processes ---------------------------------------------------------------
 
+    def _free_ports(self, host: str, names) -> dict:
+        """Free ports on `host`, distinct from each other and from every member's on that host."""
+        taken = {p for m in self.members if m.host == host for p in m.ports.values()}
+        ports = {}
+        for name in names:
+            for _ in range(100):
+                port = free_port_on(host)
+                if port not in taken:
+                    break
+            taken.add(port)
+            ports[name] = port
+        return ports
+
     def _new_master(self, index: int) -> Member:
-        host = f"127.0.0.{MASTER_HOST_BASE + index}"
-        ports = {"grpc": free_port_on(host), "raft": free_port_on(host), "http": free_port_on(host)}
+        host = self.network.gateway if self.network else f"127.0.0.{MASTER_HOST_BASE + index}"
+        ports = self._free_ports(host, ("grpc", "raft", "http"))
         mid = f"m{index + 1}"
         return Member("master", mid, host, ports, str(self.dir / mid), str(self.dir / f"{mid}.log"))
 
@@ -172,16 +208,26 @@ class LocalCluster:
                 "--tick-s", str(s["tick_s"]), *s["master_args"]]
 
     def _new_node(self) -> Member:
-        used = {m.host for m in self.nodes}
-        index = next(i for i in range(NODES_MAX) if f"127.0.0.{NODE_HOST_BASE + i}" not in used)
-        host = f"127.0.0.{NODE_HOST_BASE + index}"
-        ports = {"data": free_port_on(host), "admin": free_port_on(host)}
+        used = {m.id for m in self.nodes}
+        index = next((i for i in range(NODES_MAX) if f"n{i + 1}" not in used), None)
+        if index is None:
+            raise RuntimeError(f"at most {NODES_MAX} nodes per local cluster")
         nid = f"n{index + 1}"
-        return Member("node", nid, host, ports, str(self.dir / nid), str(self.dir / f"{nid}.log"))
+        namespace = veth = ""
+        if self.network:
+            namespace, veth, host = self.network.add_node(nid, index)
+            ports = dict(NETNS_NODE_PORTS)
+        else:
+            host = f"127.0.0.{NODE_HOST_BASE + index}"
+            ports = self._free_ports(host, ("data", "admin"))
+        return Member("node", nid, host, ports, str(self.dir / nid), str(self.dir / f"{nid}.log"),
+                      netns=namespace, veth=veth)
 
     def _node_args(self, n: Member) -> list[str]:
         s = self.settings
-        return [sys.executable, "-m", "gcache.server.main",
+        # `ip netns exec` execs the server, so the pid Popen returns is the server's.
+        prefix = self.network.exec_prefix(n.netns) if self.network and n.netns else []
+        return [*prefix, sys.executable, "-m", "gcache.server.main",
                 "--host", n.host, "--port", str(n.ports["data"]),
                 "--admin-host", n.host, "--admin-port", str(n.ports["admin"]),
                 "--memory", s["memory"], "--disk", s["disk"], "--data-dir", n.data_dir,
@@ -201,6 +247,25 @@ class LocalCluster:
         self._procs[proc.pid] = proc
         m.pid = proc.pid
         self.save()
+        if m.netns:
+            self._wait_exec(m, proc)
+
+    def _wait_exec(self, m: Member, proc: subprocess.Popen) -> None:
+        """Waits until `ip netns exec` has exec'd the server (same pid, new command line)."""
+        deadline = time.monotonic() + EXEC_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                    argv0 = f.read().split(b"\0", 1)[0]
+            except OSError:
+                argv0 = b""
+            if argv0 and os.path.basename(argv0) != b"ip":
+                return
+            if proc.poll() is not None:
+                raise RuntimeError(f"{m.role} {m.id} exited at start (status {proc.returncode}): "
+                                   f"{self.log_tail(m, 1500)}")
+            time.sleep(0.01)
+        raise RuntimeError(f"{m.role} {m.id}: `ip netns exec` did not start the server within {EXEC_WAIT_S}s")
 
     def _reap(self) -> None:
         for pid, proc in list(self._procs.items()):
@@ -229,6 +294,24 @@ class LocalCluster:
                 return True
             time.sleep(0.05)
         return False
+
+    # -- network faults (netns mode) ----------------------------------------------------
+
+    def _netns_node(self, m: Member) -> NetnsNetwork:
+        if self.network is None or not m.netns:
+            raise RuntimeError(f"{m.id} has no network namespace: partition needs "
+                               f"LocalCluster(netns=True) / gcache-cluster up --netns")
+        return self.network
+
+    def partition(self, m: Member) -> None:
+        """Cuts node `m` off the network (its namespace's link down) and checks the cut."""
+        net = self._netns_node(m)
+        live = [x for x in self.masters if x.alive()]
+        net.partition(m.netns, m.host, m.ports["data"], live[0].ports["grpc"] if live else None)
+
+    def heal(self, m: Member) -> None:
+        """Brings node `m`'s link back and waits until its data port answers again."""
+        self._netns_node(m).heal(m.netns, m.host, m.ports["data"])
 
     def exit_code(self, m: Member) -> int | None:
         proc = self._procs.get(m.pid)
@@ -290,10 +373,18 @@ class LocalCluster:
     def up(self, timeout_s: float = START_TIMEOUT_S) -> "LocalCluster":
         """Starts every master, waits for a leader, starts every node, waits until all are active."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        if (self.dir / LAYOUT_FILE).exists() and any(m.alive() for m in LocalCluster.load(self.dir).members):
-            raise RuntimeError(f"a cluster already runs from {self.dir}; gcache-cluster down --dir {self.dir}")
+        if (self.dir / LAYOUT_FILE).exists():
+            previous = LocalCluster.load(self.dir)
+            if any(m.alive() for m in previous.members):
+                raise RuntimeError(f"a cluster already runs from {self.dir}; gcache-cluster down --dir {self.dir}")
+            if previous.network is not None:
+                previous.network.teardown()  # a crashed netns run's namespaces and bridge
         try:
-            self.members = [self._new_master(i) for i in range(self.settings["masters"])]
+            if self.settings["netns"]:
+                self.network = NetnsNetwork.create(self.dir)
+            self.members = []
+            for i in range(self.settings["masters"]):
+                self.members.append(self._new_master(i))
             for m in self.masters:
                 self.start(m)
             self.wait_leader(timeout_s)
@@ -331,3 +422,5 @@ class LocalCluster:
             self._master_client = None
         if self.members:
             self.save()
+        if self.network is not None:  # processes first: nothing holds a namespace any more
+            self.network.teardown()

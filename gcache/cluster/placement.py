@@ -10,8 +10,9 @@ capacity) is built once per map. Two rings matter while a node joins or drains:
 A key's point is its md5 exactly as uhashring's ketama hashes an ASCII key
 (the first 4 digest bytes, little-endian); its owner is the node of the first
 ring point above it, wrapping to the first point. One key: hashlib + bisect.
-A batch: the native ketama_hashes (GIL released) + numpy.searchsorted, and the
-owners stay small ints (indexes into the ring's node ids) until grouped.
+A batch: the native ketama_hashes and ketama_search (GIL released; numpy's
+searchsorted is several times slower on unsorted keys), and the owners stay
+small ints (indexes into the ring's node ids) until grouped.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from hashlib import md5
 import numpy as np
 from uhashring import HashRing
 
-from gcache._native import ketama_hashes
+from gcache._native import ketama_hashes, ketama_search
 from gcache.cluster.cluster_map import PREVIOUS_STATES, WRITE_STATES, ClusterMap
 
 VNODES = 160  # points per node = VNODES * 4 (ketama replicas) at equal weights
@@ -33,6 +34,11 @@ SCALAR_KEYS_MAX = 8
 def key_points(keys) -> np.ndarray:
     """The ketama point (uint32) of every key (bytes) in `keys`."""
     return np.frombuffer(ketama_hashes(keys), dtype="<u4")
+
+
+def slot_dtype(count: int):
+    """The smallest unsigned int type that numbers `count` nodes."""
+    return np.uint8 if count <= 1 << 8 else np.uint16 if count <= 1 << 16 else np.uint32
 
 
 def _key_point(key: bytes) -> int:
@@ -56,10 +62,8 @@ class Ring:
         self._owners = owners
         self._point_array = np.array(points, dtype=np.uint32)
         slot = {nid: i for i, nid in enumerate(self.node_ids)}
-        # Owner of each point as an index into node_ids, plus the first point's
-        # owner once more at the end: a key above the last point wraps to it.
-        self._owner_slots = np.array([slot[o] for o in owners] + [slot[o] for o in owners[:1]],
-                                     dtype=np.intp)
+        # Owner of each point as an index into node_ids; small ints sort fastest.
+        self._owner_slots = np.array([slot[o] for o in owners], dtype=slot_dtype(len(self.node_ids)))
 
     def __bool__(self) -> bool:
         return bool(self._points)
@@ -72,7 +76,8 @@ class Ring:
 
     def slots_of_points(self, points: np.ndarray) -> np.ndarray:
         """Each point's owner as an index into node_ids (the ring must not be empty)."""
-        return self._owner_slots[np.searchsorted(self._point_array, points, side="right")]
+        at = np.frombuffer(ketama_search(self._point_array, points), dtype=np.uint32)
+        return self._owner_slots[at]
 
     def owner_slots(self, keys) -> np.ndarray:
         """Each key's owner as an index into node_ids (the ring must not be empty)."""
@@ -87,21 +92,23 @@ class Ring:
         return [ids[s] for s in self.owner_slots(keys).tolist()]
 
 
-def _group_slots(slots: np.ndarray, names, positions: list[int]) -> dict:
-    """{names[slot]: [positions[j] for each j with slots[j] == slot]}, in first-seen
-    order of the slots, each list in `positions` order."""
+def _group_slots(slots: np.ndarray, names, positions: list[int] | None, count: int) -> dict:
+    """{names[slot]: [positions[j] for each j with slots[j] == slot]}, owners in the
+    order of their first key, each list in `positions` order (None: j itself)."""
     counts = np.bincount(slots, minlength=len(names))
     used = np.flatnonzero(counts)
     if len(used) == 1:
-        return {names[int(used[0])]: positions}
-    order = np.argsort(slots, kind="stable")
+        return {names[int(used[0])]: list(range(count)) if positions is None else positions}
+    order = np.argsort(slots, kind="stable")  # stable: each owner's keys keep their order
     ends = np.cumsum(counts[used]).tolist()
     starts = [0] + ends[:-1]
-    firsts = order[starts].tolist()
-    order_list = order.tolist()
     groups = []
-    for slot, lo, hi, first in zip(used.tolist(), starts, ends, firsts):
-        groups.append((first, names[slot], [positions[j] for j in order_list[lo:hi]]))
+    for slot, lo, hi in zip(used.tolist(), starts, ends):
+        part = order[lo:hi].tolist()
+        first = part[0]
+        if positions is not None:
+            part = [positions[j] for j in part]
+        groups.append((first, names[slot], part))
     groups.sort()  # first appearance, as a key-by-key loop would build the dict
     return {name: idx for _, name, idx in groups}
 
@@ -121,7 +128,7 @@ class Placement:
         self._names = tuple(names)
         shared = {nid: i for i, nid in enumerate(names)}
         self._previous_to_shared = np.array([shared[nid] for nid in self.previous.node_ids],
-                                            dtype=np.intp)
+                                            dtype=slot_dtype(len(names)))
 
     def owner(self, key: bytes) -> str | None:
         return self.write.owner(key)
@@ -139,19 +146,25 @@ class Placement:
         indexes: place only these positions of `keys` (default: all). Owners
         appear in the order of their first key; each list keeps the keys' order.
         """
-        positions = list(range(len(keys))) if indexes is None else list(indexes)
-        if not positions:
+        if indexes is None:
+            if len(keys) == 1:  # every single-key call
+                return {self.write.owner(keys[0]): [0]}
+            positions, count = None, len(keys)
+        else:
+            positions = list(indexes)
+            count = len(positions)
+        if not count:
             return {}
         if not self.write:
-            return {None: positions}
-        if len(positions) <= SCALAR_KEYS_MAX:
+            return {None: list(range(count)) if positions is None else positions}
+        if count <= SCALAR_KEYS_MAX:
             groups: dict = {}
             owner = self.write.owner
-            for i in positions:
+            for i in (range(count) if positions is None else positions):
                 groups.setdefault(owner(keys[i]), []).append(i)
             return groups
-        subset = keys if indexes is None else [keys[i] for i in positions]
-        return _group_slots(self.write.owner_slots(subset), self.write.node_ids, positions)
+        subset = keys if positions is None else [keys[i] for i in positions]
+        return _group_slots(self.write.owner_slots(subset), self.write.node_ids, positions, count)
 
     def fallback_group(self, keys, indexes) -> dict:
         """{previous owner id: [indexes]} for the `indexes` of `keys` whose previous
@@ -178,4 +191,4 @@ class Placement:
         if not len(picked):
             return {}
         kept = [positions[j] for j in picked.tolist()]
-        return _group_slots(previous[picked], self._names, kept)
+        return _group_slots(previous[picked], self._names, kept, len(kept))

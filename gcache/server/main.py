@@ -13,6 +13,8 @@ import logging
 import signal
 import sys
 import threading
+import time
+from pathlib import Path
 
 from gcache import __version__
 from gcache.server.config import (
@@ -20,6 +22,15 @@ from gcache.server.config import (
 )
 
 log = logging.getLogger("gcache.server")
+
+# Written into --data-dir when a drain completes. A restarted process (a
+# DaemonSet or a supervisor restarts exited containers) then stays out of the
+# cluster instead of registering again; delete the file to let it rejoin.
+DRAINED_MARKER = "DRAINED"
+
+
+def drained_marker(settings: ServerSettings) -> Path | None:
+    return Path(settings.data_dir) / DRAINED_MARKER if settings.data_dir else None
 
 
 class Node:
@@ -34,6 +45,7 @@ class Node:
         self.admin_http = None
         self.admin_grpc = None
         self.agent = None  # ClusterAgent with --master, started once the data port listens
+        self.parked = False  # drained earlier (DRAINED marker): up, but out of the cluster
         # Admin ports bind first: once the data port accepts, everything is up.
         try:
             admin_host = settings.admin_host or settings.host
@@ -80,11 +92,16 @@ class Node:
             self.admin_http.close()
 
     def ready(self) -> bool:
-        return not self.stopping.is_set()
+        return not self.stopping.is_set() and not self.parked
 
     def start(self, on_drained=lambda: None) -> None:
         self.native.start()
-        if self.settings.master:
+        marker = drained_marker(self.settings)
+        if self.settings.master and marker is not None and marker.exists():
+            self.parked = True
+            log.warning("this node was drained (%s exists): not joining the cluster, /readyz answers "
+                        "503; delete that file and restart to rejoin", marker)
+        elif self.settings.master:
             from gcache.server.cluster_agent import ClusterAgent
 
             admin = ""
@@ -163,7 +180,11 @@ def run(settings: ServerSettings) -> int:
     while not stop.wait(0.5):  # short waits keep signal handling prompt
         pass
     if drained.is_set():
-        log.info("drain complete: this node left the cluster; stopping")
+        marker = drained_marker(settings)
+        if marker is not None:
+            marker.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
+                              "delete this file to let the node rejoin the cluster\n")
+        log.info("drain complete: this node left the cluster; stopping (a restart stays out: %s)", marker)
     node.shutdown()
     return EXIT_OK
 
