@@ -180,6 +180,14 @@ py::bytes ketama_hashes(py::handle keys) {
   return result;
 }
 
+uint32_t ketama_hash(py::handle key) {
+  if (!PyBytes_Check(key.ptr()))
+    throw py::type_error(std::string("ketama_hash: the key must be bytes, got ") +
+                         Py_TYPE(key.ptr())->tp_name);
+  return md5_first_word(reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(key.ptr())),
+                        size_t(PyBytes_GET_SIZE(key.ptr())));
+}
+
 // A contiguous buffer of uint32 (numpy uint32, or bytes from ketama_hashes).
 struct U32View {
   py::buffer_info info;
@@ -230,30 +238,39 @@ py::bytes ketama_search(py::handle points_obj, py::handle needles_obj) {
   const uint32_t* first = points.data;
   const size_t count = points.count;
   auto wrap = [count](size_t at) { return at == count ? 0u : uint32_t(at); };  // past the last: the first
+  // A binary search over a few thousand points waits on ~12 dependent loads
+  // per key. For a big batch instead: a table, per bucket of the top `bits`
+  // bits of a point, of the first point in that bucket or above; a key then
+  // searches only its bucket's points (fewer than 2 on average: there are at
+  // least 2x more buckets than points). Building it costs about as much as
+  // 1,000 binary searches. Allocated here, before the GIL is released.
+  const bool use_buckets = n >= kBucketSearchKeysMin;
+  int bits = 1;
+  while (use_buckets && (size_t(1) << bits) < 2 * count && bits < kBucketBitsMax) ++bits;
+  const int shift = 32 - bits;
+  std::vector<uint32_t> bucket_first(use_buckets ? (size_t(1) << bits) + 1 : 0);
   auto search_all = [&] {
-    if (n < kBucketSearchKeysMin) {
+    if (!use_buckets) {
       for (size_t i = 0; i < n; ++i) dst[i] = wrap(upper_bound_index(first, count, needles.data[i]));
       return;
     }
-    // A binary search over a few thousand points waits on ~12 dependent loads
-    // per key. Instead: a table, per bucket of the top `bits` bits of a point,
-    // of the first point in that bucket or above; then a short forward scan
-    // (fewer than 2 points on average, as there are at least 2x more buckets
-    // than points). Building it costs about as much as 1,000 binary searches.
-    int bits = 1;
-    while ((size_t(1) << bits) < 2 * count && bits < kBucketBitsMax) ++bits;
-    const int shift = 32 - bits;
-    std::vector<uint32_t> bucket_first(size_t(1) << bits);
     size_t at = 0;
-    for (size_t b = 0; b < bucket_first.size(); ++b) {
+    for (size_t b = 0; b + 1 < bucket_first.size(); ++b) {
       const uint64_t bucket_low = uint64_t(b) << shift;
       while (at < count && first[at] < bucket_low) ++at;
       bucket_first[b] = uint32_t(at);
     }
+    bucket_first.back() = uint32_t(count);
     for (size_t i = 0; i < n; ++i) {
       const uint32_t x = needles.data[i];
-      size_t j = bucket_first[x >> shift];
-      while (j < count && first[j] <= x) ++j;  // bisect_right from the bucket's start
+      const size_t lo = bucket_first[x >> shift];
+      const size_t hi = bucket_first[(x >> shift) + 1];  // the answer lies in [lo, hi]
+      size_t j = lo;
+      if (hi - lo <= 8) {
+        while (j < hi && first[j] <= x) ++j;
+      } else {
+        j = lo + upper_bound_index(first + lo, hi - lo, x);
+      }
       dst[i] = wrap(j);
     }
   };
@@ -277,6 +294,8 @@ void bind_ketama(py::module_& m) {
 Each is the first 4 bytes of md5(key) read little-endian, which is uhashring's
 KetamaRing.hashi(key, 0) for an ASCII key. Hashes with the GIL released.
 np.frombuffer(ketama_hashes(keys), dtype="<u4") gives them as an array.)doc");
+  m.def("ketama_hash", &ketama_hash, py::arg("key"),
+        "The ketama point of one key (bytes): ketama_hashes([key]) as an int, for single-key calls.");
   m.def("ketama_search", &ketama_search, py::arg("points"), py::arg("needles"),
         R"doc(For each needle, the index of the first ring point above it (bisect_right),
 or 0 when it is above the last point (the ring wraps), as native uint32s.

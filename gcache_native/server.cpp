@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string_view>
 #include <vector>
 
@@ -195,6 +196,49 @@ struct Server::Reply {
   static Reply fail(FrameStatus s, std::string message) { return Reply{s, std::move(message)}; }
 };
 using Reply = Server::Reply;
+
+// One PUT_BATCH frame's place in puts_in_flight_: counted by admit(), released
+// by release() once its values are stored, or by the destructor on whatever
+// path the frame ends (error reply, dropped connection, exception).
+class Server::PutAdmission {
+ public:
+  explicit PutAdmission(Server* server) : server_(server) {}
+  PutAdmission(const PutAdmission&) = delete;
+  PutAdmission& operator=(const PutAdmission&) = delete;
+  ~PutAdmission() { release(); }
+
+  // One lock: refuses a request epoch below the server's (false, not
+  // counted), else counts the frame at the server's current epoch.
+  bool admit(bool has_epoch, int64_t request_epoch) {
+    std::lock_guard<std::mutex> lock(server_->admit_mu_);
+    const int64_t current = server_->epoch_.load(std::memory_order_relaxed);
+    if (has_epoch && request_epoch < current) return false;
+    ++server_->puts_in_flight_[current];  // allocates once per epoch: the entry outlives its frames
+    epoch_ = current;
+    counted_ = true;
+    return true;
+  }
+
+  void release() {
+    if (!counted_) return;
+    counted_ = false;
+    bool drained;
+    {
+      std::lock_guard<std::mutex> lock(server_->admit_mu_);
+      auto it = server_->puts_in_flight_.find(epoch_);
+      drained = --it->second == 0;
+      // An older epoch's entry can never count again (set_cluster_map drops the idle ones).
+      if (drained && epoch_ < server_->epoch_.load(std::memory_order_relaxed))
+        server_->puts_in_flight_.erase(it);
+    }
+    if (drained) server_->admit_cv_.notify_all();
+  }
+
+ private:
+  Server* server_;
+  int64_t epoch_ = 0;
+  bool counted_ = false;
+};
 
 struct Server::Connection {
   int fd = -1;
@@ -402,7 +446,23 @@ void Server::set_cluster_map(int64_t epoch, std::string map_bytes) {
   // The map is in place before the epoch rises, so a request refused for the
   // new epoch is always answered with a map at least that new.
   map_bytes_ = std::move(blob);
+  // Under admit_mu_: a PUT is admitted (and counted) wholly before or wholly
+  // after the rise, so wait_puts_admitted_before(epoch) sees every older one.
+  std::lock_guard<std::mutex> admit_lock(admit_mu_);
   epoch_.store(epoch, std::memory_order_release);
+  for (auto it = puts_in_flight_.begin(); it != puts_in_flight_.end() && it->first < epoch;)
+    it = it->second == 0 ? puts_in_flight_.erase(it) : std::next(it);
+}
+
+bool Server::wait_puts_admitted_before(int64_t epoch, double timeout_s) {
+  const double wait_s = std::min(std::max(timeout_s, 0.0), 1e9);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(int64_t(wait_s * 1e6));
+  std::unique_lock<std::mutex> lock(admit_mu_);
+  return admit_cv_.wait_until(lock, deadline, [this, epoch] {
+    for (auto it = puts_in_flight_.begin(); it != puts_in_flight_.end() && it->first < epoch; ++it)
+      if (it->second > 0) return false;
+    return true;
+  });
 }
 
 std::pair<int64_t, std::shared_ptr<const std::string>> Server::cluster_map() const {
@@ -633,8 +693,13 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     return;
   }
   // A client routing by an older map may be talking to the wrong node: refuse
-  // before touching the store. PING and STATS are always answered.
-  if (batch_op && b.has_epoch && b.epoch < epoch_.load(std::memory_order_acquire)) {
+  // before touching the store. PING and STATS are always answered. A PUT is
+  // checked and counted in one step (see wait_puts_admitted_before).
+  PutAdmission admission(this);
+  const bool stale = op == Opcode::PutBatch
+                         ? !admission.admit(b.has_epoch, b.epoch)
+                         : batch_op && b.has_epoch && b.epoch < epoch_.load(std::memory_order_acquire);
+  if (stale) {
     if (op == Opcode::PutBatch) discard(c, h.payload_len);  // no reservation was taken
     send_stale_epoch(c, h);
     return;
@@ -642,7 +707,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
   Reply reply;
   try {
     switch (op) {
-      case Opcode::PutBatch: reply = handle_put(c, h); break;
+      case Opcode::PutBatch: reply = handle_put(c, h, &admission); break;
       case Opcode::GetBatch: reply = handle_get(c, h); break;
       case Opcode::ExistsBatch: reply = handle_exists(c, h); break;
       case Opcode::RemoveBatch: reply = handle_remove(c, h); break;
@@ -659,7 +724,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     send_error(c, metrics_, h.opcode, h.request_id, reply.status, reply.error);
 }
 
-Reply Server::handle_put(Connection* c, const FrameHeader& h) {
+Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission) {
   const BatchMeta& b = c->batch;
   const size_t n = b.keys.size();
   if (!b.has_lens || !b.has_sums || b.lens.size() != n || b.sums.size() != n) {
@@ -708,6 +773,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h) {
     discard(c, h.payload_len - consumed);  // keep the framing for the next request
     throw;
   }
+  admission->release();  // every value is stored: the response may take its time
   metrics_->bytes_in += h.payload_len;
   c->out.clear();
   c->out.map(1);

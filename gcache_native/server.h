@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -60,20 +61,27 @@ class Server {
   int64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
   // The current epoch and map, read together.
   std::pair<int64_t, std::shared_ptr<const std::string>> cluster_map() const;
+  // Waits until no PUT_BATCH frame admitted while the server epoch was below
+  // `epoch` is still storing (a frame counts from its epoch check until its
+  // last value is committed, or it fails). True when there are none, false
+  // after timeout_s. The rebalancer calls it after set_cluster_map(epoch), so
+  // its key listing sees every value a pre-map writer was still sending.
+  bool wait_puts_admitted_before(int64_t epoch, double timeout_s);
   // Stops accepting, lets every connection finish the requests it has
   // already received, closes idle ones, and after grace_s cuts the rest off.
   // Returns once every thread has exited. Idempotent.
   void stop(double grace_s);
 
-  struct Connection;  // private to server.cpp
-  struct Reply;       // private to server.cpp
+  struct Connection;    // private to server.cpp
+  struct Reply;         // private to server.cpp
+  class PutAdmission;   // private to server.cpp
 
  private:
   void accept_loop();
   void serve(Connection* conn);
   void reap_finished();
   void handle_frame(Connection* c, const FrameHeader& h);
-  Reply handle_put(Connection* c, const FrameHeader& h);
+  Reply handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission);
   Reply handle_get(Connection* c, const FrameHeader& h);
   Reply handle_exists(Connection* c, const FrameHeader& h);
   Reply handle_remove(Connection* c, const FrameHeader& h);
@@ -97,6 +105,14 @@ class Server {
   std::atomic<int64_t> epoch_{0};
   mutable std::mutex map_mu_;
   std::shared_ptr<const std::string> map_bytes_;  // msgpack of the map; never null
+
+  // PUT frames in flight by the server epoch they were admitted at. A PUT's
+  // epoch check and its count move together under admit_mu_, and so does the
+  // epoch's rise in set_cluster_map (lock order: map_mu_, then admit_mu_).
+  // Holds the current epoch's entry and older ones still counting: few.
+  std::mutex admit_mu_;
+  std::condition_variable admit_cv_;
+  std::map<int64_t, uint64_t> puts_in_flight_;
 
   std::mutex conns_mu_;
   std::condition_variable conns_cv_;

@@ -173,8 +173,36 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
              return out;
            },
            py::arg("limit"),
-           "Up to `limit` keys stored now (memory and disk tiers), in no particular order: a "
-           "snapshot taken under the store lock (values are not touched). Keys come back as bytes.")
+           "Up to `limit` distinct keys stored now (memory and disk tiers), in no particular order, "
+           "read page by page (keys_page): not one snapshot. Keys come back as bytes.")
+      .def("keys_page",
+           [](Node& n, int64_t cursor, int64_t limit) {
+             if (cursor < 0) throw py::value_error("keys_page: cursor must be >= 0 (0 starts a scan)");
+             if (limit < 1) throw py::value_error("keys_page: limit must be >= 1");
+             Store::KeysPage page;
+             without_gil([&] { page = n.store->keys_page(uint64_t(cursor), size_t(limit)); });  // invalid_argument -> ValueError
+             py::list keys(page.keys.size());
+             for (size_t i = 0; i < page.keys.size(); ++i) keys[i] = py::bytes(page.keys[i]);
+             return py::make_tuple(int64_t(page.next_cursor), keys);
+           },
+           py::arg("cursor"), py::arg("limit"),
+           "One page of a key scan: (next_cursor, [key bytes]). Start with cursor 0 and pass "
+           "next_cursor back until it is 0. The store lock is held for one page only. A page holds "
+           "at most min(limit, 65536) keys (more only when one hash bucket alone holds more) and may "
+           "be empty before the end. Every key stored for the whole scan is listed at least once; "
+           "after an index rehash the scan starts over, so keys may repeat. ValueError for a cursor "
+           "no page returned, a negative cursor, or limit < 1.")
+      .def("wait_puts_admitted_before",
+           [](Node& n, int64_t epoch, double timeout_s) {
+             if (!(timeout_s >= 0)) throw py::value_error("wait_puts_admitted_before: timeout_s must be >= 0");
+             bool drained = false;
+             without_gil([&] { drained = n.server->wait_puts_admitted_before(epoch, timeout_s); });
+             return drained;
+           },
+           py::arg("epoch"), py::arg("timeout_s"),
+           "Waits until no PUT_BATCH frame admitted while the server epoch was below `epoch` is "
+           "still storing its values; True when none is, False after timeout_s. Called after "
+           "set_cluster_map(epoch), a key listing that follows sees every such frame's keys.")
       .def("remove_keys",
            [](Node& n, const std::vector<std::string>& keys) {
              size_t removed = 0;

@@ -569,15 +569,48 @@ bool Store::remove(std::string_view key) {
   return true;
 }
 
-std::vector<std::string> Store::keys(size_t limit) {
+Store::KeysPage Store::keys_page(uint64_t cursor, size_t limit) {
+  if (limit == 0) throw std::invalid_argument("keys_page: limit must be at least 1");
+  limit = std::min(limit, kKeysPageMax);
+  // Bounds the lock hold on a sparse table (many buckets, few keys left).
+  const size_t buckets_max = 4 * limit + 64;
+  const uint64_t cursor_buckets = cursor >> 32, cursor_next = cursor & 0xffffffffu;
+  if (cursor != 0 && (cursor_buckets == 0 || cursor_next >= cursor_buckets))
+    throw std::invalid_argument("keys_page: cursor " + std::to_string(cursor) +
+                                " was not returned by keys_page; start a scan with cursor 0");
   Impl& s = *impl_;
-  std::vector<std::string> out;
+  KeysPage page;
   std::lock_guard<std::mutex> guard(s.mu);
-  out.reserve(std::min(limit, s.index.size()));
-  for (const auto& kv : s.index) {
-    if (out.size() >= limit) break;
-    out.emplace_back(kv.first);
+  const size_t buckets = s.index.bucket_count();
+  if (buckets >= (size_t(1) << 31)) throw std::logic_error("keys_page: index has too many buckets for a cursor");
+  size_t bucket = 0;
+  if (cursor != 0) {
+    if (cursor_buckets == buckets) bucket = size_t(cursor_next);
+    else page.restarted = true;  // rehashed: keys moved between buckets, start over
   }
+  page.keys.reserve(std::min(limit, s.index.size()));
+  for (size_t visited = 0; bucket < buckets && page.keys.size() < limit && visited < buckets_max;
+       ++bucket, ++visited) {
+    const size_t n = s.index.bucket_size(bucket);
+    if (n == 0) continue;
+    if (!page.keys.empty() && page.keys.size() + n > limit) break;  // whole buckets only
+    for (auto it = s.index.begin(bucket); it != s.index.end(bucket); ++it) page.keys.emplace_back(it->first);
+  }
+  page.next_cursor = bucket < buckets ? (uint64_t(buckets) << 32) | uint64_t(bucket) : 0;
+  return page;
+}
+
+std::vector<std::string> Store::keys(size_t limit) {
+  std::vector<std::string> out;
+  uint64_t cursor = 0;
+  while (out.size() < limit) {
+    KeysPage page = keys_page(cursor, limit - out.size());
+    if (page.restarted) out.clear();  // the scan started over: drop what would repeat
+    for (std::string& key : page.keys) out.push_back(std::move(key));
+    cursor = page.next_cursor;
+    if (cursor == 0) break;
+  }
+  if (out.size() > limit) out.resize(limit);
   return out;
 }
 

@@ -84,8 +84,28 @@ class Store {
   bool contains(std::string_view key);  // no lease, no promotion, no recency bump
   bool remove(std::string_view key);    // true if it existed; idempotent
 
-  // Up to `limit` keys stored now (either tier), in no particular order; a
-  // snapshot taken under the lock, values untouched. What rebalancing walks.
+  // One page of a scan over the keys stored (either tier), values untouched;
+  // what rebalancing walks. The lock is held for one page only, so a scan of
+  // millions of keys never stalls gets and puts for long.
+  // Start with cursor 0 and pass each next_cursor back; 0 = the scan is done.
+  // A page holds whole hash buckets: at most min(limit, kKeysPageMax) keys
+  // (more only if one bucket alone holds more), possibly none with a nonzero
+  // next_cursor (it visits a bounded number of buckets). Every key stored for
+  // the whole scan is listed at least once; keys put or removed meanwhile may
+  // or may not be. The cursor names (bucket count, next bucket): if the index
+  // rehashed in between, the page restarts from bucket 0 (restarted = true;
+  // keys already listed come again). Throws std::invalid_argument for a
+  // cursor no page returned, or limit 0.
+  static constexpr size_t kKeysPageMax = 65536;
+  struct KeysPage {
+    std::vector<std::string> keys;
+    uint64_t next_cursor = 0;
+    bool restarted = false;
+  };
+  KeysPage keys_page(uint64_t cursor, size_t limit);
+
+  // Up to `limit` keys stored now (either tier), in no particular order,
+  // without duplicates; read page by page (keys_page), so not one snapshot.
   std::vector<std::string> keys(size_t limit);
 
   // Warm shutdown: writes every memory-only value to disk, writes the warm

@@ -251,3 +251,26 @@ def test_peer_closing_mid_response_is_a_connection_error():
 def test_keys_meta_encoding_matches_msgpack(keys):
     from gcache.protocol import encode_keys_meta
     assert encode_keys_meta(keys) == msgpack.packb({"keys": keys}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
+    """A value whose bytes do not match the server's xxh64 raises, and the exception's
+    results say miss for it (the good key keeps its answer)."""
+    from gcache._native import xxh64
+    good, bad = b"good value", b"bits flipped"
+
+    def script(conn, header):
+        conn.sendall(reply(header, {"lens": [len(good), len(bad)], "sums": [xxh64(good), xxh64(b"x")]},
+                           good + bad))
+
+    peer = ScriptedPeer(script)
+    client = Client(peer.address, retries=0, verify_checksums=True)
+    with pytest.raises(errors.ChecksumMismatchError) as caught:
+        if into:
+            buf = bytearray(64)
+            client.batch_get_into([b"a", b"b"], buf, [32, 32], [0, 32])
+        else:
+            client.get_batch([b"a", b"b"])
+    assert caught.value.keys == [b"b"]
+    assert caught.value.results == ([len(good), None] if into else [good, None])

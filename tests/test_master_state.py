@@ -275,6 +275,19 @@ def test_plan_expires_silent_nodes_only_after_the_grace():
     assert plan_for(s, {}, now=111.5, leader_since=106.0) == [Action(EXPIRE, "n1", 3), Action(EXPIRE, "n2", 4)]
 
 
+def test_plan_holds_back_expiring_more_than_half_of_the_live_nodes_at_once():
+    s = joined("n1", "n2", "n3", "n4")
+    for i, n in enumerate(("n1", "n2", "n3", "n4")):
+        step(s, s.activate, n, s.map.node(n).changed_epoch, True)
+    fresh = dict.fromkeys(("n1", "n2", "n3", "n4"), 110.0)
+    one_silent = {**fresh, "n4": 100.0}
+    assert [a.node_id for a in plan_for(s, one_silent, now=111.0)] == ["n4"]
+    two_silent = {**one_silent, "n3": 100.0}
+    assert [a.node_id for a in plan_for(s, two_silent, now=111.0)] == ["n3", "n4"]  # half: still
+    three_silent = {**two_silent, "n2": 100.0}
+    assert plan_for(s, three_silent, now=111.0) == []  # more than half: the master is cut off
+
+
 def test_plan_ends_migrations_on_reports_or_timeout():
     s = joined("n1", "n2")
     seen = {"n1": 100.0, "n2": 100.0}

@@ -61,6 +61,16 @@ def _holdings(addresses: dict[str, str], keys) -> dict[str, set]:
 # -- (a) rebalance alone, no master -------------------------------------------------
 
 
+def _pages(keys):
+    """A list_keys_page over a fixed key list, like Server.keys_page (cursor 0 = start/done)."""
+    keys = list(keys)
+
+    def page(cursor: int, limit: int):
+        end = min(len(keys), cursor + limit)
+        return (end if end < len(keys) else 0), keys[cursor:end]
+    return page
+
+
 def _map(servers: dict, states: dict) -> ClusterMap:
     return ClusterMap(7, tuple(NodeInfo(nid, s.address, 1, states.get(nid, ACTIVE), 1)
                                for nid, s in sorted(servers.items())))
@@ -77,8 +87,8 @@ def test_rebalance_pushes_unowned_keys_to_their_owners_and_removes_them(three_se
     with Client(servers["a"].address) as a:
         assert all(a.put_batch(list(values), list(values.values())))
     cmap = _map(servers, {})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys=lambda limit: list(values)[:limit],
-                       batch_bytes=256 << 10)
+    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values),
+                       batch_bytes=256 << 10, keys_page=50, keys_pending_max=120)
     placement = Placement(cmap)
     owners = {k: placement.owner(k) for k in values}
     held = _holdings({n: s.address for n, s in servers.items()}, values)
@@ -99,7 +109,7 @@ def test_draining_node_pushes_everything_and_keeps_its_copies(three_servers):
     with Client(servers["a"].address) as a:
         assert all(a.put_batch(list(values), list(values.values())))
     cmap = _map(servers, {"a": DRAINING})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys=lambda limit: list(values),
+    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values),
                        batch_bytes=1 << 20)
     assert result.keys_pushed == len(values)
     placement = Placement(cmap)
@@ -118,7 +128,7 @@ def test_drop_mode_removes_unowned_keys_without_pushing(three_servers):
     with Client(servers["a"].address) as a:
         assert all(a.put_batch(list(values), list(values.values())))
     cmap = _map(servers, {"a": JOINING})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys=lambda limit: list(values), drop=True)
+    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values), drop=True)
     placement = Placement(cmap)
     held = _holdings({n: s.address for n, s in servers.items()}, values)
     assert held["a"] == {k for k in values if placement.owner(k) == "a"}
@@ -133,7 +143,7 @@ def test_unreachable_owner_keeps_its_keys_here(three_servers):
         assert all(a.put_batch(list(values), list(values.values())))
     servers["c"].kill()
     cmap = _map(servers, {})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys=lambda limit: list(values))
+    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values), keys_pending_max=50)
     placement = Placement(cmap)
     to_c = {k for k in values if placement.owner(k) == "c"}
     held = _holdings({n: servers[n].address for n in ("a", "b")}, values)
@@ -152,11 +162,12 @@ MIGRATION_TIMEOUT_S = 10.0
 class NodeProcess:
     """gcache-server --master ... in its own process group; restartable on the same ports and dir."""
 
-    def __init__(self, node_id: str, base: Path, masters: str):
+    def __init__(self, node_id: str, base: Path, masters: str, advertise: str = ""):
         self.node_id = node_id
         self.data_dir = base / node_id
         self.port, self.admin_port = free_port(), free_port()
         self.masters = masters
+        self.advertise = advertise  # "" = the real address
         self.log_path = base / f"{node_id}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -169,7 +180,8 @@ class NodeProcess:
         args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1",
                 "--port", str(self.port), "--admin-port", str(self.admin_port),
                 "--data-dir", str(self.data_dir), "--memory", "64MiB", "--disk", "128MiB",
-                "--master", self.masters, "--node-id", self.node_id, "--advertise", self.address,
+                "--master", self.masters, "--node-id", self.node_id,
+                "--advertise", self.advertise or self.address,
                 "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--rebalance-batch-bytes", "4MiB",
                 "--shutdown-grace-s", "2"]
         with open(self.log_path, "ab") as log:
@@ -220,8 +232,8 @@ def cluster(tmp_path):
         url = ",".join(m.grpc_address for m in masters)
         client = MasterClient(url, timeout_s=2.0)
 
-        def add_node(node_id: str) -> NodeProcess:
-            node = NodeProcess(node_id, tmp_path, url)
+        def add_node(node_id: str, advertise: str = "") -> NodeProcess:
+            node = NodeProcess(node_id, tmp_path, url, advertise)
             nodes.append(node)
             return node.start()
 
@@ -416,3 +428,32 @@ def test_node_serves_data_while_no_master_answers(server_factory):
         view = json.loads(r.read())
     assert view["registered"] is False and view["epoch"] == 0
     assert node.stop() == 0  # SIGTERM still stops it cleanly
+
+
+def test_a_drain_does_not_finish_while_an_owner_cannot_be_reached(cluster):
+    """n2 heartbeats but advertises a port nothing listens on: n1's keys for n2 cannot be
+    pushed, so n1 stays draining (its copies still served) until the master's migration
+    timeout ends the drain, instead of leaving at once and losing them."""
+    master, add_node = cluster
+    nodes = {"n1": add_node("n1"), "n2": add_node("n2", advertise=f"127.0.0.1:{free_port()}"),
+             "n3": add_node("n3")}
+    cmap = _wait_states(master, dict.fromkeys(nodes, ACTIVE), "three nodes active")
+    placement = Placement(cmap)
+    mine = [k for k in (f"k{i}".encode() for i in range(400)) if placement.owner(k) == "n1"]
+    with Client(nodes["n1"].address, epoch=cmap.epoch) as c:
+        assert all(c.put_batch(mine, [k * 50 for k in mine]))
+    after = Placement(cmap.with_node(cmap.node("n1")._replace(state=DRAINING)))
+    to_n2 = [k for k in mine if after.owner(k) == "n2"]
+    to_n3 = [k for k in mine if after.owner(k) == "n3"]
+    assert to_n2 and to_n3
+
+    master.call("Drain", {"node_id": "n1"})
+    _wait(lambda: "retrying" in nodes["n1"].log_tail(20000), "n1 retries the unreachable owner")
+    assert _states(master).get("n1") == DRAINING, "a drain with unpushed keys must not complete"
+    with Client(nodes["n3"].address) as c:  # what could be pushed was pushed
+        assert c.get_batch(to_n3) == [k * 50 for k in to_n3]
+    with Client(nodes["n1"].address) as c:  # and n1 still serves everything
+        assert c.get_batch(mine) == [k * 50 for k in mine]
+    # The master's migration timeout ends it; n1 then leaves and exits 0.
+    assert nodes["n1"].wait_exit(MIGRATION_TIMEOUT_S + WAIT_S) == 0, nodes["n1"].log_tail()
+    assert "n1" not in _states(master)

@@ -40,6 +40,13 @@ def test_ketama_hashes_are_the_first_md5_word_for_every_length():
     assert key_points(keys).tolist() == [md5_point(k) for k in keys]
 
 
+def test_ketama_hash_of_one_key_is_the_batch_answer():
+    keys = KEYS[:200] + ODD_KEYS + [b"\xff" * 3]
+    assert [_native.ketama_hash(k) for k in keys] == key_points(keys).tolist()
+    with pytest.raises(TypeError, match="must be bytes"):
+        _native.ketama_hash("text")
+
+
 def test_ketama_hashes_match_uhashring_for_ascii_keys():
     ring = KetamaRing()
     keys = KEYS[:500] + ODD_KEYS
@@ -83,6 +90,15 @@ def test_ketama_search_is_bisect_right_wrapping_at_the_end(point_count, needle_c
     points = sorted(points + points[: point_count // 3])  # equal points, as rings may have
     edges = [0, 2 ** 32 - 1] + [p + d for p in points[:50] for d in (-1, 0, 1) if 0 <= p + d < 2 ** 32]
     needles = (edges + [rng.getrandbits(32) for _ in range(needle_count)])[:max(needle_count, 1)]
+    at = _native.ketama_search(np.array(points, dtype=np.uint32), np.array(needles, dtype=np.uint32))
+    assert np.frombuffer(at, dtype=np.uint32).tolist() == reference_search(points, needles)
+
+
+def test_ketama_search_with_points_crowded_into_one_bucket():
+    # Many points close together (one bucket of the search table) and equal runs.
+    points = sorted([1_000_000 + 3 * i for i in range(300)] + [7] * 20 + [2 ** 32 - 1] * 5)
+    needles = sorted({p + d for p in points for d in (-1, 0, 1) if 0 <= p + d < 2 ** 32})
+    needles += [0, 5, 2 ** 31]
     at = _native.ketama_search(np.array(points, dtype=np.uint32), np.array(needles, dtype=np.uint32))
     assert np.frombuffer(at, dtype=np.uint32).tolist() == reference_search(points, needles)
 

@@ -1,16 +1,22 @@
 """Epochs on the data path (docs/cluster.md): STALE_EPOCH refusals, the node's
 map in PING, and the Server hooks the cluster agent uses (set_cluster_map,
-keys, remove_keys). The native Server runs in-process, as the daemon runs it."""
+wait_puts_admitted_before, keys_page, keys, remove_keys). The native Server
+runs in-process, as the daemon runs it."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import msgpack
 import pytest
 
 import gcache
 from gcache import _native, errors
+from gcache.cluster.cluster_map import ACTIVE, ClusterMap, NodeInfo
+from gcache.cluster.placement import Placement
 from gcache.protocol import FrameStatus, encode_keys_meta
+from gcache.server.rebalance import Rebalancer
 from raw_protocol import (BAD_FRAME, EXISTS_BATCH, GET_BATCH, OK, PING, PUT_BATCH, REMOVE_BATCH, STORED,
                           RawConnection, frame_bytes)
 
@@ -222,3 +228,236 @@ def test_keys_snapshot_memory_then_disk_after_restart(tmp_path):
     with RawConnection(server.port) as c:
         assert c.get([b"k001", b"k003"]) == [None, stored[b"k003"]]
     server.stop(1)
+
+
+# -- wait_puts_admitted_before: PUTs admitted under an older map -------------------
+
+WAIT_S = 5.0  # bounds every wait below; the server's stall timeout is 5 s too
+
+
+def start_put(port: int, key: bytes, value: bytes, epoch, cut: int) -> RawConnection:
+    """Sends a PUT frame for one key up to `cut` payload bytes: admitted, not finished."""
+    meta = {"keys": [key], "lens": [len(value)], "sums": [_native.xxh64(value)]}
+    if epoch is not None:
+        meta["epoch"] = epoch
+    conn = RawConnection(port, timeout_s=WAIT_S)
+    conn.send(frame_bytes(PUT_BATCH, meta, value, request_id=41)[:-(len(value) - cut)])
+    return conn
+
+
+def wait_until(predicate, what: str):
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def admitted_below(server, epoch: int) -> bool:
+    """True while some PUT admitted below `epoch` is still storing."""
+    return not server.wait_puts_admitted_before(epoch, 0)
+
+
+def test_put_admitted_under_the_old_epoch_holds_the_fence_until_stored(node):
+    value = os.urandom(1 << 20)
+    assert node.wait_puts_admitted_before(6, 0) is True  # nothing in flight
+    with start_put(node.port, b"slow", value, 5, cut=len(value) // 2) as old:
+        wait_until(lambda: admitted_below(node, 6), "the epoch-5 PUT to be admitted")
+        node.set_cluster_map(6, MAP)
+        assert node.wait_puts_admitted_before(6, 0.2) is False  # half its payload still to come
+        assert node.wait_puts_admitted_before(5, 0) is True     # nothing admitted below 5
+        old.send(value[len(value) // 2:])
+        assert node.wait_puts_admitted_before(6, WAIT_S) is True
+        stored = old.recv_frame()
+        assert stored.status == OK and stored.meta["st"] == [STORED]
+    assert node.keys(10) == [b"slow"]
+    with RawConnection(node.port) as c:
+        assert c.get([b"slow"]) == [value]
+
+    # Admitted at the new epoch 6 (with or without a request epoch): not waited for at 6, but at 7.
+    for epoch in (6, None):
+        with start_put(node.port, b"new-%s" % str(epoch).encode(), value, epoch, cut=1000) as new:
+            wait_until(lambda: admitted_below(node, 7), "the epoch-6 PUT to be admitted")
+            assert node.wait_puts_admitted_before(6, 0) is True
+            assert node.wait_puts_admitted_before(7, 0.05) is False
+            new.send(value[1000:])
+            assert new.recv_frame().meta["st"] == [STORED]
+        assert node.wait_puts_admitted_before(7, WAIT_S) is True
+    node.check_integrity()
+
+
+def test_put_frames_that_fail_release_the_fence(node):
+    value = os.urandom(256 << 10)
+    # A connection dropped mid-payload: its reservation and its count go.
+    with start_put(node.port, b"dropped", value, 5, cut=1000):
+        wait_until(lambda: admitted_below(node, 6), "the PUT to be admitted")
+        node.set_cluster_map(6, MAP)
+    assert node.wait_puts_admitted_before(6, WAIT_S) is True
+    # An answered failure (bad checksum) and a refused stale PUT: neither holds it.
+    with RawConnection(node.port) as c:
+        assert c.put([(b"bad-sum", value)], sums=[1]) == [3]  # CHECKSUM_MISMATCH
+        c.send(put_frame_with_epoch([(b"stale", value)], 5, request_id=9))
+        assert c.recv_frame().status == STALE_EPOCH
+        frame = c.request(PUT_BATCH, {"keys": [b"k"], "lens": [1, 2], "sums": [0]}, b"abc")
+        assert frame.status == BAD_FRAME
+    assert node.wait_puts_admitted_before(7, WAIT_S) is True
+    assert node.keys(10) == []
+    assert node.stats()["gauges"]["leases_active"] == 0
+    node.check_integrity()
+    with pytest.raises(ValueError, match="timeout_s"):
+        node.wait_puts_admitted_before(6, -1)
+
+
+def test_wait_releases_the_gil_and_wakes_when_the_put_finishes(node):
+    value = os.urandom(1 << 20)
+    with start_put(node.port, b"slow", value, 5, cut=10) as old:
+        wait_until(lambda: admitted_below(node, 6), "the PUT to be admitted")
+        node.set_cluster_map(6, MAP)
+        # The rest is sent from another Python thread while this one waits in C++.
+        sender = threading.Timer(0.2, old.send, args=(value[10:],))
+        sender.start()
+        started = time.monotonic()
+        assert node.wait_puts_admitted_before(6, WAIT_S) is True
+        assert time.monotonic() - started < WAIT_S
+        sender.join(WAIT_S)
+        assert old.recv_frame().meta["st"] == [STORED]
+
+
+def test_rebalance_fence_sees_a_put_admitted_under_the_old_map(tmp_path):
+    """The agent's order: set_cluster_map(6), then a rebalance (drop mode here) whose
+    fence waits for the epoch-5 PUT still arriving: its key is listed, and dropped."""
+    server = _native.Server(config(tmp_path))
+    server.set_cluster_map(5, MAP)
+    server.start()
+    cmap = ClusterMap(6, (NodeInfo("a", f"127.0.0.1:{server.port}", 1, ACTIVE, 1),
+                          NodeInfo("b", "127.0.0.1:1", 1, ACTIVE, 1)))
+    placement = Placement(cmap)
+    keys = [f"k{i}".encode() for i in range(400)]
+    slow = next(k for k in keys if placement.owner(k) == "b")
+    rest = [k for k in keys if k != slow]
+    value = os.urandom(300 << 10)
+    rebalancer = Rebalancer("a", f"127.0.0.1:{server.port}", list_keys_page=server.keys_page,
+                            remove_keys=server.remove_keys, fence=server.wait_puts_admitted_before,
+                            keys_page=37, keys_pending_max=50)
+    try:
+        with RawConnection(server.port) as c:
+            assert c.put([(k, b"v") for k in rest]) == [STORED] * len(rest)
+        with start_put(server.port, slow, value, 5, cut=100) as old:
+            wait_until(lambda: admitted_below(server, 6), "the PUT to be admitted")
+            server.set_cluster_map(6, msgpack.packb(cmap.to_dict(), use_bin_type=True))
+            threading.Timer(0.3, old.send, args=(value[100:],)).start()
+            result = rebalancer.run(cmap, drop=True)
+            assert old.recv_frame().meta["st"] == [STORED]
+        owned_by_a = {k for k in keys if placement.owner(k) == "a"}
+        assert set(server.keys(1000)) == owned_by_a
+        assert result.keys_dropped == len(keys) - len(owned_by_a)
+        assert result.keys_seen == len(keys)  # one pass: the fence did not time out
+        server.check_integrity()
+    finally:
+        rebalancer.close()
+        server.stop(1)
+
+
+def test_rebalance_lists_again_when_the_fence_times_out(node):
+    """A writer trickling a frame past fence_timeout_s: the scan runs anyway, then once more."""
+    with RawConnection(node.port) as c:
+        assert c.put([(f"k{i}".encode(), b"v") for i in range(100)]) == [STORED] * 100
+    scans, fences = [], []
+
+    def pages(cursor, limit):
+        if cursor == 0:
+            scans.append(time.monotonic())
+        return node.keys_page(cursor, limit)
+
+    def fence(epoch, timeout_s):
+        fences.append((epoch, timeout_s))
+        return False  # never drained
+
+    cmap = ClusterMap(6, (NodeInfo("a", f"127.0.0.1:{node.port}", 1, ACTIVE, 1),))
+    rebalancer = Rebalancer("a", f"127.0.0.1:{node.port}", list_keys_page=pages, fence=fence,
+                            fence_timeout_s=0.2)
+    try:
+        result = rebalancer.run(cmap)
+    finally:
+        rebalancer.close()
+    assert len(scans) == 2 and result.keys_seen == 200 and result.keys_unowned == 0
+    assert fences and all(epoch == 6 and 0 <= t <= 0.2 for epoch, t in fences)
+    assert len(node.keys(1000)) == 100  # this node owns them all: nothing moved
+
+
+# -- keys_page: a paged scan, the store lock held per page --------------------------
+
+
+def put_empty_values(server, keys) -> None:
+    """Empty values take no arena block, so tens of thousands of keys fit a small node."""
+    with gcache.Client(f"127.0.0.1:{server.port}") as client:
+        assert all(client.put_batch(list(keys), [b""] * len(keys)))
+
+
+def scan(server, limit: int, between_pages=lambda page_number: None) -> tuple[list, list]:
+    """(every key listed, in order; every page's size), bounded in pages."""
+    listed, sizes, cursor = [], [], 0
+    for page_number in range(100_000):
+        cursor, keys = server.keys_page(cursor, limit)
+        assert isinstance(cursor, int) and cursor >= 0
+        listed += keys
+        sizes.append(len(keys))
+        if cursor == 0:
+            return listed, sizes
+        between_pages(page_number)
+    raise AssertionError("keys_page never returned cursor 0")
+
+
+def test_keys_page_lists_every_key_exactly_once(node):
+    keys = [f"key-{i:05d}".encode() for i in range(5000)]
+    put_empty_values(node, keys)
+    listed, sizes = scan(node, 333)
+    assert len(listed) == len(keys) and set(listed) == set(keys)  # no duplicate, no miss
+    assert all(0 <= n <= 333 for n in sizes) and len(sizes) >= len(keys) // 333
+    cursor, everything = node.keys_page(0, 10 ** 9)  # one page holds all 5000
+    assert cursor == 0 and sorted(everything) == sorted(keys)
+    assert sorted(node.keys(10 ** 6)) == sorted(keys) and len(node.keys(17)) == 17
+
+
+def test_keys_page_misses_no_key_that_stays_while_others_come_and_go(node):
+    stay = [f"stay-{i:05d}".encode() for i in range(2000)]
+    gone = [f"gone-{i:05d}".encode() for i in range(1000)]
+    put_empty_values(node, stay + gone)
+    added = []
+
+    def churn(page_number):
+        # The first 10 pages remove some keys and add many (the index triples: it rehashes).
+        if page_number >= 10:
+            return
+        node.remove_keys(gone[page_number * 50:(page_number + 1) * 50])
+        fresh = [f"new-{page_number}-{i}".encode() for i in range(600)]
+        put_empty_values(node, fresh)
+        added.extend(fresh)
+
+    listed, sizes = scan(node, 100, churn)
+    assert set(stay) <= set(listed)  # present for the whole scan: listed at least once
+    assert len(listed) > len(set(listed))  # the rehash restarted the scan: repeats, not misses
+    assert set(listed) <= set(stay) | set(gone) | set(added)
+    assert all(n <= 100 for n in sizes)
+    node.check_integrity()
+
+
+def test_keys_page_limits_and_bad_cursors(node):
+    keys = [f"k{i:05d}".encode() for i in range(70_000)]
+    put_empty_values(node, keys)
+    cursor, first = node.keys_page(0, 10 ** 9)
+    assert len(first) == 65536 and cursor != 0  # the cap: a page never copies more under the lock
+    rest_cursor, rest = node.keys_page(cursor, 10 ** 9)
+    assert rest_cursor == 0 and set(first) | set(rest) == set(keys) and len(first) + len(rest) == 70_000
+    for bad_limit in (0, -1):
+        with pytest.raises(ValueError, match="limit"):
+            node.keys_page(0, bad_limit)
+    with pytest.raises(ValueError, match="cursor"):
+        node.keys_page(-1, 10)
+    # A cursor no page returned: ValueError; one from a table since rehashed: a restart.
+    buckets, next_bucket = cursor >> 32, cursor & 0xFFFFFFFF
+    assert 0 < next_bucket < buckets
+    with pytest.raises(ValueError, match="cursor"):
+        node.keys_page((buckets << 32) | buckets, 10)
+    with pytest.raises(ValueError, match="cursor"):
+        node.keys_page(5, 10)  # no bucket count
+    assert node.keys_page(((buckets + 1) << 32) | 1, 500) == node.keys_page(0, 500)

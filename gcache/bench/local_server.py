@@ -12,9 +12,10 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now (any 127.0.0.x works on Linux)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -93,10 +93,6 @@ class _Call:
         return v is None or v is False
 
 
-def _is_hit(value) -> bool:
-    return value is not None and value is not False
-
-
 def _pick(seq: list, idx: list[int]) -> list:
     """seq's items at idx. Index lists (Placement.group, fallback_group, retries)
     hold distinct positions in increasing order, so one as long as seq is all of
@@ -267,10 +263,14 @@ class ClusterClient:
         # Every part is waited for, even after another failed: a part still running
         # could otherwise write into a caller's buffer after the call returned.
         # Each part is bounded by its node Client's timeouts.
+        futures = []
         try:
-            futures = [self._executor_get().submit(self._run_part, routing, nid, idx, fn)
-                       for nid, idx in parts[1:]]
-        except RuntimeError:  # executor shut down: close() raced this call
+            for nid, idx in parts[1:]:
+                futures.append(self._executor_get().submit(self._run_part, routing, nid, idx, fn))
+        except (RuntimeError, errors.ClientClosedError):  # close() raced this call
+            for f in futures:
+                if not f.cancel():
+                    f.exception()  # wait: a running part may still write into a caller's buffer
             raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one")
         first = self._run_part(routing, *parts[0], fn)
         return [first] + [f.result() for f in futures]
@@ -321,7 +321,7 @@ class ClusterClient:
         # Only hits are written: a miss never hides a hit from another phase
         # (a remove that found the key at the owner or at the previous owner is True).
         values = call.values
-        if not call.merged and len(idx) == len(values):
+        if not call.merged and len(idx) == len(values) == len(answers):
             # The whole batch, first answers: every value is still a miss.
             miss = call.miss
             call.values = [v if v is not None and v is not False else miss for v in answers]
@@ -408,7 +408,8 @@ class ClusterClient:
 
     def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         def put_part(client, idx):
-            return client.batch_put_from(_pick(keys, idx), _pick(views, idx))
+            # Keys and views are already checked: skip batch_put_from's second pass.
+            return client._put_views(_pick(keys, idx), _pick(views, idx))
         return self._batch(keys, False, put_part).values
 
     def put(self, key, value) -> bool:
@@ -471,7 +472,7 @@ class ClusterClient:
         keys = normalize_keys(keys)
 
         def exists_part(client, idx):
-            return client.batch_is_exist(_pick(keys, idx))
+            return client._exists(_pick(keys, idx)).values  # keys already normalized
         return self._batch(keys, False, exists_part, read=True).values
 
     def batch_exists_prefix(self, keys) -> int:

@@ -257,6 +257,7 @@ class GetIntoOp(_ValuesOp):
             for j, size in enumerate(lens):
                 if out[self.lo + j] is not None and xxh64(self.targets[j][:size]) != sums[j]:
                     self.result.bad_checksum.append(self.lo + j)
+                    out[self.lo + j] = None  # those bytes are not the value: a miss, as in GetOp
 
 
 class ExistsOp(Operation):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.client.cluster_client import STALE_EPOCH_RETRIES_MAX
 from gcache.cluster.cluster_map import ACTIVE, DEAD
 
 FAULTS = ("kill_leader", "kill_node", "stop_node", "partition_node", "drain", "join")
@@ -35,9 +36,10 @@ VALUE_BYTES_MIN, VALUE_BYTES_MAX = 256, 16 * 1024
 BATCH_KEYS_MAX = 16
 CLIENT_TIMEOUT_S = 1.0
 CLIENT_RETRIES = 1
-# A call touches each owner once per attempt; a stale map costs a bounded number
-# of re-splits. Slack covers scheduling on a loaded 2-core machine.
-CALL_BOUND_S = CLIENT_TIMEOUT_S * (CLIENT_RETRIES + 1) * 2 + 3.0
+# The client's budget: one node timeout for the first try and one per stale-map
+# re-split (a node that failed is skipped after that), plus 1 s of scheduling
+# slack on a loaded 2-core machine.
+CALL_BOUND_S = CLIENT_TIMEOUT_S * (1 + STALE_EPOCH_RETRIES_MAX) + 1.0
 VIOLATIONS_KEPT_MAX = 50
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gcache.bench.local_server import free_port
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.cluster.netns import NetnsNetwork, require_netns
 from gcache.master.api import MasterClient, MasterUnavailableError
@@ -40,12 +40,6 @@ LAYOUT_FILE = "cluster.json"
 # A node's namespace is its own: every node can use the same fixed ports there.
 NETNS_NODE_PORTS = {"data": 7600, "admin": 7601}
 EXEC_WAIT_S = 5.0
-
-
-def free_port_on(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -184,7 +178,7 @@ class LocalCluster:
         ports = {}
         for name in names:
             for _ in range(100):
-                port = free_port_on(host)
+                port = free_port(host)
                 if port not in taken:
                     break
             taken.add(port)

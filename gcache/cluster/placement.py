@@ -1,7 +1,9 @@
 """Placement: which node owns a key, computed from the cluster map alone.
 
-A ketama ring (uhashring, md5, virtual nodes, weights proportional to
-capacity) is built once per map. Two rings matter while a node joins or drains:
+A ketama ring (uhashring-compatible: md5, virtual nodes, weights proportional
+to capacity) is built once per map; `ketama_points` computes uhashring's points
+directly and sorts once (uhashring inserts them one by one, quadratic in the
+ring size: seconds for a hundred nodes, on the caller's thread). Two rings matter while a node joins or drains:
 
   write ring     nodes `joining` or `active`: where keys go, and where reads go first.
   previous ring  nodes `active` or `draining`: the owners before the migration in
@@ -9,10 +11,11 @@ capacity) is built once per map. Two rings matter while a node joins or drains:
 
 A key's point is its md5 exactly as uhashring's ketama hashes an ASCII key
 (the first 4 digest bytes, little-endian); its owner is the node of the first
-ring point above it, wrapping to the first point. One key: hashlib + bisect.
-A batch: the native ketama_hashes and ketama_search (GIL released; numpy's
-searchsorted is several times slower on unsorted keys), and the owners stay
-small ints (indexes into the ring's node ids) until grouped.
+ring point above it, wrapping to the first point. One key: the native
+ketama_hash (half the cost of hashlib) + bisect. A batch: the native
+ketama_hashes and ketama_search (GIL released; numpy.searchsorted is several
+times slower on unsorted keys), and owners stay small ints (indexes into the
+ring's node ids) until grouped.
 """
 from __future__ import annotations
 
@@ -20,9 +23,8 @@ from bisect import bisect
 from hashlib import md5
 
 import numpy as np
-from uhashring import HashRing
 
-from gcache._native import ketama_hashes, ketama_search
+from gcache._native import ketama_hash, ketama_hashes, ketama_search
 from gcache.cluster.cluster_map import PREVIOUS_STATES, WRITE_STATES, ClusterMap
 
 VNODES = 160  # points per node = VNODES * 4 (ketama replicas) at equal weights
@@ -41,9 +43,20 @@ def slot_dtype(count: int):
     return np.uint8 if count <= 1 << 8 else np.uint16 if count <= 1 << 16 else np.uint32
 
 
-def _key_point(key: bytes) -> int:
-    d = md5(key).digest()
-    return d[0] | (d[1] << 8) | (d[2] << 16) | (d[3] << 24)
+def ketama_points(weights: dict[str, int]) -> dict[int, str]:
+    """{point: node id}, exactly uhashring's KetamaRing._ring for these nodes (in this
+    dict order) with VNODES virtual nodes each: node n gets
+    VNODES * len(weights) * weight // sum(weights) virtual nodes "n-0", "n-1", ...,
+    each giving 4 points (the 4 little-endian words of its md5). A point two
+    nodes share goes to the later node, as in uhashring."""
+    total = sum(weights.values())
+    ring: dict[int, str] = {}
+    for node_id, weight in weights.items():
+        for v in range(VNODES * len(weights) * weight // total):
+            digest = md5(f"{node_id}-{v}".encode()).digest()
+            for r in range(0, 16, 4):
+                ring[int.from_bytes(digest[r:r + 4], "little")] = node_id
+    return ring
 
 
 class Ring:
@@ -51,13 +64,9 @@ class Ring:
 
     def __init__(self, weights: dict[str, int]):
         self.node_ids = tuple(sorted(weights))
-        if weights:
-            ring = HashRing(nodes={nid: {"weight": w, "vnodes": VNODES}
-                                   for nid, w in weights.items()}, hash_fn="ketama")
-            points = list(ring.runtime._keys)  # sorted; equal points share one owner
-            owners = [ring.runtime._ring[p] for p in points]
-        else:
-            points, owners = [], []
+        ring = ketama_points(weights) if weights else {}
+        points = sorted(ring)
+        owners = [ring[p] for p in points]
         self._points = points
         self._owners = owners
         self._point_array = np.array(points, dtype=np.uint32)
@@ -71,7 +80,7 @@ class Ring:
     def owner(self, key: bytes) -> str | None:
         if not self._points:
             return None
-        i = bisect(self._points, _key_point(key))
+        i = bisect(self._points, ketama_hash(key))
         return self._owners[i if i < len(self._points) else 0]
 
     def slots_of_points(self, points: np.ndarray) -> np.ndarray:
@@ -118,8 +127,11 @@ class Placement:
 
     def __init__(self, cmap: ClusterMap):
         self.map = cmap
-        self.write = Ring({n.id: n.weight for n in cmap.in_states(WRITE_STATES)})
-        self.previous = Ring({n.id: n.weight for n in cmap.in_states(PREVIOUS_STATES)})
+        write = {n.id: n.weight for n in cmap.in_states(WRITE_STATES)}
+        previous = {n.id: n.weight for n in cmap.in_states(PREVIOUS_STATES)}
+        self.write = Ring(write)
+        # Nothing joining or draining: both rings hold the same nodes, build one.
+        self.previous = self.write if previous == write else Ring(previous)
         self.migrating = cmap.migrating
         # Both rings' owners in one index space (write ids, then previous-only
         # ids), so write and previous owners compare as ints.
@@ -144,7 +156,8 @@ class Placement:
         """{owner id or None: [indexes into keys]}; None collects keys no node owns.
 
         indexes: place only these positions of `keys` (default: all). Owners
-        appear in the order of their first key; each list keeps the keys' order.
+        appear in the order of their first key; each list keeps the order of
+        `indexes` (so increasing indexes give increasing lists).
         """
         if indexes is None:
             if len(keys) == 1:  # every single-key call

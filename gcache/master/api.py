@@ -18,7 +18,9 @@ Methods (request -> response):
              state "dead": the node was declared dead; register again.
              rebalanced_epoch: the newest epoch whose migration this node has
              finished pushing. degraded: "" or why the node wants to drain itself.
-  GetMap     {"if_newer_than": int}                           -> {"map": map | None}
+  GetMap     {"if_newer_than": int}                           -> {"map": map | None, "has_leader"}
+             has_leader false: this replica knows no Raft leader (cut off from the
+             quorum?), so its map may be behind; the client asks another next time.
   Drain      {"node_id"}                                      -> {"map"}
   Remove     {"node_id"}                                      -> {"map"}
   Status     {}                                               -> {"map", "raft": {...},
@@ -127,6 +129,8 @@ class MasterClient:
 
     def get_map(self, if_newer_than: int = -1) -> ClusterMap | None:
         answer = self.call("GetMap", {"if_newer_than": if_newer_than})
+        if not answer.get("has_leader", True):  # do not stick to a replica cut off from the quorum
+            self._preferred = (self._preferred + 1) % len(self.addresses)
         return ClusterMap.from_dict(answer["map"]) if answer.get("map") else None
 
     def close(self) -> None:

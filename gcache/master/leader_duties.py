@@ -24,6 +24,11 @@ log = logging.getLogger("gcache.master")
 
 EXPIRE, ACTIVATE, FINISH_DRAIN = "expire", "activate", "finish_drain"
 ACTIONS_PER_TICK_MAX = 64  # bound the Raft commands one tick may issue
+# When more than half of the live nodes (of at least this many) fall silent at
+# once, the likelier story is that this master is cut off from them (or stalled),
+# not that they all died: expire none until they are heard again or fewer are silent.
+MASS_EXPIRY_NODES_MIN = 3
+MASS_EXPIRY_LOG_S = 10.0
 
 
 class Action(NamedTuple):
@@ -59,7 +64,16 @@ def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_s
             done = rebalanced.get(node.id, 0) >= cluster_map.epoch
             if done or timed_out:
                 actions.append(Action(FINISH_DRAIN, node.id, node.changed_epoch, forced=not done))
+    if mass_expiry(cluster_map, actions):
+        actions = [a for a in actions if a.kind != EXPIRE]
     return actions[:ACTIONS_PER_TICK_MAX]
+
+
+def mass_expiry(cluster_map: ClusterMap, actions: list[Action]) -> bool:
+    """Whether `actions` would expire more than half of the live nodes at once (held back)."""
+    live = sum(1 for n in cluster_map.nodes if n.state in LIVE_STATES)
+    expiring = sum(1 for a in actions if a.kind == EXPIRE)
+    return live >= MASS_EXPIRY_NODES_MIN and expiring > live // 2
 
 
 def track_migrations(cluster_map: ClusterMap, migration_started: dict, now: float) -> dict:
@@ -85,6 +99,7 @@ class LeaderDuties:
         self._leader_term = -1
         self._migration_started: dict = {}
         self._known_leader = None
+        self._mass_expiry_logged = -MASS_EXPIRY_LOG_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -126,6 +141,15 @@ class LeaderDuties:
         self._migration_started = track_migrations(snap.map, self._migration_started, now)
         actions = plan(snap.map, snap.rebalanced, snap.last_seen, self._migration_started, now,
                        self._leader_since, self.heartbeat_timeout_s, self.migration_timeout_s)
+        silent = [n.id for n in snap.map.nodes if n.state in LIVE_STATES
+                  and now - max(snap.last_seen.get(n.id, self._leader_since), self._leader_since)
+                  > self.heartbeat_timeout_s]
+        if silent and not any(a.kind == EXPIRE for a in actions) \
+                and now - self._mass_expiry_logged >= MASS_EXPIRY_LOG_S:
+            self._mass_expiry_logged = now
+            log.warning("%d of the live nodes are silent (%s): more than half at once looks like "
+                        "this master being cut off, so none is declared dead", len(silent),
+                        ",".join(silent))
         issued = []
         for action in actions:
             if self._stop.is_set() or not self.raft.is_leader():

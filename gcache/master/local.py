@@ -21,17 +21,12 @@ from pathlib import Path
 
 import grpc
 
+from gcache.bench.local_server import free_port
 from gcache.master import api
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _split(address: str) -> tuple[str, int]:

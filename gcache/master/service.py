@@ -121,7 +121,10 @@ class MasterService:
     def get_map(self, request: dict, context) -> dict:
         if_newer_than = _field(request, "if_newer_than", int, default=-1)
         current = self.raft.replicated_map.map
-        return {"map": current.to_dict() if current.epoch > if_newer_than else None}
+        # A replica that knows no leader may be cut off from the quorum, its map behind:
+        # it still answers (a client with no map is better off with it), and says so.
+        return {"map": current.to_dict() if current.epoch > if_newer_than else None,
+                "has_leader": self.raft.leader() is not None}
 
     def drain(self, request: dict, context) -> dict:
         return {"map": self._write(context, "drain", _node_id(request))["map"].to_dict()}

@@ -7,7 +7,9 @@ Two daemon threads:
              degraded}. A newer epoch in the answer fetches the map and applies
              it: the native server gets it first (stale writers are refused from
              then on), then the rebalance thread. "unknown" / "dead" answers
-             re-register, and the first map after that drops unowned keys.
+             re-register. When a registration (re)adds the node to the map, the
+             next rebalance drops unowned keys instead of pushing them; a quick
+             restart that finds the node still live pushes them.
   rebalance  runs gcache.server.rebalance for the newest map; a newer map
              aborts the run in progress and starts over. When done,
              rebalanced_epoch = that map's epoch, sent at once in a heartbeat.
@@ -24,7 +26,8 @@ from typing import Callable
 
 import msgpack
 
-from gcache.cluster.cluster_map import DEAD, DRAINING, WRITE_STATES, ClusterMap, weight_for_capacity
+from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, WRITE_STATES, ClusterMap,
+                                        weight_for_capacity)
 from gcache.master.api import MasterClient, MasterUnavailableError
 from gcache.server.degradation import DegradationMonitor
 from gcache.server.rebalance import (RebalanceAborted, RebalanceCounters, Rebalancer,
@@ -38,6 +41,8 @@ MASTER_CALL_TIMEOUT_MIN_S = 0.5
 MASTER_CALL_TIMEOUT_MAX_S = 2.0
 REBALANCE_ATTEMPTS = 3        # per map, after unexpected errors
 REBALANCE_RETRY_S = 1.0
+INCOMPLETE_RETRY_MIN_S = 0.5  # an owner was unreachable: try the same map again, backing off
+INCOMPLETE_RETRY_MAX_S = 5.0
 STOP_JOIN_S = 5.0
 UNKNOWN, DEAD_ANSWER = "unknown", "dead"
 
@@ -74,8 +79,9 @@ class ClusterAgent:
         self._on_drained = on_drained
         self._rebalancer = Rebalancer(
             self.node_id, local_address(settings.host, bound_port),
-            list_keys=native.keys,
+            list_keys_page=native.keys_page,
             remove_keys=getattr(native, "remove_keys", None),
+            fence=native.wait_puts_admitted_before,  # PUTs admitted under the old map finish first
             batch_bytes=settings.rebalance_batch_bytes,
             batch_keys=settings.batch_keys_max, counters=self.counters)
         self._cond = threading.Condition()
@@ -83,7 +89,7 @@ class ClusterAgent:
         self._wake = threading.Event()          # heartbeat now (rebalance finished)
         self._map = ClusterMap.empty()          # newest map applied to the native server
         self._pending: ClusterMap | None = None  # newest map the rebalancer has not started
-        self._drop_next = True                  # first map after start / re-register: drop
+        self._drop_next = False                 # (re)entered the map as a new member: drop
         self._drop_generation = 0
         self._last_done: tuple | None = None    # (ring signature, keep) of the last clean run
         self._rebalancing = False
@@ -195,6 +201,14 @@ class ClusterAgent:
             "node_id": self.node_id, "address": self.address, "weight": self.weight,
             "admin": self.admin_address})
         cmap = ClusterMap.from_dict(answer["map"])
+        me = cmap.node(self.node_id)
+        if me is not None and me.state == JOINING and me.changed_epoch == cmap.epoch:
+            # This registration (re)added the node: it was dead, removed or never here, so
+            # keys it holds but does not own may have been removed or replaced meanwhile:
+            # drop them. A quick restart (still active in the map) pushes them instead.
+            with self._cond:
+                self._drop_next = True
+                self._drop_generation += 1
         self.registered = True
         self.master_state = answer.get("state", "")
         log.info("cluster: registered as %s, state %s, epoch %d",
@@ -249,6 +263,7 @@ class ClusterAgent:
 
     def _rebalance_loop(self) -> None:
         attempts: dict[int, int] = {}
+        incomplete_wait_s = INCOMPLETE_RETRY_MIN_S
         while not self._stop.is_set():
             with self._cond:
                 while self._pending is None and not self._stop.is_set():
@@ -261,7 +276,7 @@ class ClusterAgent:
                 generation = self._drop_generation
                 self._rebalancing = True
             try:
-                clean = self._rebalance(cmap, drop, keep)
+                clean, complete = self._rebalance(cmap, drop, keep)
             except RebalanceAborted:
                 continue
             except Exception:  # noqa: BLE001 -- log, retry a few times, leave it to the master's timeout
@@ -280,19 +295,38 @@ class ClusterAgent:
                 if drop and generation == self._drop_generation:
                     self._drop_next = False
                 self._last_done = (_ring_signature(cmap), keep) if clean else None
-                self.rebalanced_epoch = max(self.rebalanced_epoch, cmap.epoch)
+                if not complete:
+                    # Some owner could not be reached: the migration is not done, so
+                    # rebalanced_epoch stays and the same map runs again (a newer map
+                    # replaces it). The master's --migration-timeout-s bounds a drain.
+                    if self._pending is None:
+                        self._pending = cmap
+                    retry_s, incomplete_wait_s = incomplete_wait_s, min(
+                        INCOMPLETE_RETRY_MAX_S, incomplete_wait_s * 2)
+                    log.warning("cluster: epoch %d not fully rebalanced (an owner was unreachable); "
+                                "retrying in %.1f s", cmap.epoch, retry_s)
+                else:
+                    incomplete_wait_s = INCOMPLETE_RETRY_MIN_S
+                    self.rebalanced_epoch = max(self.rebalanced_epoch, cmap.epoch)
+            left = cmap.node(self.node_id) is None and self._draining_seen
+            if not complete and not left:  # (a node the master removed has nothing left to do)
+                with self._cond:  # a newer map (or stop) ends the wait early
+                    self._cond.wait_for(lambda: self._stop.is_set() or self._pending is not cmap, retry_s)
+                continue
             self._wake.set()  # report rebalanced_epoch now
-            if cmap.node(self.node_id) is None and self._draining_seen and not self._drained:
+            if left and not self._drained:
                 self._drained = True
                 log.info("cluster: drain complete: this node left the map at epoch %d", cmap.epoch)
                 self._on_drained()
                 return
 
-    def _rebalance(self, cmap: ClusterMap, drop: bool, keep: bool) -> bool:
-        """Runs (or skips) one rebalance; True if every unowned key was handled."""
+    def _rebalance(self, cmap: ClusterMap, drop: bool, keep: bool) -> tuple[bool, bool]:
+        """Runs (or skips) one rebalance: (clean: every unowned key moved, complete: nothing
+        left that a retry could move)."""
         if not drop and self._last_done == (_ring_signature(cmap), keep):
             # Same write ring as the last clean run (e.g. joining -> active): nothing moves.
             log.info("cluster: epoch %d leaves the write ring as it was: nothing to move", cmap.epoch)
-            return True
+            return True, True
+        self._last_done = None  # an aborted or failed run must not let a later map skip
         result = self._rebalancer.run(cmap, drop=drop, should_abort=self._should_abort)
-        return result.push_failures == 0 and result.push_no_space == 0
+        return result.push_failures == 0 and result.push_no_space == 0, result.complete

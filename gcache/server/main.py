@@ -136,6 +136,21 @@ class Node:
         log.info("stopped cleanly")
 
 
+def _write_drained_marker(settings: ServerSettings) -> None:
+    marker = drained_marker(settings)
+    if marker is None:
+        log.warning("drain complete: no --data-dir, so a restart of this process joins again")
+        return
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
+                          "delete this file to let the node rejoin the cluster\n")
+    except OSError as e:
+        log.error("drain complete, but writing %s failed (%s): a restart would join again", marker, e)
+        return
+    log.info("drain complete: this node left the cluster; stopping (a restart stays out: %s)", marker)
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -180,11 +195,7 @@ def run(settings: ServerSettings) -> int:
     while not stop.wait(0.5):  # short waits keep signal handling prompt
         pass
     if drained.is_set():
-        marker = drained_marker(settings)
-        if marker is not None:
-            marker.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
-                              "delete this file to let the node rejoin the cluster\n")
-        log.info("drain complete: this node left the cluster; stopping (a restart stays out: %s)", marker)
+        _write_drained_marker(settings)
     node.shutdown()
     return EXIT_OK
 

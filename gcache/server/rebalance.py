@@ -5,7 +5,7 @@ from this node's own data port and PUT to that owner with `epoch=M.epoch` (an
 owner with a newer map refuses it: the rebalance stops, a newer map is on its
 way). Pushed keys are then removed here, unless this node is draining or has
 left the map (it keeps serving fallback reads until it exits). In drop mode
-(the first map after the process starts or re-registers) such keys are removed
+(when a registration (re)added this node to the map) such keys are removed
 without being pushed: they may have been removed or replaced while it was away.
 
 Reading without per-value copies: values go straight from the socket into one
@@ -17,6 +17,15 @@ its slot is not read (BufferTooSmallError names it and its size): the slot
 grows and the key goes back into the queue. KV-cache values are mostly one
 size, so slots waste little and each batch is one GET and one PUT frame train.
 The buffer holds at most max(batch_bytes, the largest value) bytes.
+
+Listing: keys come page by page from the native store (`keys_page`, the store
+lock held per page only); unowned keys gather up to `keys_pending_max` and are
+moved, then the scan goes on from its cursor, so memory stays bounded whatever
+the key count. Before the first page the rebalancer waits (`fence`) until no
+PUT frame the node admitted under an older map is still storing: such a value
+could otherwise land in a part of the index already listed and never move. If
+that wait times out (a peer trickling a huge frame), the scan runs anyway and
+once more at the end.
 """
 from __future__ import annotations
 
@@ -33,13 +42,15 @@ from gcache.cluster.placement import Placement
 
 log = logging.getLogger("gcache.server.rebalance")
 
-KEYS_SNAPSHOT_MAX = 2_000_000  # keys listed per pass (Python bytes: ~100 B each)
-PASSES_MAX = 64                 # snapshots per rebalance, each removing what it pushed
+KEYS_PAGE = 65_536               # keys per keys_page call (the native cap)
+KEYS_PENDING_MAX = 262_144      # unowned keys gathered before moving them (Python bytes: ~100 B each)
+FENCE_TIMEOUT_S = 10.0          # wait for PUTs admitted under an older map; a trickler is not waited out
+FENCE_SLICE_S = 0.5             # ... in slices, so a newer map aborts the wait
 BATCH_KEYS_MAX = 4096
 PROBE_KEYS = 16
 PUSH_ATTEMPTS = 3               # per batch, on top of the client's own retries
 PUSH_BACKOFF_S = 0.2
-CLIENT_TIMEOUT_S = 10.0
+CLIENT_TIMEOUT_S = 5.0           # per socket wait; a stopped owner costs PUSH_ATTEMPTS of these
 
 
 class RebalanceAborted(Exception):
@@ -55,7 +66,7 @@ class RebalanceCounters:
     keys_pushed: int = 0
     bytes_pushed: int = 0
     keys_dropped: int = 0
-    push_failures: int = 0   # keys not pushed: owner unreachable or refused them
+    push_failures: int = 0   # keys not pushed: owner unreachable (retried) or value too large
     push_no_space: int = 0   # keys an owner refused NO_SPACE (kept here)
     seconds: float = 0.0
     last_epoch: int = 0
@@ -82,9 +93,16 @@ class RebalanceResult:
     bytes_pushed: int = 0
     keys_dropped: int = 0
     push_failures: int = 0
+    push_unreachable: int = 0  # of push_failures: the owner could not be reached
     push_no_space: int = 0
     owners: int = 0
     seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every unowned key was pushed, or refused by its owner as not fitting (no space,
+        too large): retrying cannot do better. Unreachable owners make it incomplete."""
+        return self.push_unreachable == 0
 
     @property
     def mb_per_s(self) -> float:
@@ -101,20 +119,29 @@ class Rebalancer:
     """Moves one node's unowned keys for one map at a time (not thread-safe: one caller)."""
 
     def __init__(self, node_id: str, local_address: str, *,
-                 list_keys: Callable[[int], list],
+                 list_keys_page: Callable[[int, int], tuple[int, list]],
                  remove_keys: Callable[[list], object] | None = None,
+                 fence: Callable[[int, float], bool] | None = None,
                  batch_bytes: int = 64 << 20, batch_keys: int = BATCH_KEYS_MAX,
                  counters: RebalanceCounters | None = None,
-                 keys_snapshot_max: int = KEYS_SNAPSHOT_MAX):
+                 keys_pending_max: int = KEYS_PENDING_MAX, keys_page: int = KEYS_PAGE,
+                 fence_timeout_s: float = FENCE_TIMEOUT_S):
+        """list_keys_page(cursor, limit) -> (next cursor, keys): a scan that starts at cursor 0
+        and ends when the next cursor is 0 (Server.keys_page). fence(epoch, timeout_s) -> bool:
+        True once no PUT admitted below `epoch` is still storing (Server.wait_puts_admitted_before);
+        None skips the wait."""
         from gcache.client import Client  # late: the server imports this module at start
 
         self.node_id = node_id
         self.batch_bytes = batch_bytes
         self.batch_keys = max(1, min(batch_keys, BATCH_KEYS_MAX))
         self.counters = counters or RebalanceCounters()
-        self.keys_snapshot_max = keys_snapshot_max
-        self._list_keys = list_keys
+        self.keys_pending_max = max(1, keys_pending_max)
+        self.keys_page = max(1, min(keys_page, KEYS_PAGE))
+        self.fence_timeout_s = fence_timeout_s
+        self._list_keys_page = list_keys_page
         self._remove_keys = remove_keys
+        self._fence = fence
         self._client_class = Client
         self._local = Client(local_address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1)
         self._buffer = bytearray(0)
@@ -130,44 +157,25 @@ class Rebalancer:
         """Rebalances for `cmap`; raises RebalanceAborted if should_abort() turns true."""
         result = RebalanceResult(cmap.epoch, "drop" if drop else "push")
         start = time.monotonic()
-        placement = Placement(cmap)
-        keep = keeps_local_copies(cmap, self.node_id)
-        clients: dict[str, object] = {}
+        scan = _Scan(cmap, Placement(cmap), drop, keeps_local_copies(cmap, self.node_id),
+                     result, should_abort)
         try:
-            for _ in range(PASSES_MAX):
-                keys = self._list_keys(self.keys_snapshot_max)
-                truncated = len(keys) >= self.keys_snapshot_max
-                result.keys_seen += len(keys)
-                groups = self._unowned(placement, keys)
-                del keys
-                result.keys_unowned += sum(len(g) for g in groups.values())
-                if truncated and keep:
-                    # Another pass must see the keys this one could not list, and
-                    # only removing what was pushed makes them visible.
-                    log.warning("more than %d keys: removing pushed keys even though this "
-                                "node keeps serving reads", self.keys_snapshot_max)
-                removed = 0
-                for owner_id, owner_keys in groups.items():
-                    if should_abort():
-                        raise RebalanceAborted()
-                    if drop:
-                        removed += self._drop(owner_keys, result)
-                        continue
-                    node = cmap.node(owner_id)
-                    client = clients.get(owner_id)
-                    if client is None:
-                        client = clients[owner_id] = self._owner_client(node.address, cmap.epoch)
-                    result.owners += 1
-                    removed += self._push_group(client, node.address, owner_keys,
-                                                keep and not truncated, result, should_abort)
-                if not truncated or removed == 0:
-                    break
+            fenced = self._wait_for_old_puts(cmap.epoch, should_abort)
+            self._scan(scan)
+            if not fenced:
+                # A PUT admitted under the older map may have stored its key where the
+                # scan had already been: look once more, after waiting again.
+                if not self._wait_for_old_puts(cmap.epoch, should_abort):
+                    log.warning("epoch %d: PUTs admitted under an older map are still arriving; "
+                                "their keys may stay here until the next map", cmap.epoch)
+                self._scan(scan)
         except RebalanceAborted:
             self.counters.add(rebalances_aborted=1)
             raise
         finally:
-            for client in clients.values():
+            for client in scan.clients.values():
                 client.close()
+            result.owners = len(scan.clients)
             result.seconds = time.monotonic() - start
             self.counters.add(seconds=result.seconds)
         self.counters.add(rebalances=1)
@@ -180,16 +188,69 @@ class Rebalancer:
                  result.push_no_space, result.seconds, result.mb_per_s)
         return result
 
-    def _unowned(self, placement: Placement, keys: list) -> dict[str, list]:
-        """{owner id: [keys]} for the keys another node owns (keys nobody owns stay)."""
-        groups: dict[str, list] = {}
-        owner_of = placement.write.owner
+    def _wait_for_old_puts(self, epoch: int, should_abort) -> bool:
+        """True once no PUT admitted under an epoch below `epoch` is still storing; False
+        after fence_timeout_s. Waits in slices so a newer map aborts it."""
+        if self._fence is None:
+            return True
+        deadline = time.monotonic() + self.fence_timeout_s
+        while True:
+            left_s = deadline - time.monotonic()
+            if self._fence(epoch, max(0.0, min(FENCE_SLICE_S, left_s))):
+                return True
+            if should_abort():
+                raise RebalanceAborted()
+            if left_s <= FENCE_SLICE_S:
+                log.warning("epoch %d: PUTs admitted under an older map still storing after %.1f s "
+                            "(a slow writer); listing keys anyway, and once more at the end",
+                            epoch, self.fence_timeout_s)
+                return False
+
+    def _scan(self, scan: "_Scan") -> None:
+        """One pass over the local keys: moves every unowned one, keys_pending_max at a time.
+        Moving removes keys from the store mid-scan; the cursor misses none that stay."""
+        owners_of = scan.placement.write.owners
         me = self.node_id
-        for key in keys:
-            owner = owner_of(key)
-            if owner is not None and owner != me:
-                groups.setdefault(owner, []).append(key)
-        return groups
+        pending: dict[str, list] = {}
+        pending_count = 0
+        cursor = 0
+        while True:
+            if scan.should_abort():
+                raise RebalanceAborted()
+            cursor, keys = self._list_keys_page(cursor, self.keys_page)
+            scan.result.keys_seen += len(keys)
+            for key, owner in zip(keys, owners_of(keys)):
+                if owner is not None and owner != me:  # keys nobody owns stay
+                    pending.setdefault(owner, []).append(key)
+                    pending_count += 1
+            del keys
+            if pending_count and (pending_count >= self.keys_pending_max or cursor == 0):
+                scan.result.keys_unowned += pending_count
+                self._move(scan, pending)
+                pending, pending_count = {}, 0
+            if cursor == 0:
+                return
+
+    def _move(self, scan: "_Scan", groups: dict[str, list]) -> None:
+        """Pushes (or drops) {owner id: [keys]}; an owner found unreachable in this run is
+        not tried again for later keys (they count as failures, as its first ones did)."""
+        result = scan.result
+        for owner_id, owner_keys in groups.items():
+            if scan.should_abort():
+                raise RebalanceAborted()
+            if scan.drop:
+                self._drop(owner_keys, result)
+                continue
+            if owner_id in scan.unreachable:
+                self._count_unreachable(len(owner_keys), result)
+                continue
+            node = scan.cmap.node(owner_id)
+            client = scan.clients.get(owner_id)
+            if client is None:
+                client = scan.clients[owner_id] = self._owner_client(node.address, scan.cmap.epoch)
+            if not self._push_group(client, node.address, owner_keys, scan.keep, result,
+                                    scan.should_abort):
+                scan.unreachable.add(owner_id)
 
     def _owner_client(self, address: str, epoch: int):
         return self._client_class(address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1, retries=1,
@@ -216,31 +277,34 @@ class Rebalancer:
 
     # -- pushing --------------------------------------------------------------
 
+    def _count_unreachable(self, count: int, result: RebalanceResult) -> None:
+        result.push_failures += count
+        result.push_unreachable += count
+        self.counters.add(push_failures=count)
+
     def _push_group(self, client, address: str, keys: list, keep: bool,
-                    result: RebalanceResult, should_abort) -> int:
-        """Pushes `keys` to one owner; returns how many were removed locally."""
+                    result: RebalanceResult, should_abort) -> bool:
+        """Pushes `keys` to one owner, removing them locally unless `keep`; False if the
+        owner could not be reached (the rest of `keys` stay, counted as failures)."""
         queue = collections.deque(keys)
-        removed = 0
         while queue:
             if should_abort():
                 raise RebalanceAborted()
             batch, offsets, sizes = self._read_batch(queue)
             if not batch:
                 continue
-            stored = self._put(client, address, batch, offsets, sizes, result)
-            if stored is None:  # owner unreachable: give up on it for this epoch
-                failed = len(batch) + len(queue)
-                result.push_failures += failed
-                self.counters.add(push_failures=failed)
-                return removed
+            stored = self._put(client, address, batch, offsets, sizes, result, should_abort)
+            if stored is None:  # owner unreachable: the agent retries this map later
+                self._count_unreachable(len(batch) + len(queue), result)
+                return False
             done = [k for k, ok in zip(batch, stored) if ok]
             nbytes = sum(s for s, ok in zip(sizes, stored) if ok)
             result.keys_pushed += len(done)
             result.bytes_pushed += nbytes
             self.counters.add(keys_pushed=len(done), bytes_pushed=nbytes)
             if not keep:
-                removed += self._remove(done)
-        return removed
+                self._remove(done)
+        return True
 
     def _read_batch(self, queue: collections.deque) -> tuple[list, list, list]:
         """Reads the next keys of `queue` into the buffer: (found keys, offsets, sizes)."""
@@ -264,12 +328,14 @@ class Rebalancer:
         found = [(k, o, s) for k, o, s in zip(keys, slot_offsets, lens) if s is not None]
         if found:
             self._slot_bytes = max(self._slot_bytes, max(1, max(s for _, _, s in found)))
-        # Misses: evicted or removed since the snapshot; nothing to move.
+        # Misses: evicted or removed since listed; nothing to move.
         return [k for k, _, _ in found], [o for _, o, _ in found], [s for _, _, s in found]
 
-    def _put(self, client, address: str, keys, offsets, sizes, result) -> list | None:
+    def _put(self, client, address: str, keys, offsets, sizes, result, should_abort) -> list | None:
         """Per-key True (stored / already there), False (refused); None if unreachable."""
         for attempt in range(PUSH_ATTEMPTS):
+            if attempt and should_abort():
+                raise RebalanceAborted()
             too_large = 0
             try:
                 stored = client.batch_put_from(keys, self._buffer, sizes=sizes, offsets=offsets)
@@ -285,7 +351,7 @@ class Rebalancer:
                 if attempt + 1 < PUSH_ATTEMPTS:
                     time.sleep(PUSH_BACKOFF_S * 2 ** attempt)
                     continue
-                log.warning("cannot push to %s: %s; its keys stay here until the next map", address, e)
+                log.warning("cannot push to %s: %s; its keys stay here, retried later", address, e)
                 return None
             no_space = sum(1 for ok in stored if not ok) - too_large
             if no_space:
@@ -294,12 +360,28 @@ class Rebalancer:
             return stored
         return None
 
-def rebalance(cmap: ClusterMap, node_id: str, local_address: str, *, list_keys,
-              remove_keys=None, drop: bool = False, batch_bytes: int = 64 << 20,
-              counters: RebalanceCounters | None = None) -> RebalanceResult:
-    """One rebalance for `cmap` with a fresh Rebalancer (tests and tools)."""
-    rebalancer = Rebalancer(node_id, local_address, list_keys=list_keys, remove_keys=remove_keys,
-                            batch_bytes=batch_bytes, counters=counters)
+@dataclass
+class _Scan:
+    """What one run's passes share."""
+
+    cmap: ClusterMap
+    placement: Placement
+    drop: bool
+    keep: bool
+    result: RebalanceResult
+    should_abort: Callable[[], bool]
+    clients: dict = field(default_factory=dict)      # owner id -> Client, closed at the end
+    unreachable: set = field(default_factory=set)    # owner ids that failed in this run
+
+
+def rebalance(cmap: ClusterMap, node_id: str, local_address: str, *, list_keys_page,
+              remove_keys=None, fence=None, drop: bool = False, batch_bytes: int = 64 << 20,
+              counters: RebalanceCounters | None = None, **options) -> RebalanceResult:
+    """One rebalance for `cmap` with a fresh Rebalancer (tests and tools); options go to
+    Rebalancer (keys_pending_max, keys_page, fence_timeout_s, batch_keys)."""
+    rebalancer = Rebalancer(node_id, local_address, list_keys_page=list_keys_page,
+                            remove_keys=remove_keys, fence=fence, batch_bytes=batch_bytes,
+                            counters=counters, **options)
     try:
         return rebalancer.run(cmap, drop=drop)
     finally:
