@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import msgpack
 
 from gcache import errors
-from gcache.client.buffers import BufferRegistry, byte_view
+from gcache.client.buffers import BufferRegistry
 from gcache.client.client import Client
 from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
@@ -412,27 +412,13 @@ class ClusterClient:
             return client._put_views(_pick(keys, idx), _pick(views, idx))
         return self._batch(keys, False, put_part).values
 
-    def put(self, key, value) -> bool:
-        """Stores `value` at its owner. False: not admitted, or the owner is down."""
-        return self._put_views([normalize_key(key)], [byte_view(value, writable=False)])[0]
-
-    def put_batch(self, keys, values) -> list[bool]:
-        keys = normalize_keys(keys)
-        if len(values) != len(keys):
-            raise errors.InvalidArgumentError(f"put_batch: {len(keys)} keys but {len(values)} values")
-        return self._put_views(keys, [byte_view(v, writable=False) for v in values])
-
-    def put_from(self, key, buffer, offset: int = 0, size: int | None = None) -> bool:
-        """Stores buffer[offset:offset+size] without copying it (or an address in a
-        registered buffer: put_from(key, address, size))."""
-        view = self._view(buffer, offset, size, writable=False, what="put_from")
-        return self._put_views([normalize_key(key)], [view])[0]
-
-    def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
-        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
-        keys = normalize_keys(keys)
-        views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
-        return self._put_views(keys, views)
+    # The public put methods only check arguments and call _put_views, which
+    # routes by owner here: the single-node client's serve as they are. A put
+    # whose owner is down returns False, like one the node did not admit.
+    put = Client.put
+    put_batch = Client.put_batch
+    put_from = Client.put_from
+    batch_put_from = Client.batch_put_from
 
     # -- gets -------------------------------------------------------------------------
 
