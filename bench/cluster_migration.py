@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from gcache.bench.limits import loopback_tcp_gbps
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, DEAD
 from gcache.cluster.local_cluster import LocalCluster
@@ -123,7 +124,8 @@ def time_dead_marking(cluster, repeat: int) -> list[float]:
 
 def run(args) -> dict:
     size = args.value_kib * 1024
-    report: dict = {"nodes": args.nodes, "keys": args.keys, "value_bytes": size}
+    report: dict = {"nodes": args.nodes, "keys": args.keys, "value_bytes": size,
+                    "loopback_tcp_mb_per_s": loopback_tcp_gbps() * 1000}  # the physical limit
     with tempfile.TemporaryDirectory(prefix="gcache-cluster-bench-") as tmp:
         cluster = LocalCluster(tmp, masters=3, nodes=args.nodes, memory=args.memory, disk=args.disk,
                                heartbeat_interval_s=args.heartbeat_interval_s,
@@ -202,7 +204,9 @@ def render(r: dict) -> str:
         f"keys remapped by a join ({n - 1}->{n}): {r['join_moved_fraction']:.4f}  ideal 1/N {r['join_ideal_fraction']:.4f}"
         f"  ratio {r['join_moved_fraction'] / r['join_ideal_fraction']:.2f} (bound 1.25)",
         f"drain: {r['drain_s']:.2f}s from the Drain call to the node leaving the map ({r['drain_mb_per_s']:.1f} MB/s of its keys);"
-        f" the node's own push rate {r['drain_push_mb_per_s']} MB/s;\n       hit rate before {r['drain_hit_rate_before']:.4f}"
+        f" the node's own push rate {r['drain_push_mb_per_s']} MB/s"
+        f" = {(r['drain_push_mb_per_s'] or 0) / r['loopback_tcp_mb_per_s']:.3f} of loopback TCP"
+        f" ({r['loopback_tcp_mb_per_s']:.0f} MB/s);\n       hit rate before {r['drain_hit_rate_before']:.4f}"
         f" after {r['drain_hit_rate_after']:.4f}; drained node's keys readable {r['drained_keys_readable']:.4f} (goal >= 0.99)",
         f"join: migration window {r['join_migration_s']:.2f}s; steady hit rate before {r['join_hit_rate_before']:.4f}"
         f" during {r['join_hit_rate_during']:.4f} after {r['join_hit_rate_after']:.4f}"

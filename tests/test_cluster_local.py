@@ -18,6 +18,7 @@ from gcache.client.cluster_client import ClusterClient
 from gcache.cluster import checker
 from gcache.cluster.cluster_map import ACTIVE
 from gcache.cluster.local_cluster import LocalCluster, _pid_alive
+from gcache.cluster.netns import netns_available
 from gcache.cluster.placement import Placement
 from gcache.master.api import MasterUnavailableError
 
@@ -117,8 +118,18 @@ def test_checker_reports_wrong_bytes(cluster):
         client.close()
 
 
-def test_seeded_faults_never_return_wrong_bytes_or_block(cluster):
-    report = checker.run_checker(cluster, seed=5, threads=3, keys_max=600, hold_s=0.5, warmup_s=0.5)
+def test_seeded_faults_never_return_wrong_bytes_or_block(tmp_path):
+    """Every fault, with a real partition (network namespaces) where this machine has them."""
+    netns = bool(netns_available())
+    cluster = LocalCluster(tmp_path / "faults", masters=3, nodes=3, netns=netns, **FAST)
+    cluster.up(timeout_s=60)
+    lines = []
+    try:
+        report = checker.run_checker(cluster, seed=5, threads=3, keys_max=600, hold_s=0.5,
+                                     warmup_s=0.5, log=lines.append)
+    finally:
+        cluster.down(timeout_s=10)
+    assert any("netns partition" in line for line in lines) == netns, lines
     print(json.dumps(report, indent=1))
     assert report["violations"] == []
     assert report["fault_errors"] == [] and report["settle_problems"] == []
