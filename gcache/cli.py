@@ -141,10 +141,18 @@ def _run(args, client) -> int:
         for key, ok in zip(args.keys, removed):
             print(f"{'removed' if ok else 'absent'}\t{key}")
         return EXIT_OK
+    cluster = args.server.startswith("gcache://")  # answers come per node: {node id: answer}
     if args.command == "stats":
         stats = client.stats()
         if args.json:
-            print(json.dumps(stats, sort_keys=True))
+            print(json.dumps(stats, sort_keys=True, default=str))
+        elif cluster:
+            for node_id, node_stats in sorted(stats.items()):
+                print(f"== node {node_id}")
+                if isinstance(node_stats, dict):
+                    _print_stats(node_stats)
+                else:
+                    print(f"unreachable: {node_stats}")
         else:
             _print_stats(stats)
         return EXIT_OK
@@ -152,9 +160,16 @@ def _run(args, client) -> int:
         start = time.perf_counter()
         answer = client.ping()
         rtt_ms = (time.perf_counter() - start) * 1e3
-        print(f"{args.server}: version {answer.get('version')} epoch {answer.get('epoch')} "
-              f"rtt {rtt_ms:.2f} ms")
-        return EXIT_OK
+        answers = answer.items() if cluster else [(args.server, answer)]
+        down = 0
+        for name, a in sorted(answers):
+            if isinstance(a, dict):
+                print(f"{name}: version {a.get('version')} epoch {a.get('epoch')}")
+            else:
+                down += 1
+                print(f"{name}: unreachable: {a}")
+        print(f"rtt {rtt_ms:.2f} ms")
+        return EXIT_UNREACHABLE if down else EXIT_OK
     raise AssertionError(args.command)
 
 

@@ -55,6 +55,11 @@ def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
             assert client.get(b"k") == b"v" * 1000
         status = subprocess.run(cmd + ["status", "--dir", str(d)], capture_output=True, text=True, timeout=30)
         assert status.returncode == 0 and status.stdout.count(" active") == 2, status.stdout
+        cli = [sys.executable, "-m", "gcache.cli", "--server", layout["client_url"]]
+        ping = subprocess.run(cli + ["ping"], capture_output=True, text=True, timeout=30)
+        assert ping.returncode == 0 and ping.stdout.count(": version") == 2, ping.stdout + ping.stderr
+        stats = subprocess.run(cli + ["stats"], capture_output=True, text=True, timeout=30)
+        assert stats.returncode == 0 and stats.stdout.count("== node") == 2, stats.stdout
     finally:
         down = subprocess.run(cmd + ["down", "--dir", str(d)], capture_output=True, text=True, timeout=90)
     assert down.returncode == 0, down.stderr
