@@ -457,3 +457,35 @@ def test_a_drain_does_not_finish_while_an_owner_cannot_be_reached(cluster):
     # The master's migration timeout ends it; n1 then leaves and exits 0.
     assert nodes["n1"].wait_exit(MIGRATION_TIMEOUT_S + WAIT_S) == 0, nodes["n1"].log_tail()
     assert "n1" not in _states(master)
+
+
+def test_repeated_run_skips_keys_the_owner_already_has(three_servers):
+    """A draining node retrying the same map (an owner was down) pushes only what is missing."""
+    from gcache.server.rebalance import Rebalancer
+
+    servers = three_servers
+    values = _values(300, seed=5)
+    with Client(servers["a"].address) as a:
+        assert all(a.put_batch(list(values), list(values.values())))
+    cmap = _map(servers, {"a": DRAINING})
+    placement = Placement(cmap)
+    to_b = {k for k in values if placement.owner(k) == "b"}
+    to_c = {k for k in values if placement.owner(k) == "c"}
+    servers["c"].kill()
+    rebalancer = Rebalancer("a", servers["a"].address, list_keys_page=_pages(values),
+                            batch_bytes=1 << 20)
+    try:
+        first = rebalancer.run(cmap)
+        assert not first.complete and first.push_unreachable == len(to_c)
+        assert first.keys_pushed == len(to_b)
+        servers["c"].start()  # same port, same map: the agent would run this map again
+        second = rebalancer.run(cmap)
+    finally:
+        rebalancer.close()
+    assert second.complete and second.keys_present == len(to_b)
+    assert second.keys_pushed == len(to_c) and second.bytes_pushed == sum(len(values[k]) for k in to_c)
+    held = _holdings({n: s.address for n, s in servers.items()}, values)
+    assert held["a"] == set(values) and held["b"] == to_b and held["c"] == to_c
+    with Client(servers["c"].address) as c:
+        mine = sorted(to_c)
+        assert c.get_batch(mine) == [values[k] for k in mine]
