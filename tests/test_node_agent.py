@@ -7,11 +7,8 @@ teardown.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gcache.bench.local_server import free_port, wait_listening
+from gcache.bench.local_server import LocalServer, free_port
 from gcache.client import Client
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
@@ -159,42 +156,17 @@ HEARTBEAT_TIMEOUT_S = 1.5
 MIGRATION_TIMEOUT_S = 10.0
 
 
-class NodeProcess:
-    """gcache-server --master ... in its own process group; restartable on the same ports and dir."""
+class NodeProcess(LocalServer):
+    """gcache-server --master ...; restartable on the same ports and data dir."""
 
     def __init__(self, node_id: str, base: Path, masters: str, advertise: str = ""):
+        super().__init__(base / node_id, memory="64MiB", disk="128MiB", admin_port=free_port(),
+                         start_timeout_s=WAIT_S)
         self.node_id = node_id
-        self.data_dir = base / node_id
-        self.port, self.admin_port = free_port(), free_port()
-        self.masters = masters
-        self.advertise = advertise  # "" = the real address
-        self.log_path = base / f"{node_id}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> "NodeProcess":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1",
-                "--port", str(self.port), "--admin-port", str(self.admin_port),
-                "--data-dir", str(self.data_dir), "--memory", "64MiB", "--disk", "128MiB",
-                "--master", self.masters, "--node-id", self.node_id,
-                "--advertise", self.advertise or self.address,
-                "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--rebalance-batch-bytes", "4MiB",
-                "--shutdown-grace-s", "2"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_listening(self.proc, self.port, WAIT_S, f"node {self.node_id}", self.log_tail)
-        return self
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        self.extra_args = ["--master", masters, "--node-id", node_id,
+                           "--advertise", advertise or self.address,  # a test may advertise a dead one
+                           "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
+                           "--rebalance-batch-bytes", "4MiB", "--shutdown-grace-s", "2"]
 
     def admin(self, path: str, data: bytes | None = None) -> tuple[int, str]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=data,
@@ -208,14 +180,6 @@ class NodeProcess:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"node {self.node_id} still running after {timeout_s}s:\n"
                                  f"{self.log_tail()}") from None
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
 
 
 @pytest.fixture

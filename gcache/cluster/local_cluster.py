@@ -29,6 +29,7 @@ from gcache.bench.local_server import free_port
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.cluster.netns import NetnsNetwork, require_netns
 from gcache.master.api import MasterClient, MasterUnavailableError
+from gcache.master.local import wait_leader as wait_master_leader
 
 MASTER_HOST_BASE = 11
 NODE_HOST_BASE = 31
@@ -320,22 +321,9 @@ class LocalCluster:
     # -- waiting -------------------------------------------------------------------
 
     def wait_leader(self, timeout_s: float = START_TIMEOUT_S) -> Member:
-        """The master member that is Raft leader, once one is known to a live replica."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for m in self.masters:
-                if not m.alive():
-                    continue
-                try:
-                    raft = MasterClient([m.address], timeout_s=0.5).call("Status").get("raft", {})
-                except (MasterUnavailableError, Exception):  # noqa: BLE001 -- not up yet
-                    continue
-                leader = raft.get("leader")
-                for cand in self.masters:
-                    if leader and leader == f"{cand.host}:{cand.ports['raft']}" and cand.alive():
-                        return cand
-            time.sleep(0.1)
-        raise TimeoutError(f"no master leader within {timeout_s}s; logs in {self.dir}")
+        """The master member that leads, once a majority of the replicas agree on it."""
+        address = wait_master_leader([m.address for m in self.masters], timeout_s)
+        return next(m for m in self.masters if m.address == address)
 
     def current_map(self) -> ClusterMap:
         cmap = self.master_client().get_map()

@@ -38,20 +38,37 @@ class Action(NamedTuple):
     forced: bool = False
 
 
+def silent_nodes(cluster_map: ClusterMap, last_seen: dict, now: float, leader_since: float,
+                 heartbeat_timeout_s: float) -> list[str]:
+    """Live nodes without a heartbeat for heartbeat_timeout_s (none during the grace after
+    an election). `last_seen`: node id -> monotonic time of its last applied heartbeat
+    (missing: treat as `leader_since`)."""
+    if now - leader_since < heartbeat_timeout_s:
+        return []
+    return [n.id for n in cluster_map.nodes if n.state in LIVE_STATES
+            and now - max(last_seen.get(n.id, leader_since), leader_since) > heartbeat_timeout_s]
+
+
+def mass_expiry(cluster_map: ClusterMap, silent: list[str]) -> bool:
+    """Whether expiring `silent` would take more than half of the live nodes at once (held back)."""
+    live = sum(1 for n in cluster_map.nodes if n.state in LIVE_STATES)
+    return live >= MASS_EXPIRY_NODES_MIN and len(silent) > live // 2
+
+
 def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_started: dict,
          now: float, leader_since: float, heartbeat_timeout_s: float,
          migration_timeout_s: float) -> list[Action]:
-    """The commands due now. `last_seen`: node id -> monotonic time of its last applied
-    heartbeat (missing: treat as `leader_since`); `migration_started`: (node id,
+    """The commands due now. `last_seen`: see silent_nodes; `migration_started`: (node id,
     changed_epoch) -> monotonic time this leader first saw that migration."""
     actions = []
-    in_grace = now - leader_since < heartbeat_timeout_s
+    silent = silent_nodes(cluster_map, last_seen, now, leader_since, heartbeat_timeout_s)
+    expire = not mass_expiry(cluster_map, silent)
     for node in cluster_map.nodes:
         if node.state not in LIVE_STATES:
             continue
-        seen = max(last_seen.get(node.id, leader_since), leader_since)
-        if not in_grace and now - seen > heartbeat_timeout_s:
-            actions.append(Action(EXPIRE, node.id, node.changed_epoch))
+        if node.id in silent:
+            if expire:
+                actions.append(Action(EXPIRE, node.id, node.changed_epoch))
             continue
         started = migration_started.get((node.id, node.changed_epoch), now)
         timed_out = now - started > migration_timeout_s
@@ -64,16 +81,7 @@ def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_s
             done = rebalanced.get(node.id, 0) >= cluster_map.epoch
             if done or timed_out:
                 actions.append(Action(FINISH_DRAIN, node.id, node.changed_epoch, forced=not done))
-    if mass_expiry(cluster_map, actions):
-        actions = [a for a in actions if a.kind != EXPIRE]
     return actions[:ACTIONS_PER_TICK_MAX]
-
-
-def mass_expiry(cluster_map: ClusterMap, actions: list[Action]) -> bool:
-    """Whether `actions` would expire more than half of the live nodes at once (held back)."""
-    live = sum(1 for n in cluster_map.nodes if n.state in LIVE_STATES)
-    expiring = sum(1 for a in actions if a.kind == EXPIRE)
-    return live >= MASS_EXPIRY_NODES_MIN and expiring > live // 2
 
 
 def track_migrations(cluster_map: ClusterMap, migration_started: dict, now: float) -> dict:
@@ -141,11 +149,8 @@ class LeaderDuties:
         self._migration_started = track_migrations(snap.map, self._migration_started, now)
         actions = plan(snap.map, snap.rebalanced, snap.last_seen, self._migration_started, now,
                        self._leader_since, self.heartbeat_timeout_s, self.migration_timeout_s)
-        silent = [n.id for n in snap.map.nodes if n.state in LIVE_STATES
-                  and now - max(snap.last_seen.get(n.id, self._leader_since), self._leader_since)
-                  > self.heartbeat_timeout_s]
-        if silent and not any(a.kind == EXPIRE for a in actions) \
-                and now - self._mass_expiry_logged >= MASS_EXPIRY_LOG_S:
+        silent = silent_nodes(snap.map, snap.last_seen, now, self._leader_since, self.heartbeat_timeout_s)
+        if mass_expiry(snap.map, silent) and now - self._mass_expiry_logged >= MASS_EXPIRY_LOG_S:
             self._mass_expiry_logged = now
             log.warning("%d of the live nodes are silent (%s): more than half at once looks like "
                         "this master being cut off, so none is declared dead", len(silent),
