@@ -69,6 +69,32 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None
     return hashes
 
 
+def page_hashes_array(tokens, page_size: int, prior_hash: str | None = None) -> list[str]:
+    """page_hashes for a 1-D integer array (numpy): the same chain, hashed from one
+    u32 buffer instead of packing token by token (the worker hashes every prompt)."""
+    import numpy as np
+
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise InvalidArgumentError(f"page_size must be an int > 0, got {page_size!r}")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError("tokens must be a 1-D array of ints")
+    n = arr.size // page_size
+    if n and (int(arr[: n * page_size].min()) < 0 or int(arr[: n * page_size].max()) > TOKEN_ID_MAX):
+        raise InvalidArgumentError("token ids must be ints in [0, 2^32)")
+    raw = arr[: n * page_size].astype("<u4").tobytes()
+    step = 4 * page_size
+    prior = bytes.fromhex(prior_hash) if prior_hash else b""
+    out = []
+    sha256 = hashlib.sha256
+    for k in range(n):
+        h = sha256(prior)
+        h.update(raw[k * step:(k + 1) * step])
+        prior = h.digest()
+        out.append(prior.hex())
+    return out
+
+
 def _check_name(value: str, what: str) -> str:
     if not _NAME.match(value):
         raise InvalidArgumentError(

@@ -548,7 +548,11 @@ void Store::release(const Lease& lease) {
 bool Store::contains(std::string_view key) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
-  return s.find(key) != nullptr;
+  Entry* e = s.find(key);
+  // An existence probe is a use: HiCache clients probe a chain's prefix before reading it,
+  // and a hot chain's page 0 must outlive its suffix pages (a chain without page 0 is worthless).
+  if (e && e->in_memory) s.fifo.touch(e);
+  return e != nullptr;
 }
 
 bool Store::remove(std::string_view key) {

@@ -12,11 +12,15 @@ import queue
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from gcache.errors import GCacheError
 
 from .completions import CompletionError, build_response, parse_completion
 from .config import ModelConfig
 from .engine import Engine, EngineConfig
+from .hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from .kv_pool import DualKVCache
 from .request import FINISH_ABORT, Request
 from .scheduler import QueueFullError, SchedulerConfig
@@ -38,9 +42,11 @@ class Pending:
 class EngineThread(threading.Thread):
     """Owns the engine: drains the inbox, steps while there is work, wakes the waiters."""
 
-    def __init__(self, engine: Engine, inbox_max: int) -> None:
+    def __init__(self, engine: Engine, inbox_max: int, integrity_check_s: float = 5.0) -> None:
         super().__init__(name="engine-loop", daemon=True)
         self.engine = engine
+        self.integrity_check_s = integrity_check_s
+        self._last_check = time.monotonic()
         self.inbox: queue.Queue[Pending] = queue.Queue(maxsize=inbox_max)
         self.waiters: dict[int, Pending] = {}
         self.stopping = threading.Event()
@@ -61,6 +67,11 @@ class EngineThread(threading.Thread):
                 if self.engine.has_work():
                     for r in self.engine.step():
                         self._wake(r)
+                    if not self.engine.last_step_ran:
+                        time.sleep(0.001)  # waiting requests wait on L3 prefetches
+                elif self.integrity_check_s and time.monotonic() - self._last_check >= self.integrity_check_s:
+                    self.engine.check_integrity()  # idle: an IntegrityError stops the worker loudly
+                    self._last_check = time.monotonic()
         except BaseException as e:  # crash loudly, but never leave a waiter hanging
             self.failure = e
             raise
@@ -206,15 +217,21 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     kv = DualKVCache.from_budget(cfg, int(args.kv_budget_mib * (1 << 20)), args.swa_full_ratio, xp)
     sched = SchedulerConfig(policy=args.policy, max_waiting=args.max_waiting, max_running=args.max_running,
                             max_tokens_per_step=args.max_tokens_per_step, chunk_tokens=args.chunk_tokens)
-    econf = EngineConfig(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                         prefix_cache=not args.no_prefix_cache, scheduler=sched)
     name = args.model_name or f"gcache-hybrid-{cfg.layers}l-{cfg.hidden}h"
+    hicache = HiCacheConfig(
+        l2_bytes=int(args.l2_mib * (1 << 20)), l2_swa_full_ratio=args.l2_swa_full_ratio, l3_url=args.l3,
+        model_name=name, write_policy=args.write_policy, write_threshold=args.write_threshold,
+        prefetch_policy=args.prefetch_policy, prefetch_timeout_s=args.prefetch_timeout_s,
+        swa_checkpoint_pages=args.swa_checkpoint_pages, layerwise_load=not args.no_layerwise_load,
+        l3_timeout_s=args.l3_timeout_s)
+    econf = EngineConfig(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                         prefix_cache=not args.no_prefix_cache, scheduler=sched, hicache=hicache)
     return Engine(model, kv, econf), name
 
 
 def make_server(engine: Engine, host: str, port: int, model_name: str, request_timeout_s: float = 600.0,
-                max_in_flight: int = 256) -> tuple[ThreadingHTTPServer, EngineThread]:
-    loop = EngineThread(engine, inbox_max=max(1, max_in_flight))
+                max_in_flight: int = 256, integrity_check_s: float = 5.0) -> tuple[ThreadingHTTPServer, EngineThread]:
+    loop = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
     handler = type("BoundHandler", (Handler,), {
         "engine_thread": loop, "tokenizer": ByteTokenizer(engine.vocab_size), "model_name": model_name,
         "request_timeout_s": request_timeout_s, "slots": threading.BoundedSemaphore(max_in_flight)})
@@ -244,6 +261,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--max-in-flight", type=int, default=256, help="concurrent HTTP completions")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--integrity-check-s", type=float, default=5.0,
+                    help="when idle, check every cache invariant this often (0 = never)")
+    h = ap.add_argument_group("cache hierarchy (L1 device / L2 host / L3 GCache)")
+    h.add_argument("--l2-mib", type=float, default=0.0,
+                   help="host-memory KV pool (L2), MiB; pages evicted from the device go here (0 = no L2)")
+    h.add_argument("--l2-swa-full-ratio", type=float, default=0.25,
+                   help="SWA slots per full slot in L2 (L2 keeps SWA only at checkpoints)")
+    h.add_argument("--l3", default="", metavar="URL",
+                   help="GCache as L3: host:port of one gcache-server or gcache://m1:p,... for a cluster "
+                        "(needs --l2-mib); pages are keyed by --model-name, so workers of one model share them")
+    h.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
+                   help="write_through: cached pages go to L2/L3 at once; write_through_selective: once hit "
+                        "--write-threshold times; write_back: when evicted from the device")
+    h.add_argument("--write-threshold", type=int, default=2, help="hits before write_through_selective writes a page")
+    h.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout",
+                   help="a queued request prefetches from L3 while it waits; best_effort: admit it whenever "
+                        "it is its turn; wait_complete: not before the prefetch is done; timeout: wait at "
+                        "most --prefetch-timeout-s")
+    h.add_argument("--prefetch-timeout-s", type=float, default=0.5)
+    h.add_argument("--swa-checkpoint-pages", type=int, default=0,
+                   help="also keep SWA KV for the window before every N pages (0: only at request ends "
+                        "and branch points); more checkpoints = more resumable points, more SWA bytes")
+    h.add_argument("--no-layerwise-load", action="store_true",
+                   help="load host KV for all layers before computing (default: layer by layer, overlapped)")
+    h.add_argument("--l3-timeout-s", type=float, default=2.0,
+                   help="longest wait on GCache per call; after a failure L3 is skipped for a while")
     return ap.parse_args(argv)
 
 
@@ -251,10 +294,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         engine, name = build_engine(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, GCacheError) as e:
         print(f"gcache-worker: {e}", file=sys.stderr)
         return 2
-    server, loop = make_server(engine, args.host, args.port, name, args.request_timeout_s, args.max_in_flight)
+    server, loop = make_server(engine, args.host, args.port, name, args.request_timeout_s, args.max_in_flight,
+                               args.integrity_check_s)
     loop.start()
 
     def stop(signum, frame):  # shutdown() blocks until serve_forever returns: call it elsewhere
@@ -263,14 +307,21 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = server.server_address[:2]
+    tiers = "L1"
+    host_cache = getattr(engine.cache, "host", None)
+    if host_cache is not None:
+        tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
+    if getattr(engine.cache, "l3", None) is not None:
+        tiers += f" + L3 ({args.l3})"
     print(f"gcache-worker: serving {name} on http://{host}:{port} "
-          f"(full pages {engine.kv.full.num_pages}, swa pages {engine.kv.swa.num_pages})", flush=True)
+          f"(full pages {engine.kv.full.num_pages}, swa pages {engine.kv.swa.num_pages}; cache {tiers})", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         loop.stopping.set()
         loop.join(timeout=10)
         server.server_close()
+        engine.close()
     return 0
 
 

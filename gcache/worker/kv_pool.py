@@ -12,6 +12,7 @@ import numpy as np
 
 from . import backend
 from .config import FULL, SWA, ModelConfig
+from .integrity import require
 
 PAGES_MAX = 1 << 31  # page ids are stored as int32 in the engine's tables
 
@@ -76,11 +77,13 @@ class PagePool:
     def check_integrity(self) -> None:
         """Every page is either on the free list exactly once or allocated, never both."""
         free = np.asarray(self._free, dtype=np.int64)
-        assert free.size == 0 or (free.min() >= 0 and free.max() < self.num_pages), "free page out of range"
+        require(free.size == 0 or (free.min() >= 0 and free.max() < self.num_pages),
+                "free page out of range")
         counts = np.bincount(free, minlength=self.num_pages)
-        assert counts.max(initial=0) <= 1, f"pool {self.name!r}: a page is on the free list twice"
-        assert np.array_equal(counts == 0, self._allocated), \
-            f"pool {self.name!r}: free list and bitmap disagree"
+        require(counts.max(initial=0) <= 1,
+                f"pool {self.name!r}: a page is on the free list twice")
+        require(np.array_equal(counts == 0, self._allocated),
+                f"pool {self.name!r}: free list and bitmap disagree")
 
 
 class DualKVCache:

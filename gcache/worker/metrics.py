@@ -29,6 +29,34 @@ class Histogram:
         self.n += 1
 
 
+# Cache-hierarchy figures (HiCache.stats()); everything not listed as a gauge is a counter.
+CACHE_GAUGES = {"l2_full_pages_used", "l2_swa_pages_used", "l2_full_pages_total", "l2_swa_pages_total",
+                "l2_pinned_pages", "l3_write_queue_depth"}
+CACHE_HELP = {
+    "l2_load_pages": "pages loaded host -> device (L2 hits)",
+    "l2_load_bytes": "bytes loaded host -> device",
+    "l2_load_seconds": "seconds the host -> device copies took",
+    "l2_load_wait_seconds": "seconds the forward waited for layers still loading",
+    "l2_write_pages": "full pages written device -> host",
+    "l2_write_bytes": "bytes written device -> host (full + SWA)",
+    "l2_write_dropped": "pages not written to host memory: it was full of pinned pages",
+    "loads_cut_to_fit": "host -> device loads cut to what the device pools could hold",
+    "l3_writes_skipped_down": "L3 writes skipped while GCache was marked down",
+    "l2_evicted_pages": "host pages evicted",
+    "l3_writes_queued": "L3 write jobs queued", "l3_writes_dropped": "L3 write jobs dropped (queue full or store down)",
+    "l3_write_pages": "pages written to GCache", "l3_write_bytes": "bytes written to GCache",
+    "l3_write_errors": "L3 write jobs that failed", "l3_write_seconds": "seconds spent writing to GCache",
+    "l3_prefetches": "L3 prefetches started", "l3_prefetch_hit": "L3 prefetches that found pages",
+    "l3_prefetch_miss": "L3 prefetches that found nothing usable", "l3_prefetch_failed": "L3 prefetches that failed",
+    "l3_prefetch_dropped": "L3 prefetches not started (queue full)",
+    "l3_prefetch_cancelled": "L3 prefetches whose request was admitted or dropped before they completed",
+    "l3_read_pages": "pages read from GCache", "l3_read_bytes": "bytes read from GCache",
+    "l3_read_seconds": "seconds spent reading from GCache",
+    "l3_read_bad_pages": "pages GCache did not return whole (missing or failed checksum): the chain ends there",
+    "l3_touch_probes": "prefix probes that keep hot chains warm on the node",
+}
+
+
 class EngineMetrics:
     """Counters (monotonic) and gauges (set each step) of one engine."""
 
@@ -38,6 +66,9 @@ class EngineMetrics:
         "prompt_tokens_total": "prompt tokens of finished requests",
         "generation_tokens_total": "tokens generated",
         "cached_prompt_tokens_total": "prompt tokens served from the prefix cache",
+        "cached_tokens_l1_total": "prompt tokens served from device memory (L1)",
+        "cached_tokens_l2_total": "prompt tokens loaded from host memory (L2)",
+        "cached_tokens_l3_total": "prompt tokens read from GCache (L3) via host memory",
         "prefill_tokens_computed_total": "tokens run through the model as prefill",
         "preemptions_total": "running requests sent back to the waiting queue",
         "steps_total": "engine steps that ran the model",
@@ -58,6 +89,7 @@ class EngineMetrics:
         self.counters = {k: 0 for k in self.COUNTERS}
         self.gauges = {k: 0 for k in self.GAUGES}
         self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.cache: dict = {}
 
     def inc(self, name: str, by: int = 1) -> None:
         with self.lock:
@@ -69,13 +101,18 @@ class EngineMetrics:
                 assert k in self.gauges, k
                 self.gauges[k] = v
 
+    def set_cache_stats(self, stats: dict) -> None:
+        with self.lock:
+            self.cache = dict(stats)
+
     def observe_ttft(self, seconds: float) -> None:
         with self.lock:
             self.ttft.observe(seconds)
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {**self.counters, **self.gauges, "ttft_count": self.ttft.n, "ttft_sum_s": self.ttft.total}
+            return {**self.counters, **self.gauges, **self.cache, "ttft_count": self.ttft.n,
+                    "ttft_sum_s": self.ttft.total}
 
     def render(self) -> str:
         lines: list[str] = []
@@ -86,6 +123,10 @@ class EngineMetrics:
             for k, help_ in self.GAUGES.items():
                 lines += [f"# HELP {PREFIX}{k} {help_}", f"# TYPE {PREFIX}{k} gauge",
                           f"{PREFIX}{k} {self.gauges[k]}"]
+            for k, v in sorted(self.cache.items()):
+                kind = "gauge" if k in CACHE_GAUGES else "counter"
+                lines += [f"# HELP {PREFIX}{k} {CACHE_HELP.get(k, k.replace('_', ' '))}",
+                          f"# TYPE {PREFIX}{k} {kind}", f"{PREFIX}{k} {v}"]
             name = PREFIX + "ttft_seconds"
             lines += [f"# HELP {name} time from arrival to first generated token",
                       f"# TYPE {name} histogram"]

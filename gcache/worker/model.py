@@ -97,9 +97,11 @@ class Model:
         """One request's chunk; returns logits [T, vocab] if all_logits else [1, vocab] (last)."""
         return self.forward_batch([(tokens, positions, req_kv)], kv, all_logits)[0]
 
-    def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False) -> list:
+    def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False, layer_ready=None) -> list:
         """chunks: [(tokens, positions | None, RequestKV)]. Writes each chunk's K/V into its
-        request's pages, attends through the page tables, advances req.num_tokens."""
+        request's pages, attends through the page tables, advances req.num_tokens.
+        layer_ready(layer), if given, is called before layer's KV pages are touched: KV loaded
+        from the host tier arrives layer by layer while earlier layers compute."""
         c, xp = self.config, self.xp
         if kv.xp is not xp or kv.config.layer_pattern != c.layer_pattern or kv.config.dtype != c.dtype:
             raise ValueError("the KV cache was built for another backend, layer pattern or dtype")
@@ -112,6 +114,8 @@ class Model:
         x = self.w["embed.weight"][xp.asarray(tokens)]
         for layer in range(c.layers):
             q, k, v = self._qkv(layer, x, positions)
+            if layer_ready is not None:
+                layer_ready(layer)
             kind, j = kv.layer_slot[layer]
             k_pool, v_pool = (kv.k_full, kv.v_full) if kind == FULL else (kv.k_swa, kv.v_swa)
             outs = []

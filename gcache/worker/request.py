@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gcache.keys import page_hashes_array
+
 from .kv_pool import RequestKV
 
 FINISH_LENGTH = "length"  # max_tokens reached (OpenAI's name)
@@ -46,10 +48,11 @@ class Request:
     """State of one sequence through waiting -> running (-> waiting if preempted) -> finished."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, arrival_s: float,
-                 record_logits: bool = False) -> None:
+                 record_logits: bool = False, page_size: int = 16) -> None:
         if len(prompt) < 1:
             raise ValueError("prompt must have at least one token")
         self.rid = next(_rid_counter)
+        self.page_size = page_size
         self.prompt = np.asarray(prompt, dtype=np.int64)
         self.output: list[int] = []
         self.params = params
@@ -62,8 +65,13 @@ class Request:
         self.kv: RequestKV | None = None
         self.lock_node = None
         self.prefix_cached = False  # this admission's prefill already handed to the tree
+        self._page_keys: list[str] = []  # page-hash chain of tokens(), grown on demand
+        self.branch_page = 0        # where this request's tokens leave the cached tree (pages)
+        self.prefetch = None        # L3 prefetch handle while waiting (hierarchy)
+        self.prefetch_tried = False
         # Accounting.
         self.cached_tokens = 0      # prefix hit at first admission (usage.cached_tokens)
+        self.cached_by_tier = {"l1": 0, "l2": 0, "l3": 0}  # split of cached_tokens
         self.preemptions = 0
         self.arrival_s = arrival_s
         self.admitted_s: float | None = None
@@ -96,6 +104,20 @@ class Request:
         if start >= n:
             return np.asarray(self.output[start - n:end - n], dtype=np.int64)
         return np.concatenate([self.prompt[start:], np.asarray(self.output[:end - n], dtype=np.int64)])
+
+    def page_keys(self, num_pages: int | None = None) -> list[str]:
+        """The SGLang page-hash chain of the first num_pages whole pages of tokens() (default:
+        all whole pages). Tokens only grow, so the chain is extended, never recomputed."""
+        ps = self.page_size
+        whole = self.num_tokens // ps
+        n = whole if num_pages is None else num_pages
+        if not 0 <= n <= whole:
+            raise ValueError(f"page_keys: {n} pages asked, {whole} whole pages exist")
+        have = len(self._page_keys)
+        if n > have:
+            prior = self._page_keys[-1] if have else None
+            self._page_keys += page_hashes_array(self.token_slice(have * ps, n * ps), ps, prior)
+        return self._page_keys[:n]
 
     @property
     def num_computed(self) -> int:

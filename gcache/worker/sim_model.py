@@ -70,9 +70,12 @@ class SimulatedModel:
         shape = [(len(tokens), req.num_tokens + len(tokens)) for tokens, _, req in chunks]
         return self.cost.cost_s(self.cost.features(shape, self.full_fraction, self.config.window))
 
-    def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False) -> list:
+    def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False, layer_ready=None) -> list:
         if all_logits:
             raise ValueError("SimulatedModel returns last-position logits only")
+        if layer_ready is not None:
+            for layer in range(self.config.layers):
+                layer_ready(layer)
         self.clock.advance(self.step_cost_s(chunks))
         out = []
         for tokens, _, req in chunks:

@@ -4,6 +4,9 @@ Each node is an edge of one or more pages; per page it holds a full-pool page id
 SWA-pool page id or an SWA tombstone (None). A prefix of P pages is usable (window-safe)
 when the pages covering the W tokens before P all hold live SWA KV (swa_window.py).
 
+Page keys are the SGLang HiCache page-hash chain (gcache.keys): a page's key names its
+whole prefix, so a node's keys are also its pages' L2 and L3 keys (with a KeyBuilder suffix).
+
 Beyond SGLang's SWARadixCache: tombstones are per page, not per node, and a match may end
 at any page, so a tombstone inside a branch's last W tokens only cuts the match back to
 the longest window-safe page before it instead of making the whole branch unmatchable.
@@ -17,8 +20,11 @@ every child, since any access to a child passes through it; node count <= nodes_
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from typing import Callable
 
 import numpy as np
+
+from gcache.keys import page_hashes_array
 
 from .kv_pool import PagePool
 from .swa_tree_check import check_tree
@@ -26,7 +32,6 @@ from .swa_tree_evict import SWAEvictionMixin
 from .swa_tree_node import MatchResult, TreeNode
 from .swa_window import tail_start_page
 
-TOKEN_BYTES = 8  # page keys are the int64 bytes of the page's tokens
 
 
 class SWARadixTree(SWAEvictionMixin):
@@ -50,13 +55,17 @@ class SWARadixTree(SWAEvictionMixin):
         self._full_owned: set[int] = set()
         self._swa_owned: set[int] = set()
         self._handles: Counter[TreeNode] = Counter()  # outstanding lock() calls per node
+        # Called with (page keys, full page ids, swa page ids or None) just before eviction
+        # frees them to the pools: the hierarchy demotes them to host memory (write_back).
+        self.on_evict: Callable[[list, list, list], None] | None = None
 
     # ---- public API ----------------------------------------------------------------
-    def match(self, tokens, max_len: int | None = None) -> MatchResult:
+    def match(self, tokens, max_len: int | None = None, keys: list | None = None) -> MatchResult:
         """Longest window-safe, page-aligned prefix of `tokens`, at most `max_len` tokens
         (default len(tokens) - 1, so the caller always has a token left to compute).
-        Moves the matched path to most-recent in both LRU orders."""
-        keys = self._page_keys(tokens, aligned=False)
+        Moves the matched path to most-recent in both LRU orders. `keys` (the page-hash
+        chain of tokens, at least its whole pages) saves hashing when the caller has it."""
+        keys = self._page_keys(tokens, aligned=False, keys=keys)
         if max_len is None:
             max_len = max(0, len(tokens) - 1)
         if not isinstance(max_len, (int, np.integer)) or max_len < 0:
@@ -122,12 +131,12 @@ class SWARadixTree(SWAEvictionMixin):
         if not self._handles[node]:
             del self._handles[node]
 
-    def insert(self, tokens, full_pages, swa_pages) -> int:
+    def insert(self, tokens, full_pages, swa_pages, keys: list | None = None) -> int:
         """Cache a page-aligned sequence. The tree takes ownership of every page given:
         a page already cached at its position is freed back to its pool (unless it is the
         very page the tree holds), a live SWA page revives a tombstone there, and pages past
         the last window-safe point of a new branch are freed. Returns full pages added."""
-        keys = self._page_keys(tokens, aligned=True)
+        keys = self._page_keys(tokens, aligned=True, keys=keys)
         full_pages, swa_pages = list(full_pages), list(swa_pages)
         if len(full_pages) != len(keys) or len(swa_pages) != len(keys):
             raise ValueError(f"insert: {len(keys)} pages of tokens but {len(full_pages)} full and "
@@ -163,8 +172,37 @@ class SWARadixTree(SWAEvictionMixin):
     def cached_pages(self) -> tuple[int, int]:
         return len(self._full_owned), len(self._swa_owned)
 
+    def checkpoints(self, tokens, keys: list | None = None) -> list[int]:
+        """The window-safe points (tokens) on the cached path of `tokens`: the prefix lengths
+        a request could resume at, i.e. the SWA checkpoints the tree keeps for this path (what
+        a router publishes as window-safe prefix points). Read-only: no LRU touch."""
+        keys = self._page_keys(tokens, aligned=False, keys=keys)
+        node, i, run, out = self.root, 0, 0, []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            j = 0
+            while j < len(child) and i < len(keys) and child.keys[j] == keys[i]:
+                run = run + 1 if child.swa[j] is not None else 0
+                i, j = i + 1, j + 1
+                if run >= self._tail(i):
+                    out.append(i * self.page_size)
+            if j < len(child):
+                break
+            node = child
+        return out
+
+    def node_keys(self, node: TreeNode) -> list:
+        """The page-hash chain root..node (one key per page)."""
+        chain = []
+        while node is not self.root:
+            chain.append(node.keys)
+            node = node.parent
+        return [k for keys in reversed(chain) for k in keys]
+
     # ---- walking ---------------------------------------------------------------------
-    def _page_keys(self, tokens, aligned: bool) -> list[bytes]:
+    def _page_keys(self, tokens, aligned: bool, keys: list | None = None) -> list[str]:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
@@ -173,9 +211,11 @@ class SWARadixTree(SWAEvictionMixin):
         if aligned and arr.size % self.page_size:
             raise ValueError(f"insert: {arr.size} tokens is not a multiple of page_size {self.page_size}")
         n = arr.size // self.page_size
-        raw = arr[: n * self.page_size].astype(np.int64, copy=False).tobytes()
-        step = TOKEN_BYTES * self.page_size
-        return [raw[k * step:(k + 1) * step] for k in range(n)]
+        if keys is not None:
+            if len(keys) < n:
+                raise ValueError(f"{len(keys)} page keys given for {n} pages of tokens")
+            return list(keys[:n])
+        return page_hashes_array(arr[: n * self.page_size], self.page_size)
 
     def _walk(self, keys: list[bytes]):
         """Follow keys down the tree: segments (node, first page in node, first key index,

@@ -117,6 +117,9 @@ class SWAEvictionMixin:
         for j in js:
             assert node.swa[j] is not None and not node.swa_locks[j]
             pages.append(node.swa[j])
+        if self.on_evict is not None:
+            self.on_evict([node.keys[j] for j in js], [None] * len(js), pages)
+        for j in js:
             node.swa[j] = None
         self.swa_pool.free(pages)
         self._swa_owned.difference_update(pages)
@@ -155,6 +158,8 @@ class SWAEvictionMixin:
     def _free_pages(self, node, k: int, freed: list) -> None:
         """Free node's pages from index k on (both pools) and cut them off."""
         full = node.full[k:]
+        if self.on_evict is not None and full:
+            self.on_evict(node.keys[k:], full, node.swa[k:])
         swa = [s for s in node.swa[k:] if s is not None]
         self.full_pool.free(full)
         self.swa_pool.free(swa)

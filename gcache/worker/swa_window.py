@@ -37,3 +37,29 @@ def swa_keep_pages(num_pages: int, page_size: int, window: int, ends: Iterable[i
     for end in points:
         keep.update(range(tail_start_page(end, page_size, window), end))
     return keep
+
+
+def last_safe_end(start_page: int, full_pages: int, has_swa, page_size: int, window: int) -> int:
+    """Largest end page E in [start_page, start_page + full_pages] a request can resume at
+    when pages [0, start_page) are already covered (start_page is 0 or a window-safe point of
+    a lower tier, whose window tail is live) and pages [start_page, start_page + full_pages)
+    have full KV here: every page of E's window tail at or after start_page must satisfy
+    has_swa(page). Returns start_page when no later end qualifies."""
+    best, run = start_page, 0
+    for i in range(start_page, start_page + full_pages):
+        run = run + 1 if has_swa(i) else 0
+        end = i + 1
+        if run >= end - max(start_page, tail_start_page(end, page_size, window)):
+            best = end
+    return best
+
+
+def in_checkpoint_tail(page: int, num_pages: int, ends, checkpoint_pages: int, page_size: int,
+                       window: int) -> bool:
+    """Whether `page` lies in the window tail of the sequence end (num_pages), of an extra
+    end, or of a checkpoint every checkpoint_pages pages up to num_pages: the SWA pages a
+    tier keeps (see swa_keep_pages, which lists them all)."""
+    points = [num_pages, *ends]
+    if checkpoint_pages:
+        points.append((page // checkpoint_pages + 1) * checkpoint_pages)  # next checkpoint
+    return any(page < p <= num_pages and tail_start_page(p, page_size, window) <= page for p in points)

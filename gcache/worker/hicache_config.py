@@ -1,0 +1,49 @@
+"""Settings of the cache hierarchy (L1 device / L2 host / L3 GCache), SGLang's names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    l2_bytes: int = 0                 # host pool size; 0 = no L2 (and so no L3)
+    l2_swa_full_ratio: float = 0.25   # SWA slots per full slot in L2 (checkpoint tails only)
+    l3_url: str = ""                  # "host:port" or "gcache://m1:p,..."; "" = no L3
+    model_name: str = "gcache-hybrid"  # L3 key suffix: another model never reads these pages
+    write_policy: str = "write_through"
+    write_threshold: int = 2          # write_through_selective: hits before a page is written
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_s: float = 0.5   # the timeout policy's wait for an L3 prefetch
+    prefetches_per_step: int = 8      # new L3 prefetches started per engine step
+    swa_checkpoint_pages: int = 0     # keep SWA for the window before every C pages (0 = ends only)
+    swa_checkpoint_ends: bool = True  # checkpoint every request end and branch point (failure
+    #                                   mode 4 fix: short chats keep their SWA in every tier)
+    layerwise_load: bool = True       # layer i computes while layer i+1 is loading
+    load_throttle_s_per_layer: float = 0.0  # benches: slow the host -> device copy down
+    l3_timeout_s: float = 2.0
+    l3_write_queue_max: int = 256
+    l3_protect_prefix: bool = True    # failure mode 3 fix (suffix-first writes, prefix probes)
+    hit_counts_max: int = 1 << 20     # pages whose hit count write_through_selective remembers
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}")
+        if self.l2_bytes < 0:
+            raise ValueError("l2_bytes must be >= 0")
+        if self.l3_url and not self.l2_bytes:
+            raise ValueError("an L3 needs an L2 (--l2-mib > 0): L3 pages are read into host pages")
+        if not 1 <= self.write_threshold <= 1_000_000:
+            raise ValueError("write_threshold must be in [1, 1000000]")
+        if not 0 < self.prefetch_timeout_s <= 600:
+            raise ValueError("prefetch_timeout_s must be in (0, 600]")
+        if self.swa_checkpoint_pages < 0:
+            raise ValueError("swa_checkpoint_pages must be >= 0")
+        if not 0 < self.l2_swa_full_ratio <= 64:
+            raise ValueError("l2_swa_full_ratio must be in (0, 64]")
+        if not 1 <= self.prefetches_per_step <= 1024 or not 1 <= self.hit_counts_max:
+            raise ValueError("prefetches_per_step must be in [1, 1024], hit_counts_max >= 1")
