@@ -88,7 +88,8 @@ def test_completion_round_trip_matches_reference(worker):
     ids = r["choices"][0]["token_ids"]
     assert len(ids) == 8 and r["choices"][0]["finish_reason"] == "length"
     assert r["usage"] == {"prompt_tokens": 70, "completion_tokens": 8, "total_tokens": 78,
-                          "prompt_tokens_details": {"cached_tokens": 0}}
+                          "prompt_tokens_details": {"cached_tokens": 0,
+                                                    "cached_tokens_by_tier": {"l1": 0, "l2": 0, "l3": 0}}}
     assert r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"]
     # Greedy output equals the dense float64 reference model, token for token.
     ref = Model(ModelConfig(**TINY)).reference_logits(np.asarray(prompt + ids[:-1]))
