@@ -31,7 +31,7 @@ from .kv_pool import DualKVCache, RequestKV
 from .l3_store import L3Config, L3Store
 from .layer_load import LoadBatch, PageLoad
 from .swa_radix_tree import SWARadixTree
-from .swa_window import in_checkpoint_tail, last_safe_end, tail_start_page
+from .swa_window import last_safe_end, tail_start_page
 
 STAT_NAMES = ("l2_load_pages", "l2_load_bytes", "l2_load_seconds", "l2_load_wait_seconds",
               "l2_write_pages", "l2_write_bytes", "l2_write_dropped", "loads_cut_to_fit",
@@ -207,13 +207,8 @@ class HiCache(CacheManager):
             return  # its window tail was dropped under pressure: not matchable, cannot relock
         keys = req.page_keys(npages)
         tokens = req.tokens(npages * ps)
-        if self.host is not None:  # before insert: the tree may free duplicate pages
-            new = range(kv.owned_from, npages)
-            if self.config.write_policy == "write_through":
-                self._write_pages(keys, new, kv.full_pages, kv.swa_pages, chain=keys)
-            elif self.config.write_policy == "write_through_selective":
-                hot = [i for i in new if self._hits.get(keys[i], 0) >= self.config.write_threshold]
-                self._write_pages(keys, hot, kv.full_pages, kv.swa_pages, chain=keys)
+        if self.host is not None and self.config.write_policy != "write_back":
+            self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
         self.tree.insert(tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys)
         if final:
             kv.owned_from = npages  # the tree owns them now
@@ -226,6 +221,21 @@ class HiCache(CacheManager):
         kv.full_pages[:npages] = list(m.full_pages)
         kv.swa_pages[:npages] = [p if i >= first else None for i, p in enumerate(m.swa_pages)]
         kv.owned_from = npages
+
+    def _write_through(self, req, keys: list[str], npages: int, end_is_checkpoint: bool) -> None:
+        """The request's new pages (and the window tail of its end, which it may hold
+        borrowed) to L2/L3, before insert (the tree may free duplicate pages). SWA goes
+        down only for checkpoint tails, so lower tiers hold O(W) SWA per checkpoint."""
+        kv = req.kv
+        lo = kv.owned_from
+        if end_is_checkpoint:
+            lo = min(lo, tail_start_page(npages, self.ps, self.window))
+        idx = range(lo, npages)
+        if self.config.write_policy == "write_through_selective":
+            idx = [i for i in idx if self._hits.get(keys[i], 0) >= self.config.write_threshold]
+        swa = [kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint)
+               else None for i in range(npages)]
+        self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
 
     def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
         """write_through_selective: pages matched in L1 count a hit; at the threshold they
@@ -285,17 +295,19 @@ class HiCache(CacheManager):
             self.host.finish_l3([h for h, _, _ in pages], False)
 
     # ---- SWA checkpoints -------------------------------------------------------------------
-    def _keep(self, req, page: int, npages: int) -> bool:
-        """Whether page's SWA KV stays: it is in the window tail of a checkpoint."""
+    def _keep(self, req, page: int, npages: int, end_is_checkpoint: bool = True) -> bool:
+        """Whether page's SWA KV is kept: it lies in the window tail of a checkpoint up to
+        npages: the end (a request or turn end; a re-lock point mid-decode is not one), the
+        branch point off the tree, every C pages."""
         c = self.config
-        if c.swa_checkpoint_ends:
-            return in_checkpoint_tail(page, npages, (req.branch_page,), c.swa_checkpoint_pages,
-                                      self.ps, self.window)
-        # Only the every-C-pages checkpoints (the regression test of failure mode 4).
-        if not c.swa_checkpoint_pages:
-            return False
-        p = (page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages
-        return p <= npages and tail_start_page(p, self.ps, self.window) <= page
+        points = []
+        if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
+            points.append(req.branch_page)
+            if end_is_checkpoint:
+                points.append(npages)
+        if c.swa_checkpoint_pages:
+            points.append((page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages)
+        return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
 
     def trim_swa(self, req, pressure: bool = False) -> int:
         """Free req's own SWA pages out of its window (one page of margin, so the end tail

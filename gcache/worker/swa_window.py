@@ -53,13 +53,3 @@ def last_safe_end(start_page: int, full_pages: int, has_swa, page_size: int, win
             best = end
     return best
 
-
-def in_checkpoint_tail(page: int, num_pages: int, ends, checkpoint_pages: int, page_size: int,
-                       window: int) -> bool:
-    """Whether `page` lies in the window tail of the sequence end (num_pages), of an extra
-    end, or of a checkpoint every checkpoint_pages pages up to num_pages: the SWA pages a
-    tier keeps (see swa_keep_pages, which lists them all)."""
-    points = [num_pages, *ends]
-    if checkpoint_pages:
-        points.append((page // checkpoint_pages + 1) * checkpoint_pages)  # next checkpoint
-    return any(page < p <= num_pages and tail_start_page(p, page_size, window) <= page for p in points)
