@@ -155,6 +155,8 @@ class HiCache(CacheManager):
         if short > 0:
             self.evict(short, 0)
         fit = min(want, kvc.full.num_free - 1)
+        if fit < want and not self.config.chunk_loads:
+            fit = 0  # all-or-nothing (only the regression test of failure mode 2 does this)
         end = last_safe_end(p1, max(0, fit), lambda i: swa[i - p1], ps, W)
         if end - p1 < want:
             self.counters["loads_cut_to_fit"] += 1

@@ -22,6 +22,7 @@ class HiCacheConfig:
     swa_checkpoint_ends: bool = True  # checkpoint every request end and branch point (failure
     #                                   mode 4 fix: short chats keep their SWA in every tier)
     layerwise_load: bool = True       # layer i computes while layer i+1 is loading
+    chunk_loads: bool = True          # load what fits of an L2 hit (failure mode 2 fix), not all-or-nothing
     load_throttle_s_per_layer: float = 0.0  # benches: slow the host -> device copy down
     l3_timeout_s: float = 2.0
     l3_write_queue_max: int = 256
