@@ -2,6 +2,7 @@
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -20,10 +21,23 @@ def test_killed_server_gives_connection_error(server):
     client.close()
 
 
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP is asynchronous: on a loaded box the server can still answer one more request
+    after kill() returns, so wait until the kernel reports the process stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 def test_hung_server_times_out_instead_of_hanging(server):
     client = Client(server.address, timeout_s=0.5, retries=2)
     client.ping()
     os.kill(server.proc.pid, signal.SIGSTOP)
+    wait_stopped(server.proc.pid)
     try:
         with pytest.raises(errors.TimeoutError, match="no progress"):
             client.get(b"k")

@@ -1,7 +1,10 @@
-"""The bundled hybrid-SWA inference worker (issue 4).
+"""The bundled hybrid-SWA inference worker and its L1 / L2 / L3 prefix cache.
 
-Modules: config (ModelConfig), backend (numpy/cupy), tokenizer (byte-level),
-weights (seeded init, .npz / safetensors I/O), model (paged forward + dense
-reference), kv_pool (PagePool, DualKVCache, RequestKV). The prefix tree, engine,
-scheduler and HTTP server live in their own modules; see docs/worker-interfaces.md.
+Model side: config (ModelConfig), backend (numpy/cupy), tokenizer (byte-level), weights
+(seeded init, .npz / safetensors I/O), model (paged forward + dense reference), kv_pool
+(PagePool, DualKVCache, RequestKV). Cache side: cache_manager (the CacheManager contract),
+hicache (HiCache: the SWA radix tree over the device pools, the host pool of host_pool /
+host_cache, GCache through l3_store, layer-wise loads in layer_load, SWA checkpoints in every
+tier), prefix_cache_off. Serving: request, scheduler, engine, metrics, completions,
+http_server (`gcache-worker`); sim_model for benches. See docs/worker-interfaces.md.
 """

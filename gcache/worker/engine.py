@@ -159,6 +159,16 @@ class Engine:
                     r, min(chunk.tokens, r.to_compute), may_preempt=True):
                 continue
             batch.append((r, min(chunk.tokens, r.to_compute)))
+            budget -= min(chunk.tokens, r.to_compute)
+        # Budget planned for a waiting request that could not be admitted goes to running
+        # prefills the plan left out: otherwise one holding the pages that request waits
+        # for gets nothing either, and no step runs until max_wait_s reorders the plan.
+        in_batch = {id(r) for r, _ in batch}
+        for r in [r for r in sched.running if not r.is_decoding and id(r) not in in_batch]:
+            n = min(budget, r.to_compute)
+            if n > 0 and r.state is RequestState.RUNNING and self._reserve(r, n, may_preempt=False):
+                batch.append((r, n))
+                budget -= n
         return [(r, n) for r, n in batch if r.state is RequestState.RUNNING]
 
     def run_until_idle(self, steps_max: int = 100_000, on_step: Callable[[], None] | None = None) -> None:

@@ -146,7 +146,12 @@ class HiCache(CacheManager):
         if not n:
             return p1
         pinned = host.pin(keys[p1:p1 + n])
-        n, swa = host.run(keys[:p1 + len(pinned)], p1)  # pinned: stable from here on
+        k = 0  # a prefetch thread may have evicted a page between run and pin: stop there
+        while k < len(pinned) and pinned[k] == keys[p1 + k]:
+            k += 1
+        host.unpin(pinned[k:])
+        pinned = pinned[:k]
+        n, swa = host.run(keys[:p1 + k], p1)  # pinned: stable from here on
         want = last_safe_end(p1, n, lambda i: swa[i - p1], ps, W) - p1
         if want <= 0:
             host.unpin(pinned)

@@ -112,7 +112,6 @@ class L3Store:
                          for i in range(config.writer_threads)]
         self._threads += [threading.Thread(target=self._prefetch_loop, name=f"l3-prefetch-{i}", daemon=True)
                           for i in range(config.prefetch_threads)]
-        self._busy = 0  # jobs taken off a queue and not finished
         for t in self._threads:
             t.start()
 
@@ -132,9 +131,9 @@ class L3Store:
         return self._writes.qsize()
 
     def idle(self) -> bool:
-        with self._lock:
-            busy = self._busy
-        return busy == 0 and self._writes.empty() and self._prefetches.empty()
+        # unfinished_tasks counts a job from put() to task_done(): no gap between a thread
+        # taking a job off its queue and starting it (its pages are pinned all along).
+        return self._writes.unfinished_tasks == 0 and self._prefetches.unfinished_tasks == 0
 
     # ---- writes --------------------------------------------------------------------------
     def submit_write(self, pages: list, touch: list[str]) -> bool:
@@ -159,15 +158,12 @@ class L3Store:
                 job = self._writes.get(timeout=0.1)
             except queue.Empty:
                 continue
-            with self._lock:
-                self._busy += 1
             stored = False
             try:
                 stored = self._write(job)
             finally:
                 self.host.finish_l3(job.keys, stored)
-                with self._lock:
-                    self._busy -= 1
+                self._writes.task_done()
 
     def _write(self, job: WriteJob) -> bool:
         """Store the job's pages; True if every value is in L3 afterwards."""
@@ -187,7 +183,10 @@ class L3Store:
         try:
             ok = self.client.batch_put_from(keys, bufs, sizes=sizes)
             if self.config.protect_prefix and job.touch:
-                self.client.batch_is_exist([self.keys.key(h, POOL_FULL) for h in job.touch])
+                # Both pools: a chain resumes only at a checkpoint whose SWA tail is there too
+                # (the SWA keys that exist are its checkpoint tails; probing a missing key is free).
+                self.client.batch_is_exist([self.keys.key(h, pool) for h in job.touch
+                                            for pool in (POOL_FULL, POOL_SWA)])
                 self._count(touch_probes=1)
         except (errors.GCacheError, OSError):
             self._failed()
@@ -237,8 +236,6 @@ class L3Store:
                 p = self._prefetches.get(timeout=0.1)
             except queue.Empty:
                 continue
-            with self._lock:
-                self._busy += 1
             try:
                 if p.released:
                     p.outcome = "cancelled"
@@ -257,8 +254,7 @@ class L3Store:
                 if pinned:
                     self.host.unpin(pinned)
                 self._count(**{f"prefetch_{p.outcome}": 1} if p.outcome in ("hit", "miss", "failed") else {})
-                with self._lock:
-                    self._busy -= 1
+                self._prefetches.task_done()
 
     def _prefetch(self, p: Prefetch) -> None:
         p.ready_end = p.start
@@ -278,12 +274,19 @@ class L3Store:
         if end == p.start:
             p.outcome = "miss"
             return
-        p.ready_end = self._read(p, end, swa_l3, has_swa)
+        while True:
+            ready, cut = self._read(p, end, swa_l3, has_swa)
+            earlier = last_safe_end(p.start, cut - p.start, has_swa, self.page_size, self.window)
+            if ready > p.start or cut >= end or earlier == p.start:
+                break
+            end = earlier  # a bad page cut off end's window tail: read the checkpoint before it
+        p.ready_end = ready
         p.outcome = "hit" if p.ready_end > p.start else "miss"
 
-    def _read(self, p: Prefetch, end: int, swa_l3: list, has_swa) -> int:
+    def _read(self, p: Prefetch, end: int, swa_l3: list, has_swa) -> tuple[int, int]:
         """Read what L2 lacks of pages [start, end) into reserved slots, publish the good
-        pages, keep pages [start, ready_end) pinned for the request; returns ready_end."""
+        pages, keep pages [start, ready_end) pinned for the request; returns (ready_end,
+        cut): cut < end is the first bad page (missing, wrong-sized or corrupt)."""
         chain, tail = p.keys, max(p.start, tail_start_page(end, self.page_size, self.window))
         pinned = self.host.pin(chain[p.start:end])  # what L2 has now stays until admission
         want = []  # (page index, kind)
@@ -301,7 +304,7 @@ class L3Store:
                 for k2, lst in slots.items():
                     self.host.cancel(k2, lst)
                 self.host.unpin(pinned)
-                return p.start
+                return p.start, end
             slots[kind] = got
         it = {k: iter(v) for k, v in slots.items()}
         plan = [(i, kind, next(it[kind])) for i, kind in want]
@@ -311,6 +314,8 @@ class L3Store:
         t0 = time.monotonic()
         try:
             got_lens = self.client.batch_get_into(keys, bufs, sizes=sizes) if plan else []
+        except (errors.BufferTooSmallError, errors.ChecksumMismatchError) as exc:
+            got_lens = exc.results  # None for those keys: bad pages (cut below), not a store failure
         except (errors.GCacheError, OSError):
             for kind, lst in slots.items():
                 self.host.cancel(kind, lst)
@@ -337,7 +342,7 @@ class L3Store:
         self.host.unpin([k for k in pinned if k not in keep])
         with p.lock:
             p.pinned = [k for k in pinned if k in keep]
-        return ready
+        return ready, cut
 
     # ---- lifecycle -----------------------------------------------------------------------
     def drain(self, timeout_s: float = 10.0) -> bool:

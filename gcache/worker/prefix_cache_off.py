@@ -50,7 +50,8 @@ class NoPrefixCache(CacheManager):
         return req.num_tokens
 
     def check_integrity(self, running) -> None:
-        owned = [p for r in running for p in r.kv.full_pages]
-        require(len(owned) == len(set(owned)), "a full page is owned by two requests")
-        require(self.kv.full.num_used == len(owned),
-                f"full pages: {self.kv.full.num_used} used, requests own {len(owned)}")
+        for kind, pool, owned in (
+                ("full", self.kv.full, [p for r in running for p in r.kv.full_pages]),
+                ("swa", self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None])):
+            require(len(owned) == len(set(owned)), f"a {kind} page is owned by two requests")
+            require(pool.num_used == len(owned), f"{kind} pages: {pool.num_used} used, requests own {len(owned)}")
