@@ -225,8 +225,8 @@ def main(argv=None) -> dict:
     names = [n for n in args.workloads.split(",") if n]
     setups = [s for s in SETUPS if s.name in args.setups.split(",")]
     st = _JOB_STATE
-    st.update(args=args, cfg={n: model_for(n, args) for n in names}, sched=sched, cost=cost, turns={}, budgets={}, info={},
-              rate={"chat": args.rate or 0.5, "trace": args.rate or 0.25})
+    st.update(args=args, cfg={n: model_for(n, args) for n in names}, sched=sched, cost=cost,
+              turns={}, budgets={}, info={}, rate={"chat": args.rate or 0.5, "trace": args.rate or 0.25})
     for name in names:
         for seed in seeds:
             turns = build_workload(name, seed, args)
@@ -237,8 +237,9 @@ def main(argv=None) -> dict:
     l3_probe = next(iter(st["budgets"].values())) if st["budgets"] else Budgets(64 * MiB, 0, 64 * MiB)
     timing = measure_timing(cfg, l3_probe.l3_bytes, int(l3_probe.l3_bytes * args.l3_disk_frac))
     st["timing"] = timing
-    print(f"copy times charged on the virtual clock, rates measured now: host->device {timing.h2d_bytes_per_s / 1e9:.2f}"
-          f" GB/s (one 256 MiB numpy copy), charged serially on the step that loads (no layer-wise overlap credit); "
+    print(f"copy times charged on the virtual clock, rates measured now: host->device "
+          f"{timing.h2d_bytes_per_s / 1e9:.2f} GB/s (one 256 MiB numpy copy), charged serially on the step that "
+          f"loads (no layer-wise overlap credit); "
           f"L3 GET {timing.l3_bytes_per_s / 1e9:.2f} GB/s and round trip {timing.l3_rtt_s * 1e6:.0f} us (loopback, "
           f"batch_get_into of 128 full + 9 SWA pages, a gcache-server with the runs' flags): an L3 prefetch takes "
           f"3 round trips + bytes / GET rate (a miss 1 round trip) and a waiting request is admitted after it "

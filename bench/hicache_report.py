@@ -47,7 +47,8 @@ def print_workload(name, seeds, workers, setups, results, st, args) -> None:
               f"({i['ws_unaware_bytes'] / MiB:.0f} MiB with SWA KV on every page); longest request "
               f"{i['longest_pages']} pages; infinite single cache (oracle) hit {i['oracle_hit']:.1%}")
         disk = int(b.l3_bytes * args.l3_disk_frac)
-        print(f"  budgets: L1 {b.l1_bytes / MiB:.1f} MiB/worker{' (raised to fit the longest request, SWA-unaware)' if i['l1_raised'] else ''}"
+        raised = " (raised to fit the longest request, SWA-unaware)" if i["l1_raised"] else ""
+        print(f"  budgets: L1 {b.l1_bytes / MiB:.1f} MiB/worker{raised}"
               f" = full+SWA pages {_pages(cfg, b.l1_bytes, b.l1_swa_full_ratio, False)} "
               f"(unaware {_pages(cfg, b.l1_bytes, 0, True)}); L2 {b.l2_bytes / MiB:.1f} MiB/worker = "
               f"{_pages(cfg, b.l2_bytes, b.l2_swa_full_ratio, False)} (unaware {_pages(cfg, b.l2_bytes, 0, True)}); "
@@ -64,8 +65,9 @@ def print_workload(name, seeds, workers, setups, results, st, args) -> None:
             tiers = [f"{np.median([r.tier_hit(t) for r in rs]):6.1%}" for t in ("l1", "l2", "l3")]
             l3b = np.median([r.l3_bytes_per_token for r in rs]) if su.l3 else None
             l3s = np.median([r.l3_swa_pages / max(1, r.l3_full_pages) for r in rs]) if su.l3 else None
+            recomputed = int(np.median([r.recomputed for r in rs]))
             print(f"  {su.name:<16} {_spread([r.hit for r in rs], _pct):>22} {' '.join(tiers)} "
-                  f"{_spread(p50, _sec):>24} {_spread(p90, _sec):>24} {int(np.median([r.recomputed for r in rs])):>11,} "
+                  f"{_spread(p50, _sec):>24} {_spread(p90, _sec):>24} {recomputed:>11,} "
                   f"{(f'{l3b:,.0f}' if l3b is not None else '-'):>10} {(f'{l3s:.2f}' if l3s is not None else '-'):>11} "
                   f"{int(np.median([r.preemptions for r in rs])):>7}")
     if any(su.name == OURS for su in setups):

@@ -236,7 +236,7 @@ class HiCache(CacheManager):
         kv = req.kv
         lo = kv.owned_from
         if end_is_checkpoint:
-            lo = min(lo, tail_start_page(npages, self.ps, self.window))
+            lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
         idx = range(lo, npages)
         if self.config.write_policy == "write_through_selective":
             idx = [i for i in idx if self._hits.get(keys[i], 0) >= self.config.write_threshold]
@@ -311,10 +311,16 @@ class HiCache(CacheManager):
         if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
             points.append(req.branch_page)
             if end_is_checkpoint:
-                points.append(npages)
+                points += self._end_points(req, npages)
         if c.swa_checkpoint_pages:
             points.append((page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages)
         return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
+
+    def _end_points(self, req, npages: int) -> tuple[int, int]:
+        """The resume points of an end: its whole pages, and the page a resend of the same
+        tokens resumes at (it must leave a token to compute, so a page-aligned end resumes
+        one page earlier and needs one more page of SWA)."""
+        return npages, min(npages, (req.num_computed - 1) // self.ps)
 
     def trim_swa(self, req, pressure: bool = False) -> int:
         """Free req's own SWA pages out of its window (one page of margin, so the end tail
