@@ -187,13 +187,20 @@ def run_job(job) -> tuple:
     return job, res
 
 
+def _exit_on_sigterm() -> None:
+    """Pool workers: a SIGTERM (the pool ends early when a run fails) unwinds the run, so
+    its gcache-server is stopped rather than orphaned."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+
+
 def run_all(jobs: list, processes: int) -> dict:
     if processes <= 1:
         return dict(run_job(j) for j in jobs)
     import multiprocessing as mp
     # Longest runs first, so the two processes finish together.
     order = sorted(jobs, key=lambda j: (-j[3], -(("L3" in j[2]) + ("unaware" in j[2]))))
-    with mp.get_context("fork").Pool(processes) as pool:
+    with mp.get_context("fork").Pool(processes, initializer=_exit_on_sigterm) as pool:
         return dict(pool.imap_unordered(run_job, order))
 
 
@@ -219,6 +226,8 @@ def main(argv=None) -> dict:
           f"(SWA KV on every page costs {(bf + bs) / bf:.1f}x full-only)")
     cost, cost_text = load_cost(args)
     print(f"compute clock: {cost_text}")
+    if args.quick:
+        print("--quick: small workloads and one seed; a check that everything runs, not the figures")
     sched = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256)
     seeds = [int(s) for s in args.seeds.split(",")]
     workers = [int(w) for w in args.workers.split(",")]

@@ -215,6 +215,8 @@ class HiCache(CacheManager):
         keys = req.page_keys(npages)
         tokens = req.tokens(npages * ps)
         if self.host is not None and self.config.write_policy != "write_back":
+            # Both ends of a turn are checkpoints: the prompt's (a resend or a new continuation
+            # of the same prompt resumes there) and the answer's (the next turn resumes there).
             self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
         self.tree.insert(tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys)
         if final:

@@ -44,6 +44,7 @@ class HostCache:
         self.lock = threading.Lock()
         self.entries: OrderedDict[str, HostPage] = OrderedDict()  # oldest first
         self._reserved = {FULL: set(), SWA: set()}
+        self._pinned = 0  # entries with pins > 0 (a gauge read every engine step: no scan)
         self.stats = {"evicted_full": 0, "evicted_swa": 0, "reserve_failures": 0, "published": 0}
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -84,16 +85,18 @@ class HostCache:
             for k in keys:
                 e = self.entries.get(k)
                 if e is not None:
-                    e.pins += 1
+                    self._pin(e)
                     out.append(k)
         return out
 
     def unpin(self, keys: list[str]) -> None:
         with self.lock:
             for k in keys:
-                e = self.entries[k]
-                require(e.pins > 0, f"unpin of an unpinned host page {k[:12]}")
-                e.pins -= 1
+                e = self.entries.get(k)
+                if not self.honor_pins and (e is None or not e.pins):
+                    continue  # evicted under a pin: only the failure-mode-1 test does this
+                require(e is not None and e.pins > 0, f"unpin of an unpinned host page {k[:12]}")
+                self._unpin(e)
 
     # ---- slots -----------------------------------------------------------------------------
     def reserve(self, kind: str, n: int) -> list[int] | None:
@@ -147,7 +150,7 @@ class HostCache:
                     e.in_l3 = e.in_l3 or in_l3
             self.entries.move_to_end(key)
             if pin:
-                e.pins += 1
+                self._pin(e)
             self._free(give_back)
             return True
 
@@ -161,7 +164,7 @@ class HostCache:
                 e = self.entries.get(k)
                 if e is not None and not e.in_l3 and not e.l3_queued:
                     e.l3_queued = True
-                    e.pins += 1
+                    self._pin(e)
                     out.append((k, e.full, e.swa))
         return out
 
@@ -173,7 +176,7 @@ class HostCache:
                     continue  # evicted under a pin: only the failure-mode-1 test does this
                 require(e is not None and e.pins > 0 and e.l3_queued,
                         f"finish_l3 of a page not queued for L3 {k[:12]}")
-                e.pins -= 1
+                self._unpin(e)
                 e.l3_queued = False
                 e.in_l3 = e.in_l3 or stored
 
@@ -193,6 +196,8 @@ class HostCache:
             if e.pins and self.honor_pins:
                 continue
             if kind == FULL:
+                if e.pins:  # honor_pins is off (failure-mode-1 test only)
+                    self._pinned -= 1
                 del self.entries[key]
                 self.pool.pools[FULL].free([e.full])
                 if e.swa is not None:
@@ -207,9 +212,16 @@ class HostCache:
                 freed += 1
 
     # ---- integrity -------------------------------------------------------------------------
+    def _pin(self, e: HostPage) -> None:
+        e.pins += 1
+        self._pinned += e.pins == 1
+
+    def _unpin(self, e: HostPage) -> None:
+        e.pins -= 1
+        self._pinned -= e.pins == 0
+
     def pinned_pages(self) -> int:
-        with self.lock:
-            return sum(1 for e in self.entries.values() if e.pins)
+        return self._pinned
 
     def pins(self) -> dict:
         with self.lock:
@@ -235,6 +247,8 @@ class HostCache:
                 require(allocated == set(held) | reserved,
                         f"host {kind} pool: {len(allocated - set(held) - reserved)} leaked slots, "
                         f"{len((set(held) | reserved) - allocated)} held but free")
+            require(self._pinned == sum(1 for e in self.entries.values() if e.pins),
+                    "pinned-page count is stale")
             for key, e in self.entries.items():
                 require(e.pins >= 0, f"host page {key[:12]} has negative pins")
                 require(not expect_unpinned or e.pins == 0, f"host page {key[:12]} still pinned when idle")
