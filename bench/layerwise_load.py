@@ -7,8 +7,10 @@ plus a fresh suffix, loads the prefix from L2 and computes the suffix. Its TTFT 
   serial:    HiCacheConfig(layerwise_load=False): every layer is copied, then the forward runs;
   layerwise: HiCacheConfig(layerwise_load=True): layer i computes while layer i+1 is copied.
 A host -> device copy on a numpy box is a memcpy, far cheaper than the forward, so the copy
-is slowed to load ~= compute with HiCacheConfig(load_throttle_s_per_layer): calibrated in the
-same run from unthrottled serial loads (throttle = (forward s - copy s) / layers), and
+is slowed to load ~= compute with HiCacheConfig(load_throttle_bytes_per_s), a link of that
+bandwidth (each layer's copy takes its bytes / bandwidth, so full-attention layers, which
+carry every page, load slower than SWA layers, which carry the window tail: the same shape
+as their compute): calibrated in the same run (bandwidth = bytes loaded / forward time) and
 re-derived before every repeat from the latest serial forwards (see Throttle).
 Per repeat: T_load = the serial request's copy time (LoadBatch.copy_s, summed in
 engine.cache.counters["l2_load_seconds"]), T_compute = its forward time (all KV in place),
@@ -16,9 +18,11 @@ hidden = (T_serial - T_layerwise) / T_load; also shown from the layer-wise run's
 LoadBatch.wait_s as 1 - wait_s / copy_s (the part of its copy the forward never waited for).
 The two engines run alternately on the same prompts, each going first every other repeat,
 so drift on a shared machine hits both alike.
-Why not 100%: the throttle is even per layer, the compute is not (the full-attention layers
-read the whole prefix, SWA layers only the window), so the forward catches up with the copy
-on cheap layers and waits there; and layer 0's copy is never hidden.
+Why not 100%: layer 0's copy is never hidden, and per layer the copy/compute ratio is not
+the overall one. On the hybrid small preset (2 full + 12 SWA layers) the two full layers
+carry ~72% of the loaded bytes (every page) but ~45% of the compute, so the forward waits at
+them: copying in layer order (optimal for one link) hides at most ~73% there. With uniform
+layers (--config-json '{"layer_pattern": ["full", ... 14 times]}') the ceiling is ~1 - 1/14.
 
 Target (issue 8): layer-wise loading hides >= 70% of load time when load ~= compute.
 
@@ -117,25 +121,25 @@ def mmm(xs: list[float], scale: float = 1e3, fmt: str = "{:9.2f}") -> str:
 
 
 class Throttle:
-    """Keeps load ~= compute: the per-layer sleep is re-derived before every repeat from the
-    median of the last few serial forwards (the unthrottled copy time is subtracted), so a
-    neighbour's load on a shared machine that slows the forward does not skew the ratio."""
+    """Keeps load ~= compute: the link bandwidth is re-derived before every repeat from the
+    median of the last few serial forwards (bandwidth = bytes loaded / (ratio x forward time)),
+    so a neighbour's load on a shared machine that slows the forward does not skew the ratio."""
 
-    def __init__(self, layers: int, ratio: float, copy_s: float, forwards: list[float], fixed_s: float = -1.0):
-        self.layers, self.ratio, self.copy_s, self.fixed_s = layers, ratio, copy_s, fixed_s
+    def __init__(self, load_bytes: int, ratio: float, forwards: list[float], fixed_bps: float = -1.0):
+        self.load_bytes, self.ratio, self.fixed_bps = load_bytes, ratio, fixed_bps
         self.forwards = list(forwards)
 
-    def per_layer_s(self) -> float:
-        if self.fixed_s >= 0:
-            return self.fixed_s
+    def bytes_per_s(self) -> float:
+        if self.fixed_bps > 0:
+            return self.fixed_bps
         compute = float(np.median(self.forwards[-5:]))
-        return max(0.0, (compute * self.ratio - self.copy_s) / self.layers)
+        return self.load_bytes / max(1e-6, compute * self.ratio)
 
     def apply(self, engines) -> float:
-        t = self.per_layer_s()
+        bps = self.bytes_per_s()
         for e in engines:  # HiCache reads it at every start_loads
-            e.cache.config = dataclasses.replace(e.cache.config, load_throttle_s_per_layer=t)
-        return t
+            e.cache.config = dataclasses.replace(e.cache.config, load_throttle_bytes_per_s=bps)
+        return bps
 
 
 def calibrate(model: TimedModel, args, prefix: list[int], suffixes) -> Throttle:
@@ -147,12 +151,12 @@ def calibrate(model: TimedModel, args, prefix: list[int], suffixes) -> Throttle:
     finally:
         eng.close()
     copy_s = float(np.median([r["load_s"] for r in runs]))
-    th = Throttle(model.config.layers, args.load_compute_ratio, copy_s, [r["forward_s"] for r in runs],
-                  args.throttle_s_per_layer)
-    print(f"calibration ({args.cal_repeats} unthrottled serial L2 hits, medians): copy {copy_s * 1e3:.2f} ms, "
-          f"forward {float(np.median(th.forwards)) * 1e3:.2f} ms -> throttle {th.per_layer_s() * 1e3:.3f} ms "
-          f"per layer x {model.config.layers} layers for load = {args.load_compute_ratio:g} x compute"
-          + (" (given)" if args.throttle_s_per_layer >= 0 else ", re-derived before each repeat"))
+    th = Throttle(runs[0]["load_bytes"], args.load_compute_ratio, [r["forward_s"] for r in runs],
+                  args.throttle_bytes_per_s)
+    print(f"calibration ({args.cal_repeats} unthrottled serial L2 hits, medians): copy {copy_s * 1e3:.2f} ms "
+          f"(memcpy), forward {float(np.median(th.forwards)) * 1e3:.2f} ms -> link {th.bytes_per_s() / 1e9:.3f} GB/s "
+          f"for load = {args.load_compute_ratio:g} x compute"
+          + (" (given)" if args.throttle_bytes_per_s > 0 else ", re-derived before each repeat"))
     return th
 
 
@@ -174,7 +178,7 @@ def measure(model: TimedModel, args, prefix: list[int], suffixes, throttle: Thro
                    "bytes": s["load_bytes"]}
             row["hidden"] = (row["serial"] - row["layerwise"]) / row["load"]
             rows.append(row)
-            print(f"  repeat {i}: throttle {t * 1e3:.2f} ms/layer  serial {row['serial'] * 1e3:7.2f} ms  "
+            print(f"  repeat {i}: link {t / 1e9:.3f} GB/s  serial {row['serial'] * 1e3:7.2f} ms  "
                   f"layerwise {row['layerwise'] * 1e3:7.2f} ms  load {row['load'] * 1e3:7.2f} ms  "
                   f"compute {row['compute'] * 1e3:7.2f} ms  (load/compute {row['load'] / row['compute']:.2f}; "
                   f"layerwise waited {row['lw_wait'] * 1e3:.2f} ms for layers)  hidden {row['hidden']:6.1%}",
@@ -215,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suffix-tokens", type=int, default=128, help="computed by the timed forward")
     ap.add_argument("--config-json", default="", help="ModelConfig overrides of the small preset")
     ap.add_argument("--load-compute-ratio", type=float, default=1.0, help="throttle the load to this x compute")
-    ap.add_argument("--throttle-s-per-layer", type=float, default=-1.0, help=">= 0: use this fixed throttle")
+    ap.add_argument("--throttle-bytes-per-s", type=float, default=-1.0,
+                    help="> 0: use this fixed host -> device link bandwidth instead of calibrating it")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     shown = argv if argv is not None else sys.argv[1:]

@@ -226,7 +226,6 @@ def test_host_complete_device_deficient(model, make_engine):
     rng = np.random.default_rng(2)
     x, y = tokens(rng, 160), tokens(rng, 40)
     plain = make_engine(prefix_cache=False)
-    no_pins = lambda e: _assert_no_host_pins(e)
     got = {}
     for chunk_loads in (True, False):
         engine = make_engine(full_pages=24, swa_pages=24, hicache=hicache(l2_full=64, l2_swa=32,
@@ -257,7 +256,7 @@ def test_host_complete_device_deficient(model, make_engine):
     assert by_tier == {"l1": 0, "l2": 0, "l3": 0} and cuts == 1       # all-or-nothing: nothing
 
 
-def _assert_no_host_pins(engine: Engine) -> None:
+def no_pins(engine: Engine) -> None:
     assert engine.cache.host.pins() == {}, "a host page is still pinned after its load"
 
 

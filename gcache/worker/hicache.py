@@ -189,7 +189,7 @@ class HiCache(CacheManager):
         if not self._loads:
             return NoLoads()
         batch = LoadBatch(self.kv, self.host, self._loads, self.config.layerwise_load,
-                          self.config.load_throttle_s_per_layer)
+                          self.config.load_throttle_bytes_per_s)
         self._loads = []
         c = self.counters
         c["l2_load_pages"] += sum(len(ld.full[0]) for ld in batch.loads)

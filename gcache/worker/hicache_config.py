@@ -23,7 +23,7 @@ class HiCacheConfig:
     #                                   mode 4 fix: short chats keep their SWA in every tier)
     layerwise_load: bool = True       # layer i computes while layer i+1 is loading
     chunk_loads: bool = True          # load what fits of an L2 hit (failure mode 2 fix), not all-or-nothing
-    load_throttle_s_per_layer: float = 0.0  # benches: slow the host -> device copy down
+    load_throttle_bytes_per_s: float = 0.0  # benches: host -> device copies at most this fast (0 = memcpy)
     l3_timeout_s: float = 2.0
     l3_write_queue_max: int = 256
     l3_protect_prefix: bool = True    # failure mode 3 fix (suffix-first writes, prefix probes)

@@ -5,8 +5,10 @@ and so on; the forward waits on layer i's event just before it reads layer i's K
 layer i's compute runs while layer i+1 is still being copied. With layerwise=False every
 layer is copied before the forward starts (the baseline the bench compares against).
 
-`throttle_s_per_layer` slows each layer's copy down (a sleep, which releases the GIL):
-benches use it to set a load/compute ratio a 2-core box cannot reach by itself.
+`throttle_bytes_per_s` makes the copy behave like a link of that bandwidth: each layer's
+copy takes at least its bytes / bandwidth (a sleep, which releases the GIL). Benches use it
+to set a load/compute ratio a 2-core box's memcpy cannot reach by itself; per-layer bytes
+differ (full layers carry every page, SWA layers only the window tail), like the compute.
 The host pages of every load stay pinned until finish() (they cannot be evicted while
 being copied); the device pages belong to the loading request.
 """
@@ -31,10 +33,10 @@ class PageLoad:
 
 class LoadBatch:
     def __init__(self, kv: DualKVCache, host: HostCache, loads: list[PageLoad], layerwise: bool,
-                 throttle_s_per_layer: float = 0.0) -> None:
+                 throttle_bytes_per_s: float = 0.0) -> None:
         self.kv, self.host, self.loads = kv, host, loads
         self.layerwise = layerwise
-        self.throttle_s = throttle_s_per_layer
+        self.throttle_bytes_per_s = throttle_bytes_per_s
         self.layers = kv.config.layers
         self._ready = [threading.Event() for _ in range(self.layers)]
         self._error: BaseException | None = None
@@ -57,13 +59,20 @@ class LoadBatch:
     def _copy_all(self) -> None:
         t0 = time.perf_counter()
         try:
+            pool = self.host.pool
             for layer in range(self.layers):
+                t_layer = time.perf_counter()
                 kind, j = self.kv.layer_slot[layer]
+                pages = 0
                 for ld in self.loads:
                     dev, slots = ld.full if kind == FULL else ld.swa
-                    self.host.pool.load_layer(self.kv, kind, j, dev, slots)
-                if self.throttle_s:
-                    time.sleep(self.throttle_s)
+                    pool.load_layer(self.kv, kind, j, dev, slots)
+                    pages += len(dev)
+                if self.throttle_bytes_per_s:
+                    layer_bytes = pages * pool.page_bytes[kind] / max(1, pool.layers[kind])
+                    left = layer_bytes / self.throttle_bytes_per_s - (time.perf_counter() - t_layer)
+                    if left > 0:
+                        time.sleep(left)
                 self._ready[layer].set()
         except BaseException as e:  # surfaced in the engine thread by wait_layer / finish
             self._error = e
