@@ -20,8 +20,8 @@ class ServerProcess(LocalServer):
     """A gcache-server subprocess for tests: small tiers, an admin port, start() waits for its port."""
 
     def __init__(self, data_dir: Path, memory: str = "64MiB", disk: str = "256MiB", extra_args=()):
-        super().__init__(data_dir, memory=memory, disk=disk, extra_args=extra_args,
-                         admin_port=free_port(), start_timeout_s=20.0)
+        super().__init__(data_dir, memory=memory, disk=disk, extra_args=extra_args, start_timeout_s=20.0)
+        self.pick_admin_port()
 
     def log(self) -> str:
         return self.log_tail()

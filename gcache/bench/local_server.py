@@ -47,6 +47,10 @@ class LocalServer:
         self.extra_args = list(extra_args)
         self.port = free_port()
         self.admin_port = admin_port
+        # Ports this object picked itself: free_port() releases its probe socket, so another
+        # process can take the port before the server binds it; start() then re-picks those.
+        self._picked = {self.port}
+        self._started = False
         self.start_timeout_s = start_timeout_s
         self.log_path = self.data_dir.parent / f"gcache-server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -56,7 +60,34 @@ class LocalServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "LocalServer":
+    def start(self, port_attempts: int = 3) -> "LocalServer":
+        for attempt in range(port_attempts):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                taken = "Address already in use" in str(e)
+                ours = self.port in self._picked or self.admin_port in self._picked
+                # Only a first start moves: a restart must come back where clients expect it.
+                if not (taken and ours and not self._started) or attempt == port_attempts - 1:
+                    raise
+                self._repick()
+        raise AssertionError("unreachable")
+
+    def pick_admin_port(self) -> "LocalServer":
+        """Use a free admin port (re-picked like the data port if it is taken at start)."""
+        self.admin_port = free_port()
+        self._picked.add(self.admin_port)
+        return self
+
+    def _repick(self) -> None:
+        if self.port in self._picked:
+            self.port = free_port()
+            self._picked.add(self.port)
+            self.log_path = self.data_dir.parent / f"gcache-server-{self.port}.log"
+        if self.admin_port in self._picked:
+            self.pick_admin_port()
+
+    def _start_once(self) -> "LocalServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1", "--port", str(self.port),
                 "--admin-port", str(self.admin_port), "--memory", self.memory, "--disk", self.disk,
@@ -68,6 +99,7 @@ class LocalServer:
         except RuntimeError:
             self.kill()
             raise
+        self._started = True
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
