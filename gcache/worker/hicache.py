@@ -276,13 +276,14 @@ class HiCache(CacheManager):
                 new_full.append(i)
             if swa_ids[i] is not None and (e is None or e.swa is None):
                 new_swa.append(i)
-        slots = {}
-        for kind, lst in ((FULL, new_full), (SWA, new_swa)):
-            got = host.reserve(kind, len(lst)) if lst else []
+        picked, slots = {FULL: new_full, SWA: new_swa}, {}
+        for kind in (FULL, SWA):
+            got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
             if got is None:  # L2 full of pinned pages: this write is dropped
-                self.counters["l2_write_dropped"] += len(lst)
-                got, lst[:] = [], []
+                self.counters["l2_write_dropped"] += len(picked[kind])
+                picked[kind], got = [], []
             slots[kind] = got
+        new_full, new_swa = picked[FULL], picked[SWA]
         pool.store_from_device(self.kv, FULL, [full_ids[i] for i in new_full], slots[FULL])
         pool.store_from_device(self.kv, SWA, [swa_ids[i] for i in new_swa], slots[SWA])
         full_of = dict(zip(new_full, slots[FULL]))
