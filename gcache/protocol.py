@@ -25,7 +25,8 @@ BATCH_KEYS_MAX = 16384  # server default --batch-keys-max
 FRAME_PAYLOAD_BYTES_MAX = 2 * 1024 * 1024 * 1024  # server default
 HISTOGRAM_BUCKETS = 32
 
-assert HEADER_BYTES == 32
+if HEADER_BYTES != 32:  # the wire format fixes it (docs/protocol.md)
+    raise ImportError(f"frame header is {HEADER_BYTES} bytes; the protocol says 32")
 
 
 class Opcode(IntEnum):

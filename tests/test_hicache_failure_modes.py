@@ -28,17 +28,14 @@ import pytest
 
 import gcache
 from gcache.keys import KeyBuilder, page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.engine import Engine, EngineConfig
+from gcache.worker.config import FULL, SWA
+from gcache.worker.engine import Engine
 from gcache.worker.hicache_config import HiCacheConfig
 from gcache.worker.kv_pool import DualKVCache
 from gcache.worker.model import Model
 from gcache.worker.request import Request, SamplingParams
-from gcache.worker.scheduler import SchedulerConfig
+from hicache_support import CFG, build_engine
 
-# One full-attention layer among SWA layers, so both pools (and both L3 key kinds) carry bytes.
-CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                  page_size=8, vocab_size=512, dtype="float64", layer_pattern=("swa", "full", "swa", "swa"))
 PS, W = CFG.page_size, CFG.window
 MODEL_NAME = "failure-modes"
 LOGIT_ATOL = 1e-9
@@ -58,11 +55,7 @@ def make_engine(model):
 
     def make(full_pages: int = 128, swa_pages: int = 32, hicache: HiCacheConfig | None = None,
              prefix_cache: bool = True) -> Engine:
-        sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4,
-                             long_threshold_tokens=48, dedup_min_tokens=16)
-        ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc,
-                          hicache=hicache or HiCacheConfig())
-        engine = Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
+        engine = build_engine(model, full_pages, swa_pages, hicache or HiCacheConfig(), prefix_cache)
         made.append(engine)
         return engine
 

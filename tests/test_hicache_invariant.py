@@ -25,19 +25,15 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import gcache
 from gcache.keys import POOL_FULL, POOL_SWA, KeyBuilder
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.engine import Engine, EngineConfig
+from gcache.worker.config import FULL, SWA
+from gcache.worker.engine import Engine
 from gcache.worker.hicache_config import HiCacheConfig
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.kv_pool import DualKVCache
 from gcache.worker.model import Model
 from gcache.worker.request import Request, SamplingParams
-from gcache.worker.scheduler import SchedulerConfig
+from hicache_support import CFG, build_engine
 from test_worker_engine import check_against_reference
 
-# One full-attention layer among three SWA ones, so both pools (and both L3 keys) carry bytes.
-CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                  page_size=8, vocab_size=512, dtype="float64", layer_pattern=("swa", "full", "swa", "swa"))
 PS = CFG.page_size           # 8 tokens; the window is 4 pages
 STEPS_MAX = 20_000           # no loop runs longer: a hung engine fails, never stalls the suite
 MODEL_NAME = "invariant-m"
@@ -71,13 +67,9 @@ def engines(model):
     def make(l3: str = "", l2_bytes: int = 1 << 20, model_name: str = MODEL_NAME, full_pages: int = 64,
              swa_pages: int = 24, prefix_cache: bool = True, **hicache) -> Engine:
         hicache.setdefault("prefetch_policy", "wait_complete")
-        sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4,
-                             long_threshold_tokens=48, dedup_min_tokens=16)
         hc = HiCacheConfig(l2_bytes=l2_bytes if prefix_cache else 0, l3_url=l3 if prefix_cache else "",
                            model_name=model_name, **hicache)
-        ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, prefix_cache=prefix_cache,
-                          scheduler=sc, hicache=hc)
-        engine = Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
+        engine = build_engine(model, full_pages, swa_pages, hc, prefix_cache)
         made.append(engine)
         return engine
 
@@ -366,6 +358,17 @@ def test_l3_killed_mid_workload(server, engines, model):
     assert_invariant(engines, model, reqs)
 
 
+def assert_l3_serves_again(e: Engine, engines, model, reqs: list) -> None:
+    """Once L3 is back, the same worker (L1 and L2 emptied) gets the seeded prefix from it
+    again, and every answer of the fault run equals the no-cache answer."""
+    wait_available(e)
+    drained(e)
+    forget_l1_and_l2(e)
+    back = serve(e, upto(18, [7]), SAMPLED)
+    assert back.cached_by_tier == tiers(l3=18)
+    assert_invariant(engines, model, reqs + [back])
+
+
 def test_l3_slow_then_back(server, engines, model):
     """A SIGSTOPped server: every L3 call times out (0.3 s), requests run without it; after
     SIGCONT the same worker uses the store again and gets exactly what it held."""
@@ -378,12 +381,7 @@ def test_l3_slow_then_back(server, engines, model):
         assert e.cache.stats()["l3_prefetch_failed"] >= 1
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-    wait_available(e)
-    drained(e)
-    forget_l1_and_l2(e)
-    back = serve(e, upto(18, [7]), SAMPLED)
-    assert back.cached_by_tier == tiers(l3=18)
-    assert_invariant(engines, model, reqs + [back])
+    assert_l3_serves_again(e, engines, model, reqs)
 
 
 def test_l3_restarting_mid_workload(server, engines, model):
@@ -401,12 +399,7 @@ def test_l3_restarting_mid_workload(server, engines, model):
         server.start()  # same port, same data dir
 
     reqs = run_with_fault(e, workload(6, seed=5), fault=restart, later_jobs=workload(4, seed=6))
-    wait_available(e)
-    drained(e)
-    forget_l1_and_l2(e)
-    back = serve(e, upto(18, [7]), SAMPLED)
-    assert back.cached_by_tier == tiers(l3=18)
-    assert_invariant(engines, model, reqs + [back])
+    assert_l3_serves_again(e, engines, model, reqs)
 
 
 # ---- 6. random workloads on tiny pools, a tiny L2 and a real L3 ----------------------------------

@@ -107,7 +107,8 @@ class MasterClient:
                               response_deserializer=unpack)
 
     def call(self, method: str, request: dict | None = None, timeout_s: float | None = None) -> dict:
-        assert method in METHODS, method
+        if method not in METHODS:
+            raise ValueError(f"unknown master method {method!r}; known: {sorted(METHODS)}")
         timeout_s = timeout_s or self.timeout_s
         n = len(self.addresses)
         last = None

@@ -26,7 +26,8 @@ Contract (all calls come from the engine thread; `req.kv` is the request's page 
   trim_swa(req, pressure) -> free req's own SWA pages it no longer needs: out of the
                          window and (unless under pressure) not in a checkpoint tail.
   estimate_uncached(req) -> tokens req would still compute (the scheduler's key).
-  check_integrity(running) -> raise IntegrityError if any invariant of any tier is broken.
+  check_integrity(running, waiting) -> raise IntegrityError if any invariant of any tier is broken.
+  drop_waiting(req)   -> a waiting request is aborted: release its prefetch.
   close()             -> stop background threads.
 
 Page ownership: pages [0, req.kv.owned_from) of a running request are the tree's (locked by
@@ -109,7 +110,11 @@ class CacheManager(ABC):
     def estimate_uncached(self, req) -> int: ...
 
     @abstractmethod
-    def check_integrity(self, running) -> None: ...
+    def check_integrity(self, running, waiting=()) -> None: ...
+
+    def drop_waiting(self, req) -> None:
+        """A waiting request leaves without running (abort): drop what it holds here."""
+        return None
 
     def cached_pages(self) -> tuple[int, int]:
         """(full, swa) device pages the cache owns (not counting requests' own)."""

@@ -309,9 +309,7 @@ class Engine:
         for r in list(self.scheduler.running):
             self._release(r, preempted=False)
         for r in list(self.scheduler.waiting):
-            drop = getattr(self.cache, "drop_waiting", None)
-            if drop is not None:
-                drop(r)
+            self.cache.drop_waiting(r)
             r.state, r.finish_reason, r.error, r.finished_s = RequestState.FINISHED, FINISH_ABORT, reason, self.clock()
             out.append(r)
         self.scheduler.waiting.clear()
@@ -341,10 +339,7 @@ class Engine:
         for r in self.scheduler.waiting:
             require(r.state is RequestState.WAITING and r.kv is None and r.lock_node is None,
                     f"{r} waits while holding pages")
-        if isinstance(self.cache, HiCache):
-            self.cache.check_integrity(running, self.scheduler.waiting)
-        else:
-            self.cache.check_integrity(running)
+        self.cache.check_integrity(running, self.scheduler.waiting)
 
     def _update_gauges(self) -> None:
         tf, ts = self.cache.cached_pages()

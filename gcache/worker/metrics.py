@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .integrity import require
+
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "gcache_worker_"
 
@@ -19,7 +21,7 @@ class Histogram:
     n: int = 0
 
     def __post_init__(self) -> None:
-        assert list(self.bounds) == sorted(self.bounds), "bucket bounds must be increasing"
+        require(list(self.bounds) == sorted(self.bounds), "bucket bounds must be increasing")
         self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
@@ -98,7 +100,7 @@ class EngineMetrics:
     def set_gauges(self, **values: int) -> None:
         with self.lock:
             for k, v in values.items():
-                assert k in self.gauges, k
+                require(k in self.gauges, f"unknown gauge {k!r}")
                 self.gauges[k] = v
 
     def set_cache_stats(self, stats: dict) -> None:

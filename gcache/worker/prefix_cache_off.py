@@ -49,7 +49,7 @@ class NoPrefixCache(CacheManager):
     def estimate_uncached(self, req) -> int:
         return req.num_tokens
 
-    def check_integrity(self, running) -> None:
+    def check_integrity(self, running, waiting=()) -> None:
         for kind, pool, owned in (
                 ("full", self.kv.full, [p for r in running for p in r.kv.full_pages]),
                 ("swa", self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None])):

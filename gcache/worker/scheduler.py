@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from .integrity import require
 from .request import Request, RequestState
 
 POLICIES = ("ttft", "fcfs")
@@ -98,13 +99,13 @@ class Scheduler:
     def submit(self, req: Request) -> None:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        assert req.state is RequestState.WAITING
+        require(req.state is RequestState.WAITING, f"submit of a {req.state.value} request")
         self.waiting.append(req)
 
     def requeue(self, req: Request) -> None:
         """A preempted request goes back in arrival order (it may exceed max_waiting by the
         number of running requests, which is bounded by max_running)."""
-        assert req.state is RequestState.WAITING and req not in self.waiting
+        require(req.state is RequestState.WAITING and req not in self.waiting, "requeue of a request already queued")
         req.estimate_epoch, req.uncached_estimate = -1, req.num_tokens
         self.waiting.append(req)
         self.waiting.sort(key=lambda r: (r.arrival_s, r.rid))

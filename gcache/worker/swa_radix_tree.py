@@ -26,6 +26,7 @@ import numpy as np
 
 from gcache.keys import page_hashes_array
 
+from .integrity import require
 from .kv_pool import PagePool
 from .swa_tree_check import check_tree
 from .swa_tree_evict import SWAEvictionMixin
@@ -96,7 +97,7 @@ class SWARadixTree(SWAEvictionMixin):
             else:  # no node left to split with: fall back to the best node boundary
                 best_i, handle = bound_i, bound_node
         full, swa = self._path_pages(handle)
-        assert len(full) == best_i
+        require(len(full) == best_i, "matched path pages disagree with the match length")
         # Only the window tail is SWA-locked by lock(); SWA pages before it may be evicted
         # while the request runs, so the request must never hold their ids.
         swa[: tail_start_page(best_i, self.page_size, self.window)] = []
@@ -294,7 +295,7 @@ class SWARadixTree(SWAEvictionMixin):
         while pages > 0:
             for j in range(len(n) - 1, -1, -1):
                 n.swa_locks[j] += delta
-                assert n.swa_locks[j] >= 0
+                require(n.swa_locks[j] >= 0, "SWA lock count went negative")
                 pages -= 1
                 if not pages:
                     break
@@ -385,7 +386,7 @@ class SWARadixTree(SWAEvictionMixin):
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut node after k pages. The existing object keeps the lower part (so lock handles
         keep their end); returns the new upper node. Caller touches a path through it."""
-        assert 0 < k < len(node) and self.num_nodes < self.nodes_max
+        require(0 < k < len(node) and self.num_nodes < self.nodes_max, "split outside the node or past nodes_max")
         upper = TreeNode(node.parent, node.start, node.keys[:k], node.full[:k], node.swa[:k])
         upper.swa_locks = node.swa_locks[:k]
         upper.full_lock = node.full_lock

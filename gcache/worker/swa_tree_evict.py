@@ -14,6 +14,8 @@ So the window-safe tails of live branches go last.
 """
 from __future__ import annotations
 
+from .integrity import require
+
 
 class SWAEvictionMixin:
     def evict(self, full_pages_needed: int, swa_pages_needed: int) -> tuple[int, int]:
@@ -115,7 +117,7 @@ class SWAEvictionMixin:
             return
         pages = []
         for j in js:
-            assert node.swa[j] is not None and not node.swa_locks[j]
+            require(node.swa[j] is not None and not node.swa_locks[j], "tombstoning a dead or locked SWA page")
             pages.append(node.swa[j])
         if self.on_evict is not None:
             self.on_evict([node.keys[j] for j in js], [None] * len(js), pages)
@@ -147,7 +149,8 @@ class SWAEvictionMixin:
                 self._settle(n, freed)
 
     def _remove_leaf(self, node, freed: list) -> None:
-        assert node is not self.root and not node.children and not node.full_lock
+        require(node is not self.root and not node.children and not node.full_lock,
+                "removing the root, an inner node or a locked leaf")
         self._free_pages(node, 0, freed)
         del node.parent.children[node.keys[0]]
         del self._full_lru[node]
