@@ -1,41 +1,48 @@
-"""TTFT: the TTFT scheduler vs FCFS on a mixed long/short workload.
+"""TTFT: the TTFT scheduler vs a strong FCFS, over a load sweep and several seeds.
 
 Both policies run the real Engine (real scheduler, SWA radix tree, dual pools, page
-accounting, preemption). Compute is either
-  --mode sim  (default): SimulatedModel, a cost model that advances a virtual clock
-              (gcache/worker/sim_model.py documents the formula); deterministic, fast;
-  --mode real: the real numpy model computes every batch. On this shared 2-core machine one
-              batch's wall time varies up to 5x between identical runs, so by default
-              (--clock fitted) the bench first times the real model on a grid of batch shapes
-              (the fastest of --cal-repeats runs each), fits CostModel's coefficients to
-              them, and advances the virtual clock by the fitted cost of each batch the real
-              model runs: both policies pay the same, measured, noise-free price per batch.
-              The fitted clock counts model compute only, not the scheduler's Python time.
-              --clock wall advances it by each step's measured wall time instead (noisy).
-              (Wall mode used to stamp the first token before advancing the clock, so TTFT
-              left out the step that produced it; it now counts that step.)
-  --cost fitted (with --mode sim): the same fitted costs, simulated compute; fast.
-Arrivals are a seeded Poisson process in virtual time; TTFT = first token - arrival.
+accounting, preemption) and share everything but the order (gcache/worker/scheduler.py):
+the step budgeting (the head of the order takes as much of the step as it can use, up to
+--chunk-tokens, which defaults to the whole step: vLLM's and SGLang's chunked prefill), and
+the in-flight prefix dedup (a request whose uncached prefix another request is computing
+waits for it instead of computing it twice). FCFS is strict arrival order.
 
-Workload (seeded): short requests (fresh prompts, 32..256 tokens) and long requests
-(>= 1024 tokens): document QA on a few hot documents (doc + a question; questions on one
-document come in bursts, as when a user asks several things about one file) and fresh long
-documents. "long" = prompt of >= --long-tokens tokens.
+Compute clock (--cost):
+  fitted (default): CostModel fitted to the real numpy model on this machine
+           (bench/ttft_cost.py; fitted once, ~30 s, then read from ~/.cache/gcache/);
+  default: CostModel() defaults (an unfitted GPU-like shape; for quick checks).
+--mode sim (default) advances a virtual clock by that cost per batch (SimulatedModel);
+--mode real runs the real numpy model on every batch and advances the clock by the same
+fitted cost (--clock fitted), or by measured wall time (--clock wall; noisy on a shared box);
+its defaults keep a run near a minute: one seed, 100 requests, prompts and step x0.25.
 
-Usage:  .venv/bin/python bench/ttft.py [--mode sim|real] [--requests N] [--rate R] [--seed S | --seeds 0,1,2]
+Load: the capacity is what FCFS completes per virtual second with every request queued at
+t = 0 (median over the seeds); each --loads L runs Poisson arrivals at L x capacity (or give
+--rates directly). `busy` is the fraction of the time the engine computed. The floor row is
+FCFS at 1/100 of the lowest rate: no queueing, the TTFT no ordering can beat.
+
+Workload (seeded; the prompts do not depend on the rate): short requests (fresh prompts,
+32..256 tokens) and long requests (>= 1024 tokens): document QA on a few hot documents (doc
++ a question; questions on one document come in bursts) and fresh long documents.
+"long" = prompt of >= --long-tokens tokens.
+
+Usage:  .venv/bin/python bench/ttft.py [--loads 0.5,0.7,0.9] [--seeds 0,1,2,3,4] [--cost fitted|default]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.engine import Engine, EngineConfig  # noqa: E402
@@ -43,117 +50,65 @@ from gcache.worker.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.request import SamplingParams  # noqa: E402
 from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.sim_model import CostModel, SimulatedModel, VirtualClock  # noqa: E402
+# load_or_calibrate is also what bench/hicache.py and bench/router.py import from here
+from ttft_cost import FittedClockModel, default_cache_path, describe, load_or_calibrate  # noqa: E402
 
-CAL_SHAPES = ([[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)]
-              + [[(n, ctx)] + [(1, 300)] * nd for n in (16, 64, 128, 256, 384, 512)
-                 for ctx in (0, 1024) for nd in (0, 16)])  # [(new tokens, context before)] per batch
-
-
-def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares on relative error (active set: drop the most negative)."""
-    active = list(range(X.shape[1]))
-    A = X / y[:, None]
-    while True:
-        c = np.linalg.lstsq(A[:, active], np.ones(len(y)), rcond=None)[0]
-        if (c >= 0).all():
-            out = np.zeros(X.shape[1])
-            out[active] = c
-            return out
-        del active[int(np.argmin(c))]
+POLICIES = ("fcfs", "ttft")
+METRICS = ("long_p50", "long_p90", "short_p50", "short_p90")
 
 
-def calibrate(cfg: ModelConfig, repeats: int) -> tuple[CostModel, float]:
-    """Fit CostModel to the real model's batch times on this machine; returns the model
-    and the median |relative error| of the fit over the calibration shapes."""
-    from gcache.worker.kv_pool import RequestKV
-    from gcache.worker.model import Model
-    model, rng = Model(cfg), np.random.default_rng(0)
-    kv = DualKVCache(cfg, 8192, 8192)
-    proto = CostModel(swa_dense=True)
-    f = len(cfg.full_layers) / cfg.layers
-    rows, times = [], []
-    for shape in CAL_SHAPES:
-        reqs = [RequestKV(cfg.page_size, cfg.window) for _ in shape]
-        for r, (n, ctx) in zip(reqs, shape):
-            assert r.grow(kv, ctx + n)
-        best = float("inf")
-        for _ in range(repeats):
-            for r, (n, ctx) in zip(reqs, shape):
-                r.num_tokens = ctx  # K/V before ctx is whatever the pages hold: fine for timing
-            work = [(rng.integers(0, 256, size=n), None, r) for r, (n, _) in zip(reqs, shape)]
-            t0 = time.perf_counter()
-            model.forward_batch(work, kv)
-            best = min(best, time.perf_counter() - t0)
-        for r in reqs:
-            r.release(kv)
-        rows.append(proto.features([(n, ctx + n) for n, ctx in shape], f, cfg.window))
-        times.append(best)
-    X, y = np.array(rows), np.array(times)
-    c = nnls_relative(X, y)
-    fitted = CostModel(base_s=c[0], token_s=c[1], req_s=c[2], kv_s=c[3], read_s=c[4], swa_dense=True)
-    return fitted, float(np.median(np.abs(X @ c / y - 1)))
+class Arrival(NamedTuple):
+    t: float            # arrival, virtual seconds
+    prompt: list        # token ids
+    max_tokens: int
+    kind: str           # short | doc_qa | fresh_long
+    doc: int = -1       # doc_qa: which hot document the prompt starts with
+    doc_len: int = 0
 
 
-def load_or_calibrate(args) -> tuple[CostModel, float]:
-    """--cal-file: reuse a saved fit (so seeds and policies share one), else fit and save."""
-    import json
-    if args.cal_file and os.path.exists(args.cal_file):
-        with open(args.cal_file) as f:
-            d = json.load(f)
-        return CostModel(**d["cost"]), d["median_rel_error"]
-    cost, err = calibrate(ModelConfig(dtype="float32"), args.cal_repeats)
-    if args.cal_file:
-        with open(args.cal_file, "w") as f:
-            json.dump({"cost": cost.__dict__, "median_rel_error": err}, f)
-    return cost, err
-
-
-class FittedClockModel:
-    """The real model computes each batch; the virtual clock advances by its fitted cost."""
-
-    def __init__(self, model, cost: CostModel, clock: VirtualClock) -> None:
-        self.model, self.cost, self.clock = model, cost, clock
-        self.full_fraction = len(model.config.full_layers) / model.config.layers
-        self.wall_s = self.fitted_s = 0.0
-
-    def forward_batch(self, chunks, kv, all_logits: bool = False) -> list:
-        shape = [(len(tokens), req.num_tokens + len(tokens)) for tokens, _, req in chunks]
-        t0 = time.perf_counter()
-        out = self.model.forward_batch(chunks, kv, all_logits)
-        self.wall_s += time.perf_counter() - t0
-        cost = self.cost.cost_s(self.cost.features(shape, self.full_fraction, self.model.config.window))
-        self.fitted_s += cost
-        self.clock.advance(cost)
-        return out
-
-
-def make_workload(args) -> list[tuple[float, list[int], int]]:
-    """[(arrival_s, prompt, max_tokens)] sorted by arrival."""
-    rng = np.random.default_rng(args.seed)
+def make_workload(args, seed: int, rate: float | None) -> list[Arrival]:
+    """Sorted by arrival; rate None: all at t = 0. The rng draws the same numbers whatever the
+    rate, so every rate sees the same prompts."""
+    rng = np.random.default_rng(seed)
     s = args.scale
     toks = lambda n: [int(t) for t in rng.integers(0, 256, size=max(1, int(n)))]
     docs = [toks(rng.integers(1024, 3072) * s) for _ in range(args.hot_docs)]
     out, t, burst = [], 0.0, []
+    qa = lambda d: Arrival(t, docs[d] + toks(rng.integers(16, 64) * s), int(rng.integers(8, 32)), "doc_qa",
+                           d, len(docs[d]))
     while len(out) < args.requests:
-        t += rng.exponential(1.0 / args.rate)
+        gap = rng.exponential(1.0)
+        t += 0.0 if rate is None else gap / rate
         if burst:  # the rest of a document-QA burst arrives close together
-            out.append((t, burst.pop() + toks(rng.integers(16, 64) * s), int(rng.integers(8, 32))))
+            out.append(qa(burst.pop()))
             continue
         u = rng.random()
         if u < args.long_fraction * 0.6:
-            doc = docs[int(rng.integers(len(docs)))]
-            burst = [doc] * int(rng.integers(1, 4))
-            out.append((t, doc + toks(rng.integers(16, 64) * s), int(rng.integers(8, 32))))
+            d = int(rng.integers(len(docs)))
+            burst = [d] * int(rng.integers(1, 4))
+            out.append(qa(d))
         elif u < args.long_fraction:
-            out.append((t, toks(rng.integers(1024, 3072) * s), int(rng.integers(8, 32))))
+            out.append(Arrival(t, toks(rng.integers(1024, 3072) * s), int(rng.integers(8, 32)), "fresh_long"))
         else:
-            out.append((t, toks(rng.integers(32, 256) * s), int(rng.integers(16, 64))))
+            out.append(Arrival(t, toks(rng.integers(32, 256) * s), int(rng.integers(16, 64)), "short"))
     return out
 
 
-def build_engine(args, policy: str, clock: VirtualClock) -> Engine:
+def working_set(args, workload: list[Arrival]) -> str:
+    """Requests by kind, prompt tokens, and distinct prompt tokens (a hot document once)."""
+    kinds = {k: sum(1 for w in workload if w.kind == k) for k in ("short", "doc_qa", "fresh_long")}
+    total = sum(len(w.prompt) for w in workload)
+    docs = {w.doc: w.doc_len for w in workload if w.doc >= 0}
+    distinct = total - sum(w.doc_len for w in workload) + sum(docs.values())
+    pages = -(-distinct // ModelConfig().page_size)
+    return (f"{len(workload)} requests: {kinds['short']} short, {kinds['doc_qa']} document QA on "
+            f"{len(docs)} hot documents, {kinds['fresh_long']} fresh long; {total} prompt tokens, "
+            f"{distinct} distinct (~{pages} pages; full pool {args.full_pages})")
+
+
+def build_engine(args, policy: str, clock: VirtualClock, max_waiting: int, mode: str) -> Engine:
     cfg = ModelConfig(dtype="float32")  # the default small hybrid model: 14 layers, W=128, ps=16
-    if args.mode == "sim":
+    if mode == "sim":
         model = SimulatedModel(cfg, clock, args.cost_model)
     else:
         from gcache.worker.model import Model
@@ -161,123 +116,231 @@ def build_engine(args, policy: str, clock: VirtualClock) -> Engine:
         if args.clock == "fitted":
             model = FittedClockModel(model, args.cost_model, clock)
     kv = DualKVCache(cfg, args.full_pages, args.swa_pages)
-    sc = SchedulerConfig(policy=policy, max_running=32, max_tokens_per_step=args.step_tokens,
-                         chunk_tokens=args.chunk_tokens, long_threshold_tokens=args.long_tokens,
-                         aging_tokens_per_s=args.aging, max_wait_s=args.max_wait_s,
-                         dedup_min_tokens=args.dedup_min_tokens)
+    sc = scheduler_config(args, policy, max_waiting)
     return Engine(model, kv, EngineConfig(max_prompt_tokens=8192, max_new_tokens=256, scheduler=sc), clock=clock)
 
 
-def run_policy(args, policy: str, workload) -> dict:
+def scheduler_config(args, policy: str, max_waiting: int = 1024) -> SchedulerConfig:
+    return SchedulerConfig(policy=policy, max_running=args.max_running, max_waiting=max_waiting,
+                           max_tokens_per_step=args.step_tokens, chunk_tokens=args.chunk_tokens,
+                           aging_tokens_per_s=args.aging,
+                           max_wait_s=args.max_wait_s, dedup_min_tokens=args.dedup_min_tokens)
+
+
+def run_policy(args, policy: str, workload, mode: str | None = None) -> dict:
+    """One policy on one workload; TTFT = first token - scheduled arrival (virtual seconds)."""
+    mode = mode or args.mode
     clock = VirtualClock()
-    engine = build_engine(args, policy, clock)
-    reqs, i = [], 0
-    for _ in range(10_000_000):
-        while i < len(workload) and workload[i][0] <= clock():
-            arrival, prompt, max_tokens = workload[i]
-            r = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            r.arrival_s = arrival  # arrived at its scheduled time, even if added a bit after
+    engine = build_engine(args, policy, clock, max_waiting=max(1024, len(workload)), mode=mode)
+    reqs, i, busy = [], 0, 0.0
+    steps_max = 50 * sum(len(w.prompt) + w.max_tokens for w in workload) + 1000  # far above any real run
+    for _ in range(steps_max):
+        while i < len(workload) and workload[i].t <= clock():
+            w = workload[i]
+            r = engine.add_request(w.prompt, SamplingParams(max_tokens=w.max_tokens, temperature=0.0))
+            r.arrival_s = w.t  # arrived at its scheduled time, even if added a bit after
             reqs.append(r)
             i += 1
         if engine.has_work():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), clock()
             pending = [r for r in reqs if r.first_token_s is None]
             engine.step()
-            if args.mode == "real" and args.clock == "wall":
+            if mode == "real" and args.clock == "wall":
                 clock.advance(time.perf_counter() - t0)
                 for r in pending:  # the engine stamped them before the clock moved: the step counts
                     if r.first_token_s is not None:
                         r.first_token_s = clock()
+            busy += clock() - c0
+            if not engine.last_step_ran:
+                if i >= len(workload):
+                    raise RuntimeError(f"{policy}: the engine has work but ran nothing and nothing else arrives")
+                clock.advance_to(workload[i].t)
         elif i < len(workload):
-            clock.advance_to(workload[i][0])
+            clock.advance_to(workload[i].t)
         else:
             break
+    else:
+        raise RuntimeError(f"{policy}: not done after {steps_max} steps")
     long_ = [r.ttft_s for r in reqs if len(r.prompt) >= args.long_tokens]
     short = [r.ttft_s for r in reqs if len(r.prompt) < args.long_tokens]
     m = engine.metrics.snapshot()
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+    out = {"policy": policy, "n_long": len(long_), "n_short": len(short),
+           "long_p50": pct(long_, 50), "long_p90": pct(long_, 90),
+           "short_p50": pct(short, 50), "short_p90": pct(short, 90),
+           "hit": m["cached_prompt_tokens_total"] / max(1, m["prompt_tokens_total"]),
+           "computed": m["prefill_tokens_computed_total"], "preempt": m["preemptions_total"],
+           "makespan": clock(), "busy": busy / max(1e-12, clock() - workload[0].t)}
     if isinstance(engine.model, FittedClockModel):
-        print(f"  {policy}: real model compute {engine.model.wall_s:.1f}s measured wall, {engine.model.fitted_s:.1f}s fitted")
-    return {"policy": policy, "n_long": len(long_), "n_short": len(short),
-            "long_p50": np.percentile(long_, 50), "long_p90": np.percentile(long_, 90),
-            "short_p50": np.percentile(short, 50), "short_p90": np.percentile(short, 90),
-            "hit": m["cached_prompt_tokens_total"] / max(1, m["prompt_tokens_total"]),
-            "preempt": m["preemptions_total"], "makespan": clock()}
+        out["real_wall_s"], out["fitted_s"] = engine.model.wall_s, engine.model.fitted_s
+    return out
 
 
-def main(argv=None) -> int:
+def capacity(args, seeds: list[int]) -> float:
+    """Requests per virtual second FCFS completes with all queued at t = 0 (median over seeds).
+    Dedup holds are unbounded in this run (in the sweep they end at --max-wait-s), so the rates
+    do not move with that knob; the sim runs the same fitted clock as --mode real."""
+    caps, saved = [], args.max_wait_s
+    args.max_wait_s = 1e9
+    try:
+        for seed in seeds:
+            res = run_policy(args, "fcfs", make_workload(args, seed, None), mode="sim")
+            caps.append(args.requests / res["makespan"])
+    finally:
+        args.max_wait_s = saved
+    return float(np.median(caps))
+
+
+def summarize(values: list[float]) -> tuple[float, float, float]:
+    return float(np.min(values)), float(np.median(values)), float(np.max(values))
+
+
+def goal_met(change: dict) -> bool:
+    """The production target: long P90 -30% or better vs FCFS, short requests no worse (P90)."""
+    return change["long_p90"] <= -30 and change["short_p90"] <= 0
+
+
+def fmt3(t: tuple[float, float, float], pct: bool = False) -> str:
+    if pct:
+        return f"{t[0]:+.0f}/{t[1]:+.0f}/{t[2]:+.0f}%"
+    return f"{t[0]:.2f}/{t[1]:.2f}/{t[2]:.2f}s"
+
+
+def table_row(label: str, rate: str, runs: list[dict]) -> str:
+    cells = " ".join(f"{fmt3(summarize([r[m] for r in runs])):>19}" for m in METRICS)
+    med = lambda k: float(np.median([r[k] for r in runs]))
+    return (f"{label:>5} {rate:>7} {runs[0]['policy']:6} {med('busy'):5.2f} {cells} {med('hit'):6.1%} "
+            f"{med('preempt'):7.0f}")
+
+
+def report(sweep: list[dict], floor: list[dict], seeds: list[int]) -> None:
+    print(f"\nmin/median/max over seeds {seeds}; TTFT in virtual seconds; busy = fraction of the time the "
+          "engine computed; floor = FCFS at 1/100 of the lowest rate (no queueing: what no order can beat)")
+    print(f"{'load':>5} {'rate/s':>7} {'policy':6} {'busy':>5} " + " ".join(f"{m:>19}" for m in METRICS)
+          + f" {'hit':>6} {'preempt':>7}")
+    print(table_row("floor", "", floor))
+    for point in sweep:
+        load = "" if point["load"] is None else f"{point['load']:.2f}"
+        for p in POLICIES:
+            print(table_row(load, f"{point['rate']:.2f}", point["runs"][p]))
+        cells = " ".join(f"{fmt3(summarize(point['change'][m]), pct=True):>19}" for m in METRICS)
+        print(f"{'':5} {'':7} {'ttft vs fcfs':18} {cells}")
+    print("\ngoal (long P90 -30% or better vs FCFS, short P90 no worse), on the median change per rate:")
+    floor_l90 = float(np.median([r["long_p90"] for r in floor]))
+    for point in sweep:
+        ch, runs = point["change"], point["runs"]
+        med = {m: float(np.median(ch[m])) for m in METRICS}
+        alone = sum(goal_met({m: ch[m][k] for m in METRICS}) for k in range(len(seeds)))
+        f90 = float(np.median([r["long_p90"] for r in runs["fcfs"]]))
+        t90 = float(np.median([r["long_p90"] for r in runs["ttft"]]))
+        queueing = (f90 - t90) / (f90 - floor_l90) if f90 > floor_l90 else float("nan")
+        print(f"  {point['rate']:.2f}/s: long P90 {med['long_p90']:+.1f}%, short P90 {med['short_p90']:+.1f}%, "
+              f"short P50 {med['short_p50']:+.1f}% -> {'MET' if goal_met(med) else 'NOT MET'} "
+              f"({alone}/{len(seeds)} seeds alone); FCFS long P90 is {f90 / floor_l90:.1f}x the floor, "
+              f"ttft removes {queueing:.0%} of that queueing")
+
+
+def run_sweep(args, seeds: list[int], t_start: float) -> tuple[list[dict], list[dict]]:
+    if args.rates:
+        points = [(None, float(r)) for r in args.rates.split(",") if r]
+    else:
+        cap = capacity(args, seeds)
+        print(f"capacity: {cap:.2f} requests/s (FCFS, every request queued at t = 0, median over seeds)")
+        points = [(float(x), float(x) * cap) for x in args.loads.split(",") if x]
+    print("rates: --rates " + ",".join(f"{r:.3g}" for _, r in points))
+    floor_rate = min(r for _, r in points) / 100
+    floor = [run_policy(args, "fcfs", make_workload(args, seed, floor_rate)) for seed in seeds]
+    sweep = []
+    for load, rate in points:
+        runs = {p: [] for p in POLICIES}
+        for seed in seeds:
+            wl = make_workload(args, seed, rate)
+            for p in POLICIES:
+                runs[p].append(run_policy(args, p, wl))
+        change = {m: [(t[m] - f[m]) / f[m] * 100 for f, t in zip(runs["fcfs"], runs["ttft"])] for m in METRICS}
+        sweep.append({"load": load, "rate": rate, "runs": runs, "change": change})
+        print(f"  rate {rate:.2f}/s done ({time.perf_counter() - t_start:.0f} s)")
+    return sweep, floor
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("sim", "real"), default="sim")
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--rate", type=float, default=20.0, help="arrivals per virtual second")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--seeds", default="", help="comma-separated seeds: a table each, then the medians")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length")
+    ap.add_argument("--cost", choices=("fitted", "default"), default="fitted", help="see above")
+    ap.add_argument("--clock", choices=("fitted", "wall"), default="fitted", help="--mode real: see above")
+    ap.add_argument("--requests", type=int, default=None, help="per seed (default 600; --mode real: 100)")
+    ap.add_argument("--loads", default=None, help="arrival rates as fractions of the capacity "
+                    "(default 0.5,0.7,0.9; --mode real: 0.7)")
+    ap.add_argument("--rates", default="", help="arrivals per virtual second (overrides --loads)")
+    ap.add_argument("--seeds", default=None, help="default 0,1,2,3,4; --mode real: 0")
+    ap.add_argument("--scale", type=float, default=None, help="multiply every prompt length (default 1; "
+                    "--mode real: 0.25, so the numpy model's runs take minutes, not hours)")
     ap.add_argument("--long-fraction", type=float, default=0.3)
     ap.add_argument("--long-tokens", type=int, default=0, help="long = prompt >= this (default 1024*scale)")
     ap.add_argument("--hot-docs", type=int, default=8)
     ap.add_argument("--full-pages", type=int, default=4096)
     ap.add_argument("--swa-pages", type=int, default=2048)
-    ap.add_argument("--step-tokens", type=int, default=512)
-    ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--aging", type=float, default=500.0, help="uncached tokens per second waited")
-    ap.add_argument("--max-wait-s", type=float, default=20.0)
-    ap.add_argument("--clock", choices=("fitted", "wall"), default="fitted", help="--mode real: see above")
-    ap.add_argument("--cost", choices=("default", "fitted"), default="default", help="--mode sim: see above")
+    ap.add_argument("--max-running", type=int, default=32)
+    ap.add_argument("--step-tokens", type=int, default=None, help="default 512; --mode real: 128 (prompts are "
+                    "scaled by 0.25 there: prefills still span steps)")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="most prefill tokens per request per step "
+                    "(both policies; default: the whole step)")
+    ap.add_argument("--aging", type=float, default=SchedulerConfig.aging_tokens_per_s,
+                    help="ttft: uncached tokens of priority per second waited")
+    ap.add_argument("--max-wait-s", type=float, default=SchedulerConfig.max_wait_s)
+    ap.add_argument("--dedup-min-tokens", type=int, default=32, help="ablation: 10**9 turns in-flight dedup off (both)")
     ap.add_argument("--cal-repeats", type=int, default=5)
-    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
-    ap.add_argument("--dedup-min-tokens", type=int, default=32, help="ablation: 10**9 turns in-flight dedup off")
+    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or fit and save them "
+                    "there (default: a per-machine file under ~/.cache/gcache/)")
+    ap.add_argument("--recalibrate", action="store_true", help="refit the cost model even if a fit is saved")
+    ap.add_argument("--json", default="", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
-    if args.mode == "real" and args.scale == 1.0 and args.requests == 600 and args.rate == 20.0:
-        # Keep CPU runs to minutes. Scale 0.25 keeps long prompts (256..768) several steps
-        # long; at 0.125 every prompt fits one 512-token step and order hardly matters. At
-        # 8/s the fitted costs give queueing without overload (6/s: light, 10/s: heavy).
-        args.scale, args.requests, args.rate = 0.25, 200, 8.0
+    real = args.mode == "real"
+    for name, sim_default, real_default in (("requests", 600, 100), ("loads", "0.5,0.7,0.9", "0.7"),
+                                            ("seeds", "0,1,2,3,4", "0"), ("scale", 1.0, 0.25),
+                                            ("step_tokens", 512, 128)):
+        if getattr(args, name) is None:
+            setattr(args, name, real_default if real else sim_default)
     args.long_tokens = args.long_tokens or int(1024 * args.scale)
-    print("command: .venv/bin/python bench/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    args.cost_model = CostModel()
-    if (args.mode == "real" and args.clock == "fitted") or (args.mode == "sim" and args.cost == "fitted"):
-        args.cost_model, err = load_or_calibrate(args)
-        c = args.cost_model
-        print(f"fitted cost: base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
-              f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
-              f" median |error| {err:.1%} over {len(CAL_SHAPES)} shapes")
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    changes = []
+    args.chunk_tokens = args.chunk_tokens or args.step_tokens
+    if args.requests < 1:
+        ap.error("--requests must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    print("command: .venv/bin/python bench/ttft.py " + " ".join(argv))
+    if args.cost == "fitted" or args.mode == "real":
+        args.cal_file = args.cal_file or default_cache_path(ModelConfig(dtype="float32"), args.cal_repeats)
+        args.cost_model, err = load_or_calibrate(args, log=print)
+        print(f"compute clock: fitted to the real numpy model: {describe(args.cost_model, err)}")
+    else:
+        args.cost_model = CostModel()
+        print("compute clock: CostModel() defaults (not fitted)")
+    cfg = ModelConfig(dtype="float32")
+    sc = scheduler_config(args, "ttft")
+    print(f"model: {cfg.layers} layers ({len(cfg.full_layers)} full), W={cfg.window}, page {cfg.page_size}; "
+          f"pools {args.full_pages} full / {args.swa_pages} SWA pages; mode {args.mode}; "
+          f"{args.requests} requests per seed, prompt lengths x{args.scale:g}")
+    print(f"shared budgeting: {sc.max_tokens_per_step} tokens/step, <= {sc.chunk_tokens} per request, "
+          f"{sc.max_running} running; dedup of in-flight prefixes >= {sc.dedup_min_tokens} tokens (both policies); "
+          f"ttft aging {sc.aging_tokens_per_s:g} tokens/s, max wait {sc.max_wait_s:g}s")
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     for seed in seeds:
-        args.seed = seed
-        changes.append(run_seed(args))
-    if len(seeds) > 1:
-        med = {k: float(np.median([c[k] for c in changes])) for k in changes[0]}
-        print(f"\nttft vs fcfs per seed {seeds}:")
-        for k in ("long_p90", "short_p50", "short_p90"):
-            print(f"  {k:9}: " + "  ".join(f"{c[k]:+6.1f}%" for c in changes) + f"   median {med[k]:+.1f}%")
-        print("goal on the medians:", "MET" if goal_met(med) else "NOT MET",
-              f"({sum(goal_met(c) for c in changes)}/{len(seeds)} seeds meet it alone)")
-    return 0
-
-
-def goal_met(change: dict) -> bool:
-    return change["long_p90"] <= -30 and change["short_p50"] <= 0 and change["short_p90"] <= 0
-
-
-def run_seed(args) -> dict:
-    """Both policies on one seeded workload; prints the table, returns ttft's % changes."""
-    workload = make_workload(args)
-    print(f"mode={args.mode} requests={len(workload)} rate={args.rate}/s seed={args.seed} scale={args.scale}")
-    rows = [run_policy(args, p, workload) for p in ("fcfs", "ttft")]
-    head = f"{'policy':7} {'long':>5} {'short':>5} {'long P50':>9} {'long P90':>9} {'short P50':>10} " \
-           f"{'short P90':>10} {'hit':>6} {'preempt':>7} {'makespan':>9}"
-    print(head)
-    for r in rows:
-        print(f"{r['policy']:7} {r['n_long']:5d} {r['n_short']:5d} {r['long_p50']:8.3f}s {r['long_p90']:8.3f}s "
-              f"{r['short_p50']:9.3f}s {r['short_p90']:9.3f}s {r['hit']:6.1%} {r['preempt']:7d} {r['makespan']:8.1f}s")
-    f, t = rows
-    change = {k: (t[k] - f[k]) / f[k] * 100 for k in ("long_p90", "long_p50", "short_p50", "short_p90")}
-    print(f"ttft vs fcfs: long P90 {change['long_p90']:+.1f}%, long P50 {change['long_p50']:+.1f}%, "
-          f"short P50 {change['short_p50']:+.1f}%, short P90 {change['short_p90']:+.1f}%")
-    print("goal (long P90 -30% or better, short no worse):", "MET" if goal_met(change) else "NOT MET")
-    return change
+        print(f"working set, seed {seed}: {working_set(args, make_workload(args, seed, None))}; "
+              f"long = prompt >= {args.long_tokens} tokens")
+    sweep, floor = run_sweep(args, seeds, t_start)
+    report(sweep, floor, seeds)
+    result = {"command": argv, "seeds": seeds, "sweep": sweep, "floor": floor, "cost": args.cost_model.__dict__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

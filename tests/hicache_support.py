@@ -15,8 +15,7 @@ CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, interme
 def build_engine(model, full_pages: int, swa_pages: int, hicache: HiCacheConfig,
                  prefix_cache: bool = True) -> Engine:
     """An engine with small steps and chunks (so prefills span several steps); close it."""
-    sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4,
-                         long_threshold_tokens=48, dedup_min_tokens=16)
+    sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4, dedup_min_tokens=16)
     ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc,
                       hicache=hicache)
     return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)

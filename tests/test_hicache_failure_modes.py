@@ -173,7 +173,9 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
             assert l3.write_queue_depth() == 0, "the L3 writer never took the gate job"
             first = run(writer, workload[0])
             first_keys = first.page_keys()[:7]
-            assert all(host.get(k).l3_queued and host.get(k).pins == 1 for k in first_keys)
+            entries = [host.get(k) for k in first_keys]
+            assert all(e is not None and e.l3_queued and e.pins == 1 for e in entries), (
+                [(e.l3_queued, e.pins) if e else None for e in entries], l3.stats, l3.available())
             for prompt in workload[1:]:
                 run(writer, prompt)
             kept = sum(k in host for k in first_keys)

@@ -75,7 +75,7 @@ class Spy:
 def make_engine(model, full_pages: int, swa_pages: int, prefix_cache: bool, policy: str = "ttft",
                 max_running: int = 4) -> Engine:
     sc = SchedulerConfig(policy=policy, max_tokens_per_step=64, chunk_tokens=24, max_running=max_running,
-                         long_threshold_tokens=48, dedup_min_tokens=16)
+                         dedup_min_tokens=16)
     ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc)
     return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
 

@@ -132,7 +132,9 @@ def test_seeded_sampling_is_reproducible(worker):
     ({"prompt": "x" * 601}, "limit is 600"),
     ({"prompt": "x", "temperature": 3}, "temperature must be a number in [0, 2]"),
     ({"prompt": "x", "seed": -1}, "seed must be an integer"),
-    ({"prompt": "x", "stream": True}, "stream=True is not supported"),
+    ({"prompt": "x", "stream": "yes"}, "stream must be a boolean"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream=true"),
+    ({"prompt": "x", "n": 2}, "n=2 is not supported"),
     ({"prompt": "x", "bogus": 1}, "unsupported field(s): bogus"),
 ])
 def test_bad_requests_get_400_with_a_clear_message(worker, payload, fragment):
@@ -145,8 +147,10 @@ def test_bad_requests_get_400_with_a_clear_message(worker, payload, fragment):
 def test_unknown_endpoint_and_missing_length(worker):
     status, body, _ = worker.request("GET", "/nope")
     assert status == 404 and "no such endpoint" in json.loads(body)["error"]["message"]
+    status, body, _ = worker.request("POST", "/v1/nope", b"{}")
+    assert status == 404 and json.loads(body)["error"]["message"] == "no such endpoint: POST /v1/nope"
     status, body, _ = worker.request("POST", "/v1/chat/completions", b"{}")
-    assert status == 404
+    assert status == 400 and "missing required field: messages" in json.loads(body)["error"]["message"]
 
 
 def test_health_and_metrics(worker):

@@ -6,5 +6,6 @@ Model side: config (ModelConfig), backend (numpy/cupy), tokenizer (byte-level), 
 hicache (HiCache: the SWA radix tree over the device pools, the host pool of host_pool /
 host_cache, GCache through l3_store, layer-wise loads in layer_load, SWA checkpoints in every
 tier), prefix_cache_off. Serving: request, scheduler, engine, metrics, completions,
-http_server (`gcache-worker`); sim_model for benches. See docs/worker-interfaces.md.
+engine_thread, worker_flags, http_server (`gcache-worker`, on gcache.serving); publisher
+(Redis, for gcache-router); sim_model for benches. See docs/worker-interfaces.md.
 """

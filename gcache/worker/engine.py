@@ -316,6 +316,27 @@ class Engine:
         self._update_gauges()
         return out
 
+    def finish_early(self, r: Request, reason: str = FINISH_STOP) -> bool:
+        """Finish r now: a stop string matched (reason 'stop') or its client went away ('abort').
+        A decoding request finishing with 'stop' ends as if it had sampled a stop token (its
+        KV goes to the cache); any other running request gives its pages back; a waiting one
+        leaves the queue. Only the engine's owner thread calls this, between steps.
+        Returns False if r had already finished."""
+        if r.state is RequestState.FINISHED:
+            return False
+        if r.state is RequestState.RUNNING and reason == FINISH_STOP and r.is_decoding:
+            self._finish(r, reason, [])
+        else:
+            if r.state is RequestState.RUNNING:
+                self._release(r, preempted=False)  # back to waiting, then dropped below
+            self.cache.drop_waiting(r)
+            self.scheduler.waiting.remove(r)
+            r.state, r.finish_reason, r.finished_s = RequestState.FINISHED, reason, self.clock()
+            self.metrics.inc("requests_total")
+            self.metrics.inc("prompt_tokens_total", len(r.prompt))
+        self._update_gauges()
+        return True
+
     def close(self) -> None:
         """Stop the cache's background threads (L3 writers and prefetchers)."""
         self.cache.close()

@@ -46,6 +46,10 @@ class HostCache:
         self._reserved = {FULL: set(), SWA: set()}
         self._pinned = 0  # entries with pins > 0 (a gauge read every engine step: no scan)
         self.stats = {"evicted_full": 0, "evicted_swa": 0, "reserve_failures": 0, "published": 0}
+        # Observers of which pages L2 holds (the router publisher), called under self.lock:
+        # obs.host_changed(key, has_full, has_swa) after an entry changed, obs.l3_stored(key,
+        # has_swa) once a page is known to be in L3. Cheap, never call back into this cache.
+        self.observers: list = []
 
     # ---- lookups ---------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
@@ -152,6 +156,10 @@ class HostCache:
             if pin:
                 self._pin(e)
             self._free(give_back)
+            for obs in self.observers:
+                obs.host_changed(key, True, e.swa is not None)
+                if in_l3:
+                    obs.l3_stored(key, e.swa is not None and swa is not None)
             return True
 
     def claim_for_l3(self, keys: list[str]) -> list[tuple[str, int, int | None]]:
@@ -179,6 +187,9 @@ class HostCache:
                 self._unpin(e)
                 e.l3_queued = False
                 e.in_l3 = e.in_l3 or stored
+                if stored:
+                    for obs in self.observers:
+                        obs.l3_stored(k, e.swa is not None)
 
     def _free(self, slots: dict) -> None:
         for kind, lst in slots.items():
@@ -205,11 +216,15 @@ class HostCache:
                     self.stats["evicted_swa"] += 1
                 self.stats["evicted_full"] += 1
                 freed += 1
+                for obs in self.observers:
+                    obs.host_changed(key, False, False)
             elif e.swa is not None:
                 self.pool.pools[SWA].free([e.swa])
                 e.swa = None
                 self.stats["evicted_swa"] += 1
                 freed += 1
+                for obs in self.observers:
+                    obs.host_changed(key, True, False)
 
     # ---- integrity -------------------------------------------------------------------------
     def _pin(self, e: HostPage) -> None:

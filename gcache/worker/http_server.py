@@ -1,327 +1,250 @@
-"""`gcache-worker`: OpenAI-style completions over HTTP in front of one Engine.
+"""`gcache-worker`: the OpenAI API over HTTP (aiohttp) in front of one Engine.
 
-The engine runs alone in its loop thread; HTTP handler threads parse and check a request,
-put it in a bounded inbox and wait (bounded) for the engine thread to finish it.
-Endpoints: POST /v1/completions, GET /health, GET /metrics (Prometheus), GET /v1/models.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream=true as
+server-sent events), GET /health, GET /metrics (Prometheus), GET /v1/models.
+
+A request's way through: its body is read under --body-timeout-s and the 8 MiB limit
+(no slot held meanwhile: a stalled client cannot starve the others), parsed (400 for
+anything malformed), then it takes one of --max-in-flight slots (503 when none is free)
+and goes to the engine thread (engine_thread.py), which reports back on this loop.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import queue
-import signal
+import asyncio
+import logging
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from aiohttp import web
 
 from gcache.errors import GCacheError
+from gcache.serving import runner, sse
+from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S, expect_handler
+from gcache.serving.counters import HTTPCounters, prometheus_response
+from gcache.serving.errors import error_body, error_response, json_response
+from gcache.serving.intake import serve_post
+from gcache.serving.limiter import InFlightLimiter
+from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, ParsedRequest, parse_request
+from gcache.serving.openai_bodies import StreamChunks, response_id
+from gcache.serving.stop_text import OutputText
 
-from .completions import CompletionError, build_response, parse_completion
-from .config import ModelConfig
-from .engine import Engine, EngineConfig
-from .hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
-from .kv_pool import DualKVCache
-from .request import FINISH_ABORT, Request
-from .scheduler import QueueFullError, SchedulerConfig
+from . import completions
+from .engine import Engine
+from .engine_thread import EngineThread, Pending
+from .publisher import start_publisher
+from .request import FINISH_ABORT
+from .scheduler import QueueFullError
 from .tokenizer import ByteTokenizer
+from .worker_flags import build_engine, parse_args
 
-BODY_BYTES_MAX = 8 << 20
+__all__ = ["EngineThread", "WorkerApp", "make_app", "main", "parse_args", "build_engine"]
 
-
-class Pending:
-    """A submission travelling from a handler thread to the engine thread and back."""
-
-    def __init__(self, prompt: list[int], params, ) -> None:
-        self.prompt, self.params = prompt, params
-        self.done = threading.Event()
-        self.request: Request | None = None
-        self.error: Exception | None = None
-
-
-class EngineThread(threading.Thread):
-    """Owns the engine: drains the inbox, steps while there is work, wakes the waiters."""
-
-    def __init__(self, engine: Engine, inbox_max: int, integrity_check_s: float = 5.0) -> None:
-        super().__init__(name="engine-loop", daemon=True)
-        self.engine = engine
-        self.integrity_check_s = integrity_check_s
-        self._last_check = time.monotonic()
-        self.inbox: queue.Queue[Pending] = queue.Queue(maxsize=inbox_max)
-        self.waiters: dict[int, Pending] = {}
-        self.stopping = threading.Event()
-        self.failure: BaseException | None = None
-
-    def submit(self, p: Pending) -> None:
-        if self.stopping.is_set() or not self.is_alive():
-            raise QueueFullError("engine is not running")
-        try:
-            self.inbox.put_nowait(p)
-        except queue.Full:
-            raise QueueFullError("inbox is full") from None
-
-    def run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                self._drain_inbox(block=not self.engine.has_work())
-                if self.engine.has_work():
-                    for r in self.engine.step():
-                        self._wake(r)
-                    if not self.engine.last_step_ran:
-                        time.sleep(0.001)  # waiting requests wait on L3 prefetches
-                elif self.integrity_check_s and time.monotonic() - self._last_check >= self.integrity_check_s:
-                    self.engine.check_integrity()  # idle: an IntegrityError stops the worker loudly
-                    self._last_check = time.monotonic()
-        except BaseException as e:  # crash loudly, but never leave a waiter hanging
-            self.failure = e
-            raise
-        finally:
-            self.stopping.set()
-            for r in self.engine.abort_all():
-                self._wake(r)
-            self._drain_inbox(block=False)
-
-    def _drain_inbox(self, block: bool) -> None:
-        for i in range(self.inbox.maxsize):
-            try:
-                p = self.inbox.get(timeout=0.05) if block and i == 0 else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if self.stopping.is_set():
-                p.error = QueueFullError("engine is stopping")
-                p.done.set()
-                continue
-            try:
-                p.request = self.engine.add_request(p.prompt, p.params)
-                self.waiters[p.request.rid] = p
-            except (ValueError, QueueFullError) as e:
-                p.error = e
-                p.done.set()
-
-    def _wake(self, r: Request) -> None:
-        p = self.waiters.pop(r.rid, None)
-        if p is not None:
-            p.done.set()
+log = logging.getLogger("gcache.worker")
+LIVENESS_CHECK_S = 1.0  # a handler waiting on the engine checks this often that the engine still runs
+HTTP_COUNTERS = {
+    "http_rejected_in_flight_total": "requests answered 503 because every --max-in-flight slot was taken",
+    "http_body_timeouts_total": "requests whose body did not arrive within --body-timeout-s (408)",
+    "http_client_gone_total": "streamed requests cancelled because the client went away",
+    "http_request_timeouts_total": "requests not finished within --request-timeout-s (504 or stream error)",
+}
 
 
-class Handler(BaseHTTPRequestHandler):
-    server_version = "gcache-worker/0.1"
-    protocol_version = "HTTP/1.1"
+class WorkerApp:
+    """The aiohttp handlers of one worker; the engine lives in `engine_thread`."""
 
-    # set on the class by make_server
-    engine_thread: EngineThread
-    tokenizer: ByteTokenizer
-    model_name: str
-    request_timeout_s: float
-    slots: threading.BoundedSemaphore
+    def __init__(self, engine_thread: EngineThread, model_name: str, request_timeout_s: float = 600.0,
+                 max_in_flight: int = 256, body_timeout_s: float = BODY_DEADLINE_S,
+                 body_bytes_max: int = BODY_BYTES_MAX) -> None:
+        self.engine_thread = engine_thread
+        self.tok = ByteTokenizer(engine_thread.engine.vocab_size)
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+        self.body_timeout_s, self.body_bytes_max = body_timeout_s, body_bytes_max
+        self.limiter = InFlightLimiter(max_in_flight)
+        self.counters = HTTPCounters("gcache_worker_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics",
+                                                        "/v1/models"), HTTP_COUNTERS)
 
-    def log_message(self, fmt, *args) -> None:  # quiet: one line per error only
-        pass
+    def build(self) -> web.Application:
+        app = web.Application(middlewares=[self.counters.middleware(log)], client_max_size=self.body_bytes_max)
+        expect = expect_handler(self.body_bytes_max)
+        app.router.add_post(COMPLETIONS_PATH, self.completions, expect_handler=expect)
+        app.router.add_post(CHAT_PATH, self.chat, expect_handler=expect)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        return app
 
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    # ---- GET ------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine_thread.is_serving()
+        snap = self.engine_thread.engine.metrics.snapshot()
+        return json_response(200 if ok else 503, {"status": "ok" if ok else "down",
+                                                  "waiting": snap["waiting_requests"],
+                                                  "running": snap["running_requests"],
+                                                  "in_flight": self.limiter.in_flight})
 
-    def _json(self, status: int, obj: dict) -> None:
-        self._send(status, json.dumps(obj).encode())
+    async def metrics(self, request: web.Request) -> web.Response:
+        et = self.engine_thread
+        text = et.engine.metrics.render() + self.counters.render({
+            "http_in_flight": ("requests holding a completion slot", self.limiter.in_flight),
+            "step_hook_errors": ("exceptions raised by engine step hooks (logged, not fatal)", et.hook_errors)})
+        return prometheus_response(text)
 
-    def _error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        self._json(status, {"error": {"message": message, "type": kind, "code": status}})
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response(200, {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                               "owned_by": "gcache"}]})
 
-    def do_GET(self) -> None:
-        eng = self.engine_thread.engine
-        if self.path == "/health":
-            ok = self.engine_thread.is_alive() and not self.engine_thread.stopping.is_set()
-            snap = eng.metrics.snapshot()
-            self._json(200 if ok else 503, {"status": "ok" if ok else "down",
-                                            "waiting": snap["waiting_requests"],
-                                            "running": snap["running_requests"]})
-        elif self.path == "/metrics":
-            self._send(200, eng.metrics.render().encode(), "text/plain; version=0.0.4")
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-        else:
-            self._error(404, f"no such endpoint: GET {self.path}", "not_found")
+    # ---- POST -----------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS_PATH)
 
-    def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(404, f"no such endpoint: POST {self.path}", "not_found")
-            return
-        if not self.slots.acquire(blocking=False):
-            self._error(503, "too many requests in flight; retry later", "overloaded")
-            return
-        try:
-            self._complete()
-        finally:
-            self.slots.release()
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT_PATH)
 
-    def _read_body(self) -> bytes | None:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self._error(411, "a Content-Length header is required")
-            return None
-        if int(length) > BODY_BYTES_MAX:
-            self._error(413, f"body of {length} bytes exceeds the limit of {BODY_BYTES_MAX}")
-            self.close_connection = True
-            return None
-        return self.rfile.read(int(length))
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        async def run(body: bytes, parsed: ParsedRequest) -> web.StreamResponse:
+            return await self._run(request, parsed)
 
-    def _complete(self) -> None:
-        body = self._read_body()
-        if body is None:
-            return
-        try:
-            prompt, params = parse_completion(body, self.tokenizer)
-        except CompletionError as e:
-            self._error(400, str(e))
-            return
-        p = Pending(prompt, params)
+        return await serve_post(request, lambda payload: parse_request(path, payload, self.tok), run,
+                                limiter=self.limiter, counters=self.counters, body_bytes_max=self.body_bytes_max,
+                                body_timeout_s=self.body_timeout_s)
+
+    async def _run(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        p = Pending(parsed.prompt, completions.sampling_params(parsed, self.tok), OutputText(self.tok, parsed.stop),
+                    parsed.stream, loop)
         try:
             self.engine_thread.submit(p)
         except QueueFullError as e:
-            self._error(503, f"server busy: {e}", "overloaded")
-            return
-        if not p.done.wait(self.request_timeout_s):
-            self._error(504, f"request did not finish within {self.request_timeout_s} s", "timeout")
-            return
-        if p.error is not None:
-            status = 503 if isinstance(p.error, QueueFullError) else 400
-            self._error(status, str(p.error), "overloaded" if status == 503 else "invalid_request_error")
-            return
-        r = p.request
-        if r.finish_reason == FINISH_ABORT:
-            self._error(503, f"request aborted: {r.error}", "overloaded")
-            return
-        self._json(200, build_response(r, self.tokenizer, self.model_name))
+            return error_response(503, f"server busy: {e}")
+        deadline = loop.time() + self.request_timeout_s
+        try:
+            kind, value = await self._next_event(p, deadline)
+            if kind == "accepted" and parsed.stream:
+                return await self._stream(request, parsed, p, deadline)
+            while kind == "accepted":  # not streamed: no "text" events, only "done" (or "error")
+                kind, value = await self._next_event(p, deadline)
+            if kind == "error":
+                status = 503 if isinstance(value, QueueFullError) else 400
+                return error_response(status, str(value))
+            return self._full_answer(parsed, p, value)
+        except asyncio.TimeoutError:
+            self.engine_thread.cancel(p)
+            self.counters.inc("http_request_timeouts_total")
+            return error_response(504, f"request did not finish within {self.request_timeout_s:g} s")
+        except asyncio.CancelledError:
+            self.engine_thread.cancel(p)
+            raise
+
+    def _full_answer(self, parsed: ParsedRequest, p: Pending, r) -> web.Response:
+        if r.finish_reason == FINISH_ABORT and not p.output.stopped:
+            return error_response(503, f"request aborted: {r.error}")
+        return json_response(200, completions.full_response(parsed.kind, r, p.output, self.model_name))
+
+    async def _next_event(self, p: Pending, deadline: float) -> tuple[str, object]:
+        """The engine thread's next event for p; TimeoutError at the deadline. While waiting,
+        check every LIVENESS_CHECK_S that the engine thread still runs (a crash is a 503)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                return await asyncio.wait_for(p.events.get(), min(left, LIVENESS_CHECK_S))
+            except asyncio.TimeoutError:
+                if not self.engine_thread.is_serving() and p.events.empty():
+                    return "error", QueueFullError("engine stopped")
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, p: Pending,
+                      deadline: float) -> web.StreamResponse:
+        chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
+        resp = await sse.start(request)
+        try:
+            role = chunks.role()
+            if role is not None:
+                await resp.write(sse.event(role))
+            while True:
+                try:
+                    kind, value = await self._next_event(p, deadline)
+                except asyncio.TimeoutError:
+                    self.engine_thread.cancel(p)
+                    self.counters.inc("http_request_timeouts_total")
+                    await resp.write(sse.event(error_body(
+                        504, f"request did not finish within {self.request_timeout_s:g} s")))
+                    break
+                if kind == "text":
+                    await resp.write(sse.event(chunks.text(value)))
+                    continue
+                if kind == "error" or (value.finish_reason == FINISH_ABORT and not p.output.stopped):
+                    why = value if kind == "error" else f"request aborted: {value.error}"
+                    await resp.write(sse.event(error_body(503, str(why))))
+                    break
+                await resp.write(sse.event(chunks.text("", completions.finish_reason(value, p.output))))
+                if parsed.include_usage:
+                    await resp.write(sse.event(chunks.usage(completions.usage(value))))
+                break
+            await resp.write(sse.DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the client went away: stop computing for it
+            self.engine_thread.cancel(p)
+            self.counters.inc("http_client_gone_total")
+        return resp
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
-    from . import backend
-    from .model import Model
-    from .weights import load
-
-    weights = None
-    if args.weights:
-        cfg, weights = load(args.weights)
-    else:
-        overrides = json.loads(args.config_json) if args.config_json else {}
-        base = ModelConfig.large if args.preset == "large" else ModelConfig.small
-        cfg = base(**overrides)
-    if args.dtype:
-        cfg = cfg.with_dtype(args.dtype)
-    xp = backend.select_backend()
-    model = Model(cfg, weights, xp)
-    kv = DualKVCache.from_budget(cfg, int(args.kv_budget_mib * (1 << 20)), args.swa_full_ratio, xp)
-    sched = SchedulerConfig(policy=args.policy, max_waiting=args.max_waiting, max_running=args.max_running,
-                            max_tokens_per_step=args.max_tokens_per_step, chunk_tokens=args.chunk_tokens)
-    name = args.model_name or f"gcache-hybrid-{cfg.layers}l-{cfg.hidden}h"
-    hicache = HiCacheConfig(
-        l2_bytes=int(args.l2_mib * (1 << 20)), l2_swa_full_ratio=args.l2_swa_full_ratio, l3_url=args.l3,
-        model_name=name, write_policy=args.write_policy, write_threshold=args.write_threshold,
-        prefetch_policy=args.prefetch_policy, prefetch_timeout_s=args.prefetch_timeout_s,
-        swa_checkpoint_pages=args.swa_checkpoint_pages, layerwise_load=not args.no_layerwise_load,
-        l3_timeout_s=args.l3_timeout_s)
-    econf = EngineConfig(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                         prefix_cache=not args.no_prefix_cache, scheduler=sched, hicache=hicache)
-    return Engine(model, kv, econf), name
-
-
-def make_server(engine: Engine, host: str, port: int, model_name: str, request_timeout_s: float = 600.0,
-                max_in_flight: int = 256, integrity_check_s: float = 5.0) -> tuple[ThreadingHTTPServer, EngineThread]:
-    loop = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
-    handler = type("BoundHandler", (Handler,), {
-        "engine_thread": loop, "tokenizer": ByteTokenizer(engine.vocab_size), "model_name": model_name,
-        "request_timeout_s": request_timeout_s, "slots": threading.BoundedSemaphore(max_in_flight)})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server, loop
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="gcache-worker", description="Hybrid-SWA inference worker (HTTP)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--preset", choices=("small", "large"), default="small")
-    ap.add_argument("--config-json", default="", help='ModelConfig overrides, e.g. \'{"layers": 4}\'')
-    ap.add_argument("--weights", default="", help=".npz or .safetensors (config read from the file)")
-    ap.add_argument("--dtype", choices=("float32", "float64"), default="")
-    ap.add_argument("--model-name", default="")
-    ap.add_argument("--kv-budget-mib", type=float, default=64.0)
-    ap.add_argument("--swa-full-ratio", type=float, default=0.5, help="SWA pages per full page")
-    ap.add_argument("--policy", choices=("ttft", "fcfs"), default="ttft")
-    ap.add_argument("--no-prefix-cache", action="store_true")
-    ap.add_argument("--max-waiting", type=int, default=1024)
-    ap.add_argument("--max-running", type=int, default=32)
-    ap.add_argument("--max-tokens-per-step", type=int, default=512)
-    ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--max-prompt-tokens", type=int, default=8192)
-    ap.add_argument("--max-new-tokens", type=int, default=2048)
-    ap.add_argument("--max-in-flight", type=int, default=256, help="concurrent HTTP completions")
-    ap.add_argument("--request-timeout-s", type=float, default=600.0)
-    ap.add_argument("--integrity-check-s", type=float, default=5.0,
-                    help="when idle, check every cache invariant this often (0 = never)")
-    h = ap.add_argument_group("cache hierarchy (L1 device / L2 host / L3 GCache)")
-    h.add_argument("--l2-mib", type=float, default=0.0,
-                   help="host-memory KV pool (L2), MiB; pages evicted from the device go here (0 = no L2)")
-    h.add_argument("--l2-swa-full-ratio", type=float, default=0.25,
-                   help="SWA slots per full slot in L2 (L2 keeps SWA only at checkpoints)")
-    h.add_argument("--l3", default="", metavar="URL",
-                   help="GCache as L3: host:port of one gcache-server or gcache://m1:p,... for a cluster "
-                        "(needs --l2-mib); pages are keyed by --model-name, so workers of one model share them")
-    h.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
-                   help="write_through: cached pages go to L2/L3 at once; write_through_selective: once hit "
-                        "--write-threshold times; write_back: when evicted from the device")
-    h.add_argument("--write-threshold", type=int, default=2, help="hits before write_through_selective writes a page")
-    h.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout",
-                   help="a queued request prefetches from L3 while it waits; best_effort: admit it whenever "
-                        "it is its turn; wait_complete: not before the prefetch is done; timeout: wait at "
-                        "most --prefetch-timeout-s")
-    h.add_argument("--prefetch-timeout-s", type=float, default=0.5)
-    h.add_argument("--swa-checkpoint-pages", type=int, default=0,
-                   help="also keep SWA KV for the window before every N pages (0: only at request ends "
-                        "and branch points); more checkpoints = more resumable points, more SWA bytes")
-    h.add_argument("--no-layerwise-load", action="store_true",
-                   help="load host KV for all layers before computing (default: layer by layer, overlapped)")
-    h.add_argument("--l3-timeout-s", type=float, default=2.0,
-                   help="longest wait on GCache per call; after a failure L3 is skipped for a while")
-    return ap.parse_args(argv)
+def make_app(engine: Engine, model_name: str, request_timeout_s: float = 600.0, max_in_flight: int = 256,
+             integrity_check_s: float = 5.0, body_timeout_s: float = BODY_DEADLINE_S,
+             body_bytes_max: int = BODY_BYTES_MAX) -> tuple[web.Application, EngineThread]:
+    """The aiohttp app and its (not yet started) engine thread."""
+    engine_thread = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
+    worker = WorkerApp(engine_thread, model_name, request_timeout_s, max_in_flight, body_timeout_s, body_bytes_max)
+    return worker.build(), engine_thread
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         engine, name = build_engine(args)
     except (ValueError, OSError, GCacheError) as e:
         print(f"gcache-worker: {e}", file=sys.stderr)
         return 2
-    server, loop = make_server(engine, args.host, args.port, name, args.request_timeout_s, args.max_in_flight,
-                               args.integrity_check_s)
-    loop.start()
+    app, engine_thread = make_app(engine, name, args.request_timeout_s, args.max_in_flight, args.integrity_check_s,
+                                  args.body_timeout_s)
+    engine_thread.start()
+    publisher = None
 
-    def stop(signum, frame):  # shutdown() blocks until serve_forever returns: call it elsewhere
-        threading.Thread(target=server.shutdown, daemon=True).start()
+    def started(port: int) -> None:
+        nonlocal publisher
+        publisher = start_publisher(args, engine_thread, bound_port=port)  # None without --redis
+        tiers = "L1"
+        host_cache = getattr(engine.cache, "host", None)
+        if host_cache is not None:
+            tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
+        if getattr(engine.cache, "l3", None) is not None:
+            tiers += f" + L3 ({args.l3})"
+        print(f"gcache-worker: serving {name} on http://{args.host}:{port} (full pages {engine.kv.full.num_pages}, "
+              f"swa pages {engine.kv.swa.num_pages}; cache {tiers})", flush=True)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    host, port = server.server_address[:2]
-    tiers = "L1"
-    host_cache = getattr(engine.cache, "host", None)
-    if host_cache is not None:
-        tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
-    if getattr(engine.cache, "l3", None) is not None:
-        tiers += f" + L3 ({args.l3})"
-    print(f"gcache-worker: serving {name} on http://{host}:{port} "
-          f"(full pages {engine.kv.full.num_pages}, swa pages {engine.kv.swa.num_pages}; cache {tiers})", flush=True)
+    async def stopping() -> None:  # abort what runs so every handler answers, then the server closes
+        engine_thread.stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, engine_thread.join, 10)
+
     try:
-        server.serve_forever(poll_interval=0.2)
+        runner.serve_forever(app, args.host, args.port, on_started=started, before_cleanup=stopping)
+    except OSError as e:
+        print(f"gcache-worker: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad publisher flags
+        print(f"gcache-worker: {e}", file=sys.stderr)
+        return 2
     finally:
-        loop.stopping.set()
-        loop.join(timeout=10)
-        server.server_close()
+        if publisher is not None:
+            publisher.stop()
+        engine_thread.stopping.set()
+        engine_thread.join(timeout=10)
         engine.close()
+    if engine_thread.failure is not None:
+        print(f"gcache-worker: engine failed: {engine_thread.failure!r}", file=sys.stderr)
+        return 1
     return 0
 
 

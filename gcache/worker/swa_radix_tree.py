@@ -59,6 +59,10 @@ class SWARadixTree(SWAEvictionMixin):
         # Called with (page keys, full page ids, swa page ids or None) just before eviction
         # frees them to the pools: the hierarchy demotes them to host memory (write_back).
         self.on_evict: Callable[[list, list, list], None] | None = None
+        # Observers of which pages the tree holds (the router publisher), after on_evict:
+        # obs.pages_stored(keys, swa_live) once pages or their SWA KV entered the tree,
+        # obs.pages_evicted(keys, full_ids, swa_ids) like on_evict. Cheap, never touch the tree.
+        self.observers: list = []
 
     # ---- public API ----------------------------------------------------------------
     def match(self, tokens, max_len: int | None = None, keys: list | None = None) -> MatchResult:
@@ -202,6 +206,13 @@ class SWARadixTree(SWAEvictionMixin):
             node = node.parent
         return [k for keys in reversed(chain) for k in keys]
 
+    def _evicting(self, keys: list, full_ids: list, swa_ids: list) -> None:
+        """Pages are about to leave (full id given) or lose their SWA KV (full id None)."""
+        if self.on_evict is not None:
+            self.on_evict(keys, full_ids, swa_ids)
+        for obs in self.observers:
+            obs.pages_evicted(keys, full_ids, swa_ids)
+
     # ---- walking ---------------------------------------------------------------------
     def _page_keys(self, tokens, aligned: bool, keys: list | None = None) -> list[str]:
         arr = np.asarray(tokens)
@@ -340,6 +351,8 @@ class SWARadixTree(SWAEvictionMixin):
             node.swa[j] = s
             self._swa_owned.add(s)
             node.live_swa += 1
+            for obs in self.observers:
+                obs.pages_stored([node.keys[j]], [True])
             if node.live_swa == 1:
                 self._swa_lru[node] = None  # placed by the _touch that ends insert
         else:
@@ -370,6 +383,8 @@ class SWARadixTree(SWAEvictionMixin):
             self._swa_lru[leaf] = None
         self._full_owned.update(leaf.full)
         self._swa_owned.update(s for s in leaf.swa if s is not None)
+        for obs in self.observers:
+            obs.pages_stored(leaf.keys, [s is not None for s in leaf.swa])
         return keep, leaf
 
     def _last_safe_offset_at(self, node: TreeNode, off: int, start: int, swa: list) -> int:

@@ -119,8 +119,7 @@ class SWAEvictionMixin:
         for j in js:
             require(node.swa[j] is not None and not node.swa_locks[j], "tombstoning a dead or locked SWA page")
             pages.append(node.swa[j])
-        if self.on_evict is not None:
-            self.on_evict([node.keys[j] for j in js], [None] * len(js), pages)
+        self._evicting([node.keys[j] for j in js], [None] * len(js), pages)
         for j in js:
             node.swa[j] = None
         self.swa_pool.free(pages)
@@ -161,8 +160,8 @@ class SWAEvictionMixin:
     def _free_pages(self, node, k: int, freed: list) -> None:
         """Free node's pages from index k on (both pools) and cut them off."""
         full = node.full[k:]
-        if self.on_evict is not None and full:
-            self.on_evict(node.keys[k:], full, node.swa[k:])
+        if full:
+            self._evicting(node.keys[k:], full, node.swa[k:])
         swa = [s for s in node.swa[k:] if s is not None]
         self.full_pool.free(full)
         self.swa_pool.free(swa)

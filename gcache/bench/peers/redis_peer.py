@@ -9,6 +9,7 @@ import numpy as np
 
 from gcache.bench.local_server import free_port, wait_listening
 from gcache.bench.peers.base import Peer, PeerSpec
+from gcache.bench.processes import stop_process
 
 REDIS_START_TIMEOUT_S = 10.0
 REDIS_SOCKET_TIMEOUT_S = 60.0
@@ -89,13 +90,7 @@ class LocalRedis:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.dir.cleanup()
 
 

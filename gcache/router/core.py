@@ -1,0 +1,294 @@
+"""RouterCore: pick a worker for a prompt from the local view; keep the view current from Redis.
+
+pick() reads memory only. A background thread (or the caller, synchronously) runs refresh();
+when no refresh has succeeded for redis_stale_s (by `clock`), every policy falls back to
+least load over this router's own in-flight counts and the last known workers, so no request
+fails because Redis is down or slow; the next good refresh resyncs. The same fallback covers
+the registration gap after Redis restarts empty: the workers registered before it stay
+candidates until they re-register or worker_grace_s passes (state.py). A worker whose
+heartbeat lapsed (a stall, or it died) is a candidate only when no registered one is left.
+Workers that fail a request are backed off exponentially (backoff_base_s doubling to
+backoff_max_s).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .config import RouterConfig
+from .layout import Keys, id_bytes, page_ids
+from .policies import Candidate, Choice, LeastLoad, Prompt, make_policy
+from .state import ClusterView, RedisSync
+
+log = logging.getLogger("gcache.router")
+
+MODES = ("cache", "load", "capacity", "round_robin", "random", "fallback")
+REDIS_ERROR_CHARS = 300  # of a Redis error message kept for /health
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.clock = config, clock
+        self.view = ClusterView()
+        self.policy = make_policy(config)
+        self.fallback = LeastLoad(config)
+        self._local = threading.Lock()   # in-flight, backoff, policy state, counters
+        self._refreshing = threading.Lock()
+        self.inflight: dict[str, int] = {}
+        self.inflight_tokens: dict[str, int] = {}
+        self.backoff: dict[str, tuple[float, int]] = {}  # url -> (until, consecutive failures)
+        self.counters = {f"picks_{m}": 0 for m in MODES}
+        self.counters.update(refresh_ok=0, refresh_errors=0, refresh_crashes=0, picks_none=0, failures=0)
+        self._last_ok: float | None = None
+        self._redis_error: str = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.redis = None
+        self.sync: RedisSync | None = None
+        if config.redis_url:
+            import redis
+
+            self.redis = redis.Redis.from_url(
+                config.redis_url, socket_timeout=config.redis_timeout_s,
+                socket_connect_timeout=config.redis_timeout_s, retry_on_timeout=False,
+                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+            self.sync = RedisSync(self.redis, Keys(config.redis_prefix), config.workers, config.workers_max,
+                                  config.stream_read_max, config.l3_pages_max, config.worker_grace_s, clock)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self.sync is None or self.config.refresh_interval_s <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="router-refresh", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.config.redis_timeout_s + 1)
+        if self.redis is not None:
+            self.redis.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception:  # a bug, not Redis: the thread must live on (else: least load forever)
+                with self._local:
+                    self.counters["refresh_crashes"] += 1
+                    first = self.counters["refresh_crashes"] == 1
+                if first:
+                    log.exception("router: refresh crashed; will keep retrying")
+            self._stop.wait(self.config.refresh_interval_s)
+
+    # ---- Redis ---------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Synchronous resync from Redis; True if it answered. Never raises for Redis errors."""
+        if self.sync is None:
+            return False
+        import redis
+
+        with self._refreshing:
+            before = set(self.view.workers)
+            try:
+                if self._redis_error:  # Redis may have restarted empty: re-read the shared L3 too
+                    self.sync.reset_l3(self.view)
+                self.sync.refresh(self.view, after_error=bool(self._redis_error))
+            except (redis.RedisError, OSError, ValueError) as e:
+                with self._local:
+                    self.counters["refresh_errors"] += 1
+                if not self._redis_error:
+                    log.warning("router: Redis refresh failed (%s); routing by local least load", e)
+                self._redis_error = (str(e) or type(e).__name__)[:REDIS_ERROR_CHARS]
+                return False
+            gone = before - set(self.view.workers)
+            with self._local:
+                self.counters["refresh_ok"] += 1
+                for url in gone:  # what this router kept about it goes too (bounded by live workers)
+                    self.policy.forget(url)
+                    if url not in self.inflight:
+                        self.backoff.pop(url, None)
+            if self._redis_error:
+                log.warning("router: Redis is back; view resynced")
+            self._redis_error = ""
+            self._last_ok = self.clock()
+            return True
+
+    def redis_ok(self) -> bool:
+        return self._last_ok is not None and self.clock() - self._last_ok <= self.config.redis_stale_s
+
+    # ---- routing -------------------------------------------------------------------------
+    def workers(self) -> list[str]:
+        """Current candidates, sorted (static list, or the registered workers, see _routable)."""
+        with self.view.lock:
+            return self._routable()[0]
+
+    def _routable(self) -> tuple[list[str], frozenset]:
+        """(candidate URLs sorted, those among them whose registration is missing). Caller
+        holds the view lock. Candidates: the registered workers, plus those registered when
+        Redis last changed epoch that have not re-registered yet (within their grace); if
+        that is nobody, the listed workers whose heartbeat lapsed (within their grace), so
+        that a Redis that lost or delayed every registration never leaves us without one."""
+        if self.config.workers:
+            return list(self.config.workers), frozenset()
+        live, back, lapsed = [], [], []
+        for u, w in self.view.workers.items():
+            if w.reg is None:
+                continue
+            if w.missing_since is None:
+                live.append(u)
+            elif w.awaiting:
+                back.append(u)
+            elif w.listed:
+                lapsed.append(u)
+        if not live and not back:
+            back = lapsed
+        return sorted(live + back), frozenset(back)
+
+    def pick(self, tokens: Sequence[int], exclude: frozenset = frozenset()) -> str | None:
+        """The worker for this prompt, or None when there is none to send it to."""
+        choice = self._choose(tokens, exclude, commit=True)
+        return None if choice is None else choice.url
+
+    def explain(self, tokens: Sequence[int], exclude: frozenset = frozenset()) -> dict:
+        """What the policy sees per worker (read-only): tokens it credits, load, score, picked."""
+        choice = self._choose(tokens, exclude, commit=False)
+        if choice is None:
+            return {}
+        return {u: dict(info, picked=(u == choice.url), mode=choice.mode) for u, info in choice.scores.items()}
+
+    def _choose(self, tokens, exclude, commit: bool) -> Choice | None:
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("pick: tokens must be a sequence of token ids") from None
+        if arr.ndim != 1 or arr.size == 0 or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
+            raise ValueError("pick: tokens must be a non-empty 1-D sequence of ids in [0, 2^32)")
+        id_cache: dict[int, list[int]] = {}
+
+        def ids_for(ps: int) -> list[int]:
+            if ps not in id_cache:
+                id_cache[ps] = page_ids(arr, ps)
+            return id_cache[ps]
+
+        ids_for(self.config.page_size)  # hash outside the locks (the usual page size)
+        redis_ok = self.sync is None or self.redis_ok()
+        with self.view.lock, self._local:
+            cands, healthy = self._candidates(arr, ids_for, exclude, redis_ok)
+            if not cands:
+                self.counters["picks_none"] += 1
+                return None
+            prompt = Prompt(int(arr.size), ids_for, self.view.l3, self.config.page_size, self.clock())
+            if healthy:
+                choice = self.policy.choose(prompt, cands)
+            else:
+                c = self.fallback.choose(prompt, cands)
+                choice = Choice(c.url, "fallback", c.scores)
+            if commit:
+                self.policy.commit(prompt, choice.url)
+                self.counters[f"picks_{choice.mode}"] += 1
+            return choice
+
+    def _candidates(self, arr, ids_for, exclude, redis_ok: bool) -> tuple[list[Candidate], bool]:
+        """(candidates, healthy). Caller holds both locks. Not healthy (route by local least
+        load, no published state): Redis is stale, or a candidate's registration is missing.
+        Backed-off workers are left out unless all are (then the one whose backoff ends first
+        is the probe)."""
+        routable, missing = self._routable()
+        urls = [u for u in routable if u not in exclude]
+        if not urls:
+            return [], redis_ok
+        healthy = redis_ok and not missing.intersection(urls)
+        now = self.clock()
+        ready = [u for u in urls if self.backoff.get(u, (0.0, 0))[0] <= now]
+        if not ready:
+            ready = [min(urls, key=lambda u: (self.backoff[u][0], u))]
+        key = self._affinity_key(arr, ids_for)
+        out = []
+        for u in ready:
+            w = self.view.workers.get(u) if healthy else None
+            reg = w.reg if w is not None and w.missing_since is None else None
+            out.append(Candidate(u, zlib.crc32(key, zlib.crc32(u.encode())), self.inflight.get(u, 0),
+                                 self.inflight_tokens.get(u, 0), reg, w.flags if reg is not None else {}))
+        return out, healthy
+
+    def _affinity_key(self, arr, ids_for) -> bytes:
+        """The prompt's identity for tie-breaks: its last whole page id, so equal-score picks
+        spread over workers by prompt and a resend lands where the first one went."""
+        ids = ids_for(self.config.page_size)
+        return id_bytes(ids[-1]) if ids else arr.astype("<u4").tobytes()
+
+    # ---- request outcomes ------------------------------------------------------------------
+    def begin(self, url: str, tokens: int = 0) -> None:
+        """A request (of `tokens` prompt tokens, if known) is being sent to url."""
+        with self._local:
+            self.inflight[url] = self.inflight.get(url, 0) + 1
+            self.inflight_tokens[url] = self.inflight_tokens.get(url, 0) + max(0, int(tokens))
+
+    def end(self, url: str, ok: bool, tokens: int = 0) -> None:
+        """It finished; ok=False (connection error, 5xx) backs the worker off."""
+        with self._local:
+            n = self.inflight.get(url, 0) - 1
+            if n > 0:
+                self.inflight[url] = n
+                self.inflight_tokens[url] = max(0, self.inflight_tokens.get(url, 0) - max(0, int(tokens)))
+            else:
+                self.inflight.pop(url, None)
+                self.inflight_tokens.pop(url, None)
+            if ok:
+                self.backoff.pop(url, None)
+                return
+            self.counters["failures"] += 1
+            fails = self.backoff.get(url, (0.0, 0))[1] + 1
+            delay = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** min(fails - 1, 30))
+            self.backoff[url] = (self.clock() + delay, fails)
+
+    # ---- observability -----------------------------------------------------------------------
+    def health(self) -> dict:
+        """redis: off (no Redis) | down (stale: least load) | resync (a candidate has not
+        re-registered since Redis lost it: least load) | up."""
+        now = self.clock()
+        redis_state = "off" if self.sync is None else ("up" if self.redis_ok() else "down")
+        with self.view.lock, self._local:
+            urls, missing = self._routable()
+            if missing and redis_state == "up":
+                redis_state = "resync"
+            workers = []
+            for u in urls:
+                w = self.view.workers.get(u)
+                until = self.backoff.get(u, (0.0, 0))[0]
+                ld = w.reg.load if w is not None and w.reg is not None else None
+                workers.append({"url": u, "registered": u not in missing, "inflight": self.inflight.get(u, 0),
+                                "backoff_s": round(max(0.0, until - now), 3),
+                                "running": ld.running if ld else None, "waiting": ld.waiting if ld else None,
+                                "pages": len(w.flags) if w is not None else 0})
+        return {"status": "ok" if workers else "no_workers", "policy": self.config.policy, "redis": redis_state,
+                "redis_error": self._redis_error, "workers": workers}
+
+    def metrics_text(self) -> str:
+        h = self.health()
+        lines = ["# TYPE gcache_router_picks_total counter"]
+        with self._local:
+            for m in MODES:
+                lines.append(f'gcache_router_picks_total{{mode="{m}"}} {self.counters[f"picks_{m}"]}')
+            lines.append(f"gcache_router_picks_no_worker_total {self.counters['picks_none']}")
+            lines.append(f"gcache_router_worker_failures_total {self.counters['failures']}")
+            lines.append(f"gcache_router_refresh_ok_total {self.counters['refresh_ok']}")
+            lines.append(f"gcache_router_refresh_errors_total {self.counters['refresh_errors']}")
+            lines.append(f"gcache_router_refresh_crashes_total {self.counters['refresh_crashes']}")
+        if self.sync is not None:
+            for k, v in self.sync.stats.items():
+                lines.append(f"gcache_router_sync_{k}_total {v}")
+        lines.append(f"gcache_router_redis_up {int(h['redis'] == 'up')}")
+        lines.append(f"gcache_router_workers {len(h['workers'])}")
+        with self.view.lock:
+            lines.append(f"gcache_router_view_pages {self.view.pages()}")
+            lines.append(f"gcache_router_view_l3_pages {len(self.view.l3)}")
+        for w in h["workers"]:
+            lines.append(f'gcache_router_inflight{{worker="{w["url"]}"}} {w["inflight"]}')
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""How much of a prompt a worker could resume from, per tier, from the router's view of it.
+
+Window-safe (what the worker's HiCache.match will really load): a resume point p needs full
+KV for every page before p and SWA KV for the pages covering the W tokens before p (its
+window tail), i.e. p is one of the worker's published checkpoints. L1 is matched from page
+0; L2 extends from the L1 point exactly as HiCache does (`last_safe_end` over the host
+pages); the shared L3 extends from there. Raw overlap (what SWA-unaware routers count) is
+the run of pages with full KV, SWA ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """Pages (cumulative ends): l1 <= l2 <= l3, window-safe; raw_l1 / raw_host: SWA-unaware runs."""
+
+    l1: int = 0
+    l2: int = 0
+    l3: int = 0
+    raw_l1: int = 0     # pages with L1 full KV from page 0, SWA ignored
+    raw_host: int = 0   # further pages with L2 full KV after raw_l1, SWA ignored
+
+
+def _tail_start(end: int, page_size: int, window: int) -> int:
+    return max(0, (end * page_size - window) // page_size)
+
+
+def _extend(ids: Sequence[int], start: int, limit: int, flags_of, full_bit: int, swa_bit: int,
+            page_size: int, window: int) -> int:
+    """Last window-safe end reachable from `start` (a window-safe point of a tier above, or 0)
+    through pages with `full_bit`; SWA of the tail pages at or after start must have swa_bit
+    (those before start are covered by the tier above). Same rule as swa_window.last_safe_end."""
+    best, run = start, 0
+    get = flags_of.get
+    for i in range(start, limit):
+        f = get(ids[i], 0)
+        if not f & full_bit:
+            break
+        run = run + 1 if f & swa_bit else 0
+        end = i + 1
+        if run >= end - max(start, _tail_start(end, page_size, window)):
+            best = end
+    return best
+
+
+def _run(ids: Sequence[int], start: int, limit: int, flags_of, bit: int) -> int:
+    get = flags_of.get
+    i = start
+    while i < limit and get(ids[i], 0) & bit:
+        i += 1
+    return i - start
+
+
+def match_worker(ids: Sequence[int], limit: int, flags: Mapping[int, int], l3: Mapping[int, int],
+                 page_size: int, window: int) -> TierMatch:
+    """The tier match of one worker for a prompt whose page ids are `ids`, looking at most at
+    `limit` pages (the worker leaves a token to compute: (tokens - 1) // page_size)."""
+    limit = min(limit, len(ids))
+    m1 = _extend(ids, 0, limit, flags, L1_FULL, L1_SWA, page_size, window)
+    m2 = _extend(ids, m1, limit, flags, L2_FULL, L2_SWA, page_size, window)
+    m3 = _extend(ids, m2, limit, l3, L3_FULL, L3_SWA, page_size, window) if l3 else m2
+    raw_l1 = _run(ids, 0, limit, flags, L1_FULL)
+    raw_host = _run(ids, raw_l1, limit, flags, L2_FULL)
+    return TierMatch(m1, m2, m3, raw_l1, raw_host)
+
+
+def match_l3_only(ids: Sequence[int], limit: int, l3: Mapping[int, int], page_size: int, window: int) -> int:
+    """Window-safe pages any worker could load from L3 alone (a worker the router knows nothing of)."""
+    return _extend(ids, 0, min(limit, len(ids)), l3, L3_FULL, L3_SWA, page_size, window) if l3 else 0

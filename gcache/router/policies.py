@@ -1,0 +1,342 @@
+"""Routing policies: each scores the candidate workers for one prompt; the highest score wins,
+ties go to the higher rendezvous rank (a hash of URL and prompt, the same on every router).
+
+  cache_aware  the seed's score: match_weight * window-safe match % (tier-weighted) - load / max
+               load, with sgl-router's imbalance guard (above it: least load).
+  cache_ttft   lowest estimated TTFT: this request's uncached tokens (window-safe, tier-weighted)
+               plus the worker's queued uncached tokens and running requests (CacheTTFT).
+  dynamo       Dynamo's KV-router cost, SWA-unaware: overlap_weight * prefill_blocks +
+               decode_blocks, overlap = raw run of cached full pages (SWA ignored).
+  approx_tree  sgl-router's cache_aware, SWA-unaware: a per-worker approximate prefix index of
+               the prompts this router sent, no engine feedback (its launcher's defaults).
+  least_load, round_robin, random.
+"""
+from __future__ import annotations
+
+import random as _random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .config import RouterConfig
+from .layout import Registration
+from .match import TierMatch, match_worker
+from .recent import RecentPrompts
+
+
+@dataclass
+class Candidate:
+    url: str
+    rank: int                            # rendezvous tie-break, higher wins
+    inflight: int = 0                    # this router's requests in flight to it
+    inflight_tokens: int = 0             # their prompt tokens (when the caller told begin())
+    reg: Registration | None = None      # None: nothing published (static worker, Redis down)
+    flags: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    """One request as the policies see it: token count, page ids per page size (lazy), L3 view."""
+
+    num_tokens: int
+    ids_for: Callable[[int], Sequence[int]]
+    l3: Mapping[int, int]
+    default_page_size: int
+    now: float = 0.0                     # the router's clock
+
+
+@dataclass(frozen=True)
+class Choice:
+    url: str
+    mode: str                            # cache | load | capacity | round_robin | random | fallback
+    scores: dict                         # url -> what the policy saw (explain)
+
+
+def load_of(c: Candidate, cfg: RouterConfig) -> float:
+    """Load in request units: published running + waiting (or this router's in-flight if
+    higher) plus queued uncached prompt tokens (work not started yet)."""
+    if c.reg is None:
+        return float(c.inflight)
+    ld = c.reg.load
+    return max(ld.running + ld.waiting, c.inflight) + ld.queued_tokens / cfg.load_tokens_per_request
+
+
+def imbalanced(loads: Sequence[float], cfg: RouterConfig) -> bool:
+    hi, lo = max(loads), min(loads)
+    return hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold
+
+
+def tier_match(p: Prompt, c: Candidate) -> tuple[TierMatch, int]:
+    """(window-safe tier match, page size) of one candidate."""
+    if c.reg is None:
+        return TierMatch(), p.default_page_size
+    ps = c.reg.page_size
+    ids = p.ids_for(ps)
+    return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3, ps, c.reg.window), ps
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+
+    def evaluate(self, p: Prompt, cands: list[Candidate]) -> tuple[str, dict]:
+        """(mode, url -> info dict with a "score"). Read-only."""
+        raise NotImplementedError
+
+    def choose(self, p: Prompt, cands: list[Candidate]) -> Choice:
+        mode, scores = self.evaluate(p, cands)
+        best = max(cands, key=lambda c: (scores[c.url]["score"], c.rank))
+        return Choice(best.url, mode, scores)
+
+    def commit(self, p: Prompt, url: str) -> None:
+        """The request went to url (policies that learn from their own decisions)."""
+
+    def forget(self, url: str) -> None:
+        """The worker left."""
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def evaluate(self, p, cands):
+        return "load", {c.url: {"load": load_of(c, self.cfg), "score": -load_of(c, self.cfg)} for c in cands}
+
+
+class CacheAware(Policy):
+    """The seed's score over the window-safe tier match; until a worker publishes what it
+    got, the ends of prompts this router sent it count as L1 (recent.py)."""
+
+    name = "cache_aware"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        self.recent = RecentPrompts(cfg.recent_ttl_s, cfg.recent_max)
+        self._ps: dict[str, int] = {}
+
+    def credited(self, p: Prompt, c: Candidate) -> tuple[int, int, int, int]:
+        """Tokens credited per tier (l1, l2, l3, window-safe) and the raw L1 overlap, with this
+        router's recent prompt ends counted as L1 until the worker publishes them."""
+        self._ps[c.url] = c.reg.page_size if c.reg is not None else p.default_page_size
+        m, ps = tier_match(p, c)
+        sent = self.recent.credit(c.url, p.ids_for(ps), (p.num_tokens - 1) // ps, p.now)
+        if sent > m.l1:  # our own recent prompt ends beyond what the worker has published
+            m = TierMatch(sent, max(sent, m.l2), max(sent, m.l3), m.raw_l1, m.raw_host)
+        return m.l1 * ps, (m.l2 - m.l1) * ps, (m.l3 - m.l2) * ps, m.raw_l1 * ps
+
+    def evaluate(self, p, cands):
+        cfg = self.cfg
+        loads = {c.url: load_of(c, cfg) for c in cands}
+        for c in cands:
+            self._ps[c.url] = c.reg.page_size if c.reg is not None else p.default_page_size
+        if imbalanced(list(loads.values()), cfg):
+            return "load", {u: {"load": ld, "score": -ld} for u, ld in loads.items()}
+        top = max(max(loads.values()), cfg.load_norm_min) or 1.0
+        w1, w2, w3 = cfg.tier_weights
+        out = {}
+        for c in cands:
+            l1, l2, l3, raw = self.credited(p, c)
+            pct = (w1 * l1 + w2 * l2 + w3 * l3) / p.num_tokens
+            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+                          "load": loads[c.url], "score": cfg.match_weight * pct - loads[c.url] / top}
+        return "cache", out
+
+    def commit(self, p, url):
+        self.recent.record(url, p.ids_for(self._ps.get(url, p.default_page_size)), p.now)
+
+    def forget(self, url):
+        self.recent.forget(url)
+        self._ps.pop(url, None)
+
+
+class CacheTTFT(CacheAware):
+    """Lowest estimated time to first token, in prompt-token units (compute per token is the
+    same on every worker, so it cancels):
+
+      own    = prompt tokens - (w1 * l1 + w2 * l2 + w3 * l3)   this request's uncached work
+               (window-safe match; an L2 / L3 token costs 1 - its tier weight: the copy)
+      queue  = min(queued, requests * own)   the worker's queued uncached tokens, but a request
+               waits for at most `own` tokens of each one ahead (the worker's scheduler runs the
+               shortest remaining prefill first and shares each step's budget in chunks)
+             + the same for this router's requests the worker has not published yet
+             + running_tokens * requests    (each running request slows every step)
+      cost   = own_weight * own + queue      (own_weight > 1 also charges the work this request
+                                              adds to everyone else's wait)
+
+    At low load the queues are short and a conversation stays where its history is (leaving
+    costs the whole history); it moves only when the home worker's queue is longer than the
+    history it would recompute elsewhere, so load balances itself as the rate grows."""
+
+    name = "cache_ttft"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        self.sent: dict[str, deque[float]] = {}   # per worker: own-estimates of requests sent, newest last
+        self._last: tuple[Prompt, dict] | None = None
+
+    def unpublished(self, c: Candidate) -> list[float]:
+        """Own-estimates of this router's requests the worker's published load does not show yet
+        (the newest in-flight ones beyond its published running + waiting)."""
+        published = c.reg.load.running + c.reg.load.waiting if c.reg is not None else 0
+        missing = max(0, c.inflight - published)
+        sent = list(self.sent.get(c.url, ()))
+        return sent[len(sent) - missing:] if missing else []
+
+    def evaluate(self, p, cands):
+        cfg = self.cfg
+        w1, w2, w3 = cfg.tier_weights
+        out = {}
+        for c in cands:
+            l1, l2, l3, raw = self.credited(p, c)
+            own = max(0.0, p.num_tokens - (w1 * l1 + w2 * l2 + w3 * l3))
+            if c.reg is not None:
+                published = c.reg.load.running + c.reg.load.waiting
+                queued = min(float(c.reg.load.queued_tokens), published * own)
+            else:
+                published, queued = 0, 0.0
+            pending = self.unpublished(c)
+            queue = (queued + sum(min(e, own) for e in pending)
+                     + cfg.ttft_running_tokens * max(published, c.inflight))
+            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+                          "own_tokens": own, "queue_tokens": queue, "load": load_of(c, cfg),
+                          "score": -(cfg.ttft_own_weight * own + queue)}
+        return "cache", out
+
+    def choose(self, p, cands):
+        choice = super().choose(p, cands)
+        self._last = (p, choice.scores)
+        return choice
+
+    def commit(self, p, url):
+        super().commit(p, url)
+        own = float(p.num_tokens)
+        if self._last is not None and self._last[0] is p and url in self._last[1]:
+            own = self._last[1][url].get("own_tokens", own)
+        self._last = None
+        self.sent.setdefault(url, deque(maxlen=self.cfg.ttft_unpublished_max)).append(own)
+
+    def forget(self, url):
+        super().forget(url)
+        self.sent.pop(url, None)
+
+
+class Dynamo(Policy):
+    """Lowest overlap_weight * prefill_blocks + decode_blocks (NVIDIA Dynamo's KV router).
+    Prefill: the prompt's blocks not in the raw overlap plus the worker's queued prefill;
+    decode: the worker's active blocks plus this request's new blocks."""
+
+    name = "dynamo"
+
+    def evaluate(self, p, cands):
+        cfg, out = self.cfg, {}
+        for c in cands:
+            m, ps = tier_match(p, c)
+            overlap = m.raw_l1 + cfg.dynamo_host_weight * m.raw_host
+            new_tokens = max(0.0, p.num_tokens - overlap * ps)
+            queued = c.reg.load.queued_tokens if c.reg else 0
+            active = max(c.reg.load.active_tokens if c.reg else 0, c.inflight_tokens)
+            prefill_blocks = (new_tokens + queued) / ps
+            decode_blocks = (active + new_tokens) / ps
+            cost = cfg.dynamo_overlap_weight * prefill_blocks + decode_blocks
+            out[c.url] = {"raw_overlap": m.raw_l1 * ps, "host_overlap": m.raw_host * ps,
+                          "match": int(overlap * ps), "prefill_blocks": prefill_blocks,
+                          "decode_blocks": decode_blocks, "load": load_of(c, cfg), "score": -cost}
+        return "cache", out
+
+
+class ApproxTree(Policy):
+    """sgl-router's cache_aware: per worker, the page ids of prompts this router sent (LRU,
+    capped); imbalanced (on this router's in-flight counts) -> least load; else the longest
+    match if it covers more than cache_threshold of the prompt, else the smallest tree."""
+
+    name = "approx_tree"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        self.trees: dict[str, OrderedDict[int, None]] = {}
+        self._chosen_ps = cfg.page_size
+
+    def _page_size(self, cands) -> int:
+        for c in cands:
+            if c.reg is not None:
+                return c.reg.page_size
+        return self.cfg.page_size
+
+    def evaluate(self, p, cands):
+        cfg = self.cfg
+        loads = [float(c.inflight) for c in cands]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > cfg.approx_balance_abs_threshold and hi > lo * cfg.approx_balance_rel_threshold:
+            return "load", {c.url: {"load": float(c.inflight), "score": -float(c.inflight)} for c in cands}
+        ids = p.ids_for(self._page_size(cands))
+        matched = {}
+        for c in cands:
+            tree, n = self.trees.get(c.url), 0
+            if tree:
+                while n < len(ids) and ids[n] in tree:
+                    n += 1
+            matched[c.url] = n
+        best = max(matched.values())
+        ps = self._page_size(cands)
+        if ids and best / len(ids) > cfg.approx_cache_threshold:
+            return "cache", {c.url: {"match": matched[c.url] * ps, "load": float(c.inflight),
+                                     "score": matched[c.url]} for c in cands}
+        return "capacity", {c.url: {"match": matched[c.url] * ps, "tree_pages": len(self.trees.get(c.url, ())),
+                                    "load": float(c.inflight), "score": -len(self.trees.get(c.url, ()))}
+                            for c in cands}
+
+    def commit(self, p, url):
+        tree = self.trees.setdefault(url, OrderedDict())
+        ids = p.ids_for(self._chosen_ps)
+        for pid in reversed(ids):  # suffix first: page 0 ends most recent, so LRU cuts leaves first
+            tree[pid] = None
+            tree.move_to_end(pid)
+        while len(tree) > self.cfg.approx_max_pages:
+            tree.popitem(last=False)
+
+    def choose(self, p, cands):
+        self._chosen_ps = self._page_size(cands)  # commit() hashes at the page size it matched with
+        return super().choose(p, cands)
+
+    def forget(self, url):
+        self.trees.pop(url, None)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.next = 0
+
+    def evaluate(self, p, cands):
+        order = sorted(c.url for c in cands)
+        target = order[self.next % len(order)]
+        return "round_robin", {c.url: {"load": load_of(c, self.cfg), "score": float(c.url == target)} for c in cands}
+
+    def commit(self, p, url):
+        self.next += 1
+
+
+class Random(Policy):
+    name = "random"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.rng = _random.Random(cfg.seed)
+
+    def evaluate(self, p, cands):
+        return "random", {c.url: {"load": load_of(c, self.cfg), "score": 0.0} for c in cands}
+
+    def choose(self, p, cands):
+        _, scores = self.evaluate(p, cands)
+        url = self.rng.choice(sorted(c.url for c in cands))
+        return Choice(url, "random", scores)
+
+
+POLICY_CLASSES = {cls.name: cls for cls in (CacheAware, CacheTTFT, Dynamo, ApproxTree, LeastLoad, RoundRobin, Random)}
+
+
+def make_policy(cfg: RouterConfig) -> Policy:
+    return POLICY_CLASSES[cfg.policy](cfg)

@@ -1,0 +1,62 @@
+"""OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions."""
+from __future__ import annotations
+
+import secrets
+import time
+
+_PROCESS_TAG = secrets.token_hex(4)  # ids stay unique across workers and restarts
+
+
+def response_id(kind: str, rid: int) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{_PROCESS_TAG}{rid}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: dict) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens,
+                                      "cached_tokens_by_tier": dict(cached_by_tier)}}
+
+
+def full_body(kind: str, rid_str: str, model: str, text: str, token_ids: list[int], finish_reason: str,
+              usage_: dict, extras: dict) -> dict:
+    """The non-streamed answer. extras (ttft_ms, ...) go at the top level."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason, "token_ids": token_ids}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid_str, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, **extras}
+
+
+class StreamChunks:
+    """The chunks of one streamed answer (same id and `created` on every chunk)."""
+
+    def __init__(self, kind: str, rid_str: str, model: str) -> None:
+        self.kind, self.id, self.model = kind, rid_str, model
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _chunk(self, choices: list, **more) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **more}
+
+    def role(self) -> dict | None:
+        """Chat streams open with the assistant role (OpenAI does); completions have none."""
+        if self.kind != "chat":
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def text(self, piece: str, finish_reason: str | None = None) -> dict:
+        if self.kind == "chat":
+            delta = {"content": piece} if piece else {}
+            return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage(self, usage_: dict) -> dict:
+        return self._chunk([], usage=usage_)
