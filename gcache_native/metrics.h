@@ -55,7 +55,11 @@ struct Histogram {
   X(errors_timeout)                   \
   X(connections_accepted)             \
   X(requests)                         \
-  X(requests_stale_epoch)
+  X(requests_stale_epoch)             \
+  X(auth_successes)                   \
+  X(auth_failures)                    \
+  X(errors_unauthenticated)           \
+  X(errors_forbidden)
 
 #define GCACHE_HISTOGRAMS(X) \
   X(put_batch)               \

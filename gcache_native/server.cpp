@@ -38,6 +38,8 @@ constexpr double kMinBytesPerSecond = double(1 << 20);
 // A cluster map is a few hundred bytes per node; this bound keeps every
 // STALE_EPOCH and PING answer far below the clients' 16 MiB metadata limit.
 constexpr size_t kClusterMapBytesMax = 4 << 20;
+// PING and AUTH requests are a few dozen bytes; before AUTH nothing larger is read.
+constexpr uint32_t kUnauthenticatedMetaBytesMax = 4096;
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -155,6 +157,7 @@ Histogram* histogram_for(Metrics* m, uint8_t opcode) {
     case Opcode::GetBatch: return &m->latency_get_batch;
     case Opcode::ExistsBatch: return &m->latency_exists_batch;
     case Opcode::RemoveBatch: return &m->latency_remove_batch;
+    case Opcode::Auth: return nullptr;  // answered before the histograms
   }
   return nullptr;
 }
@@ -242,6 +245,11 @@ class Server::PutAdmission {
 
 struct Server::Connection {
   int fd = -1;
+  int64_t accepted_us = 0;
+  const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
+  bool nonce_issued = false;       // a challenge is outstanding (single use)
+  uint8_t nonce[kAuthNonceBytes] = {};
+  std::string keys_buf;            // the request's keys with the tenant prefix
   std::thread thread;
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
@@ -362,6 +370,36 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   }
   if (!r.at_end()) return bad("bytes after the metadata map");
   return {};
+}
+
+// Gives every key of the request its store name: the tenant prefix (auth on),
+// nothing otherwise. A key longer than the protocol allows (512 B; the
+// cluster role sends already-prefixed keys, so it may use the prefix's room)
+// becomes empty: a put of it is KEY_INVALID, a read of it a miss.
+void namespace_keys(Server::Connection* c) {
+  std::vector<std::string_view>& keys = c->batch.keys;
+  const Tenant* t = c->tenant;
+  const std::string_view prefix = t ? std::string_view(t->key_prefix) : std::string_view();
+  const size_t key_max = t && prefix.empty() ? kKeyBytesMax : kUserKeyBytesMax;
+  if (prefix.empty()) {
+    for (std::string_view& k : keys)
+      if (k.size() > key_max) k = std::string_view();
+    return;
+  }
+  size_t total = 0;
+  for (std::string_view k : keys) total += prefix.size() + k.size();
+  c->keys_buf.clear();
+  c->keys_buf.reserve(total);  // no reallocation below: the views stay valid
+  for (std::string_view& k : keys) {
+    if (k.empty() || k.size() > key_max) {
+      k = std::string_view();
+      continue;
+    }
+    const size_t at = c->keys_buf.size();
+    c->keys_buf.append(prefix);
+    c->keys_buf.append(k);
+    k = std::string_view(c->keys_buf.data() + at, prefix.size() + k.size());
+  }
 }
 
 // Releases every lease of a GET response, also when sending fails.
@@ -558,6 +596,7 @@ void Server::accept_loop() {
     set_timeout(fd, SO_SNDTIMEO, config_.stall_timeout_s);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
+    conn->accepted_us = now_us();
     conn->stall_timeout_s = config_.stall_timeout_s;
     Connection* raw = conn.get();
     metrics_->connections_open++;
@@ -580,7 +619,15 @@ void Server::serve(Connection* c) {
     for (;;) {
       // Wait for the next frame: idle timeout, or the stop signal when idle.
       pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(config_.idle_timeout_s));
+      double wait_s = config_.idle_timeout_s;
+      if (auth_on() && c->tenant == nullptr) {  // unauthenticated: only until the auth deadline
+        wait_s = std::min(wait_s, config_.auth_timeout_s - double(now_us() - c->accepted_us) / 1e6);
+        if (wait_s <= 0) {
+          metrics_->errors_timeout++;
+          break;
+        }
+      }
+      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
       if (ready < 0) {
         if (errno == EINTR) continue;
         break;
@@ -633,12 +680,33 @@ void Server::serve(Connection* c) {
         linger_close(c);
         break;
       }
+      if (auth_on() && c->tenant == nullptr) {
+        // Before AUTH: only PING and AUTH, with small metadata and no payload;
+        // anything else is answered once and the connection closed.
+        const bool allowed = Opcode(h.opcode) == Opcode::Ping || Opcode(h.opcode) == Opcode::Auth;
+        if (!allowed || h.meta_len > kUnauthenticatedMetaBytesMax || h.payload_len > 0) {
+          metrics_->errors_unauthenticated++;
+          send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+                     "this node requires authentication: connect with a token of its --auth-file "
+                     "(gcache.Client(..., token=...) or GCACHE_TOKEN); before AUTH only PING is "
+                     "answered; the connection is closed");
+          linger_close(c);
+          break;
+        }
+      }
+      if (Opcode(h.opcode) == Opcode::Auth) {
+        if (!handle_auth(c, h)) {
+          linger_close(c);
+          break;
+        }
+        continue;
+      }
       Histogram* latency = histogram_for(metrics_, h.opcode);
       if (latency == nullptr) {
         discard(c, uint64_t(h.meta_len) + h.payload_len);
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
                    "unknown opcode " + std::to_string(h.opcode) +
-                       "; this server knows opcodes 1-6 (docs/protocol.md); frame skipped");
+                       "; this server knows opcodes 1-7 (docs/protocol.md); frame skipped");
         continue;
       }
       handle_frame(c, h);
@@ -692,6 +760,21 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
                "metadata needs \"keys\": a list of bin keys (docs/protocol.md)");
     return;
   }
+  if (auth_on()) {
+    const uint8_t needed = (op == Opcode::PutBatch || op == Opcode::RemoveBatch) ? kRoleWrite
+                           : (op == Opcode::GetBatch || op == Opcode::ExistsBatch) ? kRoleRead
+                                                                                    : 0;
+    if (needed != 0 && !(c->tenant->roles & (needed | kRoleCluster))) {
+      if (op == Opcode::PutBatch) discard(c, h.payload_len);
+      metrics_->errors_forbidden++;
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Forbidden,
+                 "tenant '" + c->tenant->name + "' lacks the '" +
+                     (needed == kRoleWrite ? "write" : "read") +
+                     "' role for this request; add it to the tenant's roles in the --auth-file");
+      return;
+    }
+  }
+  if (batch_op) namespace_keys(c);
   // A client routing by an older map may be talking to the wrong node: refuse
   // before touching the store. PING and STATS are always answered. A PUT is
   // checked and counted in one step (see wait_puts_admitted_before).
@@ -713,6 +796,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       case Opcode::RemoveBatch: reply = handle_remove(c, h); break;
       case Opcode::Stats: reply = handle_stats(c, h); break;
       case Opcode::Ping: reply = handle_ping(c, h); break;
+      case Opcode::Auth: break;  // answered in serve()
     }
   } catch (const ConnectionLost&) {
     throw;
@@ -894,7 +978,8 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
 }
 
 Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
-  const auto [epoch, map_bytes] = cluster_map();
+  auto [epoch, map_bytes] = cluster_map();
+  if (auth_on() && c->tenant == nullptr) map_bytes = std::make_shared<const std::string>();  // authenticated peers only
   MsgpackWriter& out = c->out;
   out.clear();
   out.map(3);
@@ -906,6 +991,89 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   out.bin(*map_bytes);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
+}
+
+// AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
+// A node without --auth-file answers {"auth": false} to both.
+bool Server::handle_auth(Connection* c, const FrameHeader& h) {
+  c->meta.resize(h.meta_len);
+  if (h.meta_len > 0) recv_exact(c->fd, c->meta.data(), h.meta_len, c->deadline_us);
+  if (h.payload_len > 0) {
+    discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH carries no payload; send payload_len=0");
+    return true;
+  }
+  std::string_view id, mac;
+  bool has_id = false, has_mac = false;
+  MsgpackReader r(c->meta.data(), c->meta.size());
+  uint32_t entries = 0;
+  bool ok = c->meta.empty() || r.read_map(&entries);
+  for (uint32_t i = 0; ok && i < entries; ++i) {
+    std::string_view name;
+    ok = r.read_bytes(&name);
+    if (!ok) break;
+    if (name == "id") ok = has_id = r.read_bytes(&id);
+    else if (name == "mac") ok = has_mac = r.read_bytes(&mac);
+    else ok = r.skip();
+  }
+  if (!ok || !r.at_end() || has_id != has_mac) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH metadata must be {} (ask for a nonce) or {\"id\": bin, \"mac\": bin} "
+               "(docs/protocol.md, \"Authentication\")");
+    return true;
+  }
+  MsgpackWriter& out = c->out;
+  out.clear();
+  if (!auth_on()) {
+    out.map(1);
+    out.str("auth");
+    out.boolean(false);
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  if (c->tenant != nullptr) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "this connection is already authenticated as tenant '" + c->tenant->name +
+                   "'; open a new connection to use another token");
+    return true;
+  }
+  if (!has_id) {
+    random_bytes(c->nonce, kAuthNonceBytes);
+    c->nonce_issued = true;
+    out.map(2);
+    out.str("auth");
+    out.boolean(true);
+    out.str("nonce");
+    out.bin(std::string_view(reinterpret_cast<const char*>(c->nonce), kAuthNonceBytes));
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  const Tenant* t = c->nonce_issued ? config_.tenants->verify(id, c->nonce, mac) : nullptr;
+  c->nonce_issued = false;  // one answer per nonce
+  if (t == nullptr) {
+    metrics_->auth_failures++;
+    metrics_->errors_unauthenticated++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+               "authentication failed: this node's --auth-file has no tenant with that token "
+               "(check GCACHE_TOKEN or the client's token=); the connection is closed");
+    return false;
+  }
+  c->tenant = t;
+  metrics_->auth_successes++;
+  out.map(2);
+  out.str("tenant");
+  out.str(t->name);
+  out.str("roles");
+  uint32_t n = 0;
+  for (uint8_t bit : {kRoleRead, kRoleWrite, kRoleAdmin, kRoleCluster}) n += (t->roles & bit) ? 1 : 0;
+  out.array(n);
+  if (t->roles & kRoleRead) out.str("read");
+  if (t->roles & kRoleWrite) out.str("write");
+  if (t->roles & kRoleAdmin) out.str("admin");
+  if (t->roles & kRoleCluster) out.str("cluster");
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return true;
 }
 
 void Server::send_stale_epoch(Connection* c, const FrameHeader& h) {

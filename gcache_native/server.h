@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 
+#include "auth.h"
 #include "metrics.h"
 #include "store.h"
 
@@ -33,6 +34,9 @@ struct ServerConfig {
   int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning (measured faster on loopback)
   int64_t epoch = 0;                             // initial cluster-map epoch (see set_cluster_map)
   std::string version = "0.1.0";                 // reported by PING
+  // Authentication (--auth-file): null = off, every connection may do everything.
+  std::shared_ptr<const TenantTable> tenants;
+  double auth_timeout_s = 5;                     // an unauthenticated connection lives this long
 };
 
 // Raised when the listening socket cannot be created (port taken, bad host).
@@ -87,6 +91,8 @@ class Server {
   Reply handle_remove(Connection* c, const FrameHeader& h);
   Reply handle_stats(Connection* c, const FrameHeader& h);
   Reply handle_ping(Connection* c, const FrameHeader& h);
+  bool handle_auth(Connection* c, const FrameHeader& h);  // false: close the connection
+  bool auth_on() const { return config_.tenants != nullptr; }
   void send_stale_epoch(Connection* c, const FrameHeader& h);
 
   ServerConfig config_;

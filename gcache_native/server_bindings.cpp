@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "auth.h"
 #include "metrics.h"
+#include "sha256.h"
 #include "server.h"
 #include "store.h"
 
@@ -35,12 +37,43 @@ struct Node {
   std::unique_ptr<Server> server;
 };
 
+// [{"name", "token", "roles": [str], "memory": int, "disk": int | None}] ->
+// the tenant table; ValueError naming what is wrong.
+std::shared_ptr<const gcache::TenantTable> read_tenants(const py::list& items) {
+  std::vector<std::unique_ptr<gcache::Tenant>> tenants;
+  for (py::handle item : items) {
+    py::dict d = py::cast<py::dict>(item);
+    auto t = std::make_unique<gcache::Tenant>();
+    t->name = py::cast<std::string>(d["name"]);
+    t->token = py::cast<std::string>(d["token"]);
+    for (py::handle role : py::cast<py::list>(d["roles"])) {
+      const std::string r = py::cast<std::string>(role);
+      if (r == "read") t->roles |= gcache::kRoleRead;
+      else if (r == "write") t->roles |= gcache::kRoleWrite;
+      else if (r == "admin") t->roles |= gcache::kRoleAdmin;
+      else if (r == "cluster") t->roles |= gcache::kRoleCluster;
+      else throw py::value_error("tenant '" + t->name + "': unknown role '" + r + "'");
+    }
+    if (d.contains("memory") && !d["memory"].is_none()) t->memory_quota = py::cast<uint64_t>(d["memory"]);
+    if (d.contains("disk") && !d["disk"].is_none()) {
+      t->disk_quota = py::cast<uint64_t>(d["disk"]);
+      t->disk_off = t->disk_quota == 0;
+    }
+    tenants.push_back(std::move(t));
+  }
+  try {
+    return std::make_shared<const gcache::TenantTable>(std::move(tenants));
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+}
+
 void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
   static const std::set<std::string> known = {
       "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
       "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
       "memory_bytes", "disk_bytes", "data_dir", "segment_bytes", "value_bytes_max",
-      "small_queue_fraction", "eviction_attempts_max", "warm_restart"};
+      "small_queue_fraction", "eviction_attempts_max", "warm_restart", "tenants", "auth_timeout_s"};
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
@@ -64,6 +97,8 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "small_queue_fraction") sc->small_queue_fraction = py::cast<double>(v);
     else if (key == "eviction_attempts_max") sc->eviction_attempts_max = py::cast<uint32_t>(v);
     else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
+    else if (key == "auth_timeout_s") vc->auth_timeout_s = py::cast<double>(v);
+    else if (key == "tenants" && !v.is_none()) vc->tenants = read_tenants(py::cast<py::list>(v));
   }
 }
 
@@ -103,6 +138,13 @@ py::dict stats_dict(Node& node) {
 }  // namespace
 
 void bind_server(py::module_& m) {
+  m.def("hmac_sha256",
+        [](py::bytes key, py::bytes message) {
+          const auto d = gcache::hmac_sha256(std::string(key), std::string(message));
+          return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+        },
+        py::arg("key"), py::arg("message"),
+        "HMAC-SHA256 as the data server computes it for AUTH (tests compare it with hmac).");
   py::register_exception<gcache::BindError>(m, "BindError", PyExc_OSError);
   py::register_exception<StoreOpenError>(m, "StoreOpenError", PyExc_RuntimeError);
 
@@ -115,7 +157,9 @@ until start(). Config keys: host, port (0 = any free port), connections_max,
 idle_timeout_s, stall_timeout_s, meta_bytes_max, frame_payload_bytes_max,
 batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
 data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
-eviction_attempts_max, warm_restart. Unknown keys raise ValueError.
+eviction_attempts_max, warm_restart, tenants (None = no authentication, or a
+list of {"name", "token", "roles": ["read"|"write"|"admin"|"cluster"], "memory",
+"disk"}), auth_timeout_s. Unknown keys raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")
       .def(py::init([](py::dict config) {

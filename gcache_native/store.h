@@ -14,7 +14,11 @@
 
 namespace gcache {
 
-constexpr uint32_t kKeyBytesMax = 512;
+// A client key is 1..512 bytes (docs/protocol.md); an authenticated node
+// stores it behind its tenant's prefix (name + NUL, at most 33 bytes).
+constexpr uint32_t kUserKeyBytesMax = 512;
+constexpr uint32_t kTenantPrefixBytesMax = 33;
+constexpr uint32_t kKeyBytesMax = kUserKeyBytesMax + kTenantPrefixBytesMax;
 
 struct StoreConfig {
   uint64_t memory_bytes = 1ull << 30;         // size of the shared-memory arena

@@ -68,6 +68,24 @@ class ServerSettings:
     heartbeat_interval_s: float = 1.0
     rebalance_batch_bytes: int = 64 << 20
     memory_pressure_drain: float = 0.0  # 0 = off
+    # Authentication (docs/security.md); "" = off. The parsed file is `self.auth`
+    # (not a field, so tokens never reach as_dict() and the config log line).
+    auth_file: str = ""
+    auth_timeout_s: float = 5.0
+
+    @property
+    def auth(self):
+        """The AuthConfig of auth_file (loaded once), or None without one."""
+        if not self.auth_file:
+            return None
+        cached = self.__dict__.get("_auth")
+        if cached is None or cached.path != self.auth_file:
+            from gcache.auth import AuthFileError, load_auth_file
+            try:
+                cached = self.__dict__["_auth"] = load_auth_file(self.auth_file)
+            except AuthFileError as e:
+                raise ConfigError(str(e)) from None
+        return cached
 
     def advertise_address(self, bound_port: int | None = None) -> str:
         """host:port other nodes and clients use to reach this node's data port."""
@@ -88,6 +106,8 @@ class ServerSettings:
             "connections_max": self.connections_max, "idle_timeout_s": self.idle_timeout_s,
             "stall_timeout_s": self.stall_timeout_s, "segment_bytes": self.segment_bytes,
             "warm_restart": self.warm_restart,
+            "tenants": self.auth.native_tenants() if self.auth else None,
+            "auth_timeout_s": self.auth_timeout_s,
         }
 
     def as_dict(self) -> dict:
@@ -163,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long requests in flight may take to finish (default 10)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default info)")
+    security = p.add_argument_group("authentication (docs/security.md)")
+    security.add_argument("--auth-file", metavar="FILE",
+                          help="TOML file of tenants (token, roles, quotas): clients must authenticate "
+                               "(challenge-response), keys are namespaced per tenant, POST /flush and "
+                               "/drain need an admin token (default: none, no authentication)")
+    security.add_argument("--auth-timeout-s", type=float,
+                          help="close a connection that has not authenticated within this long; "
+                               "before AUTH only PING is answered (default 5)")
     cluster = p.add_argument_group("cluster (docs/cluster.md)")
     cluster.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]",
                          help="gcache-master replicas to register with (default: none, a standalone node)")
@@ -238,11 +266,20 @@ def _validate(s: ServerSettings) -> None:
         (s.segment_bytes >= 1 << 20, "--segment-bytes must be at least 1MiB"),
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
+        (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
     _validate_cluster(s)
+    if s.auth_file:
+        auth = s.auth  # ConfigError if unreadable or invalid
+        if s.master:
+            from gcache.auth import AuthFileError
+            try:
+                auth.cluster_token()  # a cluster node needs the cluster role's token
+            except AuthFileError as e:
+                raise ConfigError(str(e)) from None
 
 
 def _is_host_port(text: str) -> bool:
@@ -291,7 +328,7 @@ def load_settings(argv: list[str] | None = None) -> ServerSettings:
     types = {f.name: f.type for f in fields(ServerSettings)}
     for name, value in merged.items():
         kind = types[name]
-        if name in ("admin_host", "master", "node_id", "advertise"):
+        if name in ("admin_host", "master", "node_id", "advertise", "auth_file"):
             kind = str
         setattr(settings, name, _coerce(name, value, kind))
     _validate(settings)

@@ -54,11 +54,13 @@ class Node:
 
                 self.admin_http = AdminHttpServer(admin_host, settings.admin_port, self.stats,
                                                   self.flush, self.ready,
-                                                  cluster=self.cluster_status, drain=self.request_drain)
+                                                  cluster=self.cluster_status, drain=self.request_drain,
+                                                  auth=settings.auth)
             if settings.grpc_port:
                 from gcache.server.admin_grpc import AdminGrpcServer
 
-                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush)
+                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush,
+                                                  auth=settings.auth)
             config = settings.native_config()
             config["version"] = __version__
             self.native = _native.Server(config)
