@@ -44,8 +44,7 @@ struct Tenant {
   std::string key_prefix;     // name + '\0', prepended to every key; empty for the cluster role
   uint32_t index = 0;         // position in the table (1-based; 0 = no tenant)
   // Live counts, kept by the server.
-  std::atomic<uint32_t> connections{0};
-  std::atomic<uint64_t> reserved_bytes{0};
+  mutable std::atomic<uint32_t> connections{0};
 };
 
 class TenantTable {

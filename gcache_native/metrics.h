@@ -59,7 +59,13 @@ struct Histogram {
   X(auth_successes)                   \
   X(auth_failures)                    \
   X(errors_unauthenticated)           \
-  X(errors_forbidden)
+  X(errors_forbidden)                 \
+  X(connections_refused_address)      \
+  X(connections_refused_tenant)       \
+  X(idle_closes)                      \
+  X(puts_reserve_refused)             \
+  X(meta_budget_refused)              \
+  X(index_evictions)
 
 #define GCACHE_HISTOGRAMS(X) \
   X(put_batch)               \

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -28,6 +29,7 @@ namespace {
 
 constexpr size_t kScratchBytes = 256 << 10;     // discard buffer per connection
 constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed after use
+constexpr size_t kMetaFreeBytes = 64 << 10;     // meta buffer bytes not charged to the global budget
 constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
 constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
 // A frame (or a response) must move at least this fast on average. SO_RCVTIMEO
@@ -48,7 +50,7 @@ int64_t now_us() {
 }
 
 int clamp_ms(double seconds) {
-  const double ms = seconds * 1000.0;
+  const double ms = std::ceil(seconds * 1000.0);  // never wake before the time is up
   if (ms <= 0) return 0;
   if (ms >= double(INT_MAX)) return INT_MAX;
   return int(ms);
@@ -68,9 +70,7 @@ int64_t transfer_deadline_us(int64_t start_us, double stall_timeout_s, uint64_t 
   return start_us + int64_t(std::min(budget_s, 1e9) * 1e6);
 }
 
-// Checked after every partial read or write. A recv/send blocks for at most
-// the socket timeout (the stall timeout), so a peer overruns its deadline by
-// at most one stall timeout.
+// Checked after every partial read or write.
 void check_deadline(int64_t deadline_us) {
   if (deadline_us > 0 && now_us() > deadline_us) throw ConnectionLost{true};
 }
@@ -102,40 +102,87 @@ void set_timeout(int fd, int option, double seconds) {
   setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
 }
 
-// Reads exactly n bytes; a peer that goes silent for the socket's
-// SO_RCVTIMEO (the stall timeout), misses deadline_us (0 = none) or closes
-// mid-way throws.
-void recv_exact(int fd, void* buf, size_t n, int64_t deadline_us) {
+// A connection's socket and the kernel timeouts set on it. A blocking
+// recv/send waits in slices of at most stall_s / kStallSlices (SO_RCVTIMEO /
+// SO_SNDTIMEO). A call that returns early with everything moved was making
+// progress until then; one cut short by its timeout is taken to have moved
+// its bytes at its start (the kernel does not say when). So a connection is
+// cut after between (1 - 1/kStallSlices) and 1 stall timeout without a byte,
+// and never past the transfer's deadline: a frame or response that stops, or
+// trickles, ends when its deadline says, not one stall timeout later.
+constexpr double kStallSlices = 8;
+
+struct SocketTimer {
+  int fd = -1;
+  double stall_s = 0;  // 0: no timeouts
+  double rcv_s = 0, snd_s = 0;  // what SO_RCVTIMEO / SO_SNDTIMEO are set to now
+
+  static SocketTimer for_socket(int fd, double stall_s) {
+    const double slice = stall_s / kStallSlices;
+    set_timeout(fd, SO_RCVTIMEO, slice);
+    set_timeout(fd, SO_SNDTIMEO, slice);
+    return SocketTimer{fd, stall_s, slice, slice};
+  }
+};
+
+// Before a blocking call: throws a timeout if nothing is left of the wait,
+// else makes the kernel timeout the next slice (shorter near the deadline or
+// the end of the allowed silence); the common case makes no system call.
+void arm(SocketTimer& t, int option, double* current, int64_t deadline_us, int64_t last_progress_us) {
+  if (t.stall_s <= 0) return;
+  const int64_t now = now_us();
+  double left = t.stall_s - double(now - last_progress_us) / 1e6;
+  if (deadline_us > 0) left = std::min(left, double(deadline_us - now) / 1e6);
+  if (left <= 0) throw ConnectionLost{true};
+  const double slice = std::min(left, t.stall_s / kStallSlices);
+  const double tolerance = std::max(0.002, 0.02 * slice);
+  if (*current > slice + tolerance || *current < slice - tolerance) {
+    set_timeout(t.fd, option, slice);
+    *current = slice;
+  }
+}
+
+// Reads exactly n bytes; a peer silent for the stall timeout, past
+// deadline_us (0 = none), or closing mid-way throws.
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
   auto* p = static_cast<uint8_t*>(buf);
+  int64_t last_progress = now_us();
   while (n > 0) {
-    const ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, last_progress);
+    const int64_t call_start = now_us();
+    const ssize_t r = recv(t.fd, p, n, MSG_WAITALL);
     if (r > 0) {
       p += r;
       n -= size_t(r);
-      if (n > 0) check_deadline(deadline_us);  // a timed-out MSG_WAITALL returns its partial count
+      last_progress = n > 0 ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
+      if (n > 0) check_deadline(deadline_us);
     } else if (r == 0) {
       throw ConnectionLost{false};
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      throw ConnectionLost{true};
-    } else if (errno != EINTR) {
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       throw ConnectionLost{false};
-    }
+    }  // EAGAIN: a slice passed without a byte; arm() decides whether any wait is left
   }
 }
 
 // Writes every byte of iov[0..count) before deadline_us (0 = none); the
 // iovecs are consumed in place.
-void send_all(int fd, iovec* iov, size_t count, int64_t deadline_us) {
+void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us) {
+  int64_t last_progress = now_us();
   while (count > 0) {
+    arm(t, SO_SNDTIMEO, &t.snd_s, deadline_us, last_progress);
+    const int64_t call_start = now_us();
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = count < size_t(IOV_MAX) ? count : size_t(IOV_MAX);
-    ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    ssize_t r = sendmsg(t.fd, &msg, MSG_NOSIGNAL);
     if (r < 0) {
-      if (errno == EINTR) continue;
-      throw ConnectionLost{errno == EAGAIN || errno == EWOULDBLOCK};
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;  // arm() decides
+      throw ConnectionLost{false};
     }
     size_t sent = size_t(r);
+    size_t total = 0;
+    for (size_t i = 0; i < msg.msg_iovlen; ++i) total += iov[i].iov_len;
+    if (r > 0) last_progress = sent < total ? call_start : now_us();  // short: the slice ran out
     while (count > 0 && sent >= iov->iov_len) {
       sent -= iov->iov_len;
       ++iov;
@@ -245,11 +292,16 @@ class Server::PutAdmission {
 
 struct Server::Connection {
   int fd = -1;
+  SocketTimer timer;  // fd and its kernel timeouts (see arm)
   int64_t accepted_us = 0;
   const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
   bool nonce_issued = false;       // a challenge is outstanding (single use)
   uint8_t nonce[kAuthNonceBytes] = {};
   std::string keys_buf;            // the request's keys with the tenant prefix
+  std::string peer;                // the peer's address (no port): --connections-per-address-max
+  std::string owner;               // whose budget shares it uses: "a:" + peer, or "t:" + tenant
+  int64_t last_work_us = 0;        // last data request or AUTH: the idle timeout counts from here
+  uint64_t meta_charged = 0;       // meta buffer bytes charged to the global budget
   std::thread thread;
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
@@ -269,7 +321,7 @@ void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
     const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
-    recv_exact(c->fd, c->scratch.data(), chunk, c->deadline_us);
+    recv_exact(c->timer, c->scratch.data(), chunk, c->deadline_us);
     n -= chunk;
   }
 }
@@ -288,7 +340,7 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
   // The response gets its own budget: the peer has to read all of it.
   uint64_t bytes = 0;
   for (const iovec& v : c->iov) bytes += v.iov_len;
-  send_all(c->fd, c->iov.data(), c->iov.size(),
+  send_all(c->timer, c->iov.data(), c->iov.size(),
            transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
 }
 
@@ -320,6 +372,35 @@ void linger_close(Server::Connection* c) {
     if (r <= 0) break;
     drained += size_t(r);
   }
+}
+
+// Answers BUSY on a connection the accept loop will not serve, then closes it.
+void refuse_busy(int fd, Metrics* m, const std::string& message) {
+  Server::Connection busy;
+  busy.fd = fd;
+  busy.stall_timeout_s = 0.1;
+  busy.timer = SocketTimer::for_socket(fd, 0.1);  // never let one peer stall the accept loop
+  try {
+    send_error(&busy, m, 0, 0, FrameStatus::Busy, message);
+  } catch (const ConnectionLost&) {
+  }
+  shutdown(fd, SHUT_WR);
+  close(fd);
+}
+
+// The peer's IP address as text (IPv4-mapped IPv6 as IPv4), without the port.
+std::string peer_address(const sockaddr_storage& addr) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text, sizeof text);
+  } else if (addr.ss_family == AF_INET6) {
+    const auto* a6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr))
+      inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], text, sizeof text);
+    else
+      inet_ntop(AF_INET6, &a6->sin6_addr, text, sizeof text);
+  }
+  return text;
 }
 
 // Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
@@ -416,7 +497,10 @@ struct LeaseGuard {
 
 Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
     : config_(config), store_(store), metrics_(metrics), epoch_(config.epoch),
-      map_bytes_(std::make_shared<const std::string>()) {
+      map_bytes_(std::make_shared<const std::string>()),
+      peers_(config.connections_per_address_max),
+      reservations_(config.put_reserve_bytes_max, config.put_reserve_bytes_max / 4),
+      meta_buffers_(config.meta_buffer_bytes_max, config.meta_buffer_bytes_max / 4) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -566,38 +650,39 @@ void Server::accept_loop() {
     if (stopping_ || (fds[1].revents & POLLIN)) break;
     reap_finished();
     if (!(fds[0].revents & POLLIN)) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    sockaddr_storage peer_addr{};
+    socklen_t peer_len = sizeof peer_addr;
+    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));  // don't spin on fd exhaustion
       continue;
     }
     metrics_->connections_accepted++;
+    const std::string peer = peer_address(peer_addr);
     if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
-      Connection busy;
-      busy.fd = fd;
-      busy.stall_timeout_s = 0.1;
-      set_timeout(fd, SO_SNDTIMEO, 0.1);  // never let one peer stall the accept loop
-      try {
-        send_error(&busy, metrics_, 0, 0, FrameStatus::Busy,
-                   "server has " + std::to_string(config_.connections_max) +
-                       " connections (connections_max); retry later, reuse pooled connections, or "
-                       "raise --connections-max");
-      } catch (const ConnectionLost&) {
-      }
-      shutdown(fd, SHUT_WR);
-      close(fd);
+      refuse_busy(fd, metrics_, "server has " + std::to_string(config_.connections_max) +
+                                    " connections (connections_max); retry later, reuse pooled connections, or "
+                                    "raise --connections-max");
+      continue;
+    }
+    if (!peers_.try_add(peer)) {
+      metrics_->connections_refused_address++;
+      refuse_busy(fd, metrics_, "address " + peer + " already has " +
+                                    std::to_string(config_.connections_per_address_max) +
+                                    " connections (--connections-per-address-max); reuse pooled connections");
       continue;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     set_socket_buffers(fd, config_.socket_buffer_bytes);
-    set_timeout(fd, SO_RCVTIMEO, config_.stall_timeout_s);
-    set_timeout(fd, SO_SNDTIMEO, config_.stall_timeout_s);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
-    conn->accepted_us = now_us();
+    conn->accepted_us = conn->last_work_us = now_us();
+    conn->peer = peer;
+    conn->owner = "a:" + peer;
     conn->stall_timeout_s = config_.stall_timeout_s;
+    conn->timer = SocketTimer::for_socket(fd, config_.stall_timeout_s);
     Connection* raw = conn.get();
     metrics_->connections_open++;
     std::lock_guard<std::mutex> lock(conns_mu_);
@@ -607,6 +692,7 @@ void Server::accept_loop() {
     } catch (const std::system_error&) {
       metrics_->errors_internal++;
       metrics_->connections_open--;
+      peers_.remove(peer);
       close(fd);
     }
   }
@@ -619,7 +705,12 @@ void Server::serve(Connection* c) {
     for (;;) {
       // Wait for the next frame: idle timeout, or the stop signal when idle.
       pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-      double wait_s = config_.idle_timeout_s;
+      // Idle counts from the last data request: PINGs alone cannot keep a slot.
+      double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
+      if (wait_s <= 0) {
+        metrics_->idle_closes++;
+        break;
+      }
       if (auth_on() && c->tenant == nullptr) {  // unauthenticated: only until the auth deadline
         wait_s = std::min(wait_s, config_.auth_timeout_s - double(now_us() - c->accepted_us) / 1e6);
         if (wait_s <= 0) {
@@ -632,7 +723,8 @@ void Server::serve(Connection* c) {
         if (errno == EINTR) continue;
         break;
       }
-      if (ready == 0 || fds[0].revents == 0) break;  // idle timeout, or stopping and idle
+      if (ready == 0 && !stopping_) continue;  // the loop head decides: idle, or auth deadline
+      if (ready == 0 || fds[0].revents == 0) break;  // stopping and idle
       if (stopping_ && now_us() > stop_deadline_us_) break;
 
       // First byte: a clean EOF here is an ordinary close.
@@ -648,7 +740,7 @@ void Server::serve(Connection* c) {
       const int64_t first_byte_us = now_us();
       c->deadline_us = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, kFrameHeaderBytes);
       if (size_t(got) < kFrameHeaderBytes)
-        recv_exact(fd, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
+        recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
 
       const int64_t start_us = now_us();
       const FrameHeader h = parse_frame_header(header_bytes);
@@ -711,13 +803,19 @@ void Server::serve(Connection* c) {
       }
       handle_frame(c, h);
       latency->record_us(uint64_t(now_us() - start_us));
-      if (c->meta.capacity() > kMetaKeepBytes) std::vector<uint8_t>().swap(c->meta);
+      // Keep a large buffer for the next frame only while the global budget has room.
+      if (c->meta.capacity() > kMetaKeepBytes ||
+          (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
+        release_meta(c);
     }
   } catch (const ConnectionLost& lost) {
     if (lost.timeout) metrics_->errors_timeout++;
   } catch (const std::exception&) {
     metrics_->errors_internal++;  // cannot answer: framing state unknown
   }
+  release_meta(c);
+  peers_.remove(c->peer);
+  if (c->tenant != nullptr) c->tenant->connections--;
   std::lock_guard<std::mutex> lock(conns_mu_);
   close(c->fd);
   c->fd = -1;
@@ -734,8 +832,17 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
   size_t got = 0;
   while (got < h.meta_len) {
     const size_t chunk = std::min<size_t>(h.meta_len - got, std::max<size_t>(64 << 10, got));
+    if (!grow_meta(c, got + chunk)) {
+      metrics_->meta_budget_refused++;
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
+                 "the node's metadata buffers are full (--meta-buffer-bytes-max=" +
+                     std::to_string(config_.meta_buffer_bytes_max) +
+                     "): send smaller batches, or retry; the connection is closed");
+      linger_close(c);
+      throw ConnectionLost{false};
+    }
     c->meta.resize(got + chunk);
-    recv_exact(c->fd, c->meta.data() + got, chunk, c->deadline_us);
+    recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
   if (op != Opcode::PutBatch && h.payload_len > 0) {
@@ -774,7 +881,10 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       return;
     }
   }
-  if (batch_op) namespace_keys(c);
+  if (batch_op) {
+    c->last_work_us = now_us();
+    namespace_keys(c);
+  }
   // A client routing by an older map may be talking to the wrong node: refuse
   // before touching the store. PING and STATS are always answered. A PUT is
   // checked and counted in one step (see wait_puts_admitted_before).
@@ -834,15 +944,34 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   uint64_t consumed = 0;
   try {
     for (size_t i = 0; i < n; ++i) {
+      // Arena is reserved only against a budget of bytes not yet received:
+      // declaring a large value without sending it cannot evict hot data.
+      if (!reservations_.acquire(c->owner, b.lens[i], budget_wait_deadline(c))) {
+        metrics_->puts_reserve_refused++;
+        metrics_->puts_no_space++;
+        discard(c, b.lens[i]);
+        consumed += b.lens[i];
+        statuses[i] = uint8_t(PutStatus::NoSpace);
+        continue;
+      }
       Reservation r;
-      PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r);
-      if (s == PutStatus::Stored) {
-        try {
-          recv_exact(c->fd, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
-        } catch (...) {
-          store_->abort_put(r);
-          throw;
+      PutStatus s;
+      try {
+        s = store_->begin_put(b.keys[i], b.lens[i], &r);
+        if (s == PutStatus::Stored) {
+          try {
+            recv_exact(c->timer, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
+          } catch (...) {
+            store_->abort_put(r);
+            throw;
+          }
         }
+      } catch (...) {
+        reservations_.release(c->owner, b.lens[i]);
+        throw;
+      }
+      reservations_.release(c->owner, b.lens[i]);
+      if (s == PutStatus::Stored) {
         consumed += b.lens[i];
         s = store_->commit_put(b.keys[i], r, b.sums[i]);
       } else {
@@ -951,7 +1080,7 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
   }
   std::vector<std::pair<std::string, int64_t>> gauges;
   store_->fill_gauges(&gauges);
-  gauges.emplace_back("connections_open", metrics_->connections_open.load());
+  fill_gauges(&gauges);
   out.str("gauges");
   out.map(uint32_t(gauges.size()));
   for (const auto& [name, value] : gauges) {
@@ -993,11 +1122,43 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   return {};
 }
 
+bool Server::grow_meta(Connection* c, size_t bytes) {
+  const uint64_t need = bytes > kMetaFreeBytes ? bytes - kMetaFreeBytes : 0;
+  if (need > c->meta_charged) {
+    // Only a connection holding nothing waits: two half-grown buffers waiting
+    // for each other's bytes would otherwise hold the budget until they time out.
+    const int64_t deadline = c->meta_charged > 0 ? 0 : budget_wait_deadline(c);
+    if (!meta_buffers_.acquire(c->owner, need - c->meta_charged, deadline)) return false;
+    c->meta_charged = need;
+  }
+  c->meta.reserve(bytes);
+  return true;
+}
+
+void Server::release_meta(Connection* c) {
+  std::vector<uint8_t>().swap(c->meta);
+  meta_buffers_.release(c->owner, c->meta_charged);
+  c->meta_charged = 0;
+}
+
+// A request waits for a budget at most the stall timeout, and never past its frame's deadline.
+int64_t Server::budget_wait_deadline(const Connection* c) const {
+  if (stopping_) return 0;
+  const int64_t wait_end = now_us() + int64_t(config_.stall_timeout_s * 1e6);
+  return c->deadline_us > 0 ? std::min(c->deadline_us, wait_end) : wait_end;
+}
+
+void Server::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const {
+  out->emplace_back("connections_open", metrics_->connections_open.load());
+  out->emplace_back("put_reserved_bytes", int64_t(reservations_.used()));
+  out->emplace_back("meta_buffer_bytes", int64_t(meta_buffers_.used()));
+}
+
 // AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
 // A node without --auth-file answers {"auth": false} to both.
 bool Server::handle_auth(Connection* c, const FrameHeader& h) {
   c->meta.resize(h.meta_len);
-  if (h.meta_len > 0) recv_exact(c->fd, c->meta.data(), h.meta_len, c->deadline_us);
+  if (h.meta_len > 0) recv_exact(c->timer, c->meta.data(), h.meta_len, c->deadline_us);
   if (h.payload_len > 0) {
     discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
@@ -1059,7 +1220,18 @@ bool Server::handle_auth(Connection* c, const FrameHeader& h) {
                "(check GCACHE_TOKEN or the client's token=); the connection is closed");
     return false;
   }
+  const uint32_t tenant_max = config_.connections_per_tenant_max;
+  if (t->connections.fetch_add(1) >= tenant_max && tenant_max > 0) {
+    t->connections--;
+    metrics_->connections_refused_tenant++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Busy,
+               "tenant '" + t->name + "' already has " + std::to_string(tenant_max) +
+                   " connections (--connections-per-tenant-max); reuse pooled connections");
+    return false;
+  }
   c->tenant = t;
+  c->owner = "t:" + t->name;
+  c->last_work_us = now_us();
   metrics_->auth_successes++;
   out.map(2);
   out.str("tenant");

@@ -73,7 +73,9 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
       "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
       "memory_bytes", "disk_bytes", "data_dir", "segment_bytes", "value_bytes_max",
-      "small_queue_fraction", "eviction_attempts_max", "warm_restart", "tenants", "auth_timeout_s"};
+      "small_queue_fraction", "eviction_attempts_max", "warm_restart", "tenants", "auth_timeout_s",
+      "connections_per_address_max", "connections_per_tenant_max", "meta_buffer_bytes_max",
+      "put_reserve_bytes_max", "index_bytes_max"};
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
@@ -97,7 +99,12 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "small_queue_fraction") sc->small_queue_fraction = py::cast<double>(v);
     else if (key == "eviction_attempts_max") sc->eviction_attempts_max = py::cast<uint32_t>(v);
     else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
+    else if (key == "index_bytes_max") sc->index_bytes_max = py::cast<uint64_t>(v);
     else if (key == "auth_timeout_s") vc->auth_timeout_s = py::cast<double>(v);
+    else if (key == "connections_per_address_max") vc->connections_per_address_max = py::cast<uint32_t>(v);
+    else if (key == "connections_per_tenant_max") vc->connections_per_tenant_max = py::cast<uint32_t>(v);
+    else if (key == "meta_buffer_bytes_max") vc->meta_buffer_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "put_reserve_bytes_max") vc->put_reserve_bytes_max = py::cast<uint64_t>(v);
     else if (key == "tenants" && !v.is_none()) vc->tenants = read_tenants(py::cast<py::list>(v));
   }
 }
@@ -122,7 +129,7 @@ py::dict stats_dict(Node& node) {
   for (const auto& [name, value] : node.metrics->counters()) counters[py::str(name)] = value;
   std::vector<std::pair<std::string, int64_t>> g;
   node.store->fill_gauges(&g);
-  g.emplace_back("connections_open", node.metrics->connections_open.load());
+  node.server->fill_gauges(&g);
   for (const auto& [name, value] : g) gauges[py::str(name)] = value;
   for (const auto& [name, buckets] : node.metrics->histograms())
     histograms[py::str(name)] = py::cast(buckets);
@@ -159,7 +166,8 @@ batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
 data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
 eviction_attempts_max, warm_restart, tenants (None = no authentication, or a
 list of {"name", "token", "roles": ["read"|"write"|"admin"|"cluster"], "memory",
-"disk"}), auth_timeout_s. Unknown keys raise ValueError.
+"disk"}), auth_timeout_s, connections_per_address_max, connections_per_tenant_max,
+meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max. Unknown keys raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")
       .def(py::init([](py::dict config) {

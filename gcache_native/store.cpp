@@ -25,6 +25,11 @@ namespace gcache {
 namespace {
 void bump(std::atomic<uint64_t>& counter, uint64_t n = 1) { counter.fetch_add(n, std::memory_order_relaxed); }
 
+// Heap one index entry takes beyond its key bytes: the Entry, the hash node
+// and bucket slot, the segment-list node, allocator overhead.
+constexpr uint64_t kIndexEntryOverheadBytes = sizeof(Entry) + 96;
+uint64_t index_cost(size_t key_bytes) { return kIndexEntryOverheadBytes + key_bytes; }
+
 uint64_t arena_size_for(uint64_t memory_bytes) {
   if (memory_bytes < kArenaPageBytes) throw std::runtime_error("memory_bytes must be at least 4 KiB");
   return memory_bytes / kArenaPageBytes * kArenaPageBytes;
@@ -50,6 +55,7 @@ struct Store::Impl {
   std::map<uint64_t, Entry*> mem_by_offset;                         // memory copies in address order
   uint64_t window_cursor = 0;                                       // where the next window search starts
   uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases_active = 0;
+  uint64_t index_bytes = 0;  // estimated heap of the index (index_cost per key)
 
   Impl(const StoreConfig& c, Metrics* m)
       : cfg(c), metrics(m), arena(arena_size_for(c.memory_bytes)), allocator(arena.bytes()),
@@ -120,6 +126,7 @@ struct Store::Impl {
   // Removes the key from the index; the Entry dies now or at its last release.
   void unlink(Entry* e) {
     index.erase(std::string_view(e->key));
+    index_bytes -= index_cost(e->key.size());
     fifo.remove(e);
     if (e->on_disk) detach_disk(e);
     if (e->leases > 0 || e->pins > 0) {
@@ -270,7 +277,8 @@ struct Store::Impl {
       // order (it would take many more victims) and clear one window instead.
       bool fragmented = attempt >= 64 && allocator.free_bytes() >= 2 * block;
       if (fragmented || attempt >= cfg.eviction_attempts_max)
-        return evict_window(block, *l) && allocator.allocate(block, offset);
+        // A small value needs a whole free page (a slot of another class would not do).
+        return evict_window(std::max(block, kArenaPageBytes), *l) && allocator.allocate(block, offset);
       Entry* victim = nullptr;
       switch (fifo.next(&victim)) {
         case S3Fifo::Step::Empty: return false;
@@ -307,7 +315,9 @@ struct Store::Impl {
       for (const Span& span : spans) {
         if (!span.pinned || span.offset + span.bytes <= candidate) continue;
         if (span.offset >= candidate + block) break;
-        candidate = span.offset + span.bytes;  // overlaps: try right after it
+        // Overlaps: try the first page after it (a slab page shared with a pinned
+        // small value cannot be freed).
+        candidate = (span.offset + span.bytes + kArenaPageBytes - 1) / kArenaPageBytes * kArenaPageBytes;
       }
       *start = candidate;
       return candidate + block <= arena.bytes();
@@ -340,6 +350,40 @@ struct Store::Impl {
     out->checksum = e->checksum;
   }
 
+  // ---- index budget ----
+  // Makes room in the index for one more key of `key_bytes`: drops the oldest
+  // disk segments (their disk-only values leave), then memory values (dropped,
+  // not demoted: a demoted value keeps its index entry). May drop mu.
+  bool make_index_room(size_t key_bytes, Locks& l) {
+    if (cfg.index_bytes_max == 0) return true;
+    constexpr int kAttemptsMax = 4096;
+    for (int attempt = 0; index_bytes + index_cost(key_bytes) > cfg.index_bytes_max; ++attempt) {
+      if (attempt >= kAttemptsMax) return false;
+      uint32_t id;
+      if (disk) {
+        hold_disk(l);
+        if (index_bytes + index_cost(key_bytes) <= cfg.index_bytes_max) break;
+        if (disk->oldest(&id)) {
+          reclaim(id, 0);
+          bump(metrics->index_evictions);
+          continue;
+        }
+      }
+      Entry* victim = nullptr;
+      switch (fifo.next(&victim)) {
+        case S3Fifo::Step::Empty: return false;
+        case S3Fifo::Step::Skipped: bump(metrics->lease_skips); break;
+        case S3Fifo::Step::Moved: break;
+        case S3Fifo::Step::Victim:
+          bump(metrics->evictions_memory);
+          bump(metrics->index_evictions);
+          unlink(victim);
+          break;
+      }
+    }
+    return true;
+  }
+
   // ---- open ----
   void rebuild_index() {
     disk->scan([this](const ScannedRecord& record) {
@@ -352,6 +396,7 @@ struct Store::Impl {
         e = new Entry;
         e->key = record.key;
         index.emplace(std::string_view(e->key), e);
+        index_bytes += index_cost(e->key.size());
       } else {
         detach_disk(e);
       }
@@ -407,6 +452,14 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
   }
+  if (!s.make_index_room(key.size(), l)) {  // may drop mu: look again
+    bump(s.metrics->puts_no_space);
+    return PutStatus::NoSpace;
+  }
+  if (s.find(key)) {
+    bump(s.metrics->puts_exists);
+    return PutStatus::Exists;
+  }
   uint64_t block = block_bytes_for(length), offset = 0;
   if (!s.allocate(block, &offset, &l)) {
     bump(s.metrics->puts_no_space);
@@ -440,6 +493,7 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
   e->length = r.length;
   e->checksum = checksum;
   s.index.emplace(std::string_view(e->key), e);
+  s.index_bytes += index_cost(e->key.size());
   s.attach_memory(e, r.offset, r.block_bytes);
   s.fifo.insert(e, key_hash_of(e->key));
   bump(s.metrics->puts_stored);
@@ -683,6 +737,9 @@ void Store::check_integrity() {
   if (mapped != blocks) fail("address map misses memory copies");
   s.allocator.check(used);
   if (mem_entries != s.mem_entries || mem_value_bytes != s.mem_value_bytes) fail("memory tier counters drifted");
+  uint64_t index_bytes = 0;
+  for (auto& [key, e] : s.index) index_bytes += index_cost(key.size());
+  if (index_bytes != s.index_bytes) fail("index byte count drifted");
   if (leases != s.leases_active) fail("lease count drifted");
   s.fifo.check();
   size_t listed = 0;
@@ -704,6 +761,7 @@ void Store::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) {
   std::lock_guard<std::mutex> guard(s.mu);
   auto add = [out](const char* name, uint64_t value) { out->emplace_back(name, static_cast<int64_t>(value)); };
   add("keys", s.index.size());
+  add("index_bytes", s.index_bytes);
   add("keys_memory", s.mem_entries);
   add("keys_disk", s.disk_entries);
   add("memory_value_bytes", s.mem_value_bytes);

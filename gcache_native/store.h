@@ -29,6 +29,10 @@ struct StoreConfig {
   double small_queue_fraction = 0.10;         // S3-FIFO small-queue share of the memory tier
   uint32_t eviction_attempts_max = 4096;      // victims tried per allocation before NoSpace
   bool warm_restart = true;                   // reload the warm list into memory at open
+  // Heap the key index may take (estimated per key: the entry, its key, hash
+  // node); a new key beyond it first drops the oldest disk segments, then
+  // memory values. 0 = no limit.
+  uint64_t index_bytes_max = 0;
 };
 
 enum class PutStatus : uint8_t {

@@ -60,7 +60,8 @@ struct PyStore {
   std::shared_ptr<StoreHandle> handle = std::make_shared<StoreHandle>();
 
   PyStore(uint64_t memory_bytes, uint64_t disk_bytes, const std::string& data_dir, uint64_t segment_bytes,
-          uint64_t value_bytes_max, double small_queue_fraction, uint32_t eviction_attempts_max, bool warm_restart) {
+          uint64_t value_bytes_max, double small_queue_fraction, uint32_t eviction_attempts_max, bool warm_restart,
+          uint64_t index_bytes_max) {
     StoreConfig config;
     config.memory_bytes = memory_bytes;
     config.disk_bytes = disk_bytes;
@@ -70,6 +71,7 @@ struct PyStore {
     config.small_queue_fraction = small_queue_fraction;
     config.eviction_attempts_max = eviction_attempts_max;
     config.warm_restart = warm_restart;
+    config.index_bytes_max = index_bytes_max;
     py::gil_scoped_release nogil;
     handle->store = std::make_unique<Store>(config, &handle->metrics);
   }
@@ -190,10 +192,11 @@ void bind_store(py::module_& m) {
       .def("__exit__", [](PyLease& self, py::args) { self.release(); });
 
   py::class_<PyStore>(m, "Store", "The node's storage engine: memory arena + disk segments (see docs/storage.md).")
-      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, uint64_t, double, uint32_t, bool>(),
+      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, uint64_t, double, uint32_t, bool, uint64_t>(),
            py::arg("memory_bytes"), py::arg("disk_bytes"), py::arg("data_dir"), py::arg("segment_bytes") = 64ull << 20,
            py::arg("value_bytes_max") = 64ull << 20, py::arg("small_queue_fraction") = 0.10,
-           py::arg("eviction_attempts_max") = 4096, py::arg("warm_restart") = true)
+           py::arg("eviction_attempts_max") = 4096, py::arg("warm_restart") = true,
+           py::arg("index_bytes_max") = 0)
       .def("put", &PyStore::put, py::arg("key"), py::arg("value"), py::arg("checksum") = py::none(),
            "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...).")
       .def("get", &PyStore::get, py::arg("key"), "Copy of the value, or None on a miss.")

@@ -194,3 +194,27 @@ def test_bad_auth_file_is_a_usage_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "gcache.server.main", "--auth-file", str(bad), "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "token must be a string of 16" in out.stderr
+
+
+def test_tenant_connection_cap_leaves_other_tenants_served(server_factory, tmp_path):
+    path = tmp_path / "auth.toml"
+    path.write_text(AUTH_FILE)
+    node = server_factory(extra_args=["--auth-file", str(path), "--connections-per-tenant-max", "3"])
+    held = [raw_auth(RawConnection(node.port), ALICE) for _ in range(3)]
+    extra = RawConnection(node.port)
+    nonce = extra.request(AUTH, {}).meta["nonce"]
+    refused = extra.request(AUTH, {"id": token_id(ALICE), "mac": auth_mac(ALICE, nonce)})
+    assert refused.status == 5 and "--connections-per-tenant-max" in refused.meta["error"]  # BUSY
+    assert extra.closed_by_server()
+    bob = raw_auth(RawConnection(node.port), BOB)
+    assert bob.put([(b"k", b"v")]) == [STORED]
+    held[0].close()  # a slot frees up once one of alice's connections closes
+    for _ in range(100):
+        again = RawConnection(node.port)
+        nonce = again.request(AUTH, {}).meta["nonce"]
+        answer = again.request(AUTH, {"id": token_id(ALICE), "mac": auth_mac(ALICE, nonce)})
+        if answer.status == 0:
+            break
+        time.sleep(0.05)
+    assert answer.status == 0
+    assert bob.stats()["counters"]["connections_refused_tenant"] >= 1

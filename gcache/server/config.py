@@ -55,6 +55,11 @@ class ServerSettings:
     batch_keys_max: int = 16384
     frame_payload_bytes_max: int = 2 << 30
     connections_max: int = 1024
+    connections_per_address_max: int = 256   # 0 = no cap
+    connections_per_tenant_max: int = 512    # 0 = no cap (auth only)
+    meta_buffer_bytes_max: int = 256 << 20
+    put_reserve_bytes_max: int = 0           # 0 = memory / 8
+    index_bytes_max: int = 0                 # 0 = (memory + disk) / 8
     idle_timeout_s: float = 300.0
     stall_timeout_s: float = 30.0
     segment_bytes: int = 64 << 20
@@ -96,6 +101,10 @@ class ServerSettings:
     def node_id_or_default(self, bound_port: int | None = None) -> str:
         return self.node_id or self.advertise_address(bound_port)
 
+    def default_put_reserve_bytes(self) -> int:
+        """--memory / 8, but room for two of the largest values, and at most half the memory."""
+        return max(1 << 20, min(self.memory // 2, max(self.memory // 8, 2 * self.value_bytes_max)))
+
     def native_config(self) -> dict:
         """The dict gcache._native.Server(config) takes."""
         return {
@@ -104,6 +113,11 @@ class ServerSettings:
             "value_bytes_max": self.value_bytes_max, "batch_keys_max": self.batch_keys_max,
             "frame_payload_bytes_max": self.frame_payload_bytes_max,
             "connections_max": self.connections_max, "idle_timeout_s": self.idle_timeout_s,
+            "connections_per_address_max": self.connections_per_address_max,
+            "connections_per_tenant_max": self.connections_per_tenant_max,
+            "meta_buffer_bytes_max": self.meta_buffer_bytes_max,
+            "put_reserve_bytes_max": self.put_reserve_bytes_max or self.default_put_reserve_bytes(),
+            "index_bytes_max": self.index_bytes_max or max(32 << 20, (self.memory + self.disk) // 8),
             "stall_timeout_s": self.stall_timeout_s, "segment_bytes": self.segment_bytes,
             "warm_restart": self.warm_restart,
             "tenants": self.auth.native_tenants() if self.auth else None,
@@ -115,7 +129,7 @@ class ServerSettings:
 
 
 _SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes",
-                "rebalance_batch_bytes"}
+                "rebalance_batch_bytes", "meta_buffer_bytes_max", "put_reserve_bytes_max", "index_bytes_max"}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
 REBALANCE_BATCH_BYTES_MIN = 1 << 20
 REBALANCE_BATCH_BYTES_MAX = 1 << 30
@@ -172,10 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-keys-max", type=int, help="most keys in one batch request (default 16384)")
     p.add_argument("--frame-payload-bytes-max",
                    help="largest payload of one request or response frame (default 2GiB)")
-    p.add_argument("--connections-max", type=int, help="most open client connections (default 1024)")
-    p.add_argument("--idle-timeout-s", type=float, help="close connections idle this long (default 300)")
-    p.add_argument("--stall-timeout-s", type=float,
-                   help="close a connection whose frame stops arriving mid-way for this long (default 30)")
+    limits = p.add_argument_group("abuse limits (docs/protocol.md, \"Limits\")")
+    limits.add_argument("--connections-max", type=int, help="most open client connections (default 1024)")
+    limits.add_argument("--connections-per-address-max", type=int,
+                        help="most open connections from one peer IP address, so one peer cannot take "
+                             "every slot; 0 = no cap (default 256)")
+    limits.add_argument("--connections-per-tenant-max", type=int,
+                        help="most open connections of one tenant (with --auth-file); 0 = no cap (default 512)")
+    limits.add_argument("--idle-timeout-s", type=float,
+                        help="close a connection that sent no data request (PUT/GET/EXISTS/REMOVE) for this "
+                             "long; PING and STATS do not count (default 300)")
+    limits.add_argument("--stall-timeout-s", type=float,
+                        help="close a connection whose frame (or response) stops moving for this long; "
+                             "a frame must also arrive within this plus 1 s per MiB (default 30)")
+    limits.add_argument("--meta-buffer-bytes-max",
+                        help="request metadata buffered by all connections together, beyond 64KiB each; "
+                             "a frame that cannot get room within the stall timeout is refused "
+                             "(default 256MiB)")
+    limits.add_argument("--put-reserve-bytes-max",
+                        help="arena bytes PUTs may hold reserved before their values arrive, all "
+                             "connections together (one address or tenant: a quarter); a value that "
+                             "cannot get room within the stall timeout is refused NO_SPACE "
+                             "(default --memory / 8, at least 2 x --value-bytes-max, at most --memory / 2)")
+    limits.add_argument("--index-bytes-max",
+                        help="heap the key index may use (about 250 B plus the key per value, either "
+                             "tier); a new key beyond it drops the oldest disk segment, then memory "
+                             "values (default (--memory + --disk) / 8, at least 32MiB)")
     p.add_argument("--segment-bytes", help="target disk segment file size (default 64MiB)")
     p.add_argument("--warm-restart", action=argparse.BooleanOptionalAction, default=None,
                    help="reload the warm list into memory at start (default on)")
@@ -260,6 +296,12 @@ def _validate(s: ServerSettings) -> None:
          "--value-bytes-max must not exceed --frame-payload-bytes-max"),
         (1 <= s.batch_keys_max <= 1 << 20, "--batch-keys-max must be 1..1048576"),
         (1 <= s.connections_max <= 1 << 20, "--connections-max must be 1..1048576"),
+        (0 <= s.connections_per_address_max <= 1 << 20, "--connections-per-address-max must be 0..1048576"),
+        (0 <= s.connections_per_tenant_max <= 1 << 20, "--connections-per-tenant-max must be 0..1048576"),
+        (s.meta_buffer_bytes_max >= 1 << 20, "--meta-buffer-bytes-max must be at least 1MiB"),
+        (s.index_bytes_max == 0 or s.index_bytes_max >= 1 << 20, "--index-bytes-max must be at least 1MiB"),
+        (s.put_reserve_bytes_max == 0 or s.put_reserve_bytes_max >= 1 << 20,
+         "--put-reserve-bytes-max must be at least 1MiB (0 = --memory / 8)"),
         (s.idle_timeout_s > 0, "--idle-timeout-s must be positive"),
         (s.stall_timeout_s > 0, "--stall-timeout-s must be positive"),
         (s.shutdown_grace_s >= 0, "--shutdown-grace-s must not be negative"),
