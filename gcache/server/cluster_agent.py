@@ -73,7 +73,8 @@ class ClusterAgent:
         self.weight = weight_for_capacity(settings.memory + settings.disk)
         self.interval_s = settings.heartbeat_interval_s
         timeout_s = min(MASTER_CALL_TIMEOUT_MAX_S, max(MASTER_CALL_TIMEOUT_MIN_S, 2 * self.interval_s))
-        self.masters = MasterClient(settings.master, timeout_s=timeout_s)
+        self.masters = MasterClient(settings.master, timeout_s=timeout_s,
+                                    credentials=settings.master_credentials())
         self.monitor = DegradationMonitor(stats, settings.data_dir or None, settings.memory_pressure_drain)
         self.counters = RebalanceCounters()
         self._native = native

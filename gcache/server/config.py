@@ -6,6 +6,7 @@ the file under the same name (dashes or underscores), e.g. `memory = "1GiB"`.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
@@ -77,6 +78,19 @@ class ServerSettings:
     # (not a field, so tokens never reach as_dict() and the config log line).
     auth_file: str = ""
     auth_timeout_s: float = 5.0
+    # TLS towards the masters' gRPC API (PEM paths): their CA, and a client cert where they require one.
+    master_tls_ca: str = ""
+    master_tls_cert: str = ""
+    master_tls_key: str = ""
+
+    def master_credentials(self):
+        """How this node proves itself to the masters: its auth file's cluster-role token
+        (else $GCACHE_TOKEN) and the --master-tls-* files."""
+        from gcache.master.api import MasterCredentials
+        token = self.auth.cluster_token() if self.auth else None
+        return MasterCredentials.from_env(token=token, tls_ca=self.master_tls_ca or None,
+                                          tls_cert=self.master_tls_cert or None,
+                                          tls_key=self.master_tls_key or None)
 
     @property
     def auth(self):
@@ -238,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between heartbeats to the master (default 1.0)")
     cluster.add_argument("--rebalance-batch-bytes",
                          help="bytes moved per batch when keys move to their owners (default 64MiB)")
+    cluster.add_argument("--master-tls-ca", metavar="PEM",
+                         help="CA of the masters' TLS certificates: talk TLS to them (default: plaintext; "
+                              "with --auth-file the node sends its cluster-role token)")
+    cluster.add_argument("--master-tls-cert", metavar="PEM",
+                         help="client certificate for masters that require one (their --tls-ca)")
+    cluster.add_argument("--master-tls-key", metavar="PEM", help="private key of --master-tls-cert")
     cluster.add_argument("--memory-pressure-drain", type=float, metavar="FRACTION",
                          help="drain this node when more than this fraction of puts is refused "
                               "for lack of space over a minute; 0 = off (default 0)")
@@ -343,6 +363,14 @@ def _validate_cluster(s: ServerSettings) -> None:
         raise ConfigError("--rebalance-batch-bytes must be 1MiB..1GiB")
     if not 0.0 <= s.memory_pressure_drain < 1.0:
         raise ConfigError("--memory-pressure-drain must be a fraction in [0, 1); 0 turns it off")
+    if bool(s.master_tls_cert) != bool(s.master_tls_key):
+        raise ConfigError("--master-tls-cert and --master-tls-key go together")
+    if (s.master_tls_cert and not s.master_tls_ca):
+        raise ConfigError("--master-tls-cert needs --master-tls-ca (the CA that signed the masters' certificates)")
+    for flag, path in (("--master-tls-ca", s.master_tls_ca), ("--master-tls-cert", s.master_tls_cert),
+                       ("--master-tls-key", s.master_tls_key)):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{flag} {path}: not a readable file")
     if not s.master:
         return
     for address in s.master.removeprefix("gcache://").split(","):
@@ -370,7 +398,8 @@ def load_settings(argv: list[str] | None = None) -> ServerSettings:
     types = {f.name: f.type for f in fields(ServerSettings)}
     for name, value in merged.items():
         kind = types[name]
-        if name in ("admin_host", "master", "node_id", "advertise", "auth_file"):
+        if name in ("admin_host", "master", "node_id", "advertise", "auth_file", "master_tls_ca",
+                    "master_tls_cert", "master_tls_key"):
             kind = str
         setattr(settings, name, _coerce(name, value, kind))
     _validate(settings)
