@@ -166,6 +166,14 @@ def load_auth_file(path: str) -> AuthConfig:
     return parse_auth(raw, path)
 
 
+PLACEHOLDER_PREFIX = "REPLACE-ME"
+
+
+def placeholder_tenants(config: AuthConfig) -> list[str]:
+    """Tenants whose token is still deploy/gcache-auth.example.toml's placeholder."""
+    return sorted(t.name for t in config.tenants.values() if t.token.startswith(PLACEHOLDER_PREFIX))
+
+
 def world_readable(path: str) -> bool:
     """True if users other than the owner (and group) may read the file: worth a warning."""
     try:

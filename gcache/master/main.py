@@ -128,11 +128,16 @@ def _tls(args):
 def _auth(args):
     if not args.auth_file:
         return None
-    from gcache.auth import AuthFileError, load_auth_file
+    from gcache.auth import AuthFileError, load_auth_file, placeholder_tenants
     try:
-        return load_auth_file(args.auth_file)
+        auth = load_auth_file(args.auth_file)
     except AuthFileError as e:
         raise UsageError(str(e)) from None
+    names = placeholder_tenants(auth)
+    if names:
+        raise UsageError(f"auth file {args.auth_file}: tenant(s) {', '.join(names)} still have the example's "
+                         "placeholder token; generate real ones (docs/security.md)")
+    return auth
 
 
 def _lock_data_dir(data_dir: str):

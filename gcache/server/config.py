@@ -83,6 +83,20 @@ class ServerSettings:
     master_tls_cert: str = ""
     master_tls_key: str = ""
 
+    def check_files(self) -> None:
+        """At start (not when parsing, so deploy files can be checked anywhere): the TLS files
+        must be readable and the auth file must hold no example placeholder token."""
+        for flag, path in (("--master-tls-ca", self.master_tls_ca), ("--master-tls-cert", self.master_tls_cert),
+                           ("--master-tls-key", self.master_tls_key)):
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{flag} {path}: not a readable file")
+        if self.auth:
+            from gcache.auth import placeholder_tenants
+            names = placeholder_tenants(self.auth)
+            if names:
+                raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(names)} still have the "
+                                  "example's placeholder token; generate real ones (docs/security.md)")
+
     def master_credentials(self):
         """How this node proves itself to the masters: its auth file's cluster-role token
         (else $GCACHE_TOKEN) and the --master-tls-* files."""
@@ -367,10 +381,6 @@ def _validate_cluster(s: ServerSettings) -> None:
         raise ConfigError("--master-tls-cert and --master-tls-key go together")
     if (s.master_tls_cert and not s.master_tls_ca):
         raise ConfigError("--master-tls-cert needs --master-tls-ca (the CA that signed the masters' certificates)")
-    for flag, path in (("--master-tls-ca", s.master_tls_ca), ("--master-tls-cert", s.master_tls_cert),
-                       ("--master-tls-key", s.master_tls_key)):
-        if path and not os.access(path, os.R_OK):
-            raise ConfigError(f"{flag} {path}: not a readable file")
     if not s.master:
         return
     for address in s.master.removeprefix("gcache://").split(","):
