@@ -739,6 +739,8 @@ void Server::serve(Connection* c) {
       // One deadline for the whole frame, counted from its first byte.
       const int64_t first_byte_us = now_us();
       c->deadline_us = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, kFrameHeaderBytes);
+      if (auth_on() && c->tenant == nullptr)
+        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
       if (size_t(got) < kFrameHeaderBytes)
         recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
 
@@ -747,6 +749,8 @@ void Server::serve(Connection* c) {
       c->deadline_us = transfer_deadline_us(
           first_byte_us, config_.stall_timeout_s,
           uint64_t(kFrameHeaderBytes) + h.meta_len + std::min<uint64_t>(h.payload_len, UINT64_MAX / 2));
+      if (auth_on() && c->tenant == nullptr)  // nor can a frame stretch the auth deadline
+        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
       metrics_->requests++;
       if (!frame_magic_ok(h)) {
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,

@@ -218,3 +218,22 @@ def test_tenant_connection_cap_leaves_other_tenants_served(server_factory, tmp_p
         time.sleep(0.05)
     assert answer.status == 0
     assert bob.stats()["counters"]["connections_refused_tenant"] >= 1
+
+
+def test_unauthenticated_peer_cannot_stretch_the_auth_deadline_with_a_slow_frame(server_factory, tmp_path):
+    """A header trickled a byte at a time is cut at the auth deadline (1 s here), long
+    before its 32 bytes (0.3 s apart: ~10 s) or the 30 s stall timeout."""
+    path = tmp_path / "auth.toml"
+    path.write_text(AUTH_FILE)
+    node = server_factory(extra_args=["--auth-file", str(path), "--auth-timeout-s", "1"])
+    conn = RawConnection(node.port)
+    header = frame_bytes(PING, {})[:32]
+    sent = 0
+    try:
+        for sent in range(32):
+            conn.sock.send(header[sent:sent + 1])
+            time.sleep(0.3)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert sent < 31, "the node kept reading a frame past the auth deadline"
+    assert conn.closed_by_server()
