@@ -748,6 +748,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   }
   std::vector<uint8_t> statuses(n);
   uint64_t consumed = 0;
+  const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
       Reservation r;
@@ -760,7 +761,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
           throw;
         }
         consumed += b.lens[i];
-        s = store_->commit_put(b.keys[i], r, b.sums[i]);
+        s = store_->commit_put(b.keys[i], r, b.sums[i], PutHint{chain, n >= 2 && i + 1 == n, 0});
       } else {
         discard(c, b.lens[i]);
         consumed += b.lens[i];
@@ -828,14 +829,9 @@ Reply Server::handle_exists(Connection* c, const FrameHeader& h) {
   out.map(2);
   out.str("ex");
   out.array(uint32_t(b.keys.size()));
-  uint64_t prefix = 0;
-  bool leading = true;
-  for (std::string_view key : b.keys) {
-    const bool present = store_->contains(key);
-    out.boolean(present);
-    leading = leading && present;
-    if (leading) ++prefix;
-  }
+  std::vector<uint8_t> present;
+  const uint64_t prefix = store_->exists(b.keys, &present);  // one lock hold; the policy sees the chain
+  for (uint8_t p : present) out.boolean(p != 0);
   out.str("prefix");
   out.uint(prefix);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);

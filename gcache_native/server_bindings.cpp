@@ -35,12 +35,21 @@ struct Node {
   std::unique_ptr<Server> server;
 };
 
+gcache::PolicyKind policy_kind_or_value_error(const std::string& name) {
+  try {
+    return gcache::policy_kind_from_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+}
+
 void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
   static const std::set<std::string> known = {
       "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
       "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
       "memory_bytes", "disk_bytes", "data_dir", "segment_bytes", "value_bytes_max",
-      "small_queue_fraction", "eviction_attempts_max", "warm_restart"};
+      "small_queue_fraction", "eviction_attempts_max", "warm_restart", "eviction_policy",
+      "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive"};
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
@@ -61,9 +70,19 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "data_dir") sc->data_dir = py::cast<std::string>(v);
     else if (key == "segment_bytes") sc->segment_bytes = py::cast<uint64_t>(v);
     else if (key == "value_bytes_max") sc->value_bytes_max = py::cast<uint64_t>(v);
-    else if (key == "small_queue_fraction") sc->small_queue_fraction = py::cast<double>(v);
+    else if (key == "small_queue_fraction") sc->eviction.small_queue_fraction = py::cast<double>(v);
     else if (key == "eviction_attempts_max") sc->eviction_attempts_max = py::cast<uint32_t>(v);
     else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
+    else if (key == "eviction_policy") sc->eviction.kind = policy_kind_or_value_error(py::cast<std::string>(v));
+    else if (key == "eviction_ghost_factor") sc->eviction.ghost_factor = py::cast<double>(v);
+    else if (key == "eviction_fresh_weight") sc->eviction.fresh_weight = py::cast<double>(v);
+    else if (key == "eviction_tail_hint") sc->eviction.chain_tail_hint = py::cast<bool>(v);
+    else if (key == "disk_exclusive") sc->disk_exclusive = py::cast<bool>(v);
+  }
+  try {
+    gcache::validate_eviction_config(sc->eviction);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
   }
 }
 
@@ -115,7 +134,10 @@ until start(). Config keys: host, port (0 = any free port), connections_max,
 idle_timeout_s, stall_timeout_s, meta_bytes_max, frame_payload_bytes_max,
 batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
 data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
-eviction_attempts_max, warm_restart. Unknown keys raise ValueError.
+eviction_attempts_max, warm_restart, eviction_policy ("chain", "s3fifo",
+"lru"), eviction_ghost_factor, eviction_fresh_weight (0 = tuned online),
+eviction_tail_hint, disk_exclusive (docs/storage.md). Unknown keys and
+out-of-range values raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")
       .def(py::init([](py::dict config) {

@@ -5,11 +5,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "eviction_config.h"
 #include "metrics.h"
 
 namespace gcache {
@@ -22,7 +24,8 @@ struct StoreConfig {
   std::string data_dir;                       // segments + warm list live here; empty = no disk tier
   uint64_t segment_bytes = 64ull << 20;       // target segment file size (a larger record gets its own)
   uint64_t value_bytes_max = 64ull << 20;     // larger puts get PutStatus::TooLarge
-  double small_queue_fraction = 0.10;         // S3-FIFO small-queue share of the memory tier
+  EvictionConfig eviction;                    // memory-tier eviction policy and its settings
+  bool disk_exclusive = true;                 // a value loaded from disk gives up its disk copy
   uint32_t eviction_attempts_max = 4096;      // victims tried per allocation before NoSpace
   bool warm_restart = true;                   // reload the warm list into memory at open
 };
@@ -72,8 +75,12 @@ class Store {
   // Verifies xxh64(data) == checksum (else frees: ChecksumMismatch), then
   // publishes the value. If another put of the same key committed first, the
   // reservation is freed and Exists returned: exactly one value remains.
-  PutStatus commit_put(std::string_view key, const Reservation& r, uint64_t checksum);
+  // `hint` tells the eviction policy which put batch (chain) the value belongs to.
+  PutStatus commit_put(std::string_view key, const Reservation& r, uint64_t checksum, const PutHint& hint = {});
   void abort_put(const Reservation& r);
+  // A fresh id for one put batch: the values committed with it are one prefix
+  // chain, in order (PutHint).
+  uint64_t new_put_batch();
 
   // Get path. A disk-only value is read into the arena (checksum verified;
   // a bad checksum is a miss, counts checksum_failures and drops the record).
@@ -81,7 +88,13 @@ class Store {
   bool acquire(std::string_view key, Lease* out);
   void release(const Lease& lease);
 
-  bool contains(std::string_view key);  // no lease, no promotion, no recency bump
+  // One EXISTS batch, keys in the client's order: present[i] = key i has a value
+  // (either tier); returns how many leading keys are present. The eviction
+  // policy learns of the probe (a use of that prefix); disk-only values in the
+  // prefix are marked as about to be read, so a disk reclaim before the GET
+  // that follows copies them forward instead of dropping them. One lock hold.
+  size_t exists(const std::vector<std::string_view>& keys, std::vector<uint8_t>* present);
+  bool contains(std::string_view key);  // exists() of one key: no lease, no promotion
   bool remove(std::string_view key);    // true if it existed; idempotent
 
   // One page of a scan over the keys stored (either tier), values untouched;
@@ -108,9 +121,18 @@ class Store {
   // without duplicates; read page by page (keys_page), so not one snapshot.
   std::vector<std::string> keys(size_t limit);
 
-  // Warm shutdown: writes every memory-only value to disk, writes the warm
-  // list, fsyncs. Safe to call once; the store stays usable afterwards.
-  void flush();
+  // Evicts values of `owner` from memory, coldest first (demoted to disk like
+  // any eviction), until `bytes` are freed or it has none left there; returns
+  // the bytes freed. The hook for per-tenant quotas: a tenant over its quota
+  // evicts its own values first. 0 if the policy cannot scope by owner (s3fifo).
+  uint64_t evict_owned(OwnerId owner, uint64_t bytes);
+
+  // Warm shutdown: writes every memory-only value to disk (coldest first), then
+  // the warm list, and fsyncs. Each value is written without the store lock (it
+  // is pinned meanwhile), so gets and puts go on during a flush; values put
+  // meanwhile may or may not be written. `progress(done, total)` is called
+  // after each value, with no lock held. The store stays usable afterwards.
+  void flush(const std::function<void(uint64_t done, uint64_t total)>& progress = {});
 
   // Throws std::logic_error naming the first broken invariant (allocator
   // accounting, queue membership, lease counts, capacity bounds).
