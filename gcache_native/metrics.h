@@ -46,6 +46,7 @@ struct Histogram {
   X(torn_records_skipped)             \
   X(segments_reclaimed)               \
   X(disk_copy_forwards)               \
+  X(disk_copies_dropped)              \
   X(errors_bad_frame)                 \
   X(errors_unknown_opcode)            \
   X(errors_limit_exceeded)            \

@@ -453,6 +453,19 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   return {};
 }
 
+// Whose quota a stored value counts against: the connection's tenant, or for
+// the cluster role (which moves keys already prefixed) the tenant the key's
+// prefix names; 0 without auth.
+OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::string_view stored_key) {
+  const Tenant* t = c->tenant;
+  if (t == nullptr || tenants == nullptr) return 0;
+  if (!t->key_prefix.empty()) return t->index;
+  const size_t nul = stored_key.find('\0');
+  if (nul == std::string_view::npos) return 0;
+  const Tenant* named = tenants->by_name(stored_key.substr(0, nul));
+  return named ? named->index : 0;
+}
+
 // Gives every key of the request its store name: the tenant prefix (auth on),
 // nothing otherwise. A key longer than the protocol allows (512 B; the
 // cluster role sends already-prefixed keys, so it may use the prefix's room)
@@ -946,6 +959,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   }
   std::vector<uint8_t> statuses(n);
   uint64_t consumed = 0;
+  const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
       // Arena is reserved only against a budget of bytes not yet received:
@@ -961,7 +975,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
       Reservation r;
       PutStatus s;
       try {
-        s = store_->begin_put(b.keys[i], b.lens[i], &r);
+        s = store_->begin_put(b.keys[i], b.lens[i], &r, owner_of(c, config_.tenants.get(), b.keys[i]));
         if (s == PutStatus::Stored) {
           try {
             recv_exact(c->timer, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
@@ -977,7 +991,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
       reservations_.release(c->owner, b.lens[i]);
       if (s == PutStatus::Stored) {
         consumed += b.lens[i];
-        s = store_->commit_put(b.keys[i], r, b.sums[i]);
+        s = store_->commit_put(b.keys[i], r, b.sums[i], PutHint{chain, n >= 2 && i + 1 == n, r.owner});
       } else {
         discard(c, b.lens[i]);
         consumed += b.lens[i];
@@ -1045,14 +1059,9 @@ Reply Server::handle_exists(Connection* c, const FrameHeader& h) {
   out.map(2);
   out.str("ex");
   out.array(uint32_t(b.keys.size()));
-  uint64_t prefix = 0;
-  bool leading = true;
-  for (std::string_view key : b.keys) {
-    const bool present = store_->contains(key);
-    out.boolean(present);
-    leading = leading && present;
-    if (leading) ++prefix;
-  }
+  std::vector<uint8_t> present;
+  const uint64_t prefix = store_->exists(b.keys, &present);  // one lock hold; the policy sees the chain
+  for (uint8_t p : present) out.boolean(p != 0);
   out.str("prefix");
   out.uint(prefix);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);

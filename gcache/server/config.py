@@ -65,6 +65,13 @@ class ServerSettings:
     stall_timeout_s: float = 30.0
     segment_bytes: int = 64 << 20
     warm_restart: bool = True
+    # Memory-tier eviction (docs/storage.md, "Eviction").
+    eviction_policy: str = "chain"
+    eviction_fresh_weight: float = 0.0   # chain: 0 = tuned online
+    eviction_ghost_factor: float = 2.0   # chain
+    eviction_tail_hint: bool = True      # chain
+    eviction_small_queue_fraction: float = 0.10  # s3fifo
+    disk_exclusive: bool = True
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
     # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
@@ -96,6 +103,12 @@ class ServerSettings:
             if names:
                 raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(names)} still have the "
                                   "example's placeholder token; generate real ones (docs/security.md)")
+            quota_names = sorted(t.name for t in self.auth.tenants.values() if t.memory)
+            if quota_names and self.eviction_policy == "s3fifo":
+                raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(quota_names)} have a memory "
+                                  "quota, which --eviction-policy s3fifo cannot enforce (it cannot evict one "
+                                  "tenant's values alone); use --eviction-policy chain or lru, or drop the "
+                                  "memory quotas (docs/security.md)")
 
     def master_credentials(self):
         """How this node proves itself to the masters: its auth file's cluster-role token
@@ -150,6 +163,9 @@ class ServerSettings:
             "warm_restart": self.warm_restart,
             "tenants": self.auth.native_tenants() if self.auth else None,
             "auth_timeout_s": self.auth_timeout_s,
+            "eviction_policy": self.eviction_policy, "eviction_fresh_weight": self.eviction_fresh_weight,
+            "eviction_ghost_factor": self.eviction_ghost_factor, "eviction_tail_hint": self.eviction_tail_hint,
+            "small_queue_fraction": self.eviction_small_queue_fraction, "disk_exclusive": self.disk_exclusive,
         }
 
     def as_dict(self) -> dict:
@@ -159,6 +175,7 @@ class ServerSettings:
 _SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes",
                 "rebalance_batch_bytes", "meta_buffer_bytes_max", "put_reserve_bytes_max", "index_bytes_max"}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+EVICTION_POLICIES = ("chain", "s3fifo", "lru")
 REBALANCE_BATCH_BYTES_MIN = 1 << 20
 REBALANCE_BATCH_BYTES_MAX = 1 << 30
 HEARTBEAT_INTERVAL_S_MIN = 0.05
@@ -243,15 +260,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-bytes", help="target disk segment file size (default 64MiB)")
     p.add_argument("--warm-restart", action=argparse.BooleanOptionalAction, default=None,
                    help="reload the warm list into memory at start (default on)")
+    eviction = p.add_argument_group("eviction (docs/storage.md)")
+    eviction.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
+                          help="memory-tier eviction: chain (chain-aware weighted recency, tuned online), "
+                               "s3fifo, or lru (default chain)")
+    eviction.add_argument("--eviction-fresh-weight", type=float, metavar="W",
+                          help="chain: how many times faster a value never read since its put ages than a "
+                               "read one; 1 = plain LRU order; 0 = picked online among 1, 2, 4, 8, 16, 32 (default 0)")
+    eviction.add_argument("--eviction-ghost-factor", type=float, metavar="F",
+                          help="chain: evicted keys remembered, per value in memory; a key put again while "
+                               "remembered counts as read (default 2)")
+    eviction.add_argument("--eviction-tail-hint", action=argparse.BooleanOptionalAction, default=None,
+                          help="chain: the last value of a put batch (a chain's partial tail block) is "
+                               "evicted first (default on)")
+    eviction.add_argument("--eviction-small-queue-fraction", type=float, metavar="FRACTION",
+                          help="s3fifo: share of the memory tier for the small FIFO (default 0.10)")
+    p.add_argument("--disk-exclusive", action=argparse.BooleanOptionalAction, default=None,
+                   help="a value read back from disk into memory gives up its disk copy, so memory and "
+                        "disk hold their sum (default on; off: it keeps the copy and leaves memory "
+                        "again without a write)")
     p.add_argument("--shutdown-grace-s", type=float,
                    help="on SIGTERM, how long requests in flight may take to finish (default 10)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default info)")
     security = p.add_argument_group("authentication (docs/security.md)")
     security.add_argument("--auth-file", metavar="FILE",
-                          help="TOML file of tenants (token, roles, quotas): clients must authenticate "
-                               "(challenge-response), keys are namespaced per tenant, POST /flush and "
-                               "/drain need an admin token (default: none, no authentication)")
+                          help="TOML file of tenants (token, roles, memory/disk quotas): clients must "
+                               "authenticate (challenge-response), keys are namespaced per tenant, a tenant "
+                               "over its memory quota evicts only its own values (needs --eviction-policy "
+                               "chain or lru), disk \"0\" keeps its values off disk, POST /flush and /drain "
+                               "need an admin token (default: none, no authentication)")
     security.add_argument("--auth-timeout-s", type=float,
                           help="close a connection that has not authenticated within this long; "
                                "before AUTH only PING is answered (default 5)")
@@ -343,6 +381,11 @@ def _validate(s: ServerSettings) -> None:
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
         (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
+        (s.eviction_policy in EVICTION_POLICIES, f"--eviction-policy must be one of {', '.join(EVICTION_POLICIES)}"),
+        (s.eviction_fresh_weight == 0 or 1 <= s.eviction_fresh_weight <= 64,
+         "--eviction-fresh-weight must be 0 (tuned online) or in [1, 64]"),
+        (0 <= s.eviction_ghost_factor <= 16, "--eviction-ghost-factor must be in [0, 16]"),
+        (0.01 <= s.eviction_small_queue_fraction <= 0.9, "--eviction-small-queue-fraction must be in [0.01, 0.9]"),
     ]
     for ok, message in checks:
         if not ok:
