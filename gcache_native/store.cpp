@@ -228,8 +228,9 @@ struct Store::Impl {
     uint64_t budget = std::min<uint64_t>(free_after, cfg.segment_bytes / 4);
     std::vector<uint8_t> bounce;
     for (Entry* e : live) {
-      e->on_disk = false;
+      e->on_disk = false;  // detach_disk without the list erase (the list was taken whole)
       --disk_entries;
+      if (OwnerAccount* a = account_of(e->owner)) a->disk -= e->length;
       if (loading(e)) continue;
       uint64_t bytes = record_bytes(e->key.size(), e->length);
       bool promised = e->probed && !e->in_memory && bytes <= free_after;

@@ -203,6 +203,8 @@ def test_stall_deadline_means_what_it_says(server_factory):
     sink.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     sink.send(frame_bytes(GET_BATCH, {"keys": [b"big"]}))
     sent_at = time.monotonic()
+    # The response is in flight (leased) first: else a loaded box could poll before the GET is served.
+    assert wait_until(lambda: stats_of(node)["gauges"]["leases_active"] == 1, timeout_s=30, step_s=0.02)
     assert wait_until(lambda: stats_of(node)["gauges"]["leases_active"] == 0, timeout_s=30, step_s=0.02)
     cut_after = time.monotonic() - sent_at
     assert cut_after < stall_s + 1.5, cut_after

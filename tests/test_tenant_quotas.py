@@ -151,3 +151,32 @@ def test_s3fifo_without_memory_quotas_is_allowed(tmp_path):
     path.write_text(f'[tenants.bob]\ntoken = "{BOB}"\nroles = ["read", "write"]\ndisk = "0"\n')
     path.chmod(0o600)
     load_settings(["--auth-file", str(path), "--eviction-policy", "s3fifo", "--disk", "0"]).check_files()
+
+
+@pytest.mark.parametrize("disk_quota", [None, 512 * KIB])
+def test_owner_counts_stay_exact_through_disk_reclaims(tmp_path, disk_quota):
+    """A small disk tier reclaims (drops or copies forward) whole segments: the
+    tenant's counted bytes still match its values exactly (check_integrity)."""
+    from gcache import _native
+    tenants = [{"name": "carol", "token": CAROL, "roles": ["read", "write"], "memory": 64 * KIB, "disk": disk_quota},
+               {"name": "bob", "token": BOB, "roles": ["read", "write"], "memory": None, "disk": None}]
+    server = _native.Server({"port": 0, "data_dir": str(tmp_path / "data"), "memory_bytes": 16 << 20,
+                             "disk_bytes": 2 << 20, "segment_bytes": 256 * KIB, "tenants": tenants})
+    server.start()
+    try:
+        values = {b"c-%03d" % i: os.urandom(VALUE) for i in range(300)}
+        with gcache.Client(f"127.0.0.1:{server.port}", token=CAROL) as carol:
+            for n, (key, value) in enumerate(values.items()):
+                assert carol.put(key, value) is True
+                if n % 50 == 0:
+                    server.check_integrity()
+            for key in list(values)[::37]:  # loads from disk count against the memory quota too
+                got = carol.get(key)
+                assert got is None or got == values[key]
+            server.check_integrity()
+        carol_stats = server.stats()["tenants"]["carol"]
+        assert carol_stats["memory_bytes"] <= 64 * KIB
+        assert carol_stats["disk_bytes"] <= (disk_quota or 2 << 20)
+        assert server.stats()["tenants"]["bob"]["memory_bytes"] == 0
+    finally:
+        server.stop(1)
