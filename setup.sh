@@ -8,9 +8,11 @@ cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
 
 # Debian packages: redis-server (the side-by-side bench and its tests);
-# libibverbs1 + libnuma1 (what the Mooncake wheel links against).
+# libibverbs1 + libnuma1 (what the Mooncake wheel links against); openssl (the
+# throwaway CA of the TLS tests and `gcache-cluster up --tls`).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 for pkg in libibverbs1 libnuma1; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done

@@ -15,6 +15,7 @@ EXIT_USAGE = 2
 EXIT_NOT_ADMITTED = 3
 EXIT_UNREACHABLE = 4
 EXIT_ERROR = 5
+EXIT_AUTH = 6
 
 EPILOG = f"""\
 exit codes:
@@ -25,9 +26,12 @@ exit codes:
   {EXIT_NOT_ADMITTED}  `put` not admitted: the server has no space now; try later
   {EXIT_UNREACHABLE}  the server (for `admin`: every master) could not be reached or did not answer in time
   {EXIT_ERROR}  any other error (value too large, unreadable file, protocol or server error)
+  {EXIT_AUTH}  the server refused the token (none, wrong, or without the role the command needs)
 
 keys are UTF-8 text; pass --hex-keys to give them as hex bytes.
 The server defaults to $GCACHE_SERVER, else 127.0.0.1:7600.
+A node with --auth-file needs a token: --token-file FILE, else $GCACHE_TOKEN, else
+the file named by $GCACHE_TOKEN_FILE (a token on the command line would show in `ps`).
 `gcache admin --master URL map|status|drain NODE [--wait]|remove NODE` talks to the
 gcache-master replicas (URL gcache://h:p,h:p; default $GCACHE_MASTER).
 """
@@ -45,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=5.0,
                         help="socket timeout in seconds (default: %(default)s)")
     parser.add_argument("--hex-keys", action="store_true", help="keys are given as hex bytes")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the tenant token (default: $GCACHE_TOKEN, $GCACHE_TOKEN_FILE)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     put = sub.add_parser("put", help="store FILE (or stdin for '-') under KEY")
@@ -178,10 +184,19 @@ def main(argv=None) -> int:
     if args.command == "admin":
         from gcache import cli_admin
         return cli_admin.main(args, sys.modules[__name__])
+    from gcache.auth import read_token_file, resolve_token
     from gcache.client import Client  # after parsing, so --help stays fast
     try:
-        with Client(args.server, timeout_s=args.timeout_s, pool_size=1) as client:
+        token = read_token_file(args.token_file) if args.token_file else resolve_token()
+    except ValueError as exc:
+        print(f"gcache: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with Client(args.server, timeout_s=args.timeout_s, pool_size=1, token=token) as client:
             return _run(args, client)
+    except errors.AuthError as exc:
+        print(f"gcache: {exc}", file=sys.stderr)
+        return EXIT_AUTH
     except (errors.ConnectionError, errors.TimeoutError) as exc:
         print(f"gcache: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

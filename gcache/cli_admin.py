@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                            description=__doc__.split("\n\n")[0])
     admin.add_argument("--master", default=os.environ.get("GCACHE_MASTER", ""),
                        help="masters as gcache://h:p,h:p or h:p,h:p (default: $GCACHE_MASTER)")
+    admin.add_argument("--tls-ca", default=os.environ.get("GCACHE_MASTER_TLS_CA", ""), metavar="PEM",
+                       help="CA of the masters' TLS certificates (default: $GCACHE_MASTER_TLS_CA; "
+                            "none: plaintext); the token comes from --token-file or $GCACHE_TOKEN")
     cmds = admin.add_subparsers(dest="admin_command", required=True, metavar="ADMIN_COMMAND")
     cmap = cmds.add_parser("map", help="print the cluster map (id, address, weight, state, ...)")
     cmap.add_argument("--json", action="store_true", help="print the map as one JSON object")
@@ -120,15 +123,18 @@ def main(args, codes) -> int:
     import grpc
 
     from gcache import errors
-    from gcache.master.api import MasterClient, MasterUnavailableError
+    from gcache.auth import read_token_file
+    from gcache.master.api import MasterClient, MasterCredentials, MasterUnavailableError
 
     if not args.master:
         print("gcache admin: no masters: pass --master gcache://HOST:PORT[,HOST:PORT...] or set "
               "$GCACHE_MASTER", file=sys.stderr)
         return codes.EXIT_USAGE
     try:
-        client = MasterClient(args.master, timeout_s=args.timeout_s)
-    except errors.InvalidArgumentError as e:
+        token = read_token_file(args.token_file) if getattr(args, "token_file", None) else None
+        credentials = MasterCredentials.from_env(token=token, tls_ca=args.tls_ca or None)
+        client = MasterClient(args.master, timeout_s=args.timeout_s, credentials=credentials)
+    except (errors.InvalidArgumentError, ValueError) as e:
         print(f"gcache admin: {e}", file=sys.stderr)
         return codes.EXIT_USAGE
     try:
@@ -136,6 +142,9 @@ def main(args, codes) -> int:
     except MasterUnavailableError as e:
         print(f"gcache admin: {e}", file=sys.stderr)
         return codes.EXIT_UNREACHABLE
+    except errors.AuthError as e:
+        print(f"gcache admin: {e}", file=sys.stderr)
+        return codes.EXIT_AUTH
     except grpc.RpcError as e:
         print(f"gcache admin: {e.code().name}: {e.details()}", file=sys.stderr)
         return codes.EXIT_MISS if e.code() == grpc.StatusCode.NOT_FOUND else codes.EXIT_ERROR

@@ -10,6 +10,7 @@ prints what it measured, and stops the cluster with SIGTERM.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default="gcache-data", help="cluster data folder (default ./gcache-data)")
     p.add_argument("--no-redis", action="store_true", help="skip the side-by-side Redis run")
     p.add_argument("--no-faults", action="store_true", help="skip the fault run")
+    p.add_argument("--auth", action="store_true",
+                   help="run the cluster with a tenants file and TLS to the masters (gcache-cluster up "
+                        "--auth --tls); the bench and the fault run use the app tenant's token")
     args = p.parse_args(argv)
 
     started = time.monotonic()
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if (cluster_dir / "cluster.json").exists():
         LocalCluster.load(cluster_dir).down()  # what an interrupted demo left running
     cluster = LocalCluster(cluster_dir, masters=DEMO_MASTERS, nodes=DEMO_NODES, memory=DEMO_MEMORY,
-                           disk=DEMO_DISK, heartbeat_interval_s=0.3, heartbeat_timeout_s=2.0)
+                           disk=DEMO_DISK, heartbeat_interval_s=0.3, heartbeat_timeout_s=2.0,
+                           auth=args.auth, tls=args.auth)
     print(f"[gcache-demo] starting {DEMO_MASTERS} masters + {DEMO_NODES} nodes "
           f"(memory {DEMO_MEMORY}, disk {DEMO_DISK} each) under {cluster.dir}", flush=True)
     cluster.up()
@@ -48,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"[gcache-demo] cluster up: {cluster.client_url}", flush=True)
         bench_args = ["--server", cluster.client_url, *DEMO_BENCH_ARGS]
+        if args.auth:  # the bench's cluster client: the app token from its file, the CA from the env
+            bench_args += ["--token-file", str(cluster.secrets_dir / "app.token")]
+            os.environ["GCACHE_MASTER_TLS_CA"] = cluster.client_kwargs["tls_ca"]
         if not args.no_redis and shutil.which("redis-server"):
             bench_args += ["--vs", "redis"]
         print(f"[gcache-demo] gcache-bench {' '.join(bench_args)}", flush=True)

@@ -92,6 +92,16 @@ class LimitExceededError(ServerError):
     """A request went past a server limit (keys per batch, metadata or payload size)."""
 
 
+class AuthError(GCacheError, PermissionError):
+    """The node refused the credentials: no token, a wrong one, or one whose roles do not
+    allow the call (`kind`: "unauthenticated" or "forbidden"). Not retried."""
+
+    def __init__(self, message: str, kind: str = "unauthenticated", address: str = ""):
+        super().__init__(message)
+        self.kind = kind
+        self.address = address
+
+
 class ConnectionError(GCacheError, builtins.ConnectionError):
     """The server could not be reached or dropped the connection (retried already)."""
 

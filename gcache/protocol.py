@@ -36,6 +36,7 @@ class Opcode(IntEnum):
     GET_BATCH = 4
     EXISTS_BATCH = 5
     REMOVE_BATCH = 6
+    AUTH = 7  # challenge-response handshake (docs/protocol.md, "Authentication")
 
 
 class FrameStatus(IntEnum):
@@ -48,6 +49,8 @@ class FrameStatus(IntEnum):
     SHUTTING_DOWN = 6
     INTERNAL = 7
     STALE_EPOCH = 8  # the request's cluster-map epoch is older than the node's; nothing was done
+    UNAUTHENTICATED = 9  # no valid AUTH on a node with --auth-file; the connection is closed
+    FORBIDDEN = 10       # the tenant's roles do not allow the request; the connection stays open
 
 
 class PutStatus(IntEnum):

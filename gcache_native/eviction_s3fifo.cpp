@@ -1,17 +1,13 @@
 #include "eviction_s3fifo.h"
 
 #include <algorithm>
-#include <functional>
 #include <stdexcept>
-#include <string>
 
 namespace gcache {
 
 namespace {
 constexpr size_t kGhostMin = 1024;
 }
-
-uint64_t key_hash_of(const std::string& key) { return std::hash<std::string>()(key); }
 
 S3Fifo::S3Fifo(uint64_t memory_bytes, double small_fraction)
     : small_target_bytes_(static_cast<uint64_t>(memory_bytes * std::clamp(small_fraction, 0.01, 0.9))) {}
@@ -23,9 +19,9 @@ void S3Fifo::push(Entry* e, QueueId queue, bool front) {
   e->queue_pos = front ? list.insert(list.begin(), e) : list.insert(list.end(), e);
 }
 
-void S3Fifo::insert(Entry* e, uint64_t key_hash) {
+void S3Fifo::insert(Entry* e, const PutHint&) {
   if (e->queue != QueueId::None) throw std::logic_error("s3fifo: entry already queued");
-  push(e, take_ghost(key_hash) ? QueueId::Main : QueueId::Small, false);
+  push(e, ghosts_.take(e->key_hash) ? QueueId::Main : QueueId::Small, false);
 }
 
 void S3Fifo::insert_cold(Entry* e, QueueId queue, uint8_t freq) {
@@ -46,11 +42,19 @@ void S3Fifo::remove(Entry* e) {
   e->queue = QueueId::None;
 }
 
-S3Fifo::Step S3Fifo::next(Entry** victim) {
+void S3Fifo::on_exists(Entry* const* in_memory, const uint64_t*, size_t n, size_t) {
+  // HiCache clients probe a chain's prefix before reading it, so a hot chain's
+  // page 0 outlives its suffix pages.
+  for (size_t i = 0; i < n; ++i)
+    if (in_memory[i]) touch(in_memory[i]);
+}
+
+EvictionPolicy::Step S3Fifo::next(Entry** victim, OwnerId owner) {
+  if (owner != kAnyOwner) return Step::Empty;
   if (small_.empty() && main_.empty()) return Step::Empty;
   bool from_small = !small_.empty() && (small_bytes_ >= small_target_bytes_ || main_.empty());
   Entry* e = from_small ? small_.front() : main_.front();
-  if (e->leases > 0) {  // never evict a value being read; look at it again later
+  if (e->leases > 0 || e->pins > 0) {  // never evict a value being read or written; look at it again later
     remove(e);
     push(e, from_small ? QueueId::Small : QueueId::Main, false);
     return Step::Skipped;
@@ -62,36 +66,20 @@ S3Fifo::Step S3Fifo::next(Entry** victim) {
     return Step::Moved;
   }
   remove(e);
-  if (from_small) remember_ghost(key_hash_of(e->key));
+  if (from_small) ghosts_.remember(e->key_hash, std::max(kGhostMin, count()));
   *victim = e;
   return Step::Victim;
 }
 
-void S3Fifo::remember_ghost(uint64_t key_hash) {
-  ghost_order_.push_back(key_hash);
-  ++ghost_counts_[key_hash];
-  size_t capacity = std::max(kGhostMin, count());
-  while (ghost_order_.size() > capacity) {
-    // Invariant: ghost_counts_[h] <= occurrences of h in ghost_order_, so an
-    // aged-out hash with no live count left is one a hit already consumed.
-    auto it = ghost_counts_.find(ghost_order_.front());
-    if (it == ghost_counts_.end()) {
-      --ghost_stale_;
-    } else if (--it->second == 0) {
-      ghost_counts_.erase(it);
-    }
-    ghost_order_.pop_front();
-  }
+void S3Fifo::coldest_first(std::vector<Entry*>* out) const {
+  out->insert(out->end(), small_.begin(), small_.end());
+  out->insert(out->end(), main_.begin(), main_.end());
 }
 
-bool S3Fifo::take_ghost(uint64_t key_hash) {
-  // A hit consumes one ghost occurrence; its slot in the FIFO order turns
-  // stale and is skipped when it ages out (no O(n) search of the deque).
-  auto it = ghost_counts_.find(key_hash);
-  if (it == ghost_counts_.end()) return false;
-  if (--it->second == 0) ghost_counts_.erase(it);
-  ++ghost_stale_;
-  return true;
+void S3Fifo::fill_gauges(const GaugeSink& add) const {
+  add("memory_small_queue_bytes", small_bytes_);
+  add("memory_main_queue_bytes", main_bytes_);
+  add("ghost_keys", ghosts_.count());
 }
 
 void S3Fifo::check() const {
@@ -107,12 +95,7 @@ void S3Fifo::check() const {
     bytes += e->mem_block;
   }
   if (bytes != main_bytes_) throw std::logic_error("s3fifo: main queue byte count drifted");
-  size_t ghosts = 0;
-  for (auto& [hash, n] : ghost_counts_) {
-    if (n == 0) throw std::logic_error("s3fifo: zero ghost count kept");
-    ghosts += n;
-  }
-  if (ghosts + ghost_stale_ != ghost_order_.size()) throw std::logic_error("s3fifo: ghost counts drifted");
+  ghosts_.check();
 }
 
 }  // namespace gcache

@@ -20,6 +20,7 @@ enum class Opcode : uint8_t {
   GetBatch = 4,
   ExistsBatch = 5,
   RemoveBatch = 6,
+  Auth = 7,  // challenge-response handshake (docs/protocol.md, "Authentication")
 };
 
 enum class FrameStatus : uint32_t {
@@ -32,6 +33,8 @@ enum class FrameStatus : uint32_t {
   ShuttingDown = 6,
   Internal = 7,
   StaleEpoch = 8,  // the request's cluster-map epoch is older than the node's
+  Unauthenticated = 9,  // no (or a failed) AUTH on a node that requires it; the connection is closed
+  Forbidden = 10,       // the tenant's roles do not allow this opcode; the connection stays open
 };
 
 inline const char* frame_status_name(FrameStatus s) {
@@ -45,6 +48,8 @@ inline const char* frame_status_name(FrameStatus s) {
     case FrameStatus::ShuttingDown: return "SHUTTING_DOWN";
     case FrameStatus::Internal: return "INTERNAL";
     case FrameStatus::StaleEpoch: return "STALE_EPOCH";
+    case FrameStatus::Unauthenticated: return "UNAUTHENTICATED";
+    case FrameStatus::Forbidden: return "FORBIDDEN";
   }
   return "UNKNOWN";
 }

@@ -46,6 +46,7 @@ struct Histogram {
   X(torn_records_skipped)             \
   X(segments_reclaimed)               \
   X(disk_copy_forwards)               \
+  X(disk_copies_dropped)              \
   X(errors_bad_frame)                 \
   X(errors_unknown_opcode)            \
   X(errors_limit_exceeded)            \
@@ -55,7 +56,17 @@ struct Histogram {
   X(errors_timeout)                   \
   X(connections_accepted)             \
   X(requests)                         \
-  X(requests_stale_epoch)
+  X(requests_stale_epoch)             \
+  X(auth_successes)                   \
+  X(auth_failures)                    \
+  X(errors_unauthenticated)           \
+  X(errors_forbidden)                 \
+  X(connections_refused_address)      \
+  X(connections_refused_tenant)       \
+  X(idle_closes)                      \
+  X(puts_reserve_refused)             \
+  X(meta_budget_refused)              \
+  X(index_evictions)
 
 #define GCACHE_HISTOGRAMS(X) \
   X(put_batch)               \

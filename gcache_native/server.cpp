@@ -14,6 +14,7 @@
 #include <chrono>
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -28,6 +29,7 @@ namespace {
 
 constexpr size_t kScratchBytes = 256 << 10;     // discard buffer per connection
 constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed after use
+constexpr size_t kMetaFreeBytes = 64 << 10;     // meta buffer bytes not charged to the global budget
 constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
 constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
 // A frame (or a response) must move at least this fast on average. SO_RCVTIMEO
@@ -38,6 +40,8 @@ constexpr double kMinBytesPerSecond = double(1 << 20);
 // A cluster map is a few hundred bytes per node; this bound keeps every
 // STALE_EPOCH and PING answer far below the clients' 16 MiB metadata limit.
 constexpr size_t kClusterMapBytesMax = 4 << 20;
+// PING and AUTH requests are a few dozen bytes; before AUTH nothing larger is read.
+constexpr uint32_t kUnauthenticatedMetaBytesMax = 4096;
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -46,7 +50,7 @@ int64_t now_us() {
 }
 
 int clamp_ms(double seconds) {
-  const double ms = seconds * 1000.0;
+  const double ms = std::ceil(seconds * 1000.0);  // never wake before the time is up
   if (ms <= 0) return 0;
   if (ms >= double(INT_MAX)) return INT_MAX;
   return int(ms);
@@ -66,9 +70,7 @@ int64_t transfer_deadline_us(int64_t start_us, double stall_timeout_s, uint64_t 
   return start_us + int64_t(std::min(budget_s, 1e9) * 1e6);
 }
 
-// Checked after every partial read or write. A recv/send blocks for at most
-// the socket timeout (the stall timeout), so a peer overruns its deadline by
-// at most one stall timeout.
+// Checked after every partial read or write.
 void check_deadline(int64_t deadline_us) {
   if (deadline_us > 0 && now_us() > deadline_us) throw ConnectionLost{true};
 }
@@ -100,40 +102,87 @@ void set_timeout(int fd, int option, double seconds) {
   setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
 }
 
-// Reads exactly n bytes; a peer that goes silent for the socket's
-// SO_RCVTIMEO (the stall timeout), misses deadline_us (0 = none) or closes
-// mid-way throws.
-void recv_exact(int fd, void* buf, size_t n, int64_t deadline_us) {
+// A connection's socket and the kernel timeouts set on it. A blocking
+// recv/send waits in slices of at most stall_s / kStallSlices (SO_RCVTIMEO /
+// SO_SNDTIMEO). A call that returns early with everything moved was making
+// progress until then; one cut short by its timeout is taken to have moved
+// its bytes at its start (the kernel does not say when). So a connection is
+// cut after between (1 - 1/kStallSlices) and 1 stall timeout without a byte,
+// and never past the transfer's deadline: a frame or response that stops, or
+// trickles, ends when its deadline says, not one stall timeout later.
+constexpr double kStallSlices = 8;
+
+struct SocketTimer {
+  int fd = -1;
+  double stall_s = 0;  // 0: no timeouts
+  double rcv_s = 0, snd_s = 0;  // what SO_RCVTIMEO / SO_SNDTIMEO are set to now
+
+  static SocketTimer for_socket(int fd, double stall_s) {
+    const double slice = stall_s / kStallSlices;
+    set_timeout(fd, SO_RCVTIMEO, slice);
+    set_timeout(fd, SO_SNDTIMEO, slice);
+    return SocketTimer{fd, stall_s, slice, slice};
+  }
+};
+
+// Before a blocking call: throws a timeout if nothing is left of the wait,
+// else makes the kernel timeout the next slice (shorter near the deadline or
+// the end of the allowed silence); the common case makes no system call.
+void arm(SocketTimer& t, int option, double* current, int64_t deadline_us, int64_t last_progress_us) {
+  if (t.stall_s <= 0) return;
+  const int64_t now = now_us();
+  double left = t.stall_s - double(now - last_progress_us) / 1e6;
+  if (deadline_us > 0) left = std::min(left, double(deadline_us - now) / 1e6);
+  if (left <= 0) throw ConnectionLost{true};
+  const double slice = std::min(left, t.stall_s / kStallSlices);
+  const double tolerance = std::max(0.002, 0.02 * slice);
+  if (*current > slice + tolerance || *current < slice - tolerance) {
+    set_timeout(t.fd, option, slice);
+    *current = slice;
+  }
+}
+
+// Reads exactly n bytes; a peer silent for the stall timeout, past
+// deadline_us (0 = none), or closing mid-way throws.
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
   auto* p = static_cast<uint8_t*>(buf);
+  int64_t last_progress = now_us();
   while (n > 0) {
-    const ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, last_progress);
+    const int64_t call_start = now_us();
+    const ssize_t r = recv(t.fd, p, n, MSG_WAITALL);
     if (r > 0) {
       p += r;
       n -= size_t(r);
-      if (n > 0) check_deadline(deadline_us);  // a timed-out MSG_WAITALL returns its partial count
+      last_progress = n > 0 ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
+      if (n > 0) check_deadline(deadline_us);
     } else if (r == 0) {
       throw ConnectionLost{false};
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      throw ConnectionLost{true};
-    } else if (errno != EINTR) {
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       throw ConnectionLost{false};
-    }
+    }  // EAGAIN: a slice passed without a byte; arm() decides whether any wait is left
   }
 }
 
 // Writes every byte of iov[0..count) before deadline_us (0 = none); the
 // iovecs are consumed in place.
-void send_all(int fd, iovec* iov, size_t count, int64_t deadline_us) {
+void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us) {
+  int64_t last_progress = now_us();
   while (count > 0) {
+    arm(t, SO_SNDTIMEO, &t.snd_s, deadline_us, last_progress);
+    const int64_t call_start = now_us();
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = count < size_t(IOV_MAX) ? count : size_t(IOV_MAX);
-    ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    ssize_t r = sendmsg(t.fd, &msg, MSG_NOSIGNAL);
     if (r < 0) {
-      if (errno == EINTR) continue;
-      throw ConnectionLost{errno == EAGAIN || errno == EWOULDBLOCK};
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;  // arm() decides
+      throw ConnectionLost{false};
     }
     size_t sent = size_t(r);
+    size_t total = 0;
+    for (size_t i = 0; i < msg.msg_iovlen; ++i) total += iov[i].iov_len;
+    if (r > 0) last_progress = sent < total ? call_start : now_us();  // short: the slice ran out
     while (count > 0 && sent >= iov->iov_len) {
       sent -= iov->iov_len;
       ++iov;
@@ -155,6 +204,7 @@ Histogram* histogram_for(Metrics* m, uint8_t opcode) {
     case Opcode::GetBatch: return &m->latency_get_batch;
     case Opcode::ExistsBatch: return &m->latency_exists_batch;
     case Opcode::RemoveBatch: return &m->latency_remove_batch;
+    case Opcode::Auth: return nullptr;  // answered before the histograms
   }
   return nullptr;
 }
@@ -242,6 +292,16 @@ class Server::PutAdmission {
 
 struct Server::Connection {
   int fd = -1;
+  SocketTimer timer;  // fd and its kernel timeouts (see arm)
+  int64_t accepted_us = 0;
+  const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
+  bool nonce_issued = false;       // a challenge is outstanding (single use)
+  uint8_t nonce[kAuthNonceBytes] = {};
+  std::string keys_buf;            // the request's keys with the tenant prefix
+  std::string peer;                // the peer's address (no port): --connections-per-address-max
+  std::string owner;               // whose budget shares it uses: "a:" + peer, or "t:" + tenant
+  int64_t last_work_us = 0;        // last data request or AUTH: the idle timeout counts from here
+  uint64_t meta_charged = 0;       // meta buffer bytes charged to the global budget
   std::thread thread;
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
@@ -261,7 +321,7 @@ void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
     const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
-    recv_exact(c->fd, c->scratch.data(), chunk, c->deadline_us);
+    recv_exact(c->timer, c->scratch.data(), chunk, c->deadline_us);
     n -= chunk;
   }
 }
@@ -280,7 +340,7 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
   // The response gets its own budget: the peer has to read all of it.
   uint64_t bytes = 0;
   for (const iovec& v : c->iov) bytes += v.iov_len;
-  send_all(c->fd, c->iov.data(), c->iov.size(),
+  send_all(c->timer, c->iov.data(), c->iov.size(),
            transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
 }
 
@@ -312,6 +372,35 @@ void linger_close(Server::Connection* c) {
     if (r <= 0) break;
     drained += size_t(r);
   }
+}
+
+// Answers BUSY on a connection the accept loop will not serve, then closes it.
+void refuse_busy(int fd, Metrics* m, const std::string& message) {
+  Server::Connection busy;
+  busy.fd = fd;
+  busy.stall_timeout_s = 0.1;
+  busy.timer = SocketTimer::for_socket(fd, 0.1);  // never let one peer stall the accept loop
+  try {
+    send_error(&busy, m, 0, 0, FrameStatus::Busy, message);
+  } catch (const ConnectionLost&) {
+  }
+  shutdown(fd, SHUT_WR);
+  close(fd);
+}
+
+// The peer's IP address as text (IPv4-mapped IPv6 as IPv4), without the port.
+std::string peer_address(const sockaddr_storage& addr) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text, sizeof text);
+  } else if (addr.ss_family == AF_INET6) {
+    const auto* a6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr))
+      inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], text, sizeof text);
+    else
+      inet_ntop(AF_INET6, &a6->sin6_addr, text, sizeof text);
+  }
+  return text;
 }
 
 // Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
@@ -364,6 +453,49 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   return {};
 }
 
+// Whose quota a stored value counts against: the connection's tenant, or for
+// the cluster role (which moves keys already prefixed) the tenant the key's
+// prefix names; 0 without auth.
+OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::string_view stored_key) {
+  const Tenant* t = c->tenant;
+  if (t == nullptr || tenants == nullptr) return 0;
+  if (!t->key_prefix.empty()) return t->index;
+  const size_t nul = stored_key.find('\0');
+  if (nul == std::string_view::npos) return 0;
+  const Tenant* named = tenants->by_name(stored_key.substr(0, nul));
+  return named ? named->index : 0;
+}
+
+// Gives every key of the request its store name: the tenant prefix (auth on),
+// nothing otherwise. A key longer than the protocol allows (512 B; the
+// cluster role sends already-prefixed keys, so it may use the prefix's room)
+// becomes empty: a put of it is KEY_INVALID, a read of it a miss.
+void namespace_keys(Server::Connection* c) {
+  std::vector<std::string_view>& keys = c->batch.keys;
+  const Tenant* t = c->tenant;
+  const std::string_view prefix = t ? std::string_view(t->key_prefix) : std::string_view();
+  const size_t key_max = t && prefix.empty() ? kKeyBytesMax : kUserKeyBytesMax;
+  if (prefix.empty()) {
+    for (std::string_view& k : keys)
+      if (k.size() > key_max) k = std::string_view();
+    return;
+  }
+  size_t total = 0;
+  for (std::string_view k : keys) total += prefix.size() + k.size();
+  c->keys_buf.clear();
+  c->keys_buf.reserve(total);  // no reallocation below: the views stay valid
+  for (std::string_view& k : keys) {
+    if (k.empty() || k.size() > key_max) {
+      k = std::string_view();
+      continue;
+    }
+    const size_t at = c->keys_buf.size();
+    c->keys_buf.append(prefix);
+    c->keys_buf.append(k);
+    k = std::string_view(c->keys_buf.data() + at, prefix.size() + k.size());
+  }
+}
+
 // Releases every lease of a GET response, also when sending fails.
 struct LeaseGuard {
   Store* store;
@@ -378,7 +510,10 @@ struct LeaseGuard {
 
 Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
     : config_(config), store_(store), metrics_(metrics), epoch_(config.epoch),
-      map_bytes_(std::make_shared<const std::string>()) {
+      map_bytes_(std::make_shared<const std::string>()),
+      peers_(config.connections_per_address_max),
+      reservations_(config.put_reserve_bytes_max, config.put_reserve_bytes_max / 4),
+      meta_buffers_(config.meta_buffer_bytes_max, config.meta_buffer_bytes_max / 4) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -528,37 +663,39 @@ void Server::accept_loop() {
     if (stopping_ || (fds[1].revents & POLLIN)) break;
     reap_finished();
     if (!(fds[0].revents & POLLIN)) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    sockaddr_storage peer_addr{};
+    socklen_t peer_len = sizeof peer_addr;
+    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));  // don't spin on fd exhaustion
       continue;
     }
     metrics_->connections_accepted++;
+    const std::string peer = peer_address(peer_addr);
     if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
-      Connection busy;
-      busy.fd = fd;
-      busy.stall_timeout_s = 0.1;
-      set_timeout(fd, SO_SNDTIMEO, 0.1);  // never let one peer stall the accept loop
-      try {
-        send_error(&busy, metrics_, 0, 0, FrameStatus::Busy,
-                   "server has " + std::to_string(config_.connections_max) +
-                       " connections (connections_max); retry later, reuse pooled connections, or "
-                       "raise --connections-max");
-      } catch (const ConnectionLost&) {
-      }
-      shutdown(fd, SHUT_WR);
-      close(fd);
+      refuse_busy(fd, metrics_, "server has " + std::to_string(config_.connections_max) +
+                                    " connections (connections_max); retry later, reuse pooled connections, or "
+                                    "raise --connections-max");
+      continue;
+    }
+    if (!peers_.try_add(peer)) {
+      metrics_->connections_refused_address++;
+      refuse_busy(fd, metrics_, "address " + peer + " already has " +
+                                    std::to_string(config_.connections_per_address_max) +
+                                    " connections (--connections-per-address-max); reuse pooled connections");
       continue;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     set_socket_buffers(fd, config_.socket_buffer_bytes);
-    set_timeout(fd, SO_RCVTIMEO, config_.stall_timeout_s);
-    set_timeout(fd, SO_SNDTIMEO, config_.stall_timeout_s);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
+    conn->accepted_us = conn->last_work_us = now_us();
+    conn->peer = peer;
+    conn->owner = "a:" + peer;
     conn->stall_timeout_s = config_.stall_timeout_s;
+    conn->timer = SocketTimer::for_socket(fd, config_.stall_timeout_s);
     Connection* raw = conn.get();
     metrics_->connections_open++;
     std::lock_guard<std::mutex> lock(conns_mu_);
@@ -568,6 +705,7 @@ void Server::accept_loop() {
     } catch (const std::system_error&) {
       metrics_->errors_internal++;
       metrics_->connections_open--;
+      peers_.remove(peer);
       close(fd);
     }
   }
@@ -580,12 +718,26 @@ void Server::serve(Connection* c) {
     for (;;) {
       // Wait for the next frame: idle timeout, or the stop signal when idle.
       pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(config_.idle_timeout_s));
+      // Idle counts from the last data request: PINGs alone cannot keep a slot.
+      double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
+      if (wait_s <= 0) {
+        metrics_->idle_closes++;
+        break;
+      }
+      if (auth_on() && c->tenant == nullptr) {  // unauthenticated: only until the auth deadline
+        wait_s = std::min(wait_s, config_.auth_timeout_s - double(now_us() - c->accepted_us) / 1e6);
+        if (wait_s <= 0) {
+          metrics_->errors_timeout++;
+          break;
+        }
+      }
+      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
       if (ready < 0) {
         if (errno == EINTR) continue;
         break;
       }
-      if (ready == 0 || fds[0].revents == 0) break;  // idle timeout, or stopping and idle
+      if (ready == 0 && !stopping_) continue;  // the loop head decides: idle, or auth deadline
+      if (ready == 0 || fds[0].revents == 0) break;  // stopping and idle
       if (stopping_ && now_us() > stop_deadline_us_) break;
 
       // First byte: a clean EOF here is an ordinary close.
@@ -600,14 +752,18 @@ void Server::serve(Connection* c) {
       // One deadline for the whole frame, counted from its first byte.
       const int64_t first_byte_us = now_us();
       c->deadline_us = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, kFrameHeaderBytes);
+      if (auth_on() && c->tenant == nullptr)
+        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
       if (size_t(got) < kFrameHeaderBytes)
-        recv_exact(fd, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
+        recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
 
       const int64_t start_us = now_us();
       const FrameHeader h = parse_frame_header(header_bytes);
       c->deadline_us = transfer_deadline_us(
           first_byte_us, config_.stall_timeout_s,
           uint64_t(kFrameHeaderBytes) + h.meta_len + std::min<uint64_t>(h.payload_len, UINT64_MAX / 2));
+      if (auth_on() && c->tenant == nullptr)  // nor can a frame stretch the auth deadline
+        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
       metrics_->requests++;
       if (!frame_magic_ok(h)) {
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
@@ -633,23 +789,50 @@ void Server::serve(Connection* c) {
         linger_close(c);
         break;
       }
+      if (auth_on() && c->tenant == nullptr) {
+        // Before AUTH: only PING and AUTH, with small metadata and no payload;
+        // anything else is answered once and the connection closed.
+        const bool allowed = Opcode(h.opcode) == Opcode::Ping || Opcode(h.opcode) == Opcode::Auth;
+        if (!allowed || h.meta_len > kUnauthenticatedMetaBytesMax || h.payload_len > 0) {
+          metrics_->errors_unauthenticated++;
+          send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+                     "this node requires authentication: connect with a token of its --auth-file "
+                     "(gcache.Client(..., token=...) or GCACHE_TOKEN); before AUTH only PING is "
+                     "answered; the connection is closed");
+          linger_close(c);
+          break;
+        }
+      }
+      if (Opcode(h.opcode) == Opcode::Auth) {
+        if (!handle_auth(c, h)) {
+          linger_close(c);
+          break;
+        }
+        continue;
+      }
       Histogram* latency = histogram_for(metrics_, h.opcode);
       if (latency == nullptr) {
         discard(c, uint64_t(h.meta_len) + h.payload_len);
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
                    "unknown opcode " + std::to_string(h.opcode) +
-                       "; this server knows opcodes 1-6 (docs/protocol.md); frame skipped");
+                       "; this server knows opcodes 1-7 (docs/protocol.md); frame skipped");
         continue;
       }
       handle_frame(c, h);
       latency->record_us(uint64_t(now_us() - start_us));
-      if (c->meta.capacity() > kMetaKeepBytes) std::vector<uint8_t>().swap(c->meta);
+      // Keep a large buffer for the next frame only while the global budget has room.
+      if (c->meta.capacity() > kMetaKeepBytes ||
+          (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
+        release_meta(c);
     }
   } catch (const ConnectionLost& lost) {
     if (lost.timeout) metrics_->errors_timeout++;
   } catch (const std::exception&) {
     metrics_->errors_internal++;  // cannot answer: framing state unknown
   }
+  release_meta(c);
+  peers_.remove(c->peer);
+  if (c->tenant != nullptr) c->tenant->connections--;
   std::lock_guard<std::mutex> lock(conns_mu_);
   close(c->fd);
   c->fd = -1;
@@ -666,8 +849,17 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
   size_t got = 0;
   while (got < h.meta_len) {
     const size_t chunk = std::min<size_t>(h.meta_len - got, std::max<size_t>(64 << 10, got));
+    if (!grow_meta(c, got + chunk)) {
+      metrics_->meta_budget_refused++;
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
+                 "the node's metadata buffers are full (--meta-buffer-bytes-max=" +
+                     std::to_string(config_.meta_buffer_bytes_max) +
+                     "): send smaller batches, or retry; the connection is closed");
+      linger_close(c);
+      throw ConnectionLost{false};
+    }
     c->meta.resize(got + chunk);
-    recv_exact(c->fd, c->meta.data() + got, chunk, c->deadline_us);
+    recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
   if (op != Opcode::PutBatch && h.payload_len > 0) {
@@ -692,6 +884,24 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
                "metadata needs \"keys\": a list of bin keys (docs/protocol.md)");
     return;
   }
+  if (auth_on()) {
+    const uint8_t needed = (op == Opcode::PutBatch || op == Opcode::RemoveBatch) ? kRoleWrite
+                           : (op == Opcode::GetBatch || op == Opcode::ExistsBatch) ? kRoleRead
+                                                                                    : 0;
+    if (needed != 0 && !(c->tenant->roles & (needed | kRoleCluster))) {
+      if (op == Opcode::PutBatch) discard(c, h.payload_len);
+      metrics_->errors_forbidden++;
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Forbidden,
+                 "tenant '" + c->tenant->name + "' lacks the '" +
+                     (needed == kRoleWrite ? "write" : "read") +
+                     "' role for this request; add it to the tenant's roles in the --auth-file");
+      return;
+    }
+  }
+  if (batch_op) {
+    c->last_work_us = now_us();
+    namespace_keys(c);
+  }
   // A client routing by an older map may be talking to the wrong node: refuse
   // before touching the store. PING and STATS are always answered. A PUT is
   // checked and counted in one step (see wait_puts_admitted_before).
@@ -713,6 +923,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       case Opcode::RemoveBatch: reply = handle_remove(c, h); break;
       case Opcode::Stats: reply = handle_stats(c, h); break;
       case Opcode::Ping: reply = handle_ping(c, h); break;
+      case Opcode::Auth: break;  // answered in serve()
     }
   } catch (const ConnectionLost&) {
     throw;
@@ -748,19 +959,39 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   }
   std::vector<uint8_t> statuses(n);
   uint64_t consumed = 0;
+  const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
-      Reservation r;
-      PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r);
-      if (s == PutStatus::Stored) {
-        try {
-          recv_exact(c->fd, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
-        } catch (...) {
-          store_->abort_put(r);
-          throw;
-        }
+      // Arena is reserved only against a budget of bytes not yet received:
+      // declaring a large value without sending it cannot evict hot data.
+      if (!reservations_.acquire(c->owner, b.lens[i], budget_wait_deadline(c))) {
+        metrics_->puts_reserve_refused++;
+        metrics_->puts_no_space++;
+        discard(c, b.lens[i]);
         consumed += b.lens[i];
-        s = store_->commit_put(b.keys[i], r, b.sums[i]);
+        statuses[i] = uint8_t(PutStatus::NoSpace);
+        continue;
+      }
+      Reservation r;
+      PutStatus s;
+      try {
+        s = store_->begin_put(b.keys[i], b.lens[i], &r, owner_of(c, config_.tenants.get(), b.keys[i]));
+        if (s == PutStatus::Stored) {
+          try {
+            recv_exact(c->timer, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
+          } catch (...) {
+            store_->abort_put(r);
+            throw;
+          }
+        }
+      } catch (...) {
+        reservations_.release(c->owner, b.lens[i]);
+        throw;
+      }
+      reservations_.release(c->owner, b.lens[i]);
+      if (s == PutStatus::Stored) {
+        consumed += b.lens[i];
+        s = store_->commit_put(b.keys[i], r, b.sums[i], PutHint{chain, n >= 2 && i + 1 == n, r.owner});
       } else {
         discard(c, b.lens[i]);
         consumed += b.lens[i];
@@ -828,14 +1059,9 @@ Reply Server::handle_exists(Connection* c, const FrameHeader& h) {
   out.map(2);
   out.str("ex");
   out.array(uint32_t(b.keys.size()));
-  uint64_t prefix = 0;
-  bool leading = true;
-  for (std::string_view key : b.keys) {
-    const bool present = store_->contains(key);
-    out.boolean(present);
-    leading = leading && present;
-    if (leading) ++prefix;
-  }
+  std::vector<uint8_t> present;
+  const uint64_t prefix = store_->exists(b.keys, &present);  // one lock hold; the policy sees the chain
+  for (uint8_t p : present) out.boolean(p != 0);
   out.str("prefix");
   out.uint(prefix);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
@@ -867,7 +1093,7 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
   }
   std::vector<std::pair<std::string, int64_t>> gauges;
   store_->fill_gauges(&gauges);
-  gauges.emplace_back("connections_open", metrics_->connections_open.load());
+  fill_gauges(&gauges);
   out.str("gauges");
   out.map(uint32_t(gauges.size()));
   for (const auto& [name, value] : gauges) {
@@ -894,7 +1120,8 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
 }
 
 Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
-  const auto [epoch, map_bytes] = cluster_map();
+  auto [epoch, map_bytes] = cluster_map();
+  if (auth_on() && c->tenant == nullptr) map_bytes = std::make_shared<const std::string>();  // authenticated peers only
   MsgpackWriter& out = c->out;
   out.clear();
   out.map(3);
@@ -906,6 +1133,132 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   out.bin(*map_bytes);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
+}
+
+bool Server::grow_meta(Connection* c, size_t bytes) {
+  const uint64_t need = bytes > kMetaFreeBytes ? bytes - kMetaFreeBytes : 0;
+  if (need > c->meta_charged) {
+    // Only a connection holding nothing waits: two half-grown buffers waiting
+    // for each other's bytes would otherwise hold the budget until they time out.
+    const int64_t deadline = c->meta_charged > 0 ? 0 : budget_wait_deadline(c);
+    if (!meta_buffers_.acquire(c->owner, need - c->meta_charged, deadline)) return false;
+    c->meta_charged = need;
+  }
+  c->meta.reserve(bytes);
+  return true;
+}
+
+void Server::release_meta(Connection* c) {
+  std::vector<uint8_t>().swap(c->meta);
+  meta_buffers_.release(c->owner, c->meta_charged);
+  c->meta_charged = 0;
+}
+
+// A request waits for a budget at most the stall timeout, and never past its frame's deadline.
+int64_t Server::budget_wait_deadline(const Connection* c) const {
+  if (stopping_) return 0;
+  const int64_t wait_end = now_us() + int64_t(config_.stall_timeout_s * 1e6);
+  return c->deadline_us > 0 ? std::min(c->deadline_us, wait_end) : wait_end;
+}
+
+void Server::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const {
+  out->emplace_back("connections_open", metrics_->connections_open.load());
+  out->emplace_back("put_reserved_bytes", int64_t(reservations_.used()));
+  out->emplace_back("meta_buffer_bytes", int64_t(meta_buffers_.used()));
+}
+
+// AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
+// A node without --auth-file answers {"auth": false} to both.
+bool Server::handle_auth(Connection* c, const FrameHeader& h) {
+  c->meta.resize(h.meta_len);
+  if (h.meta_len > 0) recv_exact(c->timer, c->meta.data(), h.meta_len, c->deadline_us);
+  if (h.payload_len > 0) {
+    discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH carries no payload; send payload_len=0");
+    return true;
+  }
+  std::string_view id, mac;
+  bool has_id = false, has_mac = false;
+  MsgpackReader r(c->meta.data(), c->meta.size());
+  uint32_t entries = 0;
+  bool ok = c->meta.empty() || r.read_map(&entries);
+  for (uint32_t i = 0; ok && i < entries; ++i) {
+    std::string_view name;
+    ok = r.read_bytes(&name);
+    if (!ok) break;
+    if (name == "id") ok = has_id = r.read_bytes(&id);
+    else if (name == "mac") ok = has_mac = r.read_bytes(&mac);
+    else ok = r.skip();
+  }
+  if (!ok || !r.at_end() || has_id != has_mac) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH metadata must be {} (ask for a nonce) or {\"id\": bin, \"mac\": bin} "
+               "(docs/protocol.md, \"Authentication\")");
+    return true;
+  }
+  MsgpackWriter& out = c->out;
+  out.clear();
+  if (!auth_on()) {
+    out.map(1);
+    out.str("auth");
+    out.boolean(false);
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  if (c->tenant != nullptr) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "this connection is already authenticated as tenant '" + c->tenant->name +
+                   "'; open a new connection to use another token");
+    return true;
+  }
+  if (!has_id) {
+    random_bytes(c->nonce, kAuthNonceBytes);
+    c->nonce_issued = true;
+    out.map(2);
+    out.str("auth");
+    out.boolean(true);
+    out.str("nonce");
+    out.bin(std::string_view(reinterpret_cast<const char*>(c->nonce), kAuthNonceBytes));
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  const Tenant* t = c->nonce_issued ? config_.tenants->verify(id, c->nonce, mac) : nullptr;
+  c->nonce_issued = false;  // one answer per nonce
+  if (t == nullptr) {
+    metrics_->auth_failures++;
+    metrics_->errors_unauthenticated++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+               "authentication failed: this node's --auth-file has no tenant with that token "
+               "(check GCACHE_TOKEN or the client's token=); the connection is closed");
+    return false;
+  }
+  const uint32_t tenant_max = config_.connections_per_tenant_max;
+  if (t->connections.fetch_add(1) >= tenant_max && tenant_max > 0) {
+    t->connections--;
+    metrics_->connections_refused_tenant++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Busy,
+               "tenant '" + t->name + "' already has " + std::to_string(tenant_max) +
+                   " connections (--connections-per-tenant-max); reuse pooled connections");
+    return false;
+  }
+  c->tenant = t;
+  c->owner = "t:" + t->name;
+  c->last_work_us = now_us();
+  metrics_->auth_successes++;
+  out.map(2);
+  out.str("tenant");
+  out.str(t->name);
+  out.str("roles");
+  uint32_t n = 0;
+  for (uint8_t bit : {kRoleRead, kRoleWrite, kRoleAdmin, kRoleCluster}) n += (t->roles & bit) ? 1 : 0;
+  out.array(n);
+  if (t->roles & kRoleRead) out.str("read");
+  if (t->roles & kRoleWrite) out.str("write");
+  if (t->roles & kRoleAdmin) out.str("admin");
+  if (t->roles & kRoleCluster) out.str("cluster");
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return true;
 }
 
 void Server::send_stale_epoch(Connection* c, const FrameHeader& h) {

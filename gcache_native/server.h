@@ -13,8 +13,11 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
+#include "auth.h"
 #include "metrics.h"
+#include "server_limits.h"
 #include "store.h"
 
 namespace gcache {
@@ -25,14 +28,23 @@ struct ServerConfig {
   std::string host = "127.0.0.1";
   uint16_t port = 7600;                          // 0 = any free port (see Server::port())
   uint32_t connections_max = 1024;               // beyond it: BUSY, then close
-  double idle_timeout_s = 300;                   // between frames
+  uint32_t connections_per_address_max = 256;    // from one peer address; 0 = no cap
+  uint32_t connections_per_tenant_max = 512;     // of one tenant (auth on); 0 = no cap
+  double idle_timeout_s = 300;                   // without a data request (PING/STATS do not count)
   double stall_timeout_s = 30;                   // a frame (or a response send) that stops mid-way
   uint32_t meta_bytes_max = 16u << 20;
+  uint64_t meta_buffer_bytes_max = 256ull << 20;  // metadata buffers of all connections together
+  // Arena bytes PUTs may hold reserved before their values have arrived, all
+  // connections together (one peer address or tenant: a quarter of it).
+  uint64_t put_reserve_bytes_max = 128ull << 20;
   uint64_t frame_payload_bytes_max = 2ull << 30;  // request payload and response payload
   uint32_t batch_keys_max = 16384;
   int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning (measured faster on loopback)
   int64_t epoch = 0;                             // initial cluster-map epoch (see set_cluster_map)
   std::string version = "0.1.0";                 // reported by PING
+  // Authentication (--auth-file): null = off, every connection may do everything.
+  std::shared_ptr<const TenantTable> tenants;
+  double auth_timeout_s = 5;                     // an unauthenticated connection lives this long
 };
 
 // Raised when the listening socket cannot be created (port taken, bad host).
@@ -61,6 +73,9 @@ class Server {
   int64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
   // The current epoch and map, read together.
   std::pair<int64_t, std::shared_ptr<const std::string>> cluster_map() const;
+  // Server-side gauges: connections_open, put_reserved_bytes, meta_buffer_bytes.
+  void fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const;
+
   // Waits until no PUT_BATCH frame admitted while the server epoch was below
   // `epoch` is still storing (a frame counts from its epoch check until its
   // last value is committed, or it fails). True when there are none, false
@@ -87,6 +102,11 @@ class Server {
   Reply handle_remove(Connection* c, const FrameHeader& h);
   Reply handle_stats(Connection* c, const FrameHeader& h);
   Reply handle_ping(Connection* c, const FrameHeader& h);
+  bool handle_auth(Connection* c, const FrameHeader& h);  // false: close the connection
+  bool auth_on() const { return config_.tenants != nullptr; }
+  bool grow_meta(Connection* c, size_t bytes);  // false: the metadata budget stayed full
+  void release_meta(Connection* c);
+  int64_t budget_wait_deadline(const Connection* c) const;
   void send_stale_epoch(Connection* c, const FrameHeader& h);
 
   ServerConfig config_;
@@ -113,6 +133,10 @@ class Server {
   std::mutex admit_mu_;
   std::condition_variable admit_cv_;
   std::map<int64_t, uint64_t> puts_in_flight_;
+
+  PeerCounts peers_;
+  ByteBudget reservations_;  // PUT reservations whose bytes have not all arrived
+  ByteBudget meta_buffers_;  // metadata buffers grown past kMetaFreeBytes
 
   std::mutex conns_mu_;
   std::condition_variable conns_cv_;

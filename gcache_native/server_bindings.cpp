@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "auth.h"
 #include "metrics.h"
+#include "sha256.h"
 #include "server.h"
 #include "store.h"
 
@@ -35,12 +37,54 @@ struct Node {
   std::unique_ptr<Server> server;
 };
 
+// [{"name", "token", "roles": [str], "memory": int, "disk": int | None}] ->
+// the tenant table; ValueError naming what is wrong.
+std::shared_ptr<const gcache::TenantTable> read_tenants(const py::list& items) {
+  std::vector<std::unique_ptr<gcache::Tenant>> tenants;
+  for (py::handle item : items) {
+    py::dict d = py::cast<py::dict>(item);
+    auto t = std::make_unique<gcache::Tenant>();
+    t->name = py::cast<std::string>(d["name"]);
+    t->token = py::cast<std::string>(d["token"]);
+    for (py::handle role : py::cast<py::list>(d["roles"])) {
+      const std::string r = py::cast<std::string>(role);
+      if (r == "read") t->roles |= gcache::kRoleRead;
+      else if (r == "write") t->roles |= gcache::kRoleWrite;
+      else if (r == "admin") t->roles |= gcache::kRoleAdmin;
+      else if (r == "cluster") t->roles |= gcache::kRoleCluster;
+      else throw py::value_error("tenant '" + t->name + "': unknown role '" + r + "'");
+    }
+    if (d.contains("memory") && !d["memory"].is_none()) t->memory_quota = py::cast<uint64_t>(d["memory"]);
+    if (d.contains("disk") && !d["disk"].is_none()) {
+      t->disk_quota = py::cast<uint64_t>(d["disk"]);
+      t->disk_off = t->disk_quota == 0;
+    }
+    tenants.push_back(std::move(t));
+  }
+  try {
+    return std::make_shared<const gcache::TenantTable>(std::move(tenants));
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+}
+
+gcache::PolicyKind policy_kind_or_value_error(const std::string& name) {
+  try {
+    return gcache::policy_kind_from_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+}
+
 void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
   static const std::set<std::string> known = {
       "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
       "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
       "memory_bytes", "disk_bytes", "data_dir", "segment_bytes", "value_bytes_max",
-      "small_queue_fraction", "eviction_attempts_max", "warm_restart"};
+      "small_queue_fraction", "eviction_attempts_max", "warm_restart", "tenants", "auth_timeout_s",
+      "connections_per_address_max", "connections_per_tenant_max", "meta_buffer_bytes_max",
+      "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
+      "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive"};
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
@@ -61,9 +105,32 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "data_dir") sc->data_dir = py::cast<std::string>(v);
     else if (key == "segment_bytes") sc->segment_bytes = py::cast<uint64_t>(v);
     else if (key == "value_bytes_max") sc->value_bytes_max = py::cast<uint64_t>(v);
-    else if (key == "small_queue_fraction") sc->small_queue_fraction = py::cast<double>(v);
+    else if (key == "small_queue_fraction") sc->eviction.small_queue_fraction = py::cast<double>(v);
     else if (key == "eviction_attempts_max") sc->eviction_attempts_max = py::cast<uint32_t>(v);
     else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
+    else if (key == "index_bytes_max") sc->index_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "auth_timeout_s") vc->auth_timeout_s = py::cast<double>(v);
+    else if (key == "connections_per_address_max") vc->connections_per_address_max = py::cast<uint32_t>(v);
+    else if (key == "connections_per_tenant_max") vc->connections_per_tenant_max = py::cast<uint32_t>(v);
+    else if (key == "meta_buffer_bytes_max") vc->meta_buffer_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "put_reserve_bytes_max") vc->put_reserve_bytes_max = py::cast<uint64_t>(v);
+    else if (key == "tenants" && !v.is_none()) vc->tenants = read_tenants(py::cast<py::list>(v));
+    else if (key == "eviction_policy") sc->eviction.kind = policy_kind_or_value_error(py::cast<std::string>(v));
+    else if (key == "eviction_ghost_factor") sc->eviction.ghost_factor = py::cast<double>(v);
+    else if (key == "eviction_fresh_weight") sc->eviction.fresh_weight = py::cast<double>(v);
+    else if (key == "eviction_tail_hint") sc->eviction.chain_tail_hint = py::cast<bool>(v);
+    else if (key == "disk_exclusive") sc->disk_exclusive = py::cast<bool>(v);
+  }
+  if (vc->tenants) {
+    for (const auto& t : vc->tenants->all()) {
+      if (t->key_prefix.empty()) continue;  // the cluster role stores nothing of its own
+      sc->owner_quotas.push_back({t->index, t->name, t->memory_quota, t->disk_quota, t->disk_off});
+    }
+  }
+  try {
+    gcache::validate_eviction_config(sc->eviction);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
   }
 }
 
@@ -87,12 +154,26 @@ py::dict stats_dict(Node& node) {
   for (const auto& [name, value] : node.metrics->counters()) counters[py::str(name)] = value;
   std::vector<std::pair<std::string, int64_t>> g;
   node.store->fill_gauges(&g);
-  g.emplace_back("connections_open", node.metrics->connections_open.load());
+  node.server->fill_gauges(&g);
   for (const auto& [name, value] : g) gauges[py::str(name)] = value;
   for (const auto& [name, buckets] : node.metrics->histograms())
     histograms[py::str(name)] = py::cast(buckets);
   for (const auto& [name, sum] : node.metrics->histogram_sums_us()) histogram_sums_us[py::str(name)] = sum;
+  py::dict tenants;  // per-tenant usage and quotas (auth on); no key names
+  for (const gcache::OwnerUsage& u : node.store->owner_usage()) {
+    py::dict t;
+    t["memory_bytes"] = u.memory_bytes;
+    t["disk_bytes"] = u.disk_bytes;
+    t["memory_quota_bytes"] = u.quota.memory_bytes;
+    t["disk_quota_bytes"] = u.quota.disk_bytes;
+    t["disk_off"] = u.quota.disk_off;
+    t["quota_evictions"] = u.quota_evictions;
+    t["disk_refusals"] = u.disk_refusals;
+    t["puts_over_quota"] = u.puts_over_quota;
+    tenants[py::str(u.quota.name)] = t;
+  }
   py::dict out;
+  out["tenants"] = tenants;
   out["counters"] = counters;
   out["gauges"] = gauges;
   out["histograms"] = histograms;
@@ -103,6 +184,13 @@ py::dict stats_dict(Node& node) {
 }  // namespace
 
 void bind_server(py::module_& m) {
+  m.def("hmac_sha256",
+        [](py::bytes key, py::bytes message) {
+          const auto d = gcache::hmac_sha256(std::string(key), std::string(message));
+          return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+        },
+        py::arg("key"), py::arg("message"),
+        "HMAC-SHA256 as the data server computes it for AUTH (tests compare it with hmac).");
   py::register_exception<gcache::BindError>(m, "BindError", PyExc_OSError);
   py::register_exception<StoreOpenError>(m, "StoreOpenError", PyExc_RuntimeError);
 
@@ -115,7 +203,13 @@ until start(). Config keys: host, port (0 = any free port), connections_max,
 idle_timeout_s, stall_timeout_s, meta_bytes_max, frame_payload_bytes_max,
 batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
 data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
-eviction_attempts_max, warm_restart. Unknown keys raise ValueError.
+eviction_attempts_max, warm_restart, tenants (None = no authentication, or a
+list of {"name", "token", "roles": ["read"|"write"|"admin"|"cluster"], "memory",
+"disk"}), auth_timeout_s, connections_per_address_max, connections_per_tenant_max,
+meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max, eviction_policy
+("chain", "s3fifo", "lru"), eviction_ghost_factor, eviction_fresh_weight (0 =
+tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md). Unknown keys
+and out-of-range values raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")
       .def(py::init([](py::dict config) {

@@ -5,16 +5,42 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "eviction_config.h"
 #include "metrics.h"
 
 namespace gcache {
 
-constexpr uint32_t kKeyBytesMax = 512;
+// A client key is 1..512 bytes (docs/protocol.md); an authenticated node
+// stores it behind its tenant's prefix (name + NUL, at most 33 bytes).
+constexpr uint32_t kUserKeyBytesMax = 512;
+constexpr uint32_t kTenantPrefixBytesMax = 33;
+constexpr uint32_t kKeyBytesMax = kUserKeyBytesMax + kTenantPrefixBytesMax;
+
+// One tenant's bounds in the store (docs/security.md, "Quotas"). Values carry
+// their owner (PutHint::owner); keys stored as name + NUL + key let a restart
+// give disk values back to their owner.
+struct OwnerQuota {
+  OwnerId owner = 0;
+  std::string name;             // the tenant's name (its key prefix without the NUL)
+  uint64_t memory_bytes = 0;    // value bytes in the memory tier; 0 = no quota
+  uint64_t disk_bytes = 0;      // value bytes on disk; 0 = no quota unless disk_off
+  bool disk_off = false;        // this owner's values never go to disk (dropped instead of demoted)
+};
+
+// One owner's usage, for /metrics.
+struct OwnerUsage {
+  OwnerQuota quota;
+  uint64_t memory_bytes = 0, disk_bytes = 0;
+  uint64_t quota_evictions = 0;  // own values pushed out of memory to stay under the memory quota
+  uint64_t disk_refusals = 0;    // evicted values dropped, not demoted: disk off or disk quota full
+  uint64_t puts_over_quota = 0;  // puts refused: the value cannot fit in the memory quota
+};
 
 struct StoreConfig {
   uint64_t memory_bytes = 1ull << 30;         // size of the shared-memory arena
@@ -22,9 +48,17 @@ struct StoreConfig {
   std::string data_dir;                       // segments + warm list live here; empty = no disk tier
   uint64_t segment_bytes = 64ull << 20;       // target segment file size (a larger record gets its own)
   uint64_t value_bytes_max = 64ull << 20;     // larger puts get PutStatus::TooLarge
-  double small_queue_fraction = 0.10;         // S3-FIFO small-queue share of the memory tier
+  EvictionConfig eviction;                    // memory-tier eviction policy and its settings
+  bool disk_exclusive = true;                 // a value loaded from disk gives up its disk copy
   uint32_t eviction_attempts_max = 4096;      // victims tried per allocation before NoSpace
   bool warm_restart = true;                   // reload the warm list into memory at open
+  // Heap the key index may take (estimated per key: the entry, its key, hash
+  // node); a new key beyond it first drops the oldest disk segments, then
+  // memory values. 0 = no limit.
+  uint64_t index_bytes_max = 0;
+  // Per-owner quotas. A memory quota needs a policy that can scope eviction by
+  // owner (chain, lru): with s3fifo the Store throws std::invalid_argument.
+  std::vector<OwnerQuota> owner_quotas;
 };
 
 enum class PutStatus : uint8_t {
@@ -44,6 +78,7 @@ struct Reservation {
   uint64_t length = 0;
   uint64_t offset = 0;       // arena offset of the block
   uint64_t block_bytes = 0;  // size-class rounded block size
+  OwnerId owner = 0;         // whose memory quota the reservation counts against
 };
 
 struct Entry;  // private to store.cpp
@@ -68,12 +103,18 @@ class Store {
   // Put path. begin_put answers Exists when the key already has a committed
   // value (nothing reserved), TooLarge/KeyInvalid/NoSpace on refusal, Stored
   // when `out` now holds a reservation. Never blocks on other puts.
-  PutStatus begin_put(std::string_view key, uint64_t length, Reservation* out);
+  // `owner` over its memory quota first evicts its own coldest values
+  // (never others'); NoSpace if the value cannot fit in the quota even then.
+  PutStatus begin_put(std::string_view key, uint64_t length, Reservation* out, OwnerId owner = 0);
   // Verifies xxh64(data) == checksum (else frees: ChecksumMismatch), then
   // publishes the value. If another put of the same key committed first, the
   // reservation is freed and Exists returned: exactly one value remains.
-  PutStatus commit_put(std::string_view key, const Reservation& r, uint64_t checksum);
+  // `hint` tells the eviction policy which put batch (chain) the value belongs to.
+  PutStatus commit_put(std::string_view key, const Reservation& r, uint64_t checksum, const PutHint& hint = {});
   void abort_put(const Reservation& r);
+  // A fresh id for one put batch: the values committed with it are one prefix
+  // chain, in order (PutHint).
+  uint64_t new_put_batch();
 
   // Get path. A disk-only value is read into the arena (checksum verified;
   // a bad checksum is a miss, counts checksum_failures and drops the record).
@@ -81,7 +122,13 @@ class Store {
   bool acquire(std::string_view key, Lease* out);
   void release(const Lease& lease);
 
-  bool contains(std::string_view key);  // no lease, no promotion, no recency bump
+  // One EXISTS batch, keys in the client's order: present[i] = key i has a value
+  // (either tier); returns how many leading keys are present. The eviction
+  // policy learns of the probe (a use of that prefix); disk-only values in the
+  // prefix are marked as about to be read, so a disk reclaim before the GET
+  // that follows copies them forward instead of dropping them. One lock hold.
+  size_t exists(const std::vector<std::string_view>& keys, std::vector<uint8_t>* present);
+  bool contains(std::string_view key);  // exists() of one key: no lease, no promotion
   bool remove(std::string_view key);    // true if it existed; idempotent
 
   // One page of a scan over the keys stored (either tier), values untouched;
@@ -108,9 +155,21 @@ class Store {
   // without duplicates; read page by page (keys_page), so not one snapshot.
   std::vector<std::string> keys(size_t limit);
 
-  // Warm shutdown: writes every memory-only value to disk, writes the warm
-  // list, fsyncs. Safe to call once; the store stays usable afterwards.
-  void flush();
+  // Evicts values of `owner` from memory, coldest first (demoted to disk like
+  // any eviction), until `bytes` are freed or it has none left there; returns
+  // the bytes freed. The hook for per-tenant quotas: a tenant over its quota
+  // evicts its own values first. 0 if the policy cannot scope by owner (s3fifo).
+  uint64_t evict_owned(OwnerId owner, uint64_t bytes);
+
+  // Usage and quota of every owner named in StoreConfig::owner_quotas.
+  std::vector<OwnerUsage> owner_usage();
+
+  // Warm shutdown: writes every memory-only value to disk (coldest first), then
+  // the warm list, and fsyncs. Each value is written without the store lock (it
+  // is pinned meanwhile), so gets and puts go on during a flush; values put
+  // meanwhile may or may not be written. `progress(done, total)` is called
+  // after each value, with no lock held. The store stays usable afterwards.
+  void flush(const std::function<void(uint64_t done, uint64_t total)>& progress = {});
 
   // Throws std::logic_error naming the first broken invariant (allocator
   // accounting, queue membership, lease counts, capacity bounds).

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 
@@ -60,24 +61,47 @@ struct PyStore {
   std::shared_ptr<StoreHandle> handle = std::make_shared<StoreHandle>();
 
   PyStore(uint64_t memory_bytes, uint64_t disk_bytes, const std::string& data_dir, uint64_t segment_bytes,
-          uint64_t value_bytes_max, double small_queue_fraction, uint32_t eviction_attempts_max, bool warm_restart) {
+          uint64_t value_bytes_max, double small_queue_fraction, uint32_t eviction_attempts_max, bool warm_restart,
+          const std::string& eviction_policy, double eviction_ghost_factor, double eviction_fresh_weight,
+          bool eviction_tail_hint, bool disk_exclusive, uint64_t index_bytes_max) {
     StoreConfig config;
     config.memory_bytes = memory_bytes;
     config.disk_bytes = disk_bytes;
     config.data_dir = data_dir;
     config.segment_bytes = segment_bytes;
     config.value_bytes_max = value_bytes_max;
-    config.small_queue_fraction = small_queue_fraction;
+    config.eviction.kind = policy_kind_from_name(eviction_policy);  // invalid_argument -> ValueError
+    config.eviction.small_queue_fraction = small_queue_fraction;
+    config.eviction.ghost_factor = eviction_ghost_factor;
+    config.eviction.fresh_weight = eviction_fresh_weight;
+    config.eviction.chain_tail_hint = eviction_tail_hint;
     config.eviction_attempts_max = eviction_attempts_max;
     config.warm_restart = warm_restart;
+    config.index_bytes_max = index_bytes_max;
+    config.disk_exclusive = disk_exclusive;
+    validate_eviction_config(config.eviction);
     py::gil_scoped_release nogil;
     handle->store = std::make_unique<Store>(config, &handle->metrics);
   }
 
-  int put(const py::bytes& key, const py::buffer& value, py::object checksum) {
-    std::string k = key;
+  // begin_put + copy + commit_put of one value, GIL released by the caller.
+  static int put_one(Store& store, const std::string& k, const uint8_t* data, uint64_t length, const PutHint& hint) {
+    Reservation r;
+    PutStatus status = store.begin_put(k, length, &r, hint.owner);
+    if (status != PutStatus::Stored) return static_cast<int>(status);
+    if (length > 0) memcpy(r.data, data, length);
+    return static_cast<int>(store.commit_put(k, r, xxh64(data, length), hint));
+  }
+
+  static py::buffer_info contiguous(const py::buffer& value, const char* what) {
     py::buffer_info info = value.request();
-    if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument("put: value must be a contiguous buffer");
+    if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument(std::string(what) + ": value must be a contiguous buffer");
+    return info;
+  }
+
+  int put(const py::bytes& key, const py::buffer& value, py::object checksum, OwnerId owner) {
+    std::string k = key;
+    py::buffer_info info = contiguous(value, "put");
     const uint8_t* data = static_cast<const uint8_t*>(info.ptr);
     uint64_t length = static_cast<uint64_t>(info.size * info.itemsize);
     bool explicit_checksum = !checksum.is_none();
@@ -86,10 +110,50 @@ struct PyStore {
     py::gil_scoped_release nogil;
     if (!explicit_checksum) sum = xxh64(data, length);
     Reservation r;
-    PutStatus status = store.begin_put(k, length, &r);
+    PutStatus status = store.begin_put(k, length, &r, owner);
     if (status != PutStatus::Stored) return static_cast<int>(status);
     if (length > 0) memcpy(r.data, data, length);
-    return static_cast<int>(store.commit_put(k, r, sum));
+    return static_cast<int>(store.commit_put(k, r, sum, PutHint{0, false, owner}));
+  }
+
+  // What the data server does for one PUT_BATCH: the values are one chain, in order.
+  std::vector<int> put_batch(const std::vector<py::bytes>& keys, const std::vector<py::buffer>& values, OwnerId owner) {
+    if (keys.size() != values.size()) throw std::invalid_argument("put_batch: as many values as keys, please");
+    std::vector<std::string> ks(keys.begin(), keys.end());
+    std::vector<py::buffer_info> infos;
+    for (const py::buffer& v : values) infos.push_back(contiguous(v, "put_batch"));
+    Store& store = handle->get();
+    std::vector<int> statuses(ks.size());
+    py::gil_scoped_release nogil;
+    const uint64_t chain = store.new_put_batch();
+    for (size_t i = 0; i < ks.size(); ++i) {
+      PutHint hint{chain, ks.size() >= 2 && i + 1 == ks.size(), owner};
+      statuses[i] = put_one(store, ks[i], static_cast<const uint8_t*>(infos[i].ptr),
+                            static_cast<uint64_t>(infos[i].size * infos[i].itemsize), hint);
+    }
+    return statuses;
+  }
+
+  // What the data server does for one EXISTS_BATCH: (present per key, leading keys present).
+  py::tuple exists(const std::vector<py::bytes>& keys) {
+    std::vector<std::string> ks(keys.begin(), keys.end());
+    std::vector<std::string_view> views(ks.begin(), ks.end());
+    std::vector<uint8_t> present;
+    size_t prefix;
+    Store& store = handle->get();
+    {
+      py::gil_scoped_release nogil;
+      prefix = store.exists(views, &present);
+    }
+    py::list flags;
+    for (uint8_t p : present) flags.append(p != 0);
+    return py::make_tuple(flags, prefix);
+  }
+
+  uint64_t evict_owned(OwnerId owner, uint64_t bytes) {
+    Store& store = handle->get();
+    py::gil_scoped_release nogil;
+    return store.evict_owned(owner, bytes);  // invalid_argument -> ValueError
   }
 
   // Store::acquire with the GIL released; false on a miss.
@@ -130,10 +194,17 @@ struct PyStore {
     return store.remove(k);
   }
 
-  void flush() {
+  void flush(py::object progress) {
     Store& store = handle->get();
+    std::function<void(uint64_t, uint64_t)> report;
+    if (!progress.is_none()) {
+      report = [&progress](uint64_t done, uint64_t total) {
+        py::gil_scoped_acquire gil;
+        progress(done, total);  // an exception here propagates out of flush()
+      };
+    }
     py::gil_scoped_release nogil;
-    store.flush();
+    store.flush(report);
   }
 
   void check_integrity() {
@@ -190,17 +261,42 @@ void bind_store(py::module_& m) {
       .def("__exit__", [](PyLease& self, py::args) { self.release(); });
 
   py::class_<PyStore>(m, "Store", "The node's storage engine: memory arena + disk segments (see docs/storage.md).")
-      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, uint64_t, double, uint32_t, bool>(),
+      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, uint64_t, double, uint32_t, bool,
+                    const std::string&, double, double, bool, bool, uint64_t>(),
            py::arg("memory_bytes"), py::arg("disk_bytes"), py::arg("data_dir"), py::arg("segment_bytes") = 64ull << 20,
            py::arg("value_bytes_max") = 64ull << 20, py::arg("small_queue_fraction") = 0.10,
-           py::arg("eviction_attempts_max") = 4096, py::arg("warm_restart") = true)
+           py::arg("eviction_attempts_max") = 4096, py::arg("warm_restart") = true,
+           py::arg("eviction_policy") = "chain", py::arg("eviction_ghost_factor") = 2.0,
+           py::arg("eviction_fresh_weight") = 0.0, py::arg("eviction_tail_hint") = true,
+           py::arg("disk_exclusive") = true, py::arg("index_bytes_max") = 0)
       .def("put", &PyStore::put, py::arg("key"), py::arg("value"), py::arg("checksum") = py::none(),
-           "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...).")
+           py::arg("owner") = 0, "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...).")
+      .def("put_batch", &PyStore::put_batch, py::arg("keys"), py::arg("values"), py::arg("owner") = 0,
+           "Stores the values as one put batch (one prefix chain, in order), as PUT_BATCH does; "
+           "a PutStatus code per key.")
+      .def("exists", &PyStore::exists, py::arg("keys"),
+           "([present per key], leading keys present), as EXISTS_BATCH does (a use of that prefix).")
+      .def("keys",
+           [](PyStore& self, size_t limit) {
+             Store& store = self.handle->get();
+             std::vector<std::string> keys;
+             {
+               py::gil_scoped_release nogil;
+               keys = store.keys(limit);
+             }
+             py::list out;
+             for (const std::string& k : keys) out.append(py::bytes(k));
+             return out;
+           },
+           py::arg("limit") = 1 << 20, "Up to `limit` keys stored (either tier), in no order; no recency effect.")
+      .def("evict_owned", &PyStore::evict_owned, py::arg("owner"), py::arg("bytes"),
+           "Evicts values of `owner` from memory, coldest first, until `bytes` are freed; returns bytes freed.")
       .def("get", &PyStore::get, py::arg("key"), "Copy of the value, or None on a miss.")
       .def("acquire", &PyStore::acquire, py::arg("key"), "A Lease on the value, or None on a miss.")
       .def("contains", &PyStore::contains, py::arg("key"))
       .def("remove", &PyStore::remove, py::arg("key"))
-      .def("flush", &PyStore::flush)
+      .def("flush", &PyStore::flush, py::arg("progress") = py::none(),
+           "Warm shutdown write; progress(done, total) is called after each value (no store lock held).")
       .def("check_integrity", &PyStore::check_integrity)
       .def("close", &PyStore::close)
       .def("stats", &PyStore::stats)

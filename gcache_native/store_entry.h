@@ -7,13 +7,18 @@
 #include <string>
 
 #include "disk_segments.h"
+#include "eviction_config.h"
 
 namespace gcache {
 
+// Which eviction queue holds the memory copy. s3fifo: its small and main FIFOs;
+// chain: Small = fresh (not used since put), Main = used; lru: Main.
 enum class QueueId : uint8_t { None = 0, Small = 1, Main = 2 };
 
 struct Entry {
   std::string key;
+  uint64_t key_hash = 0;  // key_hash_of(key): ghosts and sampling
+  OwnerId owner = 0;
   uint64_t length = 0;
   uint64_t checksum = 0;  // xxh64 of the value
 
@@ -28,9 +33,10 @@ struct Entry {
   RecordLocation disk;
   std::list<Entry*>::iterator disk_pos;  // in the segment's live list
 
-  // S3-FIFO state of the memory copy.
+  // Eviction state of the memory copy (eviction_policy.h).
   QueueId queue = QueueId::None;
-  uint8_t freq = 0;  // 0..3, bumped per hit
+  uint8_t freq = 0;       // s3fifo: 0..3, bumped per hit
+  uint64_t last_use = 0;  // chain, lru: the policy's clock at the last insert or use
   std::list<Entry*>::iterator queue_pos;
 
   uint32_t leases = 0;  // readers holding the memory copy
@@ -39,6 +45,7 @@ struct Entry {
   bool demoting = false;  // being written to disk outside the lock: out of the queues, pinned
 
   bool read_since_written = false;  // earns one copy-forward when its segment is reclaimed
+  bool probed = false;  // disk-only, in an EXISTS prefix and not read since: a reclaim copies it forward
   bool copied_forward = false;
 };
 

@@ -25,6 +25,7 @@ from gcache.server.config import build_parser, load_settings
 
 DEPLOY = REPO_ROOT / "deploy"
 EXAMPLE_CONFIG = DEPLOY / "gcache-server.toml"
+EXAMPLE_AUTH = DEPLOY / "gcache-auth.example.toml"
 PROGRAMS = ("gcache-server", "gcache-master")
 NAMESPACE = "gcache-test"  # plausible values for the downward API
 FIELD_VALUES = {
@@ -89,13 +90,18 @@ def master_main():
 
 
 def with_local_config(args: list[str]) -> list[str]:
-    """Points --config at the repository's example (the deploy path doesn't exist here)."""
+    """Points --config and --auth-file at the repository's examples (the deploy paths don't
+    exist here); a config file's auth-file is overridden the same way."""
     out = list(args)
     for i, arg in enumerate(out):
-        if arg == "--config" and i + 1 < len(out):
-            out[i + 1] = str(EXAMPLE_CONFIG)
+        if arg in ("--config", "--auth-file") and i + 1 < len(out):
+            out[i + 1] = str(EXAMPLE_CONFIG if arg == "--config" else EXAMPLE_AUTH)
         elif arg.startswith("--config="):
             out[i] = "--config=" + str(EXAMPLE_CONFIG)
+        elif arg.startswith("--auth-file="):
+            out[i] = "--auth-file=" + str(EXAMPLE_AUTH)
+    if any(a == "--config" or a.startswith("--config=") for a in out):
+        out += ["--auth-file", str(EXAMPLE_AUTH)]
     return out
 
 
@@ -397,12 +403,50 @@ def test_example_config_keys_are_flags_and_load():
     flags = server_flags()
     for key in raw:
         assert "--" + key.replace("_", "-") in flags, f"config key {key!r} is not a gcache-server flag"
-    settings = load_settings(["--config", str(EXAMPLE_CONFIG)])
+    settings = load_settings(with_local_config(["--config", str(EXAMPLE_CONFIG)]))
     assert settings.memory == 16 << 30 and settings.data_dir == "/var/lib/gcache"
 
 
+def test_every_deployed_daemon_authenticates_and_masters_serve_tls():
+    """The shipped files turn authentication on: every node and master reads a tenants
+    file, masters serve TLS and nodes in a cluster check the masters' certificates."""
+    raw = tomllib.loads(EXAMPLE_CONFIG.read_text())
+    assert raw["auth-file"].startswith("/etc/gcache/")
+    seen = set()
+    for path in deploy_files():
+        if kind_of(path) not in ("k8s", "systemd", "containerfile"):
+            continue
+        for cmd in commands_in(path):
+            seen.add(cmd.program)
+            if cmd.program == "gcache-master":
+                args = parse_master(cmd)
+                assert args.auth_file and args.tls_cert and args.tls_key, cmd.where
+            else:
+                uses_config = any(a == "--config" or a.startswith("--config=") for a in cmd.argv)
+                assert uses_config or flag_value(cmd.argv, "--auth-file"), cmd.where
+                settings = parse_server(cmd)
+                assert settings.auth is not None and settings.auth.cluster_token()
+                if settings.master:
+                    assert settings.master_tls_ca, f"{cmd.where}: a cluster node should check the masters' TLS"
+    assert seen == set(PROGRAMS)
+
+
+def test_example_auth_file_loads_and_placeholders_are_refused_at_start(tmp_path):
+    from gcache.auth import load_auth_file, placeholder_tenants
+    auth = load_auth_file(str(EXAMPLE_AUTH))
+    assert {n: sorted(t.roles) for n, t in auth.tenants.items()} == \
+        {"nodes": ["cluster"], "ops": ["admin"], "engines": ["read", "write"]}
+    assert placeholder_tenants(auth) == ["engines", "nodes", "ops"]
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "gcache.server.main", "--auth-file", str(EXAMPLE_AUTH),
+                          "--port", "0", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "placeholder token" in out.stderr
+
+
 def test_command_line_overrides_config_file():
-    settings = load_settings(["--config", str(EXAMPLE_CONFIG), "--memory", "2GiB", "--port", "9000"])
+    settings = load_settings(with_local_config(["--config", str(EXAMPLE_CONFIG), "--memory", "2GiB",
+                                                "--port", "9000"]))
     assert settings.memory == 2 << 30 and settings.port == 9000
     assert settings.disk == 200 << 30  # still from the file
 

@@ -258,7 +258,9 @@ def no_pins(engine: Engine) -> None:
 # ---- 3 ------------------------------------------------------------------------------------
 def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine):
     """Failure mode 3, measured with the node's own eviction: a gcache-server with a 1 MiB
-    memory tier and no disk (--disk 0: what S3-FIFO evicts leaves the node).
+    memory tier and no disk (--disk 0: what S3-FIFO evicts leaves the node), running
+    --eviction-policy s3fifo (the default chain policy keeps a chain's page 0 by itself:
+    tests/test_eviction_chain.py).
 
     A hot chat is extended every third request on a worker whose L1 keeps it (its turns
     hit L1, so nothing ever reads the chat back from L3), while 40 cold one-off chains are
@@ -279,7 +281,8 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
     got = {}
     for protect in (True, False):
         rng = np.random.default_rng(3)
-        node = server_factory(f"node-hot-{protect}", memory="1MiB", disk="0")
+        node = server_factory(f"node-hot-{protect}", memory="1MiB", disk="0",
+                              extra_args=["--eviction-policy", "s3fifo"])
         config = hicache(l2_full=256, l2_swa=128, l3=node.address, prefetch_policy="wait_complete",
                          l3_protect_prefix=protect)
         worker = make_engine(full_pages=1024, swa_pages=64, hicache=config)

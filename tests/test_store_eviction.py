@@ -1,4 +1,6 @@
-"""Eviction: S3-FIFO keeps a hot set through a scan, leases pin values, capacity holds."""
+"""Eviction: S3-FIFO keeps a hot set through a scan, leases pin values, capacity holds.
+
+The chain policy (the default) has its own tests in test_eviction_chain.py."""
 import os
 from pathlib import Path
 
@@ -20,7 +22,7 @@ def data_dir(tmp_path):
 
 
 def test_hot_set_survives_a_scan_of_one_off_keys(data_dir):
-    with Store(8 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB) as s:
+    with Store(8 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB, eviction_policy="s3fifo") as s:
         hot = {b"hot%d" % i: os.urandom(64 * KIB) for i in range(16)}  # 1 MiB of 8
         for k, v in hot.items():
             assert s.put(k, v) == Store.STORED
@@ -112,8 +114,10 @@ def test_size_classes_bound_waste(tmp_path):
 
 
 def test_disk_reclaim_gives_read_records_a_second_chance(data_dir):
+    # Inclusive disk: the read leaves "read"'s record in place (with disk_exclusive the
+    # read would move it to memory and drop the record; test_store_disk_fixes.py).
     value = {name: os.urandom(100 * KIB) for name in (b"read", b"unread")}
-    s = Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False)
+    s = Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False, disk_exclusive=False)
     for name, v in value.items():
         s.put(name, v)
     for i in range(12):  # pushes both out of memory into the first segment
@@ -124,7 +128,8 @@ def test_disk_reclaim_gives_read_records_a_second_chance(data_dir):
         s.check_integrity()
     assert s.stats()["segments_reclaimed"] > 0
     s.close()  # no flush: only disk records count
-    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False) as s:
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False,
+               disk_exclusive=False) as s:
         assert s.get(b"read") == value[b"read"]  # copied forward once
         assert s.get(b"unread") is None  # reclaimed with its segment
 
@@ -151,7 +156,8 @@ def test_large_put_into_an_arena_fragmented_by_small_values(tmp_path):
 
 def test_copy_forwards_are_counted_once_per_read_record(data_dir):
     value = {name: os.urandom(100 * KIB) for name in (b"read", b"unread")}
-    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False) as s:
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False,
+               disk_exclusive=False) as s:
         for name, v in value.items():
             s.put(name, v)
         for i in range(12):  # pushes both out of memory into the first segment
@@ -171,7 +177,7 @@ def test_ghost_hit_consumes_its_ghost_entry(data_dir):
     # S3-FIFO: a key evicted from the small queue leaves a ghost; re-inserting it
     # goes straight to main and uses the ghost up, so a later re-insert
     # starts in small again instead of skipping it until the ghost ages out.
-    with Store(4 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB) as s:
+    with Store(4 * MIB, 64 * MIB, str(data_dir), segment_bytes=4 * MIB, eviction_policy="s3fifo") as s:
         value = os.urandom(128 * KIB)
         keys = [b"once%d" % i for i in range(64)]  # 8 MiB of one-off keys through 4 MiB
         for k in keys:

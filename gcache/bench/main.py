@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default="1GiB", help="local server's memory tier (default 1GiB)")
     p.add_argument("--disk", default="2GiB", help="local server's disk tier (default 2GiB)")
     p.add_argument("--data-dir", help="local server's data folder (default: a temp folder, removed after)")
+    p.add_argument("--auth-file", metavar="FILE",
+                   help="start the local server with this --auth-file and authenticate as its first tenant "
+                        "with the read and write roles (default: no authentication)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="token for --server (default: $GCACHE_TOKEN, $GCACHE_TOKEN_FILE)")
     p.add_argument("--workload", type=_csv(WORKLOADS), default=list(WORKLOADS),
                    help="comma-separated subset of put,get,exists,latency (default: all)")
     p.add_argument("--value-size", type=_size, default=256 << 10, help="bytes per value, 4KiB..16MiB (default 256KiB)")
@@ -102,6 +107,7 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     check(2 <= a.exists_keys <= EXISTS_KEYS_MAX, f"--exists-keys must be 2..{EXISTS_KEYS_MAX}")
     check(a.working_set >= a.value_size, "--working-set must hold at least one value")
     check(1 <= a.latency_value_size <= VALUE_SIZE_MAX, "--latency-value-size must be 1B..16MiB")
+    check(not (a.auth_file and a.server), "--auth-file starts a local server: with --server give --token-file")
 
 
 def _say(args, msg: str) -> None:
@@ -120,8 +126,24 @@ def run(argv: list[str] | None = None) -> dict:
     return execute(parse_args(argv))
 
 
+def _token(args) -> str | None:
+    """The token the bench authenticates with: --auth-file's first read+write tenant, --token-file,
+    or the environment (GCACHE_TOKEN / GCACHE_TOKEN_FILE)."""
+    from gcache.auth import AuthFileError, load_auth_file, read_token_file, resolve_token
+    try:
+        if args.auth_file:
+            writers = [t for t in load_auth_file(args.auth_file).with_role("write") if t.has("read")]
+            if not writers:
+                raise SystemExit(f"gcache-bench: {args.auth_file} has no tenant with the read and write roles")
+            return writers[0].token
+        return read_token_file(args.token_file) if args.token_file else resolve_token()
+    except (AuthFileError, ValueError) as exc:
+        raise SystemExit(f"gcache-bench: {exc}") from None
+
+
 def execute(args: argparse.Namespace) -> dict:
     workers = args.threads or args.processes or 1
+    token = _token(args)
     mode = "processes" if args.processes else "threads"
     cfg = WorkloadConfig(value_size=args.value_size, batch=args.batch, duration_s=args.duration,
                          ops_max=args.ops, exists_keys=args.exists_keys, working_set_bytes=args.working_set,
@@ -148,12 +170,14 @@ def execute(args: argparse.Namespace) -> dict:
                 if args.data_dir is None:
                     tmp_dir = tempfile.mkdtemp(prefix="gcache-bench-")
                 data_dir = Path(args.data_dir or tmp_dir) / "node"
-                local_server = LocalServer(data_dir, memory=args.memory, disk=args.disk).start()
-                server_info.update(address=local_server.address, memory=args.memory, disk=args.disk)
+                extra = ["--auth-file", args.auth_file] if args.auth_file else []
+                local_server = LocalServer(data_dir, memory=args.memory, disk=args.disk, extra_args=extra).start()
+                server_info.update(address=local_server.address, memory=args.memory, disk=args.disk,
+                                   auth=bool(args.auth_file))
             progress.step("machine limits", LIMITS_ESTIMATE_S * args.repeat)
             limits = machine_limits.measure_limits(args.repeat, cfg.value_size * cfg.batch)
 
-            gcache_spec = PeerSpec("gcache", server_info["address"])
+            gcache_spec = PeerSpec("gcache", server_info["address"], {"token": token} if token else {})
             peers["gcache"] = {"available": True, "address": gcache_spec.address,
                                "workloads": run_suite(gcache_spec, args.workload, cfg, args.repeat, workers,
                                                       mode, run_tag, progress, step_s)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from gcache import errors
+from gcache.auth import resolve_token
 from gcache.client import pipeline
 from gcache.client.buffers import BufferRegistry, byte_view, slice_view
 from gcache.client.connection import Connection, parse_address
@@ -53,6 +54,10 @@ class Client:
         later as `client.epoch`); None sends none. A node with a newer map
         refuses the call with StaleEpochError (not retried here; the connection
         stays usable). The cluster client sets it; standalone use leaves it None.
+    token: the tenant token for a node with --auth-file (docs/security.md); None
+        reads $GCACHE_TOKEN (or the file named by $GCACHE_TOKEN_FILE). Each new
+        connection proves it with a challenge-response; the token is never sent.
+        A missing or wrong token makes every call raise gcache.errors.AuthError.
 
     An address "gcache://master:port[,master:port...]" gives a ClusterClient
     (gcache.client.cluster_client) instead: the same methods over a whole cluster.
@@ -68,8 +73,14 @@ class Client:
                  connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
                  verify_checksums: bool = False, batch_keys_max: int = 4096,
                  frame_payload_bytes_max: int = 64 * 1024 * 1024, pipeline_depth: int = 8,
-                 retry_backoff_s: float = 0.01, epoch: int | None = None):
+                 retry_backoff_s: float = 0.01, epoch: int | None = None, token: str | None = None):
         parse_address(address)
+        if token is not None and not isinstance(token, str):
+            raise errors.InvalidArgumentError(f"token must be a str, got {type(token).__name__}")
+        try:
+            token = resolve_token(token)
+        except ValueError as exc:
+            raise errors.InvalidArgumentError(str(exc)) from None
         if not 0 < timeout_s <= 3600 or not 0 < connect_timeout_s <= 3600:
             raise errors.InvalidArgumentError("timeout_s and connect_timeout_s must be in (0, 3600]")
         if not 0 <= retries <= RETRIES_MAX:
@@ -92,7 +103,7 @@ class Client:
         self.retry_backoff_s = retry_backoff_s
         self.epoch = epoch
         self._pool = ConnectionPool(
-            lambda: Connection(address, timeout_s, connect_timeout_s), pool_size, timeout_s)
+            lambda: Connection(address, timeout_s, connect_timeout_s, token), pool_size, timeout_s)
         self._registry = BufferRegistry()
 
     # -- lifecycle ----------------------------------------------------------

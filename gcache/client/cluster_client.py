@@ -40,7 +40,7 @@ from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
 from gcache.cluster.cluster_map import DEAD, ClusterMap
 from gcache.cluster.placement import Placement
-from gcache.master.api import parse_master_url
+from gcache.master.api import MasterCredentials, parse_master_url
 from gcache.protocol import normalize_key, normalize_keys
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,10 @@ class ClusterClient:
     suspect_s: how long a node that failed is skipped.
     parallel_max: threads running owners' parts at once (shared by all calls).
     master_timeout_s: per master RPC.
+    token: the tenant token (else $GCACHE_TOKEN / $GCACHE_TOKEN_FILE), used towards the
+        nodes (challenge-response) and the masters (a bearer token).
+    tls_ca: CA of the masters' TLS certificates (else $GCACHE_MASTER_TLS_CA); None:
+        plaintext gRPC to the masters.
     """
 
     def __init__(self, address: str | None = None, *, timeout_s: float = 2.0,
@@ -123,7 +127,7 @@ class ClusterClient:
                  verify_checksums: bool = False, map_refresh_s: float = 2.0,
                  suspect_s: float = 1.0, parallel_max: int = 16,
                  initial_map: ClusterMap | None = None, master_timeout_s: float = 2.0,
-                 **node_kwargs):
+                 token: str | None = None, tls_ca: str | None = None, **node_kwargs):
         if address is None and initial_map is None:
             raise errors.InvalidArgumentError(
                 "ClusterClient needs the masters, 'gcache://host:port[,host:port...]', "
@@ -139,8 +143,13 @@ class ClusterClient:
             raise errors.InvalidArgumentError(f"suspect_s must be in [0, {SUSPECT_S_MAX}]")
         if not 0 < map_refresh_s <= 3600 or not 0 < master_timeout_s <= 3600:
             raise errors.InvalidArgumentError("map_refresh_s and master_timeout_s must be in (0, 3600]")
+        try:
+            credentials = MasterCredentials.from_env(token=token, tls_ca=tls_ca)
+        except ValueError as exc:
+            raise errors.InvalidArgumentError(str(exc)) from None
         node_kwargs.update(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                           pool_size=pool_size, retries=retries, verify_checksums=verify_checksums)
+                           pool_size=pool_size, retries=retries, verify_checksums=verify_checksums,
+                           token=credentials.token)
         NodeClient("127.0.0.1:1", **node_kwargs).close()  # bad node options fail here, not later
         self.address = address
         self.timeout_s = timeout_s
@@ -156,7 +165,8 @@ class ClusterClient:
         self._nodes = NodeSet(lambda addr: NodeClient(addr, **self._node_kwargs), suspect_s)
         self._routing: _Routing | None = None
         self._maps = MapSource(masters, self._on_map, initial_map=initial_map,
-                               refresh_s=map_refresh_s, master_timeout_s=master_timeout_s)
+                               refresh_s=map_refresh_s, master_timeout_s=master_timeout_s,
+                               credentials=credentials)
 
     # -- lifecycle ------------------------------------------------------------
 

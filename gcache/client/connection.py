@@ -46,8 +46,10 @@ def _timeval(seconds: float) -> bytes:
 class Connection:
     """A blocking socket plus a small read buffer. Not thread-safe: one user at a time."""
 
-    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float,
+                 token: str | None = None):
         self.address = address
+        self.tenant: str | None = None  # set by the AUTH handshake (None: the node has no auth)
         self.timeout_s = timeout_s
         self.broken = False
         self.reused = False  # set by the pool when handed out again after being idle
@@ -74,6 +76,13 @@ class Connection:
         self._rview = memoryview(self._rbuf)
         self._pos = 0
         self._end = 0
+        if token:
+            from gcache.client.auth_handshake import authenticate
+            try:
+                self.tenant = authenticate(self, token)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         self.broken = True

@@ -36,13 +36,13 @@ class MapSource:
 
     def __init__(self, masters: list[str] | None, on_change: Callable[[ClusterMap], None], *,
                  initial_map: ClusterMap | None = None, refresh_s: float = 2.0,
-                 master_timeout_s: float = 2.0):
+                 master_timeout_s: float = 2.0, credentials=None):
         self._on_change = on_change
         self.refresh_s = refresh_s
         self._cond = threading.Condition(threading.Lock())
         self._adopt_lock = threading.Lock()  # serializes on_change calls
         self._map = ClusterMap.empty()
-        self._master = MasterClient(masters, master_timeout_s) if masters else None
+        self._master = MasterClient(masters, master_timeout_s, credentials) if masters else None
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self.refreshes = 0   # master answers received

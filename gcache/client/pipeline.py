@@ -54,6 +54,13 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
             "done: the cluster client refreshes its map and retries",
             epoch if isinstance(epoch, int) else 0,
             bytes(map_bytes) if isinstance(map_bytes, (bytes, bytearray)) else b"")
+    if status == FrameStatus.UNAUTHENTICATED:
+        return errors.AuthError(
+            f"{where} requires authentication and refused this connection ({message}); pass "
+            "token=... to gcache.Client (or set GCACHE_TOKEN) with a token of the node's --auth-file",
+            "unauthenticated", address)
+    if status == FrameStatus.FORBIDDEN:
+        return errors.AuthError(f"{where} refused the request: {message}", "forbidden", address)
     if status == FrameStatus.INTERNAL:
         return errors.ServerError(f"{where} failed internally ({kind}): {message}; "
                                   "check the server log", kind, status)

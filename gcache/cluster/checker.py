@@ -261,7 +261,7 @@ def run_checker(cluster, *, seed: int, faults=FAULTS, threads: int = 4, keys_max
     rng.shuffle(schedule)
     log(f"checker seed {seed}: faults in order {schedule}")
     client = ClusterClient(cluster.client_url, timeout_s=CLIENT_TIMEOUT_S, retries=CLIENT_RETRIES,
-                           map_refresh_s=0.5, suspect_s=1.0)
+                           map_refresh_s=0.5, suspect_s=1.0, **cluster.client_kwargs)
     stop = threading.Event()
     workers = [ClientWorker(client, seed, i, keys_max, stop) for i in range(threads)]
     runner = FaultRunner(cluster, rng, hold_s, log)

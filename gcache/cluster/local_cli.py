@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     up.add_argument("--migration-timeout-s", type=float, default=60.0)
     up.add_argument("--timeout-s", type=float, default=60.0, help="longest wait for the cluster to be up")
+    up.add_argument("--auth", action="store_true",
+                    help="write DIR/secrets/auth.toml (tenants nodes, ops, app with random tokens) and run "
+                         "everything with it; clients use DIR/secrets/app.token (GCACHE_TOKEN_FILE)")
+    up.add_argument("--tls", action="store_true",
+                    help="make a throwaway CA in DIR/secrets (openssl) and serve the masters' gRPC over TLS; "
+                         "clients use DIR/secrets/ca.pem (GCACHE_MASTER_TLS_CA)")
     up.add_argument("--netns", action="store_true",
                     help="run each node in its own network namespace behind a bridge, so a partition "
                          "cuts its network for real (needs root and iproute2)")
@@ -79,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             cluster = LocalCluster(args.dir, masters=args.masters, nodes=args.nodes, memory=args.memory,
                                    disk=args.disk, heartbeat_interval_s=args.heartbeat_interval_s,
                                    heartbeat_timeout_s=args.heartbeat_timeout_s,
-                                   migration_timeout_s=args.migration_timeout_s, netns=args.netns)
+                                   migration_timeout_s=args.migration_timeout_s, netns=args.netns,
+                                   auth=args.auth, tls=args.tls)
             cluster.up(args.timeout_s)
-            print(json.dumps({"client_url": cluster.client_url, "layout": str(cluster.dir / "cluster.json")}))
+            out = {"client_url": cluster.client_url, "layout": str(cluster.dir / "cluster.json")}
+            if args.auth:
+                out["token_file"] = str(cluster.secrets_dir / "app.token")
+            if args.tls:
+                out["tls_ca"] = cluster.client_kwargs["tls_ca"]
+            print(json.dumps(out))
             return EXIT_OK
         cluster = LocalCluster.load(args.dir)
         if args.command == "status":

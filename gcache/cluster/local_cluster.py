@@ -28,7 +28,8 @@ from pathlib import Path
 from gcache.bench.local_server import free_port
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.cluster.netns import NetnsNetwork, require_netns
-from gcache.master.api import MasterClient, MasterUnavailableError
+from gcache.cluster import local_security
+from gcache.master.api import MasterClient, MasterCredentials, MasterUnavailableError
 from gcache.master.local import wait_leader as wait_master_leader
 
 MASTER_HOST_BASE = 11
@@ -100,7 +101,8 @@ class LocalCluster:
     def __init__(self, directory, *, masters: int = 3, nodes: int = 3, memory: str = "256MiB",
                  disk: str = "512MiB", heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 3.0, migration_timeout_s: float = 60.0,
-                 tick_s: float = 0.2, node_args=(), master_args=(), netns: bool = False):
+                 tick_s: float = 0.2, node_args=(), master_args=(), netns: bool = False,
+                 auth: bool = False, tls: bool = False):
         if not 1 <= masters <= MASTERS_MAX:
             raise ValueError(f"masters must be 1..{MASTERS_MAX}, got {masters}")
         if not 0 <= nodes <= NODES_MAX:
@@ -110,7 +112,8 @@ class LocalCluster:
                              heartbeat_interval_s=heartbeat_interval_s,
                              heartbeat_timeout_s=heartbeat_timeout_s,
                              migration_timeout_s=migration_timeout_s, tick_s=tick_s,
-                             node_args=list(node_args), master_args=list(master_args), netns=bool(netns))
+                             node_args=list(node_args), master_args=list(master_args), netns=bool(netns),
+                             auth=bool(auth), tls=bool(tls))
         if netns:
             require_netns()  # says why not, before anything starts
         self.network: NetnsNetwork | None = None  # set by up() in netns mode
@@ -166,9 +169,31 @@ class LocalCluster:
         cluster.members = [Member(**m) for m in layout["members"]]
         return cluster
 
+    # -- credentials (auth / tls settings; gcache/cluster/local_security.py) ------------
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.dir / "secrets"
+
+    def _pki(self) -> dict:
+        return local_security.make_pki(self.secrets_dir, sorted({m.host for m in self.masters}))
+
+    def master_credentials(self, tenant: str = "ops") -> MasterCredentials:
+        """Credentials towards the masters: `tenant`'s token (auth) and the local CA (tls)."""
+        token = local_security.token(self.secrets_dir, tenant) if self.settings.get("auth") else None
+        tls_ca = self._pki()["ca"] if self.settings.get("tls") else None
+        return MasterCredentials(token=token, tls_ca=tls_ca)
+
+    @property
+    def client_kwargs(self) -> dict:
+        """What gcache.Client(client_url, **client_kwargs) needs: the app tenant's token, the CA."""
+        creds = self.master_credentials("app")
+        return {k: v for k, v in (("token", creds.token), ("tls_ca", creds.tls_ca)) if v}
+
     def master_client(self) -> MasterClient:
         if self._master_client is None:
-            self._master_client = MasterClient([m.address for m in self.masters], timeout_s=1.0)
+            self._master_client = MasterClient([m.address for m in self.masters], timeout_s=1.0,
+                                               credentials=self.master_credentials())
         return self._master_client
 
     # -- processes ---------------------------------------------------------------
@@ -200,7 +225,17 @@ class LocalCluster:
                 "--http", f"{m.host}:{m.ports['http']}", "--data-dir", m.data_dir,
                 "--heartbeat-timeout-s", str(s["heartbeat_timeout_s"]),
                 "--migration-timeout-s", str(s["migration_timeout_s"]),
-                "--tick-s", str(s["tick_s"]), *s["master_args"]]
+                "--tick-s", str(s["tick_s"]), *self._security_args("master"), *s["master_args"]]
+
+    def _security_args(self, role: str) -> list[str]:
+        args = []
+        if self.settings.get("auth"):
+            args += ["--auth-file", str(self.secrets_dir / local_security.AUTH_FILE)]
+        if self.settings.get("tls"):
+            pki = self._pki()
+            args += (["--tls-cert", pki["cert"], "--tls-key", pki["key"]] if role == "master"
+                     else ["--master-tls-ca", pki["ca"]])
+        return args
 
     def _new_node(self) -> Member:
         used = {m.id for m in self.nodes}
@@ -228,7 +263,8 @@ class LocalCluster:
                 "--memory", s["memory"], "--disk", s["disk"], "--data-dir", n.data_dir,
                 "--master", ",".join(m.address for m in self.masters),
                 "--node-id", n.id, "--advertise", n.address,
-                "--heartbeat-interval-s", str(s["heartbeat_interval_s"]), *s["node_args"]]
+                "--heartbeat-interval-s", str(s["heartbeat_interval_s"]), *self._security_args("node"),
+                *s["node_args"]]
 
     def start(self, m: Member) -> None:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""
@@ -322,7 +358,8 @@ class LocalCluster:
 
     def wait_leader(self, timeout_s: float = START_TIMEOUT_S) -> Member:
         """The master member that leads, once a majority of the replicas agree on it."""
-        address = wait_master_leader([m.address for m in self.masters], timeout_s)
+        address = wait_master_leader([m.address for m in self.masters], timeout_s,
+                                     credentials=self.master_credentials())
         return next(m for m in self.masters if m.address == address)
 
     def current_map(self) -> ClusterMap:
@@ -367,6 +404,10 @@ class LocalCluster:
             self.members = []
             for i in range(self.settings["masters"]):
                 self.members.append(self._new_master(i))
+            if self.settings.get("auth"):
+                local_security.write_auth_file(self.secrets_dir)
+            if self.settings.get("tls"):
+                self._pki()
             for m in self.masters:
                 self.start(m)
             self.wait_leader(timeout_s)

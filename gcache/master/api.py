@@ -34,10 +34,19 @@ Methods (request -> response):
 Errors are gRPC status codes with a message saying what to do:
 UNAVAILABLE (no leader / no quorum: retry), NOT_FOUND (unknown node id),
 INVALID_ARGUMENT (bad field), FAILED_PRECONDITION (a state change not allowed).
+
+Security (docs/security.md): a master started with --tls-cert/--tls-key serves
+TLS (and with --tls-ca requires client certificates signed by that CA); with
+--auth-file every call needs the metadata `authorization: Bearer TOKEN`:
+Register and Heartbeat the cluster role, Drain the admin or cluster role,
+Remove and Status the admin role (Status also cluster), GetMap any role.
+UNAUTHENTICATED / PERMISSION_DENIED otherwise.
 """
 from __future__ import annotations
 
+import os
 import threading
+from dataclasses import dataclass
 
 import grpc
 import msgpack
@@ -79,6 +88,47 @@ def parse_master_url(url: str) -> list[str]:
     return addrs
 
 
+TLS_CA_ENV = "GCACHE_MASTER_TLS_CA"
+
+
+@dataclass(frozen=True)
+class MasterCredentials:
+    """How a caller proves itself to the masters: a token (sent as a bearer token, over
+    TLS when tls_ca is set) and TLS files (PEM paths): the CA that signed the masters'
+    certificates, and a client certificate + key where the masters require one."""
+
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_env(cls, token: str | None = None, tls_ca: str | None = None, **kwargs) -> "MasterCredentials":
+        """Fills what is not given from $GCACHE_TOKEN (or $GCACHE_TOKEN_FILE) and $GCACHE_MASTER_TLS_CA."""
+        from gcache.auth import resolve_token
+        return cls(token=resolve_token(token), tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None, **kwargs)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if not self.tls_ca:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            ca = _read(self.tls_ca)
+            key = _read(self.tls_key) if self.tls_key else None
+            cert = _read(self.tls_cert) if self.tls_cert else None
+        except OSError as e:
+            raise errors.InvalidArgumentError(f"cannot read a master TLS file: {e}") from None
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+    def metadata(self):
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class MasterUnavailableError(errors.ConnectionError):
     """No master answered (all down, partitioned, or without a leader): retry later."""
 
@@ -91,9 +141,12 @@ class MasterClient:
     errors are raised as they are (grpc.RpcError).
     """
 
-    def __init__(self, addresses, timeout_s: float = CALL_TIMEOUT_S):
+    def __init__(self, addresses, timeout_s: float = CALL_TIMEOUT_S,
+                 credentials: MasterCredentials | None = None):
         self.addresses = parse_master_url(addresses) if isinstance(addresses, str) else list(addresses)
         self.timeout_s = timeout_s
+        self.credentials = credentials or MasterCredentials.from_env()
+        self._metadata = self.credentials.metadata()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._preferred = 0
@@ -102,7 +155,7 @@ class MasterClient:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                ch = self._channels[address] = self.credentials.channel(address)
         return ch.unary_unary(f"/{SERVICE}/{method}", request_serializer=pack,
                               response_deserializer=unpack)
 
@@ -115,11 +168,18 @@ class MasterClient:
         for i in range(n):
             idx = (self._preferred + i) % n
             try:
-                answer = self._stub(self.addresses[idx], method)(request or {}, timeout=timeout_s)
+                answer = self._stub(self.addresses[idx], method)(request or {}, timeout=timeout_s,
+                                                                 metadata=self._metadata)
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     last = e
                     continue
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    kind = "unauthenticated" if e.code() == grpc.StatusCode.UNAUTHENTICATED else "forbidden"
+                    raise errors.AuthError(
+                        f"gcache-master {self.addresses[idx]} refused {method}: {e.details()}; pass a token "
+                        "of the masters' --auth-file (GCACHE_TOKEN, --token-file) with the role the call needs",
+                        kind, self.addresses[idx]) from None
                 raise
             self._preferred = idx
             return answer

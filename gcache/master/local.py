@@ -151,9 +151,9 @@ def start_masters(n: int, base_dir, host_prefix: str = "127.0.0.", first_host: i
     return masters
 
 
-def master_status(address: str, timeout_s: float = 1.0) -> dict | None:
+def master_status(address: str, timeout_s: float = 1.0, credentials=None) -> dict | None:
     """Status of one replica, or None if it does not answer."""
-    client = api.MasterClient([address], timeout_s=timeout_s)
+    client = api.MasterClient([address], timeout_s=timeout_s, credentials=credentials)
     try:
         return client.call("Status")
     except (api.MasterUnavailableError, grpc.RpcError):
@@ -162,14 +162,15 @@ def master_status(address: str, timeout_s: float = 1.0) -> dict | None:
         client.close()
 
 
-def wait_leader(addresses, timeout_s: float) -> str:
+def wait_leader(addresses, timeout_s: float, credentials=None) -> str:
     """The gRPC address of the replica that leads, once a majority of `addresses` agree on it
     (so the answer is not a deposed leader's). Raises TimeoutError after `timeout_s`."""
     addresses = list(addresses)
     deadline = time.monotonic() + timeout_s
     last = {}
     while time.monotonic() < deadline:
-        last = {a: master_status(a, timeout_s=min(1.0, max(0.1, deadline - time.monotonic())))
+        last = {a: master_status(a, timeout_s=min(1.0, max(0.1, deadline - time.monotonic())),
+                                 credentials=credentials)
                 for a in addresses}
         leaders = [a for a, s in last.items() if s and s["raft"]["is_leader"]]
         if len(leaders) == 1:

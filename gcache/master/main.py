@@ -62,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probe endpoint: GET /healthz, /readyz, /map (default: off)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="(default %(default)s)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--tls-cert", metavar="PEM", default="",
+                          help="serve the gRPC API over TLS with this certificate (chain); needs --tls-key")
+    security.add_argument("--tls-key", metavar="PEM", default="", help="private key of --tls-cert")
+    security.add_argument("--tls-ca", metavar="PEM", default="",
+                          help="with --tls-cert: also require client certificates signed by this CA "
+                               "(mutual TLS; default: server TLS only)")
+    security.add_argument("--auth-file", metavar="FILE", default="",
+                          help="tenants file (as gcache-server's): every call needs a bearer token; "
+                               "Register/Heartbeat the cluster role, Drain admin or cluster, Remove admin, "
+                               "Status admin or cluster, GetMap any (default: no tokens)")
     return p
 
 
@@ -95,6 +106,40 @@ def validate(args) -> dict:
     return {"peers": peers}
 
 
+def _tls(args):
+    """(cert, key, client CA or None) PEM bytes, or None without --tls-cert."""
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
+    out = []
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if not path:
+            out.append(None)
+            continue
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: {e.strerror}") from None
+    return tuple(out)
+
+
+def _auth(args):
+    if not args.auth_file:
+        return None
+    from gcache.auth import AuthFileError, load_auth_file, placeholder_tenants
+    try:
+        auth = load_auth_file(args.auth_file)
+    except AuthFileError as e:
+        raise UsageError(str(e)) from None
+    names = placeholder_tenants(auth)
+    if names:
+        raise UsageError(f"auth file {args.auth_file}: tenant(s) {', '.join(names)} still have the example's "
+                         "placeholder token; generate real ones (docs/security.md)")
+    return auth
+
+
 def _lock_data_dir(data_dir: str):
     """Creates the dir and holds a lock in it: two replicas on one journal would corrupt it."""
     try:
@@ -115,6 +160,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         derived = validate(args)
+        derived.update(tls=_tls(args), auth=_auth(args))
     except UsageError as e:
         print(f"gcache-master: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -129,12 +175,13 @@ def main(argv=None) -> int:
         print(f"gcache-master: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _serve(args, derived["peers"], stop)
+        return _serve(args, derived, stop)
     finally:
         lock.close()
 
 
-def _serve(args, peers: list[str], stop: threading.Event) -> int:
+def _serve(args, derived: dict, stop: threading.Event) -> int:
+    peers = derived["peers"]
     # Imported here so that `--help` and argument errors stay fast.
     from pysyncobj.syncobj import SyncObjException
 
@@ -145,10 +192,15 @@ def _serve(args, peers: list[str], stop: threading.Event) -> int:
 
     replicas = len(peers) + 1
     log.info("gcache-master starting: grpc=%s raft=%s%s peers=[%s] (%d replica%s, quorum %d) data_dir=%s "
-             "heartbeat_timeout_s=%s migration_timeout_s=%s tick_s=%s http=%s",
+             "heartbeat_timeout_s=%s migration_timeout_s=%s tick_s=%s http=%s tls=%s auth=%s",
              args.grpc, args.raft, f" (bind {args.raft_bind})" if args.raft_bind else "", ",".join(peers),
              replicas, "" if replicas == 1 else "s", replicas // 2 + 1, os.path.abspath(args.data_dir),
-             args.heartbeat_timeout_s, args.migration_timeout_s, args.tick_s, args.http or "off")
+             args.heartbeat_timeout_s, args.migration_timeout_s, args.tick_s, args.http or "off",
+             ("mutual" if args.tls_ca else "on") if args.tls_cert else "off",
+             f"on ({len(derived['auth'].tenants)} tenants)" if derived["auth"] else "off")
+    if derived["auth"] and not args.tls_cert:
+        log.warning("--auth-file without --tls-cert: bearer tokens cross the network in clear text; "
+                    "give the masters a certificate (docs/security.md)")
     if replicas % 2 == 0:
         log.warning("%d replicas tolerate no more failures than %d; run an odd number (1, 3, 5)",
                     replicas, replicas - 1)
@@ -169,7 +221,7 @@ def _serve(args, peers: list[str], stop: threading.Event) -> int:
     duties = LeaderDuties(raft, args.heartbeat_timeout_s, args.migration_timeout_s, args.tick_s)
     try:
         try:
-            grpc_server = MasterGrpcServer(args.grpc, MasterService(raft))
+            grpc_server = MasterGrpcServer(args.grpc, MasterService(raft, derived["auth"]), tls=derived["tls"])
             if args.http:
                 host, port = _host_port(args.http, "--http")
                 http = HttpProbe(host, port, leader=raft.leader, map_dict=lambda: replicated_map.map.to_dict())

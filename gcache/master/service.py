@@ -61,11 +61,29 @@ def _node_id(request: dict) -> str:
     return node_id
 
 
-class MasterService:
-    """The handlers; `raft` is this replica's MasterRaft."""
+# Roles that may call each method when the master has --auth-file (None: any tenant).
+METHOD_ROLES = {"Register": ("cluster",), "Heartbeat": ("cluster",), "GetMap": None,
+                "Drain": ("admin", "cluster"), "Remove": ("admin",), "Status": ("admin", "cluster")}
 
-    def __init__(self, raft: MasterRaft):
+
+class MasterService:
+    """The handlers; `raft` is this replica's MasterRaft, `auth` an AuthConfig (None: no tokens)."""
+
+    def __init__(self, raft: MasterRaft, auth=None):
         self.raft = raft
+        self.auth = auth
+
+    def _check_token(self, method: str, context) -> None:
+        from gcache.server.admin_http import bearer_token
+        header = dict(context.invocation_metadata()).get("authorization")
+        tenant = self.auth.by_token(bearer_token(header))
+        if tenant is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "this master has --auth-file: send the metadata 'authorization: Bearer TOKEN'")
+        roles = METHOD_ROLES[method]
+        if roles is not None and not any(tenant.has(r) for r in roles):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"tenant {tenant.name!r} lacks the role {method} needs ({' or '.join(roles)})")
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -84,9 +102,10 @@ class MasterService:
         except StateError as e:
             context.abort(_STATUS_OF.get(e.code, grpc.StatusCode.INTERNAL), str(e))
 
-    @staticmethod
-    def _handler(fn):
+    def _handler(self, method: str, fn):
         def run(request, context):
+            if self.auth is not None:
+                self._check_token(method, context)
             if not isinstance(request, dict):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the request must be a msgpack map, got {type(request).__name__}")
@@ -141,19 +160,20 @@ class MasterService:
 
     def generic_handler(self):
         return grpc.method_handlers_generic_handler(api.SERVICE, {
-            "Register": self._handler(self.register),
-            "Heartbeat": self._handler(self.heartbeat),
-            "GetMap": self._handler(self.get_map),
-            "Drain": self._handler(self.drain),
-            "Remove": self._handler(self.remove),
-            "Status": self._handler(self.status),
+            "Register": self._handler("Register", self.register),
+            "Heartbeat": self._handler("Heartbeat", self.heartbeat),
+            "GetMap": self._handler("GetMap", self.get_map),
+            "Drain": self._handler("Drain", self.drain),
+            "Remove": self._handler("Remove", self.remove),
+            "Status": self._handler("Status", self.status),
         })
 
 
 class MasterGrpcServer:
     """Binds at construction (so a taken port is reported before anything else starts)."""
 
-    def __init__(self, address: str, service: MasterService):
+    def __init__(self, address: str, service: MasterService, tls=None):
+        """tls: None (plaintext) or (cert PEM bytes, key PEM bytes, client CA PEM bytes or None)."""
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=WORKERS_MAX, thread_name_prefix="gcache-master-grpc"),
             handlers=(service.generic_handler(),), maximum_concurrent_rpcs=CONCURRENT_RPCS_MAX,
@@ -161,7 +181,13 @@ class MasterGrpcServer:
                      ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
                      ("grpc.so_reuseport", 0)])
         try:
-            bound = self._server.add_insecure_port(address)
+            if tls is None:
+                bound = self._server.add_insecure_port(address)
+            else:
+                cert, key, client_ca = tls
+                credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                                          require_client_auth=client_ca is not None)
+                bound = self._server.add_secure_port(address, credentials)
         except RuntimeError:
             bound = 0
         if bound == 0:

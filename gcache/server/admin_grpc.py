@@ -9,6 +9,9 @@ operators' tools need only grpcio + msgpack. Methods (service gcache.Admin):
 
 Client: grpc.insecure_channel(addr).unary_unary("/gcache.Admin/Stats",
 request_serializer=msgpack.packb, response_deserializer=msgpack.unpackb)({}).
+
+With --auth-file, Flush needs the metadata `authorization: Bearer TOKEN` of a
+tenant with the admin role (UNAUTHENTICATED / PERMISSION_DENIED otherwise).
 """
 from __future__ import annotations
 
@@ -29,11 +32,28 @@ def _unpack(data: bytes):
     return msgpack.unpackb(data, raw=False) if data else {}
 
 
+def require_role(auth, context, role: str):
+    """Aborts the call unless its `authorization: Bearer TOKEN` metadata names a tenant
+    with `role`; returns that tenant."""
+    from gcache.server.admin_http import bearer_token
+    header = dict(context.invocation_metadata()).get("authorization")
+    tenant = auth.by_token(bearer_token(header))
+    if tenant is None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "send the metadata 'authorization: Bearer TOKEN' with a token of the auth file")
+    if not tenant.has(role):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      f"tenant {tenant.name!r} lacks the {role} role this call needs")
+    return tenant
+
+
 class AdminGrpcServer:
-    def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None]):
+    def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None], auth=None):
         flush_lock = threading.Lock()
 
-        def do_flush(_request, _context):
+        def do_flush(_request, context):
+            if auth is not None:
+                require_role(auth, context, "admin")
             with flush_lock:
                 flush()
             return {"flushed": True}

@@ -9,6 +9,10 @@ POST /flush   writes the memory tier and warm list to disk, 200 when done
 POST /drain   asks the master to drain this node (active failover); the body,
               if any, is the reason. 202 with the /cluster JSON; 409 on a
               standalone node
+
+With --auth-file the POST endpoints need `Authorization: Bearer TOKEN` of a
+tenant with the admin role: 401 without a valid token, 403 without the role.
+The GET endpoints stay open (they carry counters and states, never key names).
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ class AdminHttpServer:
 
     def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None],
                  ready: Callable[[], bool], cluster: Callable[[], dict | None] = lambda: None,
-                 drain: Callable[[str], dict | None] = lambda reason: None):
-        handler = _make_handler(stats, flush, ready, cluster, drain)
+                 drain: Callable[[str], dict | None] = lambda reason: None, auth=None):
+        handler = _make_handler(stats, flush, ready, cluster, drain, auth)
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
@@ -55,7 +59,15 @@ class AdminHttpServer:
         self._httpd.server_close()
 
 
-def _make_handler(stats, flush, ready, cluster, drain):
+def bearer_token(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header, or None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _make_handler(stats, flush, ready, cluster, drain, auth):
     flush_lock = threading.Lock()  # one flush at a time
 
     class Handler(BaseHTTPRequestHandler):
@@ -109,8 +121,31 @@ def _make_handler(stats, flush, ready, cluster, drain):
                 length = 0
             return self.rfile.read(length).decode("utf-8", "replace").strip() if length > 0 else ""
 
+        def _admin_allowed(self) -> bool:
+            """Answers 401/403 and returns False unless the request carries an admin token."""
+            if auth is None:
+                return True
+            tenant = auth.by_token(bearer_token(self.headers.get("Authorization")))
+            if tenant is None:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="gcache-admin"')
+                body = (b"this node has --auth-file: send 'Authorization: Bearer TOKEN' with the token "
+                        b"of a tenant that has the admin role\n")
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return False
+            if not tenant.has("admin"):
+                self._reply(403, f"tenant {tenant.name!r} lacks the admin role needed for POST "
+                                 f"{self.path.split('?', 1)[0]}; add \"admin\" to its roles in the auth file\n")
+                return False
+            return True
+
         def _post(self) -> None:
             path = self.path.split("?", 1)[0]
+            if path in ("/flush", "/drain") and not self._admin_allowed():
+                return
             if path == "/flush":
                 with flush_lock:
                     flush()

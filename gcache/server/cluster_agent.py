@@ -26,6 +26,7 @@ from typing import Callable
 
 import msgpack
 
+from gcache.auth import placement_key
 from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, WRITE_STATES, ClusterMap,
                                         weight_for_capacity)
 from gcache.master.api import MasterClient, MasterUnavailableError
@@ -72,7 +73,8 @@ class ClusterAgent:
         self.weight = weight_for_capacity(settings.memory + settings.disk)
         self.interval_s = settings.heartbeat_interval_s
         timeout_s = min(MASTER_CALL_TIMEOUT_MAX_S, max(MASTER_CALL_TIMEOUT_MIN_S, 2 * self.interval_s))
-        self.masters = MasterClient(settings.master, timeout_s=timeout_s)
+        self.masters = MasterClient(settings.master, timeout_s=timeout_s,
+                                    credentials=settings.master_credentials())
         self.monitor = DegradationMonitor(stats, settings.data_dir or None, settings.memory_pressure_drain)
         self.counters = RebalanceCounters()
         self._native = native
@@ -83,7 +85,9 @@ class ClusterAgent:
             remove_keys=getattr(native, "remove_keys", None),
             fence=native.wait_puts_admitted_before,  # PUTs admitted under the old map finish first
             batch_bytes=settings.rebalance_batch_bytes,
-            batch_keys=settings.batch_keys_max, counters=self.counters)
+            batch_keys=settings.batch_keys_max, counters=self.counters,
+            token=settings.auth.cluster_token() if settings.auth else None,
+            placement_key=placement_key if settings.auth else None)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._wake = threading.Event()          # heartbeat now (rebalance finished)

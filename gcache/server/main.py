@@ -54,11 +54,13 @@ class Node:
 
                 self.admin_http = AdminHttpServer(admin_host, settings.admin_port, self.stats,
                                                   self.flush, self.ready,
-                                                  cluster=self.cluster_status, drain=self.request_drain)
+                                                  cluster=self.cluster_status, drain=self.request_drain,
+                                                  auth=settings.auth)
             if settings.grpc_port:
                 from gcache.server.admin_grpc import AdminGrpcServer
 
-                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush)
+                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush,
+                                                  auth=settings.auth)
             config = settings.native_config()
             config["version"] = __version__
             self.native = _native.Server(config)
@@ -163,6 +165,14 @@ def run(settings: ServerSettings) -> int:
     from gcache import _native
 
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
+    if settings.auth_file:
+        from gcache.auth import world_readable
+        log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
+        if world_readable(settings.auth_file):
+            log.warning("%s is readable by every user: chmod 600 it (it holds the tokens)", settings.auth_file)
+    elif settings.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
+                    "remove every key (docs/security.md)", settings.host, settings.port)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -203,6 +213,7 @@ def run(settings: ServerSettings) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
+        settings.check_files()
     except ConfigError as e:
         print(f"gcache-server: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -22,6 +22,7 @@ def render(stats: dict, prefix: str = "gcache") -> str:
         metric = f"{prefix}_{name}"
         lines.append(f"# TYPE {metric} gauge")
         lines.append(f"{metric} {int(value)}")
+    _render_tenants(stats.get("tenants", {}), prefix, lines)
     sums_us = stats.get("histogram_sums_us", {})
     for name, buckets in sorted(stats.get("histograms", {}).items()):
         metric = f"{prefix}_{name}_latency_seconds"
@@ -37,3 +38,18 @@ def render(stats: dict, prefix: str = "gcache") -> str:
         lines.append(f"{metric}_sum {int(sums_us.get(name, 0)) / 1e6:.6f}")
         lines.append(f"{metric}_count {cumulative}")
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _render_tenants(tenants: dict, prefix: str, lines: list[str]) -> None:
+    """Per-tenant usage and quotas (auth on): `<prefix>_tenant_<field>{tenant="name"}`,
+    e.g. gcache_tenant_memory_bytes{tenant="alice"}. Tenant names only, never keys."""
+    fields = sorted({field for values in tenants.values() for field in values})
+    for field in fields:
+        metric = f"{prefix}_tenant_{field}"
+        lines.append(f"# TYPE {metric} gauge")
+        for name, values in sorted(tenants.items()):
+            lines.append(f'{metric}{{tenant="{_label(name)}"}} {int(values.get(field, 0))}')

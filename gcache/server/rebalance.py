@@ -143,11 +143,13 @@ class Rebalancer:
                  batch_bytes: int = 64 << 20, batch_keys: int = BATCH_KEYS_MAX,
                  counters: RebalanceCounters | None = None,
                  keys_pending_max: int = KEYS_PENDING_MAX, keys_page: int = KEYS_PAGE,
-                 fence_timeout_s: float = FENCE_TIMEOUT_S):
+                 fence_timeout_s: float = FENCE_TIMEOUT_S, token: str | None = None,
+                 placement_key: Callable[[bytes], bytes] | None = None):
         """list_keys_page(cursor, limit) -> (next cursor, keys): a scan that starts at cursor 0
         and ends when the next cursor is 0 (Server.keys_page). fence(epoch, timeout_s) -> bool:
         True once no PUT admitted below `epoch` is still storing (Server.wait_puts_admitted_before);
-        None skips the wait."""
+        None skips the wait. token: the cluster role's token on a node with --auth-file (its
+        keys are then tenant-prefixed: placement_key gives the key clients hash)."""
         from gcache.client import Client  # late: the server imports this module at start
 
         self.node_id = node_id
@@ -162,8 +164,10 @@ class Rebalancer:
         self._remove_keys = remove_keys
         self._fence = fence
         self._client_class = Client
+        self._token = token
+        self._placement_key = placement_key
         # Each lane reads (its reader thread) and removes (its pusher thread) at once.
-        self._local = Client(local_address, timeout_s=CLIENT_TIMEOUT_S, pool_size=2 * OWNER_LANES)
+        self._local = Client(local_address, timeout_s=CLIENT_TIMEOUT_S, pool_size=2 * OWNER_LANES, token=token)
         self._lanes = [_Lane() for _ in range(OWNER_LANES)]  # kept: no page faults per run
         self._slot_bytes = 0  # largest value seen; 0 = unknown yet
         self._slot_lock = threading.Lock()
@@ -252,7 +256,8 @@ class Rebalancer:
                 raise RebalanceAborted()
             cursor, keys = self._list_keys_page(cursor, self.keys_page)
             scan.result.keys_seen += len(keys)
-            for key, owner in zip(keys, owners_of(keys)):
+            hashed = keys if self._placement_key is None else [self._placement_key(k) for k in keys]
+            for key, owner in zip(keys, owners_of(hashed)):
                 if owner is not None and owner != me:  # keys nobody owns stay
                     pending.setdefault(owner, []).append(key)
                     pending_count += 1
@@ -309,7 +314,7 @@ class Rebalancer:
 
     def _owner_client(self, address: str, epoch: int):
         return self._client_class(address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1, retries=1,
-                                  epoch=epoch)
+                                  epoch=epoch, token=self._token)
 
     # -- removing -------------------------------------------------------------
 

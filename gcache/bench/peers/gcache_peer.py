@@ -9,10 +9,10 @@ CLIENT_TIMEOUT_S = 60.0          # a 64 x 16 MiB batch on a loaded 2-core box ta
 class GCachePeer(Peer):
     name = "gcache"
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str | None = None):
         import gcache
 
-        self.client = gcache.Client(address, timeout_s=CLIENT_TIMEOUT_S)
+        self.client = gcache.Client(address, timeout_s=CLIENT_TIMEOUT_S, token=token)
         self._layouts: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def _layout(self, n: int, size: int) -> tuple[list[int], list[int]]:
@@ -45,4 +45,4 @@ class GCachePeer(Peer):
 
 
 def open_peer(spec: PeerSpec) -> Peer:
-    return GCachePeer(spec.address)
+    return GCachePeer(spec.address, spec.options.get("token"))

@@ -1,0 +1,53 @@
+// Abuse limits of the data server (docs/protocol.md, "Limits"): what one peer
+// may hold at once, so a few cheap requests cannot push everyone else out.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace gcache {
+
+// A pool of bytes shared by owners (a peer address, or a tenant with auth on):
+// at most `total` held overall and `owner_max` by one owner. A request larger
+// than a cap is admitted alone (nothing else held under that cap), so any
+// single request can make progress. Waiters are woken on every release.
+class ByteBudget {
+ public:
+  ByteBudget(uint64_t total, uint64_t owner_max) : total_(total), owner_max_(owner_max) {}
+
+  // Waits until `bytes` fit, or until deadline_us (steady-clock microseconds,
+  // 0 = do not wait). True when acquired: release() the same bytes later.
+  bool acquire(const std::string& owner, uint64_t bytes, int64_t deadline_us);
+  void release(const std::string& owner, uint64_t bytes);
+  void wake_all() { cv_.notify_all(); }  // stop(): waiters re-check their deadline
+
+  uint64_t used() const;
+  uint64_t total() const { return total_; }
+
+ private:
+  bool fits(const std::string& owner, uint64_t bytes) const;
+
+  const uint64_t total_, owner_max_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t used_ = 0;
+  std::unordered_map<std::string, uint64_t> by_owner_;
+};
+
+// Open connections per peer address, for --connections-per-address-max.
+class PeerCounts {
+ public:
+  explicit PeerCounts(uint32_t per_peer_max) : max_(per_peer_max) {}
+  bool try_add(const std::string& peer);  // false: the peer is at its cap (0 = no cap)
+  void remove(const std::string& peer);
+
+ private:
+  const uint32_t max_;
+  std::mutex mu_;
+  std::unordered_map<std::string, uint32_t> counts_;
+};
+
+}  // namespace gcache
