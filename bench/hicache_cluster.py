@@ -60,8 +60,19 @@ class Budgets:
     checkpoint_pages: int = 0
 
 
+class TierHits:
+    """Token hit rates of a run, overall and per tier (needs prompt_tokens and hit_by_tier)."""
+
+    @property
+    def hit(self) -> float:
+        return sum(self.hit_by_tier.values()) / max(1, self.prompt_tokens)
+
+    def tier_hit(self, tier: str) -> float:
+        return self.hit_by_tier[tier] / max(1, self.prompt_tokens)
+
+
 @dataclass
-class RunResult:
+class RunResult(TierHits):
     setup: str
     workers: int
     prompt_tokens: int = 0
@@ -77,13 +88,6 @@ class RunResult:
     makespan_s: float = 0.0
     wall_s: float = 0.0
     page_size: int = 16
-
-    @property
-    def hit(self) -> float:
-        return sum(self.hit_by_tier.values()) / max(1, self.prompt_tokens)
-
-    def tier_hit(self, tier: str) -> float:
-        return self.hit_by_tier[tier] / max(1, self.prompt_tokens)
 
     @property
     def l3_bytes_per_token(self) -> float:

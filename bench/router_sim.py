@@ -32,12 +32,12 @@ from gcache.keys import page_hashes_array
 from gcache.worker.request import SamplingParams
 from gcache.worker.swa_window import last_safe_end
 
-from hicache_cluster import Worker
+from hicache_cluster import TierHits, Worker
 from hicache_workloads import Turn
 
 
 @dataclass
-class RunResult:
+class RunResult(TierHits):
     policy: str
     workers: int
     requests: int = 0
@@ -58,13 +58,6 @@ class RunResult:
     misroutes: int = 0            # ... and another worker could have served more window-safe tokens
     misroute_tokens: int = 0      # best other window-safe match - chosen's, summed over misroutes
     wall_s: float = 0.0
-
-    @property
-    def hit(self) -> float:
-        return sum(self.hit_by_tier.values()) / max(1, self.prompt_tokens)
-
-    def tier_hit(self, tier: str) -> float:
-        return self.hit_by_tier[tier] / max(1, self.prompt_tokens)
 
     @property
     def imbalance(self) -> float:

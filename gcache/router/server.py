@@ -25,10 +25,10 @@ import aiohttp
 from aiohttp import web
 
 from gcache.serving import sse
-from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S, expect_handler
+from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
 from gcache.serving.counters import HTTPCounters, prometheus_response
 from gcache.serving.errors import error_body, error_response, json_response
-from gcache.serving.intake import serve_post
+from gcache.serving.intake import openai_app, serve_post
 from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, prompt_tokens
 from gcache.serving.safe_json import parse_json
@@ -72,12 +72,8 @@ class RouterApp:
         self.session: aiohttp.ClientSession | None = None
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self.counters.middleware(log)], client_max_size=self.body_bytes_max)
-        expect = expect_handler(self.body_bytes_max)
-        app.router.add_post(COMPLETIONS_PATH, self.completions, expect_handler=expect)
-        app.router.add_post(CHAT_PATH, self.chat, expect_handler=expect)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app = openai_app(self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health,
+                         self.metrics)
         app.on_startup.append(self._open_session)
         app.on_cleanup.append(self._close_session)
         return app

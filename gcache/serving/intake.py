@@ -7,10 +7,11 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from .body import answer_for, read_body
+from .body import answer_for, expect_handler, read_body
 from .counters import HTTPCounters
 from .errors import HTTPError, error_response, from_http_error
 from .limiter import InFlightLimiter
+from .openai_api import CHAT_PATH, COMPLETIONS_PATH
 from .safe_json import parse_json
 
 Handler = Callable[[bytes, Any], Awaitable[web.StreamResponse]]
@@ -38,3 +39,16 @@ async def serve_post(request: web.Request, parse: Callable[[dict], Any], handle:
         return await handle(body, parsed)
     finally:
         limiter.release()
+
+
+def openai_app(counters: HTTPCounters, log, body_bytes_max: int, completions: Callable, chat: Callable,
+               health: Callable, metrics: Callable) -> web.Application:
+    """The routes worker and router both serve, behind the counting middleware; an oversized
+    `Expect: 100-continue` body gets its 413 before it is sent."""
+    app = web.Application(middlewares=[counters.middleware(log)], client_max_size=body_bytes_max)
+    expect = expect_handler(body_bytes_max)
+    app.router.add_post(COMPLETIONS_PATH, completions, expect_handler=expect)
+    app.router.add_post(CHAT_PATH, chat, expect_handler=expect)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

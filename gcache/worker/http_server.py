@@ -18,10 +18,10 @@ from aiohttp import web
 
 from gcache.errors import GCacheError
 from gcache.serving import runner, sse
-from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S, expect_handler
+from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
 from gcache.serving.counters import HTTPCounters, prometheus_response
 from gcache.serving.errors import error_body, error_response, json_response
-from gcache.serving.intake import serve_post
+from gcache.serving.intake import openai_app, serve_post
 from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, ParsedRequest, parse_request
 from gcache.serving.openai_bodies import StreamChunks, response_id
@@ -64,12 +64,8 @@ class WorkerApp:
                                                         "/v1/models"), HTTP_COUNTERS)
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self.counters.middleware(log)], client_max_size=self.body_bytes_max)
-        expect = expect_handler(self.body_bytes_max)
-        app.router.add_post(COMPLETIONS_PATH, self.completions, expect_handler=expect)
-        app.router.add_post(CHAT_PATH, self.chat, expect_handler=expect)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app = openai_app(self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health,
+                         self.metrics)
         app.router.add_get("/v1/models", self.models)
         return app
 
