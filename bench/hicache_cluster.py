@@ -34,7 +34,7 @@ from gcache.worker.scheduler import SchedulerConfig
 from gcache.worker.sim_model import CostModel, VirtualClock
 
 from hicache_sim import BenchHiCache, CountingClient, ScriptedModel, Timing
-from hicache_workloads import Turn
+from hicache_workloads import Turn, first_turns
 
 STUCK_STEPS_MAX = 100
 
@@ -162,14 +162,7 @@ def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets
     rng = np.random.default_rng(seed)
     scheduled = np.cumsum(rng.exponential(1.0 / (rate_per_worker * workers), len(turns)))
     assign = rng.integers(workers, size=len(turns))
-    next_turns: dict[int, list[int]] = {}
-    heap = []
-    for i, t in enumerate(turns):
-        if t.after < 0:
-            heap.append((float(scheduled[i]), i))
-        else:
-            next_turns.setdefault(t.after, []).append(i)
-    heapq.heapify(heap)
+    heap, next_turns = first_turns(turns, scheduled)
     max_new = max(t.max_tokens for t in turns)
     pool = [Worker(cfg, setup, budgets, sched, cost, timing, l3_address, max_new) for _ in range(workers)]
     res = RunResult(setup.name, workers, page_size=cfg.page_size)

@@ -10,6 +10,7 @@ each prompt that an earlier request computed, SWA or not) and the working set.
 """
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,3 +116,16 @@ def oracle_hit_tokens(turns: list[Turn], page_size: int) -> tuple[list[int], int
         c = t.computed()
         seen.update(page_hashes_array(c[: len(c) // page_size * page_size], page_size))
     return hits, len(seen)
+
+
+def first_turns(turns: list[Turn], arrivals) -> tuple[list[tuple[float, int]], dict[int, list[int]]]:
+    """The arrival heap of the turns that start a conversation, ((time, turn index), heapified),
+    and each turn's follow-ups (sent once it has finished)."""
+    heap, next_turns = [], {}
+    for i, t in enumerate(turns):
+        if t.after < 0:
+            heap.append((float(arrivals[i]), i))
+        else:
+            next_turns.setdefault(t.after, []).append(i)
+    heapq.heapify(heap)
+    return heap, next_turns

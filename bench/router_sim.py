@@ -33,7 +33,7 @@ from gcache.worker.request import SamplingParams
 from gcache.worker.swa_window import last_safe_end
 
 from hicache_cluster import TierHits, Worker
-from hicache_workloads import Turn
+from hicache_workloads import Turn, first_turns
 
 
 @dataclass
@@ -205,14 +205,7 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
     pool, sim = cluster.workers, cluster.sim
     n = len(pool)
     res = RunResult(policy, n, busy_s=[0.0] * n, served=[0] * n)
-    next_turns: dict[int, list[int]] = {}
-    heap = []
-    for i, t in enumerate(turns):
-        if t.after < 0:
-            heap.append((float(arrivals[i]), i))
-        else:
-            next_turns.setdefault(t.after, []).append(i)
-    heapq.heapify(heap)
+    heap, next_turns = first_turns(turns, arrivals)
     index_of: dict[tuple[int, int], int] = {}   # (worker, rid) -> turn
     url_of: dict[int, str] = {}                 # turn -> worker url
     router_of: dict[int, int] = {}              # turn -> router index
