@@ -132,3 +132,9 @@ class PoolExhaustedError(TimeoutError):
 
 class ClientClosedError(GCacheError):
     """The client was closed; create a new gcache.Client."""
+
+
+class TransportUnavailableError(GCacheError):
+    """The transport asked for (transport="shm" or "rdma") cannot reach this server:
+    not on the same host, no usable device, or refused by the server (e.g. with
+    authentication on). The message says why; transport="tcp" always works."""

@@ -18,6 +18,7 @@ HEADER_BYTES = HEADER.size  # 32
 MAGIC = b"GCH1"
 VERSION = 1
 FLAG_RESPONSE = 1
+FLAG_NO_REPLY = 2  # on a RELEASE request: the server sends no answer
 
 KEY_BYTES_MAX = 512
 META_BYTES_MAX = 16 * 1024 * 1024
@@ -37,6 +38,12 @@ class Opcode(IntEnum):
     EXISTS_BATCH = 5
     REMOVE_BATCH = 6
     AUTH = 7  # challenge-response handshake (docs/protocol.md, "Authentication")
+    # One-sided access (docs/protocol.md, "Shared memory and RDMA").
+    SHM_ATTACH = 8  # the arena's memfd over the Unix socket (SCM_RIGHTS)
+    LOOKUP = 9      # per key: offset, length, xxh64, under one lease
+    RELEASE = 10    # drops leases and reservations
+    RESERVE = 11    # arena blocks to write new values into
+    COMMIT = 12     # publishes reserved blocks (checksums verified)
 
 
 class FrameStatus(IntEnum):

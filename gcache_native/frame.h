@@ -11,6 +11,7 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is lit
 constexpr uint32_t kFrameHeaderBytes = 32;
 constexpr uint8_t kProtocolVersion = 1;
 constexpr uint16_t kFlagResponse = 1;
+constexpr uint16_t kFlagNoReply = 2;  // on a RELEASE request: the server sends no answer
 constexpr char kFrameMagic[4] = {'G', 'C', 'H', '1'};
 
 enum class Opcode : uint8_t {
@@ -21,7 +22,14 @@ enum class Opcode : uint8_t {
   ExistsBatch = 5,
   RemoveBatch = 6,
   Auth = 7,  // challenge-response handshake (docs/protocol.md, "Authentication")
+  // One-sided access to the arena (docs/protocol.md, "Shared memory and RDMA").
+  ShmAttach = 8,  // the arena's memfd, passed with SCM_RIGHTS (Unix socket only)
+  Lookup = 9,     // per key: offset, length, xxh64, under one lease
+  Release = 10,   // drops leases and reservations
+  Reserve = 11,   // arena blocks to write new values into
+  Commit = 12,    // publishes reserved blocks (checksums verified)
 };
+constexpr uint8_t kOpcodeMax = 12;
 
 enum class FrameStatus : uint32_t {
   Ok = 0,

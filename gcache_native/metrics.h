@@ -66,7 +66,10 @@ struct Histogram {
   X(idle_closes)                      \
   X(puts_reserve_refused)             \
   X(meta_budget_refused)              \
-  X(index_evictions)
+  X(index_evictions)                  \
+  X(shm_attaches)                     \
+  X(shm_lease_expiries)               \
+  X(shm_reservation_expiries)
 
 #define GCACHE_HISTOGRAMS(X) \
   X(put_batch)               \
@@ -74,7 +77,10 @@ struct Histogram {
   X(exists_batch)            \
   X(remove_batch)            \
   X(ping)                    \
-  X(stats)
+  X(stats)                   \
+  X(lookup)                  \
+  X(reserve)                 \
+  X(commit)
 
 struct Metrics {
 #define GCACHE_DECLARE_COUNTER(name) std::atomic<uint64_t> name{0};

@@ -8,6 +8,7 @@ void bind_store(py::module_& m);     // store_bindings.cpp
 void bind_server(py::module_& m);    // server_bindings.cpp
 void bind_io(py::module_& m);        // io_bindings.cpp (client-side socket helpers)
 void bind_ketama(py::module_& m);    // ketama.cpp (batch placement hashes)
+void bind_shm_copy(py::module_& m);  // shm_copy.cpp (one-sided copies, client side)
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "GCache native core: arena, index, disk segments, data server";
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_native, m) {
   bind_server(m);
   bind_io(m);
   bind_ketama(m);
+  bind_shm_copy(m);
 }

@@ -23,6 +23,8 @@
 
 #include "frame.h"
 #include "msgpack_lite.h"
+#include "server_connection.h"
+#include "server_io.h"
 
 namespace gcache {
 namespace {
@@ -32,169 +34,11 @@ constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed
 constexpr size_t kMetaFreeBytes = 64 << 10;     // meta buffer bytes not charged to the global budget
 constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
 constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
-// A frame (or a response) must move at least this fast on average. SO_RCVTIMEO
-// alone only catches a peer that goes fully silent: one trickling a byte per
-// (stall timeout - epsilon) would hold its PUT reservations or GET leases for
-// ever. 1 MiB/s is far below any real link, so only such peers are cut off.
-constexpr double kMinBytesPerSecond = double(1 << 20);
 // A cluster map is a few hundred bytes per node; this bound keeps every
 // STALE_EPOCH and PING answer far below the clients' 16 MiB metadata limit.
 constexpr size_t kClusterMapBytesMax = 4 << 20;
 // PING and AUTH requests are a few dozen bytes; before AUTH nothing larger is read.
 constexpr uint32_t kUnauthenticatedMetaBytesMax = 4096;
-
-int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-int clamp_ms(double seconds) {
-  const double ms = std::ceil(seconds * 1000.0);  // never wake before the time is up
-  if (ms <= 0) return 0;
-  if (ms >= double(INT_MAX)) return INT_MAX;
-  return int(ms);
-}
-
-// Thrown by the socket helpers when the connection cannot be used any more.
-struct ConnectionLost {
-  bool timeout;
-};
-
-// When a transfer of `bytes` begun at start_us must be over: the stall
-// timeout plus the time at kMinBytesPerSecond; 0 (no deadline) where the
-// stall timeout is off.
-int64_t transfer_deadline_us(int64_t start_us, double stall_timeout_s, uint64_t bytes) {
-  if (stall_timeout_s <= 0) return 0;
-  const double budget_s = stall_timeout_s + double(bytes) / kMinBytesPerSecond;
-  return start_us + int64_t(std::min(budget_s, 1e9) * 1e6);
-}
-
-// Checked after every partial read or write.
-void check_deadline(int64_t deadline_us) {
-  if (deadline_us > 0 && now_us() > deadline_us) throw ConnectionLost{true};
-}
-
-long read_proc_long(const char* path) {
-  std::ifstream in(path);
-  long v = -1;
-  in >> v;
-  return in ? v : -1;
-}
-
-// Sets SO_SNDBUF/SO_RCVBUF only where the kernel grants the full size:
-// a smaller explicit size would switch off TCP autotuning and be slower.
-void set_socket_buffers(int fd, int bytes) {
-  if (bytes <= 0) return;
-  static const long rmem_max = read_proc_long("/proc/sys/net/core/rmem_max");
-  static const long wmem_max = read_proc_long("/proc/sys/net/core/wmem_max");
-  if (rmem_max >= bytes) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
-  if (wmem_max >= bytes) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
-}
-
-void set_timeout(int fd, int option, double seconds) {
-  timeval tv{};
-  if (seconds > 0) {
-    tv.tv_sec = time_t(seconds);
-    tv.tv_usec = suseconds_t((seconds - double(tv.tv_sec)) * 1e6);
-    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
-  }
-  setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
-}
-
-// A connection's socket and the kernel timeouts set on it. A blocking
-// recv/send waits in slices of at most stall_s / kStallSlices (SO_RCVTIMEO /
-// SO_SNDTIMEO). A call that returns early with everything moved was making
-// progress until then; one cut short by its timeout is taken to have moved
-// its bytes at its start (the kernel does not say when). So a connection is
-// cut after between (1 - 1/kStallSlices) and 1 stall timeout without a byte,
-// and never past the transfer's deadline: a frame or response that stops, or
-// trickles, ends when its deadline says, not one stall timeout later.
-constexpr double kStallSlices = 8;
-
-struct SocketTimer {
-  int fd = -1;
-  double stall_s = 0;  // 0: no timeouts
-  double rcv_s = 0, snd_s = 0;  // what SO_RCVTIMEO / SO_SNDTIMEO are set to now
-
-  static SocketTimer for_socket(int fd, double stall_s) {
-    const double slice = stall_s / kStallSlices;
-    set_timeout(fd, SO_RCVTIMEO, slice);
-    set_timeout(fd, SO_SNDTIMEO, slice);
-    return SocketTimer{fd, stall_s, slice, slice};
-  }
-};
-
-// Before a blocking call: throws a timeout if nothing is left of the wait,
-// else makes the kernel timeout the next slice (shorter near the deadline or
-// the end of the allowed silence); the common case makes no system call.
-void arm(SocketTimer& t, int option, double* current, int64_t deadline_us, int64_t last_progress_us) {
-  if (t.stall_s <= 0) return;
-  const int64_t now = now_us();
-  double left = t.stall_s - double(now - last_progress_us) / 1e6;
-  if (deadline_us > 0) left = std::min(left, double(deadline_us - now) / 1e6);
-  if (left <= 0) throw ConnectionLost{true};
-  const double slice = std::min(left, t.stall_s / kStallSlices);
-  const double tolerance = std::max(0.002, 0.02 * slice);
-  if (*current > slice + tolerance || *current < slice - tolerance) {
-    set_timeout(t.fd, option, slice);
-    *current = slice;
-  }
-}
-
-// Reads exactly n bytes; a peer silent for the stall timeout, past
-// deadline_us (0 = none), or closing mid-way throws.
-void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
-  auto* p = static_cast<uint8_t*>(buf);
-  int64_t last_progress = now_us();
-  while (n > 0) {
-    arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, last_progress);
-    const int64_t call_start = now_us();
-    const ssize_t r = recv(t.fd, p, n, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      n -= size_t(r);
-      last_progress = n > 0 ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
-      if (n > 0) check_deadline(deadline_us);
-    } else if (r == 0) {
-      throw ConnectionLost{false};
-    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      throw ConnectionLost{false};
-    }  // EAGAIN: a slice passed without a byte; arm() decides whether any wait is left
-  }
-}
-
-// Writes every byte of iov[0..count) before deadline_us (0 = none); the
-// iovecs are consumed in place.
-void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us) {
-  int64_t last_progress = now_us();
-  while (count > 0) {
-    arm(t, SO_SNDTIMEO, &t.snd_s, deadline_us, last_progress);
-    const int64_t call_start = now_us();
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = count < size_t(IOV_MAX) ? count : size_t(IOV_MAX);
-    ssize_t r = sendmsg(t.fd, &msg, MSG_NOSIGNAL);
-    if (r < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;  // arm() decides
-      throw ConnectionLost{false};
-    }
-    size_t sent = size_t(r);
-    size_t total = 0;
-    for (size_t i = 0; i < msg.msg_iovlen; ++i) total += iov[i].iov_len;
-    if (r > 0) last_progress = sent < total ? call_start : now_us();  // short: the slice ran out
-    while (count > 0 && sent >= iov->iov_len) {
-      sent -= iov->iov_len;
-      ++iov;
-      --count;
-    }
-    if (count > 0) {
-      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + sent;
-      iov->iov_len -= sent;
-      check_deadline(deadline_us);  // a timed-out send returns its partial count
-    }
-  }
-}
 
 Histogram* histogram_for(Metrics* m, uint8_t opcode) {
   switch (Opcode(opcode)) {
@@ -204,7 +48,13 @@ Histogram* histogram_for(Metrics* m, uint8_t opcode) {
     case Opcode::GetBatch: return &m->latency_get_batch;
     case Opcode::ExistsBatch: return &m->latency_exists_batch;
     case Opcode::RemoveBatch: return &m->latency_remove_batch;
-    case Opcode::Auth: return nullptr;  // answered before the histograms
+    case Opcode::Lookup: return &m->latency_lookup;
+    case Opcode::Reserve: return &m->latency_reserve;
+    case Opcode::Commit: return &m->latency_commit;
+    case Opcode::Auth:  // answered before the histograms
+    case Opcode::ShmAttach:
+    case Opcode::Release:
+      return nullptr;
   }
   return nullptr;
 }
@@ -221,102 +71,8 @@ void count_error(Metrics* m, FrameStatus s) {
   }
 }
 
-// Keys and per-key numbers of one batch request; views point into the
-// connection's meta buffer.
-struct BatchMeta {
-  std::vector<std::string_view> keys;
-  std::vector<uint64_t> lens;
-  std::vector<uint64_t> sums;
-  int64_t epoch = 0;  // the client's cluster-map epoch, if has_epoch
-  bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false;
-  void clear() {
-    keys.clear();
-    lens.clear();
-    sums.clear();
-    has_keys = has_lens = has_sums = has_epoch = false;
-  }
-};
-
 }  // namespace
 
-// Outcome of handling one frame.
-struct Server::Reply {
-  FrameStatus status = FrameStatus::Ok;
-  std::string error;
-  static Reply fail(FrameStatus s, std::string message) { return Reply{s, std::move(message)}; }
-};
-using Reply = Server::Reply;
-
-// One PUT_BATCH frame's place in puts_in_flight_: counted by admit(), released
-// by release() once its values are stored, or by the destructor on whatever
-// path the frame ends (error reply, dropped connection, exception).
-class Server::PutAdmission {
- public:
-  explicit PutAdmission(Server* server) : server_(server) {}
-  PutAdmission(const PutAdmission&) = delete;
-  PutAdmission& operator=(const PutAdmission&) = delete;
-  ~PutAdmission() { release(); }
-
-  // One lock: refuses a request epoch below the server's (false, not
-  // counted), else counts the frame at the server's current epoch.
-  bool admit(bool has_epoch, int64_t request_epoch) {
-    std::lock_guard<std::mutex> lock(server_->admit_mu_);
-    const int64_t current = server_->epoch_.load(std::memory_order_relaxed);
-    if (has_epoch && request_epoch < current) return false;
-    ++server_->puts_in_flight_[current];  // allocates once per epoch: the entry outlives its frames
-    epoch_ = current;
-    counted_ = true;
-    return true;
-  }
-
-  void release() {
-    if (!counted_) return;
-    counted_ = false;
-    bool drained;
-    {
-      std::lock_guard<std::mutex> lock(server_->admit_mu_);
-      auto it = server_->puts_in_flight_.find(epoch_);
-      drained = --it->second == 0;
-      // An older epoch's entry can never count again (set_cluster_map drops the idle ones).
-      if (drained && epoch_ < server_->epoch_.load(std::memory_order_relaxed))
-        server_->puts_in_flight_.erase(it);
-    }
-    if (drained) server_->admit_cv_.notify_all();
-  }
-
- private:
-  Server* server_;
-  int64_t epoch_ = 0;
-  bool counted_ = false;
-};
-
-struct Server::Connection {
-  int fd = -1;
-  SocketTimer timer;  // fd and its kernel timeouts (see arm)
-  int64_t accepted_us = 0;
-  const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
-  bool nonce_issued = false;       // a challenge is outstanding (single use)
-  uint8_t nonce[kAuthNonceBytes] = {};
-  std::string keys_buf;            // the request's keys with the tenant prefix
-  std::string peer;                // the peer's address (no port): --connections-per-address-max
-  std::string owner;               // whose budget shares it uses: "a:" + peer, or "t:" + tenant
-  int64_t last_work_us = 0;        // last data request or AUTH: the idle timeout counts from here
-  uint64_t meta_charged = 0;       // meta buffer bytes charged to the global budget
-  std::thread thread;
-  std::atomic<bool> finished{false};
-  std::vector<uint8_t> meta;
-  std::vector<uint8_t> scratch;
-  MsgpackWriter out{kFrameHeaderBytes};
-  BatchMeta batch;
-  std::vector<Lease> leases;
-  std::vector<iovec> iov;
-  int64_t deadline_us = 0;  // of the frame being read (0 = none); see transfer_deadline_us
-  double stall_timeout_s = 0;
-};
-
-namespace {
-
-// Reads and drops n bytes through the connection's bounded scratch buffer.
 void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
@@ -326,8 +82,9 @@ void discard(Server::Connection* c, uint64_t n) {
   }
 }
 
+
 void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, FrameStatus status,
-                   const std::vector<Lease>* payload = nullptr, uint64_t payload_len = 0) {
+                   const std::vector<Lease>* payload, uint64_t payload_len) {
   std::vector<uint8_t>& buf = c->out.buffer();
   build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()),
                      status, payload_len);
@@ -344,6 +101,7 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
            transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
 }
 
+
 void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
                 FrameStatus status, const std::string& message) {
   count_error(m, status);
@@ -355,6 +113,8 @@ void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t requ
   c->out.str(frame_status_name(status));
   send_response(c, opcode, request_id, status);
 }
+
+namespace {
 
 // After a fatal error response: half-close so the response is delivered
 // before FIN, then drain (bounded) so closing does not reset the peer.
@@ -388,6 +148,14 @@ void refuse_busy(int fd, Metrics* m, const std::string& message) {
   close(fd);
 }
 
+// A Unix-socket peer as "unix:<pid>" (SO_PEERCRED).
+std::string unix_peer(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return "unix:?";
+  return "unix:" + std::to_string(cred.pid);
+}
+
 // The peer's IP address as text (IPv4-mapped IPv6 as IPv4), without the port.
 std::string peer_address(const sockaddr_storage& addr) {
   char text[INET6_ADDRSTRLEN] = "?";
@@ -403,8 +171,8 @@ std::string peer_address(const sockaddr_storage& addr) {
   return text;
 }
 
-// Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
-// keys are skipped. An empty metadata section means {}.
+}  // namespace
+
 Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b) {
   b->clear();
   if (meta.empty()) return {};
@@ -423,6 +191,21 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
     if (name == "epoch") {
       if (!r.read_int(&b->epoch)) return bad("\"epoch\" must be an integer");
       b->has_epoch = true;
+      continue;
+    }
+    if (name == "res") {
+      if (!r.read_uint(&b->res)) return bad("\"res\" must be an unsigned integer");
+      b->has_res = true;
+      continue;
+    }
+    if (name == "leases" || name == "reservations") {
+      std::vector<uint64_t>& ids = name == "leases" ? b->leases : b->reservations;
+      uint32_t n;
+      if (!r.read_array(&n)) return bad("\"leases\"/\"reservations\" must be arrays");
+      if (n > batch_keys_max) return Reply::fail(FrameStatus::LimitExceeded, "too many ids in one RELEASE");
+      ids.resize(n);
+      for (uint32_t k = 0; k < n; ++k)
+        if (!r.read_uint(&ids[k])) return bad("lease and reservation ids must be unsigned integers");
       continue;
     }
     if (!is_keys && !is_lens && !is_sums) {
@@ -453,9 +236,7 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   return {};
 }
 
-// Whose quota a stored value counts against: the connection's tenant, or for
-// the cluster role (which moves keys already prefixed) the tenant the key's
-// prefix names; 0 without auth.
+
 OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::string_view stored_key) {
   const Tenant* t = c->tenant;
   if (t == nullptr || tenants == nullptr) return 0;
@@ -466,10 +247,7 @@ OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::s
   return named ? named->index : 0;
 }
 
-// Gives every key of the request its store name: the tenant prefix (auth on),
-// nothing otherwise. A key longer than the protocol allows (512 B; the
-// cluster role sends already-prefixed keys, so it may use the prefix's room)
-// becomes empty: a put of it is KEY_INVALID, a read of it a miss.
+
 void namespace_keys(Server::Connection* c) {
   std::vector<std::string_view>& keys = c->batch.keys;
   const Tenant* t = c->tenant;
@@ -495,6 +273,8 @@ void namespace_keys(Server::Connection* c) {
     k = std::string_view(c->keys_buf.data() + at, prefix.size() + k.size());
   }
 }
+
+namespace {
 
 // Releases every lease of a GET response, also when sending fails.
 struct LeaseGuard {
@@ -556,6 +336,14 @@ Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
   if (pipe2(wake_fds_, O_CLOEXEC) != 0) {
     close(listen_fd_);
     throw std::runtime_error(std::string("pipe2 failed: ") + std::strerror(errno));
+  }
+  try {
+    unix_listen_fd_ = listen_unix();
+  } catch (...) {
+    close(listen_fd_);
+    close(wake_fds_[0]);
+    close(wake_fds_[1]);
+    throw;
   }
 }
 
@@ -622,6 +410,11 @@ void Server::stop(double grace_s) {
     close(listen_fd_);
     listen_fd_ = -1;
   }
+  if (unix_listen_fd_ >= 0) {
+    close(unix_listen_fd_);
+    unix_listen_fd_ = -1;
+    unlink(config_.unix_socket_path.c_str());
+  }
   std::unique_lock<std::mutex> lock(conns_mu_);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::microseconds(std::max<int64_t>(0, stop_deadline_us_ - now_us()));
@@ -657,22 +450,26 @@ void Server::reap_finished() {
 }
 
 void Server::accept_loop() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
+  // poll() skips the Unix entry while its fd is -1 (no --unix-socket).
+  pollfd fds[3] = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}, {unix_listen_fd_, POLLIN, 0}};
   while (!stopping_) {
-    if (poll(fds, 2, 1000) < 0 && errno != EINTR) break;
+    if (poll(fds, 3, 1000) < 0 && errno != EINTR) break;
     if (stopping_ || (fds[1].revents & POLLIN)) break;
     reap_finished();
-    if (!(fds[0].revents & POLLIN)) continue;
+    const bool is_unix = !(fds[0].revents & POLLIN) && (fds[2].revents & POLLIN);
+    if (!(fds[0].revents & POLLIN) && !is_unix) continue;
     sockaddr_storage peer_addr{};
     socklen_t peer_len = sizeof peer_addr;
-    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
+    const int fd = accept4(is_unix ? unix_listen_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr),
+                           &peer_len, SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));  // don't spin on fd exhaustion
       continue;
     }
     metrics_->connections_accepted++;
-    const std::string peer = peer_address(peer_addr);
+    // A local peer counts per process: its limits are per client, as an address's are.
+    const std::string peer = is_unix ? unix_peer(fd) : peer_address(peer_addr);
     if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
       refuse_busy(fd, metrics_, "server has " + std::to_string(config_.connections_max) +
                                     " connections (connections_max); retry later, reuse pooled connections, or "
@@ -691,6 +488,7 @@ void Server::accept_loop() {
     set_socket_buffers(fd, config_.socket_buffer_bytes);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
+    conn->is_unix = is_unix;
     conn->accepted_us = conn->last_work_us = now_us();
     conn->peer = peer;
     conn->owner = "a:" + peer;
@@ -718,6 +516,7 @@ void Server::serve(Connection* c) {
     for (;;) {
       // Wait for the next frame: idle timeout, or the stop signal when idle.
       pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
+      if (c->shm.next_deadline_us() != 0 && expire_shm(c)) break;
       // Idle counts from the last data request: PINGs alone cannot keep a slot.
       double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
       if (wait_s <= 0) {
@@ -731,6 +530,8 @@ void Server::serve(Connection* c) {
           break;
         }
       }
+      const int64_t shm_deadline = c->shm.next_deadline_us();  // wake to expire leases
+      if (shm_deadline != 0) wait_s = std::min(wait_s, std::max(0.001, double(shm_deadline - now_us()) / 1e6));
       const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
       if (ready < 0) {
         if (errno == EINTR) continue;
@@ -810,16 +611,17 @@ void Server::serve(Connection* c) {
         }
         continue;
       }
-      Histogram* latency = histogram_for(metrics_, h.opcode);
-      if (latency == nullptr) {
+      Histogram* latency = histogram_for(metrics_, h.opcode);  // null for some known opcodes
+      if (h.opcode == 0 || h.opcode > kOpcodeMax) {
         discard(c, uint64_t(h.meta_len) + h.payload_len);
         send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
                    "unknown opcode " + std::to_string(h.opcode) +
-                       "; this server knows opcodes 1-7 (docs/protocol.md); frame skipped");
+                       "; this server knows opcodes 1-" + std::to_string(kOpcodeMax) +
+                       " (docs/protocol.md); frame skipped");
         continue;
       }
       handle_frame(c, h);
-      latency->record_us(uint64_t(now_us() - start_us));
+      if (latency != nullptr) latency->record_us(uint64_t(now_us() - start_us));
       // Keep a large buffer for the next frame only while the global budget has room.
       if (c->meta.capacity() > kMetaKeepBytes ||
           (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
@@ -830,6 +632,7 @@ void Server::serve(Connection* c) {
   } catch (const std::exception&) {
     metrics_->errors_internal++;  // cannot answer: framing state unknown
   }
+  end_shm_session(c);
   release_meta(c);
   peers_.remove(c->peer);
   if (c->tenant != nullptr) c->tenant->connections--;
@@ -862,6 +665,14 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
+  if (op == Opcode::Release && (h.flags & kFlagNoReply)) {  // never answered, not even an error
+    if (h.payload_len > 0) discard(c, h.payload_len);
+    if (h.payload_len == 0 && parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch).status == FrameStatus::Ok)
+      handle_release(c, h);
+    else
+      metrics_->errors_bad_frame++;
+    return;
+  }
   if (op != Opcode::PutBatch && h.payload_len > 0) {
     discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
@@ -876,8 +687,8 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     return;
   }
   const BatchMeta& b = c->batch;
-  const bool batch_op = op == Opcode::PutBatch || op == Opcode::GetBatch ||
-                        op == Opcode::ExistsBatch || op == Opcode::RemoveBatch;
+  const bool batch_op = op == Opcode::PutBatch || op == Opcode::GetBatch || op == Opcode::ExistsBatch ||
+                        op == Opcode::RemoveBatch || op == Opcode::Lookup || op == Opcode::Reserve;
   if (batch_op && !b.has_keys) {
     if (op == Opcode::PutBatch) discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
@@ -898,10 +709,8 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       return;
     }
   }
-  if (batch_op) {
-    c->last_work_us = now_us();
-    namespace_keys(c);
-  }
+  if (batch_op) namespace_keys(c);
+  if (batch_op || op == Opcode::Commit || op == Opcode::Release) c->last_work_us = now_us();
   // A client routing by an older map may be talking to the wrong node: refuse
   // before touching the store. PING and STATS are always answered. A PUT is
   // checked and counted in one step (see wait_puts_admitted_before).
@@ -923,6 +732,11 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       case Opcode::RemoveBatch: reply = handle_remove(c, h); break;
       case Opcode::Stats: reply = handle_stats(c, h); break;
       case Opcode::Ping: reply = handle_ping(c, h); break;
+      case Opcode::ShmAttach: reply = handle_shm_attach(c, h); break;
+      case Opcode::Lookup: reply = handle_lookup(c, h); break;
+      case Opcode::Release: reply = handle_release(c, h); break;
+      case Opcode::Reserve: reply = handle_reserve(c, h); break;
+      case Opcode::Commit: reply = handle_commit(c, h); break;
       case Opcode::Auth: break;  // answered in serve()
     }
   } catch (const ConnectionLost&) {
@@ -1124,13 +938,22 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   if (auth_on() && c->tenant == nullptr) map_bytes = std::make_shared<const std::string>();  // authenticated peers only
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(3);
+  // How a same-host client reaches this node one-sided: "instance" names it, so
+  // a client can check that the Unix socket leads to the node it pinged.
+  const bool shm = !config_.unix_socket_path.empty() && !auth_on();
+  out.map(shm ? 5 : 4);
   out.str("version");
   out.str(config_.version);
   out.str("epoch");
   out.integer(epoch);
   out.str("map");
   out.bin(*map_bytes);
+  out.str("instance");
+  out.str(config_.instance_id);
+  if (shm) {
+    out.str("unix");
+    out.str(config_.unix_socket_path);
+  }
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
 }
@@ -1146,6 +969,14 @@ bool Server::grow_meta(Connection* c, size_t bytes) {
   }
   c->meta.reserve(bytes);
   return true;
+}
+
+bool Server::expire_shm(Connection* c) {
+  const size_t leased = c->shm.leased_keys();
+  const bool reservation_expired = c->shm.expire(store_, now_us());
+  metrics_->shm_lease_expiries += leased - c->shm.leased_keys();
+  if (reservation_expired) metrics_->shm_reservation_expiries++;
+  return reservation_expired;
 }
 
 void Server::release_meta(Connection* c) {

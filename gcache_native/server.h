@@ -45,6 +45,12 @@ struct ServerConfig {
   // Authentication (--auth-file): null = off, every connection may do everything.
   std::shared_ptr<const TenantTable> tenants;
   double auth_timeout_s = 5;                     // an unauthenticated connection lives this long
+  // Same-host clients (docs/protocol.md, "Shared memory and RDMA"): a Unix
+  // socket ("" = none) whose connections may map the arena, and how long a
+  // LOOKUP lease or a RESERVE reservation lasts.
+  std::string unix_socket_path;
+  double shm_lease_s = 10;
+  std::string instance_id;  // random per start, reported by PING: a client can tell two paths lead to one server
 };
 
 // Raised when the listening socket cannot be created (port taken, bad host).
@@ -75,6 +81,12 @@ class Server {
   std::pair<int64_t, std::shared_ptr<const std::string>> cluster_map() const;
   // Server-side gauges: connections_open, put_reserved_bytes, meta_buffer_bytes.
   void fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const;
+  // RDMA (gcache.server.rdma): the registered arena's remote address and rkey,
+  // sent with every LOOKUP and RESERVE answer from then on; rkey 0 turns it off.
+  void set_rdma_region(uint64_t addr, uint32_t rkey) {
+    rdma_addr_.store(addr);
+    rdma_rkey_.store(rkey);
+  }
 
   // Waits until no PUT_BATCH frame admitted while the server epoch was below
   // `epoch` is still storing (a frame counts from its epoch check until its
@@ -102,6 +114,15 @@ class Server {
   Reply handle_remove(Connection* c, const FrameHeader& h);
   Reply handle_stats(Connection* c, const FrameHeader& h);
   Reply handle_ping(Connection* c, const FrameHeader& h);
+  // One-sided access (server_shm.cpp).
+  Reply handle_shm_attach(Connection* c, const FrameHeader& h);
+  Reply handle_lookup(Connection* c, const FrameHeader& h);
+  Reply handle_release(Connection* c, const FrameHeader& h);
+  Reply handle_reserve(Connection* c, const FrameHeader& h);
+  Reply handle_commit(Connection* c, const FrameHeader& h);
+  bool expire_shm(Connection* c);  // drops expired leases; true: a reservation expired, close
+  void end_shm_session(Connection* c);  // the connection is closing: drop its leases and reservations
+  int listen_unix();                    // binds config_.unix_socket_path; -1 when unset
   bool handle_auth(Connection* c, const FrameHeader& h);  // false: close the connection
   bool auth_on() const { return config_.tenants != nullptr; }
   bool grow_meta(Connection* c, size_t bytes);  // false: the metadata budget stayed full
@@ -113,6 +134,10 @@ class Server {
   Store* store_;
   Metrics* metrics_;
   int listen_fd_ = -1;
+  int unix_listen_fd_ = -1;  // --unix-socket, or -1
+  // RDMA: the arena's memory region as the server registered it (0 rkey = none).
+  std::atomic<uint64_t> rdma_addr_{0};
+  std::atomic<uint32_t> rdma_rkey_{0};
   int wake_fds_[2] = {-1, -1};  // written once on stop; every poll() watches [0]
   uint16_t port_ = 0;
   std::thread accept_thread_;

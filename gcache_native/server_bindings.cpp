@@ -84,7 +84,8 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "small_queue_fraction", "eviction_attempts_max", "warm_restart", "tenants", "auth_timeout_s",
       "connections_per_address_max", "connections_per_tenant_max", "meta_buffer_bytes_max",
       "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
-      "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive"};
+      "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive",
+      "unix_socket_path", "shm_lease_s", "instance_id"};
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");
@@ -120,7 +121,12 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "eviction_fresh_weight") sc->eviction.fresh_weight = py::cast<double>(v);
     else if (key == "eviction_tail_hint") sc->eviction.chain_tail_hint = py::cast<bool>(v);
     else if (key == "disk_exclusive") sc->disk_exclusive = py::cast<bool>(v);
+    else if (key == "unix_socket_path") vc->unix_socket_path = py::cast<std::string>(v);
+    else if (key == "shm_lease_s") vc->shm_lease_s = py::cast<double>(v);
+    else if (key == "instance_id") vc->instance_id = py::cast<std::string>(v);
   }
+  if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600))
+    throw py::value_error("shm_lease_s must be in (0, 3600]");
   if (vc->tenants) {
     for (const auto& t : vc->tenants->all()) {
       if (t->key_prefix.empty()) continue;  // the cluster role stores nothing of its own
@@ -208,7 +214,8 @@ list of {"name", "token", "roles": ["read"|"write"|"admin"|"cluster"], "memory",
 "disk"}), auth_timeout_s, connections_per_address_max, connections_per_tenant_max,
 meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max, eviction_policy
 ("chain", "s3fifo", "lru"), eviction_ghost_factor, eviction_fresh_weight (0 =
-tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md). Unknown keys
+tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md), unix_socket_path ("" = none),
+shm_lease_s, instance_id (docs/protocol.md, "Shared memory and RDMA"). Unknown keys
 and out-of-range values raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")
@@ -308,5 +315,12 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
            py::arg("keys"),
            "Removes each key (bytes) from both tiers, as REMOVE_BATCH does; returns how many existed.")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
-      .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); });
+      .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); })
+      .def_property_readonly("arena_address",
+                             [](Node& n) { return reinterpret_cast<uintptr_t>(n.store->arena_base()); },
+                             "The arena's address in this process (to register it with an RDMA device).")
+      .def("set_rdma_region",
+           [](Node& n, uint64_t addr, uint32_t rkey) { n.server->set_rdma_region(addr, rkey); },
+           py::arg("addr"), py::arg("rkey"),
+           "Sends the arena's RDMA address and rkey with every LOOKUP and RESERVE answer; rkey 0 stops it.");
 }

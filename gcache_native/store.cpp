@@ -1001,6 +1001,7 @@ void Store::check_integrity() {
 
 int Store::arena_fd() const { return impl_->arena.fd(); }
 uint64_t Store::arena_bytes() const { return impl_->arena.bytes(); }
+const uint8_t* Store::arena_base() const { return impl_->arena.base(); }
 
 void Store::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) {
   Impl& s = *impl_;

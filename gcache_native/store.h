@@ -178,6 +178,7 @@ class Store {
   // Arena shared-memory fd (memfd) and size, for same-host one-sided readers.
   int arena_fd() const;
   uint64_t arena_bytes() const;
+  const uint8_t* arena_base() const;  // where data/offsets of leases and reservations point
 
   // Gauges: keys/bytes per tier, free arena bytes, disk bytes used, segments.
   void fill_gauges(std::vector<std::pair<std::string, int64_t>>* out);

@@ -15,10 +15,10 @@ from gcache import errors
 from gcache.auth import resolve_token
 from gcache.client import pipeline
 from gcache.client.buffers import BufferRegistry, byte_view, slice_view
-from gcache.client.connection import Connection, parse_address
-from gcache.client.operations import (BatchResult, ExistsOp, GetIntoOp, GetOp, MetaOp, PutOp,
-                                      RemoveOp)
+from gcache.client.connection import parse_address
+from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
+from gcache.client.transport_select import open_transport
 from gcache.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
 
 RETRIES_MAX = 10
@@ -58,6 +58,13 @@ class Client:
         reads $GCACHE_TOKEN (or the file named by $GCACHE_TOKEN_FILE). Each new
         connection proves it with a challenge-response; the token is never sent.
         A missing or wrong token makes every call raise gcache.errors.AuthError.
+    transport: how values move (gcache.client.transport_select): "tcp" (in the
+        frames), "shm" (same host: the server's arena mapped into this process,
+        copied natively), "rdma" (one-sided RDMA reads and writes), or "auto"
+        (default): shm when the server is on this host, else rdma when usable,
+        else tcp. $GCACHE_TRANSPORT sets what "auto" means. `client.transport`
+        names the one in use. Every method behaves the same on each.
+    copy_threads: threads a one-sided copy may use (0 = by size, up to the cores).
 
     An address "gcache://master:port[,master:port...]" gives a ClusterClient
     (gcache.client.cluster_client) instead: the same methods over a whole cluster.
@@ -73,7 +80,8 @@ class Client:
                  connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
                  verify_checksums: bool = False, batch_keys_max: int = 4096,
                  frame_payload_bytes_max: int = 64 * 1024 * 1024, pipeline_depth: int = 8,
-                 retry_backoff_s: float = 0.01, epoch: int | None = None, token: str | None = None):
+                 retry_backoff_s: float = 0.01, epoch: int | None = None, token: str | None = None,
+                 transport: str = "auto", copy_threads: int = 0):
         parse_address(address)
         if token is not None and not isinstance(token, str):
             raise errors.InvalidArgumentError(f"token must be a str, got {type(token).__name__}")
@@ -93,6 +101,8 @@ class Client:
             raise errors.InvalidArgumentError(f"pipeline_depth must be in [1, {PIPELINE_DEPTH_MAX}]")
         if not 0 <= retry_backoff_s <= 10:
             raise errors.InvalidArgumentError("retry_backoff_s must be in [0, 10]")
+        if not isinstance(copy_threads, int) or not 0 <= copy_threads <= 64:
+            raise errors.InvalidArgumentError("copy_threads must be an int in [0, 64]")
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
@@ -102,15 +112,24 @@ class Client:
         self.pipeline_depth = pipeline_depth
         self.retry_backoff_s = retry_backoff_s
         self.epoch = epoch
-        self._pool = ConnectionPool(
-            lambda: Connection(address, timeout_s, connect_timeout_s, token), pool_size, timeout_s)
+        self._transport, first = open_transport(transport, address, timeout_s, connect_timeout_s,
+                                                token, copy_threads)
+        self._pool = ConnectionPool(self._transport.connect, pool_size, timeout_s)
+        if first is not None:
+            self._pool.adopt(first)
         self._registry = BufferRegistry()
 
     # -- lifecycle ----------------------------------------------------------
 
+    @property
+    def transport(self) -> str:
+        """The transport in use: "tcp", "shm" or "rdma"."""
+        return self._transport.name
+
     def close(self) -> None:
         """Closes every pooled connection; later calls raise ClientClosedError."""
         self._pool.close()
+        self._transport.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -119,7 +138,8 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return f"gcache.Client({self.address!r}, open_connections={self._pool.open_count})"
+        return (f"gcache.Client({self.address!r}, transport={self._transport.describe()!r}, "
+                f"open_connections={self._pool.open_count})")
 
     @property
     def epoch(self) -> int | None:
@@ -136,13 +156,14 @@ class Client:
 
     def _run(self, ops: list, result: BatchResult) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
+        depth = min(self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
         stale_retry_left = True
         while True:
             conn = None
             try:
                 conn = self._pool.acquire()
-                pipeline.run(conn, ops, self.pipeline_depth, epoch)
+                pipeline.run(conn, ops, depth, epoch)
                 break
             except errors.ConnectionError as exc:
                 self._pool.discard_idle()  # their server likely went away too
@@ -167,15 +188,17 @@ class Client:
         """Sleep before retry `attempt` (0-based): doubling, capped by RETRY_BACKOFF_MAX_S and timeout_s."""
         return min(self.retry_backoff_s * (2 ** attempt), RETRY_BACKOFF_MAX_S, self.timeout_s)
 
-    def _split(self, n: int, sizes=None) -> list[tuple[int, int]]:
-        """[lo, hi) slices of at most batch_keys_max keys and frame_payload_bytes_max bytes."""
+    def _split(self, n: int, sizes=None, bytes_max: int | None = None) -> list[tuple[int, int]]:
+        """[lo, hi) slices of at most batch_keys_max keys and `bytes_max` (default
+        frame_payload_bytes_max) bytes."""
+        bytes_max = bytes_max or self.frame_payload_bytes_max
         if sizes is None:
             step = self.batch_keys_max
             return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
         slices, lo, total = [], 0, 0
         for i, size in enumerate(sizes):
             if i > lo and (i - lo >= self.batch_keys_max
-                           or total + size > self.frame_payload_bytes_max):
+                           or total + size > bytes_max):
                 slices.append((lo, i))
                 lo, total = i, 0
             total += size
@@ -243,8 +266,10 @@ class Client:
     def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         result = BatchResult(keys)
         if keys:
-            slices = self._split(len(keys), [len(v) for v in views])
-            self._run([PutOp(result, lo, hi, views[lo:hi]) for lo, hi in slices], result)
+            chunk = self._transport.put_chunk_bytes or self.frame_payload_bytes_max
+            slices = self._split(len(keys), [len(v) for v in views],
+                                 min(chunk, self.frame_payload_bytes_max))
+            self._run(self._transport.put_ops(result, slices, views), result)
         return result.values
 
     def put(self, key, value) -> bool:
@@ -275,10 +300,8 @@ class Client:
     # -- gets -------------------------------------------------------------------
 
     def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list:
-        if targets is None:
-            return [GetOp(result, lo, hi, self.verify_checksums) for lo, hi in self._split(len(keys))]
-        slices = self._split(len(keys), [len(t) for t in targets])
-        return [GetIntoOp(result, lo, hi, self.verify_checksums, targets[lo:hi]) for lo, hi in slices]
+        sizes = None if targets is None else [len(t) for t in targets]
+        return self._transport.get_ops(result, self._split(len(keys), sizes), self.verify_checksums, targets)
 
     def get(self, key):
         """The value as bytes, or None on a miss. get_into avoids the copy into bytes."""

@@ -1,4 +1,5 @@
-"""One TCP connection to a gcache-server: framed sends and buffered, zero-copy reads.
+"""One connection to a gcache-server (TCP, or its Unix socket): framed sends and
+buffered, zero-copy reads.
 
 Timeouts are enforced by the kernel (SO_RCVTIMEO / SO_SNDTIMEO) on a blocking
 socket, so each recv/send is one syscall instead of poll + syscall: a wait that
@@ -7,6 +8,7 @@ connection broken; the pool then closes it instead of reusing it.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -15,10 +17,8 @@ import builtins
 from gcache import errors
 from gcache.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
-try:  # one recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop
-    from gcache._native import recv_into_buffers as _native_recv_into_buffers
-except ImportError:  # an older native module
-    _native_recv_into_buffers = None
+# One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
+from gcache._native import recv_into_buffers as _native_recv_into_buffers
 
 READ_BUFFER_BYTES = 64 * 1024
 # Reads larger than this go straight into the caller's buffer; smaller ones are
@@ -47,15 +47,27 @@ class Connection:
     """A blocking socket plus a small read buffer. Not thread-safe: one user at a time."""
 
     def __init__(self, address: str, timeout_s: float, connect_timeout_s: float,
-                 token: str | None = None):
+                 token: str | None = None, unix_path: str | None = None):
+        """`address` names the server (host:port); with `unix_path` the connection
+        goes to that Unix socket of the same server instead."""
         self.address = address
         self.tenant: str | None = None  # set by the AUTH handshake (None: the node has no auth)
         self.timeout_s = timeout_s
         self.broken = False
         self.reused = False  # set by the pool when handed out again after being idle
+        self.arena = None  # the mapped arena a one-sided transport reads through (shm)
         host, port = parse_address(address)
         try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+            if unix_path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(connect_timeout_s)
+                    sock.connect(unix_path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         except ConnectionRefusedError as exc:
             raise errors.ConnectionError(
                 f"cannot connect to gcache-server at {address}: connection refused; "
@@ -66,9 +78,10 @@ class Connection:
                 "check the address and that the host is reachable", address) from exc
         except OSError as exc:
             raise errors.ConnectionError(
-                f"cannot connect to gcache-server at {address}: {exc}", address) from exc
+                f"cannot connect to gcache-server at {unix_path or address}: {exc}", address) from exc
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if unix_path is None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
         self.sock = sock
@@ -215,7 +228,7 @@ class Connection:
             elif len(target):
                 rest.append(target)
         total = sum(len(t) for t in rest)
-        if _native_recv_into_buffers is None or total < DIRECT_READ_BYTES_MIN:
+        if total < DIRECT_READ_BYTES_MIN:
             for target in rest:
                 self.read_into(target)
             return
@@ -230,6 +243,24 @@ class Connection:
                 self.address) from exc
         except OSError as exc:
             raise self._fail(exc, "receiving values") from exc
+
+    def receive_with_fd(self) -> int | None:
+        """Reads what has arrived (at least one byte) into the read buffer, taking the
+        file descriptor passed alongside it (SCM_RIGHTS), if any. Only on an empty
+        buffer: a descriptor travels with the first byte of its response."""
+        if self._pos != self._end:
+            raise errors.ProtocolError("receive_with_fd needs an empty read buffer")
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, READ_BUFFER_BYTES, 1)
+        except OSError as exc:
+            raise self._fail(exc, "waiting for a response") from exc
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise self._closed_by_peer("a response was expected")
+        self._rbuf[:len(data)] = data
+        self._pos, self._end = 0, len(data)
+        return fds[0] if fds else None
 
     def buffered_bytes(self) -> int:
         return self._end - self._pos

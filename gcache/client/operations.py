@@ -109,6 +109,11 @@ class Operation:
     def on_response(self, conn, meta: dict, payload_len: int) -> None:
         raise NotImplementedError
 
+    def follow_ups(self) -> list["Operation"] | None:
+        """Operations to send next on the same connection, once this one's answer was
+        read (a RESERVE's COMMIT); None when there are none."""
+        return None
+
     def split(self) -> list["Operation"] | None:
         """Two operations covering this one's keys, for a frame the server refused as
         over its limits while keeping the connection open; None if it cannot split."""

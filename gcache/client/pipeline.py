@@ -68,8 +68,9 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
 
 
 def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation] | None:
-    """Reads one response into `op`; returns the operations to send instead, if the
-    server refused `op` as over its limits and `op` can be split."""
+    """Reads one response into `op`; returns the operations to send next: its halves,
+    if the server refused `op` as over its limits and `op` can be split, or its
+    follow-ups (a RESERVE's COMMIT)."""
     opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
     meta = conn.read_meta(meta_len)
     if status != FrameStatus.OK:
@@ -96,7 +97,7 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
             f"gcache-server at {conn.address} answered request {rid} op {opcode}, "
             f"expected {request_id} op {int(op.opcode)}: responses are out of order")
     op.on_response(conn, meta, payload_len)
-    return None
+    return op.follow_ups()
 
 
 def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | None = None) -> None:

@@ -60,6 +60,16 @@ class ConnectionPool:
                 self._cond.notify()
             raise
 
+    def adopt(self, conn: Connection) -> None:
+        """Adds an open connection (made while choosing the transport) as idle."""
+        with self._cond:
+            if self._closed or self._open >= self.size_max:
+                conn.close()
+                return
+            self._open += 1
+            self._idle.append((conn, time.monotonic()))
+            self._cond.notify()
+
     def release(self, conn: Connection) -> None:
         """Returns a connection; a broken one (or any after close()) is closed instead."""
         with self._cond:

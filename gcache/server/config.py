@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
@@ -72,6 +73,10 @@ class ServerSettings:
     eviction_tail_hint: bool = True      # chain
     eviction_small_queue_fraction: float = 0.10  # s3fifo
     disk_exclusive: bool = True
+    # Same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA").
+    unix_socket: str = "auto"  # "auto" = <data-dir>/gcache.sock; "" = none
+    shm_lease_s: float = 10.0
+    rdma_device: str = ""      # "" = no RDMA
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
     # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
@@ -166,12 +171,27 @@ class ServerSettings:
             "eviction_policy": self.eviction_policy, "eviction_fresh_weight": self.eviction_fresh_weight,
             "eviction_ghost_factor": self.eviction_ghost_factor, "eviction_tail_hint": self.eviction_tail_hint,
             "small_queue_fraction": self.eviction_small_queue_fraction, "disk_exclusive": self.disk_exclusive,
+            "unix_socket_path": self.unix_socket_path(), "shm_lease_s": self.shm_lease_s,
+            "instance_id": secrets.token_hex(8),
         }
+
+    def unix_socket_path(self) -> str:
+        """The --unix-socket path to bind, or "" for none. "auto" puts it in --data-dir
+        (absolute, so clients elsewhere can reach it), or none where that path would
+        be too long for a socket address (108 bytes)."""
+        if self.unix_socket != "auto":
+            return os.path.abspath(self.unix_socket) if self.unix_socket else ""
+        if not self.data_dir:
+            return ""
+        path = os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
+        return path if len(path.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX else ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+UNIX_SOCKET_NAME = "gcache.sock"
+UNIX_SOCKET_PATH_BYTES_MAX = 107  # sockaddr_un.sun_path, less its NUL
 _SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes",
                 "rebalance_batch_bytes", "meta_buffer_bytes_max", "put_reserve_bytes_max", "index_bytes_max"}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
@@ -279,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a value read back from disk into memory gives up its disk copy, so memory and "
                         "disk hold their sum (default on; off: it keeps the copy and leaves memory "
                         "again without a write)")
+    local = p.add_argument_group("same-host and RDMA clients (docs/protocol.md, \"Shared memory and RDMA\")")
+    local.add_argument("--unix-socket", metavar="PATH",
+                       help="Unix socket for clients on this host: they map the arena and copy values "
+                            "themselves (transport 'shm'); mode 0600, so only this user's processes; "
+                            "'' = none (default <data-dir>/gcache.sock); with --auth-file shared memory "
+                            "is refused, since the arena holds every tenant's values")
+    local.add_argument("--shm-lease-s", type=float,
+                       help="how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
+                            "a connection past a reservation's deadline is closed (default 10)")
+    local.add_argument("--rdma-device", metavar="NAME",
+                       help="register the arena with this RDMA device (pyverbs) so remote clients read "
+                            "and write it one-sided (transport 'rdma'); default: none")
     p.add_argument("--shutdown-grace-s", type=float,
                    help="on SIGTERM, how long requests in flight may take to finish (default 10)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -377,6 +409,9 @@ def _validate(s: ServerSettings) -> None:
         (s.idle_timeout_s > 0, "--idle-timeout-s must be positive"),
         (s.stall_timeout_s > 0, "--stall-timeout-s must be positive"),
         (s.shutdown_grace_s >= 0, "--shutdown-grace-s must not be negative"),
+        (0 < s.shm_lease_s <= 3600, "--shm-lease-s must be in (0, 3600]"),
+        (s.unix_socket == "auto" or len(os.path.abspath(s.unix_socket).encode()) <= UNIX_SOCKET_PATH_BYTES_MAX
+         or not s.unix_socket, f"--unix-socket path must be at most {UNIX_SOCKET_PATH_BYTES_MAX} bytes"),
         (s.segment_bytes >= 1 << 20, "--segment-bytes must be at least 1MiB"),
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),

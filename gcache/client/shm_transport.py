@@ -1,0 +1,138 @@
+"""The same-host transport: the server's arena mapped into this process.
+
+Connections go to the server's Unix socket (PING names it). The first one
+asks for the arena with SHM_ATTACH and receives its memfd (SCM_RIGHTS); the
+mapping is shared by every connection to that server instance, and a
+connection to a restarted server (another instance) maps the new arena.
+Reads and writes copy between the mapping and the caller's buffers natively
+(gcache._native.shm_*: GIL released, several threads for large batches,
+each value's xxh64 computed in the same pass).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+from gcache import errors
+from gcache._native import shm_read_into, shm_read_values, shm_write_from
+from gcache.client import pipeline
+from gcache.client.connection import Connection
+from gcache.client.shm_ops import lookup_ops, reserve_ops
+from gcache.client.transport import Transport
+from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header
+
+_EMPTY_MAP = b"\x80"  # msgpack {}
+
+
+class MappedArena:
+    """A server's arena, mapped read-write (a put writes its reserved blocks)."""
+
+    def __init__(self, fd: int, size: int, instance: str, threads: int = 0):
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.size = size
+        self.instance = instance
+        self.threads = threads  # copy threads per call; 0 = by size (1 per MiB, at most the cores)
+
+    def check_answer(self, meta: dict) -> None:
+        """Where an answer's offsets point is this mapping: nothing to check."""
+
+    def read_into(self, offsets, lens, sums, dests) -> list[int]:
+        return shm_read_into(self.map, offsets, lens, sums, dests, self.threads)
+
+    def read_values(self, offsets, lens, sums):
+        return shm_read_values(self.map, offsets, lens, sums, self.threads)
+
+    def write_from(self, offsets, views) -> list[int]:
+        return shm_write_from(self.map, offsets, views, self.threads)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a copy in another thread still holds it: the GC unmaps it
+            pass
+
+
+def attach(conn: Connection) -> tuple[int, int, str]:
+    """SHM_ATTACH on a fresh connection: (memfd, arena bytes, server instance).
+    TransportUnavailableError when the server refuses (auth on, not its Unix socket)."""
+    request_id = next(pipeline._request_ids)
+    conn.send([encode_header(Opcode.SHM_ATTACH, request_id, len(_EMPTY_MAP), 0) + _EMPTY_MAP])
+    fd = conn.receive_with_fd()
+    try:
+        opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
+        meta = conn.read_meta(meta_len)
+        if status != FrameStatus.OK:
+            error = pipeline.status_error(status, meta, conn.address)
+            raise errors.TransportUnavailableError(f"shared memory refused: {error}")
+        if rid != request_id or opcode != Opcode.SHM_ATTACH or not flags & FLAG_RESPONSE or payload_len:
+            raise errors.ProtocolError(f"gcache-server at {conn.address} answered SHM_ATTACH out of order")
+        size, instance = meta.get("arena_bytes"), meta.get("instance")
+        if fd is None or not isinstance(size, int) or size <= 0 or not isinstance(instance, str):
+            raise errors.ProtocolError(
+                f"gcache-server at {conn.address} answered SHM_ATTACH without an arena ({meta!r})")
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        conn.broken = True
+        raise
+    return fd, size, instance
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    # A put keeps at most two RESERVEs' blocks at once: the server's reservation
+    # budget is per client process, and blocks are held until their COMMIT.
+    pipeline_depth = 2
+    put_chunk_bytes = 8 << 20  # and COMMIT of one chunk overlaps the copy of the next
+
+    def __init__(self, address: str, unix_path: str, timeout_s: float, connect_timeout_s: float,
+                 expected_instance: str | None = None, copy_threads: int = 0):
+        super().__init__(address)
+        self.unix_path = unix_path
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._expected_instance = expected_instance  # from the TCP PING: the socket must lead there
+        self._copy_threads = copy_threads
+        self._lock = threading.Lock()
+        self._arena: MappedArena | None = None
+
+    def connect(self) -> Connection:
+        conn = Connection(self.address, self._timeout_s, self._connect_timeout_s, unix_path=self.unix_path)
+        try:
+            fd, size, instance = attach(conn)
+            try:
+                conn.arena = self._arena_for(fd, size, instance)
+            finally:
+                os.close(fd)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _arena_for(self, fd: int, size: int, instance: str) -> MappedArena:
+        with self._lock:
+            if self._expected_instance is not None and instance != self._expected_instance:
+                raise errors.TransportUnavailableError(
+                    f"the Unix socket {self.unix_path} leads to another gcache-server than "
+                    f"{self.address}; use transport='tcp'")
+            self._expected_instance = None  # checked once: later a restarted server may answer
+            if self._arena is None or self._arena.instance != instance:
+                # Connections to an older instance keep its mapping until they die.
+                self._arena = MappedArena(fd, size, instance, self._copy_threads)
+            return self._arena
+
+    def get_ops(self, result, slices, verify, targets):
+        return lookup_ops(result, slices, targets)  # always verified, in the copy loop
+
+    def put_ops(self, result, slices, views):
+        return reserve_ops(result, slices, views)
+
+    def close(self) -> None:
+        with self._lock:
+            arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+
+    def describe(self) -> str:
+        return f"shm via {self.unix_path}"
