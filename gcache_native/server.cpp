@@ -337,6 +337,12 @@ Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
     close(listen_fd_);
     throw std::runtime_error(std::string("pipe2 failed: ") + std::strerror(errno));
   }
+  if (config_.instance_id.empty()) {  // PING's "instance": random per start
+    uint8_t raw[8];
+    random_bytes(raw, sizeof raw);
+    static const char* kHex = "0123456789abcdef";
+    for (uint8_t b : raw) config_.instance_id += {kHex[b >> 4], kHex[b & 15]};
+  }
   try {
     unix_listen_fd_ = listen_unix();
   } catch (...) {
@@ -491,7 +497,10 @@ void Server::accept_loop() {
     conn->is_unix = is_unix;
     conn->accepted_us = conn->last_work_us = now_us();
     conn->peer = peer;
-    conn->owner = "a:" + peer;
+    // Budget shares: per address over TCP; per connection on the Unix socket, where a
+    // RESERVE holds its share until COMMIT and a same-user process is trusted with the
+    // arena anyway (the total still bounds them all).
+    conn->owner = is_unix ? "u:" + peer + "#" + std::to_string(fd) : "a:" + peer;
     conn->stall_timeout_s = config_.stall_timeout_s;
     conn->timer = SocketTimer::for_socket(fd, config_.stall_timeout_s);
     Connection* raw = conn.get();

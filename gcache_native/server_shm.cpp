@@ -107,7 +107,9 @@ Reply Server::handle_shm_attach(Connection* c, const FrameHeader& h) {
   metrics_->shm_attaches++;
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(3);
+  out.map(4);
+  out.str("reserve_bytes_max");  // what one connection's RESERVEs may hold at once
+  out.uint(config_.put_reserve_bytes_max / 4);
   out.str("arena_bytes");
   out.uint(store_->arena_bytes());
   out.str("instance");  // one mapping per server instance serves all of a client's connections
@@ -155,7 +157,9 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
     lens[i] = int64_t(lease.length);
     sums[i] = lease.checksum;
   }
-  if (total > config_.frame_payload_bytes_max) {  // as GET_BATCH: the client splits the batch
+  // As GET_BATCH, bounds what one request pins (the client splits the batch);
+  // one value is always served: it moves no bytes through a frame.
+  if (total > config_.frame_payload_bytes_max && leases.size() > 1) {
     for (const Lease& l : leases) store_->release(l);
     return Reply::fail(FrameStatus::LimitExceeded,
                        "found values exceed the frame payload limit of " +

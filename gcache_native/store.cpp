@@ -56,6 +56,7 @@ struct Store::Impl {
   uint64_t window_cursor = 0;                                       // where the next window search starts
   uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases_active = 0;
   uint64_t index_bytes = 0;  // estimated heap of the index (index_cost per key)
+  uint64_t index_reserved = 0;  // index_cost of keys reserved but not yet committed
   std::atomic<uint64_t> put_batches{0};
   // While a flush runs it holds Entry pointers without mu: entries that die
   // meanwhile are kept (doomed) in `retired` until the last flush ends.
@@ -478,12 +479,13 @@ struct Store::Impl {
   bool make_index_room(size_t key_bytes, Locks& l) {
     if (cfg.index_bytes_max == 0) return true;
     constexpr int kAttemptsMax = 4096;
-    for (int attempt = 0; index_bytes + index_cost(key_bytes) > cfg.index_bytes_max; ++attempt) {
+    // Reserved keys count: a batch reserved before any commit (RESERVE) stays within the bound.
+    for (int attempt = 0; index_bytes + index_reserved + index_cost(key_bytes) > cfg.index_bytes_max; ++attempt) {
       if (attempt >= kAttemptsMax) return false;
       uint32_t id;
       if (disk) {
         hold_disk(l);
-        if (index_bytes + index_cost(key_bytes) <= cfg.index_bytes_max) break;
+        if (index_bytes + index_reserved + index_cost(key_bytes) <= cfg.index_bytes_max) break;
         if (disk->oldest(&id)) {
           reclaim(id, 0);
           bump(metrics->index_evictions);
@@ -604,6 +606,8 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
   out->length = length;
   out->offset = offset;
   out->block_bytes = block;
+  out->index_cost = index_cost(key.size());
+  s.index_reserved += out->index_cost;
   return PutStatus::Stored;
 }
 
@@ -615,6 +619,7 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
   const uint64_t key_hash = key_hash_of(key);
   std::lock_guard<std::mutex> guard(s.mu);
   if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("commit_put: unknown reservation");
+  s.index_reserved -= r.index_cost;
   if (Impl::OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
   if (!sound || key.empty() || key.size() > kKeyBytesMax) {
     s.allocator.free(r.offset, r.block_bytes);
@@ -644,6 +649,7 @@ void Store::abort_put(const Reservation& r) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("abort_put: unknown reservation");
+  s.index_reserved -= r.index_cost;
   if (Impl::OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
   s.allocator.free(r.offset, r.block_bytes);
 }

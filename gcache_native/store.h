@@ -79,6 +79,7 @@ struct Reservation {
   uint64_t offset = 0;       // arena offset of the block
   uint64_t block_bytes = 0;  // size-class rounded block size
   OwnerId owner = 0;         // whose memory quota the reservation counts against
+  uint64_t index_cost = 0;   // the key's share of --index-bytes-max, held until commit or abort
 };
 
 struct Entry;  // private to store.cpp

@@ -32,10 +32,11 @@ class Frame:
 
 
 def frame_bytes(opcode: int, meta, payload: bytes = b"", request_id: int = 1, *, magic: bytes = MAGIC,
-                version: int = 1, meta_len: int | None = None, payload_len: int | None = None) -> bytes:
+                version: int = 1, meta_len: int | None = None, payload_len: int | None = None,
+                flags: int = 0) -> bytes:
     """One request frame; meta may be a dict (packed) or raw bytes. Lengths can be forged."""
     meta_bytes = meta if isinstance(meta, (bytes, bytearray)) else msgpack.packb(meta, use_bin_type=True)
-    header = HEADER.pack(magic, version, opcode, 0, request_id,
+    header = HEADER.pack(magic, version, opcode, flags, request_id,
                          len(meta_bytes) if meta_len is None else meta_len, 0,
                          len(payload) if payload_len is None else payload_len)
     return header + bytes(meta_bytes) + bytes(payload)

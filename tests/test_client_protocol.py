@@ -207,27 +207,27 @@ def test_response_trickled_byte_by_byte_is_read_exactly():
             conn.sendall(bytes([b]))
 
     peer = ScriptedPeer(script)
-    assert Client(peer.address, retries=0).get(b"k") == value
+    assert Client(peer.address, transport="tcp", retries=0).get(b"k") == value
 
 
 def test_wrong_request_id_is_a_protocol_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"ex": [True], "prefix": 1},
                                                              request_id=h.request_id + 1)))
     with pytest.raises(errors.ProtocolError, match="out of order"):
-        Client(peer.address, retries=0).is_exist(b"k")
+        Client(peer.address, transport="tcp", retries=0).is_exist(b"k")
 
 
 def test_lengths_not_matching_payload_is_a_protocol_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"lens": [5], "sums": [0]}, b"abc")))
     with pytest.raises(errors.ProtocolError):
-        Client(peer.address, retries=0).get(b"k")
+        Client(peer.address, transport="tcp", retries=0).get(b"k")
 
 
 def test_error_status_maps_to_typed_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(
         reply(h, {"error": "too many keys", "kind": "batch_keys"}, status=3)))
     with pytest.raises(errors.LimitExceededError, match="too many keys"):
-        Client(peer.address, retries=0).get(b"k")
+        Client(peer.address, transport="tcp", retries=0).get(b"k")
 
 
 def test_silent_peer_times_out_instead_of_hanging():
@@ -235,7 +235,7 @@ def test_silent_peer_times_out_instead_of_hanging():
     peer = ScriptedPeer(lambda conn, h: release.wait(10))
     try:
         with pytest.raises(errors.TimeoutError, match="no progress"):
-            Client(peer.address, retries=0, timeout_s=0.3).get(b"k")
+            Client(peer.address, transport="tcp", retries=0, timeout_s=0.3).get(b"k")
     finally:
         release.set()
 
@@ -244,7 +244,7 @@ def test_peer_closing_mid_response_is_a_connection_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(
         reply(h, {"lens": [100], "sums": [0]}, b"x" * 100)[:-10]))
     with pytest.raises(errors.ConnectionError, match="closed the connection"):
-        Client(peer.address, retries=0).get(b"k")
+        Client(peer.address, transport="tcp", retries=0).get(b"k")
 
 
 @pytest.mark.parametrize("keys", [[b"a"], [b"x" * 255], [b"y" * 256], [b"z" * 512], [b"a", b"b"]])
@@ -265,7 +265,7 @@ def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
                            good + bad))
 
     peer = ScriptedPeer(script)
-    client = Client(peer.address, retries=0, verify_checksums=True)
+    client = Client(peer.address, transport="tcp", retries=0, verify_checksums=True)
     with pytest.raises(errors.ChecksumMismatchError) as caught:
         if into:
             buf = bytearray(64)

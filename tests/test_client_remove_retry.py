@@ -80,7 +80,7 @@ def test_answers_from_before_a_dropped_connection_survive_the_retry(server):
     # Two frames of two keys; the proxy delivers the first answer, then drops
     # the connection instead of the second, so the client retries both frames.
     proxy = DropAfterFrames(server.port, cut_at=2)
-    client = Client(f"127.0.0.1:{proxy.port}", batch_keys_max=2, retries=2, retry_backoff_s=0.01)
+    client = Client(f"127.0.0.1:{proxy.port}", transport="tcp", batch_keys_max=2, retries=2, retry_backoff_s=0.01)
     try:
         removed = client.batch_remove(keys)
         assert proxy.connections == 2  # it really was retried on a fresh connection

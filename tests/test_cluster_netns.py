@@ -72,7 +72,7 @@ def test_layout_records_the_network_and_nodes_run_in_their_namespaces(netns_clus
         assert Path(cmdline[0].decode()).name.startswith("python")
         assert _ip_names("netns", "identify", str(m["pid"])).strip() == m["netns"]
     assert len({m.host for m in c.nodes}) == 3
-    client = ClusterClient(c.client_url, timeout_s=1.0)
+    client = ClusterClient(c.client_url, timeout_s=1.0, transport="tcp")  # namespaces stand in for hosts
     try:
         keys = [f"rt/{i}".encode() for i in range(60)]
         values = [bytes([i]) * (500 + i) for i in range(60)]
@@ -94,7 +94,9 @@ def _timed(fn, *args):
 
 def test_partition_marks_the_node_dead_and_heal_brings_it_back(netns_cluster):
     c = netns_cluster
-    client = ClusterClient(c.client_url, timeout_s=0.5, retries=1, map_refresh_s=0.2, suspect_s=1.0)
+    # TCP: namespaces stand in for hosts here, and a Unix socket would cross them.
+    client = ClusterClient(c.client_url, transport="tcp", timeout_s=0.5, retries=1, map_refresh_s=0.2,
+                           suspect_s=1.0)
     victim = c.member("n2")
     try:
         keys = [f"part/{i}".encode() for i in range(300)]

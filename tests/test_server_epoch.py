@@ -79,12 +79,14 @@ def test_cluster_map_epoch_only_moves_forward(tmp_path):
 
 def test_ping_answers_epoch_and_map_whatever_the_request_epoch(node):
     with RawConnection(node.port) as c:
-        assert c.ping() == {"version": "0.1.0", "epoch": 5, "map": MAP}
+        answer = c.ping()
+        assert len(answer["instance"]) == 16  # random per server start (hex)
+        assert answer == {"version": "0.1.0", "epoch": 5, "map": MAP, "instance": answer["instance"]}
         frame = c.request(PING, {"epoch": 1})
         assert frame.status == OK and frame.meta["map"] == MAP
     node.set_cluster_map(6, b"")
     with gcache.Client(f"127.0.0.1:{node.port}", epoch=1) as client:
-        assert client.ping() == {"version": "0.1.0", "epoch": 6, "map": b""}
+        assert client.ping() == {"version": "0.1.0", "epoch": 6, "map": b"", "instance": answer["instance"]}
 
 
 @pytest.mark.parametrize("opcode", [GET_BATCH, EXISTS_BATCH, REMOVE_BATCH])
@@ -143,7 +145,7 @@ def test_epoch_that_is_not_an_integer_is_a_bad_frame(node):
 # -- the client side ----------------------------------------------------------
 
 def test_client_raises_stale_epoch_error_and_keeps_its_connection(node):
-    with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1) as client:
+    with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1, transport="tcp") as client:
         for call in (lambda: client.put(b"k", b"v"), lambda: client.get(b"k"),
                      lambda: client.batch_is_exist([b"k"]), lambda: client.remove(b"k")):
             with pytest.raises(errors.StaleEpochError) as info:
@@ -162,7 +164,7 @@ def test_client_raises_stale_epoch_error_and_keeps_its_connection(node):
 def test_stale_epoch_mid_pipeline_drains_frames_in_flight(node):
     keys = [f"key-{i}".encode() for i in range(20)]
     values = [os.urandom(1000) for _ in keys]
-    with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1, batch_keys_max=2,
+    with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1, batch_keys_max=2, transport="tcp",
                        pipeline_depth=8) as client:
         with pytest.raises(errors.StaleEpochError):
             client.put_batch(keys, values)  # 10 frames, several in flight when the first is refused

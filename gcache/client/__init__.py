@@ -1,8 +1,9 @@
-"""The GCache Python client: `gcache.Client("host:port")`, or a whole cluster with
-`gcache.Client("gcache://master:port,...")` (a ClusterClient)."""
-from gcache.client.client import Client
+"""The GCache Python client: `gcache.Client("host:port")` (a ServerClient), or a whole
+cluster with `gcache.Client("gcache://master:port,...")` (a ClusterClient); both are
+gcache.Client (gcache.client.api)."""
+from gcache.client.api import Client
 
-__all__ = ["Client", "ClusterClient"]
+__all__ = ["Client", "ClusterClient", "ServerClient"]
 
 
 def __getattr__(name):
@@ -11,4 +12,7 @@ def __getattr__(name):
     if name == "ClusterClient":
         from gcache.client.cluster_client import ClusterClient
         return ClusterClient
+    if name == "ServerClient":
+        from gcache.client.client import ServerClient
+        return ServerClient
     raise AttributeError(f"module 'gcache.client' has no attribute {name!r}")

@@ -25,7 +25,8 @@ def byte_view(obj, writable: bool) -> memoryview:
                 "values are bytes, not str: encode text first (value.encode())") from None
         if hasattr(obj, "__cuda_array_interface__"):
             raise errors.InvalidArgumentError(
-                "GPU arrays are not supported yet: copy to a host (numpy) buffer first") from None
+                "a GPU array goes only to get_into / batch_get_into / put_from / batch_put_from "
+                "(staged through pinned host memory); other calls take host buffers") from None
         raise errors.InvalidArgumentError(
             f"{type(obj).__name__} does not expose the buffer protocol: pass bytes, bytearray, "
             "memoryview, a numpy array, or an int address of a registered buffer") from None

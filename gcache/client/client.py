@@ -1,7 +1,5 @@
-"""gcache.Client: the Python client of one gcache-server.
+"""ServerClient: the gcache.Client of one gcache-server (`gcache.Client("host:port")`).
 
-Method names follow Mooncake Store's `MooncakeDistributedStore`, so an engine
-can swap stores. Misses are None / False; errors are gcache.errors exceptions.
 Every call runs in the calling thread on a pooled connection (no hand-offs);
 a batch larger than one frame is split and pipelined on that connection.
 Every operation is idempotent (values are immutable, remove is idempotent), so
@@ -14,7 +12,7 @@ import time
 from gcache import errors
 from gcache.auth import resolve_token
 from gcache.client import pipeline
-from gcache.client.buffers import BufferRegistry, byte_view, slice_view
+from gcache.client.api import Client
 from gcache.client.connection import parse_address
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
@@ -28,12 +26,9 @@ PIPELINE_DEPTH_MAX = 64
 RETRY_BACKOFF_MAX_S = 1.0
 
 
-def _is_address(obj) -> bool:
-    return isinstance(obj, int) and not isinstance(obj, bool)
-
-
-class Client:
-    """Client of one gcache-server at "host:port". Thread-safe; use one per process.
+class ServerClient(Client):
+    """Client of one gcache-server at "host:port" (made by gcache.Client("host:port")).
+    Thread-safe; use one per process.
 
     timeout_s: the longest any socket wait may go without progress, and the
         longest a call waits for a free pooled connection.
@@ -67,14 +62,8 @@ class Client:
     copy_threads: threads a one-sided copy may use (0 = by size, up to the cores).
 
     An address "gcache://master:port[,master:port...]" gives a ClusterClient
-    (gcache.client.cluster_client) instead: the same methods over a whole cluster.
+    (gcache.client.cluster_client) instead: the same interface over a whole cluster.
     """
-
-    def __new__(cls, address="127.0.0.1:7600", *args, **kwargs):
-        if cls is Client and isinstance(address, str) and address.startswith("gcache://"):
-            from gcache.client.cluster_client import ClusterClient
-            return ClusterClient(address, *args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(self, address: str = "127.0.0.1:7600", *, timeout_s: float = 5.0,
                  connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
@@ -103,6 +92,7 @@ class Client:
             raise errors.InvalidArgumentError("retry_backoff_s must be in [0, 10]")
         if not isinstance(copy_threads, int) or not 0 <= copy_threads <= 64:
             raise errors.InvalidArgumentError("copy_threads must be an int in [0, 64]")
+        super().__init__()
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
@@ -117,7 +107,6 @@ class Client:
         self._pool = ConnectionPool(self._transport.connect, pool_size, timeout_s)
         if first is not None:
             self._pool.adopt(first)
-        self._registry = BufferRegistry()
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -130,12 +119,6 @@ class Client:
         """Closes every pooled connection; later calls raise ClientClosedError."""
         self._pool.close()
         self._transport.close()
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"gcache.Client({self.address!r}, transport={self._transport.describe()!r}, "
@@ -154,9 +137,9 @@ class Client:
 
     # -- the retry loop -------------------------------------------------------
 
-    def _run(self, ops: list, result: BatchResult) -> None:
+    def _run(self, ops: list, result: BatchResult, depth: int | None = None) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
-        depth = min(self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
+        depth = min(depth or self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
         stale_retry_left = True
         while True:
@@ -208,94 +191,20 @@ class Client:
 
     # -- buffers --------------------------------------------------------------
 
-    def register_buffer(self, buffer_or_ptr, size: int | None = None) -> int:
-        """Registers memory that later calls may name by int address; returns 0 (Mooncake).
-
-        Takes any buffer-protocol object (kept alive until unregistered) or an
-        int address plus its size in bytes (the caller keeps that memory alive).
-        """
-        self._registry.register(buffer_or_ptr, size)
-        return 0
-
-    def unregister_buffer(self, buffer_or_ptr) -> int:
-        """Forgets a registered buffer; returns 0, or -1 if it was not registered."""
-        return 0 if self._registry.unregister(buffer_or_ptr) else -1
-
-    def _view(self, buffer, offset, size, writable: bool, what: str) -> memoryview:
-        if _is_address(buffer):
-            if size is None:  # Mooncake's (key, buffer_ptr, size): the third argument is the size
-                if not offset:
-                    raise errors.InvalidArgumentError(
-                        f"{what}: an address needs a size in bytes: {what}(key, address, size)")
-                offset, size = 0, offset
-            return self._registry.resolve(buffer + offset, size, writable)
-        return slice_view(byte_view(buffer, writable), offset, size, what)
-
-    def _views(self, n: int, buffers, sizes, offsets, writable: bool, what: str) -> list[memoryview]:
-        """One view per key from a list of buffers/addresses, or slices of one buffer."""
-        for name, seq in (("sizes", sizes), ("offsets", offsets)):
-            if seq is not None and len(seq) != n:
-                raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(seq)} {name}")
-        if isinstance(buffers, (list, tuple)):
-            if len(buffers) != n:
-                raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(buffers)} buffers")
-            views, cache = [], {}
-            for i, buf in enumerate(buffers):
-                offset = offsets[i] if offsets is not None else 0
-                size = sizes[i] if sizes is not None else None
-                if _is_address(buf):
-                    if size is None:
-                        raise errors.InvalidArgumentError(f"{what}: addresses need sizes")
-                    views.append(self._registry.resolve(buf + offset, size, writable))
-                    continue
-                base = cache.get(id(buf))
-                if base is None:
-                    base = cache[id(buf)] = byte_view(buf, writable)
-                views.append(slice_view(base, offset, size, what))
-            return views
-        if offsets is None or sizes is None:
-            raise errors.InvalidArgumentError(
-                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)")
-        if _is_address(buffers):
-            return [self._registry.resolve(buffers + o, s, writable) for o, s in zip(offsets, sizes)]
-        base = byte_view(buffers, writable)
-        return [slice_view(base, o, s, what) for o, s in zip(offsets, sizes)]
-
     # -- puts -------------------------------------------------------------------
 
     def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         result = BatchResult(keys)
         if keys:
-            chunk = self._transport.put_chunk_bytes or self.frame_payload_bytes_max
-            slices = self._split(len(keys), [len(v) for v in views],
-                                 min(chunk, self.frame_payload_bytes_max))
-            self._run(self._transport.put_ops(result, slices, views), result)
+            sizes = [len(v) for v in views]
+            chunk = min(self._transport.put_chunk_bytes or self.frame_payload_bytes_max,
+                        self.frame_payload_bytes_max)
+            slices = self._split(len(keys), sizes, chunk)
+            # A value over a chunk (one-sided puts): one frame at a time, so each
+            # reservation may wait for room instead of queueing behind another.
+            depth = 1 if self._transport.put_chunk_bytes and max(sizes) > chunk else None
+            self._run(self._transport.put_ops(result, slices, views), result, depth)
         return result.values
-
-    def put(self, key, value) -> bool:
-        """Stores `value` (any bytes-like object). False: not admitted (no space), try later."""
-        return self._put_views([normalize_key(key)], [byte_view(value, writable=False)])[0]
-
-    def put_batch(self, keys, values) -> list[bool]:
-        keys = normalize_keys(keys)
-        if len(values) != len(keys):
-            raise errors.InvalidArgumentError(f"put_batch: {len(keys)} keys but {len(values)} values")
-        return self._put_views(keys, [byte_view(v, writable=False) for v in values])
-
-    def put_from(self, key, buffer, offset: int = 0, size: int | None = None) -> bool:
-        """Stores buffer[offset:offset+size] without copying it.
-
-        `buffer` is any buffer-protocol object, or an int address inside a
-        registered buffer; Mooncake's put_from(key, address, size) also works.
-        """
-        view = self._view(buffer, offset, size, writable=False, what="put_from")
-        return self._put_views([normalize_key(key)], [view])[0]
-
-    def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
-        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
-        keys = normalize_keys(keys)
-        views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
-        return self._put_views(keys, views)
 
     # -- gets -------------------------------------------------------------------
 
@@ -315,20 +224,7 @@ class Client:
             self._run(self._get_ops(result.keys, result), result)
         return result.values
 
-    def get_into(self, key, buffer, offset: int = 0, size: int | None = None):
-        """Reads the value into buffer[offset:offset+size]; returns its length, None on a miss.
-
-        BufferTooSmallError if the value does not fit (the buffer is left untouched).
-        """
-        view = self._view(buffer, offset, size, writable=True, what="get_into")
-        result = BatchResult([normalize_key(key)])
-        self._run(self._get_ops(result.keys, result, [view]), result)
-        return result.values[0]
-
-    def batch_get_into(self, keys, buffers, sizes=None, offsets=None) -> list:
-        """Reads each value into its own slice; per key its length, or None on a miss."""
-        keys = normalize_keys(keys)
-        views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
+    def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
         result = BatchResult(keys)
         if keys:
             self._run(self._get_ops(keys, result, views), result)
@@ -342,9 +238,6 @@ class Client:
             self._run([ExistsOp(result, lo, hi) for lo, hi in self._split(len(keys))], result)
         return result
 
-    def is_exist(self, key) -> bool:
-        return self._exists([normalize_key(key)]).values[0]
-
     def batch_is_exist(self, keys) -> list[bool]:
         return self._exists(normalize_keys(keys)).values
 
@@ -357,15 +250,6 @@ class Client:
             if result.prefixes[lo] < hi - lo:
                 break
         return total
-
-    def remove(self, key) -> bool:
-        """Removes a key; True if it existed. Removing a missing key is not an error.
-
-        The final state is idempotent (the key is gone), the answer is not quite:
-        if the connection drops after the server removed the key but before its
-        answer arrived, the retry finds nothing and this returns False.
-        """
-        return self.batch_remove([key])[0]
 
     def batch_remove(self, keys) -> list[bool]:
         result = BatchResult(normalize_keys(keys))

@@ -34,14 +34,14 @@ from typing import Callable, NamedTuple
 import msgpack
 
 from gcache import errors
-from gcache.client.buffers import BufferRegistry
-from gcache.client.client import Client
+from gcache.client.api import Client
 from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
+from gcache.client.transport_select import transport_kind
 from gcache.cluster.cluster_map import DEAD, ClusterMap
 from gcache.cluster.placement import Placement
 from gcache.master.api import MasterCredentials, parse_master_url
-from gcache.protocol import normalize_key, normalize_keys
+from gcache.protocol import normalize_keys
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,6 @@ NODE_FAILURES = (errors.ConnectionError, errors.TimeoutError)
 # Per-key problems: the node handled the part's other keys; raised after the batch.
 KEY_PROBLEMS = (errors.ValueTooLargeError, errors.BufferTooSmallError, errors.ChecksumMismatchError)
 
-
-class _NeverRaised(Exception):
-    pass
-
-
-# Raised by a node whose map is newer than the request's epoch.
-StaleEpochError = getattr(errors, "StaleEpochError", _NeverRaised)
 
 COUNTERS = ("node_errors", "suspect_skips", "fallback_reads", "fallback_hits",
             "stale_epoch_retries")
@@ -100,7 +93,7 @@ def _pick(seq: list, idx: list[int]) -> list:
     return seq if len(idx) == len(seq) else [seq[i] for i in idx]
 
 
-class ClusterClient:
+class ClusterClient(Client):
     """Client of a GCache cluster. Thread-safe; use one per process.
 
     address: "gcache://host:port[,host:port...]", the gcache-master replicas.
@@ -150,13 +143,16 @@ class ClusterClient:
         node_kwargs.update(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                            pool_size=pool_size, retries=retries, verify_checksums=verify_checksums,
                            token=credentials.token)
-        NodeClient("127.0.0.1:1", **node_kwargs).close()  # bad node options fail here, not later
+        # Bad node options fail here, not later (a probe that connects nowhere and
+        # picks no transport; the transport name itself is checked on its own).
+        transport_kind(node_kwargs.get("transport"))
+        NodeClient("127.0.0.1:1", **{**node_kwargs, "transport": "tcp"}).close()
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
         self.parallel_max = parallel_max
         self._node_kwargs = node_kwargs
-        self._registry = BufferRegistry()
+        super().__init__()
         self._closed = False
         self._counter_lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -180,12 +176,6 @@ class ClusterClient:
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
         self._nodes.close()
-
-    def __enter__(self) -> "ClusterClient":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         masters = ",".join(self._maps.masters) or None
@@ -242,7 +232,7 @@ class ClusterClient:
             client = self._nodes.client(node)
             with client.using_epoch(routing.epoch):
                 return "ok", fn(client, idx)
-        except StaleEpochError as exc:
+        except errors.StaleEpochError as exc:  # the node's map is newer than the request's
             return "stale", exc
         except KEY_PROBLEMS as exc:
             return "problem", exc
@@ -407,28 +397,15 @@ class ClusterClient:
         first.results = call.values
         raise first
 
-    # -- buffers (same rules as the single-node client) ---------------------------
-
-    register_buffer = Client.register_buffer
-    unregister_buffer = Client.unregister_buffer
-    _view = Client._view
-    _views = Client._views
-
     # -- puts -----------------------------------------------------------------------
 
     def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        # Routed by owner; a put whose owner is down returns False, like one the
+        # node did not admit.
         def put_part(client, idx):
             # Keys and views are already checked: skip batch_put_from's second pass.
             return client._put_views(_pick(keys, idx), _pick(views, idx))
         return self._batch(keys, False, put_part).values
-
-    # The public put methods only check arguments and call _put_views, which
-    # routes by owner here: the single-node client's serve as they are. A put
-    # whose owner is down returns False, like one the node did not admit.
-    put = Client.put
-    put_batch = Client.put_batch
-    put_from = Client.put_from
-    batch_put_from = Client.batch_put_from
 
     # -- gets -------------------------------------------------------------------------
 
@@ -445,24 +422,10 @@ class ClusterClient:
 
     def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
         def get_into_part(client, idx):
-            return client.batch_get_into(_pick(keys, idx), _pick(views, idx))
+            return client._get_views(_pick(keys, idx), _pick(views, idx))  # keys, views checked
         return self._batch(keys, None, get_into_part, read=True).values
 
-    def get_into(self, key, buffer, offset: int = 0, size: int | None = None):
-        """Reads the value into buffer[offset:offset+size]; its length, None on a miss."""
-        view = self._view(buffer, offset, size, writable=True, what="get_into")
-        return self._get_views([normalize_key(key)], [view])[0]
-
-    def batch_get_into(self, keys, buffers, sizes=None, offsets=None) -> list:
-        """Reads each value into its own slice; per key its length, or None on a miss."""
-        keys = normalize_keys(keys)
-        views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
-        return self._get_views(keys, views)
-
     # -- exists / remove ------------------------------------------------------------------
-
-    def is_exist(self, key) -> bool:
-        return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys) -> list[bool]:
         keys = normalize_keys(keys)
@@ -480,10 +443,6 @@ class ClusterClient:
                 break
             total += 1
         return total
-
-    def remove(self, key) -> bool:
-        """Removes a key (at its owner and, during a migration, its previous owner)."""
-        return self.batch_remove([key])[0]
 
     def batch_remove(self, keys) -> list[bool]:
         keys = normalize_keys(keys)

@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from typing import Callable
 
 from gcache import errors
-from gcache.client.client import Client
+from gcache.client.client import ServerClient
 from gcache.cluster.cluster_map import DEAD, ClusterMap, NodeInfo
 
 
-class NodeClient(Client):
-    """A single-node Client whose epoch can be set per calling thread.
+class NodeClient(ServerClient):
+    """A single-node client whose epoch can be set per calling thread.
 
     Parts of different batches run on one NodeClient at once, each routed by the
     map its caller saw; `using_epoch` makes every request a thread sends carry

@@ -124,9 +124,10 @@ def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | Non
         request_bytes = 0
         response_bytes = 0
         stale: errors.StaleEpochError | None = None
+        inserted = 0  # operations receive_oldest put at the front of `pending`
 
         def receive_oldest() -> None:
-            nonlocal request_bytes, response_bytes, stale
+            nonlocal request_bytes, response_bytes, stale, inserted
             old_id, old_op, old_size, old_reply = in_flight.popleft()
             try:
                 halves = _receive(conn, old_id, old_op)
@@ -137,6 +138,7 @@ def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | Non
                 halves = None
             if halves is not None and stale is None:
                 pending.extendleft(reversed(halves))
+                inserted += len(halves)
             request_bytes -= old_size
             response_bytes -= old_reply
 
@@ -148,6 +150,7 @@ def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | Non
             request_id = next(_request_ids)
             parts, size = op.frame(request_id, epoch)
             reply_max = op.response_bytes_max()
+            inserted_before = inserted
             while in_flight and not (
                     len(in_flight) < depth_max
                     and (request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
@@ -155,6 +158,11 @@ def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | Non
                 receive_oldest()
             if stale is not None:
                 continue  # not sent: the node would refuse it too
+            if inserted != inserted_before:
+                # An answer brought operations that go first (a RESERVE's COMMIT):
+                # `op` waits behind them (its frame is built again when it goes).
+                pending.insert(inserted - inserted_before, op)
+                continue
             conn.send(parts)
             in_flight.append((request_id, op, size, reply_max))
             request_bytes += size

@@ -18,11 +18,28 @@ from gcache import errors
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import Connection
+from gcache.client.operations import BatchResult, MetaOp
 from gcache.client.shm_ops import lookup_ops, reserve_ops
 from gcache.client.transport import Transport
 from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header
 
 _EMPTY_MAP = b"\x80"  # msgpack {}
+# Asking the TCP port where the Unix socket is must not hold a caller up for long.
+DISCOVERY_TIMEOUT_S_MAX = 2.0
+
+
+def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[str | None, str | None]:
+    """(Unix socket path, server instance) from the server's PING over TCP; the path
+    is None when it offers none (no --unix-socket, or --auth-file)."""
+    conn = Connection(address, min(timeout_s, DISCOVERY_TIMEOUT_S_MAX), connect_timeout_s)
+    try:
+        result = BatchResult([])
+        pipeline.run(conn, [MetaOp(Opcode.PING, result)], 1)
+    finally:
+        conn.close()
+    path, instance = result.meta.get("unix"), result.meta.get("instance")
+    return (path if isinstance(path, str) and path else None,
+            instance if isinstance(instance, str) else None)
 
 
 class MappedArena:
@@ -53,8 +70,9 @@ class MappedArena:
             pass
 
 
-def attach(conn: Connection) -> tuple[int, int, str]:
-    """SHM_ATTACH on a fresh connection: (memfd, arena bytes, server instance).
+def attach(conn: Connection) -> tuple[int, dict]:
+    """SHM_ATTACH on a fresh connection: (memfd, its answer: arena_bytes, instance,
+    reserve_bytes_max).
     TransportUnavailableError when the server refuses (auth on, not its Unix socket)."""
     request_id = next(pipeline._request_ids)
     conn.send([encode_header(Opcode.SHM_ATTACH, request_id, len(_EMPTY_MAP), 0) + _EMPTY_MAP])
@@ -67,8 +85,9 @@ def attach(conn: Connection) -> tuple[int, int, str]:
             raise errors.TransportUnavailableError(f"shared memory refused: {error}")
         if rid != request_id or opcode != Opcode.SHM_ATTACH or not flags & FLAG_RESPONSE or payload_len:
             raise errors.ProtocolError(f"gcache-server at {conn.address} answered SHM_ATTACH out of order")
-        size, instance = meta.get("arena_bytes"), meta.get("instance")
-        if fd is None or not isinstance(size, int) or size <= 0 or not isinstance(instance, str):
+        size, instance, reserve = meta.get("arena_bytes"), meta.get("instance"), meta.get("reserve_bytes_max")
+        if (fd is None or not isinstance(size, int) or size <= 0 or not isinstance(instance, str)
+                or not isinstance(reserve, int) or reserve <= 0):
             raise errors.ProtocolError(
                 f"gcache-server at {conn.address} answered SHM_ATTACH without an arena ({meta!r})")
     except BaseException:
@@ -76,7 +95,7 @@ def attach(conn: Connection) -> tuple[int, int, str]:
             os.close(fd)
         conn.broken = True
         raise
-    return fd, size, instance
+    return fd, meta
 
 
 class ShmTransport(Transport):
@@ -84,7 +103,11 @@ class ShmTransport(Transport):
     # A put keeps at most two RESERVEs' blocks at once: the server's reservation
     # budget is per client process, and blocks are held until their COMMIT.
     pipeline_depth = 2
-    put_chunk_bytes = 8 << 20  # and COMMIT of one chunk overlaps the copy of the next
+    # Put chunks: the COMMIT of one overlaps the copy of the next, and two fit what
+    # one connection may hold reserved (the server says how much at attach).
+    PUT_CHUNK_BYTES_MAX = 8 << 20
+    PUT_CHUNK_BYTES_MIN = 64 << 10
+    put_chunk_bytes = PUT_CHUNK_BYTES_MAX
 
     def __init__(self, address: str, unix_path: str, timeout_s: float, connect_timeout_s: float,
                  expected_instance: str | None = None, copy_threads: int = 0):
@@ -98,13 +121,24 @@ class ShmTransport(Transport):
         self._arena: MappedArena | None = None
 
     def connect(self) -> Connection:
-        conn = Connection(self.address, self._timeout_s, self._connect_timeout_s, unix_path=self.unix_path)
         try:
-            fd, size, instance = attach(conn)
+            conn = Connection(self.address, self._timeout_s, self._connect_timeout_s, unix_path=self.unix_path)
+        except errors.ConnectionError:
+            # A server restarted with another --unix-socket (or data dir) still
+            # answers PING on its TCP port with the new path.
+            path, _ = discover(self.address, self._timeout_s, self._connect_timeout_s)
+            if path is None or path == self.unix_path:
+                raise
+            self.unix_path = path
+            conn = Connection(self.address, self._timeout_s, self._connect_timeout_s, unix_path=path)
+        try:
+            fd, meta = attach(conn)
             try:
-                conn.arena = self._arena_for(fd, size, instance)
+                conn.arena = self._arena_for(fd, meta["arena_bytes"], meta["instance"])
             finally:
                 os.close(fd)
+            self.put_chunk_bytes = max(self.PUT_CHUNK_BYTES_MIN,
+                                       min(self.PUT_CHUNK_BYTES_MAX, meta["reserve_bytes_max"] // 2))
         except BaseException:
             conn.close()
             raise

@@ -17,17 +17,11 @@ import logging
 import os
 
 from gcache import errors
-from gcache.client import pipeline
 from gcache.client.connection import Connection
-from gcache.client.operations import BatchResult, MetaOp
 from gcache.client.transport import TcpTransport, Transport
-from gcache.protocol import Opcode
 
 TRANSPORTS = ("auto", "tcp", "shm", "rdma")
 TRANSPORT_ENV = "GCACHE_TRANSPORT"
-# Discovery (one PING) must not hold up creating a client for long.
-DISCOVERY_TIMEOUT_S_MAX = 2.0
-
 log = logging.getLogger("gcache.client")
 
 
@@ -43,29 +37,18 @@ def transport_kind(kind: str | None) -> str:
     return kind
 
 
-def _ping(address: str, timeout_s: float, connect_timeout_s: float) -> dict:
-    conn = Connection(address, timeout_s, connect_timeout_s)
-    try:
-        result = BatchResult([])
-        pipeline.run(conn, [MetaOp(Opcode.PING, result)], 1)
-        return result.meta
-    finally:
-        conn.close()
-
-
 def _shm(address, timeout_s, connect_timeout_s, token, copy_threads) -> tuple[Transport, Connection]:
     """A ShmTransport with its first connection; TransportUnavailableError with the reason."""
-    from gcache.client.shm_transport import ShmTransport
+    from gcache.client.shm_transport import ShmTransport, discover
 
     if token:
         raise errors.TransportUnavailableError(
             "shared memory is off with authentication: the arena holds every tenant's values")
     try:
-        meta = _ping(address, min(timeout_s, DISCOVERY_TIMEOUT_S_MAX), connect_timeout_s)
+        path, instance = discover(address, timeout_s, connect_timeout_s)
     except errors.GCacheError as exc:
         raise errors.TransportUnavailableError(f"cannot ask {address} for its Unix socket: {exc}") from exc
-    path, instance = meta.get("unix"), meta.get("instance")
-    if not isinstance(path, str) or not path:
+    if path is None:
         raise errors.TransportUnavailableError(
             f"gcache-server at {address} offers no Unix socket (--unix-socket, or it has --auth-file)")
     if not os.path.exists(path):
@@ -73,7 +56,7 @@ def _shm(address, timeout_s, connect_timeout_s, token, copy_threads) -> tuple[Tr
             f"gcache-server at {address} listens on {path}, which this process cannot see: "
             "it runs on another host or in another filesystem namespace")
     transport = ShmTransport(address, path, timeout_s, connect_timeout_s,
-                             expected_instance=instance if isinstance(instance, str) else None,
+                             expected_instance=instance,
                              copy_threads=copy_threads)
     try:
         return transport, transport.connect()

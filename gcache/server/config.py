@@ -177,12 +177,12 @@ class ServerSettings:
 
     def unix_socket_path(self) -> str:
         """The --unix-socket path to bind, or "" for none. "auto" puts it in --data-dir
-        (absolute, so clients elsewhere can reach it), or none where that path would
-        be too long for a socket address (108 bytes)."""
+        (absolute, so clients elsewhere can reach it); none where that path would be
+        too long for a socket address (108 bytes), or with --disk 0 and no such dir."""
         if self.unix_socket != "auto":
             return os.path.abspath(self.unix_socket) if self.unix_socket else ""
-        if not self.data_dir:
-            return ""
+        if not self.data_dir or (self.disk == 0 and not os.path.isdir(self.data_dir)):
+            return ""  # a memory-only node creates no data dir just for the socket
         path = os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
         return path if len(path.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX else ""
 
@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--unix-socket", metavar="PATH",
                        help="Unix socket for clients on this host: they map the arena and copy values "
                             "themselves (transport 'shm'); mode 0600, so only this user's processes; "
-                            "'' = none (default <data-dir>/gcache.sock); with --auth-file shared memory "
+                            "'' = none (default <data-dir>/gcache.sock, if the dir exists or --disk is "
+                            "not 0); with --auth-file shared memory "
                             "is refused, since the arena holds every tenant's values")
     local.add_argument("--shm-lease-s", type=float,
                        help="how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
