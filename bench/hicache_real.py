@@ -47,8 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import gcache  # noqa: E402
-from gcache.bench.local_server import LocalServer, free_port  # noqa: E402
+from gcache.bench.local_server import LocalServer  # noqa: E402
 from gcache.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
+from gcache.processes import free_port, stop_process  # noqa: E402
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.swa_window import tail_start_page  # noqa: E402
@@ -131,17 +132,12 @@ class WorkerProc:
 
     def kill(self) -> None:
         """SIGKILL: a crash, not a clean shutdown (what a restart after a failure looks like)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGKILL, 30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGTERM, 30)
 
 
 def model_config(args) -> ModelConfig:

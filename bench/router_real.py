@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.bench.local_server import free_port, wait_listening
 from gcache.bench.peers.redis_peer import LocalRedis
-from gcache.bench.processes import stop_process
+from gcache.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0

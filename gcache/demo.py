@@ -18,8 +18,8 @@ from pathlib import Path
 
 from gcache.bench import main as bench_main
 from gcache.bench.report import render_table
-from gcache.cluster.checker import run_checker
-from gcache.cluster.local_cluster import LocalCluster
+from gcache.devcluster.checker import run_checker
+from gcache.devcluster.local_cluster import LocalCluster
 
 DEMO_MASTERS, DEMO_NODES = 3, 3
 DEMO_MEMORY = "256MiB"    # per node; fits a 2-core, 24 GiB box with room for redis and the bench

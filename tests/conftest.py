@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gcache.bench.local_server import LocalServer, free_port
+from gcache.bench.local_server import LocalServer
 from gcache.bench.peers.redis_peer import LocalRedis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

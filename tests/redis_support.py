@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from gcache.bench.local_server import free_port, wait_listening
+from gcache.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 15.0
 
@@ -46,9 +46,8 @@ class RedisProcess:
         return self
 
     def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGKILL)
 
     def pause(self) -> None:
         """SIGSTOP: the port stays open but nothing answers (a slow / hung Redis)."""
@@ -62,9 +61,7 @@ class RedisProcess:
         self.start()
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.kill9()
+        self.kill9()  # SIGKILL ends a paused one too
         self.dir.cleanup()
 
 

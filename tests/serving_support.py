@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT
+from gcache.processes import free_port, stop_process
 
 TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
         "window": 32, "page_size": 8, "vocab_size": 512, "dtype": "float64"}
@@ -77,20 +78,11 @@ class Proc:
 
     def stop(self) -> int:
         """SIGTERM, bounded wait (then SIGKILL); returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, signal.SIGTERM, 15)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGKILL)
 
 
 def start_all(procs: list) -> list:

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 import gcache
-from conftest import free_port
+from gcache.processes import free_port
 
 ADMIN = "admin-secret-0123456789"
 WRITER = "writer-secret-0123456789"

@@ -12,7 +12,7 @@ import pytest
 from gcache import errors
 from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
-from gcache.cluster.local_cluster import LocalCluster
+from gcache.devcluster.local_cluster import LocalCluster
 from gcache.master.api import MasterClient, MasterCredentials, MasterUnavailableError
 
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
@@ -93,7 +93,7 @@ def test_callers_without_credentials_are_refused(cluster, monkeypatch):
 
 
 def test_mutual_tls_master_requires_a_client_certificate(tmp_path):
-    from gcache.cluster import local_security
+    from gcache.devcluster import local_security
     from gcache.master.local import start_masters, wait_leader
     pki = local_security.make_pki(tmp_path / "pki", ["127.0.0.21"])
     masters = start_masters(1, tmp_path / "m", tls_cert=pki["cert"], tls_key=pki["key"], tls_ca=pki["ca"])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,8 +10,8 @@ import time
 import pytest
 
 from gcache import cli
-from gcache.bench.local_server import free_port, wait_listening
 from gcache.cluster.cluster_map import ACTIVE
+from gcache.processes import free_port, stop_process, wait_listening
 
 WAIT_S = 20.0
 
@@ -113,6 +112,4 @@ def test_drain_wait_until_a_real_node_leaves(master, capsys, tmp_path):
         assert code == cli.EXIT_OK and "real left the map" in out, out
         assert proc.wait(WAIT_S) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process(proc, signal.SIGKILL, group=True)

@@ -16,11 +16,11 @@ import pytest
 import gcache
 from conftest import ServerProcess
 from gcache import _native, errors
-from gcache.bench.local_server import free_port
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
 from gcache.master.api import MasterUnavailableError
+from gcache.processes import free_port
 
 TIMEOUT_S = 0.5
 RETRIES = 1

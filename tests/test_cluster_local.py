@@ -15,12 +15,13 @@ import pytest
 
 from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
-from gcache.cluster import checker
 from gcache.cluster.cluster_map import ACTIVE
-from gcache.cluster.local_cluster import LocalCluster, _pid_alive
-from gcache.cluster.netns import netns_available
 from gcache.cluster.placement import Placement
+from gcache.devcluster import checker
+from gcache.devcluster.local_cluster import LocalCluster
+from gcache.devcluster.netns import netns_available
 from gcache.master.api import MasterUnavailableError
+from gcache.processes import pid_alive
 
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
             memory="64MiB", disk="128MiB")
@@ -37,7 +38,7 @@ def cluster(tmp_path):
 
 def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
     d = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "gcache.cluster.local_cli"]
+    cmd = [sys.executable, "-m", "gcache.devcluster.local_cli"]
     up = subprocess.run(cmd + ["up", "--masters", "1", "--nodes", "2", "--dir", str(d),
                                "--heartbeat-interval-s", "0.2", "--memory", "32MiB", "--disk", "64MiB"],
                         capture_output=True, text=True, timeout=90)
@@ -64,7 +65,7 @@ def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
         down = subprocess.run(cmd + ["down", "--dir", str(d)], capture_output=True, text=True, timeout=90)
     assert down.returncode == 0, down.stderr
     # Exited (at most a zombie left for whoever adopted the orphan to reap).
-    assert pids and not any(_pid_alive(pid) for pid in pids)
+    assert pids and not any(pid_alive(pid) for pid in pids)
 
 
 def test_clients_keep_reading_and_writing_with_every_master_stopped(cluster):

@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from gcache.master.api import MasterClient, MasterUnavailableError
-from gcache.master.local import LocalMaster, free_port, master_status, start_masters, wait_leader
+from gcache.master.local import LocalMaster, master_status, start_masters, wait_leader
+from gcache.processes import free_port
 
 HEARTBEAT_TIMEOUT_S = 1.5
 HEARTBEAT_EVERY_S = 0.2

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gcache.bench.local_server import LocalServer, free_port
+from gcache.bench.local_server import LocalServer
 from gcache.client import Client
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
+from gcache.processes import free_port
 from gcache.server.rebalance import rebalance
 
 WAIT_S = 20.0

@@ -11,7 +11,8 @@ import sys
 import time
 import urllib.request
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT
+from gcache.processes import free_port
 from raw_protocol import STORED, RawConnection, put_frame
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT
+from gcache.processes import free_port, stop_process
 from gcache.worker.config import ModelConfig
 from gcache.worker.model import Model
 
@@ -64,12 +65,7 @@ class Worker:
         return status, json.loads(data)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, timeout_s=15)
         self.log.close()
 
 

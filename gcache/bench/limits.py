@@ -5,6 +5,7 @@ both sides of the ratio together.
 """
 from __future__ import annotations
 
+import signal
 import socket
 import statistics
 import subprocess
@@ -12,6 +13,8 @@ import sys
 import time
 
 import numpy as np
+
+from gcache.processes import stop_process
 
 MEMCPY_BYTES = 256 << 20          # well past any L3 cache
 LOOPBACK_BYTES = 512 << 20        # per measurement
@@ -82,10 +85,9 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
     finally:
         listener.close()
         try:
-            sender.wait(LOOPBACK_TIMEOUT_S)
+            sender.wait(LOOPBACK_TIMEOUT_S)  # it exits by itself once it has sent everything
         except subprocess.TimeoutExpired:
-            sender.kill()
-            sender.wait()
+            stop_process(sender, signal.SIGKILL)
     if received != total_bytes or sender.returncode != 0:
         raise RuntimeError(f"loopback measurement failed: {received} of {total_bytes} bytes, "
                            f"sender exit code {sender.returncode}")

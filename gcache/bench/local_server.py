@@ -2,35 +2,14 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from gcache.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at `host` now (any 127.0.0.x works on Linux)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float, what: str, log_tail=lambda: "") -> None:
-    """Returns once 127.0.0.1:`port` accepts; raises if `proc` exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} at start:\n{log_tail()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on port {port} within {timeout_s}s:\n{log_tail()}")
 
 
 class LocalServer:
@@ -112,22 +91,15 @@ class LocalServer:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGKILL)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Sends `sig`, waits, returns the exit code (SIGKILL after `timeout_s`: then -9)."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
         try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(STOP_TIMEOUT_S)
+            return stop_process(self.proc, sig, timeout_s)
         finally:
             if self._log is not None:
                 self._log.close()
-        return code

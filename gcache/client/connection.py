@@ -15,6 +15,7 @@ import struct
 import builtins
 
 from gcache import errors
+from gcache.address import parse_host_port
 from gcache.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
@@ -31,11 +32,11 @@ BULK_READ_BYTES_PER_S_MIN = 64 * 1024 * 1024
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        return parse_host_port(address)
+    except ValueError:
         raise errors.InvalidArgumentError(
-            f"server address {address!r} must look like host:port, e.g. 127.0.0.1:7600")
-    return host.strip("[]"), int(port)
+            f"server address {address!r} must look like host:port, e.g. 127.0.0.1:7600") from None
 
 
 def _timeval(seconds: float) -> bytes:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from gcache.address import parse_host_port
+
 JOINING, ACTIVE, DRAINING, DEAD = "joining", "active", "draining", "dead"
 STATES = (JOINING, ACTIVE, DRAINING, DEAD)
 # Owners of new writes and first reads.
@@ -61,9 +63,10 @@ class NodeInfo(NamedTuple):
             raise MapError(f"node {self.id}: state {self.state!r} is not one of {STATES}")
         if not 1 <= self.weight <= WEIGHT_MAX:
             raise MapError(f"node {self.id}: weight {self.weight} not in [1, {WEIGHT_MAX}]")
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise MapError(f"node {self.id}: address {self.address!r} is not host:port")
+        try:
+            parse_host_port(self.address)
+        except ValueError:
+            raise MapError(f"node {self.id}: address {self.address!r} is not host:port") from None
 
 
 class ClusterMap(NamedTuple):

@@ -52,6 +52,7 @@ import grpc
 import msgpack
 
 from gcache import errors
+from gcache.address import parse_host_port
 from gcache.cluster.cluster_map import ClusterMap
 
 SERVICE = "gcache.Master"
@@ -82,9 +83,10 @@ def parse_master_url(url: str) -> list[str]:
         raise errors.InvalidArgumentError(
             f"give 1..{MASTERS_MAX} master addresses as host:port[,host:port...], got {url!r}")
     for a in addrs:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise errors.InvalidArgumentError(f"master address {a!r} is not host:port")
+        try:
+            parse_host_port(a)
+        except ValueError:
+            raise errors.InvalidArgumentError(f"master address {a!r} is not host:port") from None
     return addrs
 
 

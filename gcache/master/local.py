@@ -11,9 +11,7 @@ Processes run in their own process group, so a stop never reaches the caller.
 """
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from gcache.bench.local_server import free_port
+from gcache.address import parse_host_port
 from gcache.master import api
+from gcache.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
 
 
 def _flag_args(flags: dict) -> list[str]:
@@ -75,21 +69,14 @@ class LocalMaster:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        host, port = _split(self.grpc_address)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gcache-master {self.grpc_address} exited with {self.proc.returncode} "
-                                   f"at start:\n{self.log_tail()}")
-            try:
-                with socket.create_connection((host, port), timeout=0.2):
-                    return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"gcache-master did not listen on {self.grpc_address} within "
-                                       f"{timeout_s}s:\n{self.log_tail()}") from None
-                time.sleep(POLL_S)
+        host, port = parse_host_port(self.grpc_address)
+        try:
+            wait_listening(self.proc, port, timeout_s, f"gcache-master {self.grpc_address}", self.log_tail,
+                           host=host)
+        except RuntimeError:
+            self.kill()
+            raise
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -98,23 +85,12 @@ class LocalMaster:
         """Sends `sig` and waits; SIGKILL after `timeout_s`. Returns the exit code (None if never started)."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.wait(STOP_TIMEOUT_S)
+        return stop_process(self.proc, sig, timeout_s, group=True)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (the replica and anything it started)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(STOP_TIMEOUT_S)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGKILL, STOP_TIMEOUT_S, group=True)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

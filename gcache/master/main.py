@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from gcache.address import parse_host_port
 from gcache.master.api import MASTERS_MAX
 
 log = logging.getLogger("gcache.master")
@@ -29,10 +30,11 @@ class UsageError(Exception):
 
 
 def _host_port(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"{flag} {text!r}: expected HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:7700")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_host_port(text.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected HOST:PORT with a port in 1..65535, "
+                         "e.g. 127.0.0.1:7700") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

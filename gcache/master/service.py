@@ -13,6 +13,7 @@ from concurrent import futures
 
 import grpc
 
+from gcache.address import parse_host_port
 from gcache.cluster.cluster_map import NODE_ID_BYTES_MAX, WEIGHT_MAX
 from gcache.master import api
 from gcache.master.raft_state import MasterRaft, RaftUnavailableError
@@ -48,9 +49,10 @@ def _field(request: dict, name: str, kind, default=None, required: bool = True):
 def _address(value: str, name: str, allow_empty: bool = False) -> str:
     if allow_empty and value == "":
         return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _Invalid(f"field {name!r} must be host:port, got {value!r:.100}")
+    try:
+        parse_host_port(value)
+    except ValueError:
+        raise _Invalid(f"field {name!r} must be host:port, got {value!r:.100}") from None
     return value
 
 

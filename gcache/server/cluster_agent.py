@@ -82,7 +82,7 @@ class ClusterAgent:
         self._rebalancer = Rebalancer(
             self.node_id, local_address(settings.host, bound_port),
             list_keys_page=native.keys_page,
-            remove_keys=getattr(native, "remove_keys", None),
+            remove_keys=native.remove_keys,
             fence=native.wait_puts_admitted_before,  # PUTs admitted under the old map finish first
             batch_bytes=settings.rebalance_batch_bytes,
             batch_keys=settings.batch_keys_max, counters=self.counters,

@@ -12,6 +12,8 @@ import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
 
+from gcache.address import parse_host_port
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
@@ -438,14 +440,17 @@ def _validate(s: ServerSettings) -> None:
 
 
 def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    try:
+        parse_host_port(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _validate_cluster(s: ServerSettings) -> None:
     if s.advertise and not _is_host_port(s.advertise):
         raise ConfigError(f"--advertise {s.advertise!r} is not host:port")
-    if s.advertise and s.advertise.rpartition(":")[0] in _WILDCARD_HOSTS:
+    if s.advertise and parse_host_port(s.advertise)[0] in _WILDCARD_HOSTS:
         raise ConfigError(f"--advertise {s.advertise!r} must name a reachable address, not a wildcard")
     if s.node_id and not 0 < len(s.node_id.encode()) <= 128:
         raise ConfigError("--node-id must be 1..128 bytes")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from gcache import __version__
+from gcache.address import join_host_port, parse_host_port
 from gcache.server.config import (
     EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ConfigError, ServerSettings, load_settings,
 )
@@ -110,8 +111,8 @@ class Node:
             if self.admin_http:
                 admin_host = self.settings.admin_host or self.settings.host
                 if admin_host in ("0.0.0.0", "::", ""):
-                    admin_host = self.settings.advertise_address(self.native.port).rpartition(":")[0]
-                admin = f"{admin_host}:{self.admin_http.port}"
+                    admin_host = parse_host_port(self.settings.advertise_address(self.native.port))[0]
+                admin = join_host_port(admin_host, self.admin_http.port)
             self.agent = ClusterAgent(self.settings, self.native, bound_port=self.native.port,
                                       admin_address=admin, stats=self.native.stats,
                                       on_drained=on_drained)

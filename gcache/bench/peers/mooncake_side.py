@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import time
 
 import numpy as np
 
-from gcache.bench.local_server import wait_listening
+from gcache.processes import stop_process, wait_listening
 
 MASTER_PORT = 50051               # the namespace is private, so fixed ports are free
 MASTER_METRICS_PORT = 9003
@@ -95,16 +96,12 @@ def main() -> int:
         out = {"available": False, "reason": f"{type(exc).__name__}: {exc} (logs: {logdir})"}
     finally:
         if storage is not None:
-            storage.stdin.close()
+            storage.stdin.close()  # its cue to leave the store and exit
             try:
                 storage.wait(30)
             except subprocess.TimeoutExpired:
-                storage.kill()
-        master.terminate()
-        try:
-            master.wait(30)
-        except subprocess.TimeoutExpired:
-            master.kill()
+                stop_process(storage, signal.SIGKILL)
+        stop_process(master, timeout_s=30)
     sys.stdout.write(mooncake_peer.RESULT_MARKER + json.dumps(out) + "\n")
     sys.stdout.flush()
     return 0

@@ -7,9 +7,9 @@ import tempfile
 
 import numpy as np
 
-from gcache.bench.local_server import free_port, wait_listening
+from gcache.address import parse_host_port
 from gcache.bench.peers.base import Peer, PeerSpec
-from gcache.bench.processes import stop_process
+from gcache.processes import free_port, stop_process, wait_listening
 
 REDIS_START_TIMEOUT_S = 10.0
 REDIS_SOCKET_TIMEOUT_S = 60.0
@@ -21,8 +21,8 @@ class RedisPeer(Peer):
     def __init__(self, address: str):
         import redis  # optional dependency: only --vs redis needs it
 
-        host, port = address.rsplit(":", 1)
-        self.client = redis.Redis(host=host, port=int(port), socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        host, port = parse_host_port(address)
+        self.client = redis.Redis(host=host, port=port, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
         self.client.ping()
 
     def put_from(self, keys, buf, size):

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from gcache.cluster.local_cluster import LocalCluster
+from gcache.devcluster.local_cluster import LocalCluster
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("down", "stop every process of the cluster")):
         sub.add_parser(name, help=text)
     check = sub.add_parser("check", help="run the seeded fault checker against the cluster")
-    from gcache.cluster.checker import add_checker_arguments
+    from gcache.devcluster.checker import add_checker_arguments
     add_checker_arguments(check)
     for cmd in sub.choices.values():
         cmd.add_argument("--dir", required=True, help="folder holding cluster.json, data and logs")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped {len(cluster.members)} processes{net}")
             return EXIT_OK
         if args.command == "check":
-            from gcache.cluster.checker import run_checker_cli
+            from gcache.devcluster.checker import run_checker_cli
             return run_checker_cli(cluster, args)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"gcache-cluster: error: {e}", file=sys.stderr)

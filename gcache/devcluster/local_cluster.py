@@ -10,7 +10,7 @@ so another process (`gcache-cluster down`) can find and stop what `up` started:
    "members": [{"role": "master"|"node", "id", "host", "ports": {...},
                 "data_dir", "log", "pid", "netns", "veth"}, ...]}
 
-With netns=True (root, iproute2; gcache/cluster/netns.py) every node runs in
+With netns=True (root, iproute2; gcache/devcluster/netns.py) every node runs in
 its own network namespace behind a bridge, and partition(node) really cuts it
 off the network; masters listen on the bridge address with distinct ports.
 """
@@ -25,12 +25,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gcache.bench.local_server import free_port
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
-from gcache.cluster.netns import NetnsNetwork, require_netns
-from gcache.cluster import local_security
+from gcache.devcluster import local_security
+from gcache.devcluster.netns import NetnsNetwork, require_netns
 from gcache.master.api import MasterClient, MasterCredentials, MasterUnavailableError
 from gcache.master.local import wait_leader as wait_master_leader
+from gcache.processes import PidProcess, Process, free_port, stop_process, stop_processes
 
 MASTER_HOST_BASE = 11
 NODE_HOST_BASE = 31
@@ -42,29 +42,6 @@ LAYOUT_FILE = "cluster.json"
 # A node's namespace is its own: every node can use the same fixed ports there.
 NETNS_NODE_PORTS = {"data": 7600, "admin": 7601}
 EXEC_WAIT_S = 5.0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited: it only waits to be reaped
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _pid_is(pid: int, marker: str) -> bool:
-    """Whether `pid` still runs our process (its command line names `marker`), not a reused pid."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return marker.encode() in f.read()
-    except OSError:
-        return False
 
 
 @dataclass
@@ -87,8 +64,12 @@ class Member:
         """The address clients use: the gRPC API of a master, the data port of a node."""
         return f"{self.host}:{self.ports['grpc' if self.role == 'master' else 'data']}"
 
+    def process(self) -> PidProcess:
+        """Its process by pid: its command line names its data dir, so a reused pid is not it."""
+        return PidProcess(self.pid, self.data_dir)
+
     def alive(self) -> bool:
-        return self.pid > 0 and _pid_alive(self.pid) and _pid_is(self.pid, self.data_dir)
+        return self.process().running()
 
     def send(self, sig: int) -> None:
         if self.alive():
@@ -169,7 +150,7 @@ class LocalCluster:
         cluster.members = [Member(**m) for m in layout["members"]]
         return cluster
 
-    # -- credentials (auth / tls settings; gcache/cluster/local_security.py) ------------
+    # -- credentials (auth / tls settings; gcache/devcluster/local_security.py) ------------
 
     @property
     def secrets_dir(self) -> Path:
@@ -303,28 +284,20 @@ class LocalCluster:
             if proc.poll() is not None:
                 del self._procs[pid]
 
+    def _process(self, m: Member) -> Process:
+        """Our Popen when this object started `m` (exact, and reaped), else its pid from the layout."""
+        proc = self._procs.get(m.pid)
+        return proc if proc is not None else m.process()
+
     def stop(self, m: Member, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Sends `sig` and waits for the exit; SIGKILL after `timeout_s`. A paused process is resumed."""
-        if not m.alive():
-            return
-        m.send(sig)
-        if sig != signal.SIGKILL:
-            m.send(signal.SIGCONT)
-        if not self._wait_exit(m, timeout_s):
-            m.send(signal.SIGKILL)
-            self._wait_exit(m, timeout_s)
+        try:
+            stop_process(self._process(m), sig, timeout_s)
+        finally:
+            self._reap()
 
     def kill(self, m: Member) -> None:
         self.stop(m, signal.SIGKILL)
-
-    def _wait_exit(self, m: Member, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._reap()
-            if not m.alive():
-                return True
-            time.sleep(0.05)
-        return False
 
     # -- network faults (netns mode) ----------------------------------------------------
 
@@ -432,18 +405,15 @@ class LocalCluster:
 
     def down(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM every node, then every master; SIGKILL what does not exit within timeout_s."""
-        for group in (self.nodes, self.masters):
-            for m in group:
-                m.send(signal.SIGCONT)
-                m.send(signal.SIGTERM)
-            for m in group:
-                if not self._wait_exit(m, timeout_s):
-                    m.send(signal.SIGKILL)
-                    self._wait_exit(m, 5.0)
-        if self._master_client is not None:
-            self._master_client.close()
-            self._master_client = None
-        if self.members:
-            self.save()
-        if self.network is not None:  # processes first: nothing holds a namespace any more
-            self.network.teardown()
+        try:
+            for group in (self.nodes, self.masters):
+                stop_processes([self._process(m) for m in group], signal.SIGTERM, timeout_s)
+        finally:
+            self._reap()
+            if self._master_client is not None:
+                self._master_client.close()
+                self._master_client = None
+            if self.members:
+                self.save()
+            if self.network is not None:  # processes first: nothing holds a namespace any more
+                self.network.teardown()
