@@ -193,6 +193,10 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
       b->has_epoch = true;
       continue;
     }
+    if (name == "inline_max") {
+      if (!r.read_uint(&b->inline_max)) return bad("\"inline_max\" must be an unsigned integer");
+      continue;
+    }
     if (name == "res") {
       if (!r.read_uint(&b->res)) return bad("\"res\" must be an unsigned integer");
       b->has_res = true;
@@ -275,16 +279,6 @@ void namespace_keys(Server::Connection* c) {
 }
 
 namespace {
-
-// Releases every lease of a GET response, also when sending fails.
-struct LeaseGuard {
-  Store* store;
-  std::vector<Lease>* leases;
-  ~LeaseGuard() {
-    for (const Lease& l : *leases) store->release(l);
-    leases->clear();
-  }
-};
 
 }  // namespace
 

@@ -34,6 +34,7 @@ struct BatchMeta {
   std::vector<uint64_t> reservations;  // RELEASE: reservation ids
   int64_t epoch = 0;  // the client's cluster-map epoch, if has_epoch
   uint64_t res = 0;   // COMMIT: the reservation id, if has_res
+  uint64_t inline_max = 0;  // LOOKUP: values up to this size come in the payload, unleased
   bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false, has_res = false;
   void clear() {
     keys.clear();
@@ -41,6 +42,7 @@ struct BatchMeta {
     sums.clear();
     leases.clear();
     reservations.clear();
+    inline_max = 0;
     has_keys = has_lens = has_sums = has_epoch = has_res = false;
   }
 };
@@ -120,6 +122,16 @@ class Server::PutAdmission {
   Server* server_;
   int64_t epoch_ = 0;
   bool counted_ = false;
+};
+
+// Releases every lease of a GET response, also when sending fails.
+struct LeaseGuard {
+  Store* store;
+  std::vector<Lease>* leases;
+  ~LeaseGuard() {
+    for (const Lease& l : *leases) store->release(l);
+    leases->clear();
+  }
 };
 
 // Reads and drops n bytes through the connection's bounded scratch buffer.

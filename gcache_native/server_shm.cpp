@@ -22,6 +22,9 @@ using Reply = Server::Reply;
 
 namespace {
 
+// What one LOOKUP answer may carry inline (its "inline_max" is capped to it).
+constexpr uint64_t kLookupInlineBytesMax = 1 << 20;
+
 const char* kShmOffWithAuth =
     "one-sided access is off on a node with --auth-file: the arena holds every tenant's "
     "values; use transport='tcp'";
@@ -142,38 +145,48 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
                            " in " + std::to_string(ShmSession::kLeaseGroupsMax) +
                            " LOOKUPs): RELEASE leases before asking for more");
   }
-  std::vector<Lease> leases;
-  leases.reserve(n);
+  // Values up to inline_max come in the payload, as GET_BATCH sends them (no
+  // lease outlives the answer): for small values a socket copy is cheaper than
+  // a lease, a copy and a RELEASE. The rest are leased for the client to copy.
+  const uint64_t inline_max = std::min<uint64_t>(b.inline_max, kLookupInlineBytesMax);
+  LeaseGuard sent{store_, &c->leases};  // the inline values, released once sent
+  std::vector<Lease> kept;
+  kept.reserve(n);
   const uint8_t* base = store_->arena_base();
   std::vector<uint64_t> offsets(n, 0), sums(n, 0);
   std::vector<int64_t> lens(n, -1);
-  uint64_t total = 0;
+  std::vector<uint8_t> inlined(n, 0);
+  uint64_t total = 0, inline_total = 0;
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
     if (!store_->acquire(b.keys[i], &lease)) continue;
-    leases.push_back(lease);
     total += lease.length;
-    offsets[i] = uint64_t(lease.data - base);
     lens[i] = int64_t(lease.length);
     sums[i] = lease.checksum;
+    if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
+      inline_total += lease.length;
+      inlined[i] = 1;
+      c->leases.push_back(lease);
+    } else {
+      offsets[i] = uint64_t(lease.data - base);
+      kept.push_back(lease);
+    }
   }
   // As GET_BATCH, bounds what one request pins (the client splits the batch);
   // one value is always served: it moves no bytes through a frame.
-  if (total > config_.frame_payload_bytes_max && leases.size() > 1) {
-    for (const Lease& l : leases) store_->release(l);
+  if (total > config_.frame_payload_bytes_max && kept.size() + c->leases.size() > 1) {
+    for (const Lease& l : kept) store_->release(l);
     return Reply::fail(FrameStatus::LimitExceeded,
                        "found values exceed the frame payload limit of " +
                            std::to_string(config_.frame_payload_bytes_max) + " bytes; split the batch");
   }
   metrics_->bytes_out += total;
   const uint64_t lease_id =
-      leases.empty() ? 0
-                     : c->shm.add_leases(std::move(leases),
-                                         now_us() + int64_t(config_.shm_lease_s * 1e6));
+      kept.empty() ? 0 : c->shm.add_leases(std::move(kept), now_us() + int64_t(config_.shm_lease_s * 1e6));
   const uint32_t rkey = rdma_rkey_.load();
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(rkey ? 6 : 4);
+  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0));
   out.str("offs");
   out.array(uint32_t(n));
   for (uint64_t o : offsets) out.uint(o);
@@ -185,8 +198,13 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   for (uint64_t s : sums) out.uint(s);
   out.str("lease");
   out.uint(lease_id);
+  if (b.inline_max > 0) {
+    out.str("inl");
+    out.array(uint32_t(n));
+    for (uint8_t x : inlined) out.boolean(x != 0);
+  }
   if (rkey) write_rdma_fields(out, rdma_addr_.load(), rkey);
-  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, inline_total);
   return {};
 }
 

@@ -31,7 +31,11 @@ struct CopyItem {
   uint64_t sum = 0;   // checksum of the bytes copied
 };
 
-uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n) {
+uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, bool hash) {
+  if (!hash) {
+    std::memcpy(dst, src, n);
+    return 0;
+  }
   if (n <= kChunkBytes) {
     std::memcpy(dst, src, n);
     return gcache::xxh64(dst, n);
@@ -46,14 +50,17 @@ uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n) {
 }
 
 // Splits items into contiguous runs of about equal bytes, one per thread.
-void run_items(std::vector<CopyItem>& items, int threads) {
+// Without `hash`, only copies (every sum stays 0).
+void run_items(std::vector<CopyItem>& items, int threads, bool hash = true) {
   uint64_t total = 0;
   for (const CopyItem& it : items) total += it.length;
-  int t = threads > 0 ? threads : int(std::min<uint64_t>(kThreadsMax, std::thread::hardware_concurrency()));
+  // hardware_concurrency() reads sysfs on every call (microseconds): once per process.
+  static const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  int t = threads > 0 ? threads : std::min(kThreadsMax, cores);
   t = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(t), total / kBytesPerThreadMin)));
   t = std::min<int>(t, int(items.size()));
-  auto work = [&items](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length);
+  auto work = [&items, hash](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash);
   };
   if (t <= 1) {
     work(0, items.size());
@@ -101,7 +108,7 @@ void check_lengths(size_t n, const std::vector<uint64_t>& offsets, const std::ve
 // Reads: found values (len >= 0) into targets; returns the indices whose bytes
 // failed their checksum or lie outside the arena (not hits).
 py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
-                   const std::vector<uint64_t>& sums, py::list targets, int threads) {
+                   const std::vector<uint64_t>& sums, py::list targets, int threads, bool verify) {
   const size_t n = targets.size();
   check_lengths(n, offsets, lens, sums);
   Arena arena(arena_buf);
@@ -123,16 +130,17 @@ py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, c
     items.push_back(CopyItem{arena.base + offsets[i], static_cast<uint8_t*>(t.ptr), len, sums[i]});
     index.push_back(i);
   }
-  without_gil([&] { run_items(items, threads); });
-  for (size_t k = 0; k < items.size(); ++k)
-    if (items[k].sum != items[k].expected) bad.append(index[k]);
+  without_gil([&] { run_items(items, threads, verify); });
+  if (verify)
+    for (size_t k = 0; k < items.size(); ++k)
+      if (items[k].sum != items[k].expected) bad.append(index[k]);
   return bad;
 }
 
 // Reads into new bytes objects: a list with bytes per verified value, None
 // for a miss or a value that failed its checksum (its index is in the second list).
 py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
-                      const std::vector<uint64_t>& sums, int threads) {
+                      const std::vector<uint64_t>& sums, int threads, bool verify) {
   const size_t n = lens.size();
   check_lengths(n, offsets, lens, sums);
   Arena arena(arena_buf);
@@ -155,8 +163,8 @@ py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets
     index.push_back(i);
     values[i] = value;
   }
-  without_gil([&] { run_items(items, threads); });
-  for (size_t k = 0; k < items.size(); ++k) {
+  without_gil([&] { run_items(items, threads, verify); });
+  for (size_t k = 0; verify && k < items.size(); ++k) {
     if (items[k].sum != items[k].expected) {
       bad.append(index[k]);
       values[index[k]] = py::none();
@@ -193,14 +201,37 @@ std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t
 
 }  // namespace
 
+// The indices of views whose bytes do not hash to their sum (None views skipped).
+py::list verify_views(py::list views, const std::vector<uint64_t>& sums) {
+  if (sums.size() != views.size()) throw py::value_error("one sum per view");
+  std::vector<py::buffer_info> infos;
+  std::vector<std::pair<size_t, uint64_t>> got;
+  infos.reserve(views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (views[i].is_none()) continue;
+    infos.push_back(py::reinterpret_borrow<py::buffer>(views[i]).request());
+    got.emplace_back(i, 0);
+  }
+  without_gil([&] {
+    for (size_t k = 0; k < got.size(); ++k)
+      got[k].second = gcache::xxh64(infos[k].ptr, size_t(infos[k].size) * size_t(infos[k].itemsize));
+  });
+  py::list bad;
+  for (const auto& [i, sum] : got)
+    if (sum != sums[i]) bad.append(i);
+  return bad;
+}
+
 void bind_shm_copy(py::module_& m) {
+  m.def("verify_views", &verify_views, py::arg("views"), py::arg("sums"),
+        "Indices of the views (None: skipped) whose xxh64 differs from its sum (GIL released).");
   m.def("shm_read_into", &read_into, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
-        py::arg("targets"), py::arg("threads") = 0,
+        py::arg("targets"), py::arg("threads") = 0, py::arg("verify") = true,
         "Copies each found value (len >= 0) from the mapped arena into its target, verifying its xxh64 in "
-        "the same pass (GIL released; threads 0 = automatic). Returns the indices that are not hits: "
-        "bytes that failed the checksum, or a block outside the arena.");
+        "the same pass unless verify is False (GIL released; threads 0 = automatic). Returns the indices "
+        "that are not hits: bytes that failed the checksum, or a block outside the arena.");
   m.def("shm_read_values", &read_values, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
-        py::arg("threads") = 0,
+        py::arg("threads") = 0, py::arg("verify") = true,
         "As shm_read_into, into new bytes objects: returns (values, bad) with None for misses and bad values.");
   m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"),
         py::arg("threads") = 0,

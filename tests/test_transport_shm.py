@@ -310,3 +310,60 @@ def test_writer_racing_evictions_never_returns_wrong_bytes(server_factory, sock_
     c = counters(node.address)
     assert c["evictions_memory"] > 0, "the race needs evictions"
     assert gauges(node.address)["leases_active"] == 0 and gauges(node.address)["put_reserved_bytes"] == 0
+
+
+def test_bytes_changed_after_a_lease_lapsed_are_never_a_hit(server_factory, sock_dir, monkeypatch):
+    BIG = 64 * KIB  # over shm_ops.INLINE_BYTES_MAX: copied out of the arena under a lease
+    # A copy that ends after its lease could have met a reused block: such bytes are
+    # checked against the value's xxh64 (as are all of them with verify_checksums).
+    # Here the block really holds other bytes (written through the mapping, as a
+    # reused block would), and the lease is made to count as lapsed for every copy.
+    from gcache.client import shm_ops
+
+    node, sock = start(server_factory, sock_dir)
+    with gcache.Client(node.address, transport="shm") as c, \
+            gcache.Client(node.address, transport="shm", verify_checksums=True) as checked:
+        assert c.put(b"k", b"A" * BIG) and c.put(b"ok", b"C" * 100)  # "k" is leased, "ok" inline
+        with RawShm(sock) as raw:
+            raw.attach()
+            frame = raw.request(LOOKUP, {"keys": [b"k"]})
+            off = frame.meta["offs"][0]
+            raw.arena[off:off + 4] = b"BBBB"
+            raw.release(leases=[frame.meta["lease"]], no_reply=False)
+        assert checked.get(b"ok") == b"C" * 100
+        with pytest.raises(errors.ChecksumMismatchError) as info:
+            checked.get_batch([b"k", b"ok"])
+        assert info.value.results == [None, b"C" * 100]
+        monkeypatch.setattr(shm_ops, "LEASE_TRUST", 0.0)
+        with pytest.raises(errors.ChecksumMismatchError):
+            c.get(b"k")
+        buf = bytearray(BIG)
+        with pytest.raises(errors.ChecksumMismatchError) as info:
+            c.batch_get_into([b"k", b"ok"], [buf, bytearray(100)])
+        assert info.value.results == [None, 100]
+
+
+def test_small_values_come_inline_and_large_ones_leased(server_factory, sock_dir):
+    # LOOKUP with "inline_max": small values travel in the answer (no lease outlives
+    # it), larger ones are leased; one answer can mix both, in key order.
+    node, sock = start(server_factory, sock_dir)
+    small, large = os.urandom(100), os.urandom(100 * KIB)
+    with gcache.Client(node.address, transport="tcp") as tcp:
+        assert tcp.put_batch([b"s", b"l", b"e"], [small, large, b""]) == [True] * 3
+    with RawShm(sock) as raw:
+        raw.attach()
+        frame = raw.request(LOOKUP, {"keys": [b"l", b"s", b"x", b"e"], "inline_max": 1024})
+        assert frame.status == OK and frame.meta["inl"] == [False, True, False, True]
+        assert frame.meta["lens"] == [len(large), len(small), -1, 0] and frame.payload == small
+        off = frame.meta["offs"][0]
+        assert bytes(raw.arena[off:off + len(large)]) == large
+        assert gauges(node.address)["leases_active"] == 1  # only the large value stays leased
+        raw.release(leases=[frame.meta["lease"]])
+        assert raw.request(PING, {}).status == OK
+        assert gauges(node.address)["leases_active"] == 0
+    with gcache.Client(node.address, transport="shm") as c:
+        assert c.get_batch([b"l", b"s", b"x", b"e"]) == [large, small, None, b""]
+        targets = [bytearray(len(large)), bytearray(50), bytearray(10)]
+        with pytest.raises(errors.BufferTooSmallError) as info:
+            c.batch_get_into([b"l", b"s", b"e"], targets)
+        assert info.value.results == [len(large), None, 0] and bytes(targets[0]) == large

@@ -1,16 +1,23 @@
 """Operations of the one-sided transports (docs/protocol.md, "Shared memory and RDMA").
 
 A read is one LOOKUP round trip (offsets, lengths, checksums, under a lease),
-then the client copies the values out of the arena itself and verifies each
-one's xxh64 in the same pass, then drops the lease with a RELEASE that needs
-no answer. A write is a RESERVE (arena blocks to write), the copy (hashing the
+then the client copies the values out of the arena itself, then drops the
+lease with a RELEASE that needs no answer. A leased block is never reused, so
+bytes copied while the lease provably held are the value's bytes: the lease
+began after the LOOKUP was sent, so a copy over before `sent + lease` (this
+process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
+none. A later copy, or a client with verify_checksums, checks every value's
+xxh64 (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
 written bytes), then a COMMIT that publishes the blocks; the server checks the
 checksums again. How bytes move is the connection's `arena` (an ArenaCopier):
 memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
 """
 from __future__ import annotations
 
+import time
+
 from gcache import errors
+from gcache._native import verify_views
 from gcache.client.operations import BatchResult, Operation, _ValuesOp, _expect_list
 from gcache.protocol import FLAG_NO_REPLY, Opcode, PutStatus, encode_header, encode_meta
 
@@ -19,6 +26,14 @@ def release_frame(lease: int) -> bytes:
     """RELEASE of one lease, answered by nothing (FLAG_NO_REPLY): reads stay one round trip."""
     meta = encode_meta({"leases": [lease]})
     return encode_header(Opcode.RELEASE, 0, len(meta), 0, flags=FLAG_NO_REPLY) + meta
+
+
+# Values up to this size come back inside the LOOKUP answer, unleased: below it a
+# socket copy costs less than a lease, a copy and a RELEASE.
+INLINE_BYTES_MAX = 16 * 1024
+# A lease is trusted for this share of its length: the server's deadline and this
+# process's clock may run at slightly different rates.
+LEASE_TRUST = 0.9
 
 
 def _arena(conn):
@@ -34,13 +49,24 @@ class LookupOp(_ValuesOp):
 
     opcode = Opcode.LOOKUP
 
-    def __init__(self, result: BatchResult, lo: int, hi: int, targets: list | None):
-        super().__init__(result, lo, hi, verify_checksums=True)
+    def __init__(self, result: BatchResult, lo: int, hi: int, targets: list | None, verify: bool):
+        super().__init__(result, lo, hi, verify_checksums=verify)
         self.targets = targets
+        self.sent_at = 0.0
 
     def part(self, lo, hi):
         targets = None if self.targets is None else self.targets[lo - self.lo:hi - self.lo]
-        return LookupOp(self.result, lo, hi, targets)
+        return LookupOp(self.result, lo, hi, targets, self.verify)
+
+    def frame(self, request_id, epoch=None):
+        self.sent_at = time.monotonic()  # the server's lease starts after this
+        return super().frame(request_id, epoch)
+
+    def request_meta_bytes(self, epoch):
+        meta = {"keys": self.keys, "inline_max": INLINE_BYTES_MAX}
+        if epoch is not None:
+            meta["epoch"] = epoch
+        return encode_meta(meta)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -48,16 +74,21 @@ class LookupOp(_ValuesOp):
         lens = _expect_list(meta, "lens", n)
         sums = _expect_list(meta, "sums", n)
         lease = meta.get("lease")
-        if not isinstance(lease, int) or payload_len:
-            raise errors.ProtocolError(f"LOOKUP answer has lease {lease!r} and payload {payload_len}")
+        inlined = meta.get("inl") or [False] * n
+        if not isinstance(lease, int) or len(inlined) != n:
+            raise errors.ProtocolError(f"LOOKUP answer has lease {lease!r} and {len(inlined)} inline flags")
+        if sum(size for size, inl in zip(lens, inlined) if inl and size > 0) != payload_len:
+            raise errors.ProtocolError(f"LOOKUP answer payload is {payload_len} bytes, not its inline values")
+        for j, size in enumerate(lens):
+            if size < 0:
+                self.result.values[self.lo + j] = None  # also over an earlier attempt's answer
         try:
-            arena = _arena(conn)
-            arena.check_answer(meta)
-            if self.targets is None:
-                values, bad = arena.read_values(offsets, lens, sums)
-                self.result.values[self.lo:self.hi] = values
-            else:
-                bad = self._read_into(arena, offsets, lens, sums)
+            bad = self._read_inline(conn, lens, sums, inlined) if any(inlined) else []
+            leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
+            if lease:
+                arena = _arena(conn)
+                arena.check_answer(meta)
+                bad += self._read_leased(arena, offsets, leased, sums)
         finally:
             if lease:
                 conn.send([release_frame(lease)])
@@ -65,22 +96,59 @@ class LookupOp(_ValuesOp):
             self.result.bad_checksum.append(self.lo + j)
             self.result.values[self.lo + j] = None
 
-    def _read_into(self, arena, offsets, lens, sums) -> list[int]:
+    def _dest(self, j: int, size: int):
+        """Where value j (of `size` bytes, -1: a miss) goes; None: nowhere (a miss, or
+        too large for its target: never write past a caller's buffer)."""
         out = self.result.values
-        dests = []
-        for j, size in enumerate(lens):
-            target = self.targets[j]
-            if size < 0:
-                out[self.lo + j] = None
-                dests.append(None)
-            elif size > len(target):  # never write past a caller's buffer
-                out[self.lo + j] = None
-                self.result.too_small.append((self.lo + j, size))
-                dests.append(None)
+        if size < 0:
+            out[self.lo + j] = None
+            return None
+        target = self.targets[j]
+        if size > len(target):
+            out[self.lo + j] = None
+            self.result.too_small.append((self.lo + j, size))
+            return None
+        out[self.lo + j] = size
+        return target
+
+    def _read_inline(self, conn, lens, sums, inlined) -> list[int]:
+        """The values that came in the payload, in key order (as GET_BATCH sends them)."""
+        out = self.result.values
+        checked = []
+        for j, (size, inl) in enumerate(zip(lens, inlined)):
+            if not inl or size < 0:
+                continue
+            if self.targets is None:
+                out[self.lo + j] = conn.read_bytes(size)
+                checked.append((j, out[self.lo + j]))
+                continue
+            dest = self._dest(j, size)
+            if dest is None:
+                conn.skip(size)
             else:
-                out[self.lo + j] = size
-                dests.append(target)
-        return arena.read_into(offsets, lens, sums, dests)
+                conn.read_into(dest[:size])
+                checked.append((j, dest[:size]))
+        if not self.verify:
+            return []  # sent under a lease, as GET_BATCH's values are
+        bad = verify_views([v for _, v in checked], [sums[j] for j, _ in checked])
+        return [checked[k][0] for k in bad]
+
+    def _read_leased(self, arena, offsets, leased, sums) -> list[int]:
+        """The leased values (size >= 0 in `leased`), copied out of the arena."""
+        trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
+        if self.targets is None:
+            values, bad = arena.read_values(offsets, leased, sums, self.verify)
+            for j, value in enumerate(values):
+                if leased[j] >= 0:
+                    self.result.values[self.lo + j] = value
+        else:
+            dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
+            bad = arena.read_into(offsets, leased, sums, dests, self.verify)
+            values = [d if d is None else d[:n] for d, n in zip(dests, leased)]
+        if not self.verify and time.monotonic() > trusted_until:
+            # The lease may have ended mid-copy: those bytes must prove themselves.
+            bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums)
+        return bad
 
     def read_values(self, conn, lens, sums, payload_len):  # not used: on_response reads
         raise NotImplementedError
@@ -170,8 +238,8 @@ class CommitOp(Operation):
                 out[i] = False
 
 
-def lookup_ops(result, slices, targets):
-    return [LookupOp(result, lo, hi, None if targets is None else targets[lo:hi]) for lo, hi in slices]
+def lookup_ops(result, slices, targets, verify: bool):
+    return [LookupOp(result, lo, hi, None if targets is None else targets[lo:hi], verify) for lo, hi in slices]
 
 
 def reserve_ops(result, slices, views):

@@ -45,20 +45,21 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
 class MappedArena:
     """A server's arena, mapped read-write (a put writes its reserved blocks)."""
 
-    def __init__(self, fd: int, size: int, instance: str, threads: int = 0):
+    def __init__(self, fd: int, size: int, instance: str, lease_s: float, threads: int = 0):
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
         self.instance = instance
+        self.lease_s = lease_s  # how long a LOOKUP lease lasts on the server
         self.threads = threads  # copy threads per call; 0 = by size (1 per MiB, at most the cores)
 
     def check_answer(self, meta: dict) -> None:
         """Where an answer's offsets point is this mapping: nothing to check."""
 
-    def read_into(self, offsets, lens, sums, dests) -> list[int]:
-        return shm_read_into(self.map, offsets, lens, sums, dests, self.threads)
+    def read_into(self, offsets, lens, sums, dests, verify: bool) -> list[int]:
+        return shm_read_into(self.map, offsets, lens, sums, dests, self.threads, verify)
 
-    def read_values(self, offsets, lens, sums):
-        return shm_read_values(self.map, offsets, lens, sums, self.threads)
+    def read_values(self, offsets, lens, sums, verify: bool):
+        return shm_read_values(self.map, offsets, lens, sums, self.threads, verify)
 
     def write_from(self, offsets, views) -> list[int]:
         return shm_write_from(self.map, offsets, views, self.threads)
@@ -86,8 +87,9 @@ def attach(conn: Connection) -> tuple[int, dict]:
         if rid != request_id or opcode != Opcode.SHM_ATTACH or not flags & FLAG_RESPONSE or payload_len:
             raise errors.ProtocolError(f"gcache-server at {conn.address} answered SHM_ATTACH out of order")
         size, instance, reserve = meta.get("arena_bytes"), meta.get("instance"), meta.get("reserve_bytes_max")
+        lease_ms = meta.get("lease_ms")
         if (fd is None or not isinstance(size, int) or size <= 0 or not isinstance(instance, str)
-                or not isinstance(reserve, int) or reserve <= 0):
+                or not isinstance(reserve, int) or reserve <= 0 or not isinstance(lease_ms, int)):
             raise errors.ProtocolError(
                 f"gcache-server at {conn.address} answered SHM_ATTACH without an arena ({meta!r})")
     except BaseException:
@@ -134,7 +136,7 @@ class ShmTransport(Transport):
         try:
             fd, meta = attach(conn)
             try:
-                conn.arena = self._arena_for(fd, meta["arena_bytes"], meta["instance"])
+                conn.arena = self._arena_for(fd, meta["arena_bytes"], meta["instance"], meta["lease_ms"] / 1000)
             finally:
                 os.close(fd)
             self.put_chunk_bytes = max(self.PUT_CHUNK_BYTES_MIN,
@@ -144,7 +146,7 @@ class ShmTransport(Transport):
             raise
         return conn
 
-    def _arena_for(self, fd: int, size: int, instance: str) -> MappedArena:
+    def _arena_for(self, fd: int, size: int, instance: str, lease_s: float) -> MappedArena:
         with self._lock:
             if self._expected_instance is not None and instance != self._expected_instance:
                 raise errors.TransportUnavailableError(
@@ -153,11 +155,11 @@ class ShmTransport(Transport):
             self._expected_instance = None  # checked once: later a restarted server may answer
             if self._arena is None or self._arena.instance != instance:
                 # Connections to an older instance keep its mapping until they die.
-                self._arena = MappedArena(fd, size, instance, self._copy_threads)
+                self._arena = MappedArena(fd, size, instance, lease_s, self._copy_threads)
             return self._arena
 
     def get_ops(self, result, slices, verify, targets):
-        return lookup_ops(result, slices, targets)  # always verified, in the copy loop
+        return lookup_ops(result, slices, targets, verify)
 
     def put_ops(self, result, slices, views):
         return reserve_ops(result, slices, views)

@@ -69,7 +69,10 @@ def _shm(address, timeout_s, connect_timeout_s, token, copy_threads) -> tuple[Tr
 
 
 def _rdma(address, timeout_s, connect_timeout_s, token) -> tuple[Transport, Connection]:
-    from gcache.client.rdma_transport import RdmaTransport
+    try:
+        from gcache.client.rdma_transport import RdmaTransport
+    except ImportError as exc:
+        raise errors.TransportUnavailableError(f"the RDMA transport cannot load: {exc}") from exc
 
     transport = RdmaTransport(address, timeout_s, connect_timeout_s, token)  # raises if unusable
     try:
