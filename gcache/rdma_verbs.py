@@ -20,8 +20,10 @@ RDMA_DEVICE_ENV = "GCACHE_RDMA_DEVICE"
 RDMA_PORT_ENV = "GCACHE_RDMA_PORT"
 RDMA_GID_INDEX_ENV = "GCACHE_RDMA_GID_INDEX"
 PYVERBS_INSTALL_HINT = ("install the distribution's rdma-core bindings (Debian/Ubuntu: apt-get install "
-                        "python3-pyverbs; setup.sh links them into .venv), or pip install pyverbs "
-                        "(builds rdma-core: needs cmake, cython, libnl-3-dev, libnl-route-3-dev)")
+                        "python3-pyverbs, importable from a venv of the same Python version once "
+                        "/usr/lib/python3/dist-packages/pyverbs is linked into its site-packages), or "
+                        "pip install pyverbs (builds rdma-core: needs cmake, cython, libnl-3-dev, "
+                        "libnl-route-3-dev)")
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 _IPV4_MAPPED_GID_PREFIX = "0000:0000:0000:0000:0000:ffff:"
 RD_ATOMIC_MAX = 16     # RDMA READs in flight per queue pair (capped by the device)

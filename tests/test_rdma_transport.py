@@ -441,3 +441,31 @@ def test_real_device_roundtrip(server_factory, monkeypatch):
         assert client.transport == "rdma"
         assert client.put_batch(list(items), list(items.values())) == [True] * len(items)
         assert client.get_batch(list(items) + [b"missing"]) == list(items.values()) + [None]
+
+
+def test_a_bad_endpoint_is_answered_bad_frame_and_leaks_no_queue_pair(fabric_node):
+    server, region, fabric = fabric_node
+    endpoint = {"qpn": 0, "psn": 1, "lid": 0, "gid": rdma_verbs.ZERO_GID, "mtu": 5}
+    with RawConnection(server.port) as c:
+        frame = c.request(RDMA_CONNECT, endpoint)
+        assert frame.status == BAD_FRAME
+        assert frame.meta["error"] == "RDMA endpoint field 'qpn' must be an integer in [1, 16777215], got 0"
+        frame = c.request(RDMA_CONNECT, {**endpoint, "qpn": 12345})  # no such queue pair on the fabric
+        assert frame.status == BAD_FRAME and frame.meta["error"].startswith(
+            "cannot connect a queue pair to the client's endpoint")
+        assert region.queue_pairs() == 0 and fabric.closed == {"fake-server0": 1}
+        assert c.ping()["version"]
+
+
+def test_dropping_a_server_with_rdma_connections_open_does_not_hang(tmp_path):
+    server = _native.Server(native_config(tmp_path))
+    handler = RecordingHandler()
+    server.set_rdma_connect_handler(handler)
+    server.start()
+    c = RawConnection(server.port)
+    try:
+        assert c.request(RDMA_CONNECT, {}).status == OK
+        del server  # stops with the GIL released: the connection's closed() can run
+        assert handler.closed_ids == [handler.calls[0][0]]
+    finally:
+        c.close()
