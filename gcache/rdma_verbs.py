@@ -227,34 +227,14 @@ class QueuePair:
 
     def connect(self, peer: dict) -> None:
         """INIT -> RTR -> RTS towards the peer's endpoint (parse_endpoint's dict)."""
-        d, v = self.device, self.device.v
-        attr = v.QPAttr(port_num=d.port)
-        attr.path_mtu = min(d.mtu, peer["mtu"])
-        attr.dest_qp_num = peer["qpn"]
-        attr.rq_psn = peer["psn"]
-        attr.max_dest_rd_atomic = d.rd_atomic
-        attr.min_rnr_timer = 12
-        if d.ethernet or peer["lid"] == 0:  # RoCE routes by GID; InfiniBand by LID
-            route = v.GlobalRoute(dgid=v.GID(peer["gid"]), sgid_index=d.gid_index, hop_limit=64)
-            attr.ah_attr = v.AHAttr(port_num=d.port, is_global=1, gr=route, dlid=peer["lid"])
-        else:
-            attr.ah_attr = v.AHAttr(port_num=d.port, dlid=peer["lid"])
+        attr = connect_attributes(self.device.v, self.device, peer, self.psn)
         self.qp.to_rtr(attr)
-        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per try
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.sq_psn = self.psn
-        attr.max_rd_atomic = d.rd_atomic
         self.qp.to_rts(attr)
 
     def post(self, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int,
              wr_id: int) -> None:
         """One signaled RDMA READ (remote -> local) or WRITE (local -> remote)."""
-        v, e = self.device.v, self.device.v.e
-        wr = v.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ, num_sge=1,
-                      sg=[v.SGE(local_addr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(rkey, remote_addr)
-        self.qp.post_send(wr)
+        self.qp.post_send(work_request(self.device.v, write, local_addr, lkey, remote_addr, rkey, length, wr_id))
 
     def poll(self, most: int) -> list[tuple[int, int]]:
         """Completions ready now: (wr_id, status), status 0 = success."""
@@ -264,3 +244,35 @@ class QueuePair:
     def close(self) -> None:
         self.qp.close()
         self.cq.close()
+
+
+def connect_attributes(verbs, local, peer: dict, psn: int):
+    """The QPAttr for INIT -> RTR -> RTS of an RC queue pair on `local` (a Device:
+    port, mtu, ethernet, gid_index, rd_atomic) towards `peer` (parse_endpoint's dict)."""
+    attr = verbs.QPAttr(port_num=local.port)
+    attr.path_mtu = min(local.mtu, peer["mtu"])
+    attr.dest_qp_num = peer["qpn"]
+    attr.rq_psn = peer["psn"]
+    attr.max_dest_rd_atomic = local.rd_atomic
+    attr.min_rnr_timer = 12
+    if local.ethernet or peer["lid"] == 0:  # RoCE routes by GID; InfiniBand by LID
+        route = verbs.GlobalRoute(dgid=verbs.GID(peer["gid"]), sgid_index=local.gid_index, hop_limit=64)
+        attr.ah_attr = verbs.AHAttr(port_num=local.port, is_global=1, gr=route, dlid=peer["lid"])
+    else:
+        attr.ah_attr = verbs.AHAttr(port_num=local.port, dlid=peer["lid"])
+    attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per try
+    attr.retry_cnt = 7
+    attr.rnr_retry = 7
+    attr.sq_psn = psn
+    attr.max_rd_atomic = local.rd_atomic
+    return attr
+
+
+def work_request(verbs, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int,
+                 wr_id: int):
+    """A signaled RDMA WRITE (local -> remote) or READ (remote -> local) of one buffer."""
+    e = verbs.e
+    wr = verbs.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ, num_sge=1,
+                      sg=[verbs.SGE(local_addr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(rkey, remote_addr)
+    return wr

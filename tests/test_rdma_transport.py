@@ -112,6 +112,19 @@ def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
     assert not (tmp_path / "data").exists(), "the device is checked before the store opens"
 
 
+def test_server_refuses_rdma_with_authentication(tmp_path):
+    from gcache.cluster.local_security import write_auth_file
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "gcache.server.main", "--port", "0", "--admin-port", "0",
+         "--data-dir", str(tmp_path / "data"), "--memory", "16MiB", "--disk", "0", "--rdma-device", "mlx5_0",
+         "--auth-file", str(write_auth_file(tmp_path / "auth"))],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--rdma-device with --auth-file: RDMA would reach every tenant's values" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
 # -- the RDMA_CONNECT hook of the native server (no hardware involved) ---------
 
 
@@ -196,6 +209,36 @@ def test_gid_choice_prefers_a_routable_roce_v2_gid():
     assert rdma_verbs.choose_gid_index(table, ethernet=False) == 0
     with pytest.raises(rdma_verbs.RdmaUnavailable, match="no usable GID"):
         rdma_verbs.choose_gid_index([(0, rdma_verbs.ZERO_GID, True)], ethernet=True)
+
+
+def _pyverbs_reason() -> str | None:
+    try:
+        rdma_verbs.load()
+    except rdma_verbs.RdmaUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_pyverbs_reason() is not None, reason=f"needs pyverbs: {_pyverbs_reason()}")
+def test_queue_pair_attributes_and_work_requests_build_with_the_real_pyverbs():
+    """The verbs structures need no device: their field names and values are checked here."""
+    verbs = rdma_verbs.load()
+    local = type("Local", (), {"port": 1, "mtu": 5, "ethernet": True, "gid_index": 3, "rd_atomic": 16})
+    peer = rdma_verbs.parse_endpoint({"qpn": 0x1234, "psn": 99, "lid": 0, "mtu": 3,
+                                      "gid": "0000:0000:0000:0000:0000:ffff:0a00:0002"})
+    attr = rdma_verbs.connect_attributes(verbs, local, peer, psn=7)
+    assert (attr.path_mtu, attr.dest_qp_num, attr.rq_psn, attr.sq_psn) == (3, 0x1234, 99, 7)
+    assert (attr.max_dest_rd_atomic, attr.max_rd_atomic, attr.min_rnr_timer) == (16, 16, 12)
+    assert (attr.timeout, attr.retry_cnt, attr.rnr_retry) == (14, 7, 7)
+    route = attr.ah_attr
+    assert (route.is_global, route.port_num, route.sgid_index, route.hop_limit) == (1, 1, 3, 64)
+    assert route.dgid == peer["gid"]
+    local.ethernet = False  # InfiniBand with a LID: routed by LID, no GRH
+    attr = rdma_verbs.connect_attributes(verbs, local, {**peer, "lid": 5}, psn=7)
+    assert (attr.ah_attr.is_global, attr.ah_attr.dlid) == (0, 5)
+    for write, opcode in ((True, verbs.e.IBV_WR_RDMA_WRITE), (False, verbs.e.IBV_WR_RDMA_READ)):
+        wr = rdma_verbs.work_request(verbs, write, 4096, 11, 8192, 22, 100, wr_id=5)
+        assert (wr.wr_id, wr.opcode, wr.num_sge, wr.send_flags) == (5, opcode, 1, verbs.e.IBV_SEND_SIGNALED)
 
 
 # -- the whole transport over a software stand-in for the verbs layer ----------
