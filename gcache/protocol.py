@@ -44,6 +44,7 @@ class Opcode(IntEnum):
     RELEASE = 10    # drops leases and reservations
     RESERVE = 11    # arena blocks to write new values into
     COMMIT = 12     # publishes reserved blocks (checksums verified)
+    RDMA_CONNECT = 13  # queue-pair setup for transport "rdma" (server with --rdma-device)
 
 
 class FrameStatus(IntEnum):

@@ -28,8 +28,9 @@ enum class Opcode : uint8_t {
   Release = 10,   // drops leases and reservations
   Reserve = 11,   // arena blocks to write new values into
   Commit = 12,    // publishes reserved blocks (checksums verified)
+  RdmaConnect = 13,  // queue-pair setup, answered by the RDMA handler (gcache.server.rdma)
 };
-constexpr uint8_t kOpcodeMax = 12;
+constexpr uint8_t kOpcodeMax = 13;
 
 enum class FrameStatus : uint32_t {
   Ok = 0,

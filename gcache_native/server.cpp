@@ -54,6 +54,7 @@ Histogram* histogram_for(Metrics* m, uint8_t opcode) {
     case Opcode::Auth:  // answered before the histograms
     case Opcode::ShmAttach:
     case Opcode::Release:
+    case Opcode::RdmaConnect:
       return nullptr;
   }
   return nullptr;
@@ -740,6 +741,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       case Opcode::Release: reply = handle_release(c, h); break;
       case Opcode::Reserve: reply = handle_reserve(c, h); break;
       case Opcode::Commit: reply = handle_commit(c, h); break;
+      case Opcode::RdmaConnect: reply = handle_rdma_connect(c, h); break;
       case Opcode::Auth: break;  // answered in serve()
     }
   } catch (const ConnectionLost&) {

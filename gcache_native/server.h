@@ -5,12 +5,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -53,6 +55,16 @@ struct ServerConfig {
   std::string instance_id;  // random per start, reported by PING: a client can tell two paths lead to one server
 };
 
+// Queue-pair setup for RDMA clients (gcache.server.rdma), called on the
+// connection's thread: connect() gets an RDMA_CONNECT's metadata and the
+// connection's id; true: *answer is the response metadata (a msgpack map),
+// false: *answer says what is wrong with the request. closed(id) runs once
+// when a connection that had an RDMA_CONNECT answered ends.
+struct RdmaConnectHandler {
+  std::function<bool(uint64_t conn_id, std::string_view meta, std::string* answer)> connect;
+  std::function<void(uint64_t conn_id)> closed;
+};
+
 // Raised when the listening socket cannot be created (port taken, bad host).
 class BindError : public std::runtime_error {
  public:
@@ -87,6 +99,11 @@ class Server {
     rdma_addr_.store(addr);
     rdma_rkey_.store(rkey);
   }
+  // Answers RDMA_CONNECT from then on (null: refused, the default).
+  void set_rdma_connect_handler(std::shared_ptr<const RdmaConnectHandler> handler) {
+    std::lock_guard<std::mutex> lock(rdma_mu_);
+    rdma_handler_ = std::move(handler);
+  }
 
   // Waits until no PUT_BATCH frame admitted while the server epoch was below
   // `epoch` is still storing (a frame counts from its epoch check until its
@@ -120,6 +137,7 @@ class Server {
   Reply handle_release(Connection* c, const FrameHeader& h);
   Reply handle_reserve(Connection* c, const FrameHeader& h);
   Reply handle_commit(Connection* c, const FrameHeader& h);
+  Reply handle_rdma_connect(Connection* c, const FrameHeader& h);
   bool expire_shm(Connection* c);  // drops expired leases; true: a reservation expired, close
   void end_shm_session(Connection* c);  // the connection is closing: drop its leases and reservations
   int listen_unix();                    // binds config_.unix_socket_path; -1 when unset
@@ -138,6 +156,9 @@ class Server {
   // RDMA: the arena's memory region as the server registered it (0 rkey = none).
   std::atomic<uint64_t> rdma_addr_{0};
   std::atomic<uint32_t> rdma_rkey_{0};
+  std::mutex rdma_mu_;  // guards rdma_handler_ (copied out for each call)
+  std::shared_ptr<const RdmaConnectHandler> rdma_handler_;
+  std::atomic<uint64_t> next_rdma_id_{1};
   int wake_fds_[2] = {-1, -1};  // written once on stop; every poll() watches [0]
   uint16_t port_ = 0;
   std::thread accept_thread_;

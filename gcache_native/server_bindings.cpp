@@ -5,7 +5,9 @@
 
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "auth.h"
@@ -35,7 +37,59 @@ struct Node {
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<Store> store;
   std::unique_ptr<Server> server;
+  ~Node() {
+    // Python drops a Node holding the GIL; a connection thread that ends
+    // while the server stops may be waiting for it (the RDMA handler's closed()).
+    if (server != nullptr && PyGILState_Check()) {
+      PyThreadState* saved = PyEval_SaveThread();
+      server.reset();
+      PyEval_RestoreThread(saved);
+    }
+  }
 };
+
+// The RDMA_CONNECT hook over a Python object: handler(conn_id, meta bytes) ->
+// answer bytes (ValueError: the request is wrong, answered BAD_FRAME with its
+// message), handler.closed(conn_id). The GIL is taken only for these calls.
+std::shared_ptr<const gcache::RdmaConnectHandler> python_rdma_handler(py::object handler) {
+  if (!PyCallable_Check(handler.ptr()) || !py::hasattr(handler, "closed"))
+    throw py::type_error("set_rdma_connect_handler needs a callable with a closed(conn_id) method, or None");
+  // The last copy may be dropped on a connection thread: take the GIL for it.
+  std::shared_ptr<py::object> held(new py::object(std::move(handler)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  auto out = std::make_shared<gcache::RdmaConnectHandler>();
+  out->connect = [held](uint64_t conn_id, std::string_view meta, std::string* answer) {
+    py::gil_scoped_acquire gil;
+    std::string failure;
+    try {
+      py::object result = (*held)(conn_id, py::bytes(meta.data(), meta.size()));
+      if (!py::isinstance<py::bytes>(result)) {
+        failure = "the RDMA handler returned " + std::string(py::str(py::type::of(result))) + ", not bytes";
+      } else {
+        *answer = result.cast<std::string>();
+        return true;
+      }
+    } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_ValueError)) {
+        *answer = py::str(e.value());
+        return false;
+      }
+      failure = std::string("the RDMA handler failed: ") + e.what();
+    }
+    throw std::runtime_error(failure);  // answered INTERNAL
+  };
+  out->closed = [held](uint64_t conn_id) {
+    py::gil_scoped_acquire gil;
+    try {
+      held->attr("closed")(conn_id);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("gcache RDMA handler closed()");
+    }
+  };
+  return out;
+}
 
 // [{"name", "token", "roles": [str], "memory": int, "disk": int | None}] ->
 // the tenant table; ValueError naming what is wrong.
@@ -322,5 +376,13 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
       .def("set_rdma_region",
            [](Node& n, uint64_t addr, uint32_t rkey) { n.server->set_rdma_region(addr, rkey); },
            py::arg("addr"), py::arg("rkey"),
-           "Sends the arena's RDMA address and rkey with every LOOKUP and RESERVE answer; rkey 0 stops it.");
+           "Sends the arena's RDMA address and rkey with every LOOKUP and RESERVE answer; rkey 0 stops it.")
+      .def("set_rdma_connect_handler",
+           [](Node& n, py::object handler) {
+             n.server->set_rdma_connect_handler(handler.is_none() ? nullptr : python_rdma_handler(handler));
+           },
+           py::arg("handler"),
+           "Answers RDMA_CONNECT with handler(conn_id: int, meta: bytes) -> bytes (a msgpack map; "
+           "ValueError answers BAD_FRAME with its message, other exceptions INTERNAL), called on the "
+           "connection's thread; handler.closed(conn_id) runs when that connection ends. None: refused.");
 }

@@ -79,6 +79,7 @@ struct Server::Connection {
   double stall_timeout_s = 0;
   bool is_unix = false;  // accepted on --unix-socket: SHM_ATTACH is answered
   ShmSession shm;        // leases and reservations of the one-sided opcodes
+  uint64_t rdma_id = 0;  // set by its first RDMA_CONNECT: the RDMA handler's closed() is due
 };
 
 // One PUT_BATCH frame's place in puts_in_flight_: counted by admit(), released

@@ -12,6 +12,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <stdexcept>
 
 #include "server.h"
 #include "server_connection.h"
@@ -96,6 +98,15 @@ int Server::listen_unix() {
 }
 
 void Server::end_shm_session(Connection* c) {
+  if (c->rdma_id != 0) {  // its queue pair goes first: no RDMA into blocks released below
+    std::shared_ptr<const RdmaConnectHandler> handler;
+    {
+      std::lock_guard<std::mutex> lock(rdma_mu_);
+      handler = rdma_handler_;
+    }
+    if (handler != nullptr) handler->closed(c->rdma_id);
+    c->rdma_id = 0;
+  }
   const uint64_t budget = c->shm.release_all(store_);
   if (budget > 0) reservations_.release(c->owner, budget);
 }
@@ -347,6 +358,38 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   out.str("st");
   out.array(uint32_t(n));
   for (uint8_t s : group.statuses) out.uint(s);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+// Queue-pair setup goes over this connection: the handler (gcache.server.rdma)
+// makes a queue pair for it from the client's endpoint and answers with its own.
+Reply Server::handle_rdma_connect(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  std::shared_ptr<const RdmaConnectHandler> handler;
+  {
+    std::lock_guard<std::mutex> lock(rdma_mu_);
+    handler = rdma_handler_;
+  }
+  if (handler == nullptr) {
+    return Reply::fail(FrameStatus::Forbidden,
+                       "this gcache-server has no RDMA (start it with --rdma-device NAME); "
+                       "use transport='tcp'");
+  }
+  if (c->rdma_id == 0) c->rdma_id = next_rdma_id_++;
+  std::string answer;
+  const std::string_view meta(reinterpret_cast<const char*>(c->meta.data()), c->meta.size());
+  if (!handler->connect(c->rdma_id, meta, &answer)) return Reply::fail(FrameStatus::BadFrame, answer);
+  MsgpackReader check(reinterpret_cast<const uint8_t*>(answer.data()), answer.size());
+  uint32_t entries = 0;
+  if (!check.read_map(&entries)) throw std::runtime_error("the RDMA handler's answer is not a msgpack map");
+  for (uint32_t i = 0; i < 2 * entries; ++i)
+    if (!check.skip()) throw std::runtime_error("the RDMA handler's answer is not a msgpack map");
+  if (!check.at_end()) throw std::runtime_error("the RDMA handler's answer has bytes after its map");
+  MsgpackWriter& out = c->out;
+  out.clear();
+  std::vector<uint8_t>& buf = out.buffer();
+  buf.insert(buf.end(), answer.begin(), answer.end());
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
 }

@@ -77,6 +77,12 @@ def _rdma(address, timeout_s, connect_timeout_s, token) -> tuple[Transport, Conn
     transport = RdmaTransport(address, timeout_s, connect_timeout_s, token)  # raises if unusable
     try:
         return transport, transport.connect()
+    except errors.TransportUnavailableError:
+        transport.close()
+        raise
+    except errors.GCacheError as exc:  # as for shm: under auto, an unreachable server means tcp
+        transport.close()
+        raise errors.TransportUnavailableError(f"cannot set up RDMA with {address}: {exc}") from exc
     except BaseException:
         transport.close()
         raise

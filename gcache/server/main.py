@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gcache import __version__
 from gcache.address import join_host_port, parse_host_port
+from gcache.rdma_verbs import RdmaUnavailable
 from gcache.server.config import (
     EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ConfigError, ServerSettings, load_settings,
 )
@@ -46,7 +47,14 @@ class Node:
         self.admin_http = None
         self.admin_grpc = None
         self.agent = None  # ClusterAgent with --master, started once the data port listens
+        self.rdma = None  # gcache.server.rdma.RdmaRegion with --rdma-device
         self.parked = False  # drained earlier (DRAINED marker): up, but out of the cluster
+        # Before the store opens (which can take a while): a missing device fails at once.
+        rdma_device = None
+        if settings.rdma_device:
+            from gcache.server.rdma import open_device
+
+            rdma_device = open_device(settings.rdma_device)  # RdmaUnavailable
         # Admin ports bind first: once the data port accepts, everything is up.
         try:
             admin_host = settings.admin_host or settings.host
@@ -65,8 +73,14 @@ class Node:
             config = settings.native_config()
             config["version"] = __version__
             self.native = _native.Server(config)
+            if rdma_device is not None:
+                from gcache.server.rdma import RdmaRegion
+
+                self.rdma = RdmaRegion(self.native, rdma_device)
         except BaseException:
             self._close_admin()
+            if rdma_device is not None and self.rdma is None:
+                rdma_device.close()
             raise
 
     def stats(self) -> dict:
@@ -130,6 +144,8 @@ class Node:
             self.agent.stop()  # no heartbeats or pushes while the data port closes
         log.info("stopping: finishing requests in flight (grace %.1fs)", self.settings.shutdown_grace_s)
         self.native.stop(self.settings.shutdown_grace_s)
+        if self.rdma is not None:
+            self.rdma.close()
         if self.settings.disk:
             log.info("flushing the memory tier to %s", self.settings.data_dir)
             self.native.flush()
@@ -174,6 +190,10 @@ def run(settings: ServerSettings) -> int:
     elif settings.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
                     "remove every key (docs/security.md)", settings.host, settings.port)
+    if settings.rdma_device and settings.auth_file:
+        log.error("--rdma-device with --auth-file: RDMA would reach every tenant's values in the arena, so a "
+                  "node with authentication refuses it; drop one of the two")
+        return EXIT_USAGE
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -191,6 +211,9 @@ def run(settings: ServerSettings) -> int:
         return EXIT_UNAVAILABLE
     except (_native.BindError, OSError) as e:
         log.error("cannot listen: %s", e)
+        return EXIT_UNAVAILABLE
+    except RdmaUnavailable as e:
+        log.error("--rdma-device %s: %s", settings.rdma_device, e)
         return EXIT_UNAVAILABLE
 
     drained = threading.Event()
