@@ -9,11 +9,12 @@ PYTHON="${PYTHON:-python3}"
 
 # Debian packages: redis-server (the side-by-side bench and its tests);
 # libibverbs1 + libnuma1 (what the Mooncake wheel links against); openssl (the
-# throwaway CA of the TLS tests and `gcache-cluster up --tls`).
+# throwaway CA of the TLS tests and `gcache-cluster up --tls`); python3-pyverbs
+# (rdma-core's verbs bindings: the RDMA transport, where a device exists).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-for pkg in libibverbs1 libnuma1; do
+for pkg in libibverbs1 libnuma1 python3-pyverbs; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -30,6 +31,16 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "setup: building and installing gcache (compiles gcache_native/, about a minute)"
 .venv/bin/python -m pip install -q -e ".[test,bench]"
+
+# pyverbs comes from the distribution (the pip package needs rdma-core's build
+# tree); it is importable from the venv when both are the same Python version.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+tag=$(.venv/bin/python -c 'import sys; print(f"cpython-{sys.version_info[0]}{sys.version_info[1]}")')
+if ls /usr/lib/python3/dist-packages/pyverbs/ 2>/dev/null | grep -q "$tag"; then
+  ln -sfn /usr/lib/python3/dist-packages/pyverbs "$site/pyverbs"
+else
+  echo "setup: pyverbs for this Python not found; the RDMA transport will say so (tcp and shm work)"
+fi
 
 # Mooncake Store is only a peer for `gcache-bench --vs mooncake`; its wheel
 # may not install on every machine, and nothing else needs it.
