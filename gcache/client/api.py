@@ -91,6 +91,10 @@ class Client(ABC):
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def _drop_device_staging(self) -> None:
+        """Lets go of the pinned staging memory of device-array calls (closing clients)."""
+        self.__dict__.pop("_device_staging", None)
+
     # -- buffers ----------------------------------------------------------------------
 
     def register_buffer(self, buffer_or_ptr, size: int | None = None) -> int:

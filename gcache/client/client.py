@@ -119,6 +119,7 @@ class ServerClient(Client):
         """Closes every pooled connection; later calls raise ClientClosedError."""
         self._pool.close()
         self._transport.close()
+        self._drop_device_staging()
 
     def __repr__(self) -> str:
         return (f"gcache.Client({self.address!r}, transport={self._transport.describe()!r}, "

@@ -176,6 +176,7 @@ class ClusterClient(Client):
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
         self._nodes.close()
+        self._drop_device_staging()
 
     def __repr__(self) -> str:
         masters = ",".join(self._maps.masters) or None
