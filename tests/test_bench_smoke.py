@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from gcache.bench import main as bench_main
+from gcache.bench import report as bench_report
 from gcache.bench.units import parse_duration, parse_size
 
 VALUE = 64 << 10
@@ -117,3 +118,48 @@ def test_units():
     for bad in ("", "12XB", "-1KiB"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_bench_per_transport_beside_the_machine(server):
+    report = bench_main.run(["--server", server.address, "--transport", "tcp,shm,rdma",
+                             "--workload", "put,get,latency", *SMALL])
+    assert report["config"]["transports"] == ["tcp", "shm", "rdma"]
+    limits = report["limits"]
+    assert limits["memcpy_batch_gbps"] > 0 and len(limits["memcpy_batch_gbps_runs"]) == 2
+    assert limits["python_tcp_pingpong_p50_us"] > 0 and len(limits["python_tcp_pingpong_p50_us_runs"]) == 2
+    by = report["transports"]["by_transport"]
+    assert list(by) == ["tcp", "shm", "rdma"]
+    assert by["tcp"]["available"] is True                        # tcp always reaches a server
+    assert report["peers"]["gcache"]["transport"] == "tcp"       # the first available one
+    for name, t in by.items():
+        if not t["available"]:                                   # skipped with a one-line reason
+            assert t["reason"] and "\n" not in t["reason"], name
+            continue
+        workloads = report["peers"]["gcache"]["workloads"] if name == "tcp" else None
+        for key, (lo, mid, hi) in t["spread"].items():
+            assert lo <= mid <= hi, (name, key)
+            assert mid == pytest.approx(t["measures"][key]), (name, key)
+        assert set(t["spread"]) == {"put_gbps", "get_gbps", "latency_p50_us", "latency_p99_us"}
+        if workloads is not None:
+            for w in ("put", "get"):
+                assert workloads[w]["verified"] is True and workloads[w]["misses"] == 0
+                assert workloads[w]["bytes"] == workloads[w]["keys"] * VALUE
+    targets = report["transports"]["targets"]
+    assert {(t["transport"], t["measure"], t["against"]) for t in targets} == {
+        ("shm", "get_gbps", "memcpy_batch"), ("shm", "put_gbps", "memcpy_batch"),
+        ("shm", "latency_p50_us", "us"), ("shm", "latency_p50_us", "python_tcp_pingpong"),
+        ("tcp", "put_gbps", "loopback_tcp_batch"), ("tcp", "get_gbps", "loopback_tcp_batch")}
+    tcp_put = next(t for t in targets if t["transport"] == "tcp" and t["measure"] == "put_gbps")
+    assert tcp_put["ratio"] == pytest.approx(by["tcp"]["measures"]["put_gbps"] / limits["loopback_tcp_batch_gbps"])
+    assert isinstance(tcp_put["met"], bool)
+    text = bench_report.render_table(report)
+    assert "by transport: median [min..max] over 2 runs" in text and "gcache/tcp" in text
+    if not by["rdma"]["available"]:
+        assert f"gcache/rdma: not run: {by['rdma']['reason']}" in text
+
+
+def test_bench_rejects_unknown_transport(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main.parse_args(["--transport", "tcp,carrier-pigeon"])
+    assert exc.value.code == 2
+    assert "transport" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 Examples:
   gcache-bench                                   # local gcache-server, all workloads
   gcache-bench --server 127.0.0.1:7600 --vs redis,mooncake --repeat 3 --json
+  gcache-bench --workload put,get,latency --transport tcp,shm,rdma --vs mooncake
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ WORKERS_MAX = 64
 DURATION_MAX_S = 3600.0
 EXISTS_KEYS_MAX = 100_000
 PEERS = ("redis", "mooncake")
+TRANSPORTS = ("tcp", "shm", "rdma")
 WARM_ESTIMATE_S = 1.5                   # untimed set-up per workload run, for the progress bar
 LIMITS_ESTIMATE_S = 2.5                 # per repeat
 
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--working-set", type=_size, default=256 << 20,
                    help="live bytes per worker in put and get (default 256MiB)")
     p.add_argument("--latency-value-size", type=_size, default=4 << 10, help="value size of the single-GET workload (default 4KiB)")
+    p.add_argument("--transport", type=_csv(TRANSPORTS),
+                   help="run GCache once per client transport (comma-separated tcp,shm,rdma), each beside "
+                        "the machine's limits and its targets; an unavailable one is skipped with the reason "
+                        "(default: one run with the client's transport='auto')")
     p.add_argument("--vs", type=_csv(PEERS), default=[], help="peers to run side by side: redis,mooncake")
     p.add_argument("--redis-url", help="use this Redis (redis://host:port) instead of starting redis-server")
     p.add_argument("--mooncake-segment", type=_size, help="Mooncake storage segment (default: fits the working sets)")
@@ -149,6 +155,7 @@ def execute(args: argparse.Namespace) -> dict:
                          ops_max=args.ops, exists_keys=args.exists_keys, working_set_bytes=args.working_set,
                          latency_value_size=args.latency_value_size)
     peers: dict[str, dict] = {}
+    transports: dict[str, dict] | None = None
     mooncake_reason = None
     if "mooncake" in args.vs:
         from gcache.bench.peers import mooncake_peer
@@ -159,7 +166,7 @@ def execute(args: argparse.Namespace) -> dict:
 
     run_tag = f"bench-{uuid.uuid4().hex[:8]}"
     step_s = (args.duration if args.ops is None else 1.0) + WARM_ESTIMATE_S
-    suites = 1 + len([v for v in args.vs if not (v == "mooncake" and mooncake_reason)])
+    suites = len(args.transport or [None]) + len([v for v in args.vs if not (v == "mooncake" and mooncake_reason)])
     planned_s = LIMITS_ESTIMATE_S * args.repeat + suites * len(args.workload) * args.repeat * step_s
     server_info: dict = {"address": args.server, "local": args.server is None, "exit_code": None}
     local_server = tmp_dir = None
@@ -175,12 +182,20 @@ def execute(args: argparse.Namespace) -> dict:
                 server_info.update(address=local_server.address, memory=args.memory, disk=args.disk,
                                    auth=bool(args.auth_file))
             progress.step("machine limits", LIMITS_ESTIMATE_S * args.repeat)
-            limits = machine_limits.measure_limits(args.repeat, cfg.value_size * cfg.batch)
+            limits = machine_limits.measure_limits(args.repeat, cfg.value_size * cfg.batch,
+                                                   cfg.latency_value_size)
 
-            gcache_spec = PeerSpec("gcache", server_info["address"], {"token": token} if token else {})
-            peers["gcache"] = {"available": True, "address": gcache_spec.address,
-                               "workloads": run_suite(gcache_spec, args.workload, cfg, args.repeat, workers,
-                                                      mode, run_tag, progress, step_s)}
+            options = {"token": token} if token else {}
+            if args.transport:
+                transports = _run_transports(args, server_info["address"], options, cfg, workers, mode,
+                                             run_tag, progress, step_s)
+                first = next((t for t in transports.values() if t["available"]), None)
+                peers["gcache"] = first or {"available": False, "reason": "no transport could reach the server"}
+            else:
+                gcache_spec = PeerSpec("gcache", server_info["address"], options)
+                peers["gcache"] = {"available": True, "address": gcache_spec.address,
+                                   "workloads": run_suite(gcache_spec, args.workload, cfg, args.repeat, workers,
+                                                          mode, run_tag, progress, step_s)}
             if local_server is not None:
                 server_info["exit_code"] = local_server.stop()
                 local_server = None
@@ -197,7 +212,25 @@ def execute(args: argparse.Namespace) -> dict:
 
     config = config_dict(cfg) | {"workloads": args.workload, "workers": workers, "mode": mode,
                                  "repeat": args.repeat, "vs": args.vs, "run_tag": run_tag}
-    return bench_report.build(config, limits, peers, server_info)
+    config["transports"] = args.transport or []
+    return bench_report.build(config, limits, peers, server_info, transports)
+
+
+def _run_transports(args, address, options, cfg, workers, mode, run_tag, progress, step_s) -> dict:
+    """{transport: the gcache suite over it, or why it was skipped}, in the order asked."""
+    from gcache.bench.peers.gcache_peer import transport_unavailable_reason
+    out = {}
+    for transport in args.transport:
+        reason = transport_unavailable_reason(address, options.get("token"), transport)
+        if reason:
+            _say(args, f"--transport {transport} skipped: {reason}")
+            out[transport] = {"available": False, "transport": transport, "reason": reason}
+            continue
+        spec = PeerSpec("gcache", address, options | {"transport": transport})
+        out[transport] = {"available": True, "transport": transport, "address": address,
+                          "workloads": run_suite(spec, args.workload, cfg, args.repeat, workers, mode,
+                                                 f"{run_tag}/{transport}", progress, step_s)}
+    return out
 
 
 def _run_redis(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:

@@ -9,10 +9,10 @@ CLIENT_TIMEOUT_S = 60.0          # a 64 x 16 MiB batch on a loaded 2-core box ta
 class GCachePeer(Peer):
     name = "gcache"
 
-    def __init__(self, address: str, token: str | None = None):
+    def __init__(self, address: str, token: str | None = None, transport: str = "auto"):
         import gcache
 
-        self.client = gcache.Client(address, timeout_s=CLIENT_TIMEOUT_S, token=token)
+        self.client = gcache.Client(address, timeout_s=CLIENT_TIMEOUT_S, token=token, transport=transport)
         self._layouts: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def _layout(self, n: int, size: int) -> tuple[list[int], list[int]]:
@@ -45,4 +45,20 @@ class GCachePeer(Peer):
 
 
 def open_peer(spec: PeerSpec) -> Peer:
-    return GCachePeer(spec.address, spec.options.get("token"))
+    return GCachePeer(spec.address, spec.options.get("token"), spec.options.get("transport", "auto"))
+
+
+def transport_unavailable_reason(address: str, token: str | None, transport: str) -> str | None:
+    """None when a client can use `transport` to reach `address`; else why not (one line)."""
+    import gcache
+    from gcache import errors
+
+    try:
+        client = gcache.Client(address, timeout_s=CLIENT_TIMEOUT_S, token=token, transport=transport)
+    except errors.TransportUnavailableError as exc:
+        return " ".join(str(exc).split())
+    except ImportError as exc:  # a transport this build does not have yet
+        return f"this build has no {transport} transport ({exc})"
+    used = client.transport
+    client.close()
+    return None if used == transport else f"the client picked {used!r} instead"
