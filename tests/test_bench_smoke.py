@@ -154,6 +154,7 @@ def test_bench_per_transport_beside_the_machine(server):
     assert isinstance(tcp_put["met"], bool)
     text = bench_report.render_table(report)
     assert "by transport: median [min..max] over 2 runs" in text and "gcache/tcp" in text
+    assert "(gcache = transport tcp, the first of --transport" in text
     if not by["rdma"]["available"]:
         assert f"gcache/rdma: not run: {by['rdma']['reason']}" in text
 

@@ -168,6 +168,9 @@ def render_table(report: dict) -> str:
            f"({format_size(cfg['latency_value_size'])} reply)" if limits.get("python_tcp_pingpong_p50_us") else ""),
         "",
     ]
+    if peers.get("gcache", {}).get("transport"):
+        lines.append(f"(gcache = transport {peers['gcache']['transport']}, the first of --transport; "
+                     "every transport is below)")
     header = f"{'measure':<34}" + "".join(f"{n:>10}" for n in shown)
     header += "".join(f"{'gc/' + n[:7]:>12}" for n in shown if n != "gcache")
     lines.append(header)
