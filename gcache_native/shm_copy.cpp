@@ -31,27 +31,30 @@ struct CopyItem {
   uint64_t sum = 0;   // checksum of the bytes copied
 };
 
-uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, bool hash) {
-  if (!hash) {
+enum class Hash { None, Source, Destination };
+
+// Copies n bytes, hashing chunk by chunk while each chunk is in cache: a read
+// hashes what it copied out (what the caller gets); a write hashes the
+// caller's bytes just before copying them, so a source changed mid-copy makes
+// the stored block differ from its sum, which COMMIT then refuses.
+uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash) {
+  if (hash == Hash::None) {
     std::memcpy(dst, src, n);
     return 0;
-  }
-  if (n <= kChunkBytes) {
-    std::memcpy(dst, src, n);
-    return gcache::xxh64(dst, n);
   }
   gcache::Xxh64Stream h;
   for (uint64_t at = 0; at < n; at += kChunkBytes) {
     const size_t c = size_t(std::min<uint64_t>(kChunkBytes, n - at));
+    if (hash == Hash::Source) h.update(src + at, c);
     std::memcpy(dst + at, src + at, c);
-    h.update(dst + at, c);
+    if (hash == Hash::Destination) h.update(dst + at, c);
   }
   return h.digest();
 }
 
 // Splits items into contiguous runs of about equal bytes, one per thread.
-// Without `hash`, only copies (every sum stays 0).
-void run_items(std::vector<CopyItem>& items, int threads, bool hash = true) {
+// With Hash::None, only copies (every sum stays 0).
+void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
   uint64_t total = 0;
   for (const CopyItem& it : items) total += it.length;
   // hardware_concurrency() reads sysfs on every call (microseconds): once per process.
@@ -130,7 +133,7 @@ py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, c
     items.push_back(CopyItem{arena.base + offsets[i], static_cast<uint8_t*>(t.ptr), len, sums[i]});
     index.push_back(i);
   }
-  without_gil([&] { run_items(items, threads, verify); });
+  without_gil([&] { run_items(items, threads, verify ? Hash::Destination : Hash::None); });
   if (verify)
     for (size_t k = 0; k < items.size(); ++k)
       if (items[k].sum != items[k].expected) bad.append(index[k]);
@@ -163,7 +166,7 @@ py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets
     index.push_back(i);
     values[i] = value;
   }
-  without_gil([&] { run_items(items, threads, verify); });
+  without_gil([&] { run_items(items, threads, verify ? Hash::Destination : Hash::None); });
   for (size_t k = 0; verify && k < items.size(); ++k) {
     if (items[k].sum != items[k].expected) {
       bad.append(index[k]);
@@ -193,7 +196,7 @@ std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t
     items.push_back(CopyItem{static_cast<const uint8_t*>(s.ptr), arena.base + offsets[i], len, 0});
     index.push_back(i);
   }
-  without_gil([&] { run_items(items, threads); });
+  without_gil([&] { run_items(items, threads, Hash::Source); });
   std::vector<uint64_t> out(n, 0);
   for (size_t k = 0; k < items.size(); ++k) out[index[k]] = items[k].sum;
   return out;
@@ -235,6 +238,6 @@ void bind_shm_copy(py::module_& m) {
         "As shm_read_into, into new bytes objects: returns (values, bad) with None for misses and bad values.");
   m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"),
         py::arg("threads") = 0,
-        "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing the written "
-        "bytes in the same pass; returns their xxh64s (0 for skipped).");
+        "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing each source "
+        "chunk just before it is copied; returns their xxh64s (0 for skipped).");
 }

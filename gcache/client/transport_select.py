@@ -104,6 +104,4 @@ def open_transport(kind: str | None, address: str, timeout_s: float, connect_tim
             return pick()
         except errors.TransportUnavailableError as exc:
             log.debug("transport %s not used for %s: %s", name, address, exc)
-        except ImportError as exc:
-            log.debug("transport %s not used for %s: %s", name, address, exc)
     return TcpTransport(address, timeout_s, connect_timeout_s, token), None
