@@ -15,6 +15,10 @@
 
 #include "checksum.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace py = pybind11;
 
 namespace {
@@ -33,21 +37,58 @@ struct CopyItem {
 
 enum class Hash { None, Source, Destination };
 
+// Copies of at least this many bytes bypass the cache (streaming stores): glibc
+// switches to them only for much larger copies, and a batch of 256 KiB values
+// copied one by one then runs at half the memory bandwidth (bench/shm_kernels.py).
+constexpr size_t kStreamingBytesMin = 128 << 10;
+
+// `stream`: use streaming stores whatever n (the caller decided by the whole value's size).
+void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
+#if defined(__SSE2__)
+  if (stream && n >= 64) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; ++i, dst += 64, src += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: visible before we return
+    n -= blocks * 64;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
 // Copies n bytes, hashing chunk by chunk while each chunk is in cache: a read
 // hashes what it copied out (what the caller gets); a write hashes the
 // caller's bytes just before copying them, so a source changed mid-copy makes
 // the stored block differ from its sum, which COMMIT then refuses.
 uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash) {
+  const bool stream = n >= kStreamingBytesMin;
   if (hash == Hash::None) {
-    std::memcpy(dst, src, n);
+    copy_streaming(dst, src, n, stream);
     return 0;
   }
   gcache::Xxh64Stream h;
   for (uint64_t at = 0; at < n; at += kChunkBytes) {
     const size_t c = size_t(std::min<uint64_t>(kChunkBytes, n - at));
-    if (hash == Hash::Source) h.update(src + at, c);
-    std::memcpy(dst + at, src + at, c);
-    if (hash == Hash::Destination) h.update(dst + at, c);
+    if (hash == Hash::Source) {
+      h.update(src + at, c);  // now in cache: stream it out
+      copy_streaming(dst + at, src + at, c, stream);
+    } else {
+      std::memcpy(dst + at, src + at, c);  // hashed from cache right after
+      h.update(dst + at, c);
+    }
   }
   return h.digest();
 }

@@ -126,3 +126,27 @@ def test_one_declared_interface_for_a_server_and_a_cluster():
                  "register_buffer", "unregister_buffer", "is_exist", "remove"):
         assert getattr(ServerClient, name) is getattr(gcache.Client, name)
         assert getattr(ClusterClient, name) is getattr(gcache.Client, name)
+
+
+def test_the_cluster_client_picks_a_transport_per_node(server_factory):
+    from gcache.client import ClusterClient
+    from gcache.cluster.cluster_map import ClusterMap
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="gcn"))
+    local = server_factory("local", extra_args=["--unix-socket", str(sock_dir / "a.sock")])
+    no_socket = server_factory("plain", extra_args=["--unix-socket", ""])
+    cmap = ClusterMap.from_dict({"epoch": 1, "nodes": [
+        {"id": "local", "address": local.address, "weight": 1, "state": "active"},
+        {"id": "plain", "address": no_socket.address, "weight": 1, "state": "active"}]})
+    keys = [b"spread-%d" % i for i in range(64)]
+    values = [os.urandom(20 * KIB) for _ in keys]
+    with ClusterClient(None, initial_map=cmap) as cluster:
+        assert cluster.put_batch(keys, values) == [True] * len(keys)
+        assert cluster.get_batch(keys) == values
+        picked = {node.id: cluster._nodes.client(node).transport for node in cmap.nodes}
+    assert picked == {"local": "shm", "plain": "tcp"}
+    for server in (local, no_socket):  # both held some of the keys
+        with gcache.Client(server.address, transport="tcp") as c:
+            assert any(c.batch_is_exist(keys))
+    (sock_dir / "a.sock").unlink(missing_ok=True)
+    sock_dir.rmdir()
