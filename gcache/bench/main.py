@@ -241,7 +241,8 @@ def _run_redis(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:
             address = parse_redis_url(args.redis_url)
         else:
             local = LocalRedis()
-            address = local.address
+            # Same host: its Unix socket, the fair baseline beside GCache's shared memory.
+            address = local.local_address
         spec = PeerSpec("redis", address)
         return {"available": True, "address": address, "local": local is not None,
                 "workloads": run_suite(spec, args.workload, cfg, args.repeat, workers, mode, run_tag, progress, step_s)}

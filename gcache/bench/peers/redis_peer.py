@@ -13,6 +13,7 @@ from gcache.processes import free_port, stop_process, wait_listening
 
 REDIS_START_TIMEOUT_S = 10.0
 REDIS_SOCKET_TIMEOUT_S = 60.0
+UNIX_PREFIX = "unix:"  # a peer address "unix:/path" is a Unix socket
 
 
 class RedisPeer(Peer):
@@ -21,8 +22,12 @@ class RedisPeer(Peer):
     def __init__(self, address: str):
         import redis  # optional dependency: only --vs redis needs it
 
-        host, port = parse_host_port(address)
-        self.client = redis.Redis(host=host, port=port, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        if address.startswith(UNIX_PREFIX):
+            self.client = redis.Redis(unix_socket_path=address[len(UNIX_PREFIX):],
+                                      socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        else:
+            host, port = parse_host_port(address)
+            self.client = redis.Redis(host=host, port=port, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
         self.client.ping()
 
     def put_from(self, keys, buf, size):
@@ -66,7 +71,10 @@ def open_peer(spec: PeerSpec) -> Peer:
 
 
 class LocalRedis:
-    """A throwaway redis-server on a free loopback port, no persistence."""
+    """A throwaway redis-server on a free loopback port and a Unix socket, no persistence.
+
+    `address` is the TCP one; `local_address` the Unix socket ("unix:/path"), what a
+    client on this host uses at its best (the bench's baseline beside GCache's shm)."""
 
     def __init__(self):
         exe = shutil.which("redis-server")
@@ -74,9 +82,10 @@ class LocalRedis:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
         self.port = free_port()
         self.dir = tempfile.TemporaryDirectory(prefix="gcache-bench-redis-")
+        self.socket_path = f"{self.dir.name}/redis.sock"
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir.name],
+             "--dir", self.dir.name, "--unixsocket", self.socket_path, "--unixsocketperm", "700"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
@@ -88,6 +97,10 @@ class LocalRedis:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def local_address(self) -> str:
+        return UNIX_PREFIX + self.socket_path
 
     def stop(self) -> None:
         stop_process(self.proc)
