@@ -194,6 +194,11 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
       b->has_epoch = true;
       continue;
     }
+    if (name == "cont" || name == "last") {
+      if (!r.read_bool(name == "cont" ? &b->chain_continues : &b->chain_ends))
+        return bad("\"cont\" and \"last\" must be booleans");
+      continue;
+    }
     if (name == "inline_max") {
       if (!r.read_uint(&b->inline_max)) return bad("\"inline_max\" must be an unsigned integer");
       continue;

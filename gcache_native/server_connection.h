@@ -35,6 +35,8 @@ struct BatchMeta {
   int64_t epoch = 0;  // the client's cluster-map epoch, if has_epoch
   uint64_t res = 0;   // COMMIT: the reservation id, if has_res
   uint64_t inline_max = 0;  // LOOKUP: values up to this size come in the payload, unleased
+  bool chain_continues = false;  // RESERVE "cont": same put batch (chain) as the previous RESERVE
+  bool chain_ends = true;        // RESERVE "last": holds the batch's last value
   bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false, has_res = false;
   void clear() {
     keys.clear();
@@ -43,6 +45,8 @@ struct BatchMeta {
     leases.clear();
     reservations.clear();
     inline_max = 0;
+    chain_continues = false;
+    chain_ends = true;
     has_keys = has_lens = has_sums = has_epoch = has_res = false;
   }
 };

@@ -256,6 +256,10 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   group.statuses.assign(n, uint8_t(PutStatus::NoSpace));
   group.has_epoch = b.has_epoch;
   group.epoch = b.epoch;
+  group.chain_continued = b.chain_continues && c->shm.chain != 0;
+  group.chain = group.chain_continued ? c->shm.chain : store_->new_put_batch();
+  group.chain_ends = b.chain_ends;
+  c->shm.chain = group.chain;
   uint64_t total = 0;
   for (uint64_t len : b.lens) total = len > UINT64_MAX - total ? UINT64_MAX : total + len;
   // The blocks count against the PUT reservation budget until COMMIT. Only a
@@ -340,12 +344,14 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
     send_stale_epoch(c, h);
     return {};
   }
-  const uint64_t chain = store_->new_put_batch();
+  // The batch's last value is its tail (as PUT_BATCH's), once the batch has two or more.
+  const bool tail_at_end = group.chain_ends && (n >= 2 || group.chain_continued);
   uint64_t stored_bytes = 0;
   for (size_t i = 0; i < n; ++i) {
     const Reservation& r = group.reservations[i];
     if (r.data == nullptr) continue;
-    const PutStatus s = store_->commit_put(group.keys[i], r, b.sums[i], PutHint{chain, n >= 2 && i + 1 == n, r.owner});
+    const PutStatus s =
+        store_->commit_put(group.keys[i], r, b.sums[i], PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) stored_bytes += r.length;
   }

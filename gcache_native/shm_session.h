@@ -28,6 +28,9 @@ class ShmSession {
     bool has_epoch = false;
     int64_t epoch = 0;
     int64_t deadline_us = 0;
+    uint64_t chain = 0;       // the put batch (prefix chain) its values join (PutHint)
+    bool chain_ends = true;   // its last value is the chain's last
+    bool chain_continued = false;
   };
 
   ShmSession() = default;
@@ -55,6 +58,9 @@ class ShmSession {
   uint64_t release_all(Store* store);
 
   size_t leased_keys() const { return leased_keys_; }
+  // The chain of this connection's latest RESERVE: a put batch split into
+  // several RESERVEs ("cont") stays one chain for the eviction policy.
+  uint64_t chain = 0;
 
  private:
   struct LeaseGroup {

@@ -2,6 +2,7 @@
 chain policy seeing PUT_BATCH chains and EXISTS_BATCH prefixes through a real server."""
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -62,18 +63,21 @@ def chain_keys(name: str, n: int) -> list[bytes]:
     return [b"%s-%03d" % (name.encode(), i) for i in range(n)]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("policy, a_prefix, b_prefix", [("chain", 1, 127), ("lru", 0, 128)])
-def test_the_server_passes_chains_and_prefixes_to_the_policy(server_factory, policy, a_prefix, b_prefix):
+def test_the_server_passes_chains_and_prefixes_to_the_policy(server_factory, policy, a_prefix, b_prefix,
+                                                             transport):
     # 1 MiB of memory = 256 values of 4 KiB. Two chains of 128 fill it; 128 single puts then
     # push 128 values out. chain: B's tail (a partial block), then A deepest first, so A
     # keeps its head. lru: A, oldest first, goes whole.
+    # shm: the batch goes as several RESERVE/COMMITs (128 KiB chunks here), still one chain.
+    sock = tempfile.mkdtemp(prefix="gce") + "/s.sock"
     server = server_factory(memory="1MiB", disk="0",
-                            extra_args=["--eviction-policy", policy, "--eviction-fresh-weight", "1"])
+                            extra_args=["--eviction-policy", policy, "--eviction-fresh-weight", "1",
+                                        "--unix-socket", sock])
     value = bytes(PAGE)
     a, b = chain_keys("a", 128), chain_keys("b", 128)
-    # TCP: one frame per batch is one chain. A one-sided put commits per chunk (a chain
-    # per COMMIT), which these exact figures do not assume.
-    with gcache.Client(server.address, transport="tcp") as client:
+    with gcache.Client(server.address, transport=transport) as client:
         assert all(client.put_batch(a, [value] * 128))
         assert all(client.put_batch(b, [value] * 128))
         for i in range(128):

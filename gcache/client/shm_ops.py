@@ -159,13 +159,17 @@ class ReserveOp(Operation):
 
     opcode = Opcode.RESERVE
 
-    def __init__(self, result: BatchResult, lo: int, hi: int, values: list):
+    def __init__(self, result: BatchResult, lo: int, hi: int, values: list, first: bool = True,
+                 last: bool = True):
         super().__init__(result, lo, hi)
         self.values = values  # byte views for keys lo..hi-1
+        self.first = first  # a batch in several RESERVEs is one chain for the eviction policy
+        self.last = last
         self.commit: CommitOp | None = None
 
     def request_meta_bytes(self, epoch):
-        meta = {"keys": self.keys, "lens": [len(v) for v in self.values]}
+        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first,
+                "last": self.last}
         if epoch is not None:
             meta["epoch"] = epoch
         return encode_meta(meta)
@@ -243,5 +247,7 @@ def lookup_ops(result, slices, targets, verify: bool):
 
 
 def reserve_ops(result, slices, views):
-    return [ReserveOp(result, lo, hi, views[lo:hi]) for lo, hi in slices]
+    last = len(slices) - 1
+    return [ReserveOp(result, lo, hi, views[lo:hi], first=k == 0, last=k == last)
+            for k, (lo, hi) in enumerate(slices)]
 
