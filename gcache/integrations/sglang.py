@@ -45,7 +45,7 @@ def connect(settings: BackendSettings):
     try:
         client = gcache.Client(settings.url, timeout_s=settings.timeout_s,
                                connect_timeout_s=settings.connect_timeout_s,
-                               retries=settings.retries)
+                               retries=settings.retries, transport=settings.transport)
         answer = client.ping()
     except errors.GCacheError as exc:
         if client is not None:

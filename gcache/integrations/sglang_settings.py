@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from gcache.client.connection import parse_address
+from gcache.client.transport_select import TRANSPORTS
 
 URL_ENV = "GCACHE_URL"
 
@@ -38,9 +39,10 @@ class BackendSettings:
     suspect_s: float = 1.0        # after a store failure, calls answer "miss" this long
     skip_existing: bool = True    # writes probe first and send only missing pages
     interface_v1: bool = False    # SGLang's zero-copy batch_get_v1 / batch_set_v1 path
+    transport: str = "auto"       # gcache.Client transport: auto, tcp, shm, rdma
 
     KNOWN = ("gcache_url", "gcache_namespace", "gcache_timeout_s", "gcache_connect_timeout_s",
-             "gcache_retries", "gcache_suspect_s", "gcache_skip_existing")
+             "gcache_retries", "gcache_suspect_s", "gcache_skip_existing", "gcache_transport")
 
     @classmethod
     def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> "BackendSettings":
@@ -64,6 +66,10 @@ class BackendSettings:
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
             raise SettingsError(f"extra_config['gcache_namespace'] must be a non-empty string, "
                                 f"got {namespace!r}")
+        transport = extra.get("gcache_transport", "auto")
+        if transport not in TRANSPORTS:
+            raise SettingsError(f"extra_config['gcache_transport'] must be one of {', '.join(TRANSPORTS)}, "
+                                f"got {transport!r}")
         skip_existing = extra.get("gcache_skip_existing", True)
         if not isinstance(skip_existing, bool):
             raise SettingsError("extra_config['gcache_skip_existing'] must be true or false")
@@ -78,4 +84,5 @@ class BackendSettings:
             skip_existing=skip_existing,
             # SGLang reads it as bool(extra_config.get("interface_v1", 0)); so do we.
             interface_v1=bool(extra.get("interface_v1", 0)),
+            transport=transport,
         )

@@ -58,8 +58,9 @@ def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, stora
     page_entry = pool.get_page_buffer_meta(pool.page_slots(0))[1][0]  # bytes of one K entry
     relay = KillingRelay(victim, kill_after=3 * page_entry)  # inside the first put frame
     try:
+        # TCP: the relay is the fault; over the store's Unix socket it would be bypassed.
         backend = attach(storage_config(relay.address, gcache_suspect_s=0.05,
-                                        gcache_skip_existing=False), pool)
+                                        gcache_skip_existing=False, gcache_transport="tcp"), pool)
         hashes = chain(8, salt=20)
         # The put frame (8 pages, K and V) is cut after 3 entries' bytes: the server dies.
         assert backend.batch_set_v1(hashes, slots(pool, list(range(8)))) == [False] * 8

@@ -32,6 +32,7 @@ def test_settings_read_gcache_keys_and_the_env_fallback():
     ({"gcache_url": "h:1", "gcache_namespace": ""}, "gcache_namespace"),
     ({"gcache_url": "h:1", "gcache_skip_existing": "yes"}, "gcache_skip_existing"),
     ({"gcache_url": "h:1", "gcache_urll": "x"}, "unknown extra_config key\\(s\\) \\['gcache_urll'\\]"),
+    ({"gcache_url": "h:1", "gcache_transport": "udp"}, "gcache_transport'\\] must be one of auto, tcp, shm, rdma"),
 ])
 def test_bad_settings_are_clear_errors(extra, message):
     with pytest.raises(SettingsError, match=message):
