@@ -89,6 +89,9 @@ class Server {
   // current one (an equal epoch replaces the map) or the map is too large.
   void set_cluster_map(int64_t epoch, std::string map_bytes);
   int64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+  // What one one-sided connection's RESERVEs may hold at once (SHM_ATTACH and
+  // RDMA_CONNECT tell clients, who size their put chunks by it).
+  uint64_t reserve_bytes_per_connection() const { return config_.put_reserve_bytes_max / 4; }
   // The current epoch and map, read together.
   std::pair<int64_t, std::shared_ptr<const std::string>> cluster_map() const;
   // Server-side gauges: connections_open, put_reserved_bytes, meta_buffer_bytes.

@@ -370,6 +370,9 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
            "Removes each key (bytes) from both tiers, as REMOVE_BATCH does; returns how many existed.")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
       .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); })
+      .def_property_readonly("reserve_bytes_per_connection",
+                             [](Node& n) { return n.server->reserve_bytes_per_connection(); },
+                             "What one one-sided (shm, rdma) connection's RESERVEs may hold at once.")
       .def_property_readonly("arena_address",
                              [](Node& n) { return reinterpret_cast<uintptr_t>(n.store->arena_base()); },
                              "The arena's address in this process (to register it with an RDMA device).")

@@ -123,7 +123,7 @@ Reply Server::handle_shm_attach(Connection* c, const FrameHeader& h) {
   out.clear();
   out.map(4);
   out.str("reserve_bytes_max");  // what one connection's RESERVEs may hold at once
-  out.uint(config_.put_reserve_bytes_max / 4);
+  out.uint(reserve_bytes_per_connection());
   out.str("arena_bytes");
   out.uint(store_->arena_bytes());
   out.str("instance");  // one mapping per server instance serves all of a client's connections
@@ -392,6 +392,11 @@ Reply Server::handle_rdma_connect(Connection* c, const FrameHeader& h) {
   for (uint32_t i = 0; i < 2 * entries; ++i)
     if (!check.skip()) throw std::runtime_error("the RDMA handler's answer is not a msgpack map");
   if (!check.at_end()) throw std::runtime_error("the RDMA handler's answer has bytes after its map");
+  // An RDMA client holds the arena's rkey, as a Unix-socket client holds its
+  // mapping: its reservations get a budget share of their own, as on the Unix
+  // socket (moved only while the connection holds nothing under its address).
+  if (c->meta_charged == 0 && c->shm.next_deadline_us() == 0 && c->owner.rfind("a:", 0) == 0)
+    c->owner = "r:" + c->peer + "#" + std::to_string(c->fd);
   MsgpackWriter& out = c->out;
   out.clear();
   std::vector<uint8_t>& buf = out.buffer();

@@ -514,3 +514,42 @@ def test_dropping_a_server_with_rdma_connections_open_does_not_hang(tmp_path):
         assert handler.closed_ids == [handler.calls[0][0]]
     finally:
         c.close()
+
+
+def test_concurrent_rdma_puts_each_get_a_reservation_share(tmp_path, monkeypatch):
+    # A small reservation budget (4 MiB: 1 MiB per connection, so 512 KiB put chunks),
+    # three threads putting at once from one address: each RDMA connection holds its
+    # own share, so no put is refused for the budget (one shared share refused some).
+    import threading
+
+    monkeypatch.delenv("GCACHE_TRANSPORT", raising=False)
+    fabric = Fabric()
+    monkeypatch.setattr(rdma_verbs, "load", lambda: None)
+    monkeypatch.setattr(rdma_verbs, "Device", lambda verbs, name: fabric.device(name or "fake0"))
+    server = _native.Server(native_config(tmp_path, memory_bytes=64 << 20, put_reserve_bytes_max=4 << 20))
+    region = RdmaRegion(server, fabric.device("fake-server0"))
+    server.start()
+    failures: list[str] = []
+    try:
+        with gcache.Client(f"127.0.0.1:{server.port}", transport="rdma", pool_size=4) as client:
+            def put_batches(t: int) -> None:
+                for b in range(4):
+                    keys = [b"t%d-b%d-%d" % (t, b, i) for i in range(8)]
+                    values = [bytes([t, b, i]) * (256 * 1024 // 3) for i in range(8)]
+                    if client.put_batch(keys, values) != [True] * 8:
+                        failures.append(f"thread {t} batch {b} not stored")
+                    elif client.get_batch(keys) != values:
+                        failures.append(f"thread {t} batch {b} read back wrong")
+
+            threads = [threading.Thread(target=put_batches, args=(t,)) for t in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert not any(t.is_alive() for t in threads)
+            assert client._transport.put_chunk_bytes == 512 << 10
+        assert failures == []
+        assert server.stats()["counters"]["puts_reserve_refused"] == 0
+    finally:
+        server.stop(1)
+        region.close()

@@ -21,7 +21,7 @@ from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import BULK_READ_BYTES_PER_S_MIN, Connection
 from gcache.client.shm_ops import lookup_ops, reserve_ops
-from gcache.client.transport import Transport
+from gcache.client.transport import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
 from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header, encode_meta
 
 STAGING_BYTES = 16 << 20      # per connection; a batch larger than this moves in rounds
@@ -241,7 +241,7 @@ def rdma_connect(conn: Connection, endpoint: dict) -> dict:
     if rid != request_id or opcode != Opcode.RDMA_CONNECT or not flags & FLAG_RESPONSE or payload_len:
         conn.broken = True
         raise errors.ProtocolError(f"gcache-server at {conn.address} answered RDMA_CONNECT out of order")
-    for name in ("addr", "rkey", "arena_bytes"):
+    for name in ("addr", "rkey", "arena_bytes", "reserve_bytes_max"):
         if not isinstance(answer.get(name), int) or answer[name] <= 0:
             conn.broken = True
             raise errors.ProtocolError(
@@ -252,9 +252,10 @@ def rdma_connect(conn: Connection, endpoint: dict) -> dict:
 class RdmaTransport(Transport):
     name = "rdma"
     # As shm: a put keeps at most two RESERVEs' blocks at once, COMMIT of one
-    # chunk overlapping the WRITEs of the next.
+    # chunk overlapping the WRITEs of the next; two chunks fit what the server
+    # lets one connection hold reserved (its RDMA_CONNECT answer says how much).
     pipeline_depth = 2
-    put_chunk_bytes = 8 << 20
+    put_chunk_bytes = PUT_CHUNK_BYTES_MAX
 
     def __init__(self, address: str, timeout_s: float, connect_timeout_s: float, token: str | None,
                  device=None, staging_bytes: int | None = None):
@@ -286,6 +287,7 @@ class RdmaTransport(Transport):
                     raise errors.ProtocolError(f"gcache-server at {self.address}: {exc}") from exc
                 conn.arena = RdmaArena(self._device, qp, self.address, answer["addr"], answer["rkey"],
                                        answer["arena_bytes"], self._timeout_s, self._staging_bytes)
+                self.put_chunk_bytes = put_chunk_for(answer["reserve_bytes_max"])
             except BaseException:
                 qp.close()
                 raise

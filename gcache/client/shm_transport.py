@@ -20,7 +20,7 @@ from gcache.client import pipeline
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, MetaOp
 from gcache.client.shm_ops import lookup_ops, reserve_ops
-from gcache.client.transport import Transport
+from gcache.client.transport import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
 from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header
 
 _EMPTY_MAP = b"\x80"  # msgpack {}
@@ -107,8 +107,6 @@ class ShmTransport(Transport):
     pipeline_depth = 2
     # Put chunks: the COMMIT of one overlaps the copy of the next, and two fit what
     # one connection may hold reserved (the server says how much at attach).
-    PUT_CHUNK_BYTES_MAX = 8 << 20
-    PUT_CHUNK_BYTES_MIN = 64 << 10
     put_chunk_bytes = PUT_CHUNK_BYTES_MAX
 
     def __init__(self, address: str, unix_path: str, timeout_s: float, connect_timeout_s: float,
@@ -139,8 +137,7 @@ class ShmTransport(Transport):
                 conn.arena = self._arena_for(fd, meta["arena_bytes"], meta["instance"], meta["lease_ms"] / 1000)
             finally:
                 os.close(fd)
-            self.put_chunk_bytes = max(self.PUT_CHUNK_BYTES_MIN,
-                                       min(self.PUT_CHUNK_BYTES_MAX, meta["reserve_bytes_max"] // 2))
+            self.put_chunk_bytes = put_chunk_for(meta["reserve_bytes_max"])
         except BaseException:
             conn.close()
             raise

@@ -30,6 +30,16 @@ from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, GetIntoOp, GetOp, Operation, PutOp
 
 
+PUT_CHUNK_BYTES_MAX = 8 << 20
+PUT_CHUNK_BYTES_MIN = 64 << 10
+
+
+def put_chunk_for(reserve_bytes_max: int) -> int:
+    """One-sided put chunk: two (one being written, one being committed) fit what one
+    connection may hold reserved, within [64 KiB, 8 MiB]."""
+    return max(PUT_CHUNK_BYTES_MIN, min(PUT_CHUNK_BYTES_MAX, reserve_bytes_max // 2))
+
+
 class Transport(ABC):
     name: str = ""
     pipeline_depth: int | None = None

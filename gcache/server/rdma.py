@@ -64,7 +64,8 @@ class RdmaRegion:
         if old is not None:
             old.close()
         return encode_meta({**qp.endpoint(), "addr": self.mr.buf, "rkey": self.mr.rkey,
-                            "arena_bytes": self._native.arena_bytes})
+                            "arena_bytes": self._native.arena_bytes,
+                            "reserve_bytes_max": self._native.reserve_bytes_per_connection})
 
     def closed(self, conn_id: int) -> None:
         with self._lock:
