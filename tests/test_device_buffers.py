@@ -20,8 +20,8 @@ import pytest
 
 import gcache
 from gcache import errors
-from gcache.client import device_buffers
-from gcache.client.device_buffers import HostMemoryBackend
+from gcache.client import device_arrays, device_buffers
+from gcache.client.device_arrays import HostMemoryBackend
 
 from conftest import REPO_ROOT, ServerProcess
 
@@ -219,7 +219,7 @@ def test_staging_rejects_sizes_without_two_slots():
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
 def test_without_cupy_a_device_array_gets_a_clear_error(server_address):
     with gcache.Client(server_address, transport="tcp") as client:
-        with pytest.raises(device_buffers.DeviceUnavailableError, match="cupy is not importable"):
+        with pytest.raises(device_arrays.DeviceUnavailableError, match="cupy is not importable"):
             client.batch_get_into([b"k"], [device(10)])
 
 
@@ -330,7 +330,7 @@ def test_cupy_backend_glue_round_trip(stand_in_cupy, server_address, transport):
         assert client.batch_get_into(keys, targets) == [len(v) for v in values]
         assert [t.host.tobytes() for t in targets] == values
         staging = device_buffers.staging_for(client)
-    assert isinstance(staging.backend, device_buffers.CupyBackend)
+    assert isinstance(staging.backend, device_arrays.CupyBackend)
     assert stand_in_cupy.pinned[0][1] - stand_in_cupy.pinned[0][0] == device_buffers.STAGING_BYTES_DEFAULT
     assert stand_in_cupy.copies == {1: 3, 2: 3}
     assert stand_in_cupy.waited_on == {0, 1}  # the current stream and the arrays' (legacy) stream

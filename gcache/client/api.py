@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from gcache import errors
-from gcache.client import device_buffers
+from gcache.client import device_arrays, device_buffers
 from gcache.client.buffers import BufferRegistry, byte_view, slice_view
 from gcache.protocol import normalize_key, normalize_keys
 
@@ -169,14 +169,14 @@ class Client(ABC):
         registered buffer; Mooncake's put_from(key, address, size) also works.
         A device (cupy) array is staged through pinned memory (device_buffers).
         """
-        if device_buffers.is_device_array(buffer):
+        if device_arrays.is_device_array(buffer):
             return device_buffers.put_from(self, key, buffer, offset, size)
         view = self._view(buffer, offset, size, writable=False, what="put_from")
         return self._put_views([normalize_key(key)], [view])[0]
 
     def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
         """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
-        if device_buffers.any_device_array(buffers):
+        if device_arrays.any_device_array(buffers):
             return device_buffers.batch_put_from(self, keys, buffers, sizes, offsets)
         keys = normalize_keys(keys)
         views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
@@ -194,14 +194,14 @@ class Client(ABC):
         BufferTooSmallError if the value does not fit (the buffer is left untouched).
         A device (cupy) array is staged through pinned memory (device_buffers).
         """
-        if device_buffers.is_device_array(buffer):
+        if device_arrays.is_device_array(buffer):
             return device_buffers.get_into(self, key, buffer, offset, size)
         view = self._view(buffer, offset, size, writable=True, what="get_into")
         return self._get_views([normalize_key(key)], [view])[0]
 
     def batch_get_into(self, keys, buffers, sizes=None, offsets=None) -> list:
         """Reads each value into its own slice; per key its length, or None on a miss."""
-        if device_buffers.any_device_array(buffers):
+        if device_arrays.any_device_array(buffers):
             return device_buffers.batch_get_into(self, keys, buffers, sizes, offsets)
         keys = normalize_keys(keys)
         views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
