@@ -265,7 +265,7 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   // The blocks count against the PUT reservation budget until COMMIT. Only a
   // connection holding no reservation waits for room: one waiting while it
   // holds some could wait on its own COMMIT, queued behind this frame.
-  const int64_t wait_until = c->shm.next_deadline_us() == 0 ? budget_wait_deadline(c) : 0;
+  const int64_t wait_until = c->shm.holds_reservations() ? 0 : budget_wait_deadline(c);
   const bool budgeted = reservations_.acquire(c->owner, total, wait_until);
   if (!budgeted) metrics_->puts_reserve_refused++;
   const uint8_t* base = store_->arena_base();
@@ -395,7 +395,7 @@ Reply Server::handle_rdma_connect(Connection* c, const FrameHeader& h) {
   // An RDMA client holds the arena's rkey, as a Unix-socket client holds its
   // mapping: its reservations get a budget share of their own, as on the Unix
   // socket (moved only while the connection holds nothing under its address).
-  if (c->meta_charged == 0 && c->shm.next_deadline_us() == 0 && c->owner.rfind("a:", 0) == 0)
+  if (c->meta_charged == 0 && !c->shm.holds_reservations() && c->owner.rfind("a:", 0) == 0)
     c->owner = "r:" + c->peer + "#" + std::to_string(c->fd);
   MsgpackWriter& out = c->out;
   out.clear();

@@ -46,28 +46,21 @@ uint64_t ShmSession::abort(Store* store, const ReserveGroup& group) {
 }
 
 bool ShmSession::expire(Store* store, int64_t now_us) {
-  for (auto it = leases_.begin(); it != leases_.end();) {
-    if (it->second.deadline_us > 0 && it->second.deadline_us <= now_us) {
-      for (const Lease& l : it->second.leases) store->release(l);
-      leased_keys_ -= it->second.leases.size();
-      it = leases_.erase(it);
-    } else {
-      ++it;
-    }
+  // Oldest first (see next_deadline_us): stop at the first group still valid.
+  while (!leases_.empty() && leases_.begin()->second.deadline_us <= now_us) {
+    const LeaseGroup& group = leases_.begin()->second;
+    for (const Lease& l : group.leases) store->release(l);
+    leased_keys_ -= group.leases.size();
+    leases_.erase(leases_.begin());
   }
-  for (const auto& [id, group] : reserves_)
-    if (group.deadline_us > 0 && group.deadline_us <= now_us) return true;
-  return false;
+  return !reserves_.empty() && reserves_.begin()->second.deadline_us <= now_us;
 }
 
 int64_t ShmSession::next_deadline_us() const {
-  int64_t next = 0;
-  auto consider = [&next](int64_t d) {
-    if (d > 0 && (next == 0 || d < next)) next = d;
-  };
-  for (const auto& [id, group] : leases_) consider(group.deadline_us);
-  for (const auto& [id, group] : reserves_) consider(group.deadline_us);
-  return next;
+  const int64_t lease = leases_.empty() ? 0 : leases_.begin()->second.deadline_us;
+  const int64_t reserve = reserves_.empty() ? 0 : reserves_.begin()->second.deadline_us;
+  if (lease == 0 || reserve == 0) return lease + reserve;
+  return std::min(lease, reserve);
 }
 
 uint64_t ShmSession::release_all(Store* store) {

@@ -49,11 +49,15 @@ class ShmSession {
   // Aborts every reservation of the group; returns its budget bytes to give back.
   static uint64_t abort(Store* store, const ReserveGroup& group);
 
+  bool holds_reservations() const { return !reserves_.empty(); }
+
   // Releases the lease groups past their deadline. True when a reservation is
   // past its deadline: the client may still be writing there, so the
   // connection must close (release_all then frees its blocks).
   bool expire(Store* store, int64_t now_us);
-  int64_t next_deadline_us() const;  // 0: nothing held
+  // 0: nothing held. Every group gets the same lifetime from when it is added,
+  // and ids grow with time, so the oldest group of each kind expires first.
+  int64_t next_deadline_us() const;
   // Releases everything; returns the reservation budget bytes to give back.
   uint64_t release_all(Store* store);
 

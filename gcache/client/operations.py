@@ -63,6 +63,32 @@ class BatchResult:
             raise exc
 
 
+def encode_request_meta(meta: dict, epoch: int | None) -> bytes:
+    """A request map, with the client's cluster-map epoch when it has one."""
+    if epoch is not None:
+        meta["epoch"] = epoch
+    return encode_meta(meta)
+
+
+def record_put_status(result: BatchResult, i: int, st: int) -> None:
+    """Key i's answer from a final per-key put status (PUT_BATCH, RESERVE, COMMIT)."""
+    out = result.values
+    if st == PutStatus.STORED or st == PutStatus.EXISTS:
+        out[i] = True
+    elif st == PutStatus.NO_SPACE:
+        out[i] = False
+    elif st == PutStatus.VALUE_TOO_LARGE:
+        out[i] = False
+        result.too_large.append(i)
+    elif st == PutStatus.CHECKSUM_MISMATCH:
+        out[i] = False
+        result.bad_checksum.append(i)
+    elif st == PutStatus.KEY_INVALID:
+        raise errors.KeyInvalidError(f"gcache-server rejected key {result.keys[i]!r}")
+    else:
+        raise errors.ProtocolError(f"unknown put status {st!r} for key {result.keys[i]!r}")
+
+
 def _expect_list(meta: dict, field: str, n: int) -> list:
     value = meta.get(field)
     if not isinstance(value, list) or len(value) != n:
@@ -131,10 +157,8 @@ class PutOp(Operation):
         # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
         # overlaps the server storing frame k.
         sums = [xxh64(v) for v in self.values]
-        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums}
-        if epoch is not None:
-            meta["epoch"] = epoch
-        return encode_meta(meta)
+        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums},
+                                   epoch)
 
     def payload(self) -> list:
         return self.values
@@ -145,22 +169,8 @@ class PutOp(Operation):
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
-        out = self.result.values
         for i, st in enumerate(statuses, self.lo):
-            if st == PutStatus.STORED or st == PutStatus.EXISTS:
-                out[i] = True
-            elif st == PutStatus.NO_SPACE:
-                out[i] = False
-            elif st == PutStatus.VALUE_TOO_LARGE:
-                out[i] = False
-                self.result.too_large.append(i)
-            elif st == PutStatus.CHECKSUM_MISMATCH:
-                out[i] = False
-                self.result.bad_checksum.append(i)
-            elif st == PutStatus.KEY_INVALID:
-                raise errors.KeyInvalidError(f"gcache-server rejected key {self.result.keys[i]!r}")
-            else:
-                raise errors.ProtocolError(f"unknown put status {st!r} for key {self.result.keys[i]!r}")
+            record_put_status(self.result, i, st)
 
 
 class _ValuesOp(Operation):

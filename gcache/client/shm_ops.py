@@ -18,7 +18,8 @@ import time
 
 from gcache import errors
 from gcache._native import verify_views
-from gcache.client.operations import BatchResult, Operation, _ValuesOp, _expect_list
+from gcache.client.operations import (BatchResult, Operation, _ValuesOp, _expect_list, encode_request_meta,
+                                      record_put_status)
 from gcache.protocol import FLAG_NO_REPLY, Opcode, PutStatus, encode_header, encode_meta
 
 
@@ -63,10 +64,7 @@ class LookupOp(_ValuesOp):
         return super().frame(request_id, epoch)
 
     def request_meta_bytes(self, epoch):
-        meta = {"keys": self.keys, "inline_max": INLINE_BYTES_MAX}
-        if epoch is not None:
-            meta["epoch"] = epoch
-        return encode_meta(meta)
+        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX}, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -168,11 +166,8 @@ class ReserveOp(Operation):
         self.commit: CommitOp | None = None
 
     def request_meta_bytes(self, epoch):
-        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first,
-                "last": self.last}
-        if epoch is not None:
-            meta["epoch"] = epoch
-        return encode_meta(meta)
+        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values],
+                                    "cont": not self.first, "last": self.last}, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -181,24 +176,13 @@ class ReserveOp(Operation):
         res = meta.get("res")
         if not isinstance(res, int) or payload_len:
             raise errors.ProtocolError(f"RESERVE answer has res {res!r} and payload {payload_len}")
-        out = self.result.values
         write_at = [-1] * n
         for j, st in enumerate(statuses):
-            i = self.lo + j
-            if st == PutStatus.STORED:
+            if st == PutStatus.STORED:  # reserved: written now, stored once COMMIT says so
                 write_at[j] = offsets[j]
-                out[i] = False  # until COMMIT says
-            elif st == PutStatus.EXISTS:
-                out[i] = True
-            elif st == PutStatus.NO_SPACE:
-                out[i] = False
-            elif st == PutStatus.VALUE_TOO_LARGE:
-                out[i] = False
-                self.result.too_large.append(i)
-            elif st == PutStatus.KEY_INVALID:
-                raise errors.KeyInvalidError(f"gcache-server rejected key {self.result.keys[i]!r}")
+                self.result.values[self.lo + j] = False
             else:
-                raise errors.ProtocolError(f"unknown reserve status {st!r} for key {self.result.keys[i]!r}")
+                record_put_status(self.result, self.lo + j, st)
         if not res:
             return
         arena = _arena(conn)
@@ -228,18 +212,9 @@ class CommitOp(Operation):
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
-        out = self.result.values
         for j, st in enumerate(statuses):
-            if self.written[j] < 0:
-                continue  # answered by the RESERVE
-            i = self.lo + j
-            if st == PutStatus.STORED or st == PutStatus.EXISTS:
-                out[i] = True
-            elif st == PutStatus.CHECKSUM_MISMATCH:
-                out[i] = False
-                self.result.bad_checksum.append(i)
-            else:
-                out[i] = False
+            if self.written[j] >= 0:  # the others were answered by the RESERVE
+                record_put_status(self.result, self.lo + j, st)
 
 
 def lookup_ops(result, slices, targets, verify: bool):
