@@ -28,7 +28,7 @@ roles = ["read", "write"]
 
 
 def bench_command(python: str, args, auth_file: str | None) -> list[str]:
-    command = [python, "-m", "gcache.bench.main", "--memory", "1GiB", "--disk", "2GiB",
+    command = [python, "-m", "gcache.tools.storebench.main", "--memory", "1GiB", "--disk", "2GiB",
                "--value-size", args.value_size, "--batch", str(args.batch), "--threads", "1",
                "--duration", args.duration, "--repeat", "1", "--workload", "put,get,latency",
                "--latency-value-size", "4KiB", "--json", "--no-progress"]

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import gcache
-from gcache.bench.local_server import LocalServer
+from gcache.tools.devcluster.local_server import LocalServer
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gcache  # noqa: E402
-from gcache.bench.local_server import LocalServer  # noqa: E402
+from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
 from eviction_traces import Trace, clairvoyant_hit_rate, load_trace  # noqa: E402
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared/data/traces"

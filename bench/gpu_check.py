@@ -185,8 +185,8 @@ def main(argv=None) -> int:
     cupy = load_cupy()  # before anything starts: say plainly why it cannot run
     import gcache
     from gcache import errors
-    from gcache.bench.local_server import LocalServer
-    from gcache.client import device_buffers
+    from gcache.tools.devcluster.local_server import LocalServer
+    from gcache.client.device import staging as device_buffers
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

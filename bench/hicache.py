@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.sim_model import CostModel  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.model.sim import CostModel  # noqa: E402
 
 from hicache_cluster import Budgets, Setup, simulate  # noqa: E402
 from hicache_measure import density, measure_timing, start_server, stop_server  # noqa: E402

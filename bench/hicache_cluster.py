@@ -26,12 +26,12 @@ import numpy as np
 
 import gcache
 from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.engine import Engine, EngineConfig
-from gcache.worker.hicache_config import HiCacheConfig
-from gcache.worker.kv_pool import DualKVCache
-from gcache.worker.request import SamplingParams
-from gcache.worker.scheduler import SchedulerConfig
-from gcache.worker.sim_model import CostModel, VirtualClock
+from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.engine.request import SamplingParams
+from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.model.sim import CostModel, VirtualClock
 
 from hicache_sim import BenchHiCache, CountingClient, ScriptedModel, Timing
 from hicache_workloads import Turn, first_turns

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 
 import gcache
-from gcache.bench.local_server import LocalServer
-from gcache.keys import POOL_FULL, POOL_SWA, page_hashes_array
+from gcache.tools.devcluster.local_server import LocalServer
+from gcache.wire.keys import POOL_FULL, POOL_SWA, page_hashes_array
 from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kv_pool import DualKVCache
-from gcache.worker.scheduler import SchedulerConfig
-from gcache.worker.swa_window import last_safe_end
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.serving.swa_window import last_safe_end
 
 from hicache_cluster import Budgets, Setup, simulate
 from hicache_sim import Timing

@@ -47,12 +47,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import gcache  # noqa: E402
-from gcache.bench.local_server import LocalServer  # noqa: E402
-from gcache.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
-from gcache.processes import free_port, stop_process  # noqa: E402
+from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
+from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
+from gcache.common.processes import free_port, stop_process  # noqa: E402
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.swa_window import tail_start_page  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.serving.swa_window import tail_start_page  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 L3_WAIT_S = 60.0
@@ -74,7 +74,7 @@ class WorkerProc:
     def start(self) -> float:
         """Start and wait until /health answers; returns the seconds that took."""
         exe = REPO / ".venv" / "bin" / "gcache-worker"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "gcache.worker.http_server"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "gcache.worker.http.server"]
         env = {**os.environ, "GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from gcache.worker.config import FULL, SWA
-from gcache.worker.kv_pool import DualKVCache
+from gcache.worker.kvcache.kv_pool import DualKVCache
 
 MiB = 1 << 20
 OURS, UNAWARE, SGLANG, L1 = "L1+L2+L3", "SWA-unaware", "SGLang-style L1", "L1"

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from gcache.worker.config import FULL, SWA
-from gcache.worker.hicache import HiCache
-from gcache.worker.kv_pool import DualKVCache
-from gcache.worker.sim_model import SimulatedModel
-from gcache.worker.swa_window import tail_start_page
+from gcache.worker.kvcache.hicache import HiCache
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.sim import SimulatedModel
+from gcache.serving.swa_window import tail_start_page
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.keys import page_hashes_array
+from gcache.wire.keys import page_hashes_array
 
 from workloads_chat import chat_workload, trace_workload
 

@@ -1,6 +1,6 @@
 """Prefix-cache hit rate at a fixed KV memory budget, measured through the real engine.
 
-Every figure comes from gcache.worker.engine.Engine (scheduler, SWA radix tree, dual page
+Every figure comes from gcache.worker.engine.engine.Engine (scheduler, SWA radix tree, dual page
 pools, the cache manager's SWA checkpoints, eviction, preemption) running over
 sim_model.SimulatedModel on a VirtualClock: only the model's arithmetic is simulated. Ways
 to spend the same bytes on the same hybrid model (1 full : 6 SWA layers):
@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.engine import Engine, EngineConfig  # noqa: E402
-from gcache.worker.hicache_config import HiCacheConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.request import SamplingParams  # noqa: E402
-from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.sim_model import SimulatedModel, VirtualClock  # noqa: E402
+from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from gcache.worker.kvcache.hicache_config import HiCacheConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.engine.request import SamplingParams  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.model.sim import SimulatedModel, VirtualClock  # noqa: E402
 from workloads_chat import chat_workload, trace_workload  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/conversation_trace.jsonl"
@@ -259,7 +259,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=("chat", "trace"), default=None)
     args = ap.parse_args(argv)
     print("command:", " ".join([".venv/bin/python", *sys.argv]))
-    print("measured through gcache.worker.engine.Engine (scheduler, SWA radix tree, dual pools, SWA checkpoints, "
+    print("measured through gcache.worker.engine.engine.Engine (scheduler, SWA radix tree, dual pools, SWA checkpoints, "
           "eviction, preemption) over SimulatedModel on a VirtualClock: only the model's arithmetic is "
           f"simulated; {args.concurrency} requests in flight; no L2/L3 (the budget is the device pools). "
           "Deterministic (seeded workload, virtual clock): one run per mode, a rerun prints the same figures.")

@@ -20,8 +20,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gcache.worker.backend import to_numpy  # noqa: E402
 from gcache.worker.config import ModelConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache, RequestKV  # noqa: E402
-from gcache.worker.model import Model  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV  # noqa: E402
+from gcache.worker.model.transformer import Model  # noqa: E402
 
 CONTEXTS = (1024, 8192, 32768)
 REDUCTION_MIN_32K = 6.5

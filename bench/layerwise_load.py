@@ -45,12 +45,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.engine import Engine, EngineConfig  # noqa: E402
-from gcache.worker.hicache_config import HiCacheConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.model import Model  # noqa: E402
-from gcache.worker.request import SamplingParams  # noqa: E402
-from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from gcache.worker.kvcache.hicache_config import HiCacheConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.model.transformer import Model  # noqa: E402
+from gcache.worker.engine.request import SamplingParams  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -2,7 +2,7 @@
 
 For each cluster size N, builds the cluster map the master would publish and
 the client's Placement from it (gcache.cluster.placement), over content-addressed
-page keys like SGLang HiCache's (chained sha256 hex, through gcache.keys), then:
+page keys like SGLang HiCache's (chained sha256 hex, through gcache.wire.keys), then:
 
   join   N -> N+1: the new node enters as `joining`; ideal moved fraction 1/(N+1).
   leave  N -> N-1: each node in turn drains; ideal 1/N (that node's share);
@@ -34,7 +34,7 @@ from statistics import mean
 
 from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap
 from gcache.cluster.placement import Placement
-from gcache.keys import KeyBuilder, get_hash_str
+from gcache.wire.keys import KeyBuilder, get_hash_str
 
 GIB_PER_WEIGHT_UNIT = 1088  # a node with 64 GiB memory + 1 TiB disk: weight 1088 (one per GiB)
 PAGES_PER_SEQUENCE = 64     # keys come in chained runs, like the pages of one prompt

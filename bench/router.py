@@ -6,7 +6,7 @@ cost (both SWA-unaware), in one run.
 What is real: per worker, the Engine (scheduler, SWA radix tree, dual device pools,
 HiCache with an L2 host pool; with --l3 also L3Store on one shared real gcache-server);
 the router (gcache.router.RouterCore, one per policy) and the workers' publisher
-(gcache.worker.publisher.WorkerPublisher); the redis-server between them. Simulated: the
+(gcache.worker.http.publisher.WorkerPublisher); the redis-server between them. Simulated: the
 model's arithmetic (a cost model fitted to the real numpy model on this machine advances
 each worker's virtual clock) and time itself: publishers flush and routers refresh every
 --tick-s of virtual time, synchronously, so a run is deterministic (bench/router_sim.py).
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.sim_model import CostModel  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.model.sim import CostModel  # noqa: E402
 
 from router_jobs import Job, run_all  # noqa: E402
 from router_report import print_targets, print_workload  # noqa: E402

@@ -12,7 +12,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from gcache.bench.peers.redis_peer import LocalRedis
+from gcache.tools.storebench.peers.redis_peer import LocalRedis
 
 from hicache_cluster import Setup, Worker
 from hicache_measure import measure_h2d, measure_timing, start_server, stop_server

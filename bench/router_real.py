@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.bench.peers.redis_peer import LocalRedis
-from gcache.processes import free_port, stop_process, wait_listening
+from gcache.tools.storebench.peers.redis_peer import LocalRedis
+from gcache.common.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -56,7 +56,7 @@ class Proc:
 
 def entry_points_missing() -> str:
     """'' when gcache-router and the worker's Redis publishing are importable, else why not."""
-    for mod in ("gcache.router.main", "gcache.worker.publisher"):
+    for mod in ("gcache.router.main", "gcache.worker.http.publisher"):
         try:
             __import__(mod)
         except ImportError as e:
@@ -136,7 +136,7 @@ def _start_cluster(policy: str, args, logdir: Path):
         for i in range(WORKERS):
             port = free_port()
             procs.append(Proc(f"worker{i}-{policy}", [
-                py, "-m", "gcache.worker.http_server", "--port", str(port), "--redis", url,
+                py, "-m", "gcache.worker.http.server", "--port", str(port), "--redis", url,
                 "--kv-budget-mib", str(args.real_kv_mib), "--l2-mib", str(args.real_kv_mib),
                 "--max-new-tokens", "256"], port, logdir))
         routers = []

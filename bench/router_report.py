@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gcache.worker.config import FULL, SWA
-from gcache.worker.kv_pool import DualKVCache
+from gcache.worker.kvcache.kv_pool import DualKVCache
 
 MiB = 1 << 20
 BASE, OURS = "least_load", "cache_aware"

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gcache.keys import page_hashes_array
-from gcache.worker.request import SamplingParams
-from gcache.worker.swa_window import last_safe_end
+from gcache.wire.keys import page_hashes_array
+from gcache.worker.engine.request import SamplingParams
+from gcache.serving.swa_window import last_safe_end
 
 from hicache_cluster import TierHits, Worker
 from hicache_workloads import Turn, first_turns

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gcache.bench.peers.redis_peer import LocalRedis
+from gcache.tools.storebench.peers.redis_peer import LocalRedis
 from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kv_pool import DualKVCache
-from gcache.worker.request import SamplingParams
-from gcache.keys import page_hashes_array
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.engine.request import SamplingParams
+from gcache.wire.keys import page_hashes_array
 
 from hicache_cluster import Budgets, Setup, Worker
 from router_sim import Cluster, SimConfig

@@ -1,11 +1,11 @@
 """The real router parts, driven synchronously in virtual time (router_api.md, "Driving it
-in-process"): gcache.worker.publisher.WorkerPublisher per worker, gcache.router.RouterCore
+in-process"): gcache.worker.http.publisher.WorkerPublisher per worker, gcache.router.RouterCore
 per router, both on the simulation's clock and without background threads."""
 from __future__ import annotations
 
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
-from gcache.worker.publisher import PublisherConfig, WorkerPublisher
+from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher
 
 PREFIX = "bench:router"
 TTL_S = 3600.0  # Redis TTLs are wall time; the simulation's ticks are virtual

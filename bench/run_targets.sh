@@ -6,10 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/targets.json}"
 PY="${PYTHON:-.venv/bin/python}"
-"$PY" -m gcache.bench.main \
+"$PY" -m gcache.tools.storebench.main \
   --memory 1GiB --disk 2GiB \
   --value-size 256KiB --batch 64 --threads 1 --duration 5s --repeat 3 \
   --exists-keys 10000 --latency-value-size 4KiB \
   --vs redis,mooncake --json > "$OUT"
-"$PY" -c 'import json,sys; from gcache.bench.report import render_table; print(render_table(json.load(open(sys.argv[1]))))' "$OUT"
+"$PY" -c 'import json,sys; from gcache.tools.storebench.report import render_table; print(render_table(json.load(open(sys.argv[1]))))' "$OUT"
 echo "JSON: $OUT"

@@ -43,12 +43,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gcache.bench.local_server import LocalServer  # noqa: E402
-from gcache.integrations.sglang_testing import HostPoolStandIn, load_sglang_storage  # noqa: E402
-from gcache.keys import page_hashes  # noqa: E402
+from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
+from gcache.integrations.sglang.testing import HostPoolStandIn, load_sglang_storage  # noqa: E402
+from gcache.wire.keys import page_hashes  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
-DYNAMIC = {"backend_name": "gcache", "module_path": "gcache.integrations.sglang",
+DYNAMIC = {"backend_name": "gcache", "module_path": "gcache.integrations.sglang.backend",
            "class_name": "GCacheHiCacheStorage", "interface_v1": 1}
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gcache.worker.swa_radix_tree import SWARadixTree
-from gcache.worker.swa_tree_node import MatchResult
-from gcache.worker.swa_window import tail_start_page
+from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree_node import MatchResult
+from gcache.serving.swa_window import tail_start_page
 
 
 class SGLangSWATree(SWARadixTree):

@@ -1,7 +1,7 @@
 """TTFT: the TTFT scheduler vs a strong FCFS, over a load sweep and several seeds.
 
 Both policies run the real Engine (real scheduler, SWA radix tree, dual pools, page
-accounting, preemption) and share everything but the order (gcache/worker/scheduler.py):
+accounting, preemption) and share everything but the order (gcache/worker/engine/scheduler.py):
 the step budgeting (the head of the order takes as much of the step as it can use, up to
 --chunk-tokens, which defaults to the whole step: vLLM's and SGLang's chunked prefill), and
 the in-flight prefix dedup (a request whose uncached prefix another request is computing
@@ -45,11 +45,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gcache.worker.config import ModelConfig  # noqa: E402
-from gcache.worker.engine import Engine, EngineConfig  # noqa: E402
-from gcache.worker.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.request import SamplingParams  # noqa: E402
-from gcache.worker.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.sim_model import CostModel, SimulatedModel, VirtualClock  # noqa: E402
+from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.engine.request import SamplingParams  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock  # noqa: E402
 # load_or_calibrate is also what bench/hicache.py and bench/router.py import from here
 from ttft_cost import FittedClockModel, default_cache_path, describe, load_or_calibrate  # noqa: E402
 
@@ -111,7 +111,7 @@ def build_engine(args, policy: str, clock: VirtualClock, max_waiting: int, mode:
     if mode == "sim":
         model = SimulatedModel(cfg, clock, args.cost_model)
     else:
-        from gcache.worker.model import Model
+        from gcache.worker.model.transformer import Model
         model = Model(cfg)
         if args.clock == "fitted":
             model = FittedClockModel(model, args.cost_model, clock)

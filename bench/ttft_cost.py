@@ -1,6 +1,6 @@
 """The compute clock of the scheduling benches: CostModel fitted to the real numpy model.
 
-`calibrate` times the real model (gcache/worker/model.py) on a grid of batch shapes and
+`calibrate` times the real model (gcache/worker/model/transformer.py) on a grid of batch shapes and
 fits CostModel's five coefficients (non-negative least squares on relative error). It
 times CPU time of this process, not wall time (BLAS runs one thread, OPENBLAS_NUM_THREADS=1):
 on a shared machine one batch's wall time varies up to 5x between identical runs, its CPU
@@ -22,8 +22,8 @@ import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.config import ModelConfig
-from gcache.worker.kv_pool import DualKVCache, RequestKV
-from gcache.worker.sim_model import CostModel, VirtualClock
+from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.model.sim import CostModel, VirtualClock
 
 CAL_SHAPES = ([[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)]
               + [[(n, ctx)] + [(1, 300)] * nd for n in (16, 64, 128, 256, 384, 512)
@@ -46,7 +46,7 @@ def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 def calibrate(cfg: ModelConfig, repeats: int) -> tuple[CostModel, float]:
     """Fit CostModel to the real model's batch times on this machine; returns the model
     and the median |relative error| of the fit over the calibration shapes."""
-    from gcache.worker.model import Model
+    from gcache.worker.model.transformer import Model
     model, rng = Model(cfg), np.random.default_rng(0)
     kv = DualKVCache(cfg, 8192, 8192)
     proto = CostModel(swa_dense=True)

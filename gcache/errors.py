@@ -9,6 +9,10 @@ from __future__ import annotations
 import builtins
 
 
+class ConfigError(ValueError):
+    """A flag or config-file value is invalid; the message says which and why."""
+
+
 class GCacheError(Exception):
     """Base class of every error the GCache client raises."""
 

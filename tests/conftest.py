@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gcache.bench.local_server import LocalServer
-from gcache.bench.peers.redis_peer import LocalRedis
+from gcache.tools.devcluster.local_server import LocalServer
+from gcache.tools.storebench.peers.redis_peer import LocalRedis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

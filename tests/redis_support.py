@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from gcache.processes import free_port, stop_process, wait_listening
+from gcache.common.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 15.0
 

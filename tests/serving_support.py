@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO_ROOT
-from gcache.processes import free_port, stop_process
+from gcache.common.processes import free_port, stop_process
 
 TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
         "window": 32, "page_size": 8, "vocab_size": 512, "dtype": "float64"}
@@ -101,7 +101,7 @@ class WorkerProc(Proc):
     name = "worker"
 
     def __init__(self, log_dir: Path, extra=()) -> None:
-        super().__init__(_command("gcache-worker", "gcache.worker.http_server") + WORKER_ARGS + list(extra), log_dir)
+        super().__init__(_command("gcache-worker", "gcache.worker.http.server") + WORKER_ARGS + list(extra), log_dir)
 
 
 class RouterProc(Proc):

@@ -1,4 +1,4 @@
-"""gcache.address: the one host:port parser, and each caller keeping its own error type."""
+"""gcache.common.address: the one host:port parser, and each caller keeping its own error type."""
 from __future__ import annotations
 
 import ast
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from gcache import errors
-from gcache.address import join_host_port, parse_host_port
+from gcache.common.address import join_host_port, parse_host_port
 from gcache.client.connection import parse_address
 from gcache.cluster.cluster_map import ACTIVE, MapError, NodeInfo
 from gcache.master import main as master_main
-from gcache.master.api import parse_master_url
+from gcache.cluster.master_api import parse_master_url
 from gcache.server.config import _is_host_port
 
 GOOD = [
@@ -96,4 +96,4 @@ def test_no_other_module_splits_host_port_itself():
                     and node.func.attr in ("rpartition", "rsplit") and node.args
                     and isinstance(node.args[0], ast.Constant) and node.args[0].value == ":"):
                 offenders.append(str(path.relative_to(root.parent)))
-    assert offenders == ["gcache/address.py"]
+    assert offenders == ["gcache/common/address.py"]

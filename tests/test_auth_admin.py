@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 import gcache
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 
 ADMIN = "admin-secret-0123456789"
 WRITER = "writer-secret-0123456789"
@@ -109,7 +109,7 @@ def test_cli_passes_the_token(node, tmp_path, monkeypatch):
     value.write_bytes(b"cli bytes")
 
     def cli(*args, env=None):
-        return subprocess.run([sys.executable, "-m", "gcache.cli", "--server", node.address, *args],
+        return subprocess.run([sys.executable, "-m", "gcache.cli.main", "--server", node.address, *args],
                               capture_output=True, timeout=60, env=env)
 
     assert cli("--token-file", str(token_file), "put", "k", str(value)).returncode == 0

@@ -12,8 +12,8 @@ import pytest
 from gcache import errors
 from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
-from gcache.devcluster.local_cluster import LocalCluster
-from gcache.master.api import MasterClient, MasterCredentials, MasterUnavailableError
+from gcache.tools.devcluster.local_cluster import LocalCluster
+from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
 
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
             memory="64MiB", disk="128MiB")
@@ -83,18 +83,18 @@ def test_callers_without_credentials_are_refused(cluster, monkeypatch):
         ClusterClient(cluster.client_url, timeout_s=1.0, tls_ca=ca)
     # The operator CLI passes its token file and CA.
     ops_token = cluster.secrets_dir / "ops.token"
-    status = subprocess.run([sys.executable, "-m", "gcache.cli", "--token-file", str(ops_token), "admin",
+    status = subprocess.run([sys.executable, "-m", "gcache.cli.main", "--token-file", str(ops_token), "admin",
                              "--master", cluster.client_url, "--tls-ca", ca, "status", "--json"],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
-    refused = subprocess.run([sys.executable, "-m", "gcache.cli", "admin", "--master", cluster.client_url,
+    refused = subprocess.run([sys.executable, "-m", "gcache.cli.main", "admin", "--master", cluster.client_url,
                               "--tls-ca", ca, "status"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 6 and "Bearer" in refused.stderr
 
 
 def test_mutual_tls_master_requires_a_client_certificate(tmp_path):
-    from gcache.devcluster import local_security
-    from gcache.master.local import start_masters, wait_leader
+    from gcache.tools.devcluster import local_security
+    from gcache.tools.devcluster.local_masters import start_masters, wait_leader
     pki = local_security.make_pki(tmp_path / "pki", ["127.0.0.21"])
     masters = start_masters(1, tmp_path / "m", tls_cert=pki["cert"], tls_key=pki["key"], tls_ca=pki["ca"])
     try:

@@ -14,7 +14,7 @@ import pytest
 import gcache
 from gcache import errors
 from gcache._native import hmac_sha256, xxh64
-from gcache.auth import auth_mac, token_id
+from gcache.wire.auth import auth_mac, token_id
 from raw_protocol import (EXISTS_BATCH, GET_BATCH, HEADER, KEY_INVALID, PING, PUT_BATCH, REMOVE_BATCH,
                           STATS, STORED, RawConnection, frame_bytes, put_frame)
 

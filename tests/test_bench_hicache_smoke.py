@@ -17,8 +17,8 @@ import numpy as np
 
 from conftest import REPO_ROOT
 from gcache.worker.config import FULL, SWA
-from gcache.worker.kv_pool import DualKVCache, PagePool
-from gcache.worker.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool
+from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
 
 
 def load_bench():

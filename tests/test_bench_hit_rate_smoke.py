@@ -17,7 +17,7 @@ from argparse import Namespace
 import numpy as np
 
 from conftest import REPO_ROOT
-from gcache.keys import page_hashes_array
+from gcache.wire.keys import page_hashes_array
 from gcache.worker.config import ModelConfig
 
 TINY = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
@@ -119,7 +119,7 @@ def test_main_prints_assumptions_and_working_set(tmp_path, capsys):
     bench.main(["--conversations", "4", "--budget-mib", "16", "--chunk-tokens", "128", "--concurrency", "2",
                 "--trace", str(trace), "--trace-requests", "12", "--trace-budget-mib", "256"])
     out = capsys.readouterr().out
-    assert "measured through gcache.worker.engine.Engine" in out
+    assert "measured through gcache.worker.engine.engine.Engine" in out
     assert out.count("working set:") == 2
     assert "swa-tree  assumes: SWA KV only at checkpoints the engine makes (request ends, branch points; " \
            "swa_checkpoint_pages=0)" in out

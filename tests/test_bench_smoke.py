@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from gcache.bench import main as bench_main
-from gcache.bench import report as bench_report
-from gcache.bench.units import parse_duration, parse_size
+from gcache.tools.storebench import main as bench_main
+from gcache.tools.storebench import report as bench_report
+from gcache.common.units import parse_duration, parse_size
 
 VALUE = 64 << 10
 BATCH = 8
@@ -67,7 +67,7 @@ def test_bench_gcache_vs_redis(server, redis_server):
 
 def test_bench_cli_json_with_local_server_and_processes(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "gcache.bench.main", "--json", "--processes", "2", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "gcache.tools.storebench.main", "--json", "--processes", "2", "--data-dir", str(tmp_path),
          "--memory", "64MiB", "--disk", "128MiB", "--workload", "put,get", *SMALL],
         capture_output=True, text=True, timeout=120,
     )

@@ -18,7 +18,7 @@ def server(tmp_path_factory):
 
 
 def gcache(server_address, *args, stdin: bytes = b""):
-    return subprocess.run([sys.executable, "-m", "gcache.cli", "--server", server_address, *args],
+    return subprocess.run([sys.executable, "-m", "gcache.cli.main", "--server", server_address, *args],
                           input=stdin, capture_output=True, cwd=REPO_ROOT, timeout=60)
 
 
@@ -93,7 +93,7 @@ def test_invalid_key_exits_2(server):
 
 
 def test_help_documents_exit_codes():
-    out = subprocess.run([sys.executable, "-m", "gcache.cli", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gcache.cli.main", "--help"], capture_output=True,
                          cwd=REPO_ROOT, timeout=60)
     assert out.returncode == 0
     assert b"exit codes" in out.stdout and b"not admitted" in out.stdout

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from gcache import cli
+from gcache.cli.main import main as cli
 from gcache.cluster.cluster_map import ACTIVE
-from gcache.processes import free_port, stop_process, wait_listening
+from gcache.common.processes import free_port, stop_process, wait_listening
 
 WAIT_S = 20.0
 
@@ -19,8 +19,8 @@ WAIT_S = 20.0
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     """One replica; nodes registered by hand never heartbeat, so they must not expire mid-test."""
-    from gcache.master.api import MasterClient
-    from gcache.master.local import start_masters, wait_leader
+    from gcache.cluster.master_api import MasterClient
+    from gcache.tools.devcluster.local_masters import start_masters, wait_leader
 
     masters = start_masters(1, tmp_path_factory.mktemp("admin-master"), heartbeat_timeout_s=60,
                             migration_timeout_s=120, tick_s=0.1)

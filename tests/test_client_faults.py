@@ -156,7 +156,7 @@ def test_pooled_connection_closed_by_server_idle_timeout_is_replaced(server_fact
 
 
 def test_retry_backoff_is_capped_so_a_failing_call_stays_bounded():
-    from gcache.processes import free_port
+    from gcache.common.processes import free_port
 
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused at once
     fast = Client(nowhere, timeout_s=5, retries=10, retry_backoff_s=0.01)

@@ -10,7 +10,7 @@ import pytest
 from gcache import errors
 from gcache.client import Client
 from gcache.client.buffers import BufferRegistry, byte_view, view_address
-from gcache.protocol import (FLAG_RESPONSE, HEADER_BYTES, MAGIC, Header, Opcode, decode_header,
+from gcache.wire.protocol import (FLAG_RESPONSE, HEADER_BYTES, MAGIC, Header, Opcode, decode_header,
                              decode_meta, encode_frame_head, encode_header, normalize_key)
 
 
@@ -249,7 +249,7 @@ def test_peer_closing_mid_response_is_a_connection_error():
 
 @pytest.mark.parametrize("keys", [[b"a"], [b"x" * 255], [b"y" * 256], [b"z" * 512], [b"a", b"b"]])
 def test_keys_meta_encoding_matches_msgpack(keys):
-    from gcache.protocol import encode_keys_meta
+    from gcache.wire.protocol import encode_keys_meta
     assert encode_keys_meta(keys) == msgpack.packb({"keys": keys}, use_bin_type=True)
 
 

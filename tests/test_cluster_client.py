@@ -19,8 +19,8 @@ from gcache import _native, errors
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
-from gcache.master.api import MasterUnavailableError
-from gcache.processes import free_port
+from gcache.cluster.master_api import MasterUnavailableError
+from gcache.common.processes import free_port
 
 TIMEOUT_S = 0.5
 RETRIES = 1
@@ -356,7 +356,7 @@ class FakeMaster:
     def __init__(self, cmap: ClusterMap):
         import grpc
         from concurrent.futures import ThreadPoolExecutor
-        from gcache.master import api
+        from gcache.cluster import master_api as api
         self.map = cmap
         self.calls = 0
 

@@ -17,11 +17,11 @@ from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE
 from gcache.cluster.placement import Placement
-from gcache.devcluster import checker
-from gcache.devcluster.local_cluster import LocalCluster
-from gcache.devcluster.netns import netns_available
-from gcache.master.api import MasterUnavailableError
-from gcache.processes import pid_alive
+from gcache.tools.devcluster import checker
+from gcache.tools.devcluster.local_cluster import LocalCluster
+from gcache.tools.devcluster.netns import netns_available
+from gcache.cluster.master_api import MasterUnavailableError
+from gcache.common.processes import pid_alive
 
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
             memory="64MiB", disk="128MiB")
@@ -38,7 +38,7 @@ def cluster(tmp_path):
 
 def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
     d = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "gcache.devcluster.local_cli"]
+    cmd = [sys.executable, "-m", "gcache.tools.devcluster.local_cli"]
     up = subprocess.run(cmd + ["up", "--masters", "1", "--nodes", "2", "--dir", str(d),
                                "--heartbeat-interval-s", "0.2", "--memory", "32MiB", "--disk", "64MiB"],
                         capture_output=True, text=True, timeout=90)
@@ -56,7 +56,7 @@ def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
             assert client.get(b"k") == b"v" * 1000
         status = subprocess.run(cmd + ["status", "--dir", str(d)], capture_output=True, text=True, timeout=30)
         assert status.returncode == 0 and status.stdout.count(" active") == 2, status.stdout
-        cli = [sys.executable, "-m", "gcache.cli", "--server", layout["client_url"]]
+        cli = [sys.executable, "-m", "gcache.cli.main", "--server", layout["client_url"]]
         ping = subprocess.run(cli + ["ping"], capture_output=True, text=True, timeout=30)
         assert ping.returncode == 0 and ping.stdout.count(": version") == 2, ping.stdout + ping.stderr
         stats = subprocess.run(cli + ["stats"], capture_output=True, text=True, timeout=30)

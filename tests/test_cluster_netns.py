@@ -21,9 +21,9 @@ import pytest
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import DEAD
 from gcache.cluster.placement import Placement
-from gcache.devcluster import checker, local_cli, netns
-from gcache.devcluster.local_cluster import LocalCluster, Member
-from gcache.processes import pid_alive
+from gcache.tools.devcluster import checker, local_cli, netns
+from gcache.tools.devcluster.local_cluster import LocalCluster, Member
+from gcache.common.processes import pid_alive
 
 HEARTBEAT_TIMEOUT_S = 1.5
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, migration_timeout_s=15.0,
@@ -160,7 +160,7 @@ def test_cli_down_removes_processes_namespaces_veths_and_bridge(netns_cluster):
     tag = c.network.tag
     pids = [m.pid for m in c.members]
     assert netns.leftovers(tag)["namespaces"] == [n.netns for n in sorted(c.nodes, key=lambda n: n.netns)]
-    cmd = [sys.executable, "-m", "gcache.devcluster.local_cli", "down", "--dir", str(c.dir)]
+    cmd = [sys.executable, "-m", "gcache.tools.devcluster.local_cli", "down", "--dir", str(c.dir)]
     for _ in range(2):  # the second run finds nothing to do
         down = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert down.returncode == 0, down.stderr

@@ -432,7 +432,7 @@ def test_every_deployed_daemon_authenticates_and_masters_serve_tls():
 
 
 def test_example_auth_file_loads_and_placeholders_are_refused_at_start(tmp_path):
-    from gcache.auth import load_auth_file, placeholder_tenants
+    from gcache.wire.auth import load_auth_file, placeholder_tenants
     auth = load_auth_file(str(EXAMPLE_AUTH))
     assert {n: sorted(t.roles) for n, t in auth.tenants.items()} == \
         {"nodes": ["cluster"], "ops": ["admin"], "engines": ["read", "write"]}

@@ -1,5 +1,5 @@
 """Device (GPU) arrays in get_into / batch_get_into / put_from / batch_put_from, staged
-through pinned host memory (gcache.client.device_buffers), against a real gcache-server
+through pinned host memory (gcache.client.device.staging), against a real gcache-server
 over tcp and shm.
 
 Without a GPU the device is HostMemoryBackend: "device memory" is host memory exposed
@@ -20,8 +20,8 @@ import pytest
 
 import gcache
 from gcache import errors
-from gcache.client import device_arrays, device_buffers
-from gcache.client.device_arrays import HostMemoryBackend
+from gcache.client.device import arrays as device_arrays, staging as device_buffers
+from gcache.client.device.arrays import HostMemoryBackend
 
 from conftest import REPO_ROOT, ServerProcess
 

@@ -24,13 +24,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import gcache
-from gcache.keys import POOL_FULL, POOL_SWA, KeyBuilder
+from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 from gcache.worker.config import FULL, SWA
-from gcache.worker.engine import Engine
-from gcache.worker.hicache_config import HiCacheConfig
+from gcache.worker.engine.engine import Engine
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.model import Model
-from gcache.worker.request import Request, SamplingParams
+from gcache.worker.model.transformer import Model
+from gcache.worker.engine.request import Request, SamplingParams
 from hicache_support import CFG, build_engine
 from test_worker_engine import check_against_reference
 

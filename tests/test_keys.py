@@ -1,11 +1,11 @@
-"""gcache.keys: SGLang-compatible page hashes and the store key layout."""
+"""gcache.wire.keys: SGLang-compatible page hashes and the store key layout."""
 import hashlib
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from gcache.errors import InvalidArgumentError, KeyInvalidError
-from gcache.keys import KeyBuilder, get_hash_str, page_hashes
+from gcache.wire.keys import KeyBuilder, get_hash_str, page_hashes
 
 # sha256(u32le(1) u32le(2) u32le(3) u32le(4)), computed independently below.
 PAGE_1_2_3_4 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"

@@ -16,9 +16,9 @@ import urllib.request
 import grpc
 import pytest
 
-from gcache.master.api import MasterClient, MasterUnavailableError
-from gcache.master.local import LocalMaster, master_status, start_masters, wait_leader
-from gcache.processes import free_port
+from gcache.cluster.master_api import MasterClient, MasterUnavailableError
+from gcache.tools.devcluster.local_masters import LocalMaster, master_status, start_masters, wait_leader
+from gcache.common.processes import free_port
 
 HEARTBEAT_TIMEOUT_S = 1.5
 HEARTBEAT_EVERY_S = 0.2

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gcache.bench.local_server import LocalServer
+from gcache.tools.devcluster.local_server import LocalServer
 from gcache.client import Client
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 from gcache.server.rebalance import rebalance
 
 WAIT_S = 20.0
@@ -185,8 +185,8 @@ class NodeProcess(LocalServer):
 
 @pytest.fixture
 def cluster(tmp_path):
-    from gcache.master.api import MasterClient
-    from gcache.master.local import start_masters, wait_leader
+    from gcache.cluster.master_api import MasterClient
+    from gcache.tools.devcluster.local_masters import start_masters, wait_leader
 
     masters = start_masters(1, tmp_path / "masters", heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                             migration_timeout_s=MIGRATION_TIMEOUT_S, tick_s=0.1)

@@ -6,7 +6,7 @@ import pytest
 
 from serving_support import WorkerProc, openai_client, post_json
 from gcache.serving.openai_api import CHAT_PATH, prompt_tokens
-from gcache.worker.tokenizer import ByteTokenizer
+from gcache.serving.tokenizer import ByteTokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -12,7 +12,7 @@ from uhashring import HashRing
 
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap
 from gcache.cluster.placement import VNODES, Placement, Ring
-from gcache.keys import KeyBuilder
+from gcache.wire.keys import KeyBuilder
 
 KEY_COUNT = 20_000
 BUILDER = KeyBuilder(model="Qwen/Qwen3-8B")

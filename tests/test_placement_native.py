@@ -18,7 +18,7 @@ from uhashring.ring_ketama import KetamaRing
 from gcache import _native
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap
 from gcache.cluster.placement import SCALAR_KEYS_MAX, VNODES, Placement, Ring, key_points
-from gcache.keys import KeyBuilder
+from gcache.wire.keys import KeyBuilder
 
 BUILDER = KeyBuilder(model="Qwen/Qwen3-8B")
 KEYS = [BUILDER.key(hashlib.sha256(f"native-{i}".encode()).hexdigest()) for i in range(12_000)]

@@ -1,4 +1,4 @@
-"""gcache.processes: free ports, waiting for a listener, and the one way every launcher stops a process."""
+"""gcache.common.processes: free ports, waiting for a listener, and the one way every launcher stops a process."""
 from __future__ import annotations
 
 import signal
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gcache.processes import (PidProcess, free_port, pid_alive, running, stop_process, stop_processes,
+from gcache.common.processes import (PidProcess, free_port, pid_alive, running, stop_process, stop_processes,
                               wait_listening)
 
 WAIT_S = 20.0  # bound on every wait; generous for a loaded 2-core box

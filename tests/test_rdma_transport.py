@@ -8,7 +8,7 @@ Three layers, tested where each can run:
   (`Fabric`: RDMA hardware cannot exist here, so its READ / WRITE / key
   checks are memmove plus the checks a NIC makes), over the real native
   server, the real RDMA_CONNECT hook and the real LOOKUP / RESERVE / COMMIT;
-- the verbs calls themselves (gcache.rdma_verbs) only where pyverbs and a
+- the verbs calls themselves (gcache.wire.rdma_verbs) only where pyverbs and a
   device exist: skipped elsewhere with the precise reason.
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ import msgpack
 import pytest
 
 import gcache
-from gcache import _native, errors, rdma_verbs
-from gcache.client import rdma_transport, shm_ops
+from gcache import _native, errors
+from gcache.wire import rdma_verbs
+from gcache.client.transports import rdma as rdma_transport, shm_ops
 from gcache.server.rdma import RdmaRegion
 from raw_protocol import BAD_FRAME, INTERNAL, OK, RawConnection
 
@@ -113,7 +114,7 @@ def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
 
 
 def test_server_refuses_rdma_with_authentication(tmp_path):
-    from gcache.devcluster.local_security import write_auth_file
+    from gcache.tools.devcluster.local_security import write_auth_file
 
     proc = subprocess.run(
         [sys.executable, "-m", "gcache.server.main", "--port", "0", "--admin-port", "0",

@@ -14,11 +14,11 @@ import redis
 
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
-from gcache.router.layout import Keys
-from gcache.worker.model import Model
-from gcache.worker.publisher import PublisherConfig, WorkerPublisher
+from gcache.serving.redis_layout import Keys
+from gcache.worker.model.transformer import Model
+from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher
 from redis_support import redis_proc  # noqa: F401  (fixture)
-from gcache.worker.request import SamplingParams
+from gcache.worker.engine.request import SamplingParams
 from router_support import CFG, ManualClock, engine, history, run, tokens
 
 GREEDY_1 = SamplingParams(max_tokens=1, temperature=0.0)
@@ -289,7 +289,7 @@ def test_bad_input_and_malformed_redis_state(redis_proc):
     r.set(k.reg(URLS[0]), b"{not json")
     assert core.refresh() and core.workers() == [] and core.sync.stats["bad_registrations"] == 1
     # A stream entry no publisher would write: the router reloads the snapshot, Redis stays "up".
-    from gcache.router.layout import Registration, WorkerLoad
+    from gcache.serving.redis_layout import Registration, WorkerLoad
     good = Registration(URLS[0], "m", 8, 32, "ep", 0, 0, WorkerLoad())
     r.set(k.reg(URLS[0]), good.to_json())
     r.hset(k.pages(URLS[0]), mapping={(7).to_bytes(8, "big"): b"\x03"})

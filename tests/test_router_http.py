@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 from serving_support import (RouterProc, WorkerProc, metric, openai_client, post_json, read_response, request,
                              start_all)
 from test_http_hardening import burst, stalled_connections

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gcache.keys import page_hashes_array
-from gcache.router.layout import L1_FULL, page_ids
+from gcache.wire.keys import page_hashes_array
+from gcache.serving.redis_layout import L1_FULL, page_ids
 from gcache.router.match import match_worker
-from gcache.worker.cache_events import CacheEventLog
-from gcache.worker.model import Model
+from gcache.worker.kvcache.cache_events import CacheEventLog
+from gcache.worker.model.transformer import Model
 from router_support import CFG, PS, W, engine, history, run, tokens
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import msgpack
 
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 from raw_protocol import STORED, RawConnection
 
 

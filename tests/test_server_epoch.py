@@ -15,7 +15,7 @@ import gcache
 from gcache import _native, errors
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
-from gcache.protocol import FrameStatus, encode_keys_meta
+from gcache.wire.protocol import FrameStatus, encode_keys_meta
 from gcache.server.rebalance import Rebalancer
 from raw_protocol import (BAD_FRAME, EXISTS_BATCH, GET_BATCH, OK, PING, PUT_BATCH, REMOVE_BATCH, STORED,
                           RawConnection, frame_bytes)

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 from conftest import REPO_ROOT
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 from raw_protocol import STORED, RawConnection, put_frame
 
 

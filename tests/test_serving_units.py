@@ -10,7 +10,7 @@ from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, parse_request
 from gcache.serving.safe_json import parse_json
 from gcache.serving.sse import parse_events
 from gcache.serving.stop_text import OutputText
-from gcache.worker.tokenizer import ByteTokenizer
+from gcache.serving.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(512)
 

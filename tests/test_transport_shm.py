@@ -18,7 +18,7 @@ import pytest
 import gcache
 from gcache import errors
 from gcache._native import xxh64
-from gcache.client.shm_transport import ShmTransport
+from gcache.client.transports.shm import ShmTransport
 from raw_protocol import BAD_FRAME, OK, PING, RawConnection
 from raw_shm import COMMIT, FORBIDDEN, LOOKUP, RESERVE, RawShm
 from test_auth_data_port import raw_auth
@@ -318,7 +318,7 @@ def test_bytes_changed_after_a_lease_lapsed_are_never_a_hit(server_factory, sock
     # checked against the value's xxh64 (as are all of them with verify_checksums).
     # Here the block really holds other bytes (written through the mapping, as a
     # reused block would), and the lease is made to count as lapsed for every copy.
-    from gcache.client import shm_ops
+    from gcache.client.transports import shm_ops
 
     node, sock = start(server_factory, sock_dir)
     with gcache.Client(node.address, transport="shm") as c, \

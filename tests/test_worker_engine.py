@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from gcache.worker.config import ModelConfig
-from gcache.worker.engine import Engine, EngineConfig
-from gcache.worker.kv_pool import DualKVCache
-from gcache.worker.model import Model
-from gcache.worker.request import Request, SamplingParams
-from gcache.worker.scheduler import QueueFullError, SchedulerConfig
+from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.transformer import Model
+from gcache.worker.engine.request import Request, SamplingParams
+from gcache.worker.engine.scheduler import QueueFullError, SchedulerConfig
 
 CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
                   page_size=8, vocab_size=512, dtype="float64")

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from gcache.processes import free_port, stop_process
+from gcache.common.processes import free_port, stop_process
 from gcache.worker.config import ModelConfig
-from gcache.worker.model import Model
+from gcache.worker.model.transformer import Model
 
 TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
         "window": 32, "page_size": 8, "vocab_size": 512, "dtype": "float64"}
@@ -29,7 +29,7 @@ class Worker:
     def __init__(self, tmp_path: Path, extra=()) -> None:
         self.port = free_port()
         exe = shutil.which("gcache-worker", path=str(Path(sys.executable).parent))
-        cmd = [exe] if exe else [sys.executable, "-m", "gcache.worker.http_server"]
+        cmd = [exe] if exe else [sys.executable, "-m", "gcache.worker.http.server"]
         self.log = open(tmp_path / f"worker-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
             cmd + ["--host", "127.0.0.1", "--port", str(self.port), "--config-json", json.dumps(TINY),

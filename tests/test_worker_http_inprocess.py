@@ -16,8 +16,8 @@ import pytest
 from serving_support import WORKER_ARGS, post_json, request
 from gcache.serving import runner
 from gcache.serving.sse import parse_events
-from gcache.worker.http_server import make_app
-from gcache.worker.worker_flags import build_engine, parse_args
+from gcache.worker.http.server import make_app
+from gcache.worker.http.flags import build_engine, parse_args
 
 WAIT_S = 30.0
 PROMPT = "In process, on a real socket. "

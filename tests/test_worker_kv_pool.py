@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kv_pool import DualKVCache, PagePool, RequestKV
+from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool, RequestKV
 
 CFG = ModelConfig()
 

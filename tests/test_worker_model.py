@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gcache.worker import backend, weights as wmod
+from gcache.worker import backend
+from gcache.worker.model import weights as wmod
 from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kv_pool import DualKVCache, RequestKV
-from gcache.worker.model import Model
-from gcache.worker.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.model.transformer import Model
+from gcache.serving.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 SEQ = 160  # > W = 128, so the window matters in SWA layers
 # A small hybrid model (layer 6 full, 0-5 SWA) with W = 32 for the quicker tests.

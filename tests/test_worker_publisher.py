@@ -15,11 +15,11 @@ import pytest
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
 from gcache.serving.stop_text import OutputText
-from gcache.worker.engine_thread import EngineThread, Pending
-from gcache.worker.model import Model
-from gcache.worker.publisher import PublisherConfig, WorkerPublisher, add_publisher_args, start_publisher
-from gcache.worker.request import SamplingParams
-from gcache.worker.tokenizer import ByteTokenizer
+from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.model.transformer import Model
+from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher, add_publisher_args, start_publisher
+from gcache.worker.engine.request import SamplingParams
+from gcache.serving.tokenizer import ByteTokenizer
 from redis_support import redis_proc  # noqa: F401  (fixture)
 from router_support import CFG, engine, history, run, tokens
 

@@ -1,6 +1,7 @@
 """The GCache Python client: `gcache.Client("host:port")` (a ServerClient), or a whole
 cluster with `gcache.Client("gcache://master:port,...")` (a ClusterClient); both are
-gcache.Client (gcache.client.api)."""
+gcache.Client (the contract: gcache.client.api; the choice: gcache.client.factory)."""
+from gcache.client import factory as _factory  # noqa: F401  (installs Client's implementation choice)
 from gcache.client.api import Client
 
 __all__ = ["Client", "ClusterClient", "ServerClient"]

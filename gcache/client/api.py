@@ -14,14 +14,12 @@ here are shared, so both answer the same inputs the same way.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable, ClassVar
 
 from gcache import errors
-from gcache.client import device_arrays, device_buffers
+from gcache.client.device import arrays as device_arrays, staging as device_buffers
 from gcache.client.buffers import BufferRegistry, byte_view, slice_view
-from gcache.protocol import normalize_key, normalize_keys
-
-CLUSTER_SCHEME = "gcache://"
-
+from gcache.wire.protocol import normalize_key, normalize_keys
 
 def _is_address(obj) -> bool:
     return isinstance(obj, int) and not isinstance(obj, bool)
@@ -32,14 +30,13 @@ class Client(ABC):
     Thread-safe; use one per process. See ServerClient and ClusterClient for the
     constructor's options."""
 
+    # Set by gcache.client.factory (which gcache.client imports): the implementation for an
+    # address, so this contract imports none of its implementations.
+    _implementation_for: ClassVar[Callable[[object, dict], type]]
+
     def __new__(cls, address="127.0.0.1:7600", *args, **kwargs):
         if cls is Client:  # pick the implementation; Python then runs its __init__
-            if isinstance(address, str) and address.startswith(CLUSTER_SCHEME) or (
-                    address is None and kwargs.get("initial_map") is not None):
-                from gcache.client.cluster_client import ClusterClient as implementation
-            else:
-                from gcache.client.client import ServerClient as implementation
-            return super().__new__(implementation)
+            return super().__new__(Client._implementation_for(address, kwargs))
         return super().__new__(cls)
 
     def __init__(self):

@@ -7,8 +7,8 @@ answers {"auth": false} and the connection is used as it is.
 from __future__ import annotations
 
 from gcache import errors
-from gcache.auth import NONCE_BYTES, auth_mac, token_id
-from gcache.protocol import FrameStatus, Opcode, encode_frame_head
+from gcache.wire.auth import NONCE_BYTES, auth_mac, token_id
+from gcache.wire.protocol import FrameStatus, Opcode, encode_frame_head
 
 _HANDSHAKE_REQUEST_ID = 0  # read back at once, before any pipelined request
 

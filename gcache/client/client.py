@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 
 from gcache import errors
-from gcache.auth import resolve_token
+from gcache.wire.auth import resolve_token
 from gcache.client import pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
-from gcache.client.transport_select import open_transport
-from gcache.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
+from gcache.client.transports.choose import open_transport
+from gcache.wire.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
 
 RETRIES_MAX = 10
 PIPELINE_DEPTH_MAX = 64
@@ -53,7 +53,7 @@ class ServerClient(Client):
         reads $GCACHE_TOKEN (or the file named by $GCACHE_TOKEN_FILE). Each new
         connection proves it with a challenge-response; the token is never sent.
         A missing or wrong token makes every call raise gcache.errors.AuthError.
-    transport: how values move (gcache.client.transport_select): "tcp" (in the
+    transport: how values move (gcache.client.transports.choose): "tcp" (in the
         frames), "shm" (same host: the server's arena mapped into this process,
         copied natively), "rdma" (one-sided RDMA reads and writes), or "auto"
         (default): shm when the server is on this host, else rdma when usable,

@@ -37,11 +37,11 @@ from gcache import errors
 from gcache.client.api import Client
 from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
-from gcache.client.transport_select import transport_kind
+from gcache.client.transports.choose import transport_kind
 from gcache.cluster.cluster_map import DEAD, ClusterMap
 from gcache.cluster.placement import Placement
-from gcache.master.api import MasterCredentials, parse_master_url
-from gcache.protocol import normalize_keys
+from gcache.cluster.master_api import MasterCredentials, parse_master_url
+from gcache.wire.protocol import normalize_keys
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import struct
 import builtins
 
 from gcache import errors
-from gcache.address import parse_host_port
-from gcache.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
+from gcache.common.address import parse_host_port
+from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
 from gcache._native import recv_into_buffers as _native_recv_into_buffers

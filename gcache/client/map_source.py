@@ -16,7 +16,7 @@ from typing import Callable
 import grpc
 
 from gcache.cluster.cluster_map import ClusterMap, MapError
-from gcache.master.api import MasterClient, MasterUnavailableError
+from gcache.cluster.master_api import MasterClient, MasterUnavailableError
 
 log = logging.getLogger(__name__)
 

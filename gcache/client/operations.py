@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gcache import errors
 from gcache._native import xxh64
-from gcache.protocol import (HEADER_BYTES, Opcode, PutStatus, RemoveStatus, encode_header,
+from gcache.wire.protocol import (HEADER_BYTES, Opcode, PutStatus, RemoveStatus, encode_header,
                              encode_keys_meta, encode_meta)
 
 # Bytes per key a response map may use, for bounding what is in flight (msgpack

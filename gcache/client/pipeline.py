@@ -18,7 +18,7 @@ from itertools import count
 from gcache import errors
 from gcache.client.connection import Connection
 from gcache.client.operations import Operation
-from gcache.protocol import FLAG_RESPONSE, FrameStatus, Opcode
+from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode
 
 # Bytes that kernel socket buffers absorb without blocking (default tcp_rmem is
 # 128 KiB; half of it holds data).

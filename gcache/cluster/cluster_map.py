@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from gcache.address import parse_host_port
+from gcache.common.address import parse_host_port
 
 JOINING, ACTIVE, DRAINING, DEAD = "joining", "active", "draining", "dead"
 STATES = (JOINING, ACTIVE, DRAINING, DEAD)

@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 
-from gcache.address import parse_host_port
-from gcache.master.api import MASTERS_MAX
+from gcache.common.address import parse_host_port
+from gcache.cluster.master_api import MASTERS_MAX
 
 log = logging.getLogger("gcache.master")
 
@@ -130,7 +130,7 @@ def _tls(args):
 def _auth(args):
     if not args.auth_file:
         return None
-    from gcache.auth import AuthFileError, load_auth_file, placeholder_tenants
+    from gcache.wire.auth import AuthFileError, load_auth_file, placeholder_tenants
     try:
         auth = load_auth_file(args.auth_file)
     except AuthFileError as e:

@@ -1,4 +1,4 @@
-"""gRPC servicer of gcache.Master (see gcache.master.api for the methods).
+"""gRPC servicer of gcache.Master (see gcache.cluster.master_api for the methods).
 
 Requests are validated here, so that bad input gets INVALID_ARGUMENT with a
 message saying what to send; writes become Raft commands (MasterRaft.apply),
@@ -13,9 +13,9 @@ from concurrent import futures
 
 import grpc
 
-from gcache.address import parse_host_port
+from gcache.common.address import parse_host_port
 from gcache.cluster.cluster_map import NODE_ID_BYTES_MAX, WEIGHT_MAX
-from gcache.master import api
+from gcache.cluster import master_api as api
 from gcache.master.raft_state import MasterRaft, RaftUnavailableError
 from gcache.master.state import (
     DEGRADED_CHARS_MAX, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, StateError)
@@ -76,7 +76,7 @@ class MasterService:
         self.auth = auth
 
     def _check_token(self, method: str, context) -> None:
-        from gcache.server.admin_http import bearer_token
+        from gcache.wire.auth import bearer_token
         header = dict(context.invocation_metadata()).get("authorization")
         tenant = self.auth.by_token(bearer_token(header))
         if tenant is None:

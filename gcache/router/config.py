@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from .layout import valid_worker_url
+from gcache.serving.redis_layout import valid_worker_url
 
 POLICIES = ("cache_aware", "cache_ttft", "least_load", "round_robin", "random", "dynamo", "approx_tree")
 

@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import RouterConfig
-from .layout import Keys, id_bytes, page_ids
-from .policies import Candidate, Choice, LeastLoad, Prompt, make_policy
-from .state import ClusterView, RedisSync
+from gcache.router.config import RouterConfig
+from gcache.serving.redis_layout import Keys, id_bytes, page_ids
+from gcache.router.policies import Candidate, Choice, LeastLoad, Prompt, make_policy
+from gcache.router.state import ClusterView, RedisSync
 
 log = logging.getLogger("gcache.router")
 

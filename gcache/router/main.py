@@ -12,9 +12,9 @@ import sys
 from gcache.serving import runner
 from gcache.serving.body import BODY_DEADLINE_S
 
-from .config import RouterConfig, add_router_args
-from .core import RouterCore
-from .server import make_app
+from gcache.router.config import RouterConfig, add_router_args
+from gcache.router.core import RouterCore
+from gcache.router.server import make_app
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
+from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
 
 
 @dataclass(frozen=True)

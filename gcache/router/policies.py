@@ -18,10 +18,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .config import RouterConfig
-from .layout import Registration
-from .match import TierMatch, match_worker
-from .recent import RecentPrompts
+from gcache.router.config import RouterConfig
+from gcache.serving.redis_layout import Registration
+from gcache.router.match import TierMatch, match_worker
+from gcache.router.recent import RecentPrompts
 
 
 @dataclass

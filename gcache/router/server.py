@@ -32,9 +32,9 @@ from gcache.serving.intake import openai_app, serve_post
 from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, prompt_tokens
 from gcache.serving.safe_json import parse_json
-from gcache.worker.tokenizer import ByteTokenizer
+from gcache.serving.tokenizer import ByteTokenizer
 
-from .core import RouterCore
+from gcache.router.core import RouterCore
 
 log = logging.getLogger("gcache.router")
 

@@ -35,7 +35,7 @@ def _unpack(data: bytes):
 def require_role(auth, context, role: str):
     """Aborts the call unless its `authorization: Bearer TOKEN` metadata names a tenant
     with `role`; returns that tenant."""
-    from gcache.server.admin_http import bearer_token
+    from gcache.wire.auth import bearer_token
     header = dict(context.invocation_metadata()).get("authorization")
     tenant = auth.by_token(bearer_token(header))
     if tenant is None:

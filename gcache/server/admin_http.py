@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from gcache.server import prometheus
+from gcache.wire.auth import bearer_token
 
 log = logging.getLogger("gcache.server.admin")
 
@@ -57,14 +58,6 @@ class AdminHttpServer:
             self._httpd.shutdown()
             self._thread.join(timeout=5)
         self._httpd.server_close()
-
-
-def bearer_token(header: str | None) -> str | None:
-    """The token of an `Authorization: Bearer TOKEN` header, or None."""
-    if not header:
-        return None
-    scheme, _, token = header.strip().partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def _make_handler(stats, flush, ready, cluster, drain, auth):

@@ -26,10 +26,10 @@ from typing import Callable
 
 import msgpack
 
-from gcache.auth import placement_key
+from gcache.wire.auth import placement_key
 from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, WRITE_STATES, ClusterMap,
                                         weight_for_capacity)
-from gcache.master.api import MasterClient, MasterUnavailableError
+from gcache.cluster.master_api import MasterClient, MasterUnavailableError
 from gcache.server.degradation import DegradationMonitor
 from gcache.server.rebalance import (RebalanceAborted, RebalanceCounters, Rebalancer,
                                      keeps_local_copies)

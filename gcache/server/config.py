@@ -12,38 +12,14 @@ import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
 
-from gcache.address import parse_host_port
+from gcache.common.address import parse_host_port
+from gcache.common.units import parse_size
+from gcache.errors import ConfigError
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-class ConfigError(ValueError):
-    """A flag or config-file value is invalid; the message says which and why."""
-
-
-def parse_size(text: str | int) -> int:
-    """'64MiB' -> 67108864; accepts B, KiB/MiB/GiB/TiB, KB/MB/GB/TB or plain bytes."""
-    if isinstance(text, bool):
-        raise ConfigError(f"size {text!r} is not a number of bytes")
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"size {text} is negative")
-        return text
-    match = _SIZE_RE.match(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} is not understood; write e.g. 4096, 64MiB, 1GiB or 500MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
 
 @dataclass
 class ServerSettings:
@@ -105,7 +81,7 @@ class ServerSettings:
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"{flag} {path}: not a readable file")
         if self.auth:
-            from gcache.auth import placeholder_tenants
+            from gcache.wire.auth import placeholder_tenants
             names = placeholder_tenants(self.auth)
             if names:
                 raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(names)} still have the "
@@ -120,7 +96,7 @@ class ServerSettings:
     def master_credentials(self):
         """How this node proves itself to the masters: its auth file's cluster-role token
         (else $GCACHE_TOKEN) and the --master-tls-* files."""
-        from gcache.master.api import MasterCredentials
+        from gcache.cluster.master_api import MasterCredentials
         token = self.auth.cluster_token() if self.auth else None
         return MasterCredentials.from_env(token=token, tls_ca=self.master_tls_ca or None,
                                           tls_cert=self.master_tls_cert or None,
@@ -133,7 +109,7 @@ class ServerSettings:
             return None
         cached = self.__dict__.get("_auth")
         if cached is None or cached.path != self.auth_file:
-            from gcache.auth import AuthFileError, load_auth_file
+            from gcache.wire.auth import AuthFileError, load_auth_file
             try:
                 cached = self.__dict__["_auth"] = load_auth_file(self.auth_file)
             except AuthFileError as e:
@@ -432,7 +408,7 @@ def _validate(s: ServerSettings) -> None:
     if s.auth_file:
         auth = s.auth  # ConfigError if unreadable or invalid
         if s.master:
-            from gcache.auth import AuthFileError
+            from gcache.wire.auth import AuthFileError
             try:
                 auth.cluster_token()  # a cluster node needs the cluster role's token
             except AuthFileError as e:

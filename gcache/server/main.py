@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from gcache import __version__
-from gcache.address import join_host_port, parse_host_port
-from gcache.rdma_verbs import RdmaUnavailable
+from gcache.common.address import join_host_port, parse_host_port
+from gcache.wire.rdma_verbs import RdmaUnavailable
 from gcache.server.config import (
     EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ConfigError, ServerSettings, load_settings,
 )
@@ -183,7 +183,7 @@ def run(settings: ServerSettings) -> int:
 
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
     if settings.auth_file:
-        from gcache.auth import world_readable
+        from gcache.wire.auth import world_readable
         log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
         if world_readable(settings.auth_file):
             log.warning("%s is readable by every user: chmod 600 it (it holds the tokens)", settings.auth_file)

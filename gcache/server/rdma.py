@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from gcache import rdma_verbs
+from gcache.wire import rdma_verbs
 from gcache.errors import ProtocolError
-from gcache.protocol import decode_meta, encode_meta
+from gcache.wire.protocol import decode_meta, encode_meta
 
 log = logging.getLogger("gcache.server")
 

@@ -15,7 +15,7 @@ import asyncio
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler  # sends "100 Continue"
 
-from .errors import HTTPError, error_response
+from gcache.serving.errors import HTTPError, error_response
 
 BODY_BYTES_MAX = 8 << 20
 BODY_DEADLINE_S = 10.0

@@ -5,7 +5,7 @@ import collections
 
 from aiohttp import web
 
-from .errors import error_response
+from gcache.serving.errors import error_response
 
 
 def prometheus_response(text: str) -> web.Response:

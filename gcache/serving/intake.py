@@ -7,12 +7,12 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from .body import answer_for, expect_handler, read_body
-from .counters import HTTPCounters
-from .errors import HTTPError, error_response, from_http_error
-from .limiter import InFlightLimiter
-from .openai_api import CHAT_PATH, COMPLETIONS_PATH
-from .safe_json import parse_json
+from gcache.serving.body import answer_for, expect_handler, read_body
+from gcache.serving.counters import HTTPCounters
+from gcache.serving.errors import HTTPError, error_response, from_http_error
+from gcache.serving.limiter import InFlightLimiter
+from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH
+from gcache.serving.safe_json import parse_json
 
 Handler = Callable[[bytes, Any], Awaitable[web.StreamResponse]]
 

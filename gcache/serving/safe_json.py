@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from .errors import HTTPError
+from gcache.serving.errors import HTTPError
 
 DEPTH_MAX = 32
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -23,8 +23,8 @@ MISSING = missing_packages()
 
 
 def chain(pages: int, page_size: int = 4, salt: int = 0) -> list[str]:
-    """SGLang page hashes (gcache.keys.page_hashes == sglang's get_hash_str chain) of a prompt."""
-    from gcache.keys import page_hashes
+    """SGLang page hashes (gcache.wire.keys.page_hashes == sglang's get_hash_str chain) of a prompt."""
+    from gcache.wire.keys import page_hashes
     tokens = [(salt * 7919 + i * 31) % 50000 for i in range(pages * page_size)]
     return page_hashes(tokens, page_size)
 

@@ -1,7 +1,7 @@
 """GCacheHiCacheStorage through SGLang 0.5.23's real StorageBackendFactory and a real gcache-server.
 
 Host pools: SGLang's MHATokenToKVPoolHost cannot be built on this CPU-only machine, so
-HostPoolStandIn runs SGLang's own page methods (see gcache/integrations/sglang_testing.py).
+HostPoolStandIn runs SGLang's own page methods (see gcache/integrations/sglang/testing.py).
 Every round trip is checked byte for byte against SGLang's get_data_page, and the store
 is read with a raw gcache.Client under the exact keys the README documents.
 """
@@ -29,7 +29,7 @@ def entry_keys(page_hash: str, layout: str, layers: int) -> list[bytes]:
 
 def test_factory_loads_the_backend_by_module_path(sgl, server, storage_config, attach, host_pool):
     hicache_storage, _ = sgl
-    from gcache.integrations.sglang import GCacheHiCacheStorage
+    from gcache.integrations.sglang.backend import GCacheHiCacheStorage
 
     pool = host_pool()
     backend = attach(storage_config(server.address), pool)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import gcache
-from gcache.devcluster.local_cluster import LocalCluster
+from gcache.tools.devcluster.local_cluster import LocalCluster
 from .sglang_support import chain, page_bytes, slots
 
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, memory="64MiB", disk="128MiB")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gcache.processes import free_port
+from gcache.common.processes import free_port
 from .relay import KillingRelay
 from .sglang_support import chain, page_bytes, slots
 

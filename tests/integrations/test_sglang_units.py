@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from gcache.integrations.sglang_keys import (KeyLayoutError, PoolKeys, entry_parts, key_builder,
+from gcache.integrations.sglang.keys import (KeyLayoutError, PoolKeys, entry_parts, key_builder,
                                              pool_tag)
-from gcache.integrations.sglang_prefix import fold, leading_pages, pages_present, restorable_cuts
-from gcache.integrations.sglang_settings import BackendSettings, SettingsError
+from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present, restorable_cuts
+from gcache.integrations.sglang.settings import BackendSettings, SettingsError
 
 H = "ab" * 32
 

@@ -1,0 +1,230 @@
+"""GCache as SGLang's HiCache L3 storage backend (sglang 0.5.23, `dynamic` backend).
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "gcache",
+            "module_path": "gcache.integrations.sglang",
+            "class_name": "GCacheHiCacheStorage",
+            "gcache_url": "127.0.0.1:7600", "interface_v1": 1}'
+
+SGLang's StorageBackendFactory calls `GCacheHiCacheStorage(storage_config, kwargs)`,
+then `register_mem_pool_host(host_pool)` (and `register_mem_host_pool_v2` per pool
+for hybrid models), then `on_host_pools_registered()`. The store is contacted in
+the constructor: a missing or unreachable store fails the attach with a clear
+error. From then on no call raises: a store failure is a miss, a False, or a
+shorter prefix (sglang_store.GuardedStore). Keys: sglang_keys.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+import gcache
+from gcache import errors
+from gcache.integrations.sglang.keys import flat_page_keys, key_builder, pool_tag
+from gcache.integrations.sglang.legacy import LegacyCalls
+from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors
+from gcache.integrations.sglang.prefix import leading_pages, pages_present
+from gcache.integrations.sglang.settings import BackendSettings
+from gcache.integrations.sglang.stats import BackendStats
+from gcache.integrations.sglang.store import GuardedStore
+from gcache.integrations.sglang.v2 import PerPoolCalls
+
+log = logging.getLogger("gcache.integrations.sglang")
+
+WRITTEN_KEYS_MAX = 65536  # keys clear() can remove: the newest this process stored
+
+
+def connect(settings: BackendSettings):
+    """A client that has just reached the store; a clear error if it cannot."""
+    client = None
+    try:
+        client = gcache.Client(settings.url, timeout_s=settings.timeout_s,
+                               connect_timeout_s=settings.connect_timeout_s,
+                               retries=settings.retries, transport=settings.transport)
+        answer = client.ping()
+    except errors.GCacheError as exc:
+        if client is not None:
+            client.close()
+        raise ConnectionError(f"GCache backend: cannot reach the store at {settings.url}: {exc}. "
+                              "Start gcache-server (or fix gcache_url / GCACHE_URL)") from exc
+    if settings.url.startswith("gcache://") and not any(isinstance(a, dict) for a in answer.values()):
+        client.close()
+        raise ConnectionError(f"GCache backend: no node of the cluster at {settings.url} "
+                              f"answered: {answer or 'the cluster map lists no nodes'}")
+    return client
+
+
+class GCacheHiCacheStorage(PerPoolCalls, LegacyCalls, HiCacheStorage):
+    """SGLang's HiCacheStorage over GCache: zero-copy v1 here, per-pool v2 (sglang_v2),
+    legacy v0 (sglang_legacy)."""
+
+    def __init__(self, storage_config, kwargs: dict | None = None):
+        self.storage_config = storage_config
+        self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
+        self.builder = key_builder(storage_config, self.settings.namespace)
+        self.stats = BackendStats(bool(storage_config.enable_storage_metrics))
+        self.client = connect(self.settings)
+        self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
+        self.mem_pool_host = None
+        self.registered_pools = {}
+        self._pages: dict = {}          # pool name -> PoolPages (v1 KV under "kv")
+        self._logical: set = set()      # pools that own indices but no bytes
+        self._flat = None               # v0 keys (one flat page per key)
+        self._registered_ptrs: set = set()
+        self._written: OrderedDict = OrderedDict()
+        self._written_lock = threading.Lock()
+        log.info("GCache HiCache backend: store %s, keys ...%s, interface_v1=%s",
+                 self.settings.url, self.builder.suffix, self.settings.interface_v1)
+
+    # -- registration --------------------------------------------------------------
+
+    def _register_memory(self, host_pool) -> None:
+        for tensor in pool_tensors(host_pool):
+            ptr = tensor.data_ptr()
+            if ptr not in self._registered_ptrs:
+                self.client.register_buffer(ptr, tensor.numel() * tensor.element_size())
+                self._registered_ptrs.add(ptr)
+
+    def _add_pool(self, host_pool, name) -> None:
+        if is_logical(host_pool):
+            self._logical.add(pool_tag(name))
+            return
+        self._register_memory(host_pool)
+        self._pages[pool_tag(name)] = PoolPages(host_pool, name, self.builder)
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._add_pool(mem_pool_host, "kv")
+        if not is_logical(mem_pool_host):
+            self._flat = flat_page_keys(self.builder, "kv", mem_pool_host.layout)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool is self.mem_pool_host:
+            return  # the anchor KV pool, registered by register_mem_pool_host already
+        self._add_pool(host_pool, host_pool_name)
+
+    # -- the boundary: nothing raises into SGLang --------------------------------
+
+    def _safely(self, what: str, failed, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # our bug or bad input: SGLang's storage threads must live on
+            log.error("GCache backend %s failed: %s", what, exc, exc_info=True)
+            return failed
+
+    def _remember(self, keys: list) -> None:
+        with self._written_lock:
+            for key in keys:
+                self._written[key] = None
+                self._written.move_to_end(key)
+            while len(self._written) > WRITTEN_KEYS_MAX:
+                self._written.popitem(last=False)
+
+    # -- moving pages (pointer lists; shared by v1 and v2) --------------------------
+
+    def _read(self, entry_keys, buffers, sizes, per_page) -> list[bool]:
+        got = self.store.get_into(entry_keys, buffers, sizes)
+        return pages_present([g is not None and g == s for g, s in zip(got, sizes)], per_page)
+
+    def _write(self, entry_keys, buffers, sizes, per_page) -> list[bool]:
+        # Like SGLang's own backends, probe first: a page already stored (a shared
+        # prefix) costs one EXISTS entry instead of its bytes on the wire.
+        stored = self.store.exists_flags(entry_keys) if self.settings.skip_existing \
+            else [False] * len(entry_keys)
+        missing = [i for i, ok in enumerate(stored) if not ok]
+        self.stats.count("entries_skipped_existing", len(entry_keys) - len(missing))
+        if missing:
+            keys = [entry_keys[i] for i in missing]
+            done = self.store.put_from(keys, [buffers[i] for i in missing],
+                                       None if sizes is None else [sizes[i] for i in missing])
+            for i, ok in zip(missing, done):
+                stored[i] = ok
+            self._remember([k for k, ok in zip(keys, done) if ok])
+        return pages_present(stored, per_page)
+
+    def _kv_pages(self) -> PoolPages:
+        pages = self._pages.get("full")
+        if pages is None:
+            raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
+        return pages
+
+    def _move_v1(self, page_hashes, host_indices, writing: bool) -> list[bool]:
+        if not page_hashes:
+            return []
+        if "full" in self._logical:  # no KV bytes on this anchor: v2 pools carry the data
+            return [True] * len(page_hashes)
+        pages = self._kv_pages()
+        entry_keys, ptrs, sizes = pages.locate(page_hashes, host_indices)
+        start = time.perf_counter()
+        ok = (self._write if writing else self._read)(entry_keys, ptrs, sizes, pages.per_page)
+        hit = leading_pages(ok)
+        self.stats.count("pages_written" if writing else "pages_read", sum(ok))
+        if not writing:
+            self.stats.count("pages_missed", len(ok) - sum(ok))
+        else:
+            self.stats.count("pages_write_failed", len(ok) - sum(ok))
+        self.stats.sample("backup" if writing else "prefetch", hit, hit * pages.page_bytes,
+                          time.perf_counter() - start)
+        return ok
+
+    # -- v1: zero copy ------------------------------------------------------------------
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        return self._safely("batch_get_v1", [False] * len(keys), self._move_v1, keys, host_indices, False)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        return self._safely("batch_set_v1", [False] * len(keys), self._move_v1, keys, host_indices, True)
+
+    def _kv_entry_keys(self, page_hashes) -> tuple[list, int]:
+        if self.settings.interface_v1:
+            pages = self._kv_pages()
+            return pages.keys.entries(page_hashes), pages.per_page
+        if self._flat is None:
+            raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
+        return self._flat.entries(page_hashes), 1
+
+    def _exists(self, page_hashes) -> int:
+        if not page_hashes:
+            return 0
+        if "full" in self._logical:
+            return len(page_hashes)
+        entry_keys, per_page = self._kv_entry_keys(page_hashes)
+        return self.store.exists_prefix(entry_keys) // per_page
+
+    def batch_exists(self, keys, extra_info=None) -> int:
+        """Leading pages present: one EXISTS round trip (per owner node in a cluster)."""
+        return self._safely("batch_exists", 0, self._exists, keys)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def get_stats(self):
+        """SGLang's StorageMetrics (samples only when SGLang runs with --enable-metrics), drained."""
+        return self.stats.drain_metrics()
+
+    def counters(self) -> dict:
+        """GCache's own counts (pages read / missed / written, store errors, ...)."""
+        return self.stats.snapshot()
+
+    def clear(self) -> bool:
+        """Removes the pages this process stored (the newest WRITTEN_KEYS_MAX entries).
+
+        GCache is shared by other models, tenants and ranks and has no prefix delete,
+        so pages stored by earlier processes stay until the store evicts them.
+        """
+        with self._written_lock:
+            keys = list(self._written)
+        if keys and not self.store.remove(keys):
+            return False
+        with self._written_lock:
+            for key in keys:
+                self._written.pop(key, None)
+        return True
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,115 @@
+"""Redis through redis-py pipelines (SET / GET / EXISTS), and a local redis-server."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+from gcache.common.address import parse_host_port
+from gcache.tools.storebench.peers.base import Peer, PeerSpec
+from gcache.common.processes import free_port, stop_process, wait_listening
+
+REDIS_START_TIMEOUT_S = 10.0
+REDIS_SOCKET_TIMEOUT_S = 60.0
+UNIX_PREFIX = "unix:"  # a peer address "unix:/path" is a Unix socket
+
+
+class RedisPeer(Peer):
+    name = "redis"
+
+    def __init__(self, address: str):
+        import redis  # optional dependency: only --vs redis needs it
+
+        if address.startswith(UNIX_PREFIX):
+            self.client = redis.Redis(unix_socket_path=address[len(UNIX_PREFIX):],
+                                      socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        else:
+            host, port = parse_host_port(address)
+            self.client = redis.Redis(host=host, port=port, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        self.client.ping()
+
+    def put_from(self, keys, buf, size):
+        view = memoryview(buf)
+        pipe = self.client.pipeline(transaction=False)
+        for i, key in enumerate(keys):
+            pipe.set(key, view[i * size:(i + 1) * size])
+        return sum(1 for ok in pipe.execute() if ok)
+
+    def get_into(self, keys, buf, size):
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        hits = 0
+        for i, value in enumerate(pipe.execute()):
+            if value is not None and len(value) == size:
+                # redis-py returns bytes; landing them in the caller's buffer is part of the job
+                buf[i * size:(i + 1) * size] = np.frombuffer(value, dtype=np.uint8)
+                hits += 1
+        return hits
+
+    def exists(self, keys):
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return sum(pipe.execute())
+
+    def get_one(self, key):
+        return self.client.get(key)
+
+    def remove(self, keys):
+        if keys:
+            self.client.delete(*keys)
+
+    def close(self):
+        self.client.close()
+
+
+def open_peer(spec: PeerSpec) -> Peer:
+    return RedisPeer(spec.address)
+
+
+class LocalRedis:
+    """A throwaway redis-server on a free loopback port and a Unix socket, no persistence.
+
+    `address` is the TCP one; `local_address` the Unix socket ("unix:/path"), what a
+    client on this host uses at its best (the bench's baseline beside GCache's shm)."""
+
+    def __init__(self):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
+        self.port = free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="gcache-bench-redis-")
+        self.socket_path = f"{self.dir.name}/redis.sock"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir.name, "--unixsocket", self.socket_path, "--unixsocketperm", "700"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_listening(self.proc, self.port, REDIS_START_TIMEOUT_S, "redis-server")
+        except RuntimeError:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def local_address(self) -> str:
+        return UNIX_PREFIX + self.socket_path
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.dir.cleanup()
+
+
+def parse_redis_url(url: str) -> str:
+    """'redis://host:port' or 'host:port' -> 'host:port'."""
+    address = url.split("://", 1)[-1].split("/", 1)[0]
+    if ":" not in address:
+        address += ":6379"
+    return address

@@ -1,0 +1,146 @@
+"""Runs a workload on N threads or processes, and repeats into medians."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import threading
+import traceback
+from dataclasses import asdict
+
+import numpy as np
+
+from gcache.tools.storebench.peers.base import PeerSpec, open_peer
+from gcache.tools.storebench.workloads import BARRIER_TIMEOUT_S, RUNNERS, WorkerContext, WorkerResult, WorkloadConfig
+
+PROCESS_JOIN_TIMEOUT_S = 600.0
+
+
+def _run_one(spec: PeerSpec, name: str, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerResult:
+    peer = open_peer(spec)
+    try:
+        return RUNNERS[name](peer, cfg, ctx)
+    finally:
+        peer.close()
+
+
+def _thread_workers(spec, name, cfg, workers, key_prefix) -> list[WorkerResult]:
+    barrier = threading.Barrier(workers)
+    results: list[WorkerResult | None] = [None] * workers
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _run_one(spec, name, cfg, WorkerContext(i, f"{key_prefix}/w{i}", barrier))
+        except BaseException:
+            errors.append(traceback.format_exc())
+            barrier.abort()            # release the others instead of hanging them
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"bench-{name}-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{spec.kind} {name} worker failed:\n{errors[0]}")
+    return results  # type: ignore[return-value]
+
+
+def _process_main(spec, name, cfg, worker_id, key_prefix, barrier, queue) -> None:
+    try:
+        result = _run_one(spec, name, cfg, WorkerContext(worker_id, key_prefix, barrier))
+        queue.put((worker_id, result, None))
+    except BaseException:
+        barrier.abort()
+        queue.put((worker_id, None, traceback.format_exc()))
+
+
+def _process_workers(spec, name, cfg, workers, key_prefix) -> list[WorkerResult]:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(workers)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_process_main, args=(spec, name, cfg, i, f"{key_prefix}/p{i}", barrier, queue),
+                    name=f"bench-{name}-{i}", daemon=True)
+        for i in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    results: list[WorkerResult | None] = [None] * workers
+    errors: list[str] = []
+    try:
+        for _ in range(workers):
+            worker_id, result, error = queue.get(timeout=PROCESS_JOIN_TIMEOUT_S)
+            results[worker_id] = result
+            if error:
+                errors.append(error)
+    finally:
+        for p in procs:
+            p.join(BARRIER_TIMEOUT_S if not errors else 5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError(f"{spec.kind} {name} worker process failed:\n{errors[0]}")
+    return results  # type: ignore[return-value]
+
+
+def summarize(results: list[WorkerResult]) -> dict:
+    """One timed loop across all workers. Rates add up over concurrent workers."""
+    lat = np.array([s for r in results for s in r.latencies_s] or [0.0]) * 1e6
+    gbps = sum(r.bytes / r.seconds for r in results if r.seconds > 0) / 1e9
+    calls_per_s = sum(r.calls / r.seconds for r in results if r.seconds > 0)
+    keys_per_s = sum(r.keys / r.seconds for r in results if r.seconds > 0)
+    return {
+        "calls": sum(r.calls for r in results),
+        "keys": sum(r.keys for r in results),
+        "bytes": sum(r.bytes for r in results),
+        "misses": sum(r.misses for r in results),
+        "seconds": max(r.seconds for r in results),
+        "gbps": gbps,
+        "calls_per_s": calls_per_s,
+        "keys_per_s": keys_per_s,
+        "p50_us": float(np.percentile(lat, 50)),
+        "p99_us": float(np.percentile(lat, 99)),
+        "mean_us": float(lat.mean()),
+        "max_us": float(lat.max()),
+        "verified": all(r.verified for r in results),
+    }
+
+
+def run_workload(spec: PeerSpec, name: str, cfg: WorkloadConfig, workers: int = 1,
+                 mode: str = "threads", key_prefix: str = "bench") -> dict:
+    if name not in RUNNERS:
+        raise ValueError(f"unknown workload {name!r}: choose from {sorted(RUNNERS)}")
+    if workers < 1:
+        raise ValueError("need at least one worker")
+    run = _process_workers if mode == "processes" else _thread_workers
+    return summarize(run(spec, name, cfg, workers, key_prefix))
+
+
+MEDIAN_FIELDS = ("gbps", "calls_per_s", "keys_per_s", "p50_us", "p99_us", "mean_us", "max_us")
+TOTAL_FIELDS = ("calls", "keys", "bytes", "misses", "seconds")
+
+
+def combine_repeats(runs: list[dict]) -> dict:
+    """Rates and latencies: median over repeats. Counts: totals over repeats."""
+    out = {f: statistics.median(r[f] for r in runs) for f in MEDIAN_FIELDS}
+    out.update({f: sum(r[f] for r in runs) for f in TOTAL_FIELDS})
+    out["verified"] = all(r["verified"] for r in runs)
+    out["repeats"] = len(runs)
+    out["runs"] = runs
+    return out
+
+
+def run_suite(spec: PeerSpec, workloads: list[str], cfg: WorkloadConfig, repeat: int, workers: int,
+              mode: str, run_tag: str, progress=None, planned_step_s: float = 0.0) -> dict:
+    """Every workload, `repeat` times, interleaved so machine drift hits all alike."""
+    runs: dict[str, list[dict]] = {w: [] for w in workloads}
+    for r in range(repeat):
+        for w in workloads:
+            if progress is not None:
+                progress.step(f"{spec.kind} {w} {r + 1}/{repeat}", planned_step_s)
+            runs[w].append(run_workload(spec, w, cfg, workers, mode, f"{run_tag}/{spec.kind}/{w}/r{r}"))
+    return {w: combine_repeats(runs[w]) for w in workloads}
+
+
+def config_dict(cfg: WorkloadConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,429 @@
+"""The cache hierarchy: L1 (device pools + SWA radix tree), L2 (host pool), L3 (GCache).
+
+How a prefix moves (see cache_manager.py for the contract the engine relies on):
+  * match: the L1 tree gives the longest window-safe prefix P1 on the device; L2 extends it
+    page by page through the page-hash chain (a dict lookup per page) up to its last
+    window-safe point; pages an L3 prefetch brought in are in L2 by then.
+  * load: the L2 part is copied into fresh device pages, full KV for every page and SWA
+    KV for the window tail only (never SWA for the whole prefix), layer by layer. When the
+    device pools cannot hold it all, the load is cut to the last window-safe point that
+    fits (failure mode 2: never all-or-nothing).
+  * write: pages entering the L1 tree go to L2 and L3 per the write policy; L1 eviction
+    demotes pages under write_back.
+  * SWA checkpoints in every tier: a request keeps SWA KV only for its window and for the
+    window tails of its checkpoints (its end, its branch point off the tree, every C
+    pages); everything else goes back to the SWA pool as soon as it leaves the window.
+    So each tier holds a prefix's SWA cost O(W) per checkpoint, and a prefix is loadable
+    from a tier up to its last checkpoint whose full pages are all there.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
+from gcache.worker.config import FULL, SWA
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.host_cache import HostCache
+from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.integrity import require
+from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.kvcache.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
+from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.serving.swa_window import last_safe_end, tail_start_page
+
+STAT_NAMES = ("l2_load_pages", "l2_load_bytes", "l2_load_seconds", "l2_load_wait_seconds",
+              "l2_write_pages", "l2_write_bytes", "l2_write_dropped", "loads_cut_to_fit",
+              "l3_writes_skipped_down")
+
+
+class HiCache(CacheManager):
+    def __init__(self, kv: DualKVCache, config: HiCacheConfig = HiCacheConfig(),
+                 nodes_max: int = 1_000_000, l3_client=None) -> None:
+        self.kv, self.config = kv, config
+        self.ps, self.window = kv.page_size, kv.window
+        self.tree = SWARadixTree(self.ps, self.window, kv.full, kv.swa, nodes_max=nodes_max)
+        self.host: HostCache | None = None
+        self.l3: L3Store | None = None
+        if config.l2_bytes:
+            pool = HostKVPool.from_budget(kv.config, config.l2_bytes, config.l2_swa_full_ratio, kv.xp)
+            self.host = HostCache(pool, protect_prefix=config.l3_protect_prefix)
+            if config.l3_url:
+                l3c = L3Config(url=config.l3_url, model=config.model_name, timeout_s=config.l3_timeout_s,
+                               write_queue_max=config.l3_write_queue_max,
+                               protect_prefix=config.l3_protect_prefix)
+                self.l3 = L3Store(l3c, self.host, self.window, self.ps, client=l3_client)
+            if config.write_policy == "write_back":
+                self.tree.on_evict = self._demote
+        self._loads: list[PageLoad] = []
+        self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
+        self.counters = dict.fromkeys(STAT_NAMES, 0)
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def _limit_pages(self, req) -> int:
+        return (req.num_tokens - 1) // self.ps  # always leave a token to compute
+
+    def _host_end(self, keys: list[str], start: int) -> int:
+        """Last window-safe end (pages) reachable from `start` through L2."""
+        if self.host is None:
+            return start
+        n, swa = self.host.run(keys, start)
+        return last_safe_end(start, n, lambda i: swa[i - start], self.ps, self.window)
+
+    def match(self, req) -> MatchResult:
+        all_keys = req.page_keys()
+        keys = all_keys[: self._limit_pages(req)]
+        m = self.tree.match(req.tokens(), keys=all_keys)
+        p1 = m.prefix_len // self.ps
+        end = self._host_end(keys, p1)
+        return MatchResult(l1_len=m.prefix_len, l2_len=end * self.ps, l3_len=end * self.ps,
+                           device_pages=m.full_pages, host_keys=tuple(keys[p1:end]), node=m.node,
+                           present_len=m.present_len)
+
+    def estimate_uncached(self, req) -> int:
+        return req.num_tokens - self.match(req).total
+
+    def ready(self, req) -> bool:
+        pf = req.prefetch
+        if pf is None or pf.done.is_set() or self.config.prefetch_policy == "best_effort":
+            return True
+        if self.config.prefetch_policy == "timeout":
+            return time.monotonic() - pf.started_s >= self.config.prefetch_timeout_s
+        return False  # wait_complete (the client's timeouts bound every prefetch)
+
+    def poll(self, waiting) -> None:
+        """Start L3 prefetches for waiting requests not yet looked up (bounded per step)."""
+        if self.l3 is None or not self.l3.available():
+            return
+        started = 0
+        for r in waiting:
+            if started >= self.config.prefetches_per_step:
+                return
+            if r.prefetch is not None or r.prefetch_tried:
+                continue
+            r.prefetch_tried = True
+            limit = self._limit_pages(r)
+            start = self.match(r).total // self.ps
+            if start < limit:
+                r.prefetch = self.l3.submit_prefetch(r.page_keys()[:limit], start)
+                started += 1
+
+    # ---- load --------------------------------------------------------------------------------
+    def prepare_load(self, req) -> MatchResult:
+        ps, W = self.ps, self.window
+        all_keys = req.page_keys()
+        keys = all_keys[: self._limit_pages(req)]
+        m = self.tree.match(req.tokens(), keys=all_keys)
+        self.tree.lock(m.node)
+        req.lock_node = m.node
+        req.branch_page = m.present_len // ps
+        p1 = m.prefix_len // ps
+        first = tail_start_page(p1, ps, W)  # borrow SWA only for the locked window tail
+        swa = [p if i >= first else None for i, p in enumerate(m.swa_pages)]
+        req.kv = RequestKV.from_prefix(ps, W, m.prefix_len, m.full_pages, swa)
+        self._count_hits(keys[:p1], m.full_pages, swa)
+        end, l3_keys = p1, ()
+        if self.host is not None:
+            end = self._load_from_host(req, keys, p1)
+            fetched = req.prefetch.fetched if req.prefetch is not None else set()
+            l3_keys = tuple(k for k in keys[p1:end] if k in fetched)
+            self.host.touch_chain(keys[:end])
+        if req.prefetch is not None:
+            self.l3.release(req.prefetch, cancelled=not req.prefetch.done.is_set())
+            req.prefetch = None
+        l3 = len(l3_keys) * ps
+        by_tier = {"l1": m.prefix_len, "l2": (end - p1) * ps - l3, "l3": l3}
+        return MatchResult(l1_len=m.prefix_len, l2_len=end * ps, l3_len=end * ps, device_pages=m.full_pages,
+                           host_keys=tuple(keys[p1:end]), l3_keys=l3_keys, node=m.node,
+                           present_len=m.present_len, by_tier=by_tier)
+
+    def _load_from_host(self, req, keys: list[str], p1: int) -> int:
+        """Queue the copy of L2 pages [p1, E) into new device pages; returns E (p1 if none).
+        Pins first, so what is measured is what gets copied."""
+        host, kvc, ps, W = self.host, self.kv, self.ps, self.window
+        n, _ = host.run(keys, p1)
+        if not n:
+            return p1
+        pinned = host.pin(keys[p1:p1 + n])
+        k = 0  # a prefetch thread may have evicted a page between run and pin: stop there
+        while k < len(pinned) and pinned[k] == keys[p1 + k]:
+            k += 1
+        host.unpin(pinned[k:])
+        pinned = pinned[:k]
+        n, swa = host.run(keys[:p1 + k], p1)  # pinned: stable from here on
+        want = last_safe_end(p1, n, lambda i: swa[i - p1], ps, W) - p1
+        if want <= 0:
+            host.unpin(pinned)
+            return p1
+        short = want + 1 - kvc.full.num_free  # + 1: room for the token left to compute
+        if short > 0:
+            self.evict(short, 0)
+        fit = min(want, kvc.full.num_free - 1)
+        if fit < want and not self.config.chunk_loads:
+            fit = 0  # all-or-nothing (only the regression test of failure mode 2 does this)
+        end = last_safe_end(p1, max(0, fit), lambda i: swa[i - p1], ps, W)
+        if end - p1 < want:
+            self.counters["loads_cut_to_fit"] += 1
+        tail_lo = max(p1, tail_start_page(end, ps, W))
+        if end > p1 and kvc.swa.num_free < end - tail_lo:
+            self.evict(0, end - tail_lo - kvc.swa.num_free)
+        full_dev = kvc.full.alloc(end - p1) if end > p1 else None
+        swa_dev = kvc.swa.alloc(end - tail_lo) if full_dev is not None else None
+        if swa_dev is None:
+            if full_dev is not None:
+                kvc.full.free(full_dev)
+            host.unpin(pinned)
+            return p1
+        entries = [host.get(k) for k in keys[p1:end]]
+        kv = req.kv
+        kv.full_pages += full_dev
+        kv.swa_pages += [None] * (tail_lo - p1) + swa_dev
+        kv.num_tokens = end * ps
+        host.unpin(pinned[end - p1:])
+        self._loads.append(PageLoad(req, (full_dev, [e.full for e in entries]),
+                                    (swa_dev, [e.swa for e in entries[tail_lo - p1:]]), pinned[:end - p1]))
+        return end
+
+    def start_loads(self):
+        if not self._loads:
+            return NoLoads()
+        batch = LoadBatch(self.kv, self.host, self._loads, self.config.layerwise_load,
+                          self.config.load_throttle_bytes_per_s)
+        self._loads = []
+        c = self.counters
+        c["l2_load_pages"] += sum(len(ld.full[0]) for ld in batch.loads)
+        c["l2_load_bytes"] += batch.bytes
+        batch.on_finish = self._load_finished
+        return batch.start()
+
+    def _load_finished(self, batch: LoadBatch) -> None:
+        self.counters["l2_load_seconds"] += batch.copy_s
+        self.counters["l2_load_wait_seconds"] += batch.wait_s
+
+    # ---- write -------------------------------------------------------------------------------
+    def prepare_write(self, req, final: bool) -> None:
+        ps, kv = self.ps, req.kv
+        npages = req.num_computed // ps
+        if final:
+            self._trim_to_checkpoints(req, npages)
+        first = tail_start_page(npages, ps, self.window)
+        if npages <= kv.owned_from:
+            return  # nothing new
+        if not final and any(p is None for p in kv.swa_pages[first:npages]):
+            return  # its window tail was dropped under pressure: not matchable, cannot relock
+        keys = req.page_keys(npages)
+        tokens = req.tokens(npages * ps)
+        if self.host is not None and self.config.write_policy != "write_back":
+            # Both ends of a turn are checkpoints: the prompt's (a resend or a new continuation
+            # of the same prompt resumes there) and the answer's (the next turn resumes there).
+            self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
+        self.tree.insert(tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys)
+        if final:
+            kv.owned_from = npages  # the tree owns them now
+            return
+        m = self.tree.match(tokens, max_len=len(tokens), keys=keys)
+        require(m.prefix_len == npages * ps, f"inserted {npages * ps} tokens, matched {m.prefix_len}")
+        self.tree.lock(m.node)
+        self.tree.unlock(req.lock_node)
+        req.lock_node = m.node
+        kv.full_pages[:npages] = list(m.full_pages)
+        kv.swa_pages[:npages] = [p if i >= first else None for i, p in enumerate(m.swa_pages)]
+        kv.owned_from = npages
+
+    def _write_through(self, req, keys: list[str], npages: int, end_is_checkpoint: bool) -> None:
+        """The request's new pages (and the window tail of its end, which it may hold
+        borrowed) to L2/L3, before insert (the tree may free duplicate pages). SWA goes
+        down only for checkpoint tails, so lower tiers hold O(W) SWA per checkpoint."""
+        kv = req.kv
+        lo = kv.owned_from
+        if end_is_checkpoint:
+            lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
+        idx = range(lo, npages)
+        if self.config.write_policy == "write_through_selective":
+            idx = [i for i in idx if self._hits.get(keys[i], 0) >= self.config.write_threshold]
+        swa = [kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint)
+               else None for i in range(npages)]
+        self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
+
+    def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
+        """write_through_selective: pages matched in L1 count a hit; at the threshold they
+        are written to L2/L3 (from the device pages the tree holds)."""
+        if self.host is None or self.config.write_policy != "write_through_selective":
+            return
+        crossing = []
+        for i, k in enumerate(keys):
+            c = self._hits.pop(k, 0) + 1
+            self._hits[k] = c
+            if c == self.config.write_threshold:
+                crossing.append(i)
+        while len(self._hits) > self.config.hit_counts_max:
+            self._hits.popitem(last=False)
+        self._write_pages(keys, crossing, full_pages, swa_pages, chain=keys)
+
+    def _demote(self, keys: list[str], full_ids: list, swa_ids: list) -> None:
+        """write_back: the tree is about to free these device pages; keep them in L2."""
+        self._write_pages(keys, range(len(keys)), full_ids, swa_ids, chain=keys)
+
+    def _write_pages(self, keys, idx, full_ids, swa_ids, chain: list[str]) -> None:
+        """Device pages -> L2 for pages idx (full where given and absent in L2, SWA where
+        live and absent), then queue every page of `chain` that L2 has and L3 lacks."""
+        host, pool = self.host, self.host.pool
+        new_full, new_swa = [], []
+        for i in idx:
+            e = host.get(keys[i])
+            if e is None and full_ids[i] is not None:
+                new_full.append(i)
+            if swa_ids[i] is not None and (e is None or e.swa is None):
+                new_swa.append(i)
+        picked, slots = {FULL: new_full, SWA: new_swa}, {}
+        for kind in (FULL, SWA):
+            got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
+            if got is None:  # L2 full of pinned pages: this write is dropped
+                self.counters["l2_write_dropped"] += len(picked[kind])
+                picked[kind], got = [], []
+            slots[kind] = got
+        new_full, new_swa = picked[FULL], picked[SWA]
+        pool.store_from_device(self.kv, FULL, [full_ids[i] for i in new_full], slots[FULL])
+        pool.store_from_device(self.kv, SWA, [swa_ids[i] for i in new_swa], slots[SWA])
+        full_of = dict(zip(new_full, slots[FULL]))
+        swa_of = dict(zip(new_swa, slots[SWA]))
+        for i in sorted(set(new_full) | set(new_swa)):
+            host.publish(keys[i], full_of.get(i), swa_of.get(i), origin="l1")
+        c = self.counters
+        c["l2_write_pages"] += len(new_full)
+        c["l2_write_bytes"] += len(new_full) * pool.page_bytes[FULL] + len(new_swa) * pool.page_bytes[SWA]
+        if self.l3 is not None and (new_full or new_swa):
+            self._write_l3(chain)
+
+    def _write_l3(self, chain: list[str]) -> None:
+        if not self.l3.available():
+            self.counters["l3_writes_skipped_down"] += 1
+            return
+        pages = self.host.claim_for_l3(chain)
+        if pages and not self.l3.submit_write(pages, chain):
+            self.host.finish_l3([h for h, _, _ in pages], False)
+
+    # ---- SWA checkpoints -------------------------------------------------------------------
+    def _keep(self, req, page: int, npages: int, end_is_checkpoint: bool = True) -> bool:
+        """Whether page's SWA KV is kept: it lies in the window tail of a checkpoint up to
+        npages: the end (a request or turn end; a re-lock point mid-decode is not one), the
+        branch point off the tree, every C pages."""
+        c = self.config
+        points = []
+        if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
+            points.append(req.branch_page)
+            if end_is_checkpoint:
+                points += self._end_points(req, npages)
+        if c.swa_checkpoint_pages:
+            points.append((page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages)
+        return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
+
+    def _end_points(self, req, npages: int) -> tuple[int, int]:
+        """The resume points of an end: its whole pages, and the page a resend of the same
+        tokens resumes at (it must leave a token to compute, so a page-aligned end resumes
+        one page earlier and needs one more page of SWA)."""
+        return npages, min(npages, (req.num_computed - 1) // self.ps)
+
+    def trim_swa(self, req, pressure: bool = False) -> int:
+        """Free req's own SWA pages out of its window (one page of margin, so the end tail
+        of its whole pages stays) and, unless under pressure, outside its checkpoint tails."""
+        kv, n = req.kv, req.num_computed
+        idx = kv.swa_out_of_window(n - self.ps)
+        if not pressure:
+            npages = n // self.ps
+            idx = [i for i in idx if not self._keep(req, i, npages)]
+        return self._free_swa(kv, idx)
+
+    def _trim_to_checkpoints(self, req, npages: int) -> None:
+        kv = req.kv
+        idx = [i for i in range(kv.owned_from, min(npages, kv.num_pages))
+               if kv.swa_pages[i] is not None and not self._keep(req, i, npages)]
+        self._free_swa(kv, idx)
+
+    def _free_swa(self, kv: RequestKV, idx: list[int]) -> int:
+        self.kv.swa.free([kv.swa_pages[i] for i in idx])
+        for i in idx:
+            kv.swa_pages[i] = None
+        return len(idx)
+
+    # ---- locks, release, eviction ----------------------------------------------------------
+    def lock(self, node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node) -> None:
+        self.tree.unlock(node)
+
+    def release(self, req) -> None:
+        mine = [ld for ld in self._loads if ld.req is req]
+        if mine:  # admitted and dropped in the same step: its copies never start
+            self._loads = [ld for ld in self._loads if ld.req is not req]
+            for ld in mine:
+                self.host.unpin(ld.pinned)
+        req.kv.release(self.kv)
+        self.tree.unlock(req.lock_node)
+        req.kv, req.lock_node = None, None
+
+    def drop_waiting(self, req) -> None:
+        """A waiting request leaves (abort): its prefetch pins go."""
+        if req.prefetch is not None:
+            self.l3.release(req.prefetch, cancelled=True)
+            req.prefetch = None
+
+    def evict(self, full_pages: int, swa_pages: int) -> tuple[int, int]:
+        return self.tree.evict(full_pages, swa_pages)
+
+    def cached_pages(self) -> tuple[int, int]:
+        return self.tree.cached_pages()
+
+    def checkpoints(self, tokens) -> list[int]:
+        """Window-safe prefix points of `tokens` held on the device (for a router)."""
+        return self.tree.checkpoints(tokens)
+
+    # ---- integrity and stats -----------------------------------------------------------------
+    def check_integrity(self, running, waiting=()) -> None:
+        owned_full: list[int] = []
+        owned_swa: list[int] = []
+        for r in running:
+            kv = r.kv
+            owned_full += kv.full_pages[kv.owned_from:]
+            owned_swa += [p for p in kv.swa_pages[kv.owned_from:] if p is not None]
+        self.tree.check_integrity(owned_full, owned_swa)
+        tree_full, tree_swa = self.tree.cached_pages()
+        require(len(set(owned_full)) == len(owned_full), "a full page is owned by two requests")
+        require(len(set(owned_swa)) == len(owned_swa), "an SWA page is owned by two requests")
+        require(self.kv.full.num_used == tree_full + len(owned_full),
+                f"full pages: {self.kv.full.num_used} used, tree {tree_full} + requests {len(owned_full)}")
+        require(self.kv.swa.num_used == tree_swa + len(owned_swa),
+                f"swa pages: {self.kv.swa.num_used} used, tree {tree_swa} + requests {len(owned_swa)}")
+        if self.host is None:
+            return
+        self.host.check_integrity()
+        if self.l3 is None or self.l3.idle():
+            expected: dict[str, int] = {}
+            holders = [ld.pinned for ld in self._loads]
+            holders += [r.prefetch.pinned for r in waiting if r.prefetch is not None and r.prefetch.done.is_set()]
+            for lst in holders:
+                for k in lst:
+                    expected[k] = expected.get(k, 0) + 1
+            require(self.host.pins() == expected,
+                    "host pins disagree with the loads and prefetches that hold them")
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        if self.host is not None:
+            f, s = self.host.used_pages()
+            out.update(l2_full_pages_used=f, l2_swa_pages_used=s,
+                       l2_full_pages_total=self.host.pool.pools[FULL].num_pages,
+                       l2_swa_pages_total=self.host.pool.pools[SWA].num_pages,
+                       l2_pinned_pages=self.host.pinned_pages(),
+                       l2_evicted_pages=self.host.stats["evicted_full"])
+        if self.l3 is not None:
+            with self.l3._lock:
+                out.update({f"l3_{k}": v for k, v in self.l3.stats.items()})
+            out["l3_write_queue_depth"] = self.l3.write_queue_depth()
+        return out
+
+    def close(self) -> None:
+        if self.l3 is not None:
+            self.l3.close()
