@@ -12,7 +12,7 @@ then `register_mem_pool_host(host_pool)` (and `register_mem_host_pool_v2` per po
 for hybrid models), then `on_host_pools_registered()`. The store is contacted in
 the constructor: a missing or unreachable store fails the attach with a clear
 error. From then on no call raises: a store failure is a miss, a False, or a
-shorter prefix (sglang_store.GuardedStore). Keys: sglang_keys.
+shorter prefix (store.GuardedStore). Keys: keys.py.
 """
 from __future__ import annotations
 
@@ -21,18 +21,16 @@ import threading
 import time
 from collections import OrderedDict
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
 import gcache
 from gcache import errors
 from gcache.integrations.sglang.keys import flat_page_keys, key_builder, pool_tag
-from gcache.integrations.sglang.legacy import LegacyCalls
-from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors
-from gcache.integrations.sglang.prefix import leading_pages, pages_present
+from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors, tensor_bytes
+from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present
 from gcache.integrations.sglang.settings import BackendSettings
 from gcache.integrations.sglang.stats import BackendStats
 from gcache.integrations.sglang.store import GuardedStore
-from gcache.integrations.sglang.v2 import PerPoolCalls
 
 log = logging.getLogger("gcache.integrations.sglang")
 
@@ -59,9 +57,10 @@ def connect(settings: BackendSettings):
     return client
 
 
-class GCacheHiCacheStorage(PerPoolCalls, LegacyCalls, HiCacheStorage):
-    """SGLang's HiCacheStorage over GCache: zero-copy v1 here, per-pool v2 (sglang_v2),
-    legacy v0 (sglang_legacy)."""
+class GCacheHiCacheStorage(HiCacheStorage):
+    """SGLang's HiCacheStorage over GCache, every interface SGLang calls in one class:
+    zero-copy v1 (batch_*_v1), per-pool v2 for hybrid models (batch_*_v2), and the
+    legacy flat-page calls (get / set / exists)."""
 
     def __init__(self, storage_config, kwargs: dict | None = None):
         self.storage_config = storage_config
@@ -200,6 +199,139 @@ class GCacheHiCacheStorage(PerPoolCalls, LegacyCalls, HiCacheStorage):
     def batch_exists(self, keys, extra_info=None) -> int:
         """Leading pages present: one EXISTS round trip (per owner node in a cluster)."""
         return self._safely("batch_exists", 0, self._exists, keys)
+
+    # -- v2: per pool (hybrid models) ------------------------------------------------
+    # A hybrid model (sliding-window attention, Mamba, ...) has a host pool per kind of
+    # state: the full-attention KV pool (the anchor) plus e.g. an SWA pool with its own
+    # slots. Each pool's pages go under their own keys (the pool word in the key: "swa"),
+    # all pools of one call move in one store round trip, and a prefix is reported
+    # restorable only when every pool can serve it (prefix.fold).
+
+    def _pool(self, name) -> PoolPages | None:
+        tag = pool_tag(name)
+        if tag in self._logical:
+            return None
+        pages = self._pages.get(tag)
+        if pages is None:
+            raise ValueError(f"pool {name!s} was never registered (register_mem_host_pool_v2)")
+        return pages
+
+    def _exists_v2(self, keys, pool_transfers) -> PoolTransferResult:
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        kv_logical = "full" in self._logical
+        kv_keys, kv_per_page = ([], 1) if kv_logical else self._kv_entry_keys(keys)
+        asks, spans = list(kv_keys), []
+        for transfer in pool_transfers or []:
+            pages = self._pool(transfer.name)
+            entry_keys = pages.keys.entries(keys) if pages is not None else []
+            spans.append((transfer, len(asks), len(entry_keys), pages))
+            asks.extend(entry_keys)
+        flags = self.store.exists_flags(asks) if asks else []  # one round trip for every pool
+        kv_pages = len(keys) if kv_logical else \
+            leading_pages(pages_present(flags[:len(kv_keys)], kv_per_page))
+        pools = []
+        for transfer, start, count, pages in spans:
+            present = [True] * kv_pages if pages is None else \
+                pages_present(flags[start:start + count], pages.per_page)[:kv_pages]
+            window = len(transfer.keys) if transfer.keys else 1  # SGLang's trailing-window size
+            policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
+            pools.append((transfer.name, policy, window, present))
+        final, hits, restorable = fold(kv_pages, pools, kv_name=PoolName.KV)
+        return PoolTransferResult(final, hits, restorable)
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        return self._safely("batch_exists_v2", PoolTransferResult.empty(), self._exists_v2,
+                            keys, pool_transfers)
+
+    def _move_v2(self, transfers, writing: bool) -> dict:
+        results, spans = {}, []
+        all_keys, all_ptrs, all_sizes = [], [], []
+        for transfer in transfers:
+            page_hashes = transfer.keys or []
+            try:
+                pages = self._pool(transfer.name)
+                if pages is None:  # a logical pool: no bytes to move
+                    results[transfer.name] = [True] * len(page_hashes)
+                    continue
+                if not page_hashes:
+                    results[transfer.name] = []
+                    continue
+                if transfer.host_indices is None:
+                    raise ValueError("no host_indices")
+                entry_keys, ptrs, sizes = pages.locate(page_hashes, transfer.host_indices)
+            except Exception as exc:  # one bad transfer fails alone
+                log.error("GCache backend: pool %s transfer refused: %s", transfer.name, exc)
+                results[transfer.name] = [False] * len(page_hashes)
+                continue
+            spans.append((transfer.name, len(all_keys), len(entry_keys), pages.per_page))
+            all_keys += entry_keys
+            all_ptrs += ptrs
+            all_sizes += sizes
+        if spans:  # every pool's entries in one store call
+            if writing:
+                ok = self._write(all_keys, all_ptrs, all_sizes, 1)
+            else:
+                got = self.store.get_into(all_keys, all_ptrs, all_sizes)
+                ok = [g is not None and g == s for g, s in zip(got, all_sizes)]
+            for name, start, count, per_page in spans:
+                results[name] = pages_present(ok[start:start + count], per_page)
+        return results
+
+    def _failed_v2(self, transfers) -> dict:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        return self._safely("batch_get_v2", self._failed_v2(transfers), self._move_v2, transfers, False)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        return self._safely("batch_set_v2", self._failed_v2(transfers), self._move_v2, transfers, True)
+
+    # -- legacy: one flat page tensor per key -----------------------------------------
+    # SGLang's controller uses it for a `dynamic` backend without `interface_v1`: it
+    # copies each page into a flat tensor (get_data_page) and back
+    # (set_from_flat_data_page). Each flat page is one value, under a "page" key
+    # (keys.flat_page_keys); the bytes go from and into the tensors themselves.
+
+    def _flat_key(self, page_hash) -> bytes:
+        if self._flat is None:
+            raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
+        return self._flat.entries([page_hash])[0]
+
+    def _get_flat(self, keys, targets) -> list:
+        if targets is None:
+            targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        views = [tensor_bytes(t, writable=True) for t in targets]
+        got = self.store.get_into([self._flat_key(k) for k in keys], views)
+        out = [t if g is not None and g == v.nbytes else None for t, v, g in zip(targets, views, got)]
+        self.stats.count("pages_read", sum(o is not None for o in out))
+        self.stats.count("pages_missed", sum(o is None for o in out))
+        return out
+
+    def _set_flat(self, keys, values) -> list[bool]:
+        if values is None or len(values) != len(keys):
+            raise ValueError("the legacy set needs one tensor per key")
+        views = [tensor_bytes(v, writable=False) for v in values]
+        ok = self._write([self._flat_key(k) for k in keys], views, None, 1)
+        self.stats.count("pages_written", sum(ok))
+        self.stats.count("pages_write_failed", len(ok) - sum(ok))
+        return ok
+
+    def get(self, key, target_location=None, target_sizes=None):
+        targets = None if target_location is None else [target_location]
+        return self._safely("get", [None], self._get_flat, [key], targets)[0]
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        return self._safely("batch_get", [None] * len(keys), self._get_flat, keys, target_locations)
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self._safely("set", [False], self._set_flat, [key], [value])[0]
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        return all(self._safely("batch_set", [False], self._set_flat, keys, values))
+
+    def exists(self, key) -> bool:
+        return self._safely("exists", 0, self._exists, [key]) == 1
 
     # -- lifecycle --------------------------------------------------------------------
 
