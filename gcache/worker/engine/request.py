@@ -15,6 +15,7 @@ import numpy as np
 
 from gcache.wire.keys import page_hashes_array
 
+from gcache.worker.kvcache.cache_manager import TIERS
 from gcache.worker.kvcache.kv_pool import RequestKV
 
 
@@ -81,7 +82,7 @@ class Request:
         self.prefetch_tried = False
         # Accounting.
         self.cached_tokens = 0      # prefix hit at first admission (usage.cached_tokens)
-        self.cached_by_tier = {"l1": 0, "l2": 0, "l3": 0}  # split of cached_tokens
+        self.cached_by_tier = dict.fromkeys(TIERS, 0)  # split of cached_tokens
         self.preemptions = 0
         self.arrival_s = arrival_s
         self.admitted_s: float | None = None

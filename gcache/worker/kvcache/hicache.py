@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
+from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads, Tier
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.host_cache import HostCache
@@ -132,7 +132,7 @@ class HiCache(CacheManager):
             self.l3.release(req.prefetch, cancelled=not req.prefetch.done.is_set())
             req.prefetch = None
         l3 = len(l3_keys) * ps
-        by_tier = {"l1": m.prefix_len, "l2": (end - p1) * ps - l3, "l3": l3}
+        by_tier = {Tier.L1: m.prefix_len, Tier.L2: (end - p1) * ps - l3, Tier.L3: l3}
         return MatchResult(l1_len=m.prefix_len, l2_len=end * ps, l3_len=end * ps, device_pages=m.full_pages,
                            host_keys=tuple(keys[p1:end]), l3_keys=l3_keys, node=m.node,
                            present_len=m.present_len, by_tier=by_tier)
@@ -286,7 +286,7 @@ class HiCache(CacheManager):
         full_of = dict(zip(new_full, slots[FULL]))
         swa_of = dict(zip(new_swa, slots[SWA]))
         for i in sorted(set(new_full) | set(new_swa)):
-            host.publish(keys[i], full_of.get(i), swa_of.get(i), origin="l1")
+            host.publish(keys[i], full_of.get(i), swa_of.get(i), origin=Tier.L1)
         c = self.counters
         c["l2_write_pages"] += len(new_full)
         c["l2_write_bytes"] += len(new_full) * pool.page_bytes[FULL] + len(new_swa) * pool.page_bytes[SWA]

@@ -27,6 +27,7 @@ from gcache import errors
 from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 
 from gcache.worker.config import FULL, SWA
+from gcache.worker.kvcache.cache_manager import Tier
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 
@@ -330,7 +331,7 @@ class L3Store:
                 self.host.cancel(kind, [s])
                 continue
             if self.host.publish(chain[i], s if kind == FULL else None, s if kind == SWA else None,
-                                 origin="l3", in_l3=True, pin=kind == FULL):
+                                 origin=Tier.L3, in_l3=True, pin=kind == FULL):
                 p.fetched.add(chain[i])
                 if kind == FULL:
                     pinned.append(chain[i])
