@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from gcache import errors
+from gcache.common.breaker import Breaker
 from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 
 from gcache.worker.config import FULL, SWA
@@ -99,7 +100,7 @@ class L3Store:
         for kind in (FULL, SWA):
             if self.pool.page_bytes[kind] and self.pool.pools[kind].num_pages:
                 self.client.register_buffer(self.pool.buffer(kind))
-        self._down_until = 0.0
+        self._breaker = Breaker(config.suspect_s)
         self._lock = threading.Lock()
         self.stats = dict.fromkeys((
             "writes_queued", "writes_dropped", "write_pages", "write_bytes", "write_errors",
@@ -118,10 +119,10 @@ class L3Store:
 
     # ---- health --------------------------------------------------------------------------
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._breaker.is_suspect()
 
     def _failed(self) -> None:
-        self._down_until = time.monotonic() + self.config.suspect_s
+        self._breaker.fail()
 
     def _count(self, **by) -> None:
         with self._lock:
