@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from gcache.worker.engine.metrics import EngineMetrics
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RequestState, SamplingParams
 from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
+    from gcache.worker.model.base import BatchModel
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError"]
 
@@ -55,7 +58,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, kv: DualKVCache, config: EngineConfig = EngineConfig(),
+    def __init__(self, model: BatchModel, kv: DualKVCache, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] = time.monotonic, cache: CacheManager | None = None) -> None:
         self.model, self.kv, self.config, self.clock = model, kv, config, clock
         self.page_size, self.window = kv.page_size, kv.window
