@@ -15,10 +15,7 @@ class WriteRule(ABC):
     """The write policy: which computed pages HiCache copies from L1 down to L2 (and, from
     there, queues for L3), and when. Asked from the engine thread only."""
 
-    @property
-    @abstractmethod
-    def policy(self) -> WritePolicy:
-        """The name this rule answers to (HiCacheConfig.write_policy)."""
+    policy: WritePolicy  # the name this rule answers to (HiCacheConfig.write_policy)
 
     @property
     @abstractmethod
@@ -76,10 +73,7 @@ class PrefetchRule(ABC):
     prefetch is still running (HiCache.ready; a request without one, or whose prefetch is
     done, is always ready). Asked from the engine thread, once per candidate per step."""
 
-    @property
-    @abstractmethod
-    def policy(self) -> PrefetchPolicy:
-        """The name this rule answers to (HiCacheConfig.prefetch_policy)."""
+    policy: PrefetchPolicy  # the name this rule answers to (HiCacheConfig.prefetch_policy)
 
     @abstractmethod
     def ready(self, started_s: float) -> bool:
