@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 from gcache.router.config import RouterConfig, RouterPolicy
 from gcache.serving.redis_layout import Registration
+from gcache.serving.tiers import Tier
 from gcache.router.match import TierMatch, match_worker
 from gcache.router.recent import RecentPrompts
 
@@ -165,7 +166,7 @@ class CacheAware(Policy):
         for c in cands:
             l1, l2, l3, raw = self.credited(p, c)
             pct = (w1 * l1 + w2 * l2 + w3 * l3) / p.num_tokens
-            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
                           "load": loads[c.url], "score": cfg.match_weight * pct - loads[c.url] / top}
         return Mode.CACHE, out
 
@@ -225,7 +226,7 @@ class CacheTTFT(CacheAware):
             pending = self.unpublished(c)
             queue = (queued + sum(min(e, own) for e in pending)
                      + cfg.ttft_running_tokens * max(published, c.inflight))
-            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
                           "own_tokens": own, "queue_tokens": queue, "load": load_of(c, cfg),
                           "score": -(cfg.ttft_own_weight * own + queue)}
         return Mode.CACHE, out

@@ -15,7 +15,7 @@ import numpy as np
 
 from gcache.wire.keys import page_hashes_array
 
-from gcache.worker.kvcache.cache_manager import TIERS
+from gcache.serving.tiers import TIERS
 from gcache.worker.kvcache.kv_pool import RequestKV
 
 

@@ -16,26 +16,15 @@ it to the tree. Host pages are pinned while loaded, written to L3 or held for a 
 """
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
+from gcache.serving.tiers import TIERS
+
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
     from gcache.worker.kvcache.layer_load import LoadBatch
-
-
-class Tier(enum.StrEnum):
-    """A level of the hierarchy; the values are the keys of cached_tokens_by_tier and the
-    origin of a host page."""
-
-    L1 = "l1"  # device pools, the SWA radix tree
-    L2 = "l2"  # the host pool
-    L3 = "l3"  # GCache
-
-
-TIERS = tuple(Tier)
 
 
 @dataclass(frozen=True)

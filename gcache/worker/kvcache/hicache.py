@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads, Tier
+from gcache.serving.tiers import Tier
+from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.host_cache import HostCache

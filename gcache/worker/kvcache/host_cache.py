@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gcache.worker.config import FULL, SWA
-from gcache.worker.kvcache.cache_manager import Tier
+from gcache.serving.tiers import Tier
 from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.integrity import require
 

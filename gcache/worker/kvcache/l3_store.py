@@ -28,7 +28,7 @@ from gcache.common.breaker import Breaker
 from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 
 from gcache.worker.config import FULL, SWA
-from gcache.worker.kvcache.cache_manager import Tier
+from gcache.serving.tiers import Tier
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 
