@@ -56,7 +56,8 @@ class NodeInfo(NamedTuple):
     admin: str = ""         # "host:port" of the node's admin HTTP, "" if none
 
     def to_dict(self) -> dict:
-        return self._asdict()
+        """Plain values only (the state as its string), for msgpack, JSON and the Raft dump."""
+        return {**self._asdict(), "state": str(self.state)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":
