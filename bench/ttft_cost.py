@@ -23,6 +23,7 @@ import numpy as np
 from gcache.worker import backend
 from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.model.base import BatchModel
 from gcache.worker.model.sim import CostModel, VirtualClock
 
 CAL_SHAPES = ([[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)]
@@ -114,7 +115,7 @@ def describe(c: CostModel, err: float) -> str:
             f" median |error| {err:.1%} over {len(CAL_SHAPES)} shapes")
 
 
-class FittedClockModel:
+class FittedClockModel(BatchModel):
     """The real model computes each batch; the virtual clock advances by its fitted cost."""
 
     def __init__(self, model, cost: CostModel, clock: VirtualClock) -> None:

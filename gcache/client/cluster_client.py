@@ -25,6 +25,7 @@ memoryview per key and each node's views are handed to its Client.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -60,6 +61,17 @@ KEY_PROBLEMS = (errors.ValueTooLargeError, errors.BufferTooSmallError, errors.Ch
 
 COUNTERS = ("node_errors", "suspect_skips", "fallback_reads", "fallback_hits",
             "stale_epoch_retries")
+
+
+class Outcome(enum.StrEnum):
+    """How one owner's part of a call ended (_run_part); the payload that goes with it."""
+
+    OK = "ok"            # answers: the part's values, in its keys' order
+    MISS = "miss"        # None: the node is dead, suspect or just failed; its keys are misses
+    STALE = "stale"      # StaleEpochError: the node has a newer map; retry by the new owners
+    RETRY = "retry"      # None: a newer map closed this node's client mid-call; retry
+    PROBLEM = "problem"  # a KEY_PROBLEMS error: per-key problems, raised after the batch
+    ERROR = "error"      # any other exception: raised in the caller's thread
 
 
 class _Routing(NamedTuple):
@@ -221,35 +233,35 @@ class ClusterClient(Client):
 
     # -- running parts ----------------------------------------------------------
 
-    def _run_part(self, routing: _Routing, node_id: str, idx: list[int], fn) -> tuple:
-        """(kind, payload): ok/answers, miss, stale/exc, retry, problem/exc, error/exc."""
+    def _run_part(self, routing: _Routing, node_id: str, idx: list[int], fn) -> tuple[Outcome, object]:
+        """(Outcome, payload): OK/answers, MISS, STALE/exc, RETRY, PROBLEM/exc, ERROR/exc."""
         node = routing.nodes.get(node_id)
         if node is None or node.state == DEAD:
-            return "miss", None
+            return Outcome.MISS, None
         if self._nodes.is_suspect(node_id):
             self._count("suspect_skips", len(idx))
-            return "miss", None
+            return Outcome.MISS, None
         try:
             client = self._nodes.client(node)
             with client.using_epoch(routing.epoch):
-                return "ok", fn(client, idx)
+                return Outcome.OK, fn(client, idx)
         except errors.StaleEpochError as exc:  # the node's map is newer than the request's
-            return "stale", exc
+            return Outcome.STALE, exc
         except KEY_PROBLEMS as exc:
-            return "problem", exc
+            return Outcome.PROBLEM, exc
         except NODE_FAILURES as exc:
             self._count("node_errors")
             self._nodes.mark_suspect(node_id)
             self._maps.request_refresh()
             log.debug("gcache node %s (%s) failed, suspect for %ss: %s",
                       node_id, node.address, self._nodes.suspect_s, exc)
-            return "miss", None
+            return Outcome.MISS, None
         except errors.ClientClosedError as exc:
             if self._closed:
-                return "error", exc
-            return "retry", None  # a newer map closed this node's client mid-call
+                return Outcome.ERROR, exc
+            return Outcome.RETRY, None  # a newer map closed this node's client mid-call
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
-            return "error", exc
+            return Outcome.ERROR, exc
 
     def _executor_get(self) -> ThreadPoolExecutor:
         with self._executor_lock:
@@ -258,7 +270,7 @@ class ClusterClient(Client):
                 self._executor = ThreadPoolExecutor(self.parallel_max, thread_name_prefix="gcache-part")
             return self._executor
 
-    def _run_parts(self, routing: _Routing, parts: list, fn) -> list[tuple]:
+    def _run_parts(self, routing: _Routing, parts: list, fn) -> list[tuple[Outcome, object]]:
         if len(parts) == 1:
             return [self._run_part(routing, *parts[0], fn)]
         # Every part is waited for, even after another failed: a part still running
@@ -284,7 +296,7 @@ class ClusterClient(Client):
             if nid is None:  # no owner
                 return []
             kind, payload = outcome = self._run_part(routing, nid, idx, fn)
-            if kind == "ok":
+            if kind == Outcome.OK:
                 self._merge(call, idx, payload)
                 return []
             parts, outcomes = ((nid, idx),), (outcome,)
@@ -297,17 +309,17 @@ class ClusterClient(Client):
         stale: list = []
         error = None
         for (nid, idx), (kind, payload) in zip(parts, outcomes):
-            if kind == "ok":
+            if kind == Outcome.OK:
                 self._merge(call, idx, payload)
-            elif kind == "problem":
+            elif kind == Outcome.PROBLEM:
                 if payload.results is not None:
                     self._merge(call, idx, payload.results)
                 call.problems.append(payload)
-            elif kind in ("stale", "retry"):
+            elif kind in (Outcome.STALE, Outcome.RETRY):
                 retry.extend(idx)
-                if kind == "stale":
+                if kind == Outcome.STALE:
                     stale.append(payload)
-            elif kind == "error" and error is None:
+            elif kind == Outcome.ERROR and error is None:
                 error = payload
         if error is not None:
             raise error

@@ -8,12 +8,12 @@ skips it (its keys are misses) instead of waiting on it again.
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from typing import Callable
 
 from gcache import errors
 from gcache.client.client import ServerClient
+from gcache.common.breaker import Breaker
 from gcache.cluster.cluster_map import DEAD, ClusterMap, NodeInfo
 
 
@@ -52,15 +52,19 @@ class NodeClient(ServerClient):
 
 
 class NodeSet:
-    """Thread-safe map of node id -> NodeClient, plus the suspect deadlines."""
+    """Thread-safe map of node id -> NodeClient, plus which nodes are suspect (a Breaker
+    keyed by node id)."""
 
     def __init__(self, make_client: Callable[[str], NodeClient], suspect_s: float):
         self._make_client = make_client
-        self.suspect_s = suspect_s
         self._lock = threading.Lock()
         self._clients: dict[str, NodeClient] = {}
-        self._suspect_until: dict[str, float] = {}  # node id -> monotonic deadline
+        self._breaker = Breaker(suspect_s)
         self._closed = False
+
+    @property
+    def suspect_s(self) -> float:
+        return self._breaker.suspect_s
 
     def client(self, node: NodeInfo) -> NodeClient:
         """The Client of `node` at its current address (created on first use)."""
@@ -83,29 +87,18 @@ class NodeSet:
         with self._lock:
             gone = [nid for nid, c in self._clients.items() if live.get(nid) != c.address]
             closing = [self._clients.pop(nid) for nid in gone]
-            for nid in list(self._suspect_until):
-                if nid not in live:
-                    del self._suspect_until[nid]
+        self._breaker.retain(live)
         for c in closing:
             c.close()
 
     def mark_suspect(self, node_id: str) -> None:
-        with self._lock:
-            self._suspect_until[node_id] = time.monotonic() + self.suspect_s
+        self._breaker.fail(node_id)
 
     def is_suspect(self, node_id: str) -> bool:
-        until = self._suspect_until.get(node_id)  # a dict read is atomic under the GIL
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        with self._lock:
-            if self._suspect_until.get(node_id) == until:
-                del self._suspect_until[node_id]
-        return False
+        return self._breaker.is_suspect(node_id)
 
     def suspects(self) -> list[str]:
-        return [nid for nid in list(self._suspect_until) if self.is_suspect(nid)]
+        return self._breaker.suspects()
 
     def close(self) -> None:
         with self._lock:

@@ -8,6 +8,8 @@ has been read, so the connection stays in sync and other keys still count.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from gcache import errors
 from gcache._native import xxh64
 from gcache.wire.protocol import (HEADER_BYTES, Opcode, PutStatus, RemoveStatus, encode_header,
@@ -97,8 +99,17 @@ def _expect_list(meta: dict, field: str, n: int) -> list:
     return value
 
 
-class Operation:
-    """One request frame. Subclasses set the opcode and read the response."""
+class Operation(ABC):
+    """One request frame over keys [lo, hi) of a batch, and how its answer is read.
+
+    The contract the pipeline (gcache.client.pipeline) runs every operation by: it calls
+    response_bytes_max() to bound what is in flight, frame() to send, on_response() once the
+    answer's header and map are read, then follow_ups() (more frames on the same connection)
+    or, for a frame the server refused as over its limits, split(). Answers go into
+    `result` (shared by every operation of the batch, and by retries of them); per-key
+    problems are recorded there, never raised. Subclasses set `opcode` and implement
+    on_response; the rest has defaults for a request map of `keys` and no payload.
+    """
 
     opcode: Opcode
 
@@ -109,18 +120,25 @@ class Operation:
 
     @property
     def keys(self) -> list[bytes]:
+        """The keys this operation covers: result.keys[lo:hi]."""
         return self.result.keys[self.lo:self.hi]
 
     def request_meta_bytes(self, epoch: int | None) -> bytes:
+        """The encoded request map (called once per send, so a retry re-encodes it);
+        `epoch`, when not None, goes in it. Default: {"keys": keys}."""
         return encode_keys_meta(self.keys, epoch)
 
     def payload(self) -> list:
+        """Buffers sent after the request map, in order (not copied). Default: none."""
         return []
 
     def payload_bytes(self) -> int:
+        """Total bytes of payload(). Default: 0."""
         return 0
 
     def response_bytes_max(self) -> int:
+        """An upper bound on the answer's size (RESPONSE_BYTES_UNBOUNDED when values come
+        back), used to bound the bytes in flight on a connection."""
         return _RESPONSE_BYTES_FIXED + _RESPONSE_BYTES_PER_KEY * (self.hi - self.lo)
 
     def frame(self, request_id: int, epoch: int | None = None) -> tuple[list, int]:
@@ -132,8 +150,12 @@ class Operation:
         head = encode_header(self.opcode, request_id, len(meta), payload_len) + meta
         return [head, *payload], len(head) + payload_len
 
+    @abstractmethod
     def on_response(self, conn, meta: dict, payload_len: int) -> None:
-        raise NotImplementedError
+        """Read an OK answer: `meta` is its decoded map, and exactly payload_len payload
+        bytes follow on `conn`, which this must consume (read or skip) to keep the
+        connection in sync. Writes answers for keys lo..hi-1 into result; raises
+        ProtocolError for an answer that breaks the protocol (the connection is dropped)."""
 
     def follow_ups(self) -> list["Operation"] | None:
         """Operations to send next on the same connection, once this one's answer was
@@ -195,8 +217,11 @@ class _ValuesOp(Operation):
                 f"{sum(size for size in lens if size > 0)}")
         self.read_values(conn, lens, sums, payload_len)
 
+    @abstractmethod
     def read_values(self, conn, lens: list, sums: list | None, payload_len: int) -> None:
-        raise NotImplementedError
+        """Read the values (lens[j] bytes for key lo + j, -1 a miss; payload_len in all)
+        from conn into result.values; with sums (verify_checksums), a value whose xxh64
+        differs becomes a miss recorded in result.bad_checksum."""
 
     def split(self):
         # LIMIT_EXCEEDED on a GET (found values over the server's frame payload
@@ -208,8 +233,9 @@ class _ValuesOp(Operation):
         mid = (self.lo + self.hi) // 2
         return [self.part(self.lo, mid), self.part(mid, self.hi)]
 
+    @abstractmethod
     def part(self, lo: int, hi: int) -> "_ValuesOp":
-        raise NotImplementedError
+        """The same operation over keys [lo, hi), a sub-range of this one's (for split)."""
 
 
 class GetOp(_ValuesOp):

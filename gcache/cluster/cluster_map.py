@@ -14,12 +14,25 @@ States:
 """
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 from gcache.common.address import parse_host_port
 
-JOINING, ACTIVE, DRAINING, DEAD = "joining", "active", "draining", "dead"
-STATES = (JOINING, ACTIVE, DRAINING, DEAD)
+
+class NodeState(enum.StrEnum):
+    """A node's state in the map (the docstring above); the values are the wire strings."""
+
+    JOINING = "joining"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+JOINING, ACTIVE, DRAINING, DEAD = NodeState.JOINING, NodeState.ACTIVE, NodeState.DRAINING, NodeState.DEAD
+STATES = tuple(s.value for s in NodeState)  # the strings, in lifecycle order
+# A heartbeat's answer is the node's state, or this for a node not in the map.
+UNKNOWN = "unknown"
 # Owners of new writes and first reads.
 WRITE_STATES = (JOINING, ACTIVE)
 # Owners before the migration in progress: a miss at the write owner falls back here.
@@ -38,12 +51,13 @@ class NodeInfo(NamedTuple):
     id: str
     address: str            # "host:port" of the data server
     weight: int             # >= 1, proportional to capacity (see weight_for_capacity)
-    state: str
+    state: str              # a NodeState (a plain str when read by from_dict)
     changed_epoch: int = 0  # epoch at which `state` (or address/weight) last changed
     admin: str = ""         # "host:port" of the node's admin HTTP, "" if none
 
     def to_dict(self) -> dict:
-        return self._asdict()
+        """Plain values only (the state as its string), for msgpack, JSON and the Raft dump."""
+        return {**self._asdict(), "state": str(self.state)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":

@@ -13,10 +13,9 @@ text for the log ("n1 joining (new at 10.0.0.1:7600, weight 64)").
 from __future__ import annotations
 
 from gcache.cluster.cluster_map import (
-    ACTIVE, DEAD, DRAINING, JOINING, NODES_MAX, ClusterMap, MapError, NodeInfo)
+    ACTIVE, DEAD, DRAINING, JOINING, NODES_MAX, UNKNOWN, ClusterMap, MapError, NodeInfo)
 
 LIVE_STATES = (JOINING, ACTIVE, DRAINING)
-UNKNOWN = "unknown"  # heartbeat answer for a node not in the map
 DEGRADED_CHARS_MAX = 200
 
 # Error codes, mapped to gRPC status codes by the service.

@@ -2,18 +2,32 @@
 from __future__ import annotations
 
 import argparse
+import enum
 from dataclasses import dataclass, fields
 
 from gcache.serving.redis_layout import valid_worker_url
 
-POLICIES = ("cache_aware", "cache_ttft", "least_load", "round_robin", "random", "dynamo", "approx_tree")
+
+class RouterPolicy(enum.StrEnum):
+    """The routing policies by the names --policy takes (gcache.router.policies)."""
+
+    CACHE_AWARE = "cache_aware"
+    CACHE_TTFT = "cache_ttft"
+    LEAST_LOAD = "least_load"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    DYNAMO = "dynamo"
+    APPROX_TREE = "approx_tree"
+
+
+POLICIES = tuple(p.value for p in RouterPolicy)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     redis_url: str = ""                     # "" = no Redis: route over the static workers only
     redis_prefix: str = "gcache:router"
-    policy: str = "cache_aware"
+    policy: str = RouterPolicy.CACHE_AWARE  # a RouterPolicy (or its string)
     match_weight: float = 2.0               # the seed's matchWeight
     load_norm_min: float = 0.0              # cache_aware: normalised load = load / max(max load, this)
     tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.5)  # credit per matched token: L1, L2, L3

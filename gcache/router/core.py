@@ -22,12 +22,12 @@ import numpy as np
 
 from gcache.router.config import RouterConfig
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
-from gcache.router.policies import Candidate, Choice, LeastLoad, Prompt, make_policy
+from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
 
 log = logging.getLogger("gcache.router")
 
-MODES = ("cache", "load", "capacity", "round_robin", "random", "fallback")
+MODES = tuple(Mode)  # cache, load, capacity, round_robin, random, fallback
 REDIS_ERROR_CHARS = 300  # of a Redis error message kept for /health
 
 
@@ -188,7 +188,7 @@ class RouterCore:
                 choice = self.policy.choose(prompt, cands)
             else:
                 c = self.fallback.choose(prompt, cands)
-                choice = Choice(c.url, "fallback", c.scores)
+                choice = Choice(c.url, Mode.FALLBACK, c.scores)
             if commit:
                 self.policy.commit(prompt, choice.url)
                 self.counters[f"picks_{choice.mode}"] += 1

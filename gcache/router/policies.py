@@ -13,13 +13,16 @@ ties go to the higher rendezvous rank (a hash of URL and prompt, the same on eve
 """
 from __future__ import annotations
 
+import enum
 import random as _random
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from gcache.router.config import RouterConfig
+from gcache.router.config import RouterConfig, RouterPolicy
 from gcache.serving.redis_layout import Registration
+from gcache.serving.tiers import Tier
 from gcache.router.match import TierMatch, match_worker
 from gcache.router.recent import RecentPrompts
 
@@ -45,10 +48,21 @@ class Prompt:
     now: float = 0.0                     # the router's clock
 
 
+class Mode(enum.StrEnum):
+    """What decided a pick (the picks_<mode> counters, the explain output)."""
+
+    CACHE = "cache"              # the cache match (with load as part of the score)
+    LOAD = "load"                # load alone (least_load, or an imbalance guard)
+    CAPACITY = "capacity"        # approx_tree: the worker with the most room in its tree
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    FALLBACK = "fallback"        # the router's own: the chosen worker failed, another took it
+
+
 @dataclass(frozen=True)
 class Choice:
     url: str
-    mode: str                            # cache | load | capacity | round_robin | random | fallback
+    mode: Mode                           # cache | load | capacity | round_robin | random | fallback
     scores: dict                         # url -> what the policy saw (explain)
 
 
@@ -75,17 +89,31 @@ def tier_match(p: Prompt, c: Candidate) -> tuple[TierMatch, int]:
     return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3, ps, c.reg.window), ps
 
 
-class Policy:
-    name = "base"
+class Policy(ABC):
+    """A routing policy: scores the candidate workers for one prompt.
+
+    The router core (gcache.router.core) calls choose() for every request, with at least one
+    candidate, then commit() with the worker the request went to, and forget() when a worker
+    leaves the cluster view; /route explain calls choose() without commit(). Calls come under
+    the core's lock, one at a time.
+    Subclasses set `name` (the RouterPolicy that make_policy builds them for) and implement
+    evaluate; choose's default takes the highest score, ties to the higher rendezvous rank.
+    """
+
+    name: RouterPolicy
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
 
-    def evaluate(self, p: Prompt, cands: list[Candidate]) -> tuple[str, dict]:
-        """(mode, url -> info dict with a "score"). Read-only."""
-        raise NotImplementedError
+    @abstractmethod
+    def evaluate(self, p: Prompt, cands: list[Candidate]) -> tuple[Mode, dict]:
+        """(mode, {url: info}) for every candidate, info a dict with at least a float
+        "score" (higher wins) plus what the policy saw (shown by /route explain). Read-only:
+        changes no state of the policy, so it can explain a pick without making it."""
 
     def choose(self, p: Prompt, cands: list[Candidate]) -> Choice:
+        """The pick for p among cands (non-empty): by default the best evaluate() score,
+        ties to the higher rank. Does not commit it."""
         mode, scores = self.evaluate(p, cands)
         best = max(cands, key=lambda c: (scores[c.url]["score"], c.rank))
         return Choice(best.url, mode, scores)
@@ -94,21 +122,21 @@ class Policy:
         """The request went to url (policies that learn from their own decisions)."""
 
     def forget(self, url: str) -> None:
-        """The worker left."""
+        """The worker left: drop what the policy keeps about it."""
 
 
 class LeastLoad(Policy):
-    name = "least_load"
+    name = RouterPolicy.LEAST_LOAD
 
     def evaluate(self, p, cands):
-        return "load", {c.url: {"load": load_of(c, self.cfg), "score": -load_of(c, self.cfg)} for c in cands}
+        return Mode.LOAD, {c.url: {"load": load_of(c, self.cfg), "score": -load_of(c, self.cfg)} for c in cands}
 
 
 class CacheAware(Policy):
     """The seed's score over the window-safe tier match; until a worker publishes what it
     got, the ends of prompts this router sent it count as L1 (recent.py)."""
 
-    name = "cache_aware"
+    name = RouterPolicy.CACHE_AWARE
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
@@ -131,16 +159,16 @@ class CacheAware(Policy):
         for c in cands:
             self._ps[c.url] = c.reg.page_size if c.reg is not None else p.default_page_size
         if imbalanced(list(loads.values()), cfg):
-            return "load", {u: {"load": ld, "score": -ld} for u, ld in loads.items()}
+            return Mode.LOAD, {u: {"load": ld, "score": -ld} for u, ld in loads.items()}
         top = max(max(loads.values()), cfg.load_norm_min) or 1.0
         w1, w2, w3 = cfg.tier_weights
         out = {}
         for c in cands:
             l1, l2, l3, raw = self.credited(p, c)
             pct = (w1 * l1 + w2 * l2 + w3 * l3) / p.num_tokens
-            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
                           "load": loads[c.url], "score": cfg.match_weight * pct - loads[c.url] / top}
-        return "cache", out
+        return Mode.CACHE, out
 
     def commit(self, p, url):
         self.recent.record(url, p.ids_for(self._ps.get(url, p.default_page_size)), p.now)
@@ -168,7 +196,7 @@ class CacheTTFT(CacheAware):
     costs the whole history); it moves only when the home worker's queue is longer than the
     history it would recompute elsewhere, so load balances itself as the rate grows."""
 
-    name = "cache_ttft"
+    name = RouterPolicy.CACHE_TTFT
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
@@ -198,10 +226,10 @@ class CacheTTFT(CacheAware):
             pending = self.unpublished(c)
             queue = (queued + sum(min(e, own) for e in pending)
                      + cfg.ttft_running_tokens * max(published, c.inflight))
-            out[c.url] = {"l1": l1, "l2": l2, "l3": l3, "match": l1 + l2 + l3, "raw_overlap": raw,
+            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
                           "own_tokens": own, "queue_tokens": queue, "load": load_of(c, cfg),
                           "score": -(cfg.ttft_own_weight * own + queue)}
-        return "cache", out
+        return Mode.CACHE, out
 
     def choose(self, p, cands):
         choice = super().choose(p, cands)
@@ -226,7 +254,7 @@ class Dynamo(Policy):
     Prefill: the prompt's blocks not in the raw overlap plus the worker's queued prefill;
     decode: the worker's active blocks plus this request's new blocks."""
 
-    name = "dynamo"
+    name = RouterPolicy.DYNAMO
 
     def evaluate(self, p, cands):
         cfg, out = self.cfg, {}
@@ -242,7 +270,7 @@ class Dynamo(Policy):
             out[c.url] = {"raw_overlap": m.raw_l1 * ps, "host_overlap": m.raw_host * ps,
                           "match": int(overlap * ps), "prefill_blocks": prefill_blocks,
                           "decode_blocks": decode_blocks, "load": load_of(c, cfg), "score": -cost}
-        return "cache", out
+        return Mode.CACHE, out
 
 
 class ApproxTree(Policy):
@@ -250,7 +278,7 @@ class ApproxTree(Policy):
     capped); imbalanced (on this router's in-flight counts) -> least load; else the longest
     match if it covers more than cache_threshold of the prompt, else the smallest tree."""
 
-    name = "approx_tree"
+    name = RouterPolicy.APPROX_TREE
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
@@ -268,7 +296,7 @@ class ApproxTree(Policy):
         loads = [float(c.inflight) for c in cands]
         hi, lo = max(loads), min(loads)
         if hi - lo > cfg.approx_balance_abs_threshold and hi > lo * cfg.approx_balance_rel_threshold:
-            return "load", {c.url: {"load": float(c.inflight), "score": -float(c.inflight)} for c in cands}
+            return Mode.LOAD, {c.url: {"load": float(c.inflight), "score": -float(c.inflight)} for c in cands}
         ids = p.ids_for(self._page_size(cands))
         matched = {}
         for c in cands:
@@ -280,9 +308,9 @@ class ApproxTree(Policy):
         best = max(matched.values())
         ps = self._page_size(cands)
         if ids and best / len(ids) > cfg.approx_cache_threshold:
-            return "cache", {c.url: {"match": matched[c.url] * ps, "load": float(c.inflight),
+            return Mode.CACHE, {c.url: {"match": matched[c.url] * ps, "load": float(c.inflight),
                                      "score": matched[c.url]} for c in cands}
-        return "capacity", {c.url: {"match": matched[c.url] * ps, "tree_pages": len(self.trees.get(c.url, ())),
+        return Mode.CAPACITY, {c.url: {"match": matched[c.url] * ps, "tree_pages": len(self.trees.get(c.url, ())),
                                     "load": float(c.inflight), "score": -len(self.trees.get(c.url, ()))}
                             for c in cands}
 
@@ -304,7 +332,7 @@ class ApproxTree(Policy):
 
 
 class RoundRobin(Policy):
-    name = "round_robin"
+    name = RouterPolicy.ROUND_ROBIN
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -313,26 +341,26 @@ class RoundRobin(Policy):
     def evaluate(self, p, cands):
         order = sorted(c.url for c in cands)
         target = order[self.next % len(order)]
-        return "round_robin", {c.url: {"load": load_of(c, self.cfg), "score": float(c.url == target)} for c in cands}
+        return Mode.ROUND_ROBIN, {c.url: {"load": load_of(c, self.cfg), "score": float(c.url == target)} for c in cands}
 
     def commit(self, p, url):
         self.next += 1
 
 
 class Random(Policy):
-    name = "random"
+    name = RouterPolicy.RANDOM
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.rng = _random.Random(cfg.seed)
 
     def evaluate(self, p, cands):
-        return "random", {c.url: {"load": load_of(c, self.cfg), "score": 0.0} for c in cands}
+        return Mode.RANDOM, {c.url: {"load": load_of(c, self.cfg), "score": 0.0} for c in cands}
 
     def choose(self, p, cands):
         _, scores = self.evaluate(p, cands)
         url = self.rng.choice(sorted(c.url for c in cands))
-        return Choice(url, "random", scores)
+        return Choice(url, Mode.RANDOM, scores)
 
 
 POLICY_CLASSES = {cls.name: cls for cls in (CacheAware, CacheTTFT, Dynamo, ApproxTree, LeastLoad, RoundRobin, Random)}

@@ -27,7 +27,7 @@ from typing import Callable
 import msgpack
 
 from gcache.wire.auth import placement_key
-from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, WRITE_STATES, ClusterMap,
+from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, UNKNOWN, WRITE_STATES, ClusterMap,
                                         weight_for_capacity)
 from gcache.cluster.master_api import MasterClient, MasterUnavailableError
 from gcache.server.degradation import DegradationMonitor
@@ -45,7 +45,7 @@ REBALANCE_RETRY_S = 1.0
 INCOMPLETE_RETRY_MIN_S = 0.5  # an owner was unreachable: try the same map again, backing off
 INCOMPLETE_RETRY_MAX_S = 5.0
 STOP_JOIN_S = 5.0
-UNKNOWN, DEAD_ANSWER = "unknown", "dead"
+DEAD_ANSWER = DEAD  # heartbeat answers: the node's state, or UNKNOWN
 
 
 def _ring_signature(cmap: ClusterMap) -> tuple:

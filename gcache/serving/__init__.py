@@ -10,4 +10,5 @@ runner        run an aiohttp app on a socket with a large listen backlog
 openai_api    OpenAI request parsing (completions and chat), the chat template, prompt_tokens()
 openai_bodies OpenAI response bodies and stream chunks
 stop_text     output text with stop strings (hold-back while streaming) and UTF-8 reassembly
+tiers         the cache tiers by name (L1/L2/L3): what the worker reports, the router credits
 """

@@ -10,10 +10,9 @@ that window tries the store again (that is how the backend recovers).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 from gcache import errors
+from gcache.common.breaker import Breaker
 
 log = logging.getLogger("gcache.integrations.sglang")
 
@@ -31,14 +30,12 @@ class GuardedStore:
         self.client = client
         self.suspect_s = suspect_s
         self.stats = stats
-        self._lock = threading.Lock()
-        self._suspect_until = 0.0
-        self._down = False
+        self._breaker = Breaker(suspect_s)
 
     # -- the guard -------------------------------------------------------------
 
     def _call(self, what: str, fn, failed, *args):
-        if self._suspect_until and time.monotonic() < self._suspect_until:
+        if self._breaker.is_suspect():
             self.stats.count("calls_while_suspect")
             return failed
         try:
@@ -48,11 +45,7 @@ class GuardedStore:
             answer = exc.results if exc.results is not None else failed
         except _OUTAGE as exc:
             self.stats.count("store_errors")
-            with self._lock:
-                self._suspect_until = time.monotonic() + self.suspect_s
-                first = not self._down
-                self._down = True
-            if first:
+            if self._breaker.fail():  # the first failure since the store last answered
                 log.warning("GCache %s failed (%s); answering misses for %.1fs at a time "
                             "until the store answers again", what, exc, self.suspect_s)
             return failed
@@ -60,11 +53,8 @@ class GuardedStore:
             self.stats.count("store_errors")
             log.error("GCache %s failed: %s", what, exc)
             return failed
-        if self._down:
-            with self._lock:
-                was_down, self._down, self._suspect_until = self._down, False, 0.0
-            if was_down:
-                log.warning("GCache store at %s answers again", self.client.address)
+        if self._breaker.succeed():
+            log.warning("GCache store at %s answers again", self.client.address)
         return answer
 
     # -- calls -----------------------------------------------------------------

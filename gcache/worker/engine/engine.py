@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -32,8 +32,12 @@ from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.engine.metrics import EngineMetrics
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
-from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, RequestState, SamplingParams
+from gcache.worker.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishReason, Request, RequestState,
+                                          SamplingParams)
 from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
+    from gcache.worker.model.base import BatchModel
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError"]
 
@@ -55,7 +59,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, kv: DualKVCache, config: EngineConfig = EngineConfig(),
+    def __init__(self, model: BatchModel, kv: DualKVCache, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] = time.monotonic, cache: CacheManager | None = None) -> None:
         self.model, self.kv, self.config, self.clock = model, kv, config, clock
         self.page_size, self.window = kv.page_size, kv.window
@@ -292,7 +296,7 @@ class Engine:
             self._preemptions_left -= 1
             self.metrics.inc("preemptions_total")
 
-    def _finish(self, r: Request, reason: str, finished: list[Request]) -> None:
+    def _finish(self, r: Request, reason: FinishReason, finished: list[Request]) -> None:
         if r.num_computed // self.page_size > r.kv.owned_from:
             self.scheduler.tree_changed()
         self.cache.prepare_write(r, final=True)
@@ -316,7 +320,7 @@ class Engine:
         self._update_gauges()
         return out
 
-    def finish_early(self, r: Request, reason: str = FINISH_STOP) -> bool:
+    def finish_early(self, r: Request, reason: FinishReason = FINISH_STOP) -> bool:
         """Finish r now: a stop string matched (reason 'stop') or its client went away ('abort').
         A decoding request finishing with 'stop' ends as if it had sampled a stop token (its
         KV goes to the cache); any other running request gives its pages back; a waiting one

@@ -2,10 +2,11 @@
 
 Only this thread touches the engine. A handler builds a Pending and submit()s it (a
 bounded inbox); the thread adds it to the engine and reports back through the handler's
-loop (loop.call_soon_threadsafe, so nothing polls):
-    ("accepted", None)   the engine took it (or ("error", exc): bad input, queue full);
-    ("text", piece)      streamed requests only: new text that is safe to show;
-    ("done", request)    finished (or cancelled); pending.output holds the final text.
+loop (loop.call_soon_threadsafe, so nothing polls), as (EngineEvent, value) pairs:
+    (ACCEPTED, None)     the engine took it (or (ERROR, exc): bad input, queue full,
+                         EngineStoppedError);
+    (TEXT, piece)        streamed requests only: new text that is safe to show;
+    (DONE, request)      finished (or cancelled); pending.output holds the final text.
 Stop strings are checked here after every step, so a request stops on the step that
 produced its stop string. Step hooks (fn(engine)) run after every step and at least
 every IDLE_WAIT_S while idle; a hook that raises is logged and counted, never fatal.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import queue
 import threading
@@ -24,12 +26,21 @@ from gcache.serving.stop_text import OutputText
 
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams
-from gcache.worker.engine.scheduler import QueueFullError
+from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 
 log = logging.getLogger("gcache.worker")
 
 IDLE_WAIT_S = 0.1      # idle: wake this often for hooks and the integrity check
 HOOK_LOG_EVERY = 1000  # after the first error of a hook, log every N-th
+
+
+class EngineEvent(enum.StrEnum):
+    """What the engine thread tells a handler about its Pending (the first item of each event)."""
+
+    ACCEPTED = "accepted"  # value None: the engine took the request
+    TEXT = "text"          # value str: new text that is safe to show (streamed requests only)
+    DONE = "done"          # value Request: finished or cancelled; exactly one per accepted request
+    ERROR = "error"        # value exception: not taken (ValueError, QueueFullError, EngineStoppedError)
 
 
 class Pending:
@@ -44,7 +55,7 @@ class Pending:
         self.fed = 0              # output tokens already given to self.output
         self.cancelled = False    # set by the handler (client gone, timeout)
 
-    def post(self, kind: str, value=None) -> None:
+    def post(self, kind: EngineEvent, value=None) -> None:
         """From the engine thread: hand an event to the handler's loop."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -71,7 +82,7 @@ class EngineThread(threading.Thread):
     # ---- called from other threads ------------------------------------------------------------
     def submit(self, p: Pending) -> None:
         if self.stopping.is_set() or not self.is_alive():
-            raise QueueFullError("engine is not running")
+            raise EngineStoppedError("engine is not running")
         try:
             self.inbox.put_nowait(p)
         except queue.Full:
@@ -124,15 +135,15 @@ class EngineThread(threading.Thread):
             if p.cancelled:
                 continue
             if self.stopping.is_set():
-                p.post("error", QueueFullError("engine is stopping"))
+                p.post(EngineEvent.ERROR, EngineStoppedError("engine is stopping"))
                 continue
             try:
                 p.request = self.engine.add_request(p.prompt, p.params)
             except (ValueError, QueueFullError) as e:
-                p.post("error", e)
+                p.post(EngineEvent.ERROR, e)
                 continue
             self.waiters[p.request.rid] = p
-            p.post("accepted")
+            p.post(EngineEvent.ACCEPTED)
 
     def _apply_cancels(self) -> None:
         while self.cancels:
@@ -140,7 +151,7 @@ class EngineThread(threading.Thread):
             r = p.request
             if r is not None and self.waiters.pop(r.rid, None) is not None:
                 self.engine.finish_early(r, FINISH_ABORT)
-                p.post("done", r)  # every accepted request gets exactly one "done"
+                p.post(EngineEvent.DONE, r)  # every accepted request gets exactly one DONE
 
     def _report(self, finished: list[Request]) -> None:
         """Feed new tokens to each request's output text; end requests whose stop string appeared."""
@@ -158,7 +169,7 @@ class EngineThread(threading.Thread):
         piece = p.output.feed(r.output[p.fed:])
         p.fed = len(r.output)
         if piece and p.stream:
-            p.post("text", piece)
+            p.post(EngineEvent.TEXT, piece)
 
     def _done(self, r: Request) -> None:
         p = self.waiters.pop(r.rid, None)
@@ -168,8 +179,8 @@ class EngineThread(threading.Thread):
             self._feed(p, r)
         piece = p.output.finish()
         if piece and p.stream:
-            p.post("text", piece)
-        p.post("done", r)
+            p.post(EngineEvent.TEXT, piece)
+        p.post(EngineEvent.DONE, r)
 
     def _run_hooks(self) -> None:
         for fn in self._hooks:

@@ -15,11 +15,22 @@ import numpy as np
 
 from gcache.wire.keys import page_hashes_array
 
+from gcache.serving.tiers import TIERS
 from gcache.worker.kvcache.kv_pool import RequestKV
 
-FINISH_LENGTH = "length"  # max_tokens reached (OpenAI's name)
-FINISH_STOP = "stop"      # a stop token was sampled
-FINISH_ABORT = "abort"    # the engine gave up on it (shutdown, cannot fit)
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request finished: OpenAI's finish_reason strings (the values go into the JSON)."""
+
+    LENGTH = "length"  # max_tokens reached (OpenAI's name)
+    STOP = "stop"      # a stop token was sampled, or a stop string appeared
+    ABORT = "abort"    # the engine gave up on it (shutdown, cannot fit, cancelled)
+
+
+FINISH_LENGTH = FinishReason.LENGTH
+FINISH_STOP = FinishReason.STOP
+FINISH_ABORT = FinishReason.ABORT
 
 _rid_counter = itertools.count(1)
 
@@ -71,13 +82,13 @@ class Request:
         self.prefetch_tried = False
         # Accounting.
         self.cached_tokens = 0      # prefix hit at first admission (usage.cached_tokens)
-        self.cached_by_tier = {"l1": 0, "l2": 0, "l3": 0}  # split of cached_tokens
+        self.cached_by_tier = dict.fromkeys(TIERS, 0)  # split of cached_tokens
         self.preemptions = 0
         self.arrival_s = arrival_s
         self.admitted_s: float | None = None
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.logits: list[np.ndarray] | None = [] if record_logits else None
         # Scheduler cache: uncached-token estimate and the tree epoch it was computed at.

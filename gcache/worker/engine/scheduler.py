@@ -27,7 +27,9 @@ Decodes are not planned here: the engine runs every decode first, then these chu
 """
 from __future__ import annotations
 
+import enum
 import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,16 +38,30 @@ import numpy as np
 from gcache.worker.integrity import require
 from gcache.worker.engine.request import Request, RequestState
 
-POLICIES = ("ttft", "fcfs")
+
+
+class SchedulerPolicy(enum.StrEnum):
+    """The order names SchedulerConfig.policy takes (see the module docstring)."""
+
+    TTFT = "ttft"
+    FCFS = "fcfs"
+
+
+POLICIES = tuple(p.value for p in SchedulerPolicy)  # ("ttft", "fcfs")
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_waiting; the caller should retry later (HTTP 503)."""
 
 
+class EngineStoppedError(QueueFullError):
+    """The engine thread is not running (stopping, stopped or crashed): nothing is taken.
+    A QueueFullError, so every handler that answers a full queue with 503 answers this too."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "ttft"
+    policy: str = SchedulerPolicy.TTFT  # a SchedulerPolicy (or its string)
     max_waiting: int = 1024          # bound of the waiting queue
     max_running: int = 32            # requests holding KV at once
     max_tokens_per_step: int = 512   # decode tokens + prefill tokens per step
@@ -89,11 +105,47 @@ def arrival_key(r: Request) -> tuple:
     return (r.arrival_s, r.rid)
 
 
+class Ordering(ABC):
+    """A scheduler policy: the order in which prefill candidates get the step's budget.
+
+    The only thing the two policies differ in; budgeting and the in-flight prefix dedup are
+    the Scheduler's and shared (so a benchmark of one policy against the other measures the
+    order alone). Called once per step from Scheduler.plan, on the engine thread.
+    """
+
+    @abstractmethod
+    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+        """The candidates, first served first: the running requests still prefilling and
+        (some of) scheduler.waiting, with estimates refreshed for this step. The caller keeps
+        the first config.scan_max. May update the scheduler's per-step state (waiter counts);
+        must not admit, reorder scheduler.waiting or change any request."""
+
+
+class FcfsOrder(Ordering):
+    """fcfs: strict arrival order, running prefills and waiting requests alike."""
+
+    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+        return sorted(prefilling + scheduler.waiting[: scheduler.config.scan_max], key=arrival_key)
+
+
+class TtftOrder(Ordering):
+    """ttft: shortest remaining uncached work first, Smith-weighted, with the starvation lane
+    (Scheduler.priority)."""
+
+    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+        scheduler._count_waiters(prefilling, now)
+        return sorted(prefilling + scheduler.waiting, key=lambda r: scheduler.priority(r, now))
+
+
+ORDERINGS: dict[str, type[Ordering]] = {SchedulerPolicy.TTFT: TtftOrder, SchedulerPolicy.FCFS: FcfsOrder}
+
+
 class Scheduler:
     """Owns the waiting queue (arrival order) and the running list (admission order)."""
 
     def __init__(self, config: SchedulerConfig, estimate_uncached: Callable[[Request], int]) -> None:
         self.config = config
+        self.ordering: Ordering = ORDERINGS[SchedulerPolicy(config.policy)]()
         self.estimate_uncached = estimate_uncached
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -126,11 +178,7 @@ class Scheduler:
             return []
         prefilling = [r for r in self.running if not r.is_decoding]
         self._refresh_estimates()
-        if self.config.policy == "fcfs":
-            order = sorted(prefilling + self.waiting[: self.config.scan_max], key=arrival_key)
-        else:
-            self._count_waiters(prefilling, now)
-            order = sorted(prefilling + self.waiting, key=lambda r: self.priority(r, now))
+        order = self.ordering.order(self, prefilling, now)
         return self._fill(order[: self.config.scan_max], prefilling, now, budget)
 
     def _fill(self, order: list[Request], prefilling: list[Request], now: float, budget: int) -> list[Chunk]:

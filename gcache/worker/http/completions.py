@@ -9,7 +9,7 @@ from gcache.serving import openai_bodies
 from gcache.serving.openai_api import ParsedRequest
 from gcache.serving.stop_text import OutputText
 
-from gcache.worker.engine.request import FINISH_STOP, Request, SamplingParams
+from gcache.worker.engine.request import FINISH_STOP, FinishReason, Request, SamplingParams
 from gcache.serving.tokenizer import ByteTokenizer
 
 
@@ -19,7 +19,7 @@ def sampling_params(parsed: ParsedRequest, tok: ByteTokenizer) -> SamplingParams
                           stop_token_ids=stops)
 
 
-def finish_reason(r: Request, out: OutputText) -> str:
+def finish_reason(r: Request, out: OutputText) -> FinishReason:
     return FINISH_STOP if out.stopped else r.finish_reason
 
 

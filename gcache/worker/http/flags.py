@@ -11,7 +11,7 @@ from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.kvcache.hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.http.publisher import add_publisher_args
-from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.engine.scheduler import POLICIES, SchedulerConfig
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model-name", default="")
     ap.add_argument("--kv-budget-mib", type=float, default=64.0)
     ap.add_argument("--swa-full-ratio", type=float, default=0.5, help="SWA pages per full page")
-    ap.add_argument("--policy", choices=("ttft", "fcfs"), default="ttft")
+    ap.add_argument("--policy", choices=POLICIES, default="ttft")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--max-waiting", type=int, default=1024)
     ap.add_argument("--max-running", type=int, default=32)

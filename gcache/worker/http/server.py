@@ -29,10 +29,10 @@ from gcache.serving.stop_text import OutputText
 
 from gcache.worker.http import completions
 from gcache.worker.engine.engine import Engine
-from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.engine.engine_thread import EngineEvent, EngineThread, Pending
 from gcache.worker.http.publisher import start_publisher
 from gcache.worker.engine.request import FINISH_ABORT
-from gcache.worker.engine.scheduler import QueueFullError
+from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.http.flags import build_engine, parse_args
 
@@ -115,11 +115,11 @@ class WorkerApp:
         deadline = loop.time() + self.request_timeout_s
         try:
             kind, value = await self._next_event(p, deadline)
-            if kind == "accepted" and parsed.stream:
+            if kind == EngineEvent.ACCEPTED and parsed.stream:
                 return await self._stream(request, parsed, p, deadline)
-            while kind == "accepted":  # not streamed: no "text" events, only "done" (or "error")
+            while kind == EngineEvent.ACCEPTED:  # not streamed: no TEXT events, only DONE (or ERROR)
                 kind, value = await self._next_event(p, deadline)
-            if kind == "error":
+            if kind == EngineEvent.ERROR:
                 status = 503 if isinstance(value, QueueFullError) else 400
                 return error_response(status, str(value))
             return self._full_answer(parsed, p, value)
@@ -136,7 +136,7 @@ class WorkerApp:
             return error_response(503, f"request aborted: {r.error}")
         return json_response(200, completions.full_response(parsed.kind, r, p.output, self.model_name))
 
-    async def _next_event(self, p: Pending, deadline: float) -> tuple[str, object]:
+    async def _next_event(self, p: Pending, deadline: float) -> tuple[EngineEvent, object]:
         """The engine thread's next event for p; TimeoutError at the deadline. While waiting,
         check every LIVENESS_CHECK_S that the engine thread still runs (a crash is a 503)."""
         loop = asyncio.get_running_loop()
@@ -148,7 +148,7 @@ class WorkerApp:
                 return await asyncio.wait_for(p.events.get(), min(left, LIVENESS_CHECK_S))
             except asyncio.TimeoutError:
                 if not self.engine_thread.is_serving() and p.events.empty():
-                    return "error", QueueFullError("engine stopped")
+                    return EngineEvent.ERROR, EngineStoppedError("engine stopped")
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, p: Pending,
                       deadline: float) -> web.StreamResponse:
@@ -167,11 +167,11 @@ class WorkerApp:
                     await resp.write(sse.event(error_body(
                         504, f"request did not finish within {self.request_timeout_s:g} s")))
                     break
-                if kind == "text":
+                if kind == EngineEvent.TEXT:
                     await resp.write(sse.event(chunks.text(value)))
                     continue
-                if kind == "error" or (value.finish_reason == FINISH_ABORT and not p.output.stopped):
-                    why = value if kind == "error" else f"request aborted: {value.error}"
+                if kind == EngineEvent.ERROR or (value.finish_reason == FINISH_ABORT and not p.output.stopped):
+                    why = value if kind == EngineEvent.ERROR else f"request aborted: {value.error}"
                     await resp.write(sse.event(error_body(503, str(why))))
                     break
                 await resp.write(sse.event(chunks.text("", completions.finish_reason(value, p.output))))

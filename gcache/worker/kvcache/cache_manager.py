@@ -4,31 +4,11 @@ The engine never touches the prefix tree, the host pool or the store itself: it 
 CacheManager at fixed points of its loop, and the manager owns every cached page in every
 tier (L1 device pools via the SWA radix tree, L2 host pool, L3 GCache).
 
-Contract (all calls come from the engine thread; `req.kv` is the request's page table):
-  match(req)          -> MatchResult: how much of req's tokens (leaving >= 1 to compute) is
-                         loadable, per tier, right now. Takes no lock, allocates nothing.
-  ready(req)          -> may the scheduler admit req now? (the prefetch policy: a waiting
-                         request's L3 prefetch runs while it queues)
-  poll(waiting)       -> background hook once per step: start L3 prefetches for waiting
-                         requests (bounded per step).
-  prepare_load(req)   -> at admission: lock the L1 match, allocate device pages for the part
-                         that comes from L2/L3 (chunked to what fits) and queue its copies;
-                         sets req.kv, req.lock_node, req.branch_page; returns a MatchResult
-                         whose per-tier lengths are what req actually got.
-  start_loads()       -> the queued copies, started layer by layer; the forward waits on
-                         `wait_layer(i)` before layer i and calls `finish()` after.
-  prepare_write(req, final) -> the computed, page-aligned prefix goes into the L1 tree (req
-                         borrows it back under a new lock unless final) and, per the write
-                         policy, to L2 and L3 (L3 off the critical path).
-  lock(node) / unlock(node) -> pin / unpin an L1 prefix (a MatchResult's node).
-  release(req)        -> give back req's own pages and its lock (preemption, abort, finish).
-  evict(full, swa)    -> free at least that many unlocked device pages; (full, swa) freed.
-  trim_swa(req, pressure) -> free req's own SWA pages it no longer needs: out of the
-                         window and (unless under pressure) not in a checkpoint tail.
-  estimate_uncached(req) -> tokens req would still compute (the scheduler's key).
-  check_integrity(running, waiting) -> raise IntegrityError if any invariant of any tier is broken.
-  drop_waiting(req)   -> a waiting request is aborted: release its prefetch.
-  close()             -> stop background threads.
+The contract is CacheManager's methods below (a docstring each); all calls come from the
+engine thread, and `req.kv` is the request's page table. In the order of a step: poll,
+match / estimate_uncached (the scheduler's key), ready, prepare_load at admission,
+start_loads before the forward, prepare_write after it, trim_swa while it decodes, release
+when it leaves; evict under pressure, check_integrity when idle.
 
 Page ownership: pages [0, req.kv.owned_from) of a running request are the tree's (locked by
 req.lock_node); every other page in req.kv is the request's own until prepare_write hands
@@ -38,8 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
 
-TIERS = ("l1", "l2", "l3")
+from gcache.serving.tiers import TIERS
+
+if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
+    from gcache.worker.engine.request import Request
+    from gcache.worker.kvcache.layer_load import LoadBatch
 
 
 @dataclass(frozen=True)
@@ -63,56 +48,86 @@ class MatchResult:
 
 
 class NoLoads:
-    """A load batch with nothing in it."""
+    """A load batch with nothing in it (the shape start_loads returns: wait_layer, finish)."""
 
     def wait_layer(self, layer: int) -> None:
+        """Block until layer's KV of the batch's loads is on the device."""
         return None
 
     def finish(self) -> None:
+        """After the forward: wait for every copy and give back what the loads pinned."""
         return None
 
 
 class CacheManager(ABC):
-    @abstractmethod
-    def match(self, req) -> MatchResult: ...
+    """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
     @abstractmethod
-    def ready(self, req) -> bool: ...
+    def match(self, req: "Request") -> MatchResult:
+        """How much of req's tokens (always leaving >= 1 to compute) is loadable, per tier,
+        right now. Takes no lock, allocates nothing, changes nothing."""
 
     @abstractmethod
-    def poll(self, waiting) -> None: ...
+    def ready(self, req: "Request") -> bool:
+        """May the scheduler admit waiting req now? (the prefetch policy: a waiting request's
+        L3 prefetch runs while it queues)."""
 
     @abstractmethod
-    def prepare_load(self, req) -> MatchResult: ...
+    def poll(self, waiting: "Iterable[Request]") -> None:
+        """Background hook, once per step before scheduling: start L3 prefetches for waiting
+        requests (bounded per step)."""
 
     @abstractmethod
-    def start_loads(self): ...
+    def prepare_load(self, req: "Request") -> MatchResult:
+        """At admission: lock the L1 match, allocate device pages for the part that comes from
+        L2/L3 (cut to what fits at a window-safe point) and queue its copies; sets req.kv,
+        req.lock_node, req.branch_page. Returns a MatchResult whose per-tier lengths are what
+        req actually got."""
 
     @abstractmethod
-    def prepare_write(self, req, final: bool) -> None: ...
+    def start_loads(self) -> "LoadBatch | NoLoads":
+        """Start the copies queued since the last call, layer by layer: the forward calls
+        wait_layer(i) before layer i and finish() after it."""
 
     @abstractmethod
-    def lock(self, node) -> None: ...
+    def prepare_write(self, req: "Request", final: bool) -> None:
+        """After a forward: req's computed, page-aligned prefix goes into the L1 tree (req
+        borrows it back under a new lock unless final) and, per the write policy, to L2 and
+        L3 (L3 off the critical path)."""
 
     @abstractmethod
-    def unlock(self, node) -> None: ...
+    def lock(self, node) -> None:
+        """Pin an L1 prefix (a MatchResult's node) against eviction."""
 
     @abstractmethod
-    def release(self, req) -> None: ...
+    def unlock(self, node) -> None:
+        """Undo one lock(node)."""
 
     @abstractmethod
-    def evict(self, full_pages: int, swa_pages: int) -> tuple[int, int]: ...
+    def release(self, req: "Request") -> None:
+        """req leaves the running list (preemption, abort, finish): give back its own pages
+        and its lock; sets req.kv and req.lock_node to None."""
 
     @abstractmethod
-    def trim_swa(self, req, pressure: bool = False) -> int: ...
+    def evict(self, full_pages: int, swa_pages: int) -> tuple[int, int]:
+        """Free at least that many unlocked device pages of the cache, if it can; returns
+        the (full, swa) pages freed."""
 
     @abstractmethod
-    def estimate_uncached(self, req) -> int: ...
+    def trim_swa(self, req: "Request", pressure: bool = False) -> int:
+        """Free req's own SWA pages it no longer needs: out of the window and (unless under
+        pressure) not in a checkpoint tail. Returns the pages freed."""
 
     @abstractmethod
-    def check_integrity(self, running, waiting=()) -> None: ...
+    def estimate_uncached(self, req: "Request") -> int:
+        """Tokens req would still compute if admitted now (the scheduler's ordering key)."""
 
-    def drop_waiting(self, req) -> None:
+    @abstractmethod
+    def check_integrity(self, running: "Iterable[Request]", waiting: "Iterable[Request]" = ()) -> None:
+        """Raise IntegrityError if any invariant of any tier is broken (page ownership
+        against the running and waiting requests, pool accounting, the trees)."""
+
+    def drop_waiting(self, req: "Request") -> None:
         """A waiting request leaves without running (abort): drop what it holds here."""
         return None
 
@@ -125,4 +140,5 @@ class CacheManager(ABC):
         return {}
 
     def close(self) -> None:
+        """Stop background threads (L3 writers, prefetchers)."""
         return None

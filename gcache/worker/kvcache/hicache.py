@@ -18,9 +18,9 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
+from gcache.serving.tiers import Tier
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
@@ -30,6 +30,7 @@ from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.kvcache.l3_store import L3Config, L3Store
 from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
+from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 
@@ -42,6 +43,7 @@ class HiCache(CacheManager):
     def __init__(self, kv: DualKVCache, config: HiCacheConfig = HiCacheConfig(),
                  nodes_max: int = 1_000_000, l3_client=None) -> None:
         self.kv, self.config = kv, config
+        self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
         self.ps, self.window = kv.page_size, kv.window
         self.tree = SWARadixTree(self.ps, self.window, kv.full, kv.swa, nodes_max=nodes_max)
         self.host: HostCache | None = None
@@ -54,7 +56,7 @@ class HiCache(CacheManager):
                                write_queue_max=config.l3_write_queue_max,
                                protect_prefix=config.l3_protect_prefix)
                 self.l3 = L3Store(l3c, self.host, self.window, self.ps, client=l3_client)
-            if config.write_policy == "write_back":
+            if self.write_rule.writes_at_evict:
                 self.tree.on_evict = self._demote
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
@@ -86,11 +88,9 @@ class HiCache(CacheManager):
 
     def ready(self, req) -> bool:
         pf = req.prefetch
-        if pf is None or pf.done.is_set() or self.config.prefetch_policy == "best_effort":
+        if pf is None or pf.done.is_set():
             return True
-        if self.config.prefetch_policy == "timeout":
-            return time.monotonic() - pf.started_s >= self.config.prefetch_timeout_s
-        return False  # wait_complete (the client's timeouts bound every prefetch)
+        return self.prefetch_rule.ready(pf.started_s)
 
     def poll(self, waiting) -> None:
         """Start L3 prefetches for waiting requests not yet looked up (bounded per step)."""
@@ -133,7 +133,7 @@ class HiCache(CacheManager):
             self.l3.release(req.prefetch, cancelled=not req.prefetch.done.is_set())
             req.prefetch = None
         l3 = len(l3_keys) * ps
-        by_tier = {"l1": m.prefix_len, "l2": (end - p1) * ps - l3, "l3": l3}
+        by_tier = {Tier.L1: m.prefix_len, Tier.L2: (end - p1) * ps - l3, Tier.L3: l3}
         return MatchResult(l1_len=m.prefix_len, l2_len=end * ps, l3_len=end * ps, device_pages=m.full_pages,
                            host_keys=tuple(keys[p1:end]), l3_keys=l3_keys, node=m.node,
                            present_len=m.present_len, by_tier=by_tier)
@@ -214,7 +214,7 @@ class HiCache(CacheManager):
             return  # its window tail was dropped under pressure: not matchable, cannot relock
         keys = req.page_keys(npages)
         tokens = req.tokens(npages * ps)
-        if self.host is not None and self.config.write_policy != "write_back":
+        if self.host is not None and self.write_rule.writes_at_insert:
             # Both ends of a turn are checkpoints: the prompt's (a resend or a new continuation
             # of the same prompt resumes there) and the answer's (the next turn resumes there).
             self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
@@ -239,9 +239,7 @@ class HiCache(CacheManager):
         lo = kv.owned_from
         if end_is_checkpoint:
             lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
-        idx = range(lo, npages)
-        if self.config.write_policy == "write_through_selective":
-            idx = [i for i in idx if self._hits.get(keys[i], 0) >= self.config.write_threshold]
+        idx = self.write_rule.at_insert(range(lo, npages), keys, self._hits)
         swa = [kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint)
                else None for i in range(npages)]
         self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
@@ -249,7 +247,7 @@ class HiCache(CacheManager):
     def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
         """write_through_selective: pages matched in L1 count a hit; at the threshold they
         are written to L2/L3 (from the device pages the tree holds)."""
-        if self.host is None or self.config.write_policy != "write_through_selective":
+        if self.host is None or not self.write_rule.counts_hits:
             return
         crossing = []
         for i, k in enumerate(keys):
@@ -289,7 +287,7 @@ class HiCache(CacheManager):
         full_of = dict(zip(new_full, slots[FULL]))
         swa_of = dict(zip(new_swa, slots[SWA]))
         for i in sorted(set(new_full) | set(new_swa)):
-            host.publish(keys[i], full_of.get(i), swa_of.get(i), origin="l1")
+            host.publish(keys[i], full_of.get(i), swa_of.get(i), origin=Tier.L1)
         c = self.counters
         c["l2_write_pages"] += len(new_full)
         c["l2_write_bytes"] += len(new_full) * pool.page_bytes[FULL] + len(new_swa) * pool.page_bytes[SWA]

@@ -1,10 +1,28 @@
 """Settings of the cache hierarchy (L1 device / L2 host / L3 GCache), SGLang's names."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+class WritePolicy(enum.StrEnum):
+    """When computed pages go down to L2 (and from there to L3): SGLang's names."""
+
+    WRITE_THROUGH = "write_through"                      # every new page, at insert
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # a page once it has had write_threshold hits
+    WRITE_BACK = "write_back"                            # a page when L1 evicts it
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """How long a waiting request whose L3 prefetch runs is held back: SGLang's names."""
+
+    BEST_EFFORT = "best_effort"      # never: admit it with what has arrived
+    WAIT_COMPLETE = "wait_complete"  # until the prefetch is done (the client's timeouts bound it)
+    TIMEOUT = "timeout"              # until done or prefetch_timeout_s passed
+
+
+WRITE_POLICIES = tuple(p.value for p in WritePolicy)
+PREFETCH_POLICIES = tuple(p.value for p in PrefetchPolicy)
 
 
 @dataclass(frozen=True)
@@ -13,9 +31,9 @@ class HiCacheConfig:
     l2_swa_full_ratio: float = 0.25   # SWA slots per full slot in L2 (checkpoint tails only)
     l3_url: str = ""                  # "host:port" or "gcache://m1:p,..."; "" = no L3
     model_name: str = "gcache-hybrid"  # L3 key suffix: another model never reads these pages
-    write_policy: str = "write_through"
+    write_policy: str = WritePolicy.WRITE_THROUGH  # a WritePolicy (or its string)
     write_threshold: int = 2          # write_through_selective: hits before a page is written
-    prefetch_policy: str = "timeout"
+    prefetch_policy: str = PrefetchPolicy.TIMEOUT  # a PrefetchPolicy (or its string)
     prefetch_timeout_s: float = 0.5   # the timeout policy's wait for an L3 prefetch
     prefetches_per_step: int = 8      # new L3 prefetches started per engine step
     swa_checkpoint_pages: int = 0     # keep SWA for the window before every C pages (0 = ends only)

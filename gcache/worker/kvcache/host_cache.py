@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gcache.worker.config import FULL, SWA
+from gcache.serving.tiers import Tier
 from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.integrity import require
 
@@ -31,7 +32,7 @@ class HostPage:
     full: int                # slot in the host full pool
     swa: int | None = None   # slot in the host SWA pool (checkpoint tails only)
     pins: int = 0
-    origin: str = "l1"       # "l1": written from the device; "l3": read from GCache
+    origin: Tier = Tier.L1   # L1: written from the device; L3: read from GCache
     in_l3: bool = False      # known to be in L3 (written there or read from there)
     l3_queued: bool = False  # an L3 write of it is queued or running
 
@@ -122,7 +123,7 @@ class HostCache:
             self._reserved[kind].difference_update(slots)
             self.pool.pools[kind].free(slots)
 
-    def publish(self, key: str, full: int | None, swa: int | None, origin: str,
+    def publish(self, key: str, full: int | None, swa: int | None, origin: Tier,
                 in_l3: bool = False, pin: bool = False) -> bool:
         """Hand reserved slots to the entry of `key`. A slot that duplicates what the entry
         already holds goes back to the pool. An SWA page without a full page to hang on is

@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 from gcache import errors
+from gcache.common.breaker import Breaker
 from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 
 from gcache.worker.config import FULL, SWA
+from gcache.serving.tiers import Tier
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 
@@ -98,7 +100,7 @@ class L3Store:
         for kind in (FULL, SWA):
             if self.pool.page_bytes[kind] and self.pool.pools[kind].num_pages:
                 self.client.register_buffer(self.pool.buffer(kind))
-        self._down_until = 0.0
+        self._breaker = Breaker(config.suspect_s)
         self._lock = threading.Lock()
         self.stats = dict.fromkeys((
             "writes_queued", "writes_dropped", "write_pages", "write_bytes", "write_errors",
@@ -117,10 +119,10 @@ class L3Store:
 
     # ---- health --------------------------------------------------------------------------
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._breaker.is_suspect()
 
     def _failed(self) -> None:
-        self._down_until = time.monotonic() + self.config.suspect_s
+        self._breaker.fail()
 
     def _count(self, **by) -> None:
         with self._lock:
@@ -330,7 +332,7 @@ class L3Store:
                 self.host.cancel(kind, [s])
                 continue
             if self.host.publish(chain[i], s if kind == FULL else None, s if kind == SWA else None,
-                                 origin="l3", in_l3=True, pin=kind == FULL):
+                                 origin=Tier.L3, in_l3=True, pin=kind == FULL):
                 p.fetched.add(chain[i])
                 if kind == FULL:
                     pinned.append(chain[i])

@@ -1,2 +1,3 @@
 """The worker's model: the hybrid SWA transformer with its paged forward and a dense reference
-(transformer), weights (weights), and a cost-only stand-in for benches (sim)."""
+(transformer), weights (weights), a cost-only stand-in for benches (sim), and the contract
+the engine steps them by (base.BatchModel)."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.base import BatchModel
 
 
 class VirtualClock:
@@ -62,7 +63,9 @@ class CostModel:
         return sum(c * x for c, x in zip((self.base_s, self.token_s, self.req_s, self.kv_s, self.read_s), feats))
 
 
-class SimulatedModel:
+class SimulatedModel(BatchModel):
+    """The cost model above behind BatchModel: checks the page rules, fakes the logits."""
+
     def __init__(self, config: ModelConfig, clock: VirtualClock, cost: CostModel = CostModel()) -> None:
         self.config, self.clock, self.cost = config, clock, cost
         self.full_fraction = len(config.full_layers) / config.layers

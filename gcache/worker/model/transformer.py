@@ -12,10 +12,13 @@ import numpy as np
 from gcache.worker import backend
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.model.base import BatchModel
 from gcache.worker.model.weights import init_weights, validate
 
 
-class Model:
+class Model(BatchModel):
+    """The real model (numpy, or cupy through the backend) behind BatchModel."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray] | None = None, xp=None) -> None:
         self.config = config
         self.xp = xp if xp is not None else backend.xp
@@ -98,10 +101,8 @@ class Model:
         return self.forward_batch([(tokens, positions, req_kv)], kv, all_logits)[0]
 
     def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False, layer_ready=None) -> list:
-        """chunks: [(tokens, positions | None, RequestKV)]. Writes each chunk's K/V into its
-        request's pages, attends through the page tables, advances req.num_tokens.
-        layer_ready(layer), if given, is called before layer's KV pages are touched: KV loaded
-        from the host tier arrives layer by layer while earlier layers compute."""
+        """BatchModel.forward_batch: one embedding and one matmul per weight for all chunks,
+        attention per request through its page tables."""
         c, xp = self.config, self.xp
         if kv.xp is not xp or kv.config.layer_pattern != c.layer_pattern or kv.config.dtype != c.dtype:
             raise ValueError("the KV cache was built for another backend, layer pattern or dtype")
