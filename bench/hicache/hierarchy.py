@@ -63,14 +63,14 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.model.sim import CostModel  # noqa: E402
 
 from bench.hicache.cluster import Budgets, Setup, simulate  # noqa: E402
 from bench.hicache.measure import density, measure_timing, start_server, stop_server  # noqa: E402
 from bench.hicache.report import print_density, print_targets, print_workload  # noqa: E402
-from bench.hicache.workloads import chat_turns, oracle_hit_tokens, trace_turns  # noqa: E402
+from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.hicache.sglang_tree import SGLangSWATree  # noqa: E402
 from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
+from bench.worker.ttft_cost import load_cost  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 MiB = 1 << 20
@@ -126,15 +126,6 @@ def build_workload(name: str, seed: int, args):
         return chat_turns(seed, args.conversations, output_tokens=(lo, hi))
     return trace_turns(args.trace, args.trace_requests, args.trace_block_tokens, args.trace_prompt_max,
                        args.trace_output_max)
-
-
-def model_for(name: str, args) -> ModelConfig:
-    """chat: the default hybrid model. trace: the same with the window scaled like the
-    trace's blocks (block_tokens / 512), so a block still spans 4 windows as in the real
-    trace (512-token blocks, W=128) and the SWA share of a checkpoint keeps its weight."""
-    if name == "chat":
-        return ModelConfig(dtype="float32")
-    return ModelConfig(dtype="float32", window=max(1, 128 * args.trace_block_tokens // 512))
 
 
 def checkpoint_pages(name: str, cfg: ModelConfig, args) -> int:
@@ -200,16 +191,6 @@ def run_all(jobs: list, processes: int) -> dict:
     order = sorted(jobs, key=lambda j: (-j[3], -(("L3" in j[2]) + ("unaware" in j[2]))))
     with mp.get_context("fork").Pool(processes, initializer=_exit_on_sigterm) as pool:
         return dict(pool.imap_unordered(run_job, order))
-
-
-def load_cost(args) -> tuple[CostModel, str]:
-    if args.cost == "default":
-        return CostModel(), "CostModel() defaults (not fitted)"
-    from bench.worker.ttft import load_or_calibrate
-    cost, err = load_or_calibrate(args)
-    return cost, (f"fitted to the real numpy model: base {cost.base_s * 1e3:.2f}ms + {cost.token_s * 1e6:.1f}us/token"
-                  f" + {cost.req_s * 1e3:.2f}ms/seq + {cost.kv_s * 1e9:.2f}ns/(token x key) + "
-                  f"{cost.read_s * 1e9:.1f}ns/key read; median |error| {err:.1%}")
 
 
 def main(argv=None) -> dict:

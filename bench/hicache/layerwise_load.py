@@ -50,6 +50,8 @@ from gcache.worker.model.transformer import Model  # noqa: E402
 from gcache.worker.engine.request import SamplingParams  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 
+from bench.common.stats import columns  # noqa: E402
+
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -115,7 +117,7 @@ def fill(engine: Engine, prefix: list[int]) -> None:
 
 
 def mmm(xs: list[float], scale: float = 1e3, fmt: str = "{:9.2f}") -> str:
-    return " ".join(fmt.format(v * scale) for v in (min(xs), float(np.median(xs)), max(xs)))
+    return columns(xs, fmt, scale)
 
 
 class Throttle:

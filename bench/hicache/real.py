@@ -52,6 +52,7 @@ from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 from gcache.serving.swa_window import tail_start_page  # noqa: E402
 from bench.common.paths import REPO  # noqa: E402
+from bench.common.stats import columns  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 L3_WAIT_S = 60.0
@@ -173,14 +174,6 @@ def delta(before: dict, after: dict) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
 
 
-def stats(xs: list[float]) -> str:
-    return f"{min(xs):9.2f} {float(np.median(xs)):9.2f} {max(xs):9.2f}"
-
-
-def ratio_stats(xs: list[float]) -> str:
-    return f"{min(xs):9.4f} {float(np.median(xs)):9.4f} {max(xs):9.4f}"
-
-
 def tiers(r: dict) -> str:
     t = r["by_tier"]
     return f"l1={t['l1']} l2={t['l2']} l3={t['l3']}"
@@ -222,8 +215,8 @@ def print_summary(args, rows: list[dict]) -> None:
               ("B", "L3 hit on a second worker (B)"), ("B'", "L3 hit after restarting B (B')"),
               ("A'", "L1 hit on A (floor) (A')"), ("D", "identical P on a third worker (D)"))
     for key, label in labels:
-        print(f"  {label:<40}   {stats([r[key]['ttft_ms'] for r in rows])}  | "
-              f"{stats([r[key]['wall_ms'] for r in rows])}")
+        print(f"  {label:<40}   {columns([r[key]['ttft_ms'] for r in rows])}  | "
+              f"{columns([r[key]['wall_ms'] for r in rows])}")
     print("cached_tokens_by_tier per run:")
     for key, label in labels:
         print(f"  {label:<40}   " + " | ".join(tiers(r[key]) for r in rows))
@@ -235,7 +228,7 @@ def print_summary(args, rows: list[dict]) -> None:
                 xs = [r[num][kind] / r[den][kind] for r in rows]
                 ratios[(num, den, kind)] = xs
                 what = "TTFT" if kind == "ttft_ms" else "wall"
-                print(f"  {num:2} / {den} ({what}){'':<50}{ratio_stats(xs)}")
+                print(f"  {num:2} / {den} ({what}){'':<50}{columns(xs, "{:9.4f}")}")
     floor = float(np.median([r["A'"]["ttft_ms"] / r["C"]["ttft_ms"] for r in rows]))
     added = float(np.median([r["B"]["ttft_ms"] - r["A'"]["ttft_ms"] for r in rows]))
     verdict = ("measures the L3 path, not HTTP overhead" if floor < 0.05

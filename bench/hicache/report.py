@@ -6,15 +6,10 @@ import numpy as np
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
+from bench.common.stats import median_range
+
 MiB = 1 << 20
 OURS, UNAWARE, SGLANG, L1 = "L1+L2+L3", "SWA-unaware", "SGLang-style L1", "L1"
-
-
-def _spread(values, fmt) -> str:
-    v = np.asarray(values, dtype=float)
-    if len(v) == 1:
-        return fmt(v[0])
-    return f"{fmt(np.median(v))} [{fmt(v.min())}..{fmt(v.max())}]"
 
 
 def _pct(x) -> str:
@@ -66,8 +61,8 @@ def print_workload(name, seeds, workers, setups, results, st, args) -> None:
             l3b = np.median([r.l3_bytes_per_token for r in rs]) if su.l3 else None
             l3s = np.median([r.l3_swa_pages / max(1, r.l3_full_pages) for r in rs]) if su.l3 else None
             recomputed = int(np.median([r.recomputed for r in rs]))
-            print(f"  {su.name:<16} {_spread([r.hit for r in rs], _pct):>22} {' '.join(tiers)} "
-                  f"{_spread(p50, _sec):>24} {_spread(p90, _sec):>24} {recomputed:>11,} "
+            print(f"  {su.name:<16} {median_range([r.hit for r in rs], _pct):>22} {' '.join(tiers)} "
+                  f"{median_range(p50, _sec):>24} {median_range(p90, _sec):>24} {recomputed:>11,} "
                   f"{(f'{l3b:,.0f}' if l3b is not None else '-'):>10} {(f'{l3s:.2f}' if l3s is not None else '-'):>11} "
                   f"{int(np.median([r.preemptions for r in rs])):>7}")
     if any(su.name == OURS for su in setups):
@@ -126,5 +121,5 @@ def print_targets(out: dict, names, seeds, workers, setups) -> dict:
         ok = float(np.median(ratios)) >= 0.9
         verdicts["chat_4_workers_vs_infinite"] = ok
         print(f"  chat, 4 workers sharing L3: token hit / infinite single cache (oracle) = "
-              f"{_spread(ratios, lambda x: f'{x:.3f}')} (>= 0.90)  -> {'MET' if ok else 'NOT MET'}")
+              f"{median_range(ratios, lambda x: f'{x:.3f}')} (>= 0.90)  -> {'MET' if ok else 'NOT MET'}")
     return verdicts

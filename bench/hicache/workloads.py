@@ -6,7 +6,8 @@ extends what the engine cached), and the request that must finish before it is s
 previous turn of the same conversation, or -1).
 
 Also: the exact oracle of an infinite single cache (the longest page-aligned prefix of
-each prompt that an earlier request computed, SWA or not) and the working set.
+each prompt that an earlier request computed, SWA or not), the working set, and the model
+each workload runs on (model_for: bench.router.policies uses it too).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from gcache.wire.keys import page_hashes_array
+from gcache.worker.config import ModelConfig
 
 from bench.common.workloads import chat_workload, trace_workload
 
@@ -99,6 +101,15 @@ def long_context_turns(seed: int, conversations: int, context_tokens=(8192, 1638
             after = len(turns) - 1
             history = np.concatenate([prompt, answer])
     return turns
+
+
+def model_for(name: str, args) -> ModelConfig:
+    """chat: the default hybrid model. trace: the same with the window scaled like the
+    trace's blocks (args.trace_block_tokens / 512), so a block still spans 4 windows as in the real
+    trace (512-token blocks, W=128) and the SWA share of a checkpoint keeps its weight."""
+    if name == "chat":
+        return ModelConfig(dtype="float32")
+    return ModelConfig(dtype="float32", window=max(1, 128 * args.trace_block_tokens // 512))
 
 
 def oracle_hit_tokens(turns: list[Turn], page_size: int) -> tuple[list[int], int]:

@@ -40,14 +40,14 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.model.sim import CostModel  # noqa: E402
 
 from bench.router.jobs import Job, run_all  # noqa: E402
 from bench.router.report import print_targets, print_workload  # noqa: E402
 from bench.router.workloads import chat_turns, trace_slice  # noqa: E402
 from bench.hicache.cluster import Budgets  # noqa: E402
-from bench.hicache.workloads import oracle_hit_tokens  # noqa: E402
+from bench.hicache.workloads import model_for, oracle_hit_tokens  # noqa: E402
 from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
+from bench.worker.ttft_cost import load_cost  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 POLICIES = ("round_robin", "least_load", "approx_tree", "dynamo", "cache_aware", "cache_ttft")
@@ -115,14 +115,6 @@ def parse_args(argv):
     return args
 
 
-def model_for(name: str, args) -> ModelConfig:
-    """chat: the default hybrid model. trace: the window scaled like the trace's blocks
-    (block_tokens / 512), so a block still spans 4 windows as in the real trace."""
-    if name == "chat":
-        return ModelConfig(dtype="float32")
-    return ModelConfig(dtype="float32", window=max(1, 128 * args.trace_block_tokens // 512))
-
-
 def build_workload(name: str, seed: int, args):
     if name == "chat":
         lo, hi = (int(x) for x in args.answer_tokens.split(","))
@@ -153,17 +145,6 @@ def checkpoint_pages(name: str, cfg: ModelConfig, args) -> int:
     return 0 if name == "chat" else max(1, args.trace_block_tokens // cfg.page_size)
 
 
-def load_cost(args) -> tuple[CostModel, str]:
-    if args.cost == "default":
-        return CostModel(), "CostModel() defaults (not fitted)"
-    from bench.worker.ttft import load_or_calibrate
-    cost, err = load_or_calibrate(args)
-    return cost, (f"fitted to the real numpy model here: base {cost.base_s * 1e3:.2f}ms + "
-                  f"{cost.token_s * 1e6:.1f}us/token + {cost.req_s * 1e3:.2f}ms/seq + "
-                  f"{cost.kv_s * 1e9:.2f}ns/(token x key) + {cost.read_s * 1e9:.1f}ns/key read; "
-                  f"median |error| {err:.1%}")
-
-
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -172,7 +153,7 @@ def main(argv=None) -> dict:
     if args.real:
         from bench.router.real import run_real
         return {"real": run_real(args)}
-    cost, cost_text = load_cost(args)
+    cost, cost_text = load_cost(args, "fitted to the real numpy model here")
     print(f"compute clock: {cost_text}")
     if args.quick:
         print("--quick: tiny workloads, one seed: a check that everything runs, not the figures")

@@ -7,17 +7,12 @@ import numpy as np
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
+from bench.common.stats import median_range
+
 MiB = 1 << 20
 BASE, OURS = "least_load", "cache_aware"
 OURS_ALL = ("cache_aware", "cache_ttft")  # the seed's score (default) and the estimated-TTFT cost
 HIT_GAIN_MIN, IMBALANCE_MAX = 1.35, 1.25
-
-
-def spread(values, fmt) -> str:
-    v = np.asarray(values, dtype=float)
-    if len(v) == 1:
-        return fmt(v[0])
-    return f"{fmt(np.median(v))} [{fmt(v.min())}..{fmt(v.max())}]"
 
 
 def pct(x) -> str:
@@ -71,13 +66,13 @@ def print_workload(name, seeds_at, workers, policies, results, st) -> None:
             t = [f"{np.median([r.tier_hit(x) for r in rs]):6.1%}" for x in ("l1", "l2", "l3")]
             hit_ll = p90_ll = "-"
             if all(base):
-                hit_ll = spread([r.hit / max(b.hit, 1e-9) for r, b in zip(rs, base)], ratio)
-                p90_ll = spread([r.ttft(90) / b.ttft(90) for r, b in zip(rs, base)], ratio)
-            print(f"  {p:<12} {spread([r.hit for r in rs], pct):>22} {' '.join(t)} "
-                  f"{spread([r.ttft(50) for r in rs], sec):>22} {spread([r.ttft(90) for r in rs], sec):>22} "
+                hit_ll = median_range([r.hit / max(b.hit, 1e-9) for r, b in zip(rs, base)], ratio)
+                p90_ll = median_range([r.ttft(90) / b.ttft(90) for r, b in zip(rs, base)], ratio)
+            print(f"  {p:<12} {median_range([r.hit for r in rs], pct):>22} {' '.join(t)} "
+                  f"{median_range([r.ttft(50) for r in rs], sec):>22} {median_range([r.ttft(90) for r in rs], sec):>22} "
                   f"{np.median([r.throughput for r in rs]):>7,.0f} {np.median([r.capacity for r in rs]):>9,.0f} "
                   f"{np.median([r.utilisation for r in rs]):>5.0%} "
-                  f"{np.median([r.mean_load for r in rs]):>5.1f} {spread([r.imbalance for r in rs], num):>19} {np.median([r.work_imbalance for r in rs]):>8.2f} "
+                  f"{np.median([r.mean_load for r in rs]):>5.1f} {median_range([r.imbalance for r in rs], num):>19} {np.median([r.work_imbalance for r in rs]):>8.2f} "
                   f"{int(np.median([r.swa_lost_routes for r in rs])):>8} {int(np.median([r.misroutes for r in rs])):>8} "
                   f"{hit_ll:>19} {p90_ll:>19}")
     walls = [r.wall_s for k, r in results.items() if k[0] == name]

@@ -43,6 +43,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
 from gcache.integrations.sglang.testing import HostPoolStandIn, load_sglang_storage  # noqa: E402
 from gcache.wire.keys import page_hashes  # noqa: E402
+from bench.common.stats import spread  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 DYNAMIC = {"backend_name": "gcache", "module_path": "gcache.integrations.sglang.backend",
@@ -182,7 +183,8 @@ class Systems:
 
 
 def summary(times: list[float], nbytes: int) -> tuple[float, float, float, float]:
-    return min(times), statistics.median(times), max(times), nbytes / statistics.median(times) / 1e9
+    lo, mid, hi = spread(times)
+    return lo, mid, hi, nbytes / mid / 1e9
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 from bench.common.paths import REPO
+from bench.common.stats import columns
 
 MEASURES = (("put", "gbps", "PUT GB/s", True), ("get", "gbps", "GET GB/s", True),
             ("latency", "p50_us", "single GET p50 us", False), ("latency", "p99_us", "single GET p99 us", False))
@@ -43,10 +44,6 @@ def run_once(command: list[str], cwd: str) -> dict:
         raise SystemExit(f"bench failed ({' '.join(command)}):\n{out.stderr[-2000:]}")
     workloads = json.loads(out.stdout)["peers"]["gcache"]["workloads"]
     return {label: workloads[w][field] for w, field, label, _ in MEASURES}
-
-
-def summary(values: list[float]) -> str:
-    return f"{min(values):9.3f} {statistics.median(values):9.3f} {max(values):9.3f}"
 
 
 def main(argv=None) -> int:
@@ -86,7 +83,7 @@ def main(argv=None) -> int:
         for name in configs:
             values = [r[label] for r in results[name]]
             ratio = "" if name == "auth" else f"   {auth_median / statistics.median(values):.3f}"
-            print(f"{label:20s} {name:9s} {summary(values)}{ratio}")
+            print(f"{label:20s} {name:9s} {columns(values, "{:9.3f}")}{ratio}")
         print(f"{'':20s} ({'higher' if higher_better else 'lower'} is better)")
     return 0
 

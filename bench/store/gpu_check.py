@@ -19,7 +19,6 @@ Usage:  bash bench/store/gpu_check.sh [--value-size 1MiB] [--batch 128] [--runs 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -27,10 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from gcache.common.units import KiB, MiB, parse_size
+
+from bench.common.stats import spread
+
 GET_TARGET = 0.8
 REQUIRED = ("tcp", "shm")  # a local server offers both
 TARGETED = ("shm", "rdma")  # the GET target; tcp cannot reach a PCIe copy's speed
-KiB, MiB = 1 << 10, 1 << 20
 
 
 def cannot_run(reason: str):
@@ -51,18 +53,6 @@ def load_cupy():
     if count < 1:
         cannot_run("no CUDA device is visible to cupy")
     return cupy
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": KiB, "MiB": MiB, "GiB": 1 << 30}
-    for suffix, scale in units.items():
-        if text.endswith(suffix):
-            return int(float(text[:-len(suffix)]) * scale)
-    return int(text)
-
-
-def spread(samples: list[float]) -> tuple[float, float, float]:
-    return min(samples), statistics.median(samples), max(samples)
 
 
 def fmt(stats: tuple[float, float, float]) -> str:

@@ -22,17 +22,10 @@ import time
 import numpy as np
 
 from gcache._native import shm_read_into, shm_write_from, xxh64
+from gcache.common.units import parse_size
 
 ARENA_BYTES = 512 << 20
 ROTATION_BYTES = 256 << 20
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "b": 1}
-    for unit, factor in units.items():
-        if text.lower().endswith(unit):
-            return int(float(text[:-len(unit)]) * factor)
-    return int(text)
 
 
 def timed(fn, runs: int, nbytes: int) -> list[float]:

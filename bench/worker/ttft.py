@@ -47,7 +47,8 @@ from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.engine.request import SamplingParams  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock  # noqa: E402
-# load_or_calibrate is also what bench/hicache/hierarchy.py and bench/router/policies.py import from here
+# the fitted clock; bench.hicache.hierarchy and bench.router.policies take it through ttft_cost.load_cost
+from bench.common.stats import spread  # noqa: E402
 from bench.worker.ttft_cost import FittedClockModel, default_cache_path, describe, load_or_calibrate  # noqa: E402
 
 POLICIES = ("fcfs", "ttft")
@@ -188,10 +189,6 @@ def capacity(args, seeds: list[int]) -> float:
     return float(np.median(caps))
 
 
-def summarize(values: list[float]) -> tuple[float, float, float]:
-    return float(np.min(values)), float(np.median(values)), float(np.max(values))
-
-
 def goal_met(change: dict) -> bool:
     """The production target: long P90 -30% or better vs FCFS, short requests no worse (P90)."""
     return change["long_p90"] <= -30 and change["short_p90"] <= 0
@@ -204,7 +201,7 @@ def fmt3(t: tuple[float, float, float], pct: bool = False) -> str:
 
 
 def table_row(label: str, rate: str, runs: list[dict]) -> str:
-    cells = " ".join(f"{fmt3(summarize([r[m] for r in runs])):>19}" for m in METRICS)
+    cells = " ".join(f"{fmt3(spread([r[m] for r in runs])):>19}" for m in METRICS)
     med = lambda k: float(np.median([r[k] for r in runs]))
     return (f"{label:>5} {rate:>7} {runs[0]['policy']:6} {med('busy'):5.2f} {cells} {med('hit'):6.1%} "
             f"{med('preempt'):7.0f}")
@@ -220,7 +217,7 @@ def report(sweep: list[dict], floor: list[dict], seeds: list[int]) -> None:
         load = "" if point["load"] is None else f"{point['load']:.2f}"
         for p in POLICIES:
             print(table_row(load, f"{point['rate']:.2f}", point["runs"][p]))
-        cells = " ".join(f"{fmt3(summarize(point['change'][m]), pct=True):>19}" for m in METRICS)
+        cells = " ".join(f"{fmt3(spread(point['change'][m]), pct=True):>19}" for m in METRICS)
         print(f"{'':5} {'':7} {'ttft vs fcfs':18} {cells}")
     print("\ngoal (long P90 -30% or better vs FCFS, short P90 no worse), on the median change per rate:")
     floor_l90 = float(np.median([r["long_p90"] for r in floor]))

@@ -108,10 +108,19 @@ def load_or_calibrate(args, log=None) -> tuple[CostModel, float]:
     return cost, err
 
 
-def describe(c: CostModel, err: float) -> str:
+def describe(c: CostModel, err: float, shapes: bool = True) -> str:
     return (f"base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
             f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
-            f" median |error| {err:.1%} over {len(CAL_SHAPES)} shapes")
+            f" median |error| {err:.1%}" + (f" over {len(CAL_SHAPES)} shapes" if shapes else ""))
+
+
+def load_cost(args, fitted_label: str = "fitted to the real numpy model") -> tuple[CostModel, str]:
+    """The compute clock of a --cost fitted|default bench and the line describing it:
+    CostModel()'s unfitted defaults, or load_or_calibrate(args)."""
+    if args.cost == "default":
+        return CostModel(), "CostModel() defaults (not fitted)"
+    cost, err = load_or_calibrate(args)
+    return cost, f"{fitted_label}: {describe(cost, err, shapes=False)}"
 
 
 class FittedClockModel:
