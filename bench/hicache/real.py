@@ -228,7 +228,7 @@ def print_summary(args, rows: list[dict]) -> None:
                 xs = [r[num][kind] / r[den][kind] for r in rows]
                 ratios[(num, den, kind)] = xs
                 what = "TTFT" if kind == "ttft_ms" else "wall"
-                print(f"  {num:2} / {den} ({what}){'':<50}{columns(xs, "{:9.4f}")}")
+                print(f"  {num:2} / {den} ({what}){'':<50}{columns(xs, '{:9.4f}')}")
     floor = float(np.median([r["A'"]["ttft_ms"] / r["C"]["ttft_ms"] for r in rows]))
     added = float(np.median([r["B"]["ttft_ms"] - r["A'"]["ttft_ms"] for r in rows]))
     verdict = ("measures the L3 path, not HTTP overhead" if floor < 0.05

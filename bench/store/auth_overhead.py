@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         for name in configs:
             values = [r[label] for r in results[name]]
             ratio = "" if name == "auth" else f"   {auth_median / statistics.median(values):.3f}"
-            print(f"{label:20s} {name:9s} {columns(values, "{:9.3f}")}{ratio}")
+            print(f"{label:20s} {name:9s} {columns(values, '{:9.3f}')}{ratio}")
         print(f"{'':20s} ({'higher' if higher_better else 'lower'} is better)")
     return 0
 
