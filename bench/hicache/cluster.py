@@ -61,7 +61,24 @@ class Budgets:
 
 
 class TierHits:
-    """Token hit rates of a run, overall and per tier (needs prompt_tokens and hit_by_tier)."""
+    """Token hit rates of a run, overall and per tier, and what a run adds to them (needs
+    prompt_tokens, hit_by_tier, ttft_s, recomputed, preemptions and makespan_s)."""
+
+    def add_requests(self, reqs) -> None:
+        """The finished requests' prompt tokens, hits per tier and TTFTs."""
+        for r in reqs:
+            self.prompt_tokens += len(r.prompt)
+            for tier, n in r.cached_by_tier.items():
+                self.hit_by_tier[tier] += n
+            self.ttft_s.append(r.ttft_s)
+
+    def add_engines(self, pool) -> None:
+        """The workers' prefill tokens computed, preemptions and last virtual time."""
+        for w in pool:
+            m = w.engine.metrics.snapshot()
+            self.recomputed += m["prefill_tokens_computed_total"]
+            self.preemptions += m["preemptions_total"]
+            self.makespan_s = max(self.makespan_s, w.clock())
 
     @property
     def hit(self) -> float:
@@ -131,6 +148,22 @@ class Worker:
     def next_s(self) -> float:
         return max(self.clock(), self.wake_s)
 
+    def submit(self, turn: Turn, at_s: float):
+        """`turn` arrives at virtual time at_s: its request on this engine, answer scripted."""
+        self.clock.advance_to(at_s)
+        self.wake_s = max(self.wake_s, at_s)
+        r = self.engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0))
+        r.arrival_s = at_s
+        if len(turn.answer):
+            self.model.answers[r.rid] = turn.answer
+        return r
+
+    def finish(self, r, turn: Turn) -> None:
+        """Request r of `turn` ended: drop its script, and fail unless it generated exactly that."""
+        self.model.answers.pop(r.rid, None)
+        if len(turn.answer) and not np.array_equal(r.output, turn.answer):
+            raise RuntimeError(f"request {r.rid} generated {r.output[:8]}..., not its scripted answer")
+
     def step(self) -> list:
         self.clock.advance_to(self.wake_s)
         finished = self.engine.step()
@@ -153,6 +186,15 @@ class Worker:
         self.engine.close()
 
 
+def next_events(heap: list, pool: list) -> tuple[float, float, int]:
+    """The next arrival's virtual time (heap of (time, turn)), and the earliest time a worker
+    with work can step and its index; inf (and -1) for none."""
+    ta = heap[0][0] if heap else float("inf")
+    busy = [(w.next_s(), k) for k, w in enumerate(pool) if w.engine.has_work()]
+    te, k = min(busy) if busy else (float("inf"), -1)
+    return ta, te, k
+
+
 def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets, workers: int,
              sched: SchedulerConfig, cost: CostModel, timing: Timing, l3_address: str,
              rate_per_worker: float, seed: int, check_every: int = 0, inspect=None) -> RunResult:
@@ -171,30 +213,18 @@ def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets
     steps = 0
     try:
         while True:
-            ta = heap[0][0] if heap else float("inf")
-            busy = [(w.next_s(), k) for k, w in enumerate(pool) if w.engine.has_work()]
-            te, k = min(busy) if busy else (float("inf"), -1)
-            if ta == float("inf") and te == float("inf"):
+            ta, te, k = next_events(heap, pool)
+            if ta == te == float("inf"):
                 break
             if ta <= te:
                 _, i = heapq.heappop(heap)
-                w = pool[int(assign[i])]
-                w.clock.advance_to(ta)
-                w.wake_s = max(w.wake_s, ta)
-                turn = turns[i]
-                r = w.engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0))
-                r.arrival_s = ta
-                if len(turn.answer):
-                    w.model.answers[r.rid] = turn.answer
+                r = pool[int(assign[i])].submit(turns[i], ta)
                 index_of[r.rid] = i
                 reqs.append(r)
                 continue
             w = pool[k]
             for r in w.step():
-                w.model.answers.pop(r.rid, None)
-                expect = turns[index_of[r.rid]].answer
-                if len(expect) and not np.array_equal(r.output, expect):
-                    raise RuntimeError(f"request {r.rid} generated {r.output[:8]}..., not its scripted answer")
+                w.finish(r, turns[index_of[r.rid]])
                 for j in next_turns.get(index_of[r.rid], ()):
                     heapq.heappush(heap, (max(float(scheduled[j]), r.finished_s), j))
             steps += 1
@@ -207,18 +237,11 @@ def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets
     finally:
         for w in pool:
             w.close()
-    for r in reqs:
-        res.prompt_tokens += len(r.prompt)
-        for tier, n in r.cached_by_tier.items():
-            res.hit_by_tier[tier] += n
-        res.ttft_s.append(r.ttft_s)
+    res.add_requests(reqs)
+    res.add_engines(pool)
     for w in pool:
-        m = w.engine.metrics.snapshot()
-        res.recomputed += m["prefill_tokens_computed_total"]
-        res.preemptions += m["preemptions_total"]
         res.load_s += w.model.load_s
         res.l3_read_s += w.cache.l3_read_s
-        res.makespan_s = max(res.makespan_s, w.clock())
     # Distinct L3 pages over all workers (two workers may write the same page).
     clients = [w.client for w in pool if w.client is not None]
     res.l3_full_pages = len(set().union(*(c.keys["full"] for c in clients))) if clients else 0

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gcache.wire.keys import page_hashes_array
-from gcache.worker.engine.request import SamplingParams
 from gcache.serving.swa_window import last_safe_end
 
-from bench.hicache.cluster import TierHits, Worker
+from bench.hicache.cluster import TierHits, Worker, next_events
 from bench.hicache.workloads import Turn, first_turns
 
 
@@ -213,10 +212,8 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
     next_tick, steps, picks = 0.0, 0, 0
     try:
         while True:
-            ta = heap[0][0] if heap else float("inf")
-            busy = [(w.next_s(), k) for k, w in enumerate(pool) if w.engine.has_work()]
-            te, k = min(busy) if busy else (float("inf"), -1)
-            if ta == float("inf") and te == float("inf"):
+            ta, te, k = next_events(heap, pool)
+            if ta == te == float("inf"):
                 break
             if next_tick <= min(ta, te):
                 cluster.time.advance_to(next_tick)
@@ -231,13 +228,7 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
                 picks += 1
                 url = _route(cluster, ri, turn, res)
                 wk = cluster.urls.index(url)
-                w = pool[wk]
-                w.clock.advance_to(ta)
-                w.wake_s = max(w.wake_s, ta)
-                r = w.engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0))
-                r.arrival_s = ta
-                if len(turn.answer):
-                    w.model.answers[r.rid] = turn.answer
+                r = pool[wk].submit(turn, ta)
                 cluster.dirty[wk] = True
                 index_of[(wk, r.rid)] = i
                 url_of[i], router_of[i] = url, ri
@@ -253,11 +244,8 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
             cluster.publishers[k].on_step(w.engine)
             cluster.dirty[k] = True
             for r in finished:
-                w.model.answers.pop(r.rid, None)
                 i = index_of.pop((k, r.rid))
-                expect = turns[i].answer
-                if len(expect) and not np.array_equal(r.output, expect):
-                    raise RuntimeError(f"request {r.rid} generated {r.output[:8]}..., not its scripted answer")
+                w.finish(r, turns[i])
                 cluster.routers[router_of[i]].end(url_of[i], True, len(turns[i].prompt))
                 for j in next_turns.get(i, ()):
                     heapq.heappush(heap, (max(float(arrivals[j]), r.finished_s), j))
@@ -268,18 +256,10 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
             w.engine.check_integrity()
     finally:
         cluster.close()
-    for r in reqs:
-        res.requests += 1
-        res.prompt_tokens += len(r.prompt)
-        res.output_tokens += len(r.output)
-        for tier, v in r.cached_by_tier.items():
-            res.hit_by_tier[tier] += v
-        res.ttft_s.append(r.ttft_s)
-    for w in pool:
-        m = w.engine.metrics.snapshot()
-        res.recomputed += m["prefill_tokens_computed_total"]
-        res.preemptions += m["preemptions_total"]
-        res.makespan_s = max(res.makespan_s, w.clock())
+    res.add_requests(reqs)
+    res.requests += len(reqs)
+    res.output_tokens += sum(len(r.output) for r in reqs)
+    res.add_engines(pool)
     res.wall_s = time.perf_counter() - t0
     return res
 
