@@ -45,7 +45,7 @@ def chat_workload(seed: int = 0, conversations: int = 300, system_prompts: int =
             open_convs.pop(k)
 
 
-def _block_tokens(hash_ids: np.ndarray, block_tokens: int, vocab: int) -> np.ndarray:
+def block_token_ids(hash_ids: np.ndarray, block_tokens: int, vocab: int) -> np.ndarray:
     """Deterministic pseudo-random tokens per (block hash id, offset): equal ids give equal
     tokens, so shared trace blocks become shared token prefixes (splitmix64)."""
     x = (hash_ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
@@ -68,7 +68,7 @@ def trace_workload(path: Path, limit: int, block_tokens: int = 512, vocab: int =
                 return
             rec = json.loads(line)
             ids = np.asarray(rec["hash_ids"], dtype=np.int64)
-            tokens = _block_tokens(ids, block_tokens, vocab)
+            tokens = block_token_ids(ids, block_tokens, vocab)
             length = max(1, rec["input_length"] * block_tokens // 512)
             prompt = tokens[:length]
             yield Request(prompt, prompt)

@@ -37,7 +37,7 @@ request), L2 = --l2-per-l1 x L1 per worker, L3 = --l3-frac x WS; defaults 0.25, 
 hierarchy under pressure. With generous budgets (e.g. --l2-per-l1 4 --l3-frac 4) every
 configuration with an L3 converges to the oracle and the differences vanish.
 
-Trace: workloads_chat.trace_workload turns each 512-token block into --trace-block-tokens
+Trace: bench.common.workloads.trace_workload turns each 512-token block into --trace-block-tokens
 tokens; the model's window is scaled by the same factor (64 tokens: W=16), so a block still
 spans 4 windows as in the real trace, and checkpoints are kept once per block by default.
 

@@ -62,7 +62,7 @@ def chat_turns(seed: int, conversations: int, **kw) -> list[Turn]:
 
 def trace_turns(path: Path, limit: int, block_tokens: int, prompt_tokens_max: int,
                 output_tokens_max: int, vocab: int = 4096) -> list[Turn]:
-    """Mooncake's conversation trace (workloads_chat.trace_workload: shared hash ids become
+    """Mooncake's conversation trace (bench.common.workloads.trace_workload: shared hash ids become
     shared token prefixes). Prompts are cut at prompt_tokens_max; each request generates
     its trace output length scaled like the prompt (block_tokens / 512), at most
     output_tokens_max tokens. Requests are independent (the trace does not link turns)."""

@@ -3,7 +3,7 @@ chat_turns) and a window of Mooncake's conversation trace, plus the arrival proc
 
 Trace: records [offset, offset + limit) of conversation_trace.jsonl (a seed picks the
 offset, so seeds are different slices of the trace). Each 512-token block id becomes
-`block_tokens` deterministic tokens (workloads_chat._block_tokens: equal ids, equal tokens);
+`block_tokens` deterministic tokens (bench.common.workloads.block_token_ids: equal ids, equal tokens);
 the prompt is cut at input_length (scaled) and at prompt_tokens_max. A record whose hash ids
 start with an earlier record's complete blocks (at least 2: block 0 is a prompt every record
 shares) is that conversation's next turn (the earlier record's last, partial block gets a
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.hicache.workloads import Turn, chat_turns
-from bench.common.workloads import _block_tokens
+from bench.common.workloads import block_token_ids
 
 __all__ = ["Turn", "chat_turns", "trace_slice", "poisson_arrivals"]
 
@@ -45,7 +45,7 @@ def trace_slice(path: Path, offset: int, limit: int, block_tokens: int, prompt_t
             if j is not None:
                 after = j
                 break
-        tokens = _block_tokens(np.asarray(ids, dtype=np.int64), block_tokens, vocab)
+        tokens = block_token_ids(np.asarray(ids, dtype=np.int64), block_tokens, vocab)
         length = max(1, min(prompt_tokens_max, rec["input_length"] * block_tokens // 512))
         out = int(min(output_tokens_max, max(1, rec["output_length"] * block_tokens // 512)))
         turns.append(Turn(tokens[:length].astype(np.int64), np.zeros(0, dtype=np.int64), out, after))
