@@ -21,7 +21,7 @@ node's weight differs from the mean: uhashring scales every node's virtual
 node count by N / total weight, so a membership change also moves points of
 nodes that stayed, and the violations column shows how many keys that costs.
 
-    .venv/bin/python -m bench.cluster.ring_remap                       # N = 3, 5, 8, 16; 100k keys
+    .venv/bin/python -m bench.cluster.ring_remap   # N = 3, 5, 8, 16; 100k keys
     .venv/bin/python -m bench.cluster.ring_remap --nodes 4,32 --keys 20000 --json
 """
 from __future__ import annotations

@@ -47,8 +47,8 @@ fixed byte budget above both baselines; 4 workers sharing L3 on chat >= 90% of t
 hit rate of an infinite single cache (the exact oracle: the longest page-aligned prefix of
 each prompt that any earlier request computed, SWA or not).
 
-  .venv/bin/python -m bench.hicache.hierarchy             # both workloads, 3 seeds, ~5 min on 2 cores
-  .venv/bin/python -m bench.hicache.hierarchy --quick     # ~30 s
+  .venv/bin/python -m bench.hicache.hierarchy           # both workloads, 3 seeds, ~5 min on 2 cores
+  .venv/bin/python -m bench.hicache.hierarchy --quick   # ~30 s
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ from bench.hicache.report import print_density, print_targets, print_workload  #
 from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.hicache.sglang_tree import SGLangSWATree  # noqa: E402
 from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
-from bench.worker.ttft_cost import load_cost  # noqa: E402
+from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 MiB = 1 << 20
@@ -86,10 +86,7 @@ def parse_args(argv):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--setups", default=",".join(s.name for s in SETUPS))
-    ap.add_argument("--cost", choices=("fitted", "default"), default="fitted",
-                    help="fitted: CostModel fitted to the real numpy model here (bench/worker/ttft.py's calibrate)")
-    ap.add_argument("--cal-repeats", type=int, default=3)
-    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
+    add_cost_args(ap)
     ap.add_argument("--rate", type=float, default=0.0, help="requests per virtual second per worker "
                     "(default: 0.5 chat, 0.25 trace)")
     ap.add_argument("--conversations", type=int, default=60, help="chat conversations per seed")

@@ -19,7 +19,7 @@ the previous turn of its conversation has finished, and its prompt carries the e
 own answer (the workload's answer length, the engine's tokens). Trace: arrival order
 (timestamps ignored), one output token, so only the prompt is cached.
 
-  .venv/bin/python -m bench.hicache.hit_rate                  # both workloads, ~2 min on 2 cores
+  .venv/bin/python -m bench.hicache.hit_rate   # both workloads, ~2 min on 2 cores
   .venv/bin/python -m bench.hicache.hit_rate --only chat --concurrency 1
 """
 from __future__ import annotations

@@ -22,10 +22,10 @@ set / workers (aggregate L1 = l1-frac x working set), L2 = --l2-per-l1 x L1.
 Also: the SWA mis-routing case (bench/router/swa_case.py) and --real (bench/router/real.py):
 real gcache-worker and gcache-router processes over HTTP.
 
-  .venv/bin/python -m bench.router.policies              # load x1 (3 seeds, 4 + 8 workers) and x2 (2 seeds, 4 workers):
-                                                #   96 runs in 2 processes, ~6.5 min on this 2-core box
-  .venv/bin/python -m bench.router.policies --quick      # ~10 s: a check that everything runs, not the figures
-  .venv/bin/python -m bench.router.policies --real       # ~40 s: real gcache-worker / gcache-router processes
+  .venv/bin/python -m bench.router.policies           # load x1 (3 seeds, 4 + 8 workers) and x2 (2 seeds, 4 workers):
+                                                      #   96 runs in 2 processes, ~6.5 min on this 2-core box
+  .venv/bin/python -m bench.router.policies --quick   # ~10 s: a check that everything runs, not the figures
+  .venv/bin/python -m bench.router.policies --real    # ~40 s: real gcache-worker / gcache-router processes
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from bench.router.workloads import chat_turns, trace_slice  # noqa: E402
 from bench.hicache.cluster import Budgets  # noqa: E402
 from bench.hicache.workloads import model_for, oracle_hit_tokens  # noqa: E402
 from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
-from bench.worker.ttft_cost import load_cost  # noqa: E402
+from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 POLICIES = ("round_robin", "least_load", "approx_tree", "dynamo", "cache_aware", "cache_ttft")
@@ -66,10 +66,7 @@ def parse_args(argv):
                          "(default 1,2; --quick: 1); the first is the headline point")
     ap.add_argument("--sweep-seeds", default="0,1", help="seeds at the other load scales")
     ap.add_argument("--sweep-workers", default="4", help="worker counts at the other load scales")
-    ap.add_argument("--cost", choices=("fitted", "default"), default="fitted",
-                    help="fitted: CostModel fitted to the real numpy model here (bench/worker/ttft.py's calibrate)")
-    ap.add_argument("--cal-repeats", type=int, default=3)
-    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
+    add_cost_args(ap)
     ap.add_argument("--rate-chat", type=float, default=0.75, help="chat requests per virtual second per worker")
     ap.add_argument("--rate-trace", type=float, default=1.0, help="trace requests per virtual second per worker")
     ap.add_argument("--conversations", type=int, default=40, help="chat conversations per seed (every worker count)")

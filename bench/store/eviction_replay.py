@@ -18,7 +18,7 @@ batch_exists_prefix reported present and the following get_batch missed; `to dis
 values written to disk on eviction (demotions); `weight` the chain policy's fresh weight
 at the end of the run (docs/storage.md).
 
-  .venv/bin/python -m bench.store.eviction_replay                       # both traces, ~10 min
+  .venv/bin/python -m bench.store.eviction_replay   # both traces, ~10 min
   .venv/bin/python -m bench.store.eviction_replay --fractions 0.1 --disk off --repeat 3
   .venv/bin/python -m bench.store.eviction_replay --limit 300 --policies chain,lru   # smoke
 """

@@ -114,6 +114,14 @@ def describe(c: CostModel, err: float, shapes: bool = True) -> str:
             f" median |error| {err:.1%}" + (f" over {len(CAL_SHAPES)} shapes" if shapes else ""))
 
 
+def add_cost_args(ap) -> None:
+    """The options load_cost reads: --cost fitted|default, --cal-repeats, --cal-file."""
+    ap.add_argument("--cost", choices=("fitted", "default"), default="fitted",
+                    help="fitted: CostModel fitted to the real numpy model here (bench/worker/ttft.py's calibrate)")
+    ap.add_argument("--cal-repeats", type=int, default=3)
+    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
+
+
 def load_cost(args, fitted_label: str = "fitted to the real numpy model") -> tuple[CostModel, str]:
     """The compute clock of a --cost fitted|default bench and the line describing it:
     CostModel()'s unfitted defaults, or load_or_calibrate(args)."""
