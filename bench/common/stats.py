@@ -11,9 +11,9 @@ def spread(values: Iterable[float]) -> tuple[float, float, float]:
     return min(v), float(statistics.median(v)), max(v)
 
 
-def columns(values: Iterable[float], fmt: str = "{:9.2f}", scale: float = 1) -> str:
-    """'min median max', each value x scale through fmt (fixed-width columns)."""
-    return " ".join(fmt.format(x * scale) for x in spread(values))
+def columns(values: Iterable[float], fmt: str = "{:9.2f}", scale: float = 1, sep: str = " ") -> str:
+    """'min median max' (joined by sep), each value x scale through fmt."""
+    return sep.join(fmt.format(x * scale) for x in spread(values))
 
 
 def median_range(values: Iterable[float], fmt: Callable[[float], str]) -> str:

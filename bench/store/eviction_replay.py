@@ -38,6 +38,7 @@ from pathlib import Path
 import gcache
 from gcache.tools.devcluster.local_server import LocalServer
 from bench.common.paths import TRACE_DIR
+from bench.common.stats import columns
 from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
 
 MEMORY_MIN = 1 << 20  # gcache-server's --memory floor
@@ -111,7 +112,7 @@ def weight(runs: list[Run]) -> str:
 def fmt_rate(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4f}"
-    return f"{min(values):.4f}/{statistics.median(values):.4f}/{max(values):.4f}"
+    return columns(values, "{:.4f}", sep="/")
 
 
 def print_table(trace: Trace, args, runs: list[Run]) -> None:
