@@ -1,6 +1,6 @@
 // Plain LRU (`--eviction-policy lru`): every insert, GET and EXISTS of a value
 // in memory makes it the most recent; the least recent leaves. The baseline the
-// other policies are measured against (bench/eviction_replay.py). Put-batch
+// other policies are measured against (bench/store/eviction_replay.py). Put-batch
 // hints are ignored; owners get their own lists, as in the chain policy.
 #pragma once
 

@@ -39,7 +39,7 @@ enum class Hash { None, Source, Destination };
 
 // Copies of at least this many bytes bypass the cache (streaming stores): glibc
 // switches to them only for much larger copies, and a batch of 256 KiB values
-// copied one by one then runs at half the memory bandwidth (bench/shm_kernels.py).
+// copied one by one then runs at half the memory bandwidth (bench/store/shm_kernels.py).
 constexpr size_t kStreamingBytesMin = 128 << 10;
 
 // `stream`: use streaming stores whatever n (the caller decided by the whole value's size).

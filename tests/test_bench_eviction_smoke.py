@@ -1,17 +1,13 @@
-"""bench/eviction_replay.py: the clairvoyant bound exactly on crafted traces, and a tiny run
+"""bench/store/eviction_replay.py: the clairvoyant bound exactly on crafted traces, and a tiny run
 of the replay against real servers (the full bench: bench/README.md)."""
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from eviction_traces import Trace, clairvoyant_hit_rate, load_trace  # noqa: E402
-import eviction_replay  # noqa: E402
+from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
+from bench.store import eviction_replay
 
 
 def test_clairvoyant_hit_rate_is_exact_on_a_crafted_trace():

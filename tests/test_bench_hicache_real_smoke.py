@@ -1,4 +1,4 @@
-"""Smoke runs of bench/hicache_real.py and bench/layerwise_load.py on a tiny model.
+"""Smoke runs of bench/hicache/real.py and bench/hicache/layerwise_load.py on a tiny model.
 
 Only that they run end to end and print their tables, with the exact tier splits the
 workloads force (no timing assertions): B reads the prompt's whole pages from L3 before and
@@ -8,27 +8,23 @@ itself raises unless every timed request is an L2 hit of the whole prefix.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from conftest import REPO_ROOT
 
 TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
         "window": 32, "page_size": 8, "vocab_size": 512, "layer_pattern": ["swa", "full", "swa", "swa"]}
 
 
 def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.hicache.{name}")
 
 
 def test_hicache_real_smoke(tmp_path, capsys):
-    bench = load_bench("hicache_real")
+    bench = load_bench("real")
     assert bench.main(["--runs", "1", "--prompt-tokens", "67", "--config-json", json.dumps(TINY),
                        "--l2-mib", "4", "--server-memory", "64MiB", "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""bench/hicache.py on tiny workloads: it prints its tables, and its accounting holds.
+"""bench/hicache/hierarchy.py on tiny workloads: it prints its tables, and its accounting holds.
 
 Runs main() once (chat + a trace file written here, 1 and 2 workers, every configuration,
 real gcache-servers, the density measurement) with the unfitted cost model, and checks
@@ -9,25 +9,18 @@ preempted. Plus the SGLang-style baseline tree's one rule, on a hand-built tree.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 
 import numpy as np
 
-from conftest import REPO_ROOT
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_hicache", REPO_ROOT / "bench" / "hicache.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.hicache.hierarchy")
 
 
 def write_trace(path, records: int) -> None:
@@ -48,7 +41,7 @@ def test_hicache_bench_tables_and_accounting(tmp_path, capsys):
                       "--answer-tokens", "8,24", "--trace", str(trace), "--trace-requests", "10",
                       "--long-conversations", "1", "--jobs", "1", "--check-every", "1"])
     text = capsys.readouterr().out
-    assert text.startswith("command: .venv/bin/python bench/hicache.py --cost default")
+    assert text.startswith("command: .venv/bin/python -m bench.hicache.hierarchy --cost default")
     for line in ("=== chat", "=== trace", "configuration", "token hit", "TTFT P50", "L3 B/token",
                  "cached prefix tokens held per KV byte", "=== targets", "gcache-server --memory"):
         assert line in text, line
@@ -91,7 +84,7 @@ def test_sglang_style_match_ends_only_at_node_boundaries():
     (page 5) in that point's window: ours falls back to the mid-node checkpoint (16
     tokens), the SGLang-style tree to the last window-safe node boundary (the root)."""
     load_bench()
-    from sglang_swa_tree import SGLangSWATree
+    from bench.hicache.sglang_tree import SGLangSWATree
 
     ps, window = 4, 8
     tokens = np.arange(8 * ps, dtype=np.int64)

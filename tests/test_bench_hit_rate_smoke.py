@@ -1,4 +1,4 @@
-"""bench/hit_rate.py on tiny workloads: it runs through the real engine, prints what each
+"""bench/hicache/hit_rate.py on tiny workloads: it runs through the real engine, prints what each
 mode assumes, and its accounting is exact.
 
 With room for every page and one request at a time nothing is evicted, so the SWA-unaware
@@ -9,14 +9,12 @@ The trace file is written here (shared block prefixes), so no data outside the r
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from argparse import Namespace
 
 import numpy as np
 
-from conftest import REPO_ROOT
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.config import ModelConfig
 
@@ -27,12 +25,7 @@ ARGS = Namespace(concurrency=1, chunk_tokens=64, lookahead=8, nodes_max=100_000)
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_hit_rate", REPO_ROOT / "bench" / "hit_rate.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.hicache.hit_rate")
 
 
 def write_trace(path, records: int, seed: int = 1):
@@ -68,7 +61,7 @@ def ideal_hits(prompts, ps: int) -> int:
 
 def test_trace_hits_are_exact_without_eviction(tmp_path):
     bench = load_bench()
-    from workloads_chat import trace_workload
+    from bench.common.workloads import trace_workload
 
     trace = write_trace(tmp_path / "trace.jsonl", 40)
     items = bench.trace_items(trace_workload(trace, 40, block_tokens=BLOCK, vocab=TINY.vocab_size))
@@ -92,7 +85,7 @@ def test_trace_hits_are_exact_without_eviction(tmp_path):
 
 def test_chat_turns_hit_the_previous_turn_through_the_engine():
     bench = load_bench()
-    from workloads_chat import chat_workload
+    from bench.common.workloads import chat_workload
 
     reqs = list(chat_workload(0, 6, system_tokens=(100, 200), user_tokens=(10, 40), output_tokens=(10, 40),
                               concurrency=3, vocab=TINY.vocab_size))

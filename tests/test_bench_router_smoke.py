@@ -1,4 +1,4 @@
-"""bench/router.py on tiny workloads: it prints its tables, its accounting holds exactly, runs
+"""bench/router/policies.py on tiny workloads: it prints its tables, its accounting holds exactly, runs
 are deterministic, and the SWA mis-routing case comes out as designed.
 
 main() runs once (--quick: chat + a trace file written here, 2 workers, every policy, the real
@@ -8,24 +8,17 @@ figures.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 
 import numpy as np
 
-from conftest import REPO_ROOT
 
 POLICIES = ("round_robin", "least_load", "approx_tree", "dynamo", "cache_aware", "cache_ttft")
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_router", REPO_ROOT / "bench" / "router.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.router.policies")
 
 
 def write_trace(path, records: int) -> None:
@@ -47,7 +40,7 @@ def write_trace(path, records: int) -> None:
 
 def test_trace_slice_links_turns_by_complete_blocks(tmp_path):
     load_bench()
-    from router_workloads import trace_slice
+    from bench.router.workloads import trace_slice
 
     path = tmp_path / "t.jsonl"
     recs = [{"input_length": 1500, "output_length": 8, "hash_ids": [0, 1, 2]},      # complete: [0, 1]
@@ -73,7 +66,7 @@ def test_router_bench_quick(tmp_path, capsys):
     common = ["--quick", "--cost", "default", "--jobs", "1", "--trace", str(trace), "--h2d-gbps", "5"]
     out = bench.main(common)
     text = capsys.readouterr().out
-    assert text.startswith("command: .venv/bin/python bench/router.py --quick --cost default")
+    assert text.startswith("command: .venv/bin/python -m bench.router.policies --quick --cost default")
     for line in ("=== chat", "=== trace", "chat, 2 workers, load x1", "trace, 2 workers, load x1",
                  "token hit", "TTFT P90",
                  "imbalance", "=== SWA mis-routing case", "=== targets", "hit/LL"):

@@ -1,19 +1,14 @@
-"""bench/ttft.py, tiny: the figures add up, both policies see one workload, runs repeat exactly."""
+"""bench/worker/ttft.py, tiny: the figures add up, both policies see one workload, runs repeat exactly."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench.worker import ttft, ttft_cost
 
-import ttft  # noqa: E402
-import ttft_cost  # noqa: E402
-
-from gcache.worker.config import ModelConfig  # noqa: E402
+from gcache.worker.config import ModelConfig
 
 TINY = ["--cost", "default", "--requests", "30", "--seeds", "0,1", "--rates", "20"]
 
@@ -22,7 +17,7 @@ def test_tiny_sweep_adds_up_and_repeats_exactly(tmp_path, capsys):
     out = tmp_path / "ttft.json"
     result = ttft.main(TINY + ["--json", str(out)])
     printed = capsys.readouterr().out
-    assert printed.startswith("command: .venv/bin/python bench/ttft.py " + " ".join(TINY))
+    assert printed.startswith("command: .venv/bin/python -m bench.worker.ttft " + " ".join(TINY))
     assert "working set, seed 0: 30 requests" in printed and "rates: --rates 20" in printed
     (point,) = result["sweep"]
     assert point["rate"] == 20.0 and point["load"] is None

@@ -225,8 +225,8 @@ def test_without_cupy_a_device_array_gets_a_clear_error(server_address):
 
 def test_gpu_check_says_clearly_why_it_cannot_run_here():
     if _cupy_device_count() > 0:
-        pytest.skip("a GPU is usable here: bench/gpu_check.sh runs the real check")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_check.py")],
+        pytest.skip("a GPU is usable here: bench/store/gpu_check.sh runs the real check")
+    proc = subprocess.run([sys.executable, "-m", "bench.store.gpu_check"],
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gpu_check: cannot run here:" in proc.stderr
@@ -237,7 +237,7 @@ def test_gpu_check_says_clearly_why_it_cannot_run_here():
 
 
 class _StandInCupy:
-    """Just enough of cupy for CupyBackend and bench/gpu_check.py, on host memory.
+    """Just enough of cupy for CupyBackend and bench/store/gpu_check.py, on host memory.
 
     memcpyAsync copies at once, and refuses a copy whose host side is not pinned
     memory or whose direction does not match its kind, so swapped arguments fail."""
@@ -337,9 +337,7 @@ def test_cupy_backend_glue_round_trip(stand_in_cupy, server_address, transport):
 
 
 def test_gpu_check_script_runs_end_to_end_on_the_stand_in(stand_in_cupy, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO_ROOT / "bench" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = importlib.import_module("bench.store.gpu_check")
     rc = gpu_check.main(["--batch", "4", "--value-size", "64KiB", "--runs", "2", "--memory", "256MiB",
                          "--transports", "tcp,shm"])
     out = capsys.readouterr()

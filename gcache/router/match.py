@@ -4,8 +4,8 @@ Window-safe (what the worker's HiCache.match will really load): a resume point p
 KV for every page before p and SWA KV for the pages covering the W tokens before p (its
 window tail), i.e. p is one of the worker's published checkpoints. L1 is matched from page
 0; L2 extends from the L1 point exactly as HiCache does (`last_safe_end` over the host
-pages); the shared L3 extends from there. Raw overlap (what SWA-unaware routers count) is
-the run of pages with full KV, SWA ignored.
+pages); the shared L3 extends from there; all three through swa_window.last_safe_end. Raw
+overlap (what SWA-unaware routers count) is the run of pages with full KV, SWA ignored.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
+from gcache.serving.swa_window import last_safe_end
 
 
 @dataclass(frozen=True)
@@ -26,26 +27,14 @@ class TierMatch:
     raw_host: int = 0   # further pages with L2 full KV after raw_l1, SWA ignored
 
 
-def _tail_start(end: int, page_size: int, window: int) -> int:
-    return max(0, (end * page_size - window) // page_size)
-
-
 def _extend(ids: Sequence[int], start: int, limit: int, flags_of, full_bit: int, swa_bit: int,
             page_size: int, window: int) -> int:
     """Last window-safe end reachable from `start` (a window-safe point of a tier above, or 0)
-    through pages with `full_bit`; SWA of the tail pages at or after start must have swa_bit
-    (those before start are covered by the tier above). Same rule as swa_window.last_safe_end."""
-    best, run = start, 0
+    through the run of pages with `full_bit`; SWA of the tail pages at or after start must
+    have swa_bit (those before start are covered by the tier above): swa_window.last_safe_end."""
     get = flags_of.get
-    for i in range(start, limit):
-        f = get(ids[i], 0)
-        if not f & full_bit:
-            break
-        run = run + 1 if f & swa_bit else 0
-        end = i + 1
-        if run >= end - max(start, _tail_start(end, page_size, window)):
-            best = end
-    return best
+    full = _run(ids, start, limit, flags_of, full_bit)
+    return last_safe_end(start, full, lambda i: get(ids[i], 0) & swa_bit, page_size, window)
 
 
 def _run(ids: Sequence[int], start: int, limit: int, flags_of, bit: int) -> int:

@@ -1,16 +1,11 @@
-"""Smoke run of bench/sglang_backend.py on tiny pages: it runs end to end and prints its table."""
+"""Smoke run of bench/sglang/backend.py on tiny pages: it runs end to end and prints its table."""
 from __future__ import annotations
 
-import importlib.util
-
-from .sglang_support import HERE
+import importlib
 
 
 def test_sglang_backend_bench_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_sglang_backend",
-                                                  HERE.parent.parent / "bench" / "sglang_backend.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("bench.sglang.backend")
     assert bench.main(["--repeats", "2", "--pages", "4", "--page-size", "4", "--layers", "2",
                        "--heads", "2", "--head-dim", "8", "--server-memory", "64MiB",
                        "--work-dir", str(tmp_path)]) == 0

@@ -21,7 +21,7 @@ Orders:
         questions on a document that is not in the tree).
         Starvation is bounded by a lane: a request that waited max_wait_s or more goes ahead
         of everyone, FCFS among the aged. aging_tokens_per_s (need - rate * wait) is off by
-        default: measured with bench/ttft.py, every rate tried made long-prompt P90 worse (it
+        default: measured with bench/worker/ttft.py, every rate tried made long-prompt P90 worse (it
         puts long-waiting heavy prefills ahead of cheap long-prompt requests).
 Decodes are not planned here: the engine runs every decode first, then these chunks.
 """

@@ -9,7 +9,8 @@ whole prefix, so a node's keys are also its pages' L2 and L3 keys (with a KeyBui
 
 Beyond SGLang's SWARadixCache: tombstones are per page, not per node, and a match may end
 at any page, so a tombstone inside a branch's last W tokens only cuts the match back to
-the longest window-safe page before it instead of making the whole branch unmatchable.
+the longest window-safe page before it instead of making the whole branch unmatchable
+(MatchEnds.ANY_PAGE, the default; match_ends=MatchEnds.NODE_BOUNDARY plugs SGLang's rule in).
 
 Invariants (check_integrity): every leaf ends window-safe (so no leaf is a tombstone);
 full lock counts come from the outstanding lock handles, SWA lock counts are per page and
@@ -30,14 +31,14 @@ from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import PagePool
 from gcache.worker.kvcache.swa_tree_check import check_tree
 from gcache.worker.kvcache.swa_tree_evict import SWAEvictionMixin
-from gcache.worker.kvcache.swa_tree_node import MatchResult, TreeNode
+from gcache.worker.kvcache.swa_tree_node import MatchEnds, MatchResult, TreeNode
 from gcache.serving.swa_window import tail_start_page
 
 
 
 class SWARadixTree(SWAEvictionMixin):
     def __init__(self, page_size: int, window: int, full_pool: PagePool, swa_pool: PagePool,
-                 nodes_max: int = 1_000_000) -> None:
+                 nodes_max: int = 1_000_000, match_ends: MatchEnds = MatchEnds.ANY_PAGE) -> None:
         for name, v in (("page_size", page_size), ("window", window), ("nodes_max", nodes_max)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -46,6 +47,9 @@ class SWARadixTree(SWAEvictionMixin):
         self.full_pool = full_pool
         self.swa_pool = swa_pool
         self.nodes_max = nodes_max
+        if not isinstance(match_ends, MatchEnds):
+            raise ValueError(f"match_ends must be a MatchEnds, got {match_ends!r}")
+        self.match_ends = match_ends  # where match() may end (swa_tree_node.MatchEnds)
         self.root = TreeNode(None, 0, [], [], [])
         self.num_nodes = 0  # non-root nodes
         self._tail_max = -(-window // page_size)  # pages in a full window tail
@@ -69,8 +73,11 @@ class SWARadixTree(SWAEvictionMixin):
         """Longest window-safe, page-aligned prefix of `tokens`, at most `max_len` tokens
         (default len(tokens) - 1, so the caller always has a token left to compute).
         Moves the matched path to most-recent in both LRU orders. `keys` (the page-hash
-        chain of tokens, at least its whole pages) saves hashing when the caller has it."""
+        chain of tokens, at least its whole pages) saves hashing when the caller has it.
+        The match ends at any window-safe page, or with MatchEnds.NODE_BOUNDARY only where
+        the walk leaves a node (self.match_ends)."""
         keys = self._page_keys(tokens, aligned=False, keys=keys)
+        any_page = self.match_ends is MatchEnds.ANY_PAGE
         if max_len is None:
             max_len = max(0, len(tokens) - 1)
         if not isinstance(max_len, (int, np.integer)) or max_len < 0:
@@ -87,8 +94,10 @@ class SWARadixTree(SWAEvictionMixin):
             while j < len(ck) and i < limit and ck[j] == keys[i]:
                 run = run + 1 if cs[j] is not None else 0
                 i, j = i + 1, j + 1
-                if run >= self._tail(i):
+                if any_page and run >= self._tail(i):
                     best_i, best_node, best_off = i, child, j
+            if not any_page and run >= self._tail(i):  # the one candidate: where the walk leaves child
+                best_i, best_node, best_off = i, child, j
             if j < len(ck):
                 break
             if best_i == i:

@@ -2,6 +2,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+
+class MatchEnds(Enum):
+    """Where SWARadixTree.match may end a match; either way only at a window-safe point (the
+    pages covering the W tokens before it hold live SWA KV).
+
+    ANY_PAGE: at any page of the matched path (GCache's rule, the default), so a tombstone
+    inside a branch's last W tokens only cuts the match back to the longest window-safe page
+    before it.
+
+    NODE_BOUNDARY: only at a node boundary, i.e. the end of a fully matched node or the point
+    where the input leaves a node (split there), as SGLang's SWARadixCache does
+    (python/sglang/srt/mem_cache/swa_radix_cache.py, _match_prefix_helper: tokens matched
+    since the last SWA tombstone, checked per node). A tombstone inside the window of a
+    branch's end then makes the branch unmatchable beyond the last window-safe node boundary
+    above it, even where live SWA KV exists at an earlier page of that node. Tombstones are
+    per page here (SGLang's are per node, from splitting at the evicted length), so "no
+    tombstone in the window" at those candidates is exactly SGLang's "tokens since the last
+    tombstone >= W". bench.hicache.sglang_tree uses it for the SGLang-style baseline.
+    """
+
+    ANY_PAGE = "any_page"
+    NODE_BOUNDARY = "node_boundary"
 
 
 class TreeNode:

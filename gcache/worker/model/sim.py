@@ -10,7 +10,7 @@ where ctx_i is request i's context after its n_i-token chunk and f_full the frac
 layers (with swa_dense, min(W, ctx_i) becomes min(W + n_i, ctx_i): the numpy model scores a
 chunk against its whole key span and masks, where a banded kernel would not).
 req_s (per-sequence overhead) and read_s (gathering each sequence's keys once per step) are
-0 by default; bench/ttft.py fits all five to the real numpy model (--mode real).
+0 by default; bench/worker/ttft.py fits all five to the real numpy model (--mode real).
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""What several bench families share: paths, workload generators, summary statistics."""

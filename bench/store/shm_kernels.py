@@ -1,0 +1,88 @@
+"""Where a one-sided (shm) GET or PUT spends its time: the native copy kernels
+beside memcpy and xxh64 of the same bytes, in one run.
+
+    .venv/bin/python -m bench.store.shm_kernels [--batch 64] [--value-size 256KiB] [--runs 30]
+
+The arena is a memfd mapped as the client maps the server's; the source
+rotates over 256 MiB so reads are not served from cache alone. Prints GB/s
+min / median / max per kernel and its ratio to the single-threaded memcpy of
+the same bytes (median). A PUT must hash every byte twice (client sum, server
+check) besides the copy, so xxh64's rate bounds it; a GET under a proven lease
+copies only.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import statistics
+import time
+
+import numpy as np
+
+from gcache._native import shm_read_into, shm_write_from, xxh64
+from gcache.common.units import parse_size
+
+ARENA_BYTES = 512 << 20
+ROTATION_BYTES = 256 << 20
+
+
+def timed(fn, runs: int, nbytes: int) -> list[float]:
+    rates = []
+    for i in range(runs):
+        start = time.perf_counter()
+        fn(i)
+        rates.append(nbytes / 1e9 / (time.perf_counter() - start))
+    return rates
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--value-size", type=parse_size, default=256 << 10)
+    p.add_argument("--runs", type=int, default=30)
+    args = p.parse_args(argv)
+    n, size = args.batch, args.value_size
+    batch_bytes = n * size
+    slots = max(1, ROTATION_BYTES // batch_bytes)
+    fd = os.memfd_create("gcache-bench-arena")
+    os.ftruncate(fd, ARENA_BYTES)
+    arena = mmap.mmap(fd, ARENA_BYTES)
+    os.close(fd)
+    arena_addr = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+    ctypes.memset(arena_addr, 7, ROTATION_BYTES + batch_bytes)  # touch every page once
+    dst = np.zeros(batch_bytes, dtype=np.uint8)
+    targets = [memoryview(dst)[i * size:(i + 1) * size] for i in range(n)]
+    sums = [xxh64(arena[i * size:(i + 1) * size]) for i in range(n)]
+
+    def offsets(i: int) -> list[int]:
+        base = (i % slots) * batch_bytes
+        return [base + j * size for j in range(n)]
+
+    write_base = ROTATION_BYTES
+    kernels = {
+        "memcpy, one thread (baseline)": lambda i: ctypes.memmove(dst.ctypes.data, arena_addr + (i % slots) * batch_bytes,
+                                                                  batch_bytes),
+        "xxh64 of the batch, one thread": lambda i: [xxh64(t) for t in targets],
+    }
+    for threads in (1, 2):
+        kernels[f"GET copy (lease-proven), {threads} thread(s)"] = (
+            lambda i, t=threads: shm_read_into(arena, offsets(i), [size] * n, sums, targets, t, False))
+        kernels[f"GET copy + xxh64 check, {threads} thread(s)"] = (
+            lambda i, t=threads: shm_read_into(arena, offsets(0), [size] * n, sums, targets, t, True))
+        kernels[f"PUT copy + xxh64 sum, {threads} thread(s)"] = (
+            lambda i, t=threads: shm_write_from(arena, [write_base + j * size for j in range(n)], targets, t))
+    results = {name: timed(fn, args.runs, batch_bytes) for name, fn in kernels.items()}
+    base = statistics.median(results["memcpy, one thread (baseline)"])
+    print(f"shm kernels: {n} x {size} B = {batch_bytes >> 20} MiB per call, {args.runs} runs, "
+          f"{os.cpu_count()} cores")
+    print(f"{'kernel':44s} {'GB/s min / median / max':>26s}  vs memcpy")
+    for name, rates in results.items():
+        med = statistics.median(rates)
+        print(f"{name:44s} {min(rates):7.2f} / {med:6.2f} / {max(rates):6.2f}  {med / base:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
