@@ -15,7 +15,7 @@ import grpc
 
 from gcache.common.address import parse_host_port
 from gcache.cluster.cluster_map import NODE_ID_BYTES_MAX, WEIGHT_MAX
-from gcache.cluster import master_api as api
+from gcache.cluster import master_api
 from gcache.master.raft_state import MasterRaft, RaftUnavailableError
 from gcache.master.state import (
     DEGRADED_CHARS_MAX, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, StateError)
@@ -26,7 +26,7 @@ WORKERS_MAX = 8               # calls mostly wait on a Raft commit (milliseconds
 CONCURRENT_RPCS_MAX = 256     # beyond: RESOURCE_EXHAUSTED at once instead of a queue
 MESSAGE_BYTES_MAX = 4 << 20   # a map of NODES_MAX nodes fits with room to spare
 COMMIT_TIMEOUT_S_MAX = 5.0    # never hold a worker longer than this on one command
-COMMIT_TIMEOUT_S_DEFAULT = api.CALL_TIMEOUT_S
+COMMIT_TIMEOUT_S_DEFAULT = master_api.CALL_TIMEOUT_S
 
 _STATUS_OF = {NOT_FOUND: grpc.StatusCode.NOT_FOUND,
               FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
@@ -115,8 +115,8 @@ class MasterService:
                 return fn(request, context)
             except _Invalid as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return grpc.unary_unary_rpc_method_handler(run, request_deserializer=api.unpack,
-                                                   response_serializer=api.pack)
+        return grpc.unary_unary_rpc_method_handler(run, request_deserializer=master_api.unpack,
+                                                   response_serializer=master_api.pack)
 
     # -- methods -----------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class MasterService:
                 "heartbeat_age_s": {node_id: round(now - t, 3) for node_id, t in snap.last_seen.items()}}
 
     def generic_handler(self):
-        return grpc.method_handlers_generic_handler(api.SERVICE, {
+        return grpc.method_handlers_generic_handler(master_api.SERVICE, {
             "Register": self._handler("Register", self.register),
             "Heartbeat": self._handler("Heartbeat", self.heartbeat),
             "GetMap": self._handler("GetMap", self.get_map),
