@@ -1,4 +1,9 @@
-"""Builds gcache._native from the C++ sources in gcache_native/ during install."""
+"""Builds gcache._native from the C++ sources under gcache_native/ during install.
+
+The sources sit in folders by job (store/, eviction/, disk/, server/, client/,
+common/, bindings/); includes are spelled from gcache_native/, e.g.
+`#include "store/store.h"`.
+"""
 import glob
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -6,7 +11,7 @@ from setuptools import setup
 
 native = Pybind11Extension(
     "gcache._native",
-    sorted(glob.glob("gcache_native/*.cpp")),
+    sorted(glob.glob("gcache_native/**/*.cpp", recursive=True)),
     include_dirs=["gcache_native"],
     cxx_std=17,
     extra_compile_args=["-O2", "-g0", "-Wall", "-Wno-unused-function", "-pthread"],
