@@ -5,6 +5,11 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+
+#include "common/msgpack_lite.h"
+#include "server/connection.h"
+#include "server/server.h"
 
 namespace gcache {
 namespace {
@@ -81,6 +86,101 @@ void random_bytes(uint8_t* out, size_t n) {
     out += got;
     n -= size_t(got);
   }
+}
+
+// The AUTH opcode, on the data server's connection thread (Server::dispatch).
+// AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
+// A node without --auth-file answers {"auth": false} to both.
+bool Server::handle_auth(Connection* c, const FrameHeader& h) {
+  c->meta.resize(h.meta_len);
+  if (h.meta_len > 0) recv_exact(c->timer, c->meta.data(), h.meta_len, c->deadline_us);
+  if (h.payload_len > 0) {
+    discard(c, h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH carries no payload; send payload_len=0");
+    return true;
+  }
+  std::string_view id, mac;
+  bool has_id = false, has_mac = false;
+  MsgpackReader r(c->meta.data(), c->meta.size());
+  uint32_t entries = 0;
+  bool ok = c->meta.empty() || r.read_map(&entries);
+  for (uint32_t i = 0; ok && i < entries; ++i) {
+    std::string_view name;
+    ok = r.read_bytes(&name);
+    if (!ok) break;
+    if (name == "id") ok = has_id = r.read_bytes(&id);
+    else if (name == "mac") ok = has_mac = r.read_bytes(&mac);
+    else ok = r.skip();
+  }
+  if (!ok || !r.at_end() || has_id != has_mac) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "AUTH metadata must be {} (ask for a nonce) or {\"id\": bin, \"mac\": bin} "
+               "(docs/protocol.md, \"Authentication\")");
+    return true;
+  }
+  MsgpackWriter& out = c->out;
+  out.clear();
+  if (!auth_on()) {
+    out.map(1);
+    out.str("auth");
+    out.boolean(false);
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  if (c->tenant != nullptr) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "this connection is already authenticated as tenant '" + c->tenant->name +
+                   "'; open a new connection to use another token");
+    return true;
+  }
+  if (!has_id) {
+    random_bytes(c->nonce, kAuthNonceBytes);
+    c->nonce_issued = true;
+    out.map(2);
+    out.str("auth");
+    out.boolean(true);
+    out.str("nonce");
+    out.bin(std::string_view(reinterpret_cast<const char*>(c->nonce), kAuthNonceBytes));
+    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+    return true;
+  }
+  const Tenant* t = c->nonce_issued ? config_.tenants->verify(id, c->nonce, mac) : nullptr;
+  c->nonce_issued = false;  // one answer per nonce
+  if (t == nullptr) {
+    metrics_->auth_failures++;
+    metrics_->errors_unauthenticated++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+               "authentication failed: this node's --auth-file has no tenant with that token "
+               "(check GCACHE_TOKEN or the client's token=); the connection is closed");
+    return false;
+  }
+  const uint32_t tenant_max = config_.connections_per_tenant_max;
+  if (t->connections.fetch_add(1) >= tenant_max && tenant_max > 0) {
+    t->connections--;
+    metrics_->connections_refused_tenant++;
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Busy,
+               "tenant '" + t->name + "' already has " + std::to_string(tenant_max) +
+                   " connections (--connections-per-tenant-max); reuse pooled connections");
+    return false;
+  }
+  c->tenant = t;
+  c->owner = "t:" + t->name;
+  c->last_work_us = now_us();
+  metrics_->auth_successes++;
+  out.map(2);
+  out.str("tenant");
+  out.str(t->name);
+  out.str("roles");
+  uint32_t n = 0;
+  for (uint8_t bit : {kRoleRead, kRoleWrite, kRoleAdmin, kRoleCluster}) n += (t->roles & bit) ? 1 : 0;
+  out.array(n);
+  if (t->roles & kRoleRead) out.str("read");
+  if (t->roles & kRoleWrite) out.str("write");
+  if (t->roles & kRoleAdmin) out.str("admin");
+  if (t->roles & kRoleCluster) out.str("cluster");
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return true;
 }
 
 }  // namespace gcache

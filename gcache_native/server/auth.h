@@ -5,6 +5,7 @@
 // gets a fresh random nonce; it answers AUTH {"id": token_id(token), "mac":
 // HMAC-SHA256(token, kAuthDomain + nonce)}. The token never crosses the wire,
 // and a recorded answer is worthless for the next connection (new nonce).
+// The data server's side of it, Server::handle_auth, is in auth.cpp too.
 #pragma once
 
 #include <atomic>

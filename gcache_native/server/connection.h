@@ -19,6 +19,7 @@
 #include "common/msgpack_lite.h"
 #include "server/server.h"
 #include "server/io.h"
+#include "server/limits.h"
 #include "server/shm_session.h"
 #include "store/store.h"
 
@@ -139,6 +140,53 @@ struct LeaseGuard {
   }
 };
 
+// Bytes held in a ByteBudget: given back by release() or when the guard ends.
+class BudgetHold {
+ public:
+  BudgetHold(ByteBudget* budget, const std::string& owner, uint64_t bytes)
+      : budget_(budget), owner_(&owner), bytes_(bytes) {}
+  BudgetHold(const BudgetHold&) = delete;
+  BudgetHold& operator=(const BudgetHold&) = delete;
+  ~BudgetHold() { release(); }
+  void release() {
+    if (budget_ == nullptr) return;
+    budget_->release(*owner_, bytes_);
+    budget_ = nullptr;
+  }
+
+ private:
+  ByteBudget* budget_;
+  const std::string* owner_;
+  uint64_t bytes_;
+};
+
+// One begin_put reservation: commit() publishes it; on any other path out
+// (an error reply, a dropped connection, an exception) the guard aborts it.
+class PutGuard {
+ public:
+  explicit PutGuard(Store* store) : store_(store) {}
+  PutGuard(const PutGuard&) = delete;
+  PutGuard& operator=(const PutGuard&) = delete;
+  ~PutGuard() {
+    if (held_) store_->abort_put(r_);
+  }
+  PutStatus begin(std::string_view key, uint64_t length, OwnerId owner) {
+    const PutStatus s = store_->begin_put(key, length, &r_, owner);
+    held_ = s == PutStatus::Stored;
+    return s;
+  }
+  PutStatus commit(std::string_view key, uint64_t checksum, const PutHint& hint) {
+    held_ = false;  // commit_put owns the reservation from here, also when it throws
+    return store_->commit_put(key, r_, checksum, hint);
+  }
+  const Reservation& reservation() const { return r_; }
+
+ private:
+  Store* store_;
+  Reservation r_;
+  bool held_ = false;
+};
+
 // Reads and drops n bytes through the connection's bounded scratch buffer.
 void discard(Server::Connection* c, uint64_t n);
 // Sends c->out (header filled in here) and the leased values as the payload.
@@ -146,6 +194,9 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
                    const std::vector<Lease>* payload = nullptr, uint64_t payload_len = 0);
 void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
                 FrameStatus status, const std::string& message);
+// After a fatal error response: half-close so the response is delivered
+// before FIN, then drain (bounded) so closing does not reset the peer.
+void linger_close(Server::Connection* c);
 // Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
 // keys are skipped. An empty metadata section means {}.
 Server::Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b);

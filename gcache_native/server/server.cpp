@@ -115,10 +115,6 @@ void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t requ
   send_response(c, opcode, request_id, status);
 }
 
-namespace {
-
-// After a fatal error response: half-close so the response is delivered
-// before FIN, then drain (bounded) so closing does not reset the peer.
 void linger_close(Server::Connection* c) {
   shutdown(c->fd, SHUT_WR);
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
@@ -134,6 +130,8 @@ void linger_close(Server::Connection* c) {
     drained += size_t(r);
   }
 }
+
+namespace {
 
 // Answers BUSY on a connection the accept loop will not serve, then closes it.
 void refuse_busy(int fd, Metrics* m, const std::string& message) {
@@ -283,10 +281,6 @@ void namespace_keys(Server::Connection* c) {
     k = std::string_view(c->keys_buf.data() + at, prefix.size() + k.size());
   }
 }
-
-namespace {
-
-}  // namespace
 
 Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
     : config_(config), store_(store), metrics_(metrics), epoch_(config.epoch),
@@ -518,129 +512,158 @@ void Server::accept_loop() {
   }
 }
 
+// One connection's life: wait for a frame, read its header, check it, hand it
+// on; then tear down. Each step answers Flow: go on with this frame, go back
+// to waiting (Retry), or close the connection (Close).
 void Server::serve(Connection* c) {
-  const int fd = c->fd;
-  uint8_t header_bytes[kFrameHeaderBytes];
   try {
     for (;;) {
-      // Wait for the next frame: idle timeout, or the stop signal when idle.
-      pollfd fds[2] = {{fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-      if (c->shm.next_deadline_us() != 0 && expire_shm(c)) break;
-      // Idle counts from the last data request: PINGs alone cannot keep a slot.
-      double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
-      if (wait_s <= 0) {
-        metrics_->idle_closes++;
-        break;
-      }
-      if (auth_on() && c->tenant == nullptr) {  // unauthenticated: only until the auth deadline
-        wait_s = std::min(wait_s, config_.auth_timeout_s - double(now_us() - c->accepted_us) / 1e6);
-        if (wait_s <= 0) {
-          metrics_->errors_timeout++;
-          break;
-        }
-      }
-      const int64_t shm_deadline = c->shm.next_deadline_us();  // wake to expire leases
-      if (shm_deadline != 0) wait_s = std::min(wait_s, std::max(0.001, double(shm_deadline - now_us()) / 1e6));
-      const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
-      if (ready < 0) {
-        if (errno == EINTR) continue;
-        break;
-      }
-      if (ready == 0 && !stopping_) continue;  // the loop head decides: idle, or auth deadline
-      if (ready == 0 || fds[0].revents == 0) break;  // stopping and idle
-      if (stopping_ && now_us() > stop_deadline_us_) break;
-
-      // First byte: a clean EOF here is an ordinary close.
-      ssize_t got;
-      do got = recv(fd, header_bytes, kFrameHeaderBytes, MSG_DONTWAIT);
-      while (got < 0 && errno == EINTR);
-      if (got == 0) break;
-      if (got < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) continue;
-        break;
-      }
-      // One deadline for the whole frame, counted from its first byte.
-      const int64_t first_byte_us = now_us();
-      c->deadline_us = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, kFrameHeaderBytes);
-      if (auth_on() && c->tenant == nullptr)
-        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
-      if (size_t(got) < kFrameHeaderBytes)
-        recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
-
-      const int64_t start_us = now_us();
-      const FrameHeader h = parse_frame_header(header_bytes);
-      c->deadline_us = transfer_deadline_us(
-          first_byte_us, config_.stall_timeout_s,
-          uint64_t(kFrameHeaderBytes) + h.meta_len + std::min<uint64_t>(h.payload_len, UINT64_MAX / 2));
-      if (auth_on() && c->tenant == nullptr)  // nor can a frame stretch the auth deadline
-        c->deadline_us = std::min(c->deadline_us, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
-      metrics_->requests++;
-      if (!frame_magic_ok(h)) {
-        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
-                   "bad magic: every frame starts with the bytes 'GCH1' (docs/protocol.md); "
-                   "the connection is closed, reconnect and resend");
+      const Flow waited = await_frame(c);
+      if (waited == Flow::Close) break;
+      if (waited == Flow::Retry) continue;
+      FrameHeader h;
+      int64_t start_us = 0;
+      const Flow read = read_frame_header(c, &h, &start_us);
+      if (read == Flow::Close) break;
+      if (read == Flow::Retry) continue;
+      if (!check_frame(c, h) || !dispatch(c, h, start_us)) {
         linger_close(c);
         break;
       }
-      if (h.version != kProtocolVersion) {
-        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadVersion,
-                   "protocol version " + std::to_string(h.version) + " is not supported; this server "
-                   "speaks version 1: upgrade or downgrade the client");
-        linger_close(c);
-        break;
-      }
-      if (h.meta_len > config_.meta_bytes_max || h.payload_len > config_.frame_payload_bytes_max) {
-        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
-                   "frame too large (meta_len=" + std::to_string(h.meta_len) + " max " +
-                       std::to_string(config_.meta_bytes_max) + ", payload_len=" +
-                       std::to_string(h.payload_len) + " max " +
-                       std::to_string(config_.frame_payload_bytes_max) +
-                       "); split the batch; the connection is closed");
-        linger_close(c);
-        break;
-      }
-      if (auth_on() && c->tenant == nullptr) {
-        // Before AUTH: only PING and AUTH, with small metadata and no payload;
-        // anything else is answered once and the connection closed.
-        const bool allowed = Opcode(h.opcode) == Opcode::Ping || Opcode(h.opcode) == Opcode::Auth;
-        if (!allowed || h.meta_len > kUnauthenticatedMetaBytesMax || h.payload_len > 0) {
-          metrics_->errors_unauthenticated++;
-          send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
-                     "this node requires authentication: connect with a token of its --auth-file "
-                     "(gcache.Client(..., token=...) or GCACHE_TOKEN); before AUTH only PING is "
-                     "answered; the connection is closed");
-          linger_close(c);
-          break;
-        }
-      }
-      if (Opcode(h.opcode) == Opcode::Auth) {
-        if (!handle_auth(c, h)) {
-          linger_close(c);
-          break;
-        }
-        continue;
-      }
-      Histogram* latency = histogram_for(metrics_, h.opcode);  // null for some known opcodes
-      if (h.opcode == 0 || h.opcode > kOpcodeMax) {
-        discard(c, uint64_t(h.meta_len) + h.payload_len);
-        send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
-                   "unknown opcode " + std::to_string(h.opcode) +
-                       "; this server knows opcodes 1-" + std::to_string(kOpcodeMax) +
-                       " (docs/protocol.md); frame skipped");
-        continue;
-      }
-      handle_frame(c, h);
-      if (latency != nullptr) latency->record_us(uint64_t(now_us() - start_us));
-      // Keep a large buffer for the next frame only while the global budget has room.
-      if (c->meta.capacity() > kMetaKeepBytes ||
-          (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
-        release_meta(c);
     }
   } catch (const ConnectionLost& lost) {
     if (lost.timeout) metrics_->errors_timeout++;
   } catch (const std::exception&) {
     metrics_->errors_internal++;  // cannot answer: framing state unknown
   }
+  end_connection(c);
+}
+
+// Waits for the next frame's first byte under three deadlines: the idle
+// timeout (from the last data request: PINGs alone cannot keep a slot), the
+// auth deadline of an unauthenticated connection, and the next shm lease or
+// reservation expiry (to expire it). Also the stop signal, when idle.
+Server::Flow Server::await_frame(Connection* c) {
+  if (c->shm.next_deadline_us() != 0 && expire_shm(c)) return Flow::Close;
+  double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
+  if (wait_s <= 0) {
+    metrics_->idle_closes++;
+    return Flow::Close;
+  }
+  if (unauthenticated(c)) {  // only until the auth deadline
+    wait_s = std::min(wait_s, config_.auth_timeout_s - double(now_us() - c->accepted_us) / 1e6);
+    if (wait_s <= 0) {
+      metrics_->errors_timeout++;
+      return Flow::Close;
+    }
+  }
+  const int64_t shm_deadline = c->shm.next_deadline_us();  // wake to expire leases
+  if (shm_deadline != 0) wait_s = std::min(wait_s, std::max(0.001, double(shm_deadline - now_us()) / 1e6));
+  pollfd fds[2] = {{c->fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
+  const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
+  if (ready < 0) return errno == EINTR ? Flow::Retry : Flow::Close;
+  if (ready == 0 && !stopping_) return Flow::Retry;  // the next wait decides: idle, or auth deadline
+  if (ready == 0 || fds[0].revents == 0) return Flow::Close;  // stopping and idle
+  if (stopping_ && now_us() > stop_deadline_us_) return Flow::Close;
+  return Flow::Proceed;
+}
+
+// The frame's deadline: one budget for all its bytes from its first byte; an
+// unauthenticated connection's frame never outlives the auth deadline.
+int64_t Server::frame_deadline_us(const Connection* c, int64_t first_byte_us, uint64_t frame_bytes) const {
+  int64_t deadline = transfer_deadline_us(first_byte_us, config_.stall_timeout_s, frame_bytes);
+  if (unauthenticated(c)) deadline = std::min(deadline, c->accepted_us + int64_t(config_.auth_timeout_s * 1e6));
+  return deadline;
+}
+
+// Reads one frame header once poll() said bytes are there, and sets the
+// frame's deadline (c->deadline_us) from it. *start_us: when the request
+// started, for its latency histogram.
+Server::Flow Server::read_frame_header(Connection* c, FrameHeader* h, int64_t* start_us) {
+  uint8_t header_bytes[kFrameHeaderBytes];
+  // First byte: a clean EOF here is an ordinary close.
+  ssize_t got;
+  do got = recv(c->fd, header_bytes, kFrameHeaderBytes, MSG_DONTWAIT);
+  while (got < 0 && errno == EINTR);
+  if (got == 0) return Flow::Close;
+  if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Flow::Retry : Flow::Close;
+  const int64_t first_byte_us = now_us();
+  c->deadline_us = frame_deadline_us(c, first_byte_us, kFrameHeaderBytes);
+  if (size_t(got) < kFrameHeaderBytes)
+    recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
+  *start_us = now_us();
+  *h = parse_frame_header(header_bytes);
+  c->deadline_us = frame_deadline_us(
+      c, first_byte_us, uint64_t(kFrameHeaderBytes) + h->meta_len + std::min<uint64_t>(h->payload_len, UINT64_MAX / 2));
+  metrics_->requests++;
+  return Flow::Proceed;
+}
+
+// The checks on a header before any of its body is read: magic, version,
+// sizes, and the auth gate. False: answered with an error, close.
+bool Server::check_frame(Connection* c, const FrameHeader& h) {
+  if (!frame_magic_ok(h)) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+               "bad magic: every frame starts with the bytes 'GCH1' (docs/protocol.md); "
+               "the connection is closed, reconnect and resend");
+    return false;
+  }
+  if (h.version != kProtocolVersion) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadVersion,
+               "protocol version " + std::to_string(h.version) + " is not supported; this server "
+               "speaks version 1: upgrade or downgrade the client");
+    return false;
+  }
+  if (h.meta_len > config_.meta_bytes_max || h.payload_len > config_.frame_payload_bytes_max) {
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
+               "frame too large (meta_len=" + std::to_string(h.meta_len) + " max " +
+                   std::to_string(config_.meta_bytes_max) + ", payload_len=" +
+                   std::to_string(h.payload_len) + " max " +
+                   std::to_string(config_.frame_payload_bytes_max) +
+                   "); split the batch; the connection is closed");
+    return false;
+  }
+  if (unauthenticated(c)) {
+    // Before AUTH: only PING and AUTH, with small metadata and no payload;
+    // anything else is answered once and the connection closed.
+    const bool allowed = Opcode(h.opcode) == Opcode::Ping || Opcode(h.opcode) == Opcode::Auth;
+    if (!allowed || h.meta_len > kUnauthenticatedMetaBytesMax || h.payload_len > 0) {
+      metrics_->errors_unauthenticated++;
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
+                 "this node requires authentication: connect with a token of its --auth-file "
+                 "(gcache.Client(..., token=...) or GCACHE_TOKEN); before AUTH only PING is "
+                 "answered; the connection is closed");
+      return false;
+    }
+  }
+  return true;
+}
+
+// Hands a checked frame to its handler: AUTH (server/auth.cpp), an unknown
+// opcode (skipped), or handle_frame; records the latency and trims the
+// metadata buffer. False: close the connection.
+bool Server::dispatch(Connection* c, const FrameHeader& h, int64_t start_us) {
+  if (Opcode(h.opcode) == Opcode::Auth) return handle_auth(c, h);
+  Histogram* latency = histogram_for(metrics_, h.opcode);  // null for some known opcodes
+  if (h.opcode == 0 || h.opcode > kOpcodeMax) {
+    discard(c, uint64_t(h.meta_len) + h.payload_len);
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
+               "unknown opcode " + std::to_string(h.opcode) +
+                   "; this server knows opcodes 1-" + std::to_string(kOpcodeMax) +
+                   " (docs/protocol.md); frame skipped");
+    return true;
+  }
+  handle_frame(c, h);
+  if (latency != nullptr) latency->record_us(uint64_t(now_us() - start_us));
+  // Keep a large buffer for the next frame only while the global budget has room.
+  if (c->meta.capacity() > kMetaKeepBytes ||
+      (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
+    release_meta(c);
+  return true;
+}
+
+// The connection is done: give back what it holds and mark it for the reaper.
+void Server::end_connection(Connection* c) {
   end_shm_session(c);
   release_meta(c);
   peers_.remove(c->peer);
@@ -653,10 +676,10 @@ void Server::serve(Connection* c) {
   conns_cv_.notify_all();
 }
 
-void Server::handle_frame(Connection* c, const FrameHeader& h) {
-  const Opcode op = Opcode(h.opcode);
-  // Grow with the bytes that actually arrive: a header that merely claims
-  // 16 MiB of metadata must not make the server allocate it up front.
+// Reads a frame's metadata into c->meta, growing with the bytes that actually
+// arrive: a header that merely claims 16 MiB of metadata must not make the
+// server allocate it up front. Past the metadata budget: answered, closed.
+void Server::read_meta(Connection* c, const FrameHeader& h) {
   c->meta.clear();
   size_t got = 0;
   while (got < h.meta_len) {
@@ -674,6 +697,11 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
+}
+
+void Server::handle_frame(Connection* c, const FrameHeader& h) {
+  const Opcode op = Opcode(h.opcode);
+  read_meta(c, h);
   if (op == Opcode::Release && (h.flags & kFlagNoReply)) {  // never answered, not even an error
     if (h.payload_len > 0) discard(c, h.payload_len);
     if (h.payload_len == 0 && parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch).status == FrameStatus::Ok)
@@ -782,45 +810,11 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
                            "; send every value's length, values concatenated in key order");
   }
   std::vector<uint8_t> statuses(n);
-  uint64_t consumed = 0;
+  uint64_t consumed = 0;  // payload bytes read so far
   const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
-      // Arena is reserved only against a budget of bytes not yet received:
-      // declaring a large value without sending it cannot evict hot data.
-      if (!reservations_.acquire(c->owner, b.lens[i], budget_wait_deadline(c))) {
-        metrics_->puts_reserve_refused++;
-        metrics_->puts_no_space++;
-        discard(c, b.lens[i]);
-        consumed += b.lens[i];
-        statuses[i] = uint8_t(PutStatus::NoSpace);
-        continue;
-      }
-      Reservation r;
-      PutStatus s;
-      try {
-        s = store_->begin_put(b.keys[i], b.lens[i], &r, owner_of(c, config_.tenants.get(), b.keys[i]));
-        if (s == PutStatus::Stored) {
-          try {
-            recv_exact(c->timer, r.data, size_t(b.lens[i]), c->deadline_us);  // socket -> arena, no copy
-          } catch (...) {
-            store_->abort_put(r);
-            throw;
-          }
-        }
-      } catch (...) {
-        reservations_.release(c->owner, b.lens[i]);
-        throw;
-      }
-      reservations_.release(c->owner, b.lens[i]);
-      if (s == PutStatus::Stored) {
-        consumed += b.lens[i];
-        s = store_->commit_put(b.keys[i], r, b.sums[i], PutHint{chain, n >= 2 && i + 1 == n, r.owner});
-      } else {
-        discard(c, b.lens[i]);
-        consumed += b.lens[i];
-      }
-      statuses[i] = uint8_t(s);
+      statuses[i] = uint8_t(put_one(c, i, PutHint{chain, n >= 2 && i + 1 == n, 0}, &consumed));
     }
   } catch (const ConnectionLost&) {
     throw;
@@ -837,6 +831,37 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   for (uint8_t s : statuses) c->out.uint(s);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
+}
+
+// Value i of a PUT_BATCH: its bytes go socket -> arena with no copy, or are
+// read and dropped when it is refused (*consumed counts them once read). The
+// guards give back the budget and the reservation on every path out (a
+// receive that fails, an exception).
+PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consumed) {
+  const BatchMeta& b = c->batch;
+  const uint64_t len = b.lens[i];
+  // Arena is reserved only against a budget of bytes not yet received:
+  // declaring a large value without sending it cannot evict hot data.
+  if (!reservations_.acquire(c->owner, len, budget_wait_deadline(c))) {
+    metrics_->puts_reserve_refused++;
+    metrics_->puts_no_space++;
+    discard(c, len);
+    *consumed += len;
+    return PutStatus::NoSpace;
+  }
+  BudgetHold budget(&reservations_, c->owner, len);
+  PutGuard put(store_);
+  const PutStatus begun = put.begin(b.keys[i], len, owner_of(c, config_.tenants.get(), b.keys[i]));
+  if (begun == PutStatus::Stored) recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us);
+  budget.release();  // the bytes have arrived
+  if (begun != PutStatus::Stored) {
+    discard(c, len);
+    *consumed += len;
+    return begun;
+  }
+  *consumed += len;
+  hint.owner = put.reservation().owner;
+  return put.commit(b.keys[i], b.sums[i], hint);
 }
 
 Reply Server::handle_get(Connection* c, const FrameHeader& h) {
@@ -945,7 +970,7 @@ Reply Server::handle_stats(Connection* c, const FrameHeader& h) {
 
 Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   auto [epoch, map_bytes] = cluster_map();
-  if (auth_on() && c->tenant == nullptr) map_bytes = std::make_shared<const std::string>();  // authenticated peers only
+  if (unauthenticated(c)) map_bytes = std::make_shared<const std::string>();  // authenticated peers only
   MsgpackWriter& out = c->out;
   out.clear();
   // How a same-host client reaches this node one-sided: "instance" names it, so
@@ -1002,104 +1027,12 @@ int64_t Server::budget_wait_deadline(const Connection* c) const {
   return c->deadline_us > 0 ? std::min(c->deadline_us, wait_end) : wait_end;
 }
 
+bool Server::unauthenticated(const Connection* c) const { return auth_on() && c->tenant == nullptr; }
+
 void Server::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const {
   out->emplace_back("connections_open", metrics_->connections_open.load());
   out->emplace_back("put_reserved_bytes", int64_t(reservations_.used()));
   out->emplace_back("meta_buffer_bytes", int64_t(meta_buffers_.used()));
-}
-
-// AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
-// A node without --auth-file answers {"auth": false} to both.
-bool Server::handle_auth(Connection* c, const FrameHeader& h) {
-  c->meta.resize(h.meta_len);
-  if (h.meta_len > 0) recv_exact(c->timer, c->meta.data(), h.meta_len, c->deadline_us);
-  if (h.payload_len > 0) {
-    discard(c, h.payload_len);
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
-               "AUTH carries no payload; send payload_len=0");
-    return true;
-  }
-  std::string_view id, mac;
-  bool has_id = false, has_mac = false;
-  MsgpackReader r(c->meta.data(), c->meta.size());
-  uint32_t entries = 0;
-  bool ok = c->meta.empty() || r.read_map(&entries);
-  for (uint32_t i = 0; ok && i < entries; ++i) {
-    std::string_view name;
-    ok = r.read_bytes(&name);
-    if (!ok) break;
-    if (name == "id") ok = has_id = r.read_bytes(&id);
-    else if (name == "mac") ok = has_mac = r.read_bytes(&mac);
-    else ok = r.skip();
-  }
-  if (!ok || !r.at_end() || has_id != has_mac) {
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
-               "AUTH metadata must be {} (ask for a nonce) or {\"id\": bin, \"mac\": bin} "
-               "(docs/protocol.md, \"Authentication\")");
-    return true;
-  }
-  MsgpackWriter& out = c->out;
-  out.clear();
-  if (!auth_on()) {
-    out.map(1);
-    out.str("auth");
-    out.boolean(false);
-    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
-    return true;
-  }
-  if (c->tenant != nullptr) {
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
-               "this connection is already authenticated as tenant '" + c->tenant->name +
-                   "'; open a new connection to use another token");
-    return true;
-  }
-  if (!has_id) {
-    random_bytes(c->nonce, kAuthNonceBytes);
-    c->nonce_issued = true;
-    out.map(2);
-    out.str("auth");
-    out.boolean(true);
-    out.str("nonce");
-    out.bin(std::string_view(reinterpret_cast<const char*>(c->nonce), kAuthNonceBytes));
-    send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
-    return true;
-  }
-  const Tenant* t = c->nonce_issued ? config_.tenants->verify(id, c->nonce, mac) : nullptr;
-  c->nonce_issued = false;  // one answer per nonce
-  if (t == nullptr) {
-    metrics_->auth_failures++;
-    metrics_->errors_unauthenticated++;
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Unauthenticated,
-               "authentication failed: this node's --auth-file has no tenant with that token "
-               "(check GCACHE_TOKEN or the client's token=); the connection is closed");
-    return false;
-  }
-  const uint32_t tenant_max = config_.connections_per_tenant_max;
-  if (t->connections.fetch_add(1) >= tenant_max && tenant_max > 0) {
-    t->connections--;
-    metrics_->connections_refused_tenant++;
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Busy,
-               "tenant '" + t->name + "' already has " + std::to_string(tenant_max) +
-                   " connections (--connections-per-tenant-max); reuse pooled connections");
-    return false;
-  }
-  c->tenant = t;
-  c->owner = "t:" + t->name;
-  c->last_work_us = now_us();
-  metrics_->auth_successes++;
-  out.map(2);
-  out.str("tenant");
-  out.str(t->name);
-  out.str("roles");
-  uint32_t n = 0;
-  for (uint8_t bit : {kRoleRead, kRoleWrite, kRoleAdmin, kRoleCluster}) n += (t->roles & bit) ? 1 : 0;
-  out.array(n);
-  if (t->roles & kRoleRead) out.str("read");
-  if (t->roles & kRoleWrite) out.str("write");
-  if (t->roles & kRoleAdmin) out.str("admin");
-  if (t->roles & kRoleCluster) out.str("cluster");
-  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
-  return true;
 }
 
 void Server::send_stale_epoch(Connection* c, const FrameHeader& h) {

@@ -124,11 +124,25 @@ class Server {
   class PutAdmission;   // private to server/server.cpp
 
  private:
+  // What one step of serve() leaves to do: go on with this frame, wait for
+  // the next one, or close the connection.
+  enum class Flow { Proceed, Retry, Close };
+
   void accept_loop();
-  void serve(Connection* conn);
   void reap_finished();
+  // One connection's thread: await_frame, read_frame_header, check_frame,
+  // dispatch, in a loop; end_connection when it ends.
+  void serve(Connection* conn);
+  Flow await_frame(Connection* c);
+  Flow read_frame_header(Connection* c, FrameHeader* h, int64_t* start_us);
+  bool check_frame(Connection* c, const FrameHeader& h);  // false: answered, close
+  bool dispatch(Connection* c, const FrameHeader& h, int64_t start_us);  // false: close
+  void end_connection(Connection* c);
+  int64_t frame_deadline_us(const Connection* c, int64_t first_byte_us, uint64_t frame_bytes) const;
+  void read_meta(Connection* c, const FrameHeader& h);
   void handle_frame(Connection* c, const FrameHeader& h);
   Reply handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission);
+  PutStatus put_one(Connection* c, size_t i, PutHint hint, uint64_t* consumed);
   Reply handle_get(Connection* c, const FrameHeader& h);
   Reply handle_exists(Connection* c, const FrameHeader& h);
   Reply handle_remove(Connection* c, const FrameHeader& h);
@@ -144,8 +158,9 @@ class Server {
   bool expire_shm(Connection* c);  // drops expired leases; true: a reservation expired, close
   void end_shm_session(Connection* c);  // the connection is closing: drop its leases and reservations
   int listen_unix();                    // binds config_.unix_socket_path; -1 when unset
-  bool handle_auth(Connection* c, const FrameHeader& h);  // false: close the connection
+  bool handle_auth(Connection* c, const FrameHeader& h);  // server/auth.cpp; false: close the connection
   bool auth_on() const { return config_.tenants != nullptr; }
+  bool unauthenticated(const Connection* c) const;  // auth on, and no AUTH has succeeded yet
   bool grow_meta(Connection* c, size_t bytes);  // false: the metadata budget stayed full
   void release_meta(Connection* c);
   int64_t budget_wait_deadline(const Connection* c) const;
