@@ -130,7 +130,7 @@ void ChainPolicy::check() const {
     queues.check("chain");
     for (const auto* list : {&queues.fresh(), &queues.used()})
       for (Entry* e : *list)
-        if (e->owner != id || !e->in_memory || e->doomed) throw std::logic_error("chain: bad entry in a queue");
+        if (e->owner != id || !e->in_memory || e->doomed()) throw std::logic_error("chain: bad entry in a queue");
     queued += queues.size();
   }
   if (queued != count_) throw std::logic_error("chain: value count drifted");

@@ -74,7 +74,7 @@ void LruPolicy::check() const {
     queues.check("lru");
     if (!queues.fresh().empty()) throw std::logic_error("lru: a value in the fresh list");
     for (Entry* e : queues.used())
-      if (e->owner != id || !e->in_memory || e->doomed) throw std::logic_error("lru: bad entry in a queue");
+      if (e->owner != id || !e->in_memory || e->doomed()) throw std::logic_error("lru: bad entry in a queue");
     queued += queues.size();
   }
   if (queued != count_) throw std::logic_error("lru: value count drifted");

@@ -185,16 +185,16 @@ struct Store::Impl {
     policy->remove(e);
     if (e->on_disk) detach_disk(e);
     if (e->leases > 0 || e->pins > 0) {
-      e->doomed = true;
+      e->doom();
       doomed.insert(e);
       return;
     }
     if (e->in_memory) detach_memory(e);
-    e->doomed = true;
+    e->doom();
     free_entry(e);
   }
   void destroy_if_unused(Entry* e) {
-    if (!e->doomed || e->leases > 0 || e->pins > 0) return;
+    if (!e->doomed() || e->leases > 0 || e->pins > 0) return;
     if (!doomed.erase(e)) return;  // already freed (retired during a flush)
     if (e->in_memory) detach_memory(e);
     free_entry(e);
@@ -235,7 +235,7 @@ struct Store::Impl {
       if (loading(e)) continue;
       uint64_t bytes = record_bytes(e->key.size(), e->length);
       bool promised = e->probed && !e->in_memory && bytes <= free_after;
-      bool second_chance = e->read_since_written && !e->copied_forward && bytes <= budget;
+      bool second_chance = e->second_chance_earned() && bytes <= budget;
       if ((promised || second_chance) && copy_forward(e, *file, &bounce)) {
         bump(metrics->disk_copy_forwards);
         free_after -= bytes;
@@ -256,7 +256,7 @@ struct Store::Impl {
   // no copy is left, so the key leaves (and e is freed: true). Else e is freed
   // only if it was removed meanwhile and is unused now.
   bool drop_copyless_or_destroy(Entry* e) {
-    if (!e->doomed && !e->in_memory && !e->on_disk && e->pins == 0) {
+    if (!e->doomed() && !e->in_memory && !e->on_disk && e->pins == 0) {
       bump(metrics->evictions_disk);
       unlink(e);
       return true;
@@ -280,8 +280,7 @@ struct Store::Impl {
     RecordLocation location;
     if (!disk->append(kRecordValue, e->key, value, e->length, e->checksum, &location)) return false;
     attach_disk(e, location);
-    e->copied_forward = true;
-    e->read_since_written = false;
+    e->copied_forward();
     return true;
   }
 
@@ -302,7 +301,7 @@ struct Store::Impl {
     uint64_t bytes = record_bytes(e->key.size(), e->length);
     RecordLocation location;
     SegmentFileRef file;
-    bool written = !e->doomed && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
+    bool written = !e->doomed() && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
     if (written) {
       l.store.unlock();
       written = DiskSegments::write_record(*file, location, kRecordValue, e->key, arena.base() + e->mem_offset,
@@ -311,12 +310,11 @@ struct Store::Impl {
       if (!written) disk->cancel(location, bytes);
     }
     --e->pins;
-    if (written && e->doomed) {
+    if (written && e->doomed()) {
       write_tombstone(e->key);
     } else if (written) {
       attach_disk(e, location);
-      e->copied_forward = false;
-      e->read_since_written = false;
+      e->new_disk_record();
     }
     if (took_disk) l.disk.unlock();
     return written;
@@ -331,12 +329,12 @@ struct Store::Impl {
     policy->remove(e);
     if (!e->on_disk && disk) {
       ++e->pins;  // alive, and out of window evictions, while demoting
-      e->demoting = true;
-      if (write_copy(e, l) && !e->doomed) bump(metrics->demotions_to_disk);
-      e->demoting = false;
+      e->start_demoting();
+      if (write_copy(e, l) && !e->doomed()) bump(metrics->demotions_to_disk);
+      e->end_demoting();
       --e->pins;
     }
-    if (e->doomed) {
+    if (e->doomed()) {
       destroy_if_unused(e);
       return 0;
     }
@@ -385,7 +383,7 @@ struct Store::Impl {
     while (e_it != mem_by_offset.end() || r_it != reserved.end()) {
       if (r_it == reserved.end() || (e_it != mem_by_offset.end() && e_it->first < r_it->first)) {
         Entry* e = e_it->second;
-        spans.push_back({e->mem_offset, e->mem_block, e, e->leases > 0 || e->pins > 0 || e->doomed});
+        spans.push_back({e->mem_offset, e->mem_block, e, e->leases > 0 || e->pins > 0 || e->doomed()});
         ++e_it;
       } else {
         spans.push_back({r_it->first, r_it->second, nullptr, true});
@@ -415,9 +413,9 @@ struct Store::Impl {
     for (Entry* e : victims) ++e->pins;  // evicting one may drop mu: keep the rest alive
     for (Entry* e : victims) {
       --e->pins;
-      if (e->doomed) {
+      if (e->doomed()) {
         destroy_if_unused(e);
-      } else if (e->in_memory && !e->demoting && e->leases == 0 && e->pins == 0) {
+      } else if (e->in_memory && !e->demoting() && e->leases == 0 && e->pins == 0) {
         evict_from_memory(e, l);
       }
     }
@@ -431,6 +429,133 @@ struct Store::Impl {
     out->data = arena.base() + e->mem_offset;
     out->length = e->length;
     out->checksum = e->checksum;
+  }
+
+  // ---- loads from disk (the get path of a disk-only value) ----
+  // What a load takes down under mu before reading without it: where the
+  // record is, and the private arena block (in `reserved`) it is read into.
+  struct DiskLoad {
+    RecordLocation location;
+    SegmentFileRef file;  // stays readable even if the segment is dropped meanwhile
+    uint64_t length = 0, checksum = 0, value_offset = 0;
+    uint64_t block = 0, offset = 0;
+  };
+  enum class LoadStart { Ready, LoadedMeanwhile, Gone };
+  enum class LoadRead { Failed, Corrupt, Sound };
+
+  // Contract. Called with mu held (by l) for e, found in the index and
+  // disk-only. Reads the value into a private block without mu, then, under
+  // mu again, publishes it in memory and leases it into *out (true: a disk
+  // hit, or a memory hit if another reader loaded it first), or counts a
+  // miss (false: the key was removed, the record was unreadable or corrupt,
+  // or no block could be had). A corrupt record is dropped for good (a
+  // tombstone follows); with disk_exclusive the disk copy leaves once the
+  // value is in memory. e stays pinned for the whole load (alive, and a
+  // reclaim of its segment keeps it in the index). Returns with mu held, and
+  // disk_mu too if it was taken for a tombstone.
+  bool load_from_disk(Entry* e, Locks& l, Lease* out) {
+    ++e->pins;
+    DiskLoad load;
+    switch (begin_load(e, l, &load)) {
+      case LoadStart::Ready: break;
+      case LoadStart::LoadedMeanwhile:
+        --e->pins;
+        policy->on_read(e);
+        lease(e, out);
+        bump(metrics->hits_memory);
+        return true;
+      case LoadStart::Gone:
+        --e->pins;
+        drop_copyless_or_destroy(e);
+        bump(metrics->misses);
+        return false;
+    }
+    const LoadRead read = read_unlocked(l, load);
+    return finish_load(e, l, load, read, out);
+  }
+
+  // Under mu, e pinned: makes room (the owner's quota, then the arena; either
+  // may drop mu) and reserves the block. Ready: *load is filled in and its
+  // block reserved. Otherwise nothing is held: e was loaded by another reader
+  // meanwhile, or it was removed or no block could be had.
+  LoadStart begin_load(Entry* e, Locks& l, DiskLoad* load) {
+    // Loading counts against the owner's memory quota too: its own coldest
+    // values make room (a read is served even if they cannot). May drop mu.
+    make_owner_room(e->owner, e->length, l);
+    load->location = e->disk;
+    load->file = disk->file(load->location.segment);
+    load->length = e->length;
+    load->checksum = e->checksum;
+    load->value_offset = load->location.offset + sizeof(RecordHeader) + e->key.size();
+    load->block = block_bytes_for(load->length);
+    const bool allocated = allocate(load->block, &load->offset, &l);  // may drop mu while evicting
+    if (allocated && !e->doomed() && !e->in_memory) {
+      if (load->block > 0) reserved.emplace(load->offset, load->block);
+      return LoadStart::Ready;
+    }
+    if (allocated) allocator.free(load->offset, load->block);
+    return allocated && !e->doomed() ? LoadStart::LoadedMeanwhile : LoadStart::Gone;
+  }
+
+  // Reads the record's value into the load's block with mu dropped, and
+  // checks it against the checksum taken down under mu.
+  LoadRead read_unlocked(Locks& l, const DiskLoad& load) {
+    uint8_t* dest = arena.base() + load.offset;
+    l.store.unlock();
+    const bool read_ok = load.file && read_segment(*load.file, load.value_offset, load.length, dest);
+    const bool sound = read_ok && xxh64(dest, load.length) == load.checksum;
+    l.store.lock();
+    return !read_ok ? LoadRead::Failed : sound ? LoadRead::Sound : LoadRead::Corrupt;
+  }
+
+  // Back under mu: e may have been removed, loaded by another reader, or lost
+  // its record to a reclaim meanwhile. Publishes the block or frees it, unpins
+  // e, and leases it (true) or counts the miss (false).
+  bool finish_load(Entry* e, Locks& l, const DiskLoad& load, LoadRead read, Lease* out) {
+    const bool exclusive = read == LoadRead::Sound && cfg.disk_exclusive;
+    if (read == LoadRead::Corrupt || exclusive) hold_disk(l);  // a detach or unlink and its tombstone go together
+    if (load.block > 0) reserved.erase(load.offset);
+    const bool same_record = !e->doomed() && e->on_disk && e->disk.segment == load.location.segment &&
+                             e->disk.offset == load.location.offset;
+    if (read == LoadRead::Failed) {
+      bump(metrics->disk_errors);
+    } else if (read == LoadRead::Corrupt) {
+      bump(metrics->checksum_failures);
+      if (same_record) {  // drop the record for good: a tombstone keeps it from coming back
+        std::string bad_key = e->key;
+        unlink(e);  // still pinned, so `e` stays valid below
+        write_tombstone(bad_key);
+      }
+    }
+    const bool publish = read == LoadRead::Sound && !e->doomed();
+    if (publish && !e->in_memory) {
+      attach_memory(e, load.offset, load.block);
+      policy->insert(e, PutHint{0, false, e->owner});
+      if (exclusive && e->on_disk) {
+        // Memory and disk hold their sum: the record leaves the index (a
+        // tombstone keeps it from coming back at restart); evicting the value
+        // again writes it anew.
+        detach_disk(e);
+        write_tombstone(e->key);
+        bump(metrics->disk_copies_dropped);
+      }
+      bump(metrics->hits_disk);
+      bump(metrics->promotions_to_memory);
+    } else {
+      allocator.free(load.offset, load.block);  // failed, removed meanwhile, or another reader loaded it first
+      if (publish) {
+        policy->on_read(e);
+        bump(metrics->hits_memory);
+      }
+    }
+    --e->pins;
+    if (publish) {
+      lease(e, out);
+      return true;
+    }
+    drop_copyless_or_destroy(e);
+    bump(metrics->misses);
+    return false;
   }
 
   // Evicts `owner`'s memory values, coldest first, until `bytes` (blocks) are
@@ -662,92 +787,14 @@ bool Store::acquire(std::string_view key, Lease* out) {
     bump(s.metrics->misses);
     return false;
   }
-  e->read_since_written = true;
-  e->probed = false;
+  e->note_read();
   if (e->in_memory) {
     s.policy->on_read(e);
     s.lease(e, out);
     bump(s.metrics->hits_memory);
     return true;
   }
-  // Disk only: load into a private block, outside the lock. The pin keeps `e`
-  // alive, and keeps a reclaim of its segment (making room below may cause
-  // one) from dropping it: `file` stays readable after the segment is dropped.
-  ++e->pins;
-  // Loading counts against the owner's memory quota too: its own coldest
-  // values make room (a read is served even if they cannot). May drop mu.
-  s.make_owner_room(e->owner, e->length, l);
-  const RecordLocation location = e->disk;
-  SegmentFileRef file = s.disk->file(location.segment);
-  const uint64_t length = e->length, checksum = e->checksum;
-  const uint64_t value_offset = location.offset + sizeof(RecordHeader) + e->key.size();
-  uint64_t block = block_bytes_for(length), offset = 0;
-  bool allocated = s.allocate(block, &offset, &l);  // may drop mu while evicting
-  if (!allocated || e->doomed || e->in_memory) {
-    if (allocated) s.allocator.free(offset, block);
-    --e->pins;
-    if (allocated && !e->doomed) {  // another reader loaded it meanwhile
-      s.policy->on_read(e);
-      s.lease(e, out);
-      bump(s.metrics->hits_memory);
-      return true;
-    }
-    s.drop_copyless_or_destroy(e);
-    bump(s.metrics->misses);
-    return false;
-  }
-  if (block > 0) s.reserved.emplace(offset, block);
-  uint8_t* dest = s.arena.base() + offset;
-
-  l.store.unlock();
-  bool read_ok = file && read_segment(*file, value_offset, length, dest);
-  bool sound = read_ok && xxh64(dest, length) == checksum;
-  l.store.lock();
-  const bool exclusive = sound && s.cfg.disk_exclusive;
-  if ((read_ok && !sound) || exclusive) s.hold_disk(l);  // a detach or unlink and its tombstone go together
-
-  if (block > 0) s.reserved.erase(offset);
-  bool same_record = !e->doomed && e->on_disk && e->disk.segment == location.segment &&
-                     e->disk.offset == location.offset;
-  if (!read_ok) {
-    bump(s.metrics->disk_errors);
-  } else if (!sound) {
-    bump(s.metrics->checksum_failures);
-    if (same_record) {  // drop the record for good: a tombstone keeps it from coming back
-      std::string bad_key = e->key;
-      s.unlink(e);  // still pinned, so `e` stays valid below
-      s.write_tombstone(bad_key);
-    }
-  }
-  bool publish = sound && !e->doomed;
-  if (publish && !e->in_memory) {
-    s.attach_memory(e, offset, block);
-    s.policy->insert(e, PutHint{0, false, e->owner});
-    if (exclusive && e->on_disk) {
-      // Memory and disk hold their sum: the record leaves the index (a
-      // tombstone keeps it from coming back at restart); evicting the value
-      // again writes it anew.
-      s.detach_disk(e);
-      s.write_tombstone(e->key);
-      bump(s.metrics->disk_copies_dropped);
-    }
-    bump(s.metrics->hits_disk);
-    bump(s.metrics->promotions_to_memory);
-  } else {
-    s.allocator.free(offset, block);  // failed, removed meanwhile, or another reader loaded it first
-    if (publish) {
-      s.policy->on_read(e);
-      bump(s.metrics->hits_memory);
-    }
-  }
-  --e->pins;
-  if (publish) {
-    s.lease(e, out);
-    return true;
-  }
-  s.drop_copyless_or_destroy(e);
-  bump(s.metrics->misses);
-  return false;
+  return s.load_from_disk(e, l, out);  // disk only
 }
 
 void Store::release(const Lease& lease) {
@@ -905,7 +952,7 @@ void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& prog
   for (Entry* e : order) {
     {
       Impl::Locks l(s);
-      if (!e->doomed && e->in_memory && !e->on_disk && !e->demoting) {
+      if (!e->doomed() && e->in_memory && !e->on_disk && !e->demoting()) {
         s.write_copy(e, l);  // drops mu while writing
         s.destroy_if_unused(e);  // removed meanwhile
       }
@@ -919,7 +966,7 @@ void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& prog
   std::vector<WarmItem> warm;  // hottest first
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Entry* e = *it;
-    if (!e->doomed && e->in_memory && e->on_disk && e->queue != QueueId::None)
+    if (!e->doomed() && e->in_memory && e->on_disk && e->queue != QueueId::None)
       warm.push_back({e->key, static_cast<uint8_t>(e->queue), e->freq});
   }
   if (!write_warm_list(s.disk->dir() + "/warm.list", warm)) bump(s.metrics->disk_errors);
@@ -945,12 +992,12 @@ void Store::check_integrity() {
     leases += e->leases;
   };
   for (auto& [key, e] : s.index) {
-    if (e->key != key || e->doomed) fail("index entry mismatch for key " + e->key);
+    if (e->key != key || e->doomed()) fail("index entry mismatch for key " + e->key);
     visit(e);
-    if (!e->demoting && e->in_memory != (e->queue != QueueId::None))
+    if (!e->demoting() && e->in_memory != (e->queue != QueueId::None))
       fail("queue membership does not match the memory tier");
     if (e->queue != QueueId::None) ++queued;
-    if (e->demoting && (e->queue != QueueId::None || !e->in_memory || e->pins == 0)) fail("demoting entry state");
+    if (e->demoting() && (e->queue != QueueId::None || !e->in_memory || e->pins == 0)) fail("demoting entry state");
     if (!e->in_memory && !e->on_disk && !Impl::loading(e)) fail("entry in neither tier: " + e->key);
     if (e->on_disk) {
       if (!s.disk) fail("disk copy without a disk tier");
@@ -961,7 +1008,7 @@ void Store::check_integrity() {
     }
   }
   for (Entry* e : s.doomed) {
-    if (!e->doomed || (e->leases == 0 && e->pins == 0) || e->queue != QueueId::None || e->on_disk)
+    if (!e->doomed() || (e->leases == 0 && e->pins == 0) || e->queue != QueueId::None || e->on_disk)
       fail("doomed entry state");
     visit(e);
   }
@@ -993,7 +1040,7 @@ void Store::check_integrity() {
   s.policy->check();
   if (s.policy->count() != queued) fail("eviction policy count differs from the queued values");
   for (Entry* e : s.retired)
-    if (!e->doomed || e->leases > 0 || e->pins > 0 || e->in_memory || e->on_disk) fail("retired entry state");
+    if (!e->doomed() || e->leases > 0 || e->pins > 0 || e->in_memory || e->on_disk) fail("retired entry state");
   size_t listed = 0;
   for (auto& [id, list] : s.segment_entries)
     for (Entry* e : list) {
