@@ -1,8 +1,12 @@
-// The Store: one lock (mu) over the index, the arena allocator, the eviction
-// policy's queues and the disk bookkeeping. Payload copies into and out of the arena
-// happen outside it (the caller's, or ours for loads from disk), and so do
-// demotion and flush writes: a second lock (disk_mu, always taken before mu)
-// serializes disk appends and reclaims, so only the last record can ever be torn.
+// The Store: one lock (mu) over its parts: the index (store/index.h), the
+// memory tier (store/memory_tier.h), the disk tier (store/disk_tier.h), the
+// owner accounts (store/owner_accounts.h) and the eviction policy's queues.
+// What is here is what spans them: the put, get and remove paths, eviction
+// and demotion, reclaims and copy-forwards, loads from disk, flush. Payload
+// copies into and out of the arena happen outside the lock (the caller's, or
+// ours for loads from disk), and so do demotion and flush writes: a second
+// lock (disk_mu, always taken before mu) serializes disk appends and
+// reclaims, so only the last record can ever be torn.
 #include "store/store.h"
 
 #include <algorithm>
@@ -12,91 +16,47 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "common/arena_allocator.h"
-#include "common/arena_shared_memory.h"
+#include "common/assert.h"
 #include "common/checksum.h"
 #include "disk/segments.h"
 #include "eviction/policy.h"
+#include "store/disk_tier.h"
 #include "store/entry.h"
+#include "store/index.h"
+#include "store/memory_tier.h"
+#include "store/owner_accounts.h"
 #include "store/warm_list.h"
 
 namespace gcache {
 
 namespace {
 void bump(std::atomic<uint64_t>& counter, uint64_t n = 1) { counter.fetch_add(n, std::memory_order_relaxed); }
-
-// Heap one index entry takes beyond its key bytes: the Entry, the hash node
-// and bucket slot, the segment-list node, allocator overhead.
-constexpr uint64_t kIndexEntryOverheadBytes = sizeof(Entry) + 96;
-uint64_t index_cost(size_t key_bytes) { return kIndexEntryOverheadBytes + key_bytes; }
-
-uint64_t arena_size_for(uint64_t memory_bytes) {
-  if (memory_bytes < kArenaPageBytes) throw std::runtime_error("memory_bytes must be at least 4 KiB");
-  return memory_bytes / kArenaPageBytes * kArenaPageBytes;
-}
+uint64_t index_cost(size_t key_bytes) { return Index::cost(key_bytes); }
 }  // namespace
 
 struct Store::Impl {
   StoreConfig cfg;
   Metrics* metrics;
-  SharedArena arena;
-  BlockAllocator allocator;
+  MemoryTier memory;
   std::unique_ptr<EvictionPolicy> policy;
-  std::unique_ptr<DiskSegments> disk;  // null: no disk tier
+  OwnerAccounts owners;
+  DiskTier disk;  // false: no disk tier
+  Index index;
 
   std::mutex disk_mu;  // order: disk_mu, then mu
   std::mutex mu;
-  // Keys are views of Entry::key (stable: entries never move), so a lookup
-  // allocates nothing.
-  std::unordered_map<std::string_view, Entry*> index;
-  std::unordered_set<Entry*> doomed;                                // unlinked, still leased/pinned
-  std::unordered_map<uint32_t, std::list<Entry*>> segment_entries;  // live value records per segment
-  std::map<uint64_t, uint64_t> reserved;                            // offset -> block: puts and loads in flight
-  std::map<uint64_t, Entry*> mem_by_offset;                         // memory copies in address order
-  uint64_t window_cursor = 0;                                       // where the next window search starts
-  uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases_active = 0;
-  uint64_t index_bytes = 0;  // estimated heap of the index (index_cost per key)
-  uint64_t index_reserved = 0;  // index_cost of keys reserved but not yet committed
   std::atomic<uint64_t> put_batches{0};
-  // While a flush runs it holds Entry pointers without mu: entries that die
-  // meanwhile are kept (doomed) in `retired` until the last flush ends.
-  uint32_t flushes_running = 0;
-  std::vector<Entry*> retired;
   uint64_t flush_written = 0, flush_total = 0;  // gauges of the flush in progress (or the last one)
-  // Per-owner usage, for the owners that have quotas (fixed at open, so
-  // pointers into it stay valid). Value bytes, not blocks: what a quota names.
-  struct OwnerAccount {
-    OwnerQuota quota;
-    uint64_t memory = 0, reserved = 0, disk = 0;
-    uint64_t quota_evictions = 0, disk_refusals = 0, puts_over_quota = 0;
-  };
-  std::unordered_map<OwnerId, OwnerAccount> owners;
-  std::unordered_map<std::string, OwnerId> owner_by_name;  // a restart gives disk values back
 
+  static std::unique_ptr<DiskSegments> open_disk(const StoreConfig& c, Metrics* m) {
+    if (c.data_dir.empty() || c.disk_bytes == 0) return nullptr;
+    return std::make_unique<DiskSegments>(c.data_dir, c.disk_bytes, c.segment_bytes, m);
+  }
+
+  // In member order: the arena, the policy, the owner quotas' check, the disk.
   Impl(const StoreConfig& c, Metrics* m)
-      : cfg(c), metrics(m), arena(arena_size_for(c.memory_bytes)), allocator(arena.bytes()),
-        policy(make_eviction_policy(c.eviction, arena.bytes())) {
-    for (const OwnerQuota& q : cfg.owner_quotas) {
-      if (q.memory_bytes > 0 && cfg.eviction.kind == PolicyKind::S3Fifo)
-        throw std::invalid_argument("owner '" + q.name + "' has a memory quota, which the s3fifo eviction policy "
-                                    "cannot enforce (it cannot evict one owner's values); use chain or lru");
-      owners[q.owner].quota = q;
-      owner_by_name[q.name] = q.owner;
-    }
-    if (!cfg.data_dir.empty() && cfg.disk_bytes > 0)
-      disk = std::make_unique<DiskSegments>(cfg.data_dir, cfg.disk_bytes, cfg.segment_bytes, metrics);
-  }
-
-  ~Impl() {
-    for (auto& kv : index) delete kv.second;
-    for (Entry* e : doomed) delete e;
-    for (Entry* e : retired) delete e;
-  }
-
-  void free_entry(Entry* e) {
-    if (flushes_running > 0) retired.push_back(e);  // a flush may still look at it
-    else delete e;
-  }
+      : cfg(c), metrics(m), memory(c.memory_bytes), policy(make_eviction_policy(c.eviction, memory.bytes())),
+        owners(c.owner_quotas, c.eviction.kind), disk(open_disk(c, m)) {}
 
   struct Locks {
     std::unique_lock<std::mutex> store;
@@ -115,89 +75,48 @@ struct Store::Impl {
     return true;
   }
 
-  Entry* find(std::string_view key) {
-    auto it = index.find(key);
-    return it == index.end() ? nullptr : it->second;
-  }
-
-  OwnerAccount* account_of(OwnerId owner) {
-    if (owners.empty()) return nullptr;
-    auto it = owners.find(owner);
-    return it == owners.end() ? nullptr : &it->second;
-  }
-  // The owner named by a stored key's tenant prefix (name + NUL), or 0.
-  OwnerId owner_of_key(std::string_view key) const {
-    size_t nul = key.find('\0');
-    if (nul == std::string_view::npos) return 0;
-    auto it = owner_by_name.find(std::string(key.substr(0, nul)));
-    return it == owner_by_name.end() ? 0 : it->second;
-  }
-  // May e be written to disk? Not if its owner's disk is off or its disk quota
-  // would be exceeded: it is then dropped where it would have been demoted.
-  bool disk_allowed(Entry* e) {
-    OwnerAccount* a = account_of(e->owner);
-    if (!a) return true;
-    bool ok = !a->quota.disk_off && (a->quota.disk_bytes == 0 || a->disk + e->length <= a->quota.disk_bytes);
-    if (!ok) ++a->disk_refusals;
-    return ok;
-  }
+  Entry* find(std::string_view key) { return index.find(key); }
+  OwnerAccount* account_of(OwnerId owner) { return owners.find(owner); }
 
   // ---- tier membership; every counter change goes through these four ----
+  // (the tier's own counters, and the owner's account)
   void attach_memory(Entry* e, uint64_t offset, uint64_t block) {
-    e->in_memory = true;
-    e->mem_offset = offset;
-    e->mem_block = block;
-    if (block > 0) mem_by_offset.emplace(offset, e);
-    ++mem_entries;
-    mem_value_bytes += e->length;
+    memory.attach(e, offset, block);
     if (OwnerAccount* a = account_of(e->owner)) a->memory += e->length;
   }
   void detach_memory(Entry* e) {
     policy->remove(e);
-    allocator.free(e->mem_offset, e->mem_block);
-    if (e->mem_block > 0) mem_by_offset.erase(e->mem_offset);
-    e->in_memory = false;
-    --mem_entries;
-    mem_value_bytes -= e->length;
+    memory.detach(e);
     if (OwnerAccount* a = account_of(e->owner)) a->memory -= e->length;
   }
   void attach_disk(Entry* e, const RecordLocation& location) {
-    e->on_disk = true;
-    e->disk = location;
-    auto& list = segment_entries[location.segment];
-    e->disk_pos = list.insert(list.end(), e);
-    ++disk_entries;
+    disk.attach(e, location);
     if (OwnerAccount* a = account_of(e->owner)) a->disk += e->length;
   }
   void detach_disk(Entry* e) {
-    auto it = segment_entries.find(e->disk.segment);
-    it->second.erase(e->disk_pos);
-    if (it->second.empty()) segment_entries.erase(it);
-    e->on_disk = false;
-    --disk_entries;
+    disk.detach(e);
     if (OwnerAccount* a = account_of(e->owner)) a->disk -= e->length;
   }
 
   // Removes the key from the index; the Entry dies now or at its last release.
   void unlink(Entry* e) {
-    index.erase(std::string_view(e->key));
-    index_bytes -= index_cost(e->key.size());
+    index.erase(e);
     policy->remove(e);
     if (e->on_disk) detach_disk(e);
     if (e->leases > 0 || e->pins > 0) {
       e->doom();
-      doomed.insert(e);
+      index.keep_doomed(e);
       return;
     }
     if (e->in_memory) detach_memory(e);
     e->doom();
-    free_entry(e);
+    index.free(e);
   }
   void destroy_if_unused(Entry* e) {
     if (!e->doomed() || e->leases > 0 || e->pins > 0) return;
-    if (!doomed.erase(e)) return;  // already freed (retired during a flush)
+    if (!index.forget_doomed(e)) return;  // already freed (retired during a flush)
     if (e->in_memory) detach_memory(e);
-    free_entry(e);
+    index.free(e);
   }
 
   // ---- disk tier ----
@@ -220,17 +139,13 @@ struct Store::Impl {
   // just lose their disk copy. A value being loaded from this segment stays:
   // its reader holds the file open and puts the value in memory.
   void reclaim(uint32_t id, uint64_t bytes_needed) {
-    std::list<Entry*> live;
-    auto it = segment_entries.find(id);
-    if (it != segment_entries.end()) live.swap(it->second);
-    segment_entries.erase(id);
+    std::list<Entry*> live = disk.take_segment(id);
     SegmentFileRef file = disk->drop(id);  // stays readable for the copies below
     uint64_t free_after = disk->disk_bytes() - std::min(disk->disk_bytes(), disk->used_bytes() + bytes_needed);
     uint64_t budget = std::min<uint64_t>(free_after, cfg.segment_bytes / 4);
     std::vector<uint8_t> bounce;
     for (Entry* e : live) {
-      e->on_disk = false;  // detach_disk without the list erase (the list was taken whole)
-      --disk_entries;
+      disk.forget_taken(e);  // detach_disk without the list erase (the list was taken whole)
       if (OwnerAccount* a = account_of(e->owner)) a->disk -= e->length;
       if (loading(e)) continue;
       uint64_t bytes = record_bytes(e->key.size(), e->length);
@@ -266,7 +181,7 @@ struct Store::Impl {
   }
 
   bool copy_forward(Entry* e, const SegmentFile& file, std::vector<uint8_t>* bounce) {
-    const uint8_t* value = arena.base() + e->mem_offset;
+    const uint8_t* value = memory.base() + e->mem_offset;
     if (!e->in_memory) {
       bounce->resize(e->length);
       if (!read_segment(file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, bounce->data()))
@@ -295,7 +210,7 @@ struct Store::Impl {
   // the meantime, a tombstone follows the record so it does not come back.
   // True if a record was written now.
   bool write_copy(Entry* e, Locks& l) {
-    if (!disk_allowed(e)) return false;
+    if (!owners.disk_allowed(e->owner, e->length)) return false;
     ++e->pins;
     bool took_disk = hold_disk(l);
     uint64_t bytes = record_bytes(e->key.size(), e->length);
@@ -304,7 +219,7 @@ struct Store::Impl {
     bool written = !e->doomed() && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
     if (written) {
       l.store.unlock();
-      written = DiskSegments::write_record(*file, location, kRecordValue, e->key, arena.base() + e->mem_offset,
+      written = DiskSegments::write_record(*file, location, kRecordValue, e->key, memory.base() + e->mem_offset,
                                            e->length, e->checksum);
       l.store.lock();
       if (!written) disk->cancel(location, bytes);
@@ -350,16 +265,16 @@ struct Store::Impl {
 
   // Takes a block, evicting when `l` is given (which may drop mu meanwhile).
   bool allocate(uint64_t block, uint64_t* offset, Locks* l) {
-    if (block > arena.bytes()) return false;
+    if (block > memory.bytes()) return false;
     for (uint32_t attempt = 0;; ++attempt) {
-      if (allocator.allocate(block, offset)) return true;
+      if (memory.allocate(block, offset)) return true;
       if (!l) return false;
       // Enough bytes are free, just not in one piece: stop evicting in FIFO
       // order (it would take many more victims) and clear one window instead.
-      bool fragmented = attempt >= 64 && allocator.free_bytes() >= 2 * block;
+      bool fragmented = attempt >= 64 && memory.free_bytes() >= 2 * block;
       if (fragmented || attempt >= cfg.eviction_attempts_max)
         // A small value needs a whole free page (a slot of another class would not do).
-        return evict_window(std::max(block, kArenaPageBytes), *l) && allocator.allocate(block, offset);
+        return evict_window(std::max(block, kArenaPageBytes), *l) && memory.allocate(block, offset);
       Entry* victim = nullptr;
       switch (policy->next(&victim, kAnyOwner)) {
         case EvictionPolicy::Step::Empty: return false;
@@ -370,46 +285,12 @@ struct Store::Impl {
     }
   }
 
-  // Fallback when FIFO order frees enough bytes but not in one piece (a large
-  // value in an arena fragmented by small ones): evicts every value in the
-  // first address window of `block` bytes that holds no leased, loading or
-  // reserved block, searching from a rotating cursor. O(values) per call.
+  // Fallback when FIFO order frees enough bytes but not in one piece: evicts
+  // every value of the first address window of `block` bytes that holds no
+  // leased, loading or reserved block (MemoryTier::window_victims).
   bool evict_window(uint64_t block, Locks& l) {
-    struct Span { uint64_t offset, bytes; Entry* entry; bool pinned; };
-    std::vector<Span> spans;  // everything that is not free, in address order
-    spans.reserve(mem_by_offset.size() + reserved.size());
-    auto e_it = mem_by_offset.begin();
-    auto r_it = reserved.begin();
-    while (e_it != mem_by_offset.end() || r_it != reserved.end()) {
-      if (r_it == reserved.end() || (e_it != mem_by_offset.end() && e_it->first < r_it->first)) {
-        Entry* e = e_it->second;
-        spans.push_back({e->mem_offset, e->mem_block, e, e->leases > 0 || e->pins > 0 || e->doomed()});
-        ++e_it;
-      } else {
-        spans.push_back({r_it->first, r_it->second, nullptr, true});
-        ++r_it;
-      }
-    }
-    // The first window at or after `lowest` that overlaps no pinned span.
-    auto find_from = [&](uint64_t lowest, uint64_t* start) {
-      uint64_t candidate = lowest;
-      for (const Span& span : spans) {
-        if (!span.pinned || span.offset + span.bytes <= candidate) continue;
-        if (span.offset >= candidate + block) break;
-        // Overlaps: try the first page after it (a slab page shared with a pinned
-        // small value cannot be freed).
-        candidate = (span.offset + span.bytes + kArenaPageBytes - 1) / kArenaPageBytes * kArenaPageBytes;
-      }
-      *start = candidate;
-      return candidate + block <= arena.bytes();
-    };
-    uint64_t start;
-    uint64_t cursor = window_cursor / kArenaPageBytes * kArenaPageBytes;
-    if (!find_from(cursor, &start) && !find_from(0, &start)) return false;
-    window_cursor = (start + block) % arena.bytes();
     std::vector<Entry*> victims;
-    for (const Span& span : spans)
-      if (span.entry && span.offset < start + block && span.offset + span.bytes > start) victims.push_back(span.entry);
+    if (!memory.window_victims(block, &victims)) return false;
     for (Entry* e : victims) ++e->pins;  // evicting one may drop mu: keep the rest alive
     for (Entry* e : victims) {
       --e->pins;
@@ -424,9 +305,9 @@ struct Store::Impl {
 
   void lease(Entry* e, Lease* out) {
     ++e->leases;
-    ++leases_active;
+    memory.note_lease();
     out->entry = e;
-    out->data = arena.base() + e->mem_offset;
+    out->data = memory.base() + e->mem_offset;
     out->length = e->length;
     out->checksum = e->checksum;
   }
@@ -490,17 +371,17 @@ struct Store::Impl {
     load->block = block_bytes_for(load->length);
     const bool allocated = allocate(load->block, &load->offset, &l);  // may drop mu while evicting
     if (allocated && !e->doomed() && !e->in_memory) {
-      if (load->block > 0) reserved.emplace(load->offset, load->block);
+      memory.reserve(load->offset, load->block);
       return LoadStart::Ready;
     }
-    if (allocated) allocator.free(load->offset, load->block);
+    if (allocated) memory.free(load->offset, load->block);
     return allocated && !e->doomed() ? LoadStart::LoadedMeanwhile : LoadStart::Gone;
   }
 
   // Reads the record's value into the load's block with mu dropped, and
   // checks it against the checksum taken down under mu.
   LoadRead read_unlocked(Locks& l, const DiskLoad& load) {
-    uint8_t* dest = arena.base() + load.offset;
+    uint8_t* dest = memory.base() + load.offset;
     l.store.unlock();
     const bool read_ok = load.file && read_segment(*load.file, load.value_offset, load.length, dest);
     const bool sound = read_ok && xxh64(dest, load.length) == load.checksum;
@@ -514,7 +395,7 @@ struct Store::Impl {
   bool finish_load(Entry* e, Locks& l, const DiskLoad& load, LoadRead read, Lease* out) {
     const bool exclusive = read == LoadRead::Sound && cfg.disk_exclusive;
     if (read == LoadRead::Corrupt || exclusive) hold_disk(l);  // a detach or unlink and its tombstone go together
-    if (load.block > 0) reserved.erase(load.offset);
+    memory.unreserve(load.offset, load.block);
     const bool same_record = !e->doomed() && e->on_disk && e->disk.segment == load.location.segment &&
                              e->disk.offset == load.location.offset;
     if (read == LoadRead::Failed) {
@@ -542,7 +423,7 @@ struct Store::Impl {
       bump(metrics->hits_disk);
       bump(metrics->promotions_to_memory);
     } else {
-      allocator.free(load.offset, load.block);  // failed, removed meanwhile, or another reader loaded it first
+      memory.free(load.offset, load.block);  // failed, removed meanwhile, or another reader loaded it first
       if (publish) {
         policy->on_read(e);
         bump(metrics->hits_memory);
@@ -605,12 +486,12 @@ struct Store::Impl {
     if (cfg.index_bytes_max == 0) return true;
     constexpr int kAttemptsMax = 4096;
     // Reserved keys count: a batch reserved before any commit (RESERVE) stays within the bound.
-    for (int attempt = 0; index_bytes + index_reserved + index_cost(key_bytes) > cfg.index_bytes_max; ++attempt) {
+    for (int attempt = 0; index.over(key_bytes, cfg.index_bytes_max); ++attempt) {
       if (attempt >= kAttemptsMax) return false;
       uint32_t id;
       if (disk) {
         hold_disk(l);
-        if (index_bytes + index_reserved + index_cost(key_bytes) <= cfg.index_bytes_max) break;
+        if (!index.over(key_bytes, cfg.index_bytes_max)) break;
         if (disk->oldest(&id)) {
           reclaim(id, 0);
           bump(metrics->index_evictions);
@@ -644,9 +525,8 @@ struct Store::Impl {
         e = new Entry;
         e->key = record.key;
         e->key_hash = key_hash_of(e->key);
-        e->owner = owner_of_key(e->key);
-        index.emplace(std::string_view(e->key), e);
-        index_bytes += index_cost(e->key.size());
+        e->owner = owners.owner_of_key(e->key);
+        index.insert(e);
       } else {
         detach_disk(e);
       }
@@ -666,12 +546,12 @@ struct Store::Impl {
       Entry* e = find(item.key);
       if (!e || e->in_memory || !e->on_disk) continue;
       uint64_t block = block_bytes_for(e->length), offset;
-      if (!allocator.allocate(block, &offset)) continue;
+      if (!memory.allocate(block, &offset)) continue;
       SegmentFileRef file = disk->file(e->disk.segment);
-      uint8_t* dest = arena.base() + offset;
+      uint8_t* dest = memory.base() + offset;
       if (!file || !read_segment(*file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, dest) ||
           xxh64(dest, e->length) != e->checksum) {
-        allocator.free(offset, block);
+        memory.free(offset, block);
         continue;  // a bad record is found (and dropped) by its first read
       }
       attach_memory(e, offset, block);
@@ -679,6 +559,9 @@ struct Store::Impl {
     }
   }
   static void unlink_file(const std::string& path) { ::remove(path.c_str()); }
+
+  // Store::check_integrity with the locks held.
+  void check_locked() const;
 };
 
 Store::Store(const StoreConfig& config, Metrics* metrics) : impl_(new Impl(config, metrics)) {
@@ -711,7 +594,7 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     return PutStatus::Exists;
   }
   if (!s.make_owner_room(owner, length, l)) {  // may drop mu: look again
-    if (Impl::OwnerAccount* a = s.account_of(owner)) ++a->puts_over_quota;
+    if (OwnerAccount* a = s.account_of(owner)) ++a->puts_over_quota;
     bump(s.metrics->puts_no_space);
     return PutStatus::NoSpace;
   }
@@ -724,15 +607,15 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     bump(s.metrics->puts_no_space);
     return PutStatus::NoSpace;
   }
-  if (block > 0) s.reserved.emplace(offset, block);
-  if (Impl::OwnerAccount* a = s.account_of(owner)) a->reserved += length;
+  s.memory.reserve(offset, block);
+  if (OwnerAccount* a = s.account_of(owner)) a->reserved += length;
   out->owner = owner;
-  out->data = s.arena.base() + offset;
+  out->data = s.memory.base() + offset;
   out->length = length;
   out->offset = offset;
   out->block_bytes = block;
   out->index_cost = index_cost(key.size());
-  s.index_reserved += out->index_cost;
+  s.index.reserve(out->index_cost);
   return PutStatus::Stored;
 }
 
@@ -743,16 +626,16 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
   bool sound = xxh64(r.data, r.length) == checksum;  // outside the lock: the big read
   const uint64_t key_hash = key_hash_of(key);
   std::lock_guard<std::mutex> guard(s.mu);
-  if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("commit_put: unknown reservation");
-  s.index_reserved -= r.index_cost;
-  if (Impl::OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
+  if (!s.memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("commit_put: unknown reservation");
+  s.index.unreserve(r.index_cost);
+  if (OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
   if (!sound || key.empty() || key.size() > kKeyBytesMax) {
-    s.allocator.free(r.offset, r.block_bytes);
+    s.memory.free(r.offset, r.block_bytes);
     if (!sound) bump(s.metrics->checksum_failures_put);
     return sound ? PutStatus::KeyInvalid : PutStatus::ChecksumMismatch;
   }
   if (s.find(key)) {  // a concurrent put of the same key won
-    s.allocator.free(r.offset, r.block_bytes);
+    s.memory.free(r.offset, r.block_bytes);
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
   }
@@ -762,8 +645,7 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
   e->owner = r.owner != 0 ? r.owner : hint.owner;
   e->length = r.length;
   e->checksum = checksum;
-  s.index.emplace(std::string_view(e->key), e);
-  s.index_bytes += index_cost(e->key.size());
+  s.index.insert(e);
   s.attach_memory(e, r.offset, r.block_bytes);
   s.policy->insert(e, hint);
   bump(s.metrics->puts_stored);
@@ -773,10 +655,10 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
 void Store::abort_put(const Reservation& r) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
-  if (r.block_bytes > 0 && !s.reserved.erase(r.offset)) throw std::logic_error("abort_put: unknown reservation");
-  s.index_reserved -= r.index_cost;
-  if (Impl::OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
-  s.allocator.free(r.offset, r.block_bytes);
+  if (!s.memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("abort_put: unknown reservation");
+  s.index.unreserve(r.index_cost);
+  if (OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
+  s.memory.free(r.offset, r.block_bytes);
 }
 
 bool Store::acquire(std::string_view key, Lease* out) {
@@ -803,7 +685,7 @@ void Store::release(const Lease& lease) {
   Entry* e = lease.entry;
   if (!e || e->leases == 0) throw std::logic_error("release: lease not held");
   --e->leases;
-  --s.leases_active;
+  s.memory.note_release();
   s.destroy_if_unused(e);
 }
 
@@ -848,18 +730,7 @@ uint64_t Store::evict_owned(OwnerId owner, uint64_t bytes) {
 std::vector<OwnerUsage> Store::owner_usage() {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
-  std::vector<OwnerUsage> out;
-  for (const auto& [owner, a] : s.owners) {
-    OwnerUsage u;
-    u.quota = a.quota;
-    u.memory_bytes = a.memory;
-    u.disk_bytes = a.disk;
-    u.quota_evictions = a.quota_evictions;
-    u.disk_refusals = a.disk_refusals;
-    u.puts_over_quota = a.puts_over_quota;
-    out.push_back(std::move(u));
-  }
-  return out;
+  return s.owners.usage();
 }
 
 bool Store::remove(std::string_view key) {
@@ -892,20 +763,21 @@ Store::KeysPage Store::keys_page(uint64_t cursor, size_t limit) {
   Impl& s = *impl_;
   KeysPage page;
   std::lock_guard<std::mutex> guard(s.mu);
-  const size_t buckets = s.index.bucket_count();
+  const Index::Map& index = s.index.map();
+  const size_t buckets = index.bucket_count();
   if (buckets >= (size_t(1) << 31)) throw std::logic_error("keys_page: index has too many buckets for a cursor");
   size_t bucket = 0;
   if (cursor != 0) {
     if (cursor_buckets == buckets) bucket = size_t(cursor_next);
     else page.restarted = true;  // rehashed: keys moved between buckets, start over
   }
-  page.keys.reserve(std::min(limit, s.index.size()));
+  page.keys.reserve(std::min(limit, index.size()));
   for (size_t visited = 0; bucket < buckets && page.keys.size() < limit && visited < buckets_max;
        ++bucket, ++visited) {
-    const size_t n = s.index.bucket_size(bucket);
+    const size_t n = index.bucket_size(bucket);
     if (n == 0) continue;
     if (!page.keys.empty() && page.keys.size() + n > limit) break;  // whole buckets only
-    for (auto it = s.index.begin(bucket); it != s.index.end(bucket); ++it) page.keys.emplace_back(it->first);
+    for (auto it = index.begin(bucket); it != index.end(bucket); ++it) page.keys.emplace_back(it->first);
   }
   page.next_cursor = bucket < buckets ? (uint64_t(buckets) << 32) | uint64_t(bucket) : 0;
   return page;
@@ -934,7 +806,7 @@ void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& prog
   std::vector<Entry*> order;
   {
     std::lock_guard<std::mutex> guard(s.mu);
-    ++s.flushes_running;
+    s.index.begin_flush();
     s.policy->coldest_first(&order);
     s.flush_written = 0;
     s.flush_total = order.size();
@@ -943,9 +815,7 @@ void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& prog
     Impl& s;
     ~EndFlush() {
       std::lock_guard<std::mutex> guard(s.mu);
-      if (--s.flushes_running > 0) return;
-      for (Entry* e : s.retired) delete e;
-      s.retired.clear();
+      s.index.end_flush();
     }
   } end_flush{s};
   uint64_t done = 0;
@@ -977,13 +847,20 @@ void Store::check_integrity() {
   Impl& s = *impl_;
   Impl::Locks l(s);
   s.hold_disk(l);  // no record half-written
+  s.check_locked();
+}
+
+// With mu and disk_mu held. What each part can check alone it checks itself
+// (MemoryTier::check, DiskSegments::check, the policy's check); what spans
+// them (entries against tiers, counters, owners) is checked here.
+void Store::Impl::check_locked() const {
   auto fail = [](const std::string& what) { throw std::logic_error("store integrity: " + what); };
   std::vector<std::pair<uint64_t, uint64_t>> used;
   uint64_t mem_entries = 0, mem_value_bytes = 0, disk_entries = 0, leases = 0, blocks = 0, queued = 0;
   auto visit = [&](Entry* e) {
     if (e->in_memory) {
       if (e->mem_block != block_bytes_for(e->length)) fail("block size class mismatch for key " + e->key);
-      if (e->mem_offset + e->mem_block > s.arena.bytes()) fail("block outside the arena");
+      if (e->mem_offset + e->mem_block > memory.bytes()) fail("block outside the arena");
       used.emplace_back(e->mem_offset, e->mem_block);
       if (e->mem_block > 0) ++blocks;
       ++mem_entries;
@@ -991,87 +868,80 @@ void Store::check_integrity() {
     }
     leases += e->leases;
   };
-  for (auto& [key, e] : s.index) {
+  for (auto& [key, e] : index.map()) {
     if (e->key != key || e->doomed()) fail("index entry mismatch for key " + e->key);
     visit(e);
     if (!e->demoting() && e->in_memory != (e->queue != QueueId::None))
       fail("queue membership does not match the memory tier");
     if (e->queue != QueueId::None) ++queued;
     if (e->demoting() && (e->queue != QueueId::None || !e->in_memory || e->pins == 0)) fail("demoting entry state");
-    if (!e->in_memory && !e->on_disk && !Impl::loading(e)) fail("entry in neither tier: " + e->key);
+    if (!e->in_memory && !e->on_disk && !loading(e)) fail("entry in neither tier: " + e->key);
     if (e->on_disk) {
-      if (!s.disk) fail("disk copy without a disk tier");
+      if (!disk) fail("disk copy without a disk tier");
       ++disk_entries;
       if (*e->disk_pos != e) fail("segment list position broken");
-      if (e->disk.offset + record_bytes(e->key.size(), e->length) > s.disk->segment_size(e->disk.segment))
+      if (e->disk.offset + record_bytes(e->key.size(), e->length) > disk->segment_size(e->disk.segment))
         fail("disk record past the end of its segment");
     }
   }
-  for (Entry* e : s.doomed) {
+  for (Entry* e : index.doomed()) {
     if (!e->doomed() || (e->leases == 0 && e->pins == 0) || e->queue != QueueId::None || e->on_disk)
       fail("doomed entry state");
     visit(e);
   }
-  for (auto& [offset, block] : s.reserved) used.emplace_back(offset, block);
-  size_t mapped = 0;
-  for (auto& [offset, e] : s.mem_by_offset) {
-    if (!e->in_memory || e->mem_offset != offset) fail("address map out of step with memory copies");
-    ++mapped;
-  }
-  if (mapped != blocks) fail("address map misses memory copies");
-  for (auto& [owner, a] : s.owners) {  // per-owner bytes match the entries
-    uint64_t memory = 0, disk = 0;
-    for (auto& [key, e] : s.index) {
+  memory.check(std::move(used), blocks);
+  for (auto& [owner, a] : owners.all()) {  // per-owner bytes match the entries
+    uint64_t in_memory = 0, on_disk = 0;
+    for (auto& [key, e] : index.map()) {
       if (e->owner != owner) continue;
-      if (e->in_memory) memory += e->length;
-      if (e->on_disk) disk += e->length;
+      if (e->in_memory) in_memory += e->length;
+      if (e->on_disk) on_disk += e->length;
     }
-    for (Entry* e : s.doomed)
-      if (e->owner == owner && e->in_memory) memory += e->length;
-    if (memory != a.memory || disk != a.disk) fail("owner byte counts drifted for '" + a.quota.name + "'");
+    for (Entry* e : index.doomed())
+      if (e->owner == owner && e->in_memory) in_memory += e->length;
+    if (in_memory != a.memory || on_disk != a.disk) fail("owner byte counts drifted for '" + a.quota.name + "'");
     if (a.quota.disk_off && a.disk > 0) fail("owner '" + a.quota.name + "' has values on disk with disk off");
   }
-  s.allocator.check(used);
-  if (mem_entries != s.mem_entries || mem_value_bytes != s.mem_value_bytes) fail("memory tier counters drifted");
+  if (mem_entries != memory.entries() || mem_value_bytes != memory.value_bytes()) fail("memory tier counters drifted");
   uint64_t index_bytes = 0;
-  for (auto& [key, e] : s.index) index_bytes += index_cost(key.size());
-  if (index_bytes != s.index_bytes) fail("index byte count drifted");
-  if (leases != s.leases_active) fail("lease count drifted");
-  s.policy->check();
-  if (s.policy->count() != queued) fail("eviction policy count differs from the queued values");
-  for (Entry* e : s.retired)
+  for (auto& [key, e] : index.map()) index_bytes += index_cost(key.size());
+  if (index_bytes != index.bytes()) fail("index byte count drifted");
+  if (leases != memory.leases_active()) fail("lease count drifted");
+  policy->check();
+  if (policy->count() != queued) fail("eviction policy count differs from the queued values");
+  for (Entry* e : index.retired())
     if (!e->doomed() || e->leases > 0 || e->pins > 0 || e->in_memory || e->on_disk) fail("retired entry state");
   size_t listed = 0;
-  for (auto& [id, list] : s.segment_entries)
+  for (auto& [id, list] : disk.live())
     for (Entry* e : list) {
       ++listed;
       if (!e->on_disk || e->disk.segment != id) fail("segment list holds a foreign entry");
     }
-  if (listed != disk_entries || disk_entries != s.disk_entries) fail("disk tier counters drifted");
-  if (s.disk) s.disk->check();
-  if (s.arena.bytes() - s.allocator.free_bytes() > s.cfg.memory_bytes) fail("memory tier over capacity");
+  if (listed != disk_entries || disk_entries != disk.entries()) fail("disk tier counters drifted");
+  if (disk) disk->check();
+  if (memory.bytes() - memory.free_bytes() > cfg.memory_bytes) fail("memory tier over capacity");
 }
 
-int Store::arena_fd() const { return impl_->arena.fd(); }
-uint64_t Store::arena_bytes() const { return impl_->arena.bytes(); }
-const uint8_t* Store::arena_base() const { return impl_->arena.base(); }
+int Store::arena_fd() const { return impl_->memory.fd(); }
+uint64_t Store::arena_bytes() const { return impl_->memory.bytes(); }
+const uint8_t* Store::arena_base() const { return impl_->memory.base(); }
 
 void Store::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   auto add = [out](const char* name, uint64_t value) { out->emplace_back(name, static_cast<int64_t>(value)); };
   add("keys", s.index.size());
-  add("index_bytes", s.index_bytes);
-  add("keys_memory", s.mem_entries);
-  add("keys_disk", s.disk_entries);
-  add("memory_value_bytes", s.mem_value_bytes);
-  add("arena_bytes", s.arena.bytes());
-  add("arena_free_bytes", s.allocator.free_bytes());
-  add("arena_largest_free_bytes", s.allocator.largest_free());
+  add("index_bytes", s.index.bytes());
+  add("keys_memory", s.memory.entries());
+  add("keys_disk", s.disk.entries());
+  add("memory_value_bytes", s.memory.value_bytes());
+  add("arena_bytes", s.memory.bytes());
+  add("arena_free_bytes", s.memory.free_bytes());
+  add("arena_largest_free_bytes", s.memory.largest_free());
   s.policy->fill_gauges([&add](const char* name, uint64_t value) { add(name, value); });
   add("flush_values_written", s.flush_written);
   add("flush_values_total", s.flush_total);
-  add("leases_active", s.leases_active);
+  add("leases_active", s.memory.leases_active());
   add("disk_bytes", s.disk ? s.disk->disk_bytes() : 0);
   add("disk_used_bytes", s.disk ? s.disk->used_bytes() : 0);
   add("disk_segments", s.disk ? s.disk->segment_count() : 0);
