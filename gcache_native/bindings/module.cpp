@@ -12,6 +12,13 @@ void bind_shm_copy(py::module_& m);  // client/shm_copy.cpp (one-sided copies, c
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "GCache native core: arena, index, disk segments, data server";
+  // True in the debug build (GCACHE_NATIVE_DEBUG=1: GCACHE_ASSERT on,
+  // Store::check_integrity after every store operation; tests/native_debug.sh).
+#ifdef GCACHE_DEBUG
+  m.attr("DEBUG") = true;
+#else
+  m.attr("DEBUG") = false;
+#endif
   bind_checksum(m);
   bind_store(m);
   bind_server(m);

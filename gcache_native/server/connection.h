@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/assert.h"
 #include "server/auth.h"
 #include "common/frame.h"
 #include "common/metrics.h"
@@ -116,6 +117,7 @@ class Server::PutAdmission {
     {
       std::lock_guard<std::mutex> lock(server_->admit_mu_);
       auto it = server_->puts_in_flight_.find(epoch_);
+      GCACHE_ASSERT(it != server_->puts_in_flight_.end() && it->second > 0);
       drained = --it->second == 0;
       // An older epoch's entry can never count again (set_cluster_map drops the idle ones).
       if (drained && epoch_ < server_->epoch_.load(std::memory_order_relaxed))
@@ -135,7 +137,10 @@ struct LeaseGuard {
   Store* store;
   std::vector<Lease>* leases;
   ~LeaseGuard() {
-    for (const Lease& l : *leases) store->release(l);
+    for (const Lease& l : *leases) {
+      GCACHE_ASSERT(l.entry != nullptr && l.data != nullptr);
+      store->release(l);
+    }
     leases->clear();
   }
 };

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "common/assert.h"
+
 namespace gcache {
 
 bool ByteBudget::fits(const std::string& owner, uint64_t bytes) const {
@@ -30,8 +32,10 @@ void ByteBudget::release(const std::string& owner, uint64_t bytes) {
   if (bytes == 0) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    GCACHE_ASSERT(used_ >= bytes);  // only bytes acquired come back
     used_ -= bytes;
     auto it = by_owner_.find(owner);
+    GCACHE_ASSERT(it != by_owner_.end() && it->second >= bytes);
     if (it != by_owner_.end() && (it->second -= bytes) == 0) by_owner_.erase(it);
   }
   cv_.notify_all();

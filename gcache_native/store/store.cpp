@@ -10,6 +10,7 @@
 #include "store/store.h"
 
 #include <algorithm>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -30,6 +31,32 @@
 namespace gcache {
 
 namespace {
+
+#ifdef GCACHE_DEBUG
+// Debug builds: every public operation ends with check_integrity, once its
+// own locks are released (not when it is leaving by an exception), so a
+// broken invariant fails the operation that broke it. The check walks every
+// entry: past kCheckEveryOpEntries entries it runs after every
+// (entries / kCheckEveryOpEntries)-th operation instead, so a test that
+// stores 70,000 keys stays linear (about 128 entry visits per operation).
+constexpr uint64_t kCheckEveryOpEntries = 128;
+std::atomic<uint64_t> ops_since_check{0};
+
+struct CheckAfterOp {
+  Store* store;
+  ~CheckAfterOp() noexcept(false) {
+    if (std::uncaught_exceptions() > 0) return;
+    const uint64_t every = store->debug_entries() / kCheckEveryOpEntries + 1;
+    if (ops_since_check.fetch_add(1, std::memory_order_relaxed) + 1 < every) return;
+    ops_since_check.store(0, std::memory_order_relaxed);
+    store->check_integrity();
+  }
+};
+#define GCACHE_CHECK_AFTER_OP() CheckAfterOp check_after_op_{this}
+#else
+#define GCACHE_CHECK_AFTER_OP() ((void)0)
+#endif
+
 void bump(std::atomic<uint64_t>& counter, uint64_t n = 1) { counter.fetch_add(n, std::memory_order_relaxed); }
 uint64_t index_cost(size_t key_bytes) { return Index::cost(key_bytes); }
 }  // namespace
@@ -66,6 +93,7 @@ struct Store::Impl {
   // Adds disk_mu to a held mu, dropping mu while waiting (lock order), so the
   // caller must re-check what it looked at. True if it was taken here.
   bool hold_disk(Locks& l) {
+    GCACHE_ASSERT(l.store.owns_lock());
     if (l.disk.owns_lock()) return false;
     if (!l.disk.try_lock()) {
       l.store.unlock();
@@ -218,10 +246,14 @@ struct Store::Impl {
     SegmentFileRef file;
     bool written = !e->doomed() && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
     if (written) {
+      // Across the unlocked write: the pin keeps e, its memory copy and its
+      // block where they are; disk_mu keeps other appends and reclaims out.
+      GCACHE_ASSERT(e->pins > 0 && e->in_memory && l.disk.owns_lock());
       l.store.unlock();
       written = DiskSegments::write_record(*file, location, kRecordValue, e->key, memory.base() + e->mem_offset,
                                            e->length, e->checksum);
       l.store.lock();
+      GCACHE_ASSERT(e->pins > 0 && e->in_memory && !e->on_disk);
       if (!written) disk->cancel(location, bytes);
     }
     --e->pins;
@@ -303,7 +335,9 @@ struct Store::Impl {
     return true;
   }
 
+  // A lease pins the memory copy: it stays (not evicted, moved or freed) until release.
   void lease(Entry* e, Lease* out) {
+    GCACHE_ASSERT(e->in_memory && !e->doomed());
     ++e->leases;
     memory.note_lease();
     out->entry = e;
@@ -351,7 +385,7 @@ struct Store::Impl {
         bump(metrics->misses);
         return false;
     }
-    const LoadRead read = read_unlocked(l, load);
+    const LoadRead read = read_unlocked(e, l, load);
     return finish_load(e, l, load, read, out);
   }
 
@@ -380,12 +414,16 @@ struct Store::Impl {
 
   // Reads the record's value into the load's block with mu dropped, and
   // checks it against the checksum taken down under mu.
-  LoadRead read_unlocked(Locks& l, const DiskLoad& load) {
+  LoadRead read_unlocked(Entry* e, Locks& l, const DiskLoad& load) {
     uint8_t* dest = memory.base() + load.offset;
+    // Across the unlocked read: the pin keeps e alive, the block is reserved
+    // (no window eviction touches it), the file reference keeps the record.
+    GCACHE_ASSERT(l.store.owns_lock() && e->pins > 0 && !e->in_memory);
     l.store.unlock();
     const bool read_ok = load.file && read_segment(*load.file, load.value_offset, load.length, dest);
     const bool sound = read_ok && xxh64(dest, load.length) == load.checksum;
     l.store.lock();
+    GCACHE_ASSERT(e->pins > 0);
     return !read_ok ? LoadRead::Failed : sound ? LoadRead::Sound : LoadRead::Corrupt;
   }
 
@@ -565,6 +603,7 @@ struct Store::Impl {
 };
 
 Store::Store(const StoreConfig& config, Metrics* metrics) : impl_(new Impl(config, metrics)) {
+  GCACHE_CHECK_AFTER_OP();
   if (impl_->disk) {
     impl_->rebuild_index();
     if (config.warm_restart) impl_->load_warm_list();
@@ -574,6 +613,7 @@ Store::Store(const StoreConfig& config, Metrics* metrics) : impl_(new Impl(confi
 Store::~Store() = default;
 
 PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* out, OwnerId owner) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   if (key.empty() || key.size() > kKeyBytesMax) return PutStatus::KeyInvalid;
   if (length > s.cfg.value_bytes_max) {
@@ -622,6 +662,7 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
 uint64_t Store::new_put_batch() { return impl_->put_batches.fetch_add(1, std::memory_order_relaxed) + 1; }
 
 PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t checksum, const PutHint& hint) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   bool sound = xxh64(r.data, r.length) == checksum;  // outside the lock: the big read
   const uint64_t key_hash = key_hash_of(key);
@@ -653,6 +694,7 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
 }
 
 void Store::abort_put(const Reservation& r) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   if (!s.memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("abort_put: unknown reservation");
@@ -662,6 +704,7 @@ void Store::abort_put(const Reservation& r) {
 }
 
 bool Store::acquire(std::string_view key, Lease* out) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   Impl::Locks l(s);
   Entry* e = s.find(key);
@@ -680,16 +723,19 @@ bool Store::acquire(std::string_view key, Lease* out) {
 }
 
 void Store::release(const Lease& lease) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   Entry* e = lease.entry;
   if (!e || e->leases == 0) throw std::logic_error("release: lease not held");
+  GCACHE_ASSERT(e->in_memory && lease.data == s.memory.base() + e->mem_offset);  // leased: never moved or freed
   --e->leases;
   s.memory.note_release();
   s.destroy_if_unused(e);
 }
 
 size_t Store::exists(const std::vector<std::string_view>& keys, std::vector<uint8_t>* present) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   const size_t n = keys.size();
   std::vector<uint64_t> hashes(n);
@@ -721,6 +767,7 @@ bool Store::contains(std::string_view key) {
 }
 
 uint64_t Store::evict_owned(OwnerId owner, uint64_t bytes) {
+  GCACHE_CHECK_AFTER_OP();
   if (owner == kAnyOwner) throw std::invalid_argument("evict_owned: name one owner");
   Impl& s = *impl_;
   Impl::Locks l(s);
@@ -728,12 +775,14 @@ uint64_t Store::evict_owned(OwnerId owner, uint64_t bytes) {
 }
 
 std::vector<OwnerUsage> Store::owner_usage() {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   return s.owners.usage();
 }
 
 bool Store::remove(std::string_view key) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   Impl::Locks l(s);
   Entry* e = s.find(key);
@@ -752,6 +801,7 @@ bool Store::remove(std::string_view key) {
 }
 
 Store::KeysPage Store::keys_page(uint64_t cursor, size_t limit) {
+  GCACHE_CHECK_AFTER_OP();
   if (limit == 0) throw std::invalid_argument("keys_page: limit must be at least 1");
   limit = std::min(limit, kKeysPageMax);
   // Bounds the lock hold on a sparse table (many buckets, few keys left).
@@ -798,6 +848,7 @@ std::vector<std::string> Store::keys(size_t limit) {
 }
 
 void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& progress) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   if (!s.disk) return;
   // Coldest first, so if the disk is smaller than memory the hottest survive.
@@ -922,11 +973,17 @@ void Store::Impl::check_locked() const {
   if (memory.bytes() - memory.free_bytes() > cfg.memory_bytes) fail("memory tier over capacity");
 }
 
+uint64_t Store::debug_entries() {
+  std::lock_guard<std::mutex> guard(impl_->mu);
+  return impl_->index.size() + impl_->index.doomed().size();
+}
+
 int Store::arena_fd() const { return impl_->memory.fd(); }
 uint64_t Store::arena_bytes() const { return impl_->memory.bytes(); }
 const uint8_t* Store::arena_base() const { return impl_->memory.base(); }
 
 void Store::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) {
+  GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   auto add = [out](const char* name, uint64_t value) { out->emplace_back(name, static_cast<int64_t>(value)); };

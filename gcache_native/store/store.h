@@ -175,6 +175,8 @@ class Store {
   // Throws std::logic_error naming the first broken invariant (allocator
   // accounting, queue membership, lease counts, capacity bounds).
   void check_integrity();
+  // How many entries check_integrity walks (the index and the doomed ones).
+  uint64_t debug_entries();
 
   // Arena shared-memory fd (memfd) and size, for same-host one-sided readers.
   int arena_fd() const;
