@@ -131,6 +131,8 @@ gcache::PolicyKind policy_kind_or_value_error(const std::string& name) {
 }
 
 void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
+  // Not reformatted: a list of names, packed.
+  // clang-format off
   static const std::set<std::string> known = {
       "host", "port", "connections_max", "idle_timeout_s", "stall_timeout_s", "meta_bytes_max",
       "frame_payload_bytes_max", "batch_keys_max", "socket_buffer_bytes", "epoch", "version",
@@ -140,6 +142,7 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
       "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive",
       "unix_socket_path", "shm_lease_s", "instance_id"};
+  // clang-format on
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
     if (!known.count(key)) throw py::value_error("unknown server config key '" + key + "'");

@@ -13,8 +13,11 @@ constexpr uint64_t P4 = 9650029242287828579ull;
 constexpr uint64_t P5 = 2870177450012600261ull;
 
 inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+// Not reformatted: one-line helpers.
+// clang-format off
 inline uint64_t read64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
 inline uint32_t read32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+// clang-format on
 inline uint64_t round(uint64_t acc, uint64_t input) {
   acc += input * P2;
   acc = rotl(acc, 31);
@@ -26,10 +29,13 @@ inline uint64_t merge(uint64_t acc, uint64_t val) {
 }
 
 uint64_t finish(uint64_t h, const uint8_t* p, size_t len) {
+  // Not reformatted: xxh64's tail, one step per line would hide its shape.
+  // clang-format off
   while (len >= 8) { h ^= round(0, read64(p)); h = rotl(h, 27) * P1 + P4; p += 8; len -= 8; }
   if (len >= 4) { h ^= uint64_t(read32(p)) * P1; h = rotl(h, 23) * P2 + P3; p += 4; len -= 4; }
   while (len > 0) { h ^= (*p) * P5; h = rotl(h, 11) * P1; ++p; --len; }
   h ^= h >> 33; h *= P2; h ^= h >> 29; h *= P3; h ^= h >> 32;
+  // clang-format on
   return h;
 }
 

@@ -203,6 +203,8 @@ bool MsgpackReader::skip_depth(int depth) {
     return read_bytes(&ignored);
   }
   ++p_;
+  // Not reformatted: a table of msgpack type bytes.
+  // clang-format off
   switch (t) {
     case 0xc1: --p_; return fail("invalid msgpack byte 0xc1");
     case 0xca: return need(4) && (p_ += 4, true);
@@ -221,6 +223,7 @@ bool MsgpackReader::skip_depth(int depth) {
     case 0xc9: if (!take_be(4, &n)) return false; break;
     default: --p_; return fail("invalid msgpack byte");
   }
+  // clang-format on
   if (!need(size_t(n) + 1)) return false;
   p_ += n + 1;
   return true;
