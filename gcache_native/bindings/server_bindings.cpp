@@ -10,9 +10,9 @@
 #include <string_view>
 #include <vector>
 
-#include "server/auth.h"
 #include "common/metrics.h"
 #include "common/sha256.h"
+#include "server/auth.h"
 #include "server/server.h"
 #include "store/store.h"
 
@@ -182,8 +182,7 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "shm_lease_s") vc->shm_lease_s = py::cast<double>(v);
     else if (key == "instance_id") vc->instance_id = py::cast<std::string>(v);
   }
-  if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600))
-    throw py::value_error("shm_lease_s must be in (0, 3600]");
+  if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600)) throw py::value_error("shm_lease_s must be in (0, 3600]");
   if (vc->tenants) {
     for (const auto& t : vc->tenants->all()) {
       if (t->key_prefix.empty()) continue;  // the cluster role stores nothing of its own
@@ -219,8 +218,7 @@ py::dict stats_dict(Node& node) {
   node.store->fill_gauges(&g);
   node.server->fill_gauges(&g);
   for (const auto& [name, value] : g) gauges[py::str(name)] = value;
-  for (const auto& [name, buckets] : node.metrics->histograms())
-    histograms[py::str(name)] = py::cast(buckets);
+  for (const auto& [name, buckets] : node.metrics->histograms()) histograms[py::str(name)] = py::cast(buckets);
   for (const auto& [name, sum] : node.metrics->histogram_sums_us()) histogram_sums_us[py::str(name)] = sum;
   py::dict tenants;  // per-tenant usage and quotas (auth on); no key names
   for (const gcache::OwnerUsage& u : node.store->owner_usage()) {
@@ -247,13 +245,14 @@ py::dict stats_dict(Node& node) {
 }  // namespace
 
 void bind_server(py::module_& m) {
-  m.def("hmac_sha256",
-        [](py::bytes key, py::bytes message) {
-          const auto d = gcache::hmac_sha256(std::string(key), std::string(message));
-          return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-        },
-        py::arg("key"), py::arg("message"),
-        "HMAC-SHA256 as the data server computes it for AUTH (tests compare it with hmac).");
+  m.def(
+      "hmac_sha256",
+      [](py::bytes key, py::bytes message) {
+        const auto d = gcache::hmac_sha256(std::string(key), std::string(message));
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("key"), py::arg("message"),
+      "HMAC-SHA256 as the data server computes it for AUTH (tests compare it with hmac).");
   py::register_exception<gcache::BindError>(m, "BindError", PyExc_OSError);
   py::register_exception<StoreOpenError>(m, "StoreOpenError", PyExc_RuntimeError);
 
@@ -286,109 +285,120 @@ Raises StoreOpenError (data dir unusable) or BindError (port taken).
              try {
                node->store = std::make_unique<Store>(sc, node->metrics.get());
              } catch (const std::exception& e) {
-               throw StoreOpenError(std::string("cannot open the store in '") + sc.data_dir +
-                                    "': " + e.what());
+               throw StoreOpenError(std::string("cannot open the store in '") + sc.data_dir + "': " + e.what());
              }
              node->server = std::make_unique<Server>(vc, node->store.get(), node->metrics.get());
              return node;
            }),
            py::arg("config"))
-      .def_property_readonly("port", [](Node& n) { return n.server->port(); },
-                             "The listening port (the real one when 0 was asked).")
-      .def("start", [](Node& n) { without_gil([&] { n.server->start(); }); },
-           "Starts accepting connections (returns at once).")
-      .def("stop", [](Node& n, double grace_s) { without_gil([&] { n.server->stop(grace_s); }); },
-           py::arg("grace_s") = 10.0,
-           "Stops accepting, finishes requests already received, closes connections; "
-           "after grace_s cuts off the rest. Idempotent. Does not flush.")
-      .def("flush", [](Node& n) { without_gil([&] { n.store->flush(); }); },
-           "Writes the memory tier and the warm list to disk (fsynced).")
-      .def("check_integrity", [](Node& n) { without_gil([&] { n.store->check_integrity(); }); },
-           "Raises naming the first broken store invariant.")
+      .def_property_readonly(
+          "port", [](Node& n) { return n.server->port(); }, "The listening port (the real one when 0 was asked).")
+      .def(
+          "start", [](Node& n) { without_gil([&] { n.server->start(); }); },
+          "Starts accepting connections (returns at once).")
+      .def(
+          "stop", [](Node& n, double grace_s) { without_gil([&] { n.server->stop(grace_s); }); },
+          py::arg("grace_s") = 10.0,
+          "Stops accepting, finishes requests already received, closes connections; "
+          "after grace_s cuts off the rest. Idempotent. Does not flush.")
+      .def(
+          "flush", [](Node& n) { without_gil([&] { n.store->flush(); }); },
+          "Writes the memory tier and the warm list to disk (fsynced).")
+      .def(
+          "check_integrity", [](Node& n) { without_gil([&] { n.store->check_integrity(); }); },
+          "Raises naming the first broken store invariant.")
       .def("stats", &stats_dict,
            "{'counters': {name: int}, 'gauges': {name: int}, 'histograms': {name: [32 bucket counts]}, "
            "'histogram_sums_us': {name: int}}")
-      .def("set_cluster_map",
-           [](Node& n, int64_t epoch, py::bytes map_bytes) {
-             std::string blob = map_bytes;
-             n.server->set_cluster_map(epoch, std::move(blob));  // invalid_argument -> ValueError
-           },
-           py::arg("epoch"), py::arg("map_bytes"),
-           "Sets the cluster-map epoch and its msgpack map together. From then on a data request "
-           "carrying an older \"epoch\" is answered STALE_EPOCH with this map and not executed. "
-           "ValueError if epoch is below Server.epoch (equal replaces the map) or the map is over 4 MiB.")
-      .def_property_readonly("epoch", [](Node& n) { return n.server->epoch(); },
-                             "The current cluster-map epoch (config \"epoch\" until set_cluster_map).")
-      .def_property_readonly("cluster_map", [](Node& n) { return py::bytes(*n.server->cluster_map().second); },
-                             "The current cluster map blob (b\"\" until set_cluster_map).")
-      .def("keys",
-           [](Node& n, int64_t limit) {
-             if (limit < 0) throw py::value_error("keys: limit must be >= 0");
-             std::vector<std::string> keys;
-             without_gil([&] { keys = n.store->keys(size_t(limit)); });
-             py::list out(keys.size());
-             for (size_t i = 0; i < keys.size(); ++i) out[i] = py::bytes(keys[i]);
-             return out;
-           },
-           py::arg("limit"),
-           "Up to `limit` distinct keys stored now (memory and disk tiers), in no particular order, "
-           "read page by page (keys_page): not one snapshot. Keys come back as bytes.")
-      .def("keys_page",
-           [](Node& n, int64_t cursor, int64_t limit) {
-             if (cursor < 0) throw py::value_error("keys_page: cursor must be >= 0 (0 starts a scan)");
-             if (limit < 1) throw py::value_error("keys_page: limit must be >= 1");
-             Store::KeysPage page;
-             without_gil([&] { page = n.store->keys_page(uint64_t(cursor), size_t(limit)); });  // invalid_argument -> ValueError
-             py::list keys(page.keys.size());
-             for (size_t i = 0; i < page.keys.size(); ++i) keys[i] = py::bytes(page.keys[i]);
-             return py::make_tuple(int64_t(page.next_cursor), keys);
-           },
-           py::arg("cursor"), py::arg("limit"),
-           "One page of a key scan: (next_cursor, [key bytes]). Start with cursor 0 and pass "
-           "next_cursor back until it is 0. The store lock is held for one page only. A page holds "
-           "at most min(limit, 65536) keys (more only when one hash bucket alone holds more) and may "
-           "be empty before the end. Every key stored for the whole scan is listed at least once; "
-           "after an index rehash the scan starts over, so keys may repeat. ValueError for a cursor "
-           "no page returned, a negative cursor, or limit < 1.")
-      .def("wait_puts_admitted_before",
-           [](Node& n, int64_t epoch, double timeout_s) {
-             if (!(timeout_s >= 0)) throw py::value_error("wait_puts_admitted_before: timeout_s must be >= 0");
-             bool drained = false;
-             without_gil([&] { drained = n.server->wait_puts_admitted_before(epoch, timeout_s); });
-             return drained;
-           },
-           py::arg("epoch"), py::arg("timeout_s"),
-           "Waits until no PUT_BATCH frame admitted while the server epoch was below `epoch` is "
-           "still storing its values; True when none is, False after timeout_s. Called after "
-           "set_cluster_map(epoch), a key listing that follows sees every such frame's keys.")
-      .def("remove_keys",
-           [](Node& n, const std::vector<std::string>& keys) {
-             size_t removed = 0;
-             without_gil([&] {
-               for (const std::string& k : keys) removed += n.store->remove(k) ? 1 : 0;
-             });
-             return removed;
-           },
-           py::arg("keys"),
-           "Removes each key (bytes) from both tiers, as REMOVE_BATCH does; returns how many existed.")
+      .def(
+          "set_cluster_map",
+          [](Node& n, int64_t epoch, py::bytes map_bytes) {
+            std::string blob = map_bytes;
+            n.server->set_cluster_map(epoch, std::move(blob));  // invalid_argument -> ValueError
+          },
+          py::arg("epoch"), py::arg("map_bytes"),
+          "Sets the cluster-map epoch and its msgpack map together. From then on a data request "
+          "carrying an older \"epoch\" is answered STALE_EPOCH with this map and not executed. "
+          "ValueError if epoch is below Server.epoch (equal replaces the map) or the map is over 4 MiB.")
+      .def_property_readonly(
+          "epoch", [](Node& n) { return n.server->epoch(); },
+          "The current cluster-map epoch (config \"epoch\" until set_cluster_map).")
+      .def_property_readonly(
+          "cluster_map", [](Node& n) { return py::bytes(*n.server->cluster_map().second); },
+          "The current cluster map blob (b\"\" until set_cluster_map).")
+      .def(
+          "keys",
+          [](Node& n, int64_t limit) {
+            if (limit < 0) throw py::value_error("keys: limit must be >= 0");
+            std::vector<std::string> keys;
+            without_gil([&] { keys = n.store->keys(size_t(limit)); });
+            py::list out(keys.size());
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = py::bytes(keys[i]);
+            return out;
+          },
+          py::arg("limit"),
+          "Up to `limit` distinct keys stored now (memory and disk tiers), in no particular order, "
+          "read page by page (keys_page): not one snapshot. Keys come back as bytes.")
+      .def(
+          "keys_page",
+          [](Node& n, int64_t cursor, int64_t limit) {
+            if (cursor < 0) throw py::value_error("keys_page: cursor must be >= 0 (0 starts a scan)");
+            if (limit < 1) throw py::value_error("keys_page: limit must be >= 1");
+            Store::KeysPage page;
+            without_gil(
+                [&] { page = n.store->keys_page(uint64_t(cursor), size_t(limit)); });  // invalid_argument -> ValueError
+            py::list keys(page.keys.size());
+            for (size_t i = 0; i < page.keys.size(); ++i) keys[i] = py::bytes(page.keys[i]);
+            return py::make_tuple(int64_t(page.next_cursor), keys);
+          },
+          py::arg("cursor"), py::arg("limit"),
+          "One page of a key scan: (next_cursor, [key bytes]). Start with cursor 0 and pass "
+          "next_cursor back until it is 0. The store lock is held for one page only. A page holds "
+          "at most min(limit, 65536) keys (more only when one hash bucket alone holds more) and may "
+          "be empty before the end. Every key stored for the whole scan is listed at least once; "
+          "after an index rehash the scan starts over, so keys may repeat. ValueError for a cursor "
+          "no page returned, a negative cursor, or limit < 1.")
+      .def(
+          "wait_puts_admitted_before",
+          [](Node& n, int64_t epoch, double timeout_s) {
+            if (!(timeout_s >= 0)) throw py::value_error("wait_puts_admitted_before: timeout_s must be >= 0");
+            bool drained = false;
+            without_gil([&] { drained = n.server->wait_puts_admitted_before(epoch, timeout_s); });
+            return drained;
+          },
+          py::arg("epoch"), py::arg("timeout_s"),
+          "Waits until no PUT_BATCH frame admitted while the server epoch was below `epoch` is "
+          "still storing its values; True when none is, False after timeout_s. Called after "
+          "set_cluster_map(epoch), a key listing that follows sees every such frame's keys.")
+      .def(
+          "remove_keys",
+          [](Node& n, const std::vector<std::string>& keys) {
+            size_t removed = 0;
+            without_gil([&] {
+              for (const std::string& k : keys) removed += n.store->remove(k) ? 1 : 0;
+            });
+            return removed;
+          },
+          py::arg("keys"), "Removes each key (bytes) from both tiers, as REMOVE_BATCH does; returns how many existed.")
       .def_property_readonly("arena_fd", [](Node& n) { return n.store->arena_fd(); })
       .def_property_readonly("arena_bytes", [](Node& n) { return n.store->arena_bytes(); })
-      .def_property_readonly("reserve_bytes_per_connection",
-                             [](Node& n) { return n.server->reserve_bytes_per_connection(); },
-                             "What one one-sided (shm, rdma) connection's RESERVEs may hold at once.")
-      .def_property_readonly("arena_address",
-                             [](Node& n) { return reinterpret_cast<uintptr_t>(n.store->arena_base()); },
-                             "The arena's address in this process (to register it with an RDMA device).")
-      .def("set_rdma_region",
-           [](Node& n, uint64_t addr, uint32_t rkey) { n.server->set_rdma_region(addr, rkey); },
-           py::arg("addr"), py::arg("rkey"),
-           "Sends the arena's RDMA address and rkey with every LOOKUP and RESERVE answer; rkey 0 stops it.")
-      .def("set_rdma_connect_handler",
-           [](Node& n, py::object handler) {
-             n.server->set_rdma_connect_handler(handler.is_none() ? nullptr : python_rdma_handler(handler));
-           },
-           py::arg("handler"),
-           "Answers RDMA_CONNECT with handler(conn_id: int, meta: bytes) -> bytes (a msgpack map; "
-           "ValueError answers BAD_FRAME with its message, other exceptions INTERNAL), called on the "
-           "connection's thread; handler.closed(conn_id) runs when that connection ends. None: refused.");
+      .def_property_readonly(
+          "reserve_bytes_per_connection", [](Node& n) { return n.server->reserve_bytes_per_connection(); },
+          "What one one-sided (shm, rdma) connection's RESERVEs may hold at once.")
+      .def_property_readonly(
+          "arena_address", [](Node& n) { return reinterpret_cast<uintptr_t>(n.store->arena_base()); },
+          "The arena's address in this process (to register it with an RDMA device).")
+      .def(
+          "set_rdma_region", [](Node& n, uint64_t addr, uint32_t rkey) { n.server->set_rdma_region(addr, rkey); },
+          py::arg("addr"), py::arg("rkey"),
+          "Sends the arena's RDMA address and rkey with every LOOKUP and RESERVE answer; rkey 0 stops it.")
+      .def(
+          "set_rdma_connect_handler",
+          [](Node& n, py::object handler) {
+            n.server->set_rdma_connect_handler(handler.is_none() ? nullptr : python_rdma_handler(handler));
+          },
+          py::arg("handler"),
+          "Answers RDMA_CONNECT with handler(conn_id: int, meta: bytes) -> bytes (a msgpack map; "
+          "ValueError answers BAD_FRAME with its message, other exceptions INTERNAL), called on the "
+          "connection's thread; handler.closed(conn_id) runs when that connection ends. None: refused.");
 }

@@ -95,7 +95,8 @@ struct PyStore {
 
   static py::buffer_info contiguous(const py::buffer& value, const char* what) {
     py::buffer_info info = value.request();
-    if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument(std::string(what) + ": value must be a contiguous buffer");
+    if (!PyBuffer_IsContiguous(info.view(), 'C'))
+      throw std::invalid_argument(std::string(what) + ": value must be a contiguous buffer");
     return info;
   }
 
@@ -251,8 +252,9 @@ void bind_store(py::module_& m) {
         return py::buffer_info(const_cast<uint8_t*>(self.lease.data), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(self.lease.length)}, {1}, true);
       })
-      .def_property_readonly("data", [](py::object self) { return py::memoryview(self); },
-                             "read-only memoryview into the arena, valid until release()")
+      .def_property_readonly(
+          "data", [](py::object self) { return py::memoryview(self); },
+          "read-only memoryview into the arena, valid until release()")
       .def_property_readonly("length", [](PyLease& self) { return self.lease.length; })
       .def_property_readonly("checksum", [](PyLease& self) { return self.lease.checksum; })
       .def_property_readonly("held", [](PyLease& self) { return self.held; })
@@ -276,19 +278,20 @@ void bind_store(py::module_& m) {
            "a PutStatus code per key.")
       .def("exists", &PyStore::exists, py::arg("keys"),
            "([present per key], leading keys present), as EXISTS_BATCH does (a use of that prefix).")
-      .def("keys",
-           [](PyStore& self, size_t limit) {
-             Store& store = self.handle->get();
-             std::vector<std::string> keys;
-             {
-               py::gil_scoped_release nogil;
-               keys = store.keys(limit);
-             }
-             py::list out;
-             for (const std::string& k : keys) out.append(py::bytes(k));
-             return out;
-           },
-           py::arg("limit") = 1 << 20, "Up to `limit` keys stored (either tier), in no order; no recency effect.")
+      .def(
+          "keys",
+          [](PyStore& self, size_t limit) {
+            Store& store = self.handle->get();
+            std::vector<std::string> keys;
+            {
+              py::gil_scoped_release nogil;
+              keys = store.keys(limit);
+            }
+            py::list out;
+            for (const std::string& k : keys) out.append(py::bytes(k));
+            return out;
+          },
+          py::arg("limit") = 1 << 20, "Up to `limit` keys stored (either tier), in no order; no recency effect.")
       .def("evict_owned", &PyStore::evict_owned, py::arg("owner"), py::arg("bytes"),
            "Evicts values of `owner` from memory, coldest first, until `bytes` are freed; returns bytes freed.")
       .def("get", &PyStore::get, py::arg("key"), "Copy of the value, or None on a miss.")
@@ -307,7 +310,8 @@ void bind_store(py::module_& m) {
       .def_property_readonly_static("STORED", [](py::object) { return static_cast<int>(PutStatus::Stored); })
       .def_property_readonly_static("EXISTS", [](py::object) { return static_cast<int>(PutStatus::Exists); })
       .def_property_readonly_static("NO_SPACE", [](py::object) { return static_cast<int>(PutStatus::NoSpace); })
-      .def_property_readonly_static("CHECKSUM_MISMATCH", [](py::object) { return static_cast<int>(PutStatus::ChecksumMismatch); })
+      .def_property_readonly_static("CHECKSUM_MISMATCH",
+                                    [](py::object) { return static_cast<int>(PutStatus::ChecksumMismatch); })
       .def_property_readonly_static("TOO_LARGE", [](py::object) { return static_cast<int>(PutStatus::TooLarge); })
       .def_property_readonly_static("KEY_INVALID", [](py::object) { return static_cast<int>(PutStatus::KeyInvalid); });
 }

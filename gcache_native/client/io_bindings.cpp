@@ -20,8 +20,7 @@ namespace {
 enum class IoResult { Done, Timeout, Closed, Error };
 
 int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -52,8 +51,7 @@ IoResult transfer(int fd, std::vector<iovec>& iov, bool sending, int64_t timeout
     msg.msg_iov = &iov[first];
     const size_t left = iov.size() - first;
     msg.msg_iovlen = left < size_t(IOV_MAX) ? left : size_t(IOV_MAX);
-    const ssize_t r = sending ? sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
-                              : recvmsg(fd, &msg, MSG_DONTWAIT);
+    const ssize_t r = sending ? sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) : recvmsg(fd, &msg, MSG_DONTWAIT);
     if (r < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -79,8 +77,7 @@ IoResult transfer(int fd, std::vector<iovec>& iov, bool sending, int64_t timeout
   return IoResult::Done;
 }
 
-size_t collect(const py::list& buffers, bool writable, std::vector<py::buffer_info>* infos,
-               std::vector<iovec>* iov) {
+size_t collect(const py::list& buffers, bool writable, std::vector<py::buffer_info>* infos, std::vector<iovec>* iov) {
   size_t total = 0;
   infos->reserve(buffers.size());
   iov->reserve(buffers.size());
@@ -112,17 +109,14 @@ size_t run(int fd, const py::list& buffers, int64_t timeout_ms, bool sending) {
   switch (r) {
     case IoResult::Done: return total;
     case IoResult::Timeout:
-      PyErr_SetString(PyExc_TimeoutError,
-                      (std::string(what) + " timed out after " + std::to_string(timeout_ms) +
-                       " ms; the peer is stalled or the timeout is too short")
-                          .c_str());
+      PyErr_SetString(PyExc_TimeoutError, (std::string(what) + " timed out after " + std::to_string(timeout_ms) +
+                                           " ms; the peer is stalled or the timeout is too short")
+                                              .c_str());
       throw py::error_already_set();
     case IoResult::Closed:
-      PyErr_SetString(PyExc_ConnectionError,
-                      "the peer closed the connection mid-frame; reconnect and retry");
+      PyErr_SetString(PyExc_ConnectionError, "the peer closed the connection mid-frame; reconnect and retry");
       throw py::error_already_set();
-    case IoResult::Error:
-      break;
+    case IoResult::Error: break;
   }
   errno = err;
   PyErr_SetFromErrno(err == ECONNRESET || err == EPIPE ? PyExc_ConnectionError : PyExc_OSError);
@@ -132,19 +126,20 @@ size_t run(int fd, const py::list& buffers, int64_t timeout_ms, bool sending) {
 }  // namespace
 
 void bind_io(py::module_& m) {
-  m.def("send_buffers",
-        [](int fd, py::list buffers, int64_t timeout_ms) { return run(fd, buffers, timeout_ms, true); },
-        py::arg("fd"), py::arg("buffers"), py::arg("timeout_ms") = -1,
-        R"doc(Sends every byte of every buffer, in order, on socket `fd` (sendmsg, GIL released).
+  m.def(
+      "send_buffers", [](int fd, py::list buffers, int64_t timeout_ms) { return run(fd, buffers, timeout_ms, true); },
+      py::arg("fd"), py::arg("buffers"), py::arg("timeout_ms") = -1,
+      R"doc(Sends every byte of every buffer, in order, on socket `fd` (sendmsg, GIL released).
 
 buffers: list of contiguous buffer-protocol objects (bytes, memoryview, numpy).
 timeout_ms: overall deadline; negative = none. Returns the bytes sent.
 Raises TimeoutError, ConnectionError (peer reset) or OSError. On error a
 prefix of the data may have been sent: the connection is unusable.)doc");
-  m.def("recv_into_buffers",
-        [](int fd, py::list buffers, int64_t timeout_ms) { return run(fd, buffers, timeout_ms, false); },
-        py::arg("fd"), py::arg("buffers"), py::arg("timeout_ms") = -1,
-        R"doc(Fills every writable buffer exactly, in order, from socket `fd` (recvmsg, GIL released).
+  m.def(
+      "recv_into_buffers",
+      [](int fd, py::list buffers, int64_t timeout_ms) { return run(fd, buffers, timeout_ms, false); }, py::arg("fd"),
+      py::arg("buffers"), py::arg("timeout_ms") = -1,
+      R"doc(Fills every writable buffer exactly, in order, from socket `fd` (recvmsg, GIL released).
 
 buffers: list of contiguous writable buffers (bytearray, memoryview, numpy).
 timeout_ms: overall deadline; negative = none. Returns the bytes received.

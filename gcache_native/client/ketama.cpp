@@ -30,7 +30,7 @@ inline uint32_t load_le32(const uint8_t* p) {
 #define GC_MD5_G(x, y, z) ((y) ^ ((z) & ((x) ^ (y))))
 #define GC_MD5_H(x, y, z) ((x) ^ (y) ^ (z))
 #define GC_MD5_I(x, y, z) ((y) ^ ((x) | ~(z)))
-#define GC_MD5_STEP(f, a, b, c, d, m, t, s) \
+#define GC_MD5_STEP(f, a, b, c, d, m, t, s)    \
   (a) += f((b), (c), (d)) + (m) + uint32_t(t); \
   (a) = rotl((a), (s)) + (b)
 
@@ -150,9 +150,8 @@ py::bytes ketama_hashes(py::handle keys) {
   for (size_t i = 0; i < n; ++i) {
     PyObject* key = PyTuple_GET_ITEM(held.ptr(), Py_ssize_t(i));
     if (!PyBytes_Check(key))
-      throw py::type_error(std::string("ketama_hashes: every key must be bytes, got ") +
-                           Py_TYPE(key)->tp_name + " at index " + std::to_string(i) +
-                           " (gcache.protocol.normalize_keys makes bytes)");
+      throw py::type_error(std::string("ketama_hashes: every key must be bytes, got ") + Py_TYPE(key)->tp_name +
+                           " at index " + std::to_string(i) + " (gcache.protocol.normalize_keys makes bytes)");
     data[i] = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(key));
     lengths[i] = size_t(PyBytes_GET_SIZE(key));
   }
@@ -182,8 +181,7 @@ py::bytes ketama_hashes(py::handle keys) {
 
 uint32_t ketama_hash(py::handle key) {
   if (!PyBytes_Check(key.ptr()))
-    throw py::type_error(std::string("ketama_hash: the key must be bytes, got ") +
-                         Py_TYPE(key.ptr())->tp_name);
+    throw py::type_error(std::string("ketama_hash: the key must be bytes, got ") + Py_TYPE(key.ptr())->tp_name);
   return md5_first_word(reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(key.ptr())),
                         size_t(PyBytes_GET_SIZE(key.ptr())));
 }
@@ -199,19 +197,18 @@ U32View u32_view(py::handle obj, const char* what) {
   py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
   size_t count;
   if (PyBytes_Check(obj.ptr())) {
-    if (info.size % 4 != 0)
-      throw py::value_error(std::string(what) + ": bytes length must be a multiple of 4");
+    if (info.size % 4 != 0) throw py::value_error(std::string(what) + ": bytes length must be a multiple of 4");
     count = size_t(info.size) / 4;
   } else {
     const std::string& f = info.format;
     if (info.itemsize != 4 || f.empty() || f.back() != 'I' || info.ndim != 1 ||
         !PyBuffer_IsContiguous(info.view(), 'C'))
-      throw py::type_error(std::string(what) +
-                           ": pass a 1-d contiguous uint32 array (numpy dtype uint32) or bytes");
+      throw py::type_error(std::string(what) + ": pass a 1-d contiguous uint32 array (numpy dtype uint32) or bytes");
     count = size_t(info.size);
   }
   if (reinterpret_cast<uintptr_t>(info.ptr) % alignof(uint32_t) != 0)
-    throw py::value_error(std::string(what) + ": the buffer is not 4-byte aligned; pass a copy "
+    throw py::value_error(std::string(what) +
+                          ": the buffer is not 4-byte aligned; pass a copy "
                           "(numpy.ascontiguousarray or bytes(...))");
   const auto* data = static_cast<const uint32_t*>(info.ptr);
   return U32View{std::move(info), data, count};
@@ -228,8 +225,7 @@ size_t upper_bound_index(const uint32_t* points, size_t count, uint32_t x) {
 py::bytes ketama_search(py::handle points_obj, py::handle needles_obj) {
   const U32View points = u32_view(points_obj, "ketama_search points");
   const U32View needles = u32_view(needles_obj, "ketama_search needles");
-  if (points.count == 0)
-    throw py::value_error("ketama_search: the ring has no points (an empty ring owns nothing)");
+  if (points.count == 0) throw py::value_error("ketama_search: the ring has no points (an empty ring owns nothing)");
   const size_t n = needles.count;
   PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * 4));
   if (out == nullptr) throw py::error_already_set();

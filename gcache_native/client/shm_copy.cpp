@@ -203,7 +203,8 @@ py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(len));
     if (raw == nullptr) throw py::error_already_set();
     py::object value = py::reinterpret_steal<py::object>(raw);
-    items.push_back(CopyItem{arena.base + offsets[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), len, sums[i]});
+    items.push_back(
+        CopyItem{arena.base + offsets[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), len, sums[i]});
     index.push_back(i);
     values[i] = value;
   }
@@ -277,8 +278,7 @@ void bind_shm_copy(py::module_& m) {
   m.def("shm_read_values", &read_values, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
         py::arg("threads") = 0, py::arg("verify") = true,
         "As shm_read_into, into new bytes objects: returns (values, bad) with None for misses and bad values.");
-  m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"),
-        py::arg("threads") = 0,
+  m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"), py::arg("threads") = 0,
         "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing each source "
         "chunk just before it is copied; returns their xxh64s (0 for skipped).");
 }

@@ -42,7 +42,10 @@ int BlockAllocator::small_class_of(uint64_t block_bytes) {
 }
 
 bool BlockAllocator::allocate(uint64_t block_bytes, uint64_t* offset) {
-  if (block_bytes == 0) { *offset = 0; return true; }
+  if (block_bytes == 0) {
+    *offset = 0;
+    return true;
+  }
   const int size_class = small_class_of(block_bytes);
   if (size_class >= 0) return allocate_small(size_class, offset);
   return allocate_range(block_bytes, offset);
@@ -151,7 +154,8 @@ void BlockAllocator::check(std::vector<std::pair<uint64_t, uint64_t>> used) cons
     const uint64_t page = block.first / kArenaPageBytes * kArenaPageBytes;
     auto slab = slabs_.find(page);
     if (slab == slabs_.end() || slab->second.size_class != size_class || (block.first - page) % block.second)
-      throw std::logic_error("allocator: small block at " + std::to_string(block.first) + " not in a slab of its class");
+      throw std::logic_error("allocator: small block at " + std::to_string(block.first) +
+                             " not in a slab of its class");
     const uint64_t bit = uint64_t(1) << ((block.first - page) / block.second);
     uint64_t& mask = seen_masks[page];
     if (mask & bit) throw std::logic_error("allocator: two small blocks share a slot");
@@ -179,8 +183,8 @@ void BlockAllocator::check(std::vector<std::pair<uint64_t, uint64_t>> used) cons
   bool previous_free = false;
   for (auto& [offset, bytes] : all) {
     if (offset != cursor)
-      throw std::logic_error(std::string("allocator: ") + (offset < cursor ? "overlap" : "gap") +
-                             " at arena offset " + std::to_string(offset));
+      throw std::logic_error(std::string("allocator: ") + (offset < cursor ? "overlap" : "gap") + " at arena offset " +
+                             std::to_string(offset));
     bool is_free = by_offset_.count(offset) && by_offset_.at(offset) == bytes;
     if (is_free && previous_free) throw std::logic_error("allocator: adjacent free ranges not coalesced");
     previous_free = is_free;

@@ -6,9 +6,9 @@
 // touches the arena bytes. Not thread-safe (the Store locks it).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <array>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -37,7 +37,7 @@ class BlockAllocator {
   void free(uint64_t offset, uint64_t block_bytes);
 
   uint64_t arena_bytes() const { return arena_bytes_; }
-  uint64_t free_bytes() const { return free_bytes_; }      // in free ranges (slab slots not counted)
+  uint64_t free_bytes() const { return free_bytes_; }  // in free ranges (slab slots not counted)
   uint64_t slab_pages() const { return slabs_.size(); }
   uint64_t largest_free() const;
   size_t free_ranges() const { return by_offset_.size(); }
@@ -61,8 +61,8 @@ class BlockAllocator {
   bool allocate_small(int size_class, uint64_t* offset);
   void free_small(int size_class, uint64_t offset);
 
-  std::unordered_map<uint64_t, Slab> slabs_;                         // page offset -> slab
-  std::array<std::set<uint64_t>, kSmallClasses.size()> partial_;     // pages with a free slot, per class
+  std::unordered_map<uint64_t, Slab> slabs_;                      // page offset -> slab
+  std::array<std::set<uint64_t>, kSmallClasses.size()> partial_;  // pages with a free slot, per class
 
   uint64_t arena_bytes_;
   uint64_t free_bytes_ = 0;

@@ -24,7 +24,9 @@ int open_dev_shm_file() {
 SharedArena::SharedArena(uint64_t bytes) : bytes_(bytes) {
   fd_ = memfd_create("gcache-arena", MFD_CLOEXEC);
   if (fd_ < 0) fd_ = open_dev_shm_file();
-  if (fd_ < 0) throw std::runtime_error(std::string("cannot create the memory arena (memfd and /dev/shm both failed): ") + strerror(errno));
+  if (fd_ < 0)
+    throw std::runtime_error(std::string("cannot create the memory arena (memfd and /dev/shm both failed): ") +
+                             strerror(errno));
   if (bytes_ == 0) return;
   if (ftruncate(fd_, (off_t)bytes_) != 0) {
     int err = errno;

@@ -53,9 +53,12 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
   if (len >= 32) {
     uint64_t v[4] = {seed + P1 + P2, seed + P2, seed, seed - P1};
     while (len >= 32) {
-      v[0] = round(v[0], read64(p)); v[1] = round(v[1], read64(p + 8));
-      v[2] = round(v[2], read64(p + 16)); v[3] = round(v[3], read64(p + 24));
-      p += 32; len -= 32;
+      v[0] = round(v[0], read64(p));
+      v[1] = round(v[1], read64(p + 8));
+      v[2] = round(v[2], read64(p + 16));
+      v[3] = round(v[3], read64(p + 24));
+      p += 32;
+      len -= 32;
     }
     h = converge(v);
   } else {
@@ -66,22 +69,32 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
 }
 
 Xxh64Stream::Xxh64Stream(uint64_t seed) : seed_(seed) {
-  v_[0] = seed + P1 + P2; v_[1] = seed + P2; v_[2] = seed; v_[3] = seed - P1;
+  v_[0] = seed + P1 + P2;
+  v_[1] = seed + P2;
+  v_[2] = seed;
+  v_[3] = seed - P1;
 }
 
 void Xxh64Stream::update(const void* data, size_t len) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   total_ += len;
-  if (buffered_ + len < 32) { std::memcpy(buffer_ + buffered_, p, len); buffered_ += len; return; }
+  if (buffered_ + len < 32) {
+    std::memcpy(buffer_ + buffered_, p, len);
+    buffered_ += len;
+    return;
+  }
   if (buffered_ > 0) {
     size_t fill = 32 - buffered_;
     std::memcpy(buffer_ + buffered_, p, fill);
     for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], read64(buffer_ + 8 * i));
-    p += fill; len -= fill; buffered_ = 0;
+    p += fill;
+    len -= fill;
+    buffered_ = 0;
   }
   while (len >= 32) {
     for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], read64(p + 8 * i));
-    p += 32; len -= 32;
+    p += 32;
+    len -= 32;
   }
   std::memcpy(buffer_, p, len);
   buffered_ = len;
@@ -102,8 +115,7 @@ void bind_checksum(py::module_& m) {
       "xxh64",
       [](py::buffer data, uint64_t seed) {
         py::buffer_info info = data.request();
-        if (!PyBuffer_IsContiguous(info.view(), 'A'))
-          throw py::value_error("xxh64 needs a contiguous buffer");
+        if (!PyBuffer_IsContiguous(info.view(), 'A')) throw py::value_error("xxh64 needs a contiguous buffer");
         const size_t n = size_t(info.size) * size_t(info.itemsize);
         py::gil_scoped_release release;
         return gcache::xxh64(info.ptr, n, seed);

@@ -23,11 +23,11 @@ enum class Opcode : uint8_t {
   RemoveBatch = 6,
   Auth = 7,  // challenge-response handshake (docs/protocol.md, "Authentication")
   // One-sided access to the arena (docs/protocol.md, "Shared memory and RDMA").
-  ShmAttach = 8,  // the arena's memfd, passed with SCM_RIGHTS (Unix socket only)
-  Lookup = 9,     // per key: offset, length, xxh64, under one lease
-  Release = 10,   // drops leases and reservations
-  Reserve = 11,   // arena blocks to write new values into
-  Commit = 12,    // publishes reserved blocks (checksums verified)
+  ShmAttach = 8,     // the arena's memfd, passed with SCM_RIGHTS (Unix socket only)
+  Lookup = 9,        // per key: offset, length, xxh64, under one lease
+  Release = 10,      // drops leases and reservations
+  Reserve = 11,      // arena blocks to write new values into
+  Commit = 12,       // publishes reserved blocks (checksums verified)
   RdmaConnect = 13,  // queue-pair setup, answered by the RDMA handler (gcache.server.rdma)
 };
 constexpr uint8_t kOpcodeMax = 13;
@@ -41,7 +41,7 @@ enum class FrameStatus : uint32_t {
   Busy = 5,
   ShuttingDown = 6,
   Internal = 7,
-  StaleEpoch = 8,  // the request's cluster-map epoch is older than the node's
+  StaleEpoch = 8,       // the request's cluster-map epoch is older than the node's
   Unauthenticated = 9,  // no (or a failed) AUTH on a node that requires it; the connection is closed
   Forbidden = 10,       // the tenant's roles do not allow this opcode; the connection stays open
 };
@@ -81,12 +81,10 @@ inline FrameHeader parse_frame_header(const uint8_t* bytes) {
   return h;
 }
 
-inline bool frame_magic_ok(const FrameHeader& h) {
-  return std::memcmp(h.magic, kFrameMagic, 4) == 0;
-}
+inline bool frame_magic_ok(const FrameHeader& h) { return std::memcmp(h.magic, kFrameMagic, 4) == 0; }
 
-inline void build_frame_header(uint8_t* out, uint8_t opcode, uint16_t flags, uint64_t request_id,
-                               uint32_t meta_len, FrameStatus status, uint64_t payload_len) {
+inline void build_frame_header(uint8_t* out, uint8_t opcode, uint16_t flags, uint64_t request_id, uint32_t meta_len,
+                               FrameStatus status, uint64_t payload_len) {
   FrameHeader h;
   std::memcpy(h.magic, kFrameMagic, 4);
   h.version = kProtocolVersion;

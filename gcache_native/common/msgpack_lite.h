@@ -25,7 +25,7 @@ class MsgpackReader {
   bool read_int(int64_t* out);             // any integer that fits int64
   bool read_bool(bool* out);
   bool read_nil();
-  bool skip();                             // one value of any kind, depth-bounded
+  bool skip();  // one value of any kind, depth-bounded
 
   bool at_end() const { return p_ == end_; }
   size_t remaining() const { return size_t(end_ - p_); }

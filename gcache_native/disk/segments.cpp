@@ -114,8 +114,7 @@ void DiskSegments::scan(const std::function<void(const ScannedRecord&)>& visit) 
         sound = key_len <= kKeyBytesMax && sizeof(RecordHeader) + key_len <= want;
         if (sound) {
           record.key.assign(reinterpret_cast<const char*>(buffer.data() + sizeof(RecordHeader)), key_len);
-          sound = record_header_valid(record.header, record.key) &&
-                  record.header.value_len <= segment.bytes &&
+          sound = record_header_valid(record.header, record.key) && record.header.value_len <= segment.bytes &&
                   offset + record_bytes(key_len, record.header.value_len) <= segment.bytes;
         }
       }
@@ -163,9 +162,8 @@ bool DiskSegments::reserve(std::string_view key, uint64_t value_len, RecordLocat
   return true;
 }
 
-bool DiskSegments::write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind,
-                                std::string_view key, const void* value, uint64_t value_len,
-                                uint64_t value_checksum) {
+bool DiskSegments::write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind, std::string_view key,
+                                const void* value, uint64_t value_len, uint64_t value_checksum) {
   uint64_t bytes = record_bytes(key.size(), value_len);
   RecordHeader header = make_record_header(kind, key, value_len, value_checksum);
   static const uint8_t kZeros[8] = {};
@@ -196,7 +194,8 @@ void DiskSegments::cancel(const RecordLocation& at, uint64_t bytes) {
   auto it = segments_.find(at.segment);
   if (it == segments_.end() || it->second.bytes != at.offset + bytes)
     throw std::logic_error("cancel: the record is not the last one of its segment");
-  if (ftruncate(it->second.file->fd, static_cast<off_t>(at.offset)) != 0) { /* check() reports the size */ }
+  if (ftruncate(it->second.file->fd, static_cast<off_t>(at.offset)) != 0) { /* check() reports the size */
+  }
   it->second.bytes = at.offset;
   used_bytes_ -= bytes;
 }

@@ -13,8 +13,8 @@
 #include <string_view>
 #include <vector>
 
-#include "disk/record.h"
 #include "common/metrics.h"
+#include "disk/record.h"
 
 namespace gcache {
 
@@ -51,8 +51,8 @@ class DiskSegments {
   // Appends one record at the head, rolling to a new segment when the head
   // would pass segment_bytes. The caller must have made room first
   // (used_bytes() + record_bytes(...) <= disk_bytes()). False on IO error.
-  bool append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len,
-              uint64_t value_checksum, RecordLocation* out);
+  bool append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len, uint64_t value_checksum,
+              RecordLocation* out);
 
   // The same in three steps, so the bytes can be written without the Store's
   // lock: reserve() places the record at the tail (making room is still the

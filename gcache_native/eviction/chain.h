@@ -57,7 +57,7 @@ class ChainPolicy : public EvictionPolicy {
   std::unordered_map<OwnerId, ChainQueues<Entry>> queues_;
   size_t count_ = 0;
   GhostFifo ghosts_;
-  uint64_t tick_ = 1;  // 4 KiB pages put into memory so far (+1: last_use 0 means "before anything")
+  uint64_t tick_ = 1;                    // 4 KiB pages put into memory so far (+1: last_use 0 means "before anything")
   uint64_t batch_ = 0, batch_when_ = 0;  // the put batch being inserted, and its time
   Entry* batch_last_ = nullptr;          // its value inserted last
 };

@@ -99,7 +99,7 @@ void ChainTuner::on_exists(const uint64_t* key_hashes, size_t n) {
   for (Shadow& s : shadows_) {
     size_t prefix = 0;
     while (prefix < picked.size() && s.nodes.count(picked[prefix])) ++prefix;
-    s.score += double(prefix);  // what a client could read: the sampled keys' prefix
+    s.score += double(prefix);                  // what a client could read: the sampled keys' prefix
     for (size_t i = picked.size(); i-- > 0;) {  // as the live policy: deepest first, all present
       auto it = s.nodes.find(picked[i]);
       if (it != s.nodes.end() && it->second.last_use != s.tick) s.queues.use(&it->second, s.tick);

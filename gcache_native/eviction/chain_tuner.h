@@ -28,8 +28,8 @@ class ChainTuner {
   static constexpr uint64_t kShadowBytesTarget = 16ull << 20;
   static constexpr double kRateMin = 1.0 / 64;
   static constexpr double kScoreDecay = 0.9;
-  static constexpr double kSwitchMargin = 0.02;  // a candidate must beat the weight in use by 2%
-  static constexpr size_t kGhostsMin = 1024;  // the chain policy's ghost floor
+  static constexpr double kSwitchMargin = 0.02;           // a candidate must beat the weight in use by 2%
+  static constexpr size_t kGhostsMin = 1024;              // the chain policy's ghost floor
   static constexpr uint64_t kShadowValueBytesMin = 1024;  // a shadow value's least cost (bounds the heap)
 
   ChainTuner(uint64_t memory_bytes, double ghost_factor, bool tail_hint, std::vector<double> weights,

@@ -16,12 +16,12 @@ class GhostFifo {
   // True (and the ghost is used up) if `key_hash` is remembered.
   bool take(uint64_t key_hash);
   size_t count() const { return order_.size() - stale_; }  // live ghosts
-  void check() const;  // throws std::logic_error
+  void check() const;                                      // throws std::logic_error
 
  private:
   std::deque<uint64_t> order_;
   std::unordered_map<uint64_t, uint32_t> counts_;  // live occurrences per hash
-  size_t stale_ = 0;  // entries of order_ already used up by take()
+  size_t stale_ = 0;                               // entries of order_ already used up by take()
 };
 
 }  // namespace gcache

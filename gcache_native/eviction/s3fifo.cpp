@@ -85,13 +85,15 @@ void S3Fifo::fill_gauges(const GaugeSink& add) const {
 void S3Fifo::check() const {
   uint64_t bytes = 0;
   for (Entry* e : small_) {
-    if (e->queue != QueueId::Small || !e->in_memory || e->doomed()) throw std::logic_error("s3fifo: bad entry in small queue");
+    if (e->queue != QueueId::Small || !e->in_memory || e->doomed())
+      throw std::logic_error("s3fifo: bad entry in small queue");
     bytes += e->mem_block;
   }
   if (bytes != small_bytes_) throw std::logic_error("s3fifo: small queue byte count drifted");
   bytes = 0;
   for (Entry* e : main_) {
-    if (e->queue != QueueId::Main || !e->in_memory || e->doomed()) throw std::logic_error("s3fifo: bad entry in main queue");
+    if (e->queue != QueueId::Main || !e->in_memory || e->doomed())
+      throw std::logic_error("s3fifo: bad entry in main queue");
     bytes += e->mem_block;
   }
   if (bytes != main_bytes_) throw std::logic_error("s3fifo: main queue byte count drifted");

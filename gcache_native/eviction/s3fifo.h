@@ -34,7 +34,9 @@ class S3Fifo : public EvictionPolicy {
   void check() const override;
 
  private:
-  void touch(Entry* e) { if (e->freq < 3) ++e->freq; }
+  void touch(Entry* e) {
+    if (e->freq < 3) ++e->freq;
+  }
   void push(Entry* e, QueueId queue, bool front);
 
   uint64_t small_target_bytes_;

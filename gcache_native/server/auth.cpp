@@ -17,8 +17,8 @@ namespace {
 bool valid_name(std::string_view name) {
   if (name.empty() || name.size() > kTenantNameBytesMax) return false;
   for (char ch : name) {
-    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                    ch == '_' || ch == '-' || ch == '.';
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                    ch == '-' || ch == '.';
     if (!ok) return false;
   }
   return true;
@@ -31,11 +31,11 @@ TenantTable::TenantTable(std::vector<std::unique_ptr<Tenant>> tenants) : tenants
   std::unordered_map<std::string, int> names;
   for (auto& t : tenants_) {
     if (!valid_name(t->name))
-      throw std::invalid_argument("tenant name '" + t->name + "' must be 1.." +
-                                  std::to_string(kTenantNameBytesMax) + " of [A-Za-z0-9_.-]");
+      throw std::invalid_argument("tenant name '" + t->name + "' must be 1.." + std::to_string(kTenantNameBytesMax) +
+                                  " of [A-Za-z0-9_.-]");
     if (t->token.size() < kTokenBytesMin)
-      throw std::invalid_argument("tenant '" + t->name + "': token must be at least " +
-                                  std::to_string(kTokenBytesMin) + " bytes");
+      throw std::invalid_argument("tenant '" + t->name + "': token must be at least " + std::to_string(kTokenBytesMin) +
+                                  " bytes");
     if (t->roles == 0 || (t->roles & ~(kRoleRead | kRoleWrite | kRoleAdmin | kRoleCluster)))
       throw std::invalid_argument("tenant '" + t->name + "': roles must be a non-empty set of known roles");
     if (names[t->name]++ > 0) throw std::invalid_argument("tenant '" + t->name + "' is listed twice");

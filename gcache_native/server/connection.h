@@ -6,21 +6,21 @@
 #include <sys/uio.h>
 
 #include <atomic>
-#include <mutex>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
 
 #include "common/assert.h"
-#include "server/auth.h"
 #include "common/frame.h"
 #include "common/metrics.h"
 #include "common/msgpack_lite.h"
-#include "server/server.h"
+#include "server/auth.h"
 #include "server/io.h"
 #include "server/limits.h"
+#include "server/server.h"
 #include "server/shm_session.h"
 #include "store/store.h"
 
@@ -34,11 +34,11 @@ struct BatchMeta {
   std::vector<uint64_t> sums;
   std::vector<uint64_t> leases;        // RELEASE: lease ids
   std::vector<uint64_t> reservations;  // RELEASE: reservation ids
-  int64_t epoch = 0;  // the client's cluster-map epoch, if has_epoch
-  uint64_t res = 0;   // COMMIT: the reservation id, if has_res
-  uint64_t inline_max = 0;  // LOOKUP: values up to this size come in the payload, unleased
-  bool chain_continues = false;  // RESERVE "cont": same put batch (chain) as the previous RESERVE
-  bool chain_ends = true;        // RESERVE "last": holds the batch's last value
+  int64_t epoch = 0;                   // the client's cluster-map epoch, if has_epoch
+  uint64_t res = 0;                    // COMMIT: the reservation id, if has_res
+  uint64_t inline_max = 0;             // LOOKUP: values up to this size come in the payload, unleased
+  bool chain_continues = false;        // RESERVE "cont": same put batch (chain) as the previous RESERVE
+  bool chain_ends = true;              // RESERVE "last": holds the batch's last value
   bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false, has_res = false;
   void clear() {
     keys.clear();
@@ -68,11 +68,11 @@ struct Server::Connection {
   const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
   bool nonce_issued = false;       // a challenge is outstanding (single use)
   uint8_t nonce[kAuthNonceBytes] = {};
-  std::string keys_buf;            // the request's keys with the tenant prefix
-  std::string peer;                // the peer's address (no port): --connections-per-address-max
-  std::string owner;               // whose budget shares it uses: "a:" + peer, or "t:" + tenant
-  int64_t last_work_us = 0;        // last data request or AUTH: the idle timeout counts from here
-  uint64_t meta_charged = 0;       // meta buffer bytes charged to the global budget
+  std::string keys_buf;       // the request's keys with the tenant prefix
+  std::string peer;           // the peer's address (no port): --connections-per-address-max
+  std::string owner;          // whose budget shares it uses: "a:" + peer, or "t:" + tenant
+  int64_t last_work_us = 0;   // last data request or AUTH: the idle timeout counts from here
+  uint64_t meta_charged = 0;  // meta buffer bytes charged to the global budget
   std::thread thread;
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
@@ -120,8 +120,7 @@ class Server::PutAdmission {
       GCACHE_ASSERT(it != server_->puts_in_flight_.end() && it->second > 0);
       drained = --it->second == 0;
       // An older epoch's entry can never count again (set_cluster_map drops the idle ones).
-      if (drained && epoch_ < server_->epoch_.load(std::memory_order_relaxed))
-        server_->puts_in_flight_.erase(it);
+      if (drained && epoch_ < server_->epoch_.load(std::memory_order_relaxed)) server_->puts_in_flight_.erase(it);
     }
     if (drained) server_->admit_cv_.notify_all();
   }
@@ -197,8 +196,8 @@ void discard(Server::Connection* c, uint64_t n);
 // Sends c->out (header filled in here) and the leased values as the payload.
 void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, FrameStatus status,
                    const std::vector<Lease>* payload = nullptr, uint64_t payload_len = 0);
-void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
-                FrameStatus status, const std::string& message);
+void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id, FrameStatus status,
+                const std::string& message);
 // After a fatal error response: half-close so the response is delivered
 // before FIN, then drain (bounded) so closing does not reset the peer.
 void linger_close(Server::Connection* c);

@@ -31,8 +31,7 @@ long read_proc_long(const char* path) {
 constexpr double kMinBytesPerSecond = double(1 << 20);
 
 int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 

@@ -9,8 +9,8 @@
 
 namespace gcache {
 
-int64_t now_us();                  // steady clock
-int clamp_ms(double seconds);      // for poll(): rounded up, clamped to [0, INT_MAX]
+int64_t now_us();              // steady clock
+int clamp_ms(double seconds);  // for poll(): rounded up, clamped to [0, INT_MAX]
 
 // Thrown by the socket helpers when the connection cannot be used any more.
 struct ConnectionLost {
@@ -26,7 +26,7 @@ void set_timeout(int fd, int option, double seconds);
 // A connection's socket and the kernel timeouts set on it (see server/io.cpp).
 struct SocketTimer {
   int fd = -1;
-  double stall_s = 0;  // 0: no timeouts
+  double stall_s = 0;           // 0: no timeouts
   double rcv_s = 0, snd_s = 0;  // what SO_RCVTIMEO / SO_SNDTIMEO are set to now
 
   static SocketTimer for_socket(int fd, double stall_s);

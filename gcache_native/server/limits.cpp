@@ -18,8 +18,9 @@ bool ByteBudget::acquire(const std::string& owner, uint64_t bytes, int64_t deadl
   if (bytes == 0) return true;
   std::unique_lock<std::mutex> lock(mu_);
   while (!fits(owner, bytes)) {
-    const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
-                            std::chrono::steady_clock::now().time_since_epoch()).count();
+    const int64_t now =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
     if (deadline_us <= now) return false;
     cv_.wait_for(lock, std::chrono::microseconds(deadline_us - now));
   }

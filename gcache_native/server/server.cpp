@@ -10,9 +10,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -29,11 +29,11 @@
 namespace gcache {
 namespace {
 
-constexpr size_t kScratchBytes = 256 << 10;     // discard buffer per connection
-constexpr size_t kMetaKeepBytes = 1 << 20;      // larger meta buffers are freed after use
-constexpr size_t kMetaFreeBytes = 64 << 10;     // meta buffer bytes not charged to the global budget
-constexpr int kLingerMs = 1000;                 // drain time after a fatal error response
-constexpr size_t kLingerBytesMax = 16 << 20;    // ... and the most bytes drained
+constexpr size_t kScratchBytes = 256 << 10;   // discard buffer per connection
+constexpr size_t kMetaKeepBytes = 1 << 20;    // larger meta buffers are freed after use
+constexpr size_t kMetaFreeBytes = 64 << 10;   // meta buffer bytes not charged to the global budget
+constexpr int kLingerMs = 1000;               // drain time after a fatal error response
+constexpr size_t kLingerBytesMax = 16 << 20;  // ... and the most bytes drained
 // A cluster map is a few hundred bytes per node; this bound keeps every
 // STALE_EPOCH and PING answer far below the clients' 16 MiB metadata limit.
 constexpr size_t kClusterMapBytesMax = 4 << 20;
@@ -54,8 +54,7 @@ Histogram* histogram_for(Metrics* m, uint8_t opcode) {
     case Opcode::Auth:  // answered before the histograms
     case Opcode::ShmAttach:
     case Opcode::Release:
-    case Opcode::RdmaConnect:
-      return nullptr;
+    case Opcode::RdmaConnect: return nullptr;
   }
   return nullptr;
 }
@@ -83,12 +82,10 @@ void discard(Server::Connection* c, uint64_t n) {
   }
 }
 
-
 void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, FrameStatus status,
                    const std::vector<Lease>* payload, uint64_t payload_len) {
   std::vector<uint8_t>& buf = c->out.buffer();
-  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()),
-                     status, payload_len);
+  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()), status, payload_len);
   c->iov.clear();
   c->iov.push_back(iovec{buf.data(), buf.size()});
   if (payload != nullptr) {
@@ -98,13 +95,11 @@ void send_response(Server::Connection* c, uint8_t opcode, uint64_t request_id, F
   // The response gets its own budget: the peer has to read all of it.
   uint64_t bytes = 0;
   for (const iovec& v : c->iov) bytes += v.iov_len;
-  send_all(c->timer, c->iov.data(), c->iov.size(),
-           transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
+  send_all(c->timer, c->iov.data(), c->iov.size(), transfer_deadline_us(now_us(), c->stall_timeout_s, bytes));
 }
 
-
-void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id,
-                FrameStatus status, const std::string& message) {
+void send_error(Server::Connection* c, Metrics* m, uint8_t opcode, uint64_t request_id, FrameStatus status,
+                const std::string& message) {
   count_error(m, status);
   c->out.clear();
   c->out.map(2);
@@ -162,10 +157,8 @@ std::string peer_address(const sockaddr_storage& addr) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text, sizeof text);
   } else if (addr.ss_family == AF_INET6) {
     const auto* a6 = reinterpret_cast<const sockaddr_in6*>(&addr);
-    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr))
-      inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], text, sizeof text);
-    else
-      inet_ntop(AF_INET6, &a6->sin6_addr, text, sizeof text);
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], text, sizeof text);
+    else inet_ntop(AF_INET6, &a6->sin6_addr, text, sizeof text);
   }
   return text;
 }
@@ -178,9 +171,8 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   MsgpackReader r(meta.data(), meta.size());
   uint32_t entries;
   auto bad = [&r](const char* what) {
-    return Reply::fail(FrameStatus::BadFrame,
-                       std::string("malformed metadata: ") + what + " (" + r.error() +
-                           "); send a msgpack map as docs/protocol.md describes");
+    return Reply::fail(FrameStatus::BadFrame, std::string("malformed metadata: ") + what + " (" + r.error() +
+                                                  "); send a msgpack map as docs/protocol.md describes");
   };
   if (!r.read_map(&entries)) return bad("not a map");
   for (uint32_t i = 0; i < entries; ++i) {
@@ -223,9 +215,8 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
     uint32_t n;
     if (!r.read_array(&n)) return bad("\"keys\"/\"lens\"/\"sums\" must be arrays");
     if (n > batch_keys_max) {
-      return Reply::fail(FrameStatus::LimitExceeded,
-                         "batch of " + std::to_string(n) + " keys exceeds batch_keys_max=" +
-                             std::to_string(batch_keys_max) + "; split the batch");
+      return Reply::fail(FrameStatus::LimitExceeded, "batch of " + std::to_string(n) + " keys exceeds batch_keys_max=" +
+                                                         std::to_string(batch_keys_max) + "; split the batch");
     }
     if (is_keys) {
       b->has_keys = true;
@@ -244,7 +235,6 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
   return {};
 }
 
-
 OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::string_view stored_key) {
   const Tenant* t = c->tenant;
   if (t == nullptr || tenants == nullptr) return 0;
@@ -254,7 +244,6 @@ OwnerId owner_of(const Server::Connection* c, const TenantTable* tenants, std::s
   const Tenant* named = tenants->by_name(stored_key.substr(0, nul));
   return named ? named->index : 0;
 }
-
 
 void namespace_keys(Server::Connection* c) {
   std::vector<std::string_view>& keys = c->batch.keys;
@@ -283,7 +272,10 @@ void namespace_keys(Server::Connection* c) {
 }
 
 Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
-    : config_(config), store_(store), metrics_(metrics), epoch_(config.epoch),
+    : config_(config),
+      store_(store),
+      metrics_(metrics),
+      epoch_(config.epoch),
       map_bytes_(std::make_shared<const std::string>()),
       peers_(config.connections_per_address_max),
       reservations_(config.put_reserve_bytes_max, config.put_reserve_bytes_max / 4),
@@ -294,8 +286,7 @@ Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
   const std::string port_text = std::to_string(config.port);
-  const int gai = getaddrinfo(config.host.empty() ? nullptr : config.host.c_str(), port_text.c_str(),
-                              &hints, &found);
+  const int gai = getaddrinfo(config.host.empty() ? nullptr : config.host.c_str(), port_text.c_str(), &hints, &found);
   if (gai != 0) {
     throw BindError("cannot resolve host '" + config.host + "': " + gai_strerror(gai) +
                     "; pass an IP address or a resolvable name to --host");
@@ -355,9 +346,8 @@ Server::~Server() {
 
 void Server::set_cluster_map(int64_t epoch, std::string map_bytes) {
   if (map_bytes.size() > kClusterMapBytesMax) {
-    throw std::invalid_argument("cluster map of " + std::to_string(map_bytes.size()) +
-                                " bytes exceeds " + std::to_string(kClusterMapBytesMax) +
-                                "; a map holds a few hundred bytes per node");
+    throw std::invalid_argument("cluster map of " + std::to_string(map_bytes.size()) + " bytes exceeds " +
+                                std::to_string(kClusterMapBytesMax) + "; a map holds a few hundred bytes per node");
   }
   auto blob = std::make_shared<const std::string>(std::move(map_bytes));
   std::lock_guard<std::mutex> lock(map_mu_);
@@ -416,8 +406,8 @@ void Server::stop(double grace_s) {
     unlink(config_.unix_socket_path.c_str());
   }
   std::unique_lock<std::mutex> lock(conns_mu_);
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::microseconds(std::max<int64_t>(0, stop_deadline_us_ - now_us()));
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::microseconds(std::max<int64_t>(0, stop_deadline_us_ - now_us()));
   conns_cv_.wait_until(lock, deadline, [this] {
     for (auto& c : conns_)
       if (!c->finished) return false;
@@ -460,8 +450,8 @@ void Server::accept_loop() {
     if (!(fds[0].revents & POLLIN) && !is_unix) continue;
     sockaddr_storage peer_addr{};
     socklen_t peer_len = sizeof peer_addr;
-    const int fd = accept4(is_unix ? unix_listen_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr),
-                           &peer_len, SOCK_CLOEXEC);
+    const int fd = accept4(is_unix ? unix_listen_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len,
+                           SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));  // don't spin on fd exhaustion
@@ -471,16 +461,17 @@ void Server::accept_loop() {
     // A local peer counts per process: its limits are per client, as an address's are.
     const std::string peer = is_unix ? unix_peer(fd) : peer_address(peer_addr);
     if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
-      refuse_busy(fd, metrics_, "server has " + std::to_string(config_.connections_max) +
-                                    " connections (connections_max); retry later, reuse pooled connections, or "
-                                    "raise --connections-max");
+      refuse_busy(fd, metrics_,
+                  "server has " + std::to_string(config_.connections_max) +
+                      " connections (connections_max); retry later, reuse pooled connections, or "
+                      "raise --connections-max");
       continue;
     }
     if (!peers_.try_add(peer)) {
       metrics_->connections_refused_address++;
-      refuse_busy(fd, metrics_, "address " + peer + " already has " +
-                                    std::to_string(config_.connections_per_address_max) +
-                                    " connections (--connections-per-address-max); reuse pooled connections");
+      refuse_busy(fd, metrics_,
+                  "address " + peer + " already has " + std::to_string(config_.connections_per_address_max) +
+                      " connections (--connections-per-address-max); reuse pooled connections");
       continue;
     }
     int one = 1;
@@ -562,7 +553,7 @@ Server::Flow Server::await_frame(Connection* c) {
   pollfd fds[2] = {{c->fd, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
   const int ready = poll(fds, 2, stopping_ ? 0 : clamp_ms(wait_s));
   if (ready < 0) return errno == EINTR ? Flow::Retry : Flow::Close;
-  if (ready == 0 && !stopping_) return Flow::Retry;  // the next wait decides: idle, or auth deadline
+  if (ready == 0 && !stopping_) return Flow::Retry;           // the next wait decides: idle, or auth deadline
   if (ready == 0 || fds[0].revents == 0) return Flow::Close;  // stopping and idle
   if (stopping_ && now_us() > stop_deadline_us_) return Flow::Close;
   return Flow::Proceed;
@@ -610,17 +601,16 @@ bool Server::check_frame(Connection* c, const FrameHeader& h) {
   }
   if (h.version != kProtocolVersion) {
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadVersion,
-               "protocol version " + std::to_string(h.version) + " is not supported; this server "
-               "speaks version 1: upgrade or downgrade the client");
+               "protocol version " + std::to_string(h.version) +
+                   " is not supported; this server "
+                   "speaks version 1: upgrade or downgrade the client");
     return false;
   }
   if (h.meta_len > config_.meta_bytes_max || h.payload_len > config_.frame_payload_bytes_max) {
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
                "frame too large (meta_len=" + std::to_string(h.meta_len) + " max " +
-                   std::to_string(config_.meta_bytes_max) + ", payload_len=" +
-                   std::to_string(h.payload_len) + " max " +
-                   std::to_string(config_.frame_payload_bytes_max) +
-                   "); split the batch; the connection is closed");
+                   std::to_string(config_.meta_bytes_max) + ", payload_len=" + std::to_string(h.payload_len) + " max " +
+                   std::to_string(config_.frame_payload_bytes_max) + "); split the batch; the connection is closed");
     return false;
   }
   if (unauthenticated(c)) {
@@ -648,16 +638,14 @@ bool Server::dispatch(Connection* c, const FrameHeader& h, int64_t start_us) {
   if (h.opcode == 0 || h.opcode > kOpcodeMax) {
     discard(c, uint64_t(h.meta_len) + h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::UnknownOpcode,
-               "unknown opcode " + std::to_string(h.opcode) +
-                   "; this server knows opcodes 1-" + std::to_string(kOpcodeMax) +
-                   " (docs/protocol.md); frame skipped");
+               "unknown opcode " + std::to_string(h.opcode) + "; this server knows opcodes 1-" +
+                   std::to_string(kOpcodeMax) + " (docs/protocol.md); frame skipped");
     return true;
   }
   handle_frame(c, h);
   if (latency != nullptr) latency->record_us(uint64_t(now_us() - start_us));
   // Keep a large buffer for the next frame only while the global budget has room.
-  if (c->meta.capacity() > kMetaKeepBytes ||
-      (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
+  if (c->meta.capacity() > kMetaKeepBytes || (c->meta_charged > 0 && meta_buffers_.used() > meta_buffers_.total() / 2))
     release_meta(c);
   return true;
 }
@@ -706,15 +694,14 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     if (h.payload_len > 0) discard(c, h.payload_len);
     if (h.payload_len == 0 && parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch).status == FrameStatus::Ok)
       handle_release(c, h);
-    else
-      metrics_->errors_bad_frame++;
+    else metrics_->errors_bad_frame++;
     return;
   }
   if (op != Opcode::PutBatch && h.payload_len > 0) {
     discard(c, h.payload_len);
-    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
-               "this opcode carries no payload but payload_len=" + std::to_string(h.payload_len) +
-                   "; send payload_len=0");
+    send_error(
+        c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
+        "this opcode carries no payload but payload_len=" + std::to_string(h.payload_len) + "; send payload_len=0");
     return;
   }
   Reply parsed = parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch);
@@ -733,15 +720,14 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     return;
   }
   if (auth_on()) {
-    const uint8_t needed = (op == Opcode::PutBatch || op == Opcode::RemoveBatch) ? kRoleWrite
+    const uint8_t needed = (op == Opcode::PutBatch || op == Opcode::RemoveBatch)   ? kRoleWrite
                            : (op == Opcode::GetBatch || op == Opcode::ExistsBatch) ? kRoleRead
-                                                                                    : 0;
+                                                                                   : 0;
     if (needed != 0 && !(c->tenant->roles & (needed | kRoleCluster))) {
       if (op == Opcode::PutBatch) discard(c, h.payload_len);
       metrics_->errors_forbidden++;
       send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Forbidden,
-                 "tenant '" + c->tenant->name + "' lacks the '" +
-                     (needed == kRoleWrite ? "write" : "read") +
+                 "tenant '" + c->tenant->name + "' lacks the '" + (needed == kRoleWrite ? "write" : "read") +
                      "' role for this request; add it to the tenant's roles in the --auth-file");
       return;
     }
@@ -783,8 +769,7 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     reply = Reply::fail(FrameStatus::Internal,
                         std::string("internal error: ") + e.what() + "; retry, and report it if it repeats");
   }
-  if (reply.status != FrameStatus::Ok)
-    send_error(c, metrics_, h.opcode, h.request_id, reply.status, reply.error);
+  if (reply.status != FrameStatus::Ok) send_error(c, metrics_, h.opcode, h.request_id, reply.status, reply.error);
 }
 
 Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission) {
@@ -792,8 +777,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   const size_t n = b.keys.size();
   if (!b.has_lens || !b.has_sums || b.lens.size() != n || b.sums.size() != n) {
     discard(c, h.payload_len);
-    return Reply::fail(FrameStatus::BadFrame,
-                       "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length");
+    return Reply::fail(FrameStatus::BadFrame, "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length");
   }
   uint64_t total = 0;
   for (uint64_t len : b.lens) {
@@ -810,7 +794,7 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
                            "; send every value's length, values concatenated in key order");
   }
   std::vector<uint8_t> statuses(n);
-  uint64_t consumed = 0;  // payload bytes read so far
+  uint64_t consumed = 0;                           // payload bytes read so far
   const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
@@ -885,10 +869,9 @@ Reply Server::handle_get(Connection* c, const FrameHeader& h) {
     c->leases.push_back(lease);
     total += lease.length;
     if (total > config_.frame_payload_bytes_max) {
-      return Reply::fail(FrameStatus::LimitExceeded,
-                         "found values exceed the frame payload limit of " +
-                             std::to_string(config_.frame_payload_bytes_max) +
-                             " bytes; split the batch");
+      return Reply::fail(FrameStatus::LimitExceeded, "found values exceed the frame payload limit of " +
+                                                         std::to_string(config_.frame_payload_bytes_max) +
+                                                         " bytes; split the batch");
     }
     out.uint(lease.length);
     sums[i] = lease.checksum;

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "server/auth.h"
 #include "common/metrics.h"
+#include "server/auth.h"
 #include "server/limits.h"
 #include "store/store.h"
 
@@ -28,12 +28,12 @@ struct FrameHeader;
 
 struct ServerConfig {
   std::string host = "127.0.0.1";
-  uint16_t port = 7600;                          // 0 = any free port (see Server::port())
-  uint32_t connections_max = 1024;               // beyond it: BUSY, then close
-  uint32_t connections_per_address_max = 256;    // from one peer address; 0 = no cap
-  uint32_t connections_per_tenant_max = 512;     // of one tenant (auth on); 0 = no cap
-  double idle_timeout_s = 300;                   // without a data request (PING/STATS do not count)
-  double stall_timeout_s = 30;                   // a frame (or a response send) that stops mid-way
+  uint16_t port = 7600;                        // 0 = any free port (see Server::port())
+  uint32_t connections_max = 1024;             // beyond it: BUSY, then close
+  uint32_t connections_per_address_max = 256;  // from one peer address; 0 = no cap
+  uint32_t connections_per_tenant_max = 512;   // of one tenant (auth on); 0 = no cap
+  double idle_timeout_s = 300;                 // without a data request (PING/STATS do not count)
+  double stall_timeout_s = 30;                 // a frame (or a response send) that stops mid-way
   uint32_t meta_bytes_max = 16u << 20;
   uint64_t meta_buffer_bytes_max = 256ull << 20;  // metadata buffers of all connections together
   // Arena bytes PUTs may hold reserved before their values have arrived, all
@@ -41,12 +41,12 @@ struct ServerConfig {
   uint64_t put_reserve_bytes_max = 128ull << 20;
   uint64_t frame_payload_bytes_max = 2ull << 30;  // request payload and response payload
   uint32_t batch_keys_max = 16384;
-  int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning (measured faster on loopback)
-  int64_t epoch = 0;                             // initial cluster-map epoch (see set_cluster_map)
-  std::string version = "0.1.0";                 // reported by PING
+  int socket_buffer_bytes = 0;    // SO_SNDBUF / SO_RCVBUF; 0 = kernel autotuning (measured faster on loopback)
+  int64_t epoch = 0;              // initial cluster-map epoch (see set_cluster_map)
+  std::string version = "0.1.0";  // reported by PING
   // Authentication (--auth-file): null = off, every connection may do everything.
   std::shared_ptr<const TenantTable> tenants;
-  double auth_timeout_s = 5;                     // an unauthenticated connection lives this long
+  double auth_timeout_s = 5;  // an unauthenticated connection lives this long
   // Same-host clients (docs/protocol.md, "Shared memory and RDMA"): a Unix
   // socket ("" = none) whose connections may map the arena, and how long a
   // LOOKUP lease or a RESERVE reservation lasts.
@@ -119,9 +119,9 @@ class Server {
   // Returns once every thread has exited. Idempotent.
   void stop(double grace_s);
 
-  struct Connection;    // private to server/server.cpp
-  struct Reply;         // private to server/server.cpp
-  class PutAdmission;   // private to server/server.cpp
+  struct Connection;   // private to server/server.cpp
+  struct Reply;        // private to server/server.cpp
+  class PutAdmission;  // private to server/server.cpp
 
  private:
   // What one step of serve() leaves to do: go on with this frame, wait for
@@ -135,7 +135,7 @@ class Server {
   void serve(Connection* conn);
   Flow await_frame(Connection* c);
   Flow read_frame_header(Connection* c, FrameHeader* h, int64_t* start_us);
-  bool check_frame(Connection* c, const FrameHeader& h);  // false: answered, close
+  bool check_frame(Connection* c, const FrameHeader& h);                 // false: answered, close
   bool dispatch(Connection* c, const FrameHeader& h, int64_t start_us);  // false: close
   void end_connection(Connection* c);
   int64_t frame_deadline_us(const Connection* c, int64_t first_byte_us, uint64_t frame_bytes) const;
@@ -155,13 +155,13 @@ class Server {
   Reply handle_reserve(Connection* c, const FrameHeader& h);
   Reply handle_commit(Connection* c, const FrameHeader& h);
   Reply handle_rdma_connect(Connection* c, const FrameHeader& h);
-  bool expire_shm(Connection* c);  // drops expired leases; true: a reservation expired, close
-  void end_shm_session(Connection* c);  // the connection is closing: drop its leases and reservations
-  int listen_unix();                    // binds config_.unix_socket_path; -1 when unset
+  bool expire_shm(Connection* c);                         // drops expired leases; true: a reservation expired, close
+  void end_shm_session(Connection* c);                    // the connection is closing: drop its leases and reservations
+  int listen_unix();                                      // binds config_.unix_socket_path; -1 when unset
   bool handle_auth(Connection* c, const FrameHeader& h);  // server/auth.cpp; false: close the connection
   bool auth_on() const { return config_.tenants != nullptr; }
   bool unauthenticated(const Connection* c) const;  // auth on, and no AUTH has succeeded yet
-  bool grow_meta(Connection* c, size_t bytes);  // false: the metadata budget stayed full
+  bool grow_meta(Connection* c, size_t bytes);      // false: the metadata budget stayed full
   void release_meta(Connection* c);
   int64_t budget_wait_deadline(const Connection* c) const;
   void send_stale_epoch(Connection* c, const FrameHeader& h);

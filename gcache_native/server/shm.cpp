@@ -15,8 +15,8 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "server/server.h"
 #include "server/connection.h"
+#include "server/server.h"
 
 namespace gcache {
 
@@ -34,8 +34,7 @@ const char* kShmOffWithAuth =
 // The response in c->out, with `fd` passed alongside its first byte (SCM_RIGHTS).
 void send_response_with_fd(Server::Connection* c, uint8_t opcode, uint64_t request_id, int fd) {
   std::vector<uint8_t>& buf = c->out.buffer();
-  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()),
-                     FrameStatus::Ok, 0);
+  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()), FrameStatus::Ok, 0);
   iovec iov{buf.data(), buf.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr msg{};
@@ -65,12 +64,12 @@ int Server::listen_unix() {
   if (path.empty()) return -1;
   sockaddr_un addr{};
   if (path.size() >= sizeof addr.sun_path) {
-    throw BindError("--unix-socket path '" + path + "' is longer than " +
-                    std::to_string(sizeof addr.sun_path - 1) + " bytes; pick a shorter one");
+    throw BindError("--unix-socket path '" + path + "' is longer than " + std::to_string(sizeof addr.sun_path - 1) +
+                    " bytes; pick a shorter one");
   }
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  struct stat st{};
+  struct stat st {};
   if (lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode))
       throw BindError("--unix-socket path '" + path + "' exists and is not a socket; remove it or pick another");
@@ -150,11 +149,11 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   const BatchMeta& b = c->batch;
   const size_t n = b.keys.size();
   if (!c->shm.can_lease(n)) {
-    return Reply::fail(FrameStatus::LimitExceeded,
-                       "this connection holds " + std::to_string(c->shm.leased_keys()) +
-                           " leased values (at most " + std::to_string(ShmSession::kLeasedKeysMax) +
-                           " in " + std::to_string(ShmSession::kLeaseGroupsMax) +
-                           " LOOKUPs): RELEASE leases before asking for more");
+    return Reply::fail(FrameStatus::LimitExceeded, "this connection holds " + std::to_string(c->shm.leased_keys()) +
+                                                       " leased values (at most " +
+                                                       std::to_string(ShmSession::kLeasedKeysMax) + " in " +
+                                                       std::to_string(ShmSession::kLeaseGroupsMax) +
+                                                       " LOOKUPs): RELEASE leases before asking for more");
   }
   // Values up to inline_max come in the payload, as GET_BATCH sends them (no
   // lease outlives the answer): for small values a socket copy is cheaper than
@@ -187,9 +186,9 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   // one value is always served: it moves no bytes through a frame.
   if (total > config_.frame_payload_bytes_max && kept.size() + c->leases.size() > 1) {
     for (const Lease& l : kept) store_->release(l);
-    return Reply::fail(FrameStatus::LimitExceeded,
-                       "found values exceed the frame payload limit of " +
-                           std::to_string(config_.frame_payload_bytes_max) + " bytes; split the batch");
+    return Reply::fail(FrameStatus::LimitExceeded, "found values exceed the frame payload limit of " +
+                                                       std::to_string(config_.frame_payload_bytes_max) +
+                                                       " bytes; split the batch");
   }
   metrics_->bytes_out += total;
   const uint64_t lease_id =
@@ -246,9 +245,9 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   if (!b.has_lens || b.lens.size() != n)
     return Reply::fail(FrameStatus::BadFrame, "RESERVE needs \"keys\" and \"lens\" of equal length");
   if (!c->shm.can_reserve()) {
-    return Reply::fail(FrameStatus::LimitExceeded,
-                       "this connection holds " + std::to_string(ShmSession::kReserveGroupsMax) +
-                           " open reservations: COMMIT or RELEASE them first");
+    return Reply::fail(FrameStatus::LimitExceeded, "this connection holds " +
+                                                       std::to_string(ShmSession::kReserveGroupsMax) +
+                                                       " open reservations: COMMIT or RELEASE them first");
   }
   ShmSession::ReserveGroup group;
   group.keys.reserve(n);
@@ -296,7 +295,7 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   const std::vector<uint8_t> statuses = group.statuses;
   uint64_t res_id = 0;
   if (group.budget_bytes > 0 || std::any_of(group.reservations.begin(), group.reservations.end(),
-                                             [](const Reservation& r) { return r.data != nullptr; })) {
+                                            [](const Reservation& r) { return r.data != nullptr; })) {
     group.deadline_us = now_us() + int64_t(config_.shm_lease_s * 1e6);
     res_id = c->shm.add_reservation(std::move(group));
   }
@@ -331,9 +330,9 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   const size_t n = group.keys.size();
   if (b.sums.size() != n) {
     reservations_.release(c->owner, ShmSession::abort(store_, group));
-    return Reply::fail(FrameStatus::BadFrame,
-                       "COMMIT needs one sum per key of its RESERVE (" + std::to_string(n) + "), got " +
-                           std::to_string(b.sums.size()) + "; the reservation was released");
+    return Reply::fail(FrameStatus::BadFrame, "COMMIT needs one sum per key of its RESERVE (" + std::to_string(n) +
+                                                  "), got " + std::to_string(b.sums.size()) +
+                                                  "; the reservation was released");
   }
   // Counted like a PUT_BATCH frame from here until its values are published,
   // at the epoch the RESERVE was admitted under (wait_puts_admitted_before).

@@ -28,8 +28,8 @@ class ShmSession {
     bool has_epoch = false;
     int64_t epoch = 0;
     int64_t deadline_us = 0;
-    uint64_t chain = 0;       // the put batch (prefix chain) its values join (PutHint)
-    bool chain_ends = true;   // its last value is the chain's last
+    uint64_t chain = 0;      // the put batch (prefix chain) its values join (PutHint)
+    bool chain_ends = true;  // its last value is the chain's last
     bool chain_continued = false;
   };
 

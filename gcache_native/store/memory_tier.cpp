@@ -35,7 +35,11 @@ void MemoryTier::detach(Entry* e) {
 }
 
 bool MemoryTier::window_victims(uint64_t block, std::vector<Entry*>* victims) {
-  struct Span { uint64_t offset, bytes; Entry* entry; bool pinned; };
+  struct Span {
+    uint64_t offset, bytes;
+    Entry* entry;
+    bool pinned;
+  };
   std::vector<Span> spans;  // everything that is not free, in address order
   spans.reserve(by_offset_.size() + reserved_.size());
   auto e_it = by_offset_.begin();

@@ -7,7 +7,8 @@ namespace gcache {
 OwnerAccounts::OwnerAccounts(const std::vector<OwnerQuota>& quotas, PolicyKind policy) {
   for (const OwnerQuota& q : quotas) {
     if (q.memory_bytes > 0 && policy == PolicyKind::S3Fifo)
-      throw std::invalid_argument("owner '" + q.name + "' has a memory quota, which the s3fifo eviction policy "
+      throw std::invalid_argument("owner '" + q.name +
+                                  "' has a memory quota, which the s3fifo eviction policy "
                                   "cannot enforce (it cannot evict one owner's values); use chain or lru");
     accounts_[q.owner].quota = q;
     by_name_[q.name] = q.owner;

@@ -52,7 +52,8 @@ struct CheckAfterOp {
     store->check_integrity();
   }
 };
-#define GCACHE_CHECK_AFTER_OP() CheckAfterOp check_after_op_{this}
+#define GCACHE_CHECK_AFTER_OP() \
+  CheckAfterOp check_after_op_ { this }
 #else
 #define GCACHE_CHECK_AFTER_OP() ((void)0)
 #endif
@@ -82,8 +83,12 @@ struct Store::Impl {
 
   // In member order: the arena, the policy, the owner quotas' check, the disk.
   Impl(const StoreConfig& c, Metrics* m)
-      : cfg(c), metrics(m), memory(c.memory_bytes), policy(make_eviction_policy(c.eviction, memory.bytes())),
-        owners(c.owner_quotas, c.eviction.kind), disk(open_disk(c, m)) {}
+      : cfg(c),
+        metrics(m),
+        memory(c.memory_bytes),
+        policy(make_eviction_policy(c.eviction, memory.bytes())),
+        owners(c.owner_quotas, c.eviction.kind),
+        disk(open_disk(c, m)) {}
 
   struct Locks {
     std::unique_lock<std::mutex> store;
@@ -244,7 +249,8 @@ struct Store::Impl {
     uint64_t bytes = record_bytes(e->key.size(), e->length);
     RecordLocation location;
     SegmentFileRef file;
-    bool written = !e->doomed() && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
+    bool written =
+        !e->doomed() && !e->on_disk && make_room(bytes) && disk->reserve(e->key, e->length, &location, &file);
     if (written) {
       // Across the unlocked write: the pin keeps e, its memory copy and its
       // block where they are; disk_mu keeps other appends and reclaims out.
@@ -291,7 +297,8 @@ struct Store::Impl {
     }
     uint64_t freed = e->mem_block;
     bump(metrics->evictions_memory);
-    if (e->on_disk) detach_memory(e); else unlink(e);
+    if (e->on_disk) detach_memory(e);
+    else unlink(e);
     return freed;
   }
 
@@ -510,7 +517,7 @@ struct Store::Impl {
       if (length > quota || attempt >= 64) return false;
       uint64_t over = a->memory + a->reserved + length - quota;
       uint64_t before = a->memory;
-      evict_owned(owner, over, l);  // may drop mu: the loop re-checks
+      evict_owned(owner, over, l);            // may drop mu: the loop re-checks
       if (a->memory >= before) return false;  // nothing of its own left to evict
     }
     return true;
@@ -822,8 +829,7 @@ Store::KeysPage Store::keys_page(uint64_t cursor, size_t limit) {
     else page.restarted = true;  // rehashed: keys moved between buckets, start over
   }
   page.keys.reserve(std::min(limit, index.size()));
-  for (size_t visited = 0; bucket < buckets && page.keys.size() < limit && visited < buckets_max;
-       ++bucket, ++visited) {
+  for (size_t visited = 0; bucket < buckets && page.keys.size() < limit && visited < buckets_max; ++bucket, ++visited) {
     const size_t n = index.bucket_size(bucket);
     if (n == 0) continue;
     if (!page.keys.empty() && page.keys.size() + n > limit) break;  // whole buckets only
@@ -874,7 +880,7 @@ void Store::flush(const std::function<void(uint64_t done, uint64_t total)>& prog
     {
       Impl::Locks l(s);
       if (!e->doomed() && e->in_memory && !e->on_disk && !e->demoting()) {
-        s.write_copy(e, l);  // drops mu while writing
+        s.write_copy(e, l);      // drops mu while writing
         s.destroy_if_unused(e);  // removed meanwhile
       }
       s.flush_written = ++done;

@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include "eviction/config.h"
 #include "common/metrics.h"
+#include "eviction/config.h"
 
 namespace gcache {
 
@@ -27,10 +27,10 @@ constexpr uint32_t kKeyBytesMax = kUserKeyBytesMax + kTenantPrefixBytesMax;
 // give disk values back to their owner.
 struct OwnerQuota {
   OwnerId owner = 0;
-  std::string name;             // the tenant's name (its key prefix without the NUL)
-  uint64_t memory_bytes = 0;    // value bytes in the memory tier; 0 = no quota
-  uint64_t disk_bytes = 0;      // value bytes on disk; 0 = no quota unless disk_off
-  bool disk_off = false;        // this owner's values never go to disk (dropped instead of demoted)
+  std::string name;           // the tenant's name (its key prefix without the NUL)
+  uint64_t memory_bytes = 0;  // value bytes in the memory tier; 0 = no quota
+  uint64_t disk_bytes = 0;    // value bytes on disk; 0 = no quota unless disk_off
+  bool disk_off = false;      // this owner's values never go to disk (dropped instead of demoted)
 };
 
 // One owner's usage, for /metrics.
@@ -43,15 +43,15 @@ struct OwnerUsage {
 };
 
 struct StoreConfig {
-  uint64_t memory_bytes = 1ull << 30;         // size of the shared-memory arena
-  uint64_t disk_bytes = 4ull << 30;           // bound on the sum of segment file sizes; 0 = no disk tier
-  std::string data_dir;                       // segments + warm list live here; empty = no disk tier
-  uint64_t segment_bytes = 64ull << 20;       // target segment file size (a larger record gets its own)
-  uint64_t value_bytes_max = 64ull << 20;     // larger puts get PutStatus::TooLarge
-  EvictionConfig eviction;                    // memory-tier eviction policy and its settings
-  bool disk_exclusive = true;                 // a value loaded from disk gives up its disk copy
-  uint32_t eviction_attempts_max = 4096;      // victims tried per allocation before NoSpace
-  bool warm_restart = true;                   // reload the warm list into memory at open
+  uint64_t memory_bytes = 1ull << 30;      // size of the shared-memory arena
+  uint64_t disk_bytes = 4ull << 30;        // bound on the sum of segment file sizes; 0 = no disk tier
+  std::string data_dir;                    // segments + warm list live here; empty = no disk tier
+  uint64_t segment_bytes = 64ull << 20;    // target segment file size (a larger record gets its own)
+  uint64_t value_bytes_max = 64ull << 20;  // larger puts get PutStatus::TooLarge
+  EvictionConfig eviction;                 // memory-tier eviction policy and its settings
+  bool disk_exclusive = true;              // a value loaded from disk gives up its disk copy
+  uint32_t eviction_attempts_max = 4096;   // victims tried per allocation before NoSpace
+  bool warm_restart = true;                // reload the warm list into memory at open
   // Heap the key index may take (estimated per key: the entry, its key, hash
   // node); a new key beyond it first drops the oldest disk segments, then
   // memory values. 0 = no limit.
@@ -74,7 +74,7 @@ enum class PutStatus : uint8_t {
 // commit_put. Exactly one of commit_put / abort_put must follow begin_put
 // when it returned Stored.
 struct Reservation {
-  uint8_t* data = nullptr;   // where the caller writes `length` bytes
+  uint8_t* data = nullptr;  // where the caller writes `length` bytes
   uint64_t length = 0;
   uint64_t offset = 0;       // arena offset of the block
   uint64_t block_bytes = 0;  // size-class rounded block size
@@ -90,7 +90,7 @@ struct Lease {
   Entry* entry = nullptr;
   const uint8_t* data = nullptr;
   uint64_t length = 0;
-  uint64_t checksum = 0;   // xxh64 of the value
+  uint64_t checksum = 0;  // xxh64 of the value
 };
 
 class Store {
