@@ -128,6 +128,12 @@ void linger_close(Server::Connection* c) {
 
 namespace {
 
+// The opcodes that name keys ("keys" required, tenant prefixes applied).
+bool is_batch_op(Opcode op) {
+  return op == Opcode::PutBatch || op == Opcode::GetBatch || op == Opcode::ExistsBatch || op == Opcode::RemoveBatch ||
+         op == Opcode::Lookup || op == Opcode::Reserve;
+}
+
 // Answers BUSY on a connection the accept loop will not serve, then closes it.
 void refuse_busy(int fd, Metrics* m, const std::string& message) {
   Server::Connection busy;
@@ -697,27 +703,48 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
     else metrics_->errors_bad_frame++;
     return;
   }
+  if (!check_request(c, h)) return;
+  // A client routing by an older map may be talking to the wrong node: refuse
+  // before touching the store. PING and STATS are always answered. A PUT is
+  // checked and counted in one step (see wait_puts_admitted_before).
+  PutAdmission admission(this);
+  const BatchMeta& b = c->batch;
+  const bool stale = op == Opcode::PutBatch
+                         ? !admission.admit(b.has_epoch, b.epoch)
+                         : is_batch_op(op) && b.has_epoch && b.epoch < epoch_.load(std::memory_order_acquire);
+  if (stale) {
+    if (op == Opcode::PutBatch) discard(c, h.payload_len);  // no reservation was taken
+    send_stale_epoch(c, h);
+    return;
+  }
+  run_handler(c, h, &admission);
+}
+
+// The request's own checks, once its metadata is in: payload only on PUT,
+// readable metadata, keys where the opcode needs them, the tenant's role.
+// Then its keys get their store names and a data request counts as work.
+// False: answered with an error (a PUT's payload read and dropped).
+bool Server::check_request(Connection* c, const FrameHeader& h) {
+  const Opcode op = Opcode(h.opcode);
   if (op != Opcode::PutBatch && h.payload_len > 0) {
     discard(c, h.payload_len);
     send_error(
         c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
         "this opcode carries no payload but payload_len=" + std::to_string(h.payload_len) + "; send payload_len=0");
-    return;
+    return false;
   }
   Reply parsed = parse_batch_meta(c->meta, config_.batch_keys_max, &c->batch);
   if (parsed.status != FrameStatus::Ok) {
     if (op == Opcode::PutBatch) discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, parsed.status, parsed.error);
-    return;
+    return false;
   }
-  const BatchMeta& b = c->batch;
-  const bool batch_op = op == Opcode::PutBatch || op == Opcode::GetBatch || op == Opcode::ExistsBatch ||
-                        op == Opcode::RemoveBatch || op == Opcode::Lookup || op == Opcode::Reserve;
-  if (batch_op && !b.has_keys) {
+  const bool batch_op = is_batch_op(op);
+  if (batch_op && !c->batch.has_keys) {
     if (op == Opcode::PutBatch) discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,
                "metadata needs \"keys\": a list of bin keys (docs/protocol.md)");
-    return;
+    return false;
   }
   if (auth_on()) {
     const uint8_t needed = (op == Opcode::PutBatch || op == Opcode::RemoveBatch)   ? kRoleWrite
@@ -729,27 +756,21 @@ void Server::handle_frame(Connection* c, const FrameHeader& h) {
       send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Forbidden,
                  "tenant '" + c->tenant->name + "' lacks the '" + (needed == kRoleWrite ? "write" : "read") +
                      "' role for this request; add it to the tenant's roles in the --auth-file");
-      return;
+      return false;
     }
   }
   if (batch_op) namespace_keys(c);
   if (batch_op || op == Opcode::Commit || op == Opcode::Release) c->last_work_us = now_us();
-  // A client routing by an older map may be talking to the wrong node: refuse
-  // before touching the store. PING and STATS are always answered. A PUT is
-  // checked and counted in one step (see wait_puts_admitted_before).
-  PutAdmission admission(this);
-  const bool stale = op == Opcode::PutBatch
-                         ? !admission.admit(b.has_epoch, b.epoch)
-                         : batch_op && b.has_epoch && b.epoch < epoch_.load(std::memory_order_acquire);
-  if (stale) {
-    if (op == Opcode::PutBatch) discard(c, h.payload_len);  // no reservation was taken
-    send_stale_epoch(c, h);
-    return;
-  }
+  return true;
+}
+
+// Runs the opcode's handler and answers its failure; an exception other than
+// a lost connection is answered INTERNAL (the handler kept the framing).
+void Server::run_handler(Connection* c, const FrameHeader& h, PutAdmission* admission) {
   Reply reply;
   try {
-    switch (op) {
-      case Opcode::PutBatch: reply = handle_put(c, h, &admission); break;
+    switch (Opcode(h.opcode)) {
+      case Opcode::PutBatch: reply = handle_put(c, h, admission); break;
       case Opcode::GetBatch: reply = handle_get(c, h); break;
       case Opcode::ExistsBatch: reply = handle_exists(c, h); break;
       case Opcode::RemoveBatch: reply = handle_remove(c, h); break;

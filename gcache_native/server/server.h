@@ -140,7 +140,10 @@ class Server {
   void end_connection(Connection* c);
   int64_t frame_deadline_us(const Connection* c, int64_t first_byte_us, uint64_t frame_bytes) const;
   void read_meta(Connection* c, const FrameHeader& h);
+  // One frame past check_frame: its metadata, check_request, the epoch check, run_handler.
   void handle_frame(Connection* c, const FrameHeader& h);
+  bool check_request(Connection* c, const FrameHeader& h);  // false: answered
+  void run_handler(Connection* c, const FrameHeader& h, PutAdmission* admission);
   Reply handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission);
   PutStatus put_one(Connection* c, size_t i, PutHint hint, uint64_t* consumed);
   Reply handle_get(Connection* c, const FrameHeader& h);
