@@ -10,10 +10,12 @@ PYTHON="${PYTHON:-python3}"
 # Debian packages: redis-server (the side-by-side bench and its tests);
 # libibverbs1 + libnuma1 (what the Mooncake wheel links against); openssl (the
 # throwaway CA of the TLS tests and `gcache-cluster up --tls`); python3-pyverbs
-# (rdma-core's verbs bindings: the RDMA transport, where a device exists).
+# (rdma-core's verbs bindings: the RDMA transport, where a device exists);
+# clang-format (the C++ style check, gcache_native/format_check.sh).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+command -v clang-format >/dev/null 2>&1 || missing+=(clang-format)
 for pkg in libibverbs1 libnuma1 python3-pyverbs; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done

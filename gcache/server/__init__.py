@@ -1,4 +1,4 @@
 """gcache-server: the node daemon (configuration, admin endpoints, lifecycle).
 
-The data path itself is native: gcache._native.Server (gcache_native/server.cpp).
+The data path itself is native: gcache._native.Server (gcache_native/server/server.cpp).
 """

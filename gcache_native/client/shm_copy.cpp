@@ -1,0 +1,284 @@
+// Client side of the one-sided transports: copies between a mapped arena and
+// the caller's buffers with the GIL released, each value's xxh64 computed in
+// the same pass (chunk by chunk, while the chunk is still in cache), across
+// several threads for large batches. A value whose bytes do not match the
+// checksum the server gave is reported, never returned as a hit.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/checksum.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr size_t kChunkBytes = 64 << 10;        // copied, then hashed while in L2
+constexpr size_t kBytesPerThreadMin = 1 << 20;  // below it a thread costs more than it saves
+constexpr int kThreadsMax = 8;
+
+struct CopyItem {
+  const uint8_t* src;
+  uint8_t* dst;
+  uint64_t length;
+  uint64_t expected;  // checksum to compare (reads)
+  uint64_t sum = 0;   // checksum of the bytes copied
+};
+
+enum class Hash { None, Source, Destination };
+
+// Copies of at least this many bytes bypass the cache (streaming stores): glibc
+// switches to them only for much larger copies, and a batch of 256 KiB values
+// copied one by one then runs at half the memory bandwidth (bench/store/shm_kernels.py).
+constexpr size_t kStreamingBytesMin = 128 << 10;
+
+// `stream`: use streaming stores whatever n (the caller decided by the whole value's size).
+void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
+#if defined(__SSE2__)
+  if (stream && n >= 64) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; ++i, dst += 64, src += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: visible before we return
+    n -= blocks * 64;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+// Copies n bytes, hashing chunk by chunk while each chunk is in cache: a read
+// hashes what it copied out (what the caller gets); a write hashes the
+// caller's bytes just before copying them, so a source changed mid-copy makes
+// the stored block differ from its sum, which COMMIT then refuses.
+uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash) {
+  const bool stream = n >= kStreamingBytesMin;
+  if (hash == Hash::None) {
+    copy_streaming(dst, src, n, stream);
+    return 0;
+  }
+  gcache::Xxh64Stream h;
+  for (uint64_t at = 0; at < n; at += kChunkBytes) {
+    const size_t c = size_t(std::min<uint64_t>(kChunkBytes, n - at));
+    if (hash == Hash::Source) {
+      h.update(src + at, c);  // now in cache: stream it out
+      copy_streaming(dst + at, src + at, c, stream);
+    } else {
+      std::memcpy(dst + at, src + at, c);  // hashed from cache right after
+      h.update(dst + at, c);
+    }
+  }
+  return h.digest();
+}
+
+// Splits items into contiguous runs of about equal bytes, one per thread.
+// With Hash::None, only copies (every sum stays 0).
+void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
+  uint64_t total = 0;
+  for (const CopyItem& it : items) total += it.length;
+  // hardware_concurrency() reads sysfs on every call (microseconds): once per process.
+  static const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  int t = threads > 0 ? threads : std::min(kThreadsMax, cores);
+  t = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(t), total / kBytesPerThreadMin)));
+  t = std::min<int>(t, int(items.size()));
+  auto work = [&items, hash](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash);
+  };
+  if (t <= 1) {
+    work(0, items.size());
+    return;
+  }
+  std::vector<size_t> bounds{0};
+  const uint64_t share = total / uint64_t(t);
+  uint64_t acc = 0;
+  for (size_t i = 0; i < items.size() && bounds.size() < size_t(t); ++i) {
+    acc += items[i].length;
+    if (acc >= share * bounds.size()) bounds.push_back(i + 1);
+  }
+  if (bounds.back() != items.size()) bounds.push_back(items.size());
+  std::vector<std::thread> helpers;
+  for (size_t k = 1; k + 1 < bounds.size(); ++k) helpers.emplace_back(work, bounds[k], bounds[k + 1]);
+  work(bounds[0], bounds[1]);
+  for (std::thread& h : helpers) h.join();
+}
+
+// Runs f without the GIL (not gil_scoped_release: see client/io_bindings.cpp).
+template <class F>
+void without_gil(F&& f) {
+  PyThreadState* saved = PyEval_SaveThread();
+  f();  // never throws
+  PyEval_RestoreThread(saved);
+}
+
+struct Arena {
+  py::buffer_info info;
+  uint8_t* base;
+  uint64_t size;
+  explicit Arena(const py::buffer& b) : info(b.request(true)) {
+    base = static_cast<uint8_t*>(info.ptr);
+    size = uint64_t(info.size) * uint64_t(info.itemsize);
+  }
+  bool holds(uint64_t offset, uint64_t length) const { return offset <= size && length <= size - offset; }
+};
+
+void check_lengths(size_t n, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
+                   const std::vector<uint64_t>& sums) {
+  if (offsets.size() != n || lens.size() != n || sums.size() != n)
+    throw py::value_error("offsets, lens and sums must have one entry per key");
+}
+
+// Reads: found values (len >= 0) into targets; returns the indices whose bytes
+// failed their checksum or lie outside the arena (not hits).
+py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
+                   const std::vector<uint64_t>& sums, py::list targets, int threads, bool verify) {
+  const size_t n = targets.size();
+  check_lengths(n, offsets, lens, sums);
+  Arena arena(arena_buf);
+  std::vector<py::buffer_info> infos;  // keeps each target's export alive
+  infos.reserve(n);
+  std::vector<CopyItem> items;
+  std::vector<size_t> index;
+  py::list bad;
+  for (size_t i = 0; i < n; ++i) {
+    if (lens[i] < 0 || targets[i].is_none()) continue;
+    infos.push_back(py::reinterpret_borrow<py::buffer>(targets[i]).request(true));
+    const py::buffer_info& t = infos.back();
+    const uint64_t len = uint64_t(lens[i]);
+    if (uint64_t(t.size) * uint64_t(t.itemsize) < len) throw py::value_error("a target is smaller than its value");
+    if (!arena.holds(offsets[i], len)) {
+      bad.append(i);
+      continue;
+    }
+    items.push_back(CopyItem{arena.base + offsets[i], static_cast<uint8_t*>(t.ptr), len, sums[i]});
+    index.push_back(i);
+  }
+  without_gil([&] { run_items(items, threads, verify ? Hash::Destination : Hash::None); });
+  if (verify)
+    for (size_t k = 0; k < items.size(); ++k)
+      if (items[k].sum != items[k].expected) bad.append(index[k]);
+  return bad;
+}
+
+// Reads into new bytes objects: a list with bytes per verified value, None
+// for a miss or a value that failed its checksum (its index is in the second list).
+py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
+                      const std::vector<uint64_t>& sums, int threads, bool verify) {
+  const size_t n = lens.size();
+  check_lengths(n, offsets, lens, sums);
+  Arena arena(arena_buf);
+  py::list values(n), bad;
+  std::vector<CopyItem> items;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < n; ++i) {
+    values[i] = py::none();
+    if (lens[i] < 0) continue;
+    const uint64_t len = uint64_t(lens[i]);
+    if (!arena.holds(offsets[i], len)) {
+      bad.append(i);
+      continue;
+    }
+    // Filled below, before anyone else can see it (the C API allows this for a new object).
+    PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(len));
+    if (raw == nullptr) throw py::error_already_set();
+    py::object value = py::reinterpret_steal<py::object>(raw);
+    items.push_back(
+        CopyItem{arena.base + offsets[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), len, sums[i]});
+    index.push_back(i);
+    values[i] = value;
+  }
+  without_gil([&] { run_items(items, threads, verify ? Hash::Destination : Hash::None); });
+  for (size_t k = 0; verify && k < items.size(); ++k) {
+    if (items[k].sum != items[k].expected) {
+      bad.append(index[k]);
+      values[index[k]] = py::none();
+    }
+  }
+  return py::make_tuple(values, bad);
+}
+
+// Writes: each source into the arena at its offset (offset < 0: skipped);
+// returns the xxh64 of the bytes written (0 for skipped ones), for COMMIT.
+std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t>& offsets, py::list sources,
+                                 int threads) {
+  const size_t n = sources.size();
+  if (offsets.size() != n) throw py::value_error("offsets and sources must have one entry per value");
+  Arena arena(arena_buf);
+  std::vector<py::buffer_info> infos;
+  infos.reserve(n);
+  std::vector<CopyItem> items;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < n; ++i) {
+    if (offsets[i] < 0) continue;
+    infos.push_back(py::reinterpret_borrow<py::buffer>(sources[i]).request(false));
+    const py::buffer_info& s = infos.back();
+    const uint64_t len = uint64_t(s.size) * uint64_t(s.itemsize);
+    if (!arena.holds(uint64_t(offsets[i]), len)) throw py::value_error("a reserved block lies outside the arena");
+    items.push_back(CopyItem{static_cast<const uint8_t*>(s.ptr), arena.base + offsets[i], len, 0});
+    index.push_back(i);
+  }
+  without_gil([&] { run_items(items, threads, Hash::Source); });
+  std::vector<uint64_t> out(n, 0);
+  for (size_t k = 0; k < items.size(); ++k) out[index[k]] = items[k].sum;
+  return out;
+}
+
+}  // namespace
+
+// The indices of views whose bytes do not hash to their sum (None views skipped).
+py::list verify_views(py::list views, const std::vector<uint64_t>& sums) {
+  if (sums.size() != views.size()) throw py::value_error("one sum per view");
+  std::vector<py::buffer_info> infos;
+  std::vector<std::pair<size_t, uint64_t>> got;
+  infos.reserve(views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (views[i].is_none()) continue;
+    infos.push_back(py::reinterpret_borrow<py::buffer>(views[i]).request());
+    got.emplace_back(i, 0);
+  }
+  without_gil([&] {
+    for (size_t k = 0; k < got.size(); ++k)
+      got[k].second = gcache::xxh64(infos[k].ptr, size_t(infos[k].size) * size_t(infos[k].itemsize));
+  });
+  py::list bad;
+  for (const auto& [i, sum] : got)
+    if (sum != sums[i]) bad.append(i);
+  return bad;
+}
+
+void bind_shm_copy(py::module_& m) {
+  m.def("verify_views", &verify_views, py::arg("views"), py::arg("sums"),
+        "Indices of the views (None: skipped) whose xxh64 differs from its sum (GIL released).");
+  m.def("shm_read_into", &read_into, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
+        py::arg("targets"), py::arg("threads") = 0, py::arg("verify") = true,
+        "Copies each found value (len >= 0) from the mapped arena into its target, verifying its xxh64 in "
+        "the same pass unless verify is False (GIL released; threads 0 = automatic). Returns the indices "
+        "that are not hits: bytes that failed the checksum, or a block outside the arena.");
+  m.def("shm_read_values", &read_values, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
+        py::arg("threads") = 0, py::arg("verify") = true,
+        "As shm_read_into, into new bytes objects: returns (values, bad) with None for misses and bad values.");
+  m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"), py::arg("threads") = 0,
+        "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing each source "
+        "chunk just before it is copied; returns their xxh64s (0 for skipped).");
+}

@@ -1,0 +1,42 @@
+// Blocking socket I/O of the data server's connection threads: exact reads
+// and gathered writes under a stall timeout and a per-transfer deadline.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gcache {
+
+int64_t now_us();              // steady clock
+int clamp_ms(double seconds);  // for poll(): rounded up, clamped to [0, INT_MAX]
+
+// Thrown by the socket helpers when the connection cannot be used any more.
+struct ConnectionLost {
+  bool timeout;
+};
+
+// When a transfer of `bytes` begun at start_us must be over (0 = no deadline).
+int64_t transfer_deadline_us(int64_t start_us, double stall_timeout_s, uint64_t bytes);
+void check_deadline(int64_t deadline_us);  // throws ConnectionLost{true} once it has passed
+void set_socket_buffers(int fd, int bytes);
+void set_timeout(int fd, int option, double seconds);
+
+// A connection's socket and the kernel timeouts set on it (see server/io.cpp).
+struct SocketTimer {
+  int fd = -1;
+  double stall_s = 0;           // 0: no timeouts
+  double rcv_s = 0, snd_s = 0;  // what SO_RCVTIMEO / SO_SNDTIMEO are set to now
+
+  static SocketTimer for_socket(int fd, double stall_s);
+};
+
+// Reads exactly n bytes; a peer silent for the stall timeout, past
+// deadline_us (0 = none), or closing mid-way throws ConnectionLost.
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us);
+// Writes every byte of iov[0..count) before deadline_us (0 = none); the
+// iovecs are consumed in place.
+void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us);
+
+}  // namespace gcache

@@ -1,0 +1,407 @@
+// The one-sided opcodes (docs/protocol.md, "Shared memory and RDMA"): a
+// same-host client maps the arena (SHM_ATTACH over the Unix socket), asks
+// where values are (LOOKUP, under a lease) and copies them itself; a put
+// reserves arena blocks (RESERVE), the client writes them, and COMMIT
+// publishes them after checking their checksums. With RDMA the same answers
+// carry the arena's remote address and rkey, and the client reads and writes
+// with RDMA instead of memcpy.
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include "server/connection.h"
+#include "server/server.h"
+
+namespace gcache {
+
+using Reply = Server::Reply;
+
+namespace {
+
+// What one LOOKUP answer may carry inline (its "inline_max" is capped to it).
+constexpr uint64_t kLookupInlineBytesMax = 1 << 20;
+
+const char* kShmOffWithAuth =
+    "one-sided access is off on a node with --auth-file: the arena holds every tenant's "
+    "values; use transport='tcp'";
+
+// The response in c->out, with `fd` passed alongside its first byte (SCM_RIGHTS).
+void send_response_with_fd(Server::Connection* c, uint8_t opcode, uint64_t request_id, int fd) {
+  std::vector<uint8_t>& buf = c->out.buffer();
+  build_frame_header(buf.data(), opcode, kFlagResponse, request_id, uint32_t(c->out.body_size()), FrameStatus::Ok, 0);
+  iovec iov{buf.data(), buf.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  ssize_t sent;
+  do sent = sendmsg(c->fd, &msg, MSG_NOSIGNAL);
+  while (sent < 0 && errno == EINTR);
+  if (sent < 0) throw ConnectionLost{false};
+  if (size_t(sent) < buf.size()) {  // the rest without the descriptor
+    iovec rest{buf.data() + sent, buf.size() - size_t(sent)};
+    send_all(c->timer, &rest, 1, transfer_deadline_us(now_us(), c->stall_timeout_s, rest.iov_len));
+  }
+}
+
+}  // namespace
+
+int Server::listen_unix() {
+  const std::string& path = config_.unix_socket_path;
+  if (path.empty()) return -1;
+  sockaddr_un addr{};
+  if (path.size() >= sizeof addr.sun_path) {
+    throw BindError("--unix-socket path '" + path + "' is longer than " + std::to_string(sizeof addr.sun_path - 1) +
+                    " bytes; pick a shorter one");
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode))
+      throw BindError("--unix-socket path '" + path + "' exists and is not a socket; remove it or pick another");
+    // A socket left by an earlier run: in use only if something accepts on it.
+    const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool live = probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    if (probe >= 0) close(probe);
+    if (live) throw BindError("--unix-socket '" + path + "' is in use by another server; pick another path");
+    unlink(path.c_str());
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw BindError(std::string("cannot create a Unix socket: ") + std::strerror(errno));
+  // Owner only: a process that maps the arena can read and write every value
+  // (docs/security.md), which the server's own user can do anyway.
+  const mode_t old_mask = umask(0177);
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  const int bind_errno = errno;
+  umask(old_mask);
+  if (!bound || listen(fd, 1024) != 0) {
+    const std::string why = std::strerror(bound ? errno : bind_errno);
+    close(fd);
+    throw BindError("cannot listen on Unix socket '" + path + "': " + why);
+  }
+  return fd;
+}
+
+void Server::end_shm_session(Connection* c) {
+  if (c->rdma_id != 0) {  // its queue pair goes first: no RDMA into blocks released below
+    std::shared_ptr<const RdmaConnectHandler> handler;
+    {
+      std::lock_guard<std::mutex> lock(rdma_mu_);
+      handler = rdma_handler_;
+    }
+    if (handler != nullptr) handler->closed(c->rdma_id);
+    c->rdma_id = 0;
+  }
+  const uint64_t budget = c->shm.release_all(store_);
+  if (budget > 0) reservations_.release(c->owner, budget);
+}
+
+Reply Server::handle_shm_attach(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  if (!c->is_unix) {
+    return Reply::fail(FrameStatus::Forbidden,
+                       "SHM_ATTACH is answered only on the node's --unix-socket (same host); "
+                       "over TCP use LOOKUP with RDMA, or GET_BATCH");
+  }
+  metrics_->shm_attaches++;
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(4);
+  out.str("reserve_bytes_max");  // what one connection's RESERVEs may hold at once
+  out.uint(reserve_bytes_per_connection());
+  out.str("arena_bytes");
+  out.uint(store_->arena_bytes());
+  out.str("instance");  // one mapping per server instance serves all of a client's connections
+  out.str(config_.instance_id);
+  out.str("lease_ms");
+  out.uint(uint64_t(config_.shm_lease_s * 1000));
+  send_response_with_fd(c, h.opcode, h.request_id, store_->arena_fd());
+  return {};
+}
+
+namespace {
+
+void write_rdma_fields(MsgpackWriter& out, uint64_t addr, uint32_t rkey) {
+  out.str("addr");
+  out.uint(addr);
+  out.str("rkey");
+  out.uint(rkey);
+}
+
+}  // namespace
+
+Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  const BatchMeta& b = c->batch;
+  const size_t n = b.keys.size();
+  if (!c->shm.can_lease(n)) {
+    return Reply::fail(FrameStatus::LimitExceeded, "this connection holds " + std::to_string(c->shm.leased_keys()) +
+                                                       " leased values (at most " +
+                                                       std::to_string(ShmSession::kLeasedKeysMax) + " in " +
+                                                       std::to_string(ShmSession::kLeaseGroupsMax) +
+                                                       " LOOKUPs): RELEASE leases before asking for more");
+  }
+  // Values up to inline_max come in the payload, as GET_BATCH sends them (no
+  // lease outlives the answer): for small values a socket copy is cheaper than
+  // a lease, a copy and a RELEASE. The rest are leased for the client to copy.
+  const uint64_t inline_max = std::min<uint64_t>(b.inline_max, kLookupInlineBytesMax);
+  LeaseGuard sent{store_, &c->leases};  // the inline values, released once sent
+  std::vector<Lease> kept;
+  kept.reserve(n);
+  const uint8_t* base = store_->arena_base();
+  std::vector<uint64_t> offsets(n, 0), sums(n, 0);
+  std::vector<int64_t> lens(n, -1);
+  std::vector<uint8_t> inlined(n, 0);
+  uint64_t total = 0, inline_total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Lease lease;
+    if (!store_->acquire(b.keys[i], &lease)) continue;
+    total += lease.length;
+    lens[i] = int64_t(lease.length);
+    sums[i] = lease.checksum;
+    if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
+      inline_total += lease.length;
+      inlined[i] = 1;
+      c->leases.push_back(lease);
+    } else {
+      offsets[i] = uint64_t(lease.data - base);
+      kept.push_back(lease);
+    }
+  }
+  // As GET_BATCH, bounds what one request pins (the client splits the batch);
+  // one value is always served: it moves no bytes through a frame.
+  if (total > config_.frame_payload_bytes_max && kept.size() + c->leases.size() > 1) {
+    for (const Lease& l : kept) store_->release(l);
+    return Reply::fail(FrameStatus::LimitExceeded, "found values exceed the frame payload limit of " +
+                                                       std::to_string(config_.frame_payload_bytes_max) +
+                                                       " bytes; split the batch");
+  }
+  metrics_->bytes_out += total;
+  const uint64_t lease_id =
+      kept.empty() ? 0 : c->shm.add_leases(std::move(kept), now_us() + int64_t(config_.shm_lease_s * 1e6));
+  const uint32_t rkey = rdma_rkey_.load();
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0));
+  out.str("offs");
+  out.array(uint32_t(n));
+  for (uint64_t o : offsets) out.uint(o);
+  out.str("lens");
+  out.array(uint32_t(n));
+  for (int64_t l : lens) out.integer(l);
+  out.str("sums");
+  out.array(uint32_t(n));
+  for (uint64_t s : sums) out.uint(s);
+  out.str("lease");
+  out.uint(lease_id);
+  if (b.inline_max > 0) {
+    out.str("inl");
+    out.array(uint32_t(n));
+    for (uint8_t x : inlined) out.boolean(x != 0);
+  }
+  if (rkey) write_rdma_fields(out, rdma_addr_.load(), rkey);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, inline_total);
+  return {};
+}
+
+Reply Server::handle_release(Connection* c, const FrameHeader& h) {
+  const BatchMeta& b = c->batch;
+  uint64_t released = 0;
+  for (uint64_t id : b.leases) released += c->shm.release_lease(store_, id) ? 1 : 0;
+  for (uint64_t id : b.reservations) {
+    ShmSession::ReserveGroup group;
+    if (!c->shm.take_reservation(id, &group)) continue;
+    reservations_.release(c->owner, ShmSession::abort(store_, group));
+    ++released;
+  }
+  if (h.flags & kFlagNoReply) return {};
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(1);
+  out.str("released");
+  out.uint(released);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  const BatchMeta& b = c->batch;
+  const size_t n = b.keys.size();
+  if (!b.has_lens || b.lens.size() != n)
+    return Reply::fail(FrameStatus::BadFrame, "RESERVE needs \"keys\" and \"lens\" of equal length");
+  if (!c->shm.can_reserve()) {
+    return Reply::fail(FrameStatus::LimitExceeded, "this connection holds " +
+                                                       std::to_string(ShmSession::kReserveGroupsMax) +
+                                                       " open reservations: COMMIT or RELEASE them first");
+  }
+  ShmSession::ReserveGroup group;
+  group.keys.reserve(n);
+  group.reservations.resize(n);
+  group.statuses.assign(n, uint8_t(PutStatus::NoSpace));
+  group.has_epoch = b.has_epoch;
+  group.epoch = b.epoch;
+  group.chain_continued = b.chain_continues && c->shm.chain != 0;
+  group.chain = group.chain_continued ? c->shm.chain : store_->new_put_batch();
+  group.chain_ends = b.chain_ends;
+  c->shm.chain = group.chain;
+  uint64_t total = 0;
+  for (uint64_t len : b.lens) total = len > UINT64_MAX - total ? UINT64_MAX : total + len;
+  // The blocks count against the PUT reservation budget until COMMIT. Only a
+  // connection holding no reservation waits for room: one waiting while it
+  // holds some could wait on its own COMMIT, queued behind this frame.
+  const int64_t wait_until = c->shm.holds_reservations() ? 0 : budget_wait_deadline(c);
+  const bool budgeted = reservations_.acquire(c->owner, total, wait_until);
+  if (!budgeted) metrics_->puts_reserve_refused++;
+  const uint8_t* base = store_->arena_base();
+  for (size_t i = 0; i < n; ++i) {
+    group.keys.emplace_back(b.keys[i]);
+    if (!budgeted) {
+      metrics_->puts_no_space++;
+      continue;
+    }
+    Reservation r;
+    const PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r, owner_of(c, config_.tenants.get(), b.keys[i]));
+    group.statuses[i] = uint8_t(s);
+    if (s == PutStatus::Stored) {
+      group.reservations[i] = r;
+      group.budget_bytes += b.lens[i];
+    } else if (s == PutStatus::Exists) {
+      metrics_->puts_exists++;
+    } else if (s == PutStatus::NoSpace) {
+      metrics_->puts_no_space++;
+    } else if (s == PutStatus::TooLarge) {
+      metrics_->puts_too_large++;
+    }
+  }
+  if (budgeted && total > group.budget_bytes) reservations_.release(c->owner, total - group.budget_bytes);
+  std::vector<uint64_t> offsets(n, 0);
+  for (size_t i = 0; i < n; ++i)
+    if (group.reservations[i].data != nullptr) offsets[i] = uint64_t(group.reservations[i].data - base);
+  const std::vector<uint8_t> statuses = group.statuses;
+  uint64_t res_id = 0;
+  if (group.budget_bytes > 0 || std::any_of(group.reservations.begin(), group.reservations.end(),
+                                            [](const Reservation& r) { return r.data != nullptr; })) {
+    group.deadline_us = now_us() + int64_t(config_.shm_lease_s * 1e6);
+    res_id = c->shm.add_reservation(std::move(group));
+  }
+  const uint32_t rkey = rdma_rkey_.load();
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(rkey ? 5 : 3);
+  out.str("st");
+  out.array(uint32_t(n));
+  for (uint8_t s : statuses) out.uint(s);
+  out.str("offs");
+  out.array(uint32_t(n));
+  for (uint64_t o : offsets) out.uint(o);
+  out.str("res");
+  out.uint(res_id);
+  if (rkey) write_rdma_fields(out, rdma_addr_.load(), rkey);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  const BatchMeta& b = c->batch;
+  if (!b.has_res || !b.has_sums)
+    return Reply::fail(FrameStatus::BadFrame, "COMMIT needs \"res\" (a RESERVE's id) and \"sums\"");
+  ShmSession::ReserveGroup group;
+  if (!c->shm.take_reservation(b.res, &group)) {
+    return Reply::fail(FrameStatus::BadFrame,
+                       "unknown reservation " + std::to_string(b.res) +
+                           ": it was committed or released already, or never made on this connection");
+  }
+  const size_t n = group.keys.size();
+  if (b.sums.size() != n) {
+    reservations_.release(c->owner, ShmSession::abort(store_, group));
+    return Reply::fail(FrameStatus::BadFrame, "COMMIT needs one sum per key of its RESERVE (" + std::to_string(n) +
+                                                  "), got " + std::to_string(b.sums.size()) +
+                                                  "; the reservation was released");
+  }
+  // Counted like a PUT_BATCH frame from here until its values are published,
+  // at the epoch the RESERVE was admitted under (wait_puts_admitted_before).
+  PutAdmission admission(this);
+  if (!admission.admit(group.has_epoch, group.epoch)) {
+    reservations_.release(c->owner, ShmSession::abort(store_, group));
+    c->batch.epoch = group.epoch;
+    send_stale_epoch(c, h);
+    return {};
+  }
+  // The batch's last value is its tail (as PUT_BATCH's), once the batch has two or more.
+  const bool tail_at_end = group.chain_ends && (n >= 2 || group.chain_continued);
+  uint64_t stored_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Reservation& r = group.reservations[i];
+    if (r.data == nullptr) continue;
+    const PutStatus s =
+        store_->commit_put(group.keys[i], r, b.sums[i], PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
+    group.statuses[i] = uint8_t(s);
+    if (s == PutStatus::Stored) stored_bytes += r.length;
+  }
+  reservations_.release(c->owner, group.budget_bytes);
+  admission.release();
+  metrics_->bytes_in += stored_bytes;
+  MsgpackWriter& out = c->out;
+  out.clear();
+  out.map(1);
+  out.str("st");
+  out.array(uint32_t(n));
+  for (uint8_t s : group.statuses) out.uint(s);
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+// Queue-pair setup goes over this connection: the handler (gcache.server.rdma)
+// makes a queue pair for it from the client's endpoint and answers with its own.
+Reply Server::handle_rdma_connect(Connection* c, const FrameHeader& h) {
+  if (auth_on()) return Reply::fail(FrameStatus::Forbidden, kShmOffWithAuth);
+  std::shared_ptr<const RdmaConnectHandler> handler;
+  {
+    std::lock_guard<std::mutex> lock(rdma_mu_);
+    handler = rdma_handler_;
+  }
+  if (handler == nullptr) {
+    return Reply::fail(FrameStatus::Forbidden,
+                       "this gcache-server has no RDMA (start it with --rdma-device NAME); "
+                       "use transport='tcp'");
+  }
+  if (c->rdma_id == 0) c->rdma_id = next_rdma_id_++;
+  std::string answer;
+  const std::string_view meta(reinterpret_cast<const char*>(c->meta.data()), c->meta.size());
+  if (!handler->connect(c->rdma_id, meta, &answer)) return Reply::fail(FrameStatus::BadFrame, answer);
+  MsgpackReader check(reinterpret_cast<const uint8_t*>(answer.data()), answer.size());
+  uint32_t entries = 0;
+  if (!check.read_map(&entries)) throw std::runtime_error("the RDMA handler's answer is not a msgpack map");
+  for (uint32_t i = 0; i < 2 * entries; ++i)
+    if (!check.skip()) throw std::runtime_error("the RDMA handler's answer is not a msgpack map");
+  if (!check.at_end()) throw std::runtime_error("the RDMA handler's answer has bytes after its map");
+  // An RDMA client holds the arena's rkey, as a Unix-socket client holds its
+  // mapping: its reservations get a budget share of their own, as on the Unix
+  // socket (moved only while the connection holds nothing under its address).
+  if (c->meta_charged == 0 && !c->shm.holds_reservations() && c->owner.rfind("a:", 0) == 0)
+    c->owner = "r:" + c->peer + "#" + std::to_string(c->fd);
+  MsgpackWriter& out = c->out;
+  out.clear();
+  std::vector<uint8_t>& buf = out.buffer();
+  buf.insert(buf.end(), answer.begin(), answer.end());
+  send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
+  return {};
+}
+
+}  // namespace gcache
