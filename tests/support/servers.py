@@ -1,0 +1,17 @@
+"""The tests' gcache-server: gcache.tools.devcluster's LocalServer with small tiers and an admin port."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gcache.tools.devcluster.local_server import LocalServer
+
+
+class ServerProcess(LocalServer):
+    """A gcache-server subprocess for tests: small tiers, an admin port, start() waits for its port."""
+
+    def __init__(self, data_dir: Path, memory: str = "64MiB", disk: str = "256MiB", extra_args=()):
+        super().__init__(data_dir, memory=memory, disk=disk, extra_args=extra_args, start_timeout_s=20.0)
+        self.pick_admin_port()
+
+    def log(self) -> str:
+        return self.log_tail()
