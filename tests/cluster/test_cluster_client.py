@@ -5,6 +5,7 @@ address names a master port nothing listens on (refreshes fail; the map stays).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -21,6 +22,9 @@ from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap, No
 from gcache.cluster.placement import Placement
 from gcache.cluster.master_api import MasterUnavailableError
 from gcache.common.processes import free_port
+from tests.support import waiting
+
+wait_until = functools.partial(waiting.wait_until, timeout_s=5.0, step_s=0.02)
 
 pytestmark = pytest.mark.process  # starts processes
 
@@ -391,15 +395,6 @@ def fake_master():
     yield start
     for m in masters:
         m.stop()
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_map_comes_from_the_masters_and_stays_when_they_go(trio, fake_master):

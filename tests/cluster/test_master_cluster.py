@@ -3,6 +3,7 @@
 The tests share one cluster and run in file order (each leaves it whole again).
 Fake node ids stand in for gcache-servers: the master only keeps the map.
 """
+import functools
 import json
 import signal
 import socket
@@ -19,12 +20,14 @@ import pytest
 from gcache.cluster.master_api import MasterClient, MasterUnavailableError
 from gcache.tools.devcluster.local_masters import LocalMaster, master_status, start_masters, wait_leader
 from gcache.common.processes import free_port
+from tests.support import waiting
 
 pytestmark = pytest.mark.cluster  # starts masters
 
 HEARTBEAT_TIMEOUT_S = 1.5
 HEARTBEAT_EVERY_S = 0.2
 WAIT_S = 15.0          # bound on every wait for a state: generous for a loaded 2-core box
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.05)
 ECHO = "echo"          # heartbeat mode: report the last epoch seen as rebalanced
 
 
@@ -83,16 +86,6 @@ def register(client, node_id, port):
                                     "admin": ""})
 
 
-def wait_for(what, predicate, timeout_s=WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def states(address):
     status = master_status(address)
     return {n["id"]: n["state"] for n in status["map"]["nodes"]} if status else {}
@@ -123,8 +116,8 @@ def test_follower_forwards_registers_and_heartbeats_make_nodes_active(cluster):
         beats.modes[node_id] = ECHO
     assert epochs == [epochs[0], epochs[0] + 1, epochs[0] + 2]
     assert register(via_follower, "a", 9000)["map"]["epoch"] >= epochs[-1]  # idempotent
-    wait_for("a, b, c active", lambda: states(leader) == {"a": "active", "b": "active", "c": "active"})
-    final = wait_for("replicas to agree", lambda: converged(masters))
+    wait_until(lambda: states(leader) == {"a": "active", "b": "active", "c": "active"}, "a, b, c active")
+    final = wait_until(lambda: converged(masters), "replicas to agree")
     assert {n["id"] for n in final["nodes"]} == {"a", "b", "c"}
     status = master_status(leader)
     assert status["raft"]["is_leader"] and status["raft"]["ready"]
@@ -160,7 +153,7 @@ def test_joining_node_turns_active_only_after_the_others_rebalance(cluster):
     assert states(client.addresses[0])["d"] == "joining"
     for node_id in ("a", "b", "c"):
         beats.modes[node_id] = ECHO      # they finish pushing keys to d
-    wait_for("d active", lambda: states(masters[1].grpc_address).get("d") == "active")
+    wait_until(lambda: states(masters[1].grpc_address).get("d") == "active", "d active")
     assert min(master_status(masters[0].grpc_address)["rebalanced_epoch"][n] for n in "abc") >= joined_at
     client.close()
 
@@ -170,12 +163,12 @@ def test_silent_node_becomes_dead_then_may_register_again(cluster):
     client = MasterClient(addresses_of(masters))
     register(client, "e", 9004)
     beats.modes["e"] = ECHO
-    wait_for("e active", lambda: states(masters[0].grpc_address).get("e") == "active")
+    wait_until(lambda: states(masters[0].grpc_address).get("e") == "active", "e active")
     del beats.modes["e"]
     silent_since = time.monotonic()
     time.sleep(0.3)
     assert states(masters[2].grpc_address)["e"] != "dead"     # well inside the timeout
-    wait_for("e dead", lambda: states(masters[2].grpc_address).get("e") == "dead")
+    wait_until(lambda: states(masters[2].grpc_address).get("e") == "dead", "e dead")
     print(f"\nsilent node declared dead after {time.monotonic() - silent_since:.2f}s "
           f"(timeout {HEARTBEAT_TIMEOUT_S}s)")
     answer = client.call("Heartbeat", {"node_id": "e", "epoch": 0, "rebalanced_epoch": 0, "degraded": ""})
@@ -206,7 +199,7 @@ def test_drained_node_is_removed_once_it_reports_the_current_epoch(cluster):
     time.sleep(1.0)
     assert states(follower)["d"] == "draining"
     beats.modes["d"] = ECHO
-    wait_for("d removed", lambda: "d" not in states(follower))
+    wait_until(lambda: "d" not in states(follower), "d removed")
     del beats.modes["d"]
     via_follower.close()
 
@@ -220,14 +213,14 @@ def test_one_replica_down_the_others_stay_writable(cluster):
     assert register(client, "f", 9005)["state"] == "joining"
     assert client.call("Remove", {"node_id": "f"})["map"]["epoch"] > 0
     down.start()
-    wait_for("the restarted replica to catch up", lambda: converged(masters))
+    wait_until(lambda: converged(masters), "the restarted replica to catch up")
     client.close()
 
 
 def test_leader_killed_a_new_one_takes_over_with_the_map_intact(cluster):
     masters, _ = cluster
     leader, _ = leader_and_follower(masters)
-    before = wait_for("replicas to agree", lambda: converged(masters))
+    before = wait_until(lambda: converged(masters), "replicas to agree")
     victim = next(m for m in masters if m.grpc_address == leader)
     victim.kill()
     killed_at = time.monotonic()
@@ -244,20 +237,20 @@ def test_leader_killed_a_new_one_takes_over_with_the_map_intact(cluster):
     time.sleep(HEARTBEAT_TIMEOUT_S + 0.5)
     assert states(new_leader) == {"a": "active", "b": "active", "c": "active"}
     victim.start()
-    wait_for("the old leader to rejoin as follower", lambda: converged(masters))
+    wait_until(lambda: converged(masters), "the old leader to rejoin as follower")
     client.close()
 
 
 def test_full_restart_keeps_the_map(cluster):
     masters, beats = cluster
-    before = wait_for("replicas to agree", lambda: converged(masters))
+    before = wait_until(lambda: converged(masters), "replicas to agree")
     assert before["nodes"] and all(n["state"] == "active" for n in before["nodes"])
     for m in masters:
         assert m.stop(signal.SIGTERM) == 0
     # A lone replica has no quorum: not ready, and writes fail fast with UNAVAILABLE.
     masters[0].start()
     # gRPC backs off reconnecting to an address that refused us while it was down: wait it out.
-    wait_for("the lone replica to answer", lambda: master_status(masters[0].grpc_address))
+    wait_until(lambda: master_status(masters[0].grpc_address), "the lone replica to answer")
     lone = MasterClient([masters[0].grpc_address], timeout_s=3.0)
     with pytest.raises(MasterUnavailableError, match="retry"):
         lone.call("Drain", {"node_id": "a"})
@@ -271,7 +264,7 @@ def test_full_restart_keeps_the_map(cluster):
     for m in masters[1:]:
         m.start()
     wait_leader(addresses_of(masters), WAIT_S)
-    after = wait_for("replicas to agree", lambda: converged(masters))
+    after = wait_until(lambda: converged(masters), "replicas to agree")
     assert after == before
 
 
@@ -316,7 +309,7 @@ def test_log_compaction_writes_a_dump_that_a_restart_loads(tmp_path):
     def start():
         raft = MasterRaft(address, [], str(tmp_path), ReplicatedMap())
         raft.waitBinded()
-        wait_for("a leader", raft.is_leader)
+        wait_until(raft.is_leader, "a leader")
         return raft
 
     raft = start()
@@ -327,7 +320,7 @@ def test_log_compaction_writes_a_dump_that_a_restart_loads(tmp_path):
             raft.apply("heartbeat", "n1", epoch, "", timeout_s=5)
         before = raft.snapshot()
         raft.forceLogCompaction()
-        wait_for("the dump", lambda: (tmp_path / DUMP_FILE).exists() and raft._getRaftLogSize() <= 2)
+        wait_until(lambda: (tmp_path / DUMP_FILE).exists() and raft._getRaftLogSize() <= 2, "the dump")
     finally:
         raft.close()
     raft = start()

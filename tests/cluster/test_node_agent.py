@@ -6,6 +6,7 @@ teardown.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -22,10 +23,12 @@ from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterM
 from gcache.cluster.placement import Placement
 from gcache.common.processes import free_port
 from gcache.server.rebalance import rebalance
+from tests.support import waiting
 
 pytestmark = pytest.mark.cluster  # starts masters
 
 WAIT_S = 20.0
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.1)
 
 
 def _values(n: int, seed: int) -> dict[bytes, bytes]:
@@ -36,16 +39,6 @@ def _values(n: int, seed: int) -> dict[bytes, bytes]:
         size = 4096 if i % 10 else rng.choice([100, 20_000, 300_000])
         out[f"k{seed}-{i}".encode()] = rng.randbytes(size)
     return out
-
-
-def _wait(predicate, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _holdings(addresses: dict[str, str], keys) -> dict[str, set]:
@@ -220,7 +213,7 @@ def _states(client) -> dict:
 
 
 def _wait_states(client, expected: dict, what: str, timeout_s: float = WAIT_S) -> ClusterMap:
-    _wait(lambda: _states(client) == expected, f"{what}: map {expected}", timeout_s)
+    wait_until(lambda: _states(client) == expected, f"{what}: map {expected}", timeout_s)
     return client.get_map()
 
 
@@ -283,9 +276,9 @@ def test_cluster_drain_join_dead_and_return(cluster):
 
     # Join: n4 enters joining, the others push its keys, it becomes active.
     nodes["n4"] = add_node("n4")
-    _wait(lambda: _states(master).get("n4") in (JOINING, ACTIVE), "n4 registered")
+    wait_until(lambda: _states(master).get("n4") in (JOINING, ACTIVE), "n4 registered")
     cmap = _wait_states(master, {"n2": ACTIVE, "n3": ACTIVE, "n4": ACTIVE}, "n4 active")
-    _wait(lambda: _check_at_owners(cmap, values, nodes) >= 0.99 * len(values), "keys at owners after join")
+    wait_until(lambda: _check_at_owners(cmap, values, nodes) >= 0.99 * len(values), "keys at owners after join")
     placement = Placement(cmap)
     held = _holdings({n: nodes[n].address for n in nodes}, values)
     for nid in nodes:  # pushed keys were removed at their old nodes
@@ -304,14 +297,14 @@ def test_cluster_drain_join_dead_and_return(cluster):
     assert nodes["n2"].admin("/flush", b"")[0] == 200
     nodes["n2"].kill()
     start = time.monotonic()
-    _wait(lambda: _states(master).get("n2") == DEAD, "n2 dead")
+    wait_until(lambda: _states(master).get("n2") == DEAD, "n2 dead")
     print(f"dead: n2 marked dead {time.monotonic() - start:.2f}s after kill -9 "
           f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
 
     # Restart on the same dir: it rejoins, drops what it does not own, keeps what it does.
     nodes["n2"].start()
     cmap = _wait_states(master, {"n2": ACTIVE, "n3": ACTIVE, "n4": ACTIVE}, "n2 back and active")
-    _wait(lambda: not any(_holdings({"n2": nodes["n2"].address}, foreign)["n2"]), "foreign keys dropped")
+    wait_until(lambda: not any(_holdings({"n2": nodes["n2"].address}, foreign)["n2"]), "foreign keys dropped")
     held = _holdings({n: nodes[n].address for n in nodes}, foreign)
     assert held == {"n2": set(), "n3": set(), "n4": set()}  # dropped, not pushed
     with Client(nodes["n2"].address) as c:
@@ -415,7 +408,7 @@ def test_a_drain_does_not_finish_while_an_owner_cannot_be_reached(cluster):
     assert to_n2 and to_n3
 
     master.call("Drain", {"node_id": "n1"})
-    _wait(lambda: "retrying" in nodes["n1"].log_tail(20000), "n1 retries the unreachable owner")
+    wait_until(lambda: "retrying" in nodes["n1"].log_tail(20000), "n1 retries the unreachable owner")
     assert _states(master).get("n1") == DRAINING, "a drain with unpushed keys must not complete"
     with Client(nodes["n3"].address) as c:  # what could be pushed was pushed
         assert c.get_batch(to_n3) == [k * 50 for k in to_n3]

@@ -13,13 +13,13 @@ Three layers, tested where each can run:
 """
 from __future__ import annotations
 
+import functools
 import ctypes
 import itertools
 import os
 import subprocess
 import sys
 import threading
-import time
 
 import msgpack
 import pytest
@@ -30,7 +30,11 @@ from gcache.wire import rdma_verbs
 from gcache.client.transports import rdma as rdma_transport, shm_ops
 from gcache.server.rdma import RdmaRegion
 from tests.support.raw_protocol import BAD_FRAME, FORBIDDEN, INTERNAL, LOOKUP, OK, RDMA_CONNECT, RawConnection
+from tests.support import waiting
+
+
 WAIT_S = 10.0
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.01)
 
 
 def host_rdma_reason(name: str | None = None) -> str | None:
@@ -43,14 +47,6 @@ def host_rdma_reason(name: str | None = None) -> str | None:
 
 
 HOST_REASON = host_rdma_reason()
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {WAIT_S}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def native_config(tmp_path, **extra) -> dict:

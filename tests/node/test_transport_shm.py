@@ -3,6 +3,7 @@ client, LOOKUP leases, RESERVE / COMMIT, and what happens when clients misbehave
 or die. Real gcache-server processes on a real Unix socket and a real memfd."""
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -10,7 +11,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +22,11 @@ from gcache.client.transports.shm import ShmTransport
 from tests.support import REPO_ROOT
 from tests.support.raw_protocol import BAD_FRAME, OK, PING, RawConnection, raw_auth
 from tests.support.raw_shm import COMMIT, FORBIDDEN, LOOKUP, RESERVE, RawShm
+from tests.support import waiting
 
 KIB, MIB = 1024, 1024 * 1024
 WAIT_S = 30  # bound on every wait for the server to act on its own
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.05)
 
 
 @pytest.fixture
@@ -50,14 +52,6 @@ def gauges(address) -> dict:
 def counters(address) -> dict:
     with gcache.Client(address, transport="tcp") as c:
         return c.stats()["counters"]
-
-
-def wait_for(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT_S}s: {what}")
-        time.sleep(0.05)
 
 
 def value_of(key: bytes, size: int) -> bytes:
@@ -163,8 +157,8 @@ def test_a_crashed_client_never_pins_memory(server_factory, sock_dir):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert proc.stdout.strip() == "held", proc.stderr
-    wait_for(lambda: gauges(node.address)["leases_active"] == 0, "the dead client's leases dropped")
-    wait_for(lambda: gauges(node.address)["put_reserved_bytes"] == 0, "its reservation released")
+    wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the dead client's leases dropped")
+    wait_until(lambda: gauges(node.address)["put_reserved_bytes"] == 0, "its reservation released")
     with gcache.Client(node.address, transport="shm") as c:
         assert c.get(b"c") is None  # never committed
         assert c.put(b"c", b"z" * 4096) and c.get(b"c") == b"z" * 4096
@@ -177,13 +171,13 @@ def test_leases_expire_and_a_late_reservation_closes_its_connection(server_facto
     with RawShm(sock) as raw:
         raw.attach()
         assert raw.request(LOOKUP, {"keys": [b"k"]}).meta["lease"]
-        wait_for(lambda: gauges(node.address)["leases_active"] == 0, "the lease expired")
+        wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the lease expired")
         assert raw.request(PING, {}).status == OK  # an expired lease costs the client nothing else
         assert raw.request(RESERVE, {"keys": [b"late"], "lens": [KIB]}).meta["res"]
         # The client may still be writing there: past the deadline the server closes
         # the connection, and only then frees the block.
         assert raw.closed_by_server()
-    wait_for(lambda: gauges(node.address)["put_reserved_bytes"] == 0, "the reservation released")
+    wait_until(lambda: gauges(node.address)["put_reserved_bytes"] == 0, "the reservation released")
     c = counters(node.address)
     assert c["shm_lease_expiries"] == 1 and c["shm_reservation_expiries"] == 1
     with gcache.Client(node.address, transport="tcp") as tcp:

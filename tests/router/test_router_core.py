@@ -6,7 +6,6 @@ manual clock, so nothing here depends on how fast the box is.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from gcache.worker.model.transformer import Model
 from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher
 from gcache.worker.engine.request import SamplingParams
 from tests.support.router_support import CFG, ManualClock, engine, history, run, tokens
+from tests.support.waiting import wait_until
 
 GREEDY_1 = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -43,14 +43,6 @@ def router(rp, clock=None, **kw) -> RouterCore:
 def views(core: RouterCore) -> dict:
     with core.view.lock:
         return {u: (w.reg.epoch, w.reg.seq, dict(w.flags)) for u, w in core.view.workers.items()}
-
-
-def wait_until(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def test_late_router_rebuilds_the_same_view_and_two_routers_pick_alike(model, redis_proc):

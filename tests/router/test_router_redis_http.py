@@ -9,35 +9,27 @@ test holds that gap open for as long as it sends requests into it, instead of ra
 publishers' retry."""
 from __future__ import annotations
 
+import functools
 import json
-import time
 
 import pytest
 
 from tests.support.redis_support import RedisProcess, TcpGate
 from tests.support.serving_support import RouterProc, WorkerProc, metric, openai_client, post_json, request, start_all
+from tests.support import waiting
 
 pytestmark = pytest.mark.process  # starts processes
 
 openai = pytest.importorskip("openai")
 
 WAIT_S = 30.0
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.05)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 DOC = "A shared document that every turn of this conversation starts with. " * 3
 
 
 def health(r) -> dict:
     return json.loads(request(r.port, "GET", "/health")[1])
-
-
-def wait_for(cond, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise TimeoutError(f"not within {WAIT_S}s: {what}")
 
 
 @pytest.fixture
@@ -56,7 +48,7 @@ def cluster(tmp_path):
         start_all(workers + routers)  # a router answers /health 200 once it sees a worker
         urls = sorted(w.url for w in workers)
         for r in routers:
-            wait_for(lambda r=r: sorted(w["url"] for w in health(r)["workers"]) == urls, "routers see both workers")
+            wait_until(lambda r=r: sorted(w["url"] for w in health(r)["workers"]) == urls, "routers see both workers")
         yield redis, gate, workers, routers
     finally:
         for p in procs:
@@ -87,7 +79,7 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
         # Both routers see the new pages before the next turn (published via Redis).
         n = pages_seen(routers[0], home)
         for r in routers:
-            wait_for(lambda r=r: pages_seen(r, home) >= max(n, 1), "the worker's pages reach both routers")
+            wait_until(lambda r=r: pages_seen(r, home) >= max(n, 1), "the worker's pages reach both routers")
 
     # Redis killed -9 mid-run: routers fall back to least load; no request fails.
     loads = [metric(r.port, "gcache_router_sync_full_loads_total") for r in routers]
@@ -105,7 +97,7 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
     picks = [metric(r.port, fallback) for r in routers]
     redis.start()
     for r, n in zip(routers, refreshes):  # the 2nd good refresh surely read the new, empty Redis
-        wait_for(lambda r=r, n=n: metric(r.port, "gcache_router_refresh_ok_total") >= n + 2, "router reads Redis")
+        wait_until(lambda r=r, n=n: metric(r.port, "gcache_router_refresh_ok_total") >= n + 2, "router reads Redis")
         h = health(r)
         assert h["redis"] == "resync" and [w["url"] for w in h["workers"]] == sorted(by_url)
         assert not any(w["registered"] for w in h["workers"])
@@ -117,7 +109,7 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
         assert metric(r.port, fallback) >= n + 3
     gate.open()  # the workers re-register (new epochs), the routers reload both
     for r, n in zip(routers, loads):
-        wait_for(lambda r=r, n=n: metric(r.port, "gcache_router_sync_full_loads_total") >= n + 2
+        wait_until(lambda r=r, n=n: metric(r.port, "gcache_router_sync_full_loads_total") >= n + 2
                  and health(r)["redis"] == "up" and len(health(r)["workers"]) == 2, "resync after Redis")
 
     # The home worker is killed: requests are answered by the other one, and it leaves routing.
@@ -128,4 +120,4 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
                                           {"prompt": prompt, "max_tokens": 2})
         assert status == 200 and headers["x-gcache-worker"] == other, body
     for r in routers:
-        wait_for(lambda r=r: [w["url"] for w in health(r)["workers"]] == [other], "dead worker dropped")
+        wait_until(lambda r=r: [w["url"] for w in health(r)["workers"]] == [other], "dead worker dropped")

@@ -3,6 +3,7 @@ and shows a legitimate client still served. Real gcache-server processes; attack
 legitimate clients use different loopback addresses (127.0.0.1 vs 127.0.0.2/3)."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -12,6 +13,9 @@ import pytest
 from gcache._native import xxh64
 from tests.support.raw_protocol import (BUSY, GET_BATCH, HEADER, MAGIC, NO_SPACE, OK, PING, PUT_BATCH, STORED,
                                         RawConnection, frame_bytes)
+from tests.support import waiting
+
+wait_until = functools.partial(waiting.wait_until, timeout_s=20.0, step_s=0.05)
 
 MiB = 1 << 20
 
@@ -33,15 +37,6 @@ class SourcedConnection(RawConnection):
                                              source_address=(source, 0))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._next_id = 1
-
-
-def wait_until(predicate, timeout_s: float = 20.0, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
 
 
 def stats_of(node) -> dict:

@@ -18,6 +18,8 @@ from gcache.wire.auth import auth_mac, token_id
 from tests.support.raw_protocol import (AUTH, EXISTS_BATCH, FORBIDDEN, GET_BATCH, HEADER, KEY_INVALID, PING, PUT_BATCH,
                                         REMOVE_BATCH, STATS, STORED, UNAUTHENTICATED, RawConnection, frame_bytes,
                                         put_frame, raw_auth)
+
+
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789ab"
 READER = "reader-secret-0123456789"

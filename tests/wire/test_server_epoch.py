@@ -4,6 +4,7 @@ wait_puts_admitted_before, keys_page, keys, remove_keys). The native Server
 runs in-process, as the daemon runs it."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -19,6 +20,9 @@ from gcache.wire.protocol import FrameStatus, encode_keys_meta
 from gcache.server.rebalance import Rebalancer
 from tests.support.raw_protocol import (BAD_FRAME, EXISTS_BATCH, GET_BATCH, OK, PING, PUT_BATCH, REMOVE_BATCH, STORED,
                                         STALE_EPOCH, RawConnection, frame_bytes)
+from tests.support import waiting
+
+
 MAP = msgpack.packb({"epoch": 5, "nodes": [{"id": "a", "address": "127.0.0.1:1"}]}, use_bin_type=True)
 
 
@@ -233,6 +237,7 @@ def test_keys_snapshot_memory_then_disk_after_restart(tmp_path):
 # -- wait_puts_admitted_before: PUTs admitted under an older map -------------------
 
 WAIT_S = 5.0  # bounds every wait below; the server's stall timeout is 5 s too
+wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.01)
 
 
 def start_put(port: int, key: bytes, value: bytes, epoch, cut: int) -> RawConnection:
@@ -243,13 +248,6 @@ def start_put(port: int, key: bytes, value: bytes, epoch, cut: int) -> RawConnec
     conn = RawConnection(port, timeout_s=WAIT_S)
     conn.send(frame_bytes(PUT_BATCH, meta, value, request_id=41)[:-(len(value) - cut)])
     return conn
-
-
-def wait_until(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def admitted_below(server, epoch: int) -> bool:

@@ -4,10 +4,10 @@ state heals by a resync), and with a real gcache-server as L3 (a prefix L3 holds
 a worker that never saw it)."""
 from __future__ import annotations
 
+import functools
 import argparse
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +21,9 @@ from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher, add_p
 from gcache.worker.engine.request import SamplingParams
 from gcache.serving.tokenizer import ByteTokenizer
 from tests.support.router_support import CFG, engine, history, run, tokens
+from tests.support import waiting
+
+wait_until = functools.partial(waiting.wait_until, timeout_s=20.0, step_s=0.02)
 
 URL_A, URL_B = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
 
@@ -28,14 +31,6 @@ URL_A, URL_B = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
 @pytest.fixture(scope="module")
 def model():
     return Model(CFG)
-
-
-def wait_until(pred, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def view_of(core: RouterCore, url: str) -> dict:
