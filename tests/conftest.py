@@ -12,14 +12,12 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import _posixsubprocess
 import contextlib
-import shutil
 import socket
 import subprocess
 
 import pytest
 
-from gcache.tools.storebench.peers.redis_peer import LocalRedis
-from tests.support.redis_support import RedisProcess
+from tests.support.redis_support import start_redis
 from tests.support.servers import ServerProcess
 
 # This file's fixtures that start processes: a test using one of them, directly or through
@@ -103,19 +101,10 @@ def server(server_factory):
     return server_factory()
 
 
-def skip_without_redis() -> None:
-    if shutil.which("redis-server") is None:
-        message = "redis-server is not installed: run the README's setup command (./setup.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI runs setup.sh, so a missing server is a broken setup
-        pytest.skip(message)
-
-
 @pytest.fixture
 def redis_server():
     """A real redis-server on a free loopback port (skips if not installed)."""
-    skip_without_redis()
-    redis = LocalRedis()
+    redis = start_redis()
     yield redis.address
     redis.stop()
 
@@ -123,6 +112,6 @@ def redis_server():
 @pytest.fixture
 def redis_proc():
     """A real redis-server that can be killed -9, paused and restarted on its port."""
-    r = RedisProcess().start()
+    r = start_redis()
     yield r
     r.close()

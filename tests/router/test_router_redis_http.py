@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.support.redis_support import RedisProcess, TcpGate
+from tests.support.redis_support import TcpGate, start_redis
 from tests.support.serving_support import RouterProc, WorkerProc, metric, openai_client, post_json, request, start_all
 from tests.support import waiting
 
@@ -34,7 +34,7 @@ def health(r) -> dict:
 
 @pytest.fixture
 def cluster(tmp_path):
-    redis = RedisProcess().start()
+    redis = start_redis()
     gate = TcpGate(redis.port).start()
     procs = []
     try:

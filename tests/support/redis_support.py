@@ -1,68 +1,26 @@
-"""A real redis-server for router tests that can be killed -9 and restarted on the same port,
-and a TCP gate in front of it that cuts one side's link to Redis (a network fault)."""
+"""A real redis-server for the tests (killable -9, pausable, restartable on its port), and a
+TCP gate in front of it that cuts one side's link to Redis (a network fault)."""
 from __future__ import annotations
 
 import os
 import selectors
 import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 
 import pytest
 
-from gcache.common.processes import free_port, stop_process, wait_listening
+from gcache.tools.devcluster.local_redis import LocalRedis
 
-START_TIMEOUT_S = 15.0
-
-
-class RedisProcess:
-    """redis-server on a free loopback port, no persistence (a restart comes back empty)."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            message = "redis-server is not installed: run ./setup.sh"
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
-        self.exe = exe
-        self.port = free_port()
-        self.dir = tempfile.TemporaryDirectory(prefix="gcache-test-redis-")
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisProcess":
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir.name],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_listening(self.proc, self.port, START_TIMEOUT_S, "redis-server")
-        return self
-
-    def kill9(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, signal.SIGKILL)
-
-    def pause(self) -> None:
-        """SIGSTOP: the port stays open but nothing answers (a slow / hung Redis)."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
-    def restart(self) -> None:
-        self.kill9()
-        self.start()
-
-    def close(self) -> None:
-        self.kill9()  # SIGKILL ends a paused one too
-        self.dir.cleanup()
+def start_redis() -> LocalRedis:
+    """A started redis-server (gcache.tools.devcluster's LocalRedis); skips the test if
+    redis-server is not installed, and fails it under CI, whose setup installs it."""
+    if shutil.which("redis-server") is None:
+        message = "redis-server is not installed: run the README's setup command (./setup.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return LocalRedis()
 
 
 class TcpGate:

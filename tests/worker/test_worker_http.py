@@ -5,58 +5,28 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # tiny matmuls: threads only add contention
 
-import http.client
 import json
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support import REPO_ROOT
-from gcache.common.processes import free_port, stop_process
 from gcache.worker.config import ModelConfig
 from gcache.worker.model.transformer import Model
+from tests.support.serving_support import TINY, WorkerProc, request
 
 pytestmark = pytest.mark.process  # starts processes
 
-TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
-        "window": 32, "page_size": 8, "vocab_size": 512, "dtype": "float64"}
+class Worker(WorkerProc):
+    """gcache-worker (tests.support.serving_support's launcher) and the calls these tests make."""
 
-
-class Worker:
     def __init__(self, tmp_path: Path, extra=()) -> None:
-        self.port = free_port()
-        exe = shutil.which("gcache-worker", path=str(Path(sys.executable).parent))
-        cmd = [exe] if exe else [sys.executable, "-m", "gcache.worker.http.server"]
-        self.log = open(tmp_path / f"worker-{self.port}.log", "wb")
-        self.proc = subprocess.Popen(
-            cmd + ["--host", "127.0.0.1", "--port", str(self.port), "--config-json", json.dumps(TINY),
-                   "--kv-budget-mib", "1", "--max-prompt-tokens", "600", "--max-new-tokens", "64",
-                   "--chunk-tokens", "64", "--max-tokens-per-step", "128", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={"GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1",
-                                                                         "PATH": "/usr/bin:/bin"})
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"worker exited: {(tmp_path / f'worker-{self.port}.log').read_text()}"
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("worker did not become healthy")
+        super().__init__(tmp_path, extra)
+        self.start()
 
     def request(self, method: str, path: str, body: bytes | None = None, headers=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            resp = conn.getresponse()
-            return resp.status, resp.read(), resp.getheader("Content-Type")
-        finally:
-            conn.close()
+        status, data, resp_headers = request(self.port, method, path, body, headers)
+        return status, data, resp_headers.get("content-type")
 
     def get(self, path: str):
         return self.request("GET", path)
@@ -65,10 +35,6 @@ class Worker:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         status, data, _ = self.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         return status, json.loads(data)
-
-    def stop(self) -> None:
-        stop_process(self.proc, timeout_s=15)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
