@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gcache.tools.devcluster.local_server import LocalServer
+from gcache.tools.devcluster.local_server import LocalServer, node_args
 from gcache.client import Client
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
@@ -159,9 +159,9 @@ class NodeProcess(LocalServer):
         super().__init__(base / node_id, memory="64MiB", disk="128MiB", admin_port=free_port(),
                          start_timeout_s=WAIT_S)
         self.node_id = node_id
-        self.extra_args = ["--master", masters, "--node-id", node_id,
-                           "--advertise", advertise or self.address,  # a test may advertise a dead one
-                           "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
+        self.extra_args = [*node_args(masters=masters, node_id=node_id,
+                                      advertise=advertise or self.address,  # a test may advertise a dead one
+                                      heartbeat_interval_s=HEARTBEAT_INTERVAL_S),
                            "--rebalance-batch-bytes", "4MiB", "--shutdown-grace-s", "2"]
 
     def admin(self, path: str, data: bytes | None = None) -> tuple[int, str]:

@@ -30,6 +30,7 @@ from gcache.tools.devcluster import local_security
 from gcache.tools.devcluster.netns import NetnsNetwork, require_netns
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
 from gcache.tools.devcluster.local_masters import wait_leader as wait_master_leader
+from gcache.tools.devcluster.local_server import node_args, server_command
 from gcache.common.processes import PidProcess, Process, free_port, stop_process, stop_processes
 
 MASTER_HOST_BASE = 11
@@ -238,14 +239,12 @@ class LocalCluster:
         s = self.settings
         # `ip netns exec` execs the server, so the pid Popen returns is the server's.
         prefix = self.network.exec_prefix(n.netns) if self.network and n.netns else []
-        return [*prefix, sys.executable, "-m", "gcache.server.main",
-                "--host", n.host, "--port", str(n.ports["data"]),
-                "--admin-host", n.host, "--admin-port", str(n.ports["admin"]),
-                "--memory", s["memory"], "--disk", s["disk"], "--data-dir", n.data_dir,
-                "--master", ",".join(m.address for m in self.masters),
-                "--node-id", n.id, "--advertise", n.address,
-                "--heartbeat-interval-s", str(s["heartbeat_interval_s"]), *self._security_args("node"),
-                *s["node_args"]]
+        node = node_args(masters=",".join(m.address for m in self.masters), node_id=n.id,
+                         advertise=n.address, heartbeat_interval_s=s["heartbeat_interval_s"])
+        return [*prefix, *server_command(host=n.host, port=n.ports["data"], admin_host=n.host,
+                                         admin_port=n.ports["admin"], memory=s["memory"], disk=s["disk"],
+                                         data_dir=n.data_dir,
+                                         extra=[*node, *self._security_args("node"), *s["node_args"]])]
 
     def start(self, m: Member) -> None:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""
