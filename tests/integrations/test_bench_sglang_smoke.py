@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from .sglang_support import HERE
+
+pytestmark = pytest.mark.process  # starts processes
 
 
 def test_sglang_backend_bench_smoke(tmp_path, capsys):
