@@ -18,6 +18,7 @@ from gcache.router.match import match_worker
 from gcache.worker.kvcache.cache_events import CacheEventLog
 from gcache.worker.model.transformer import Model
 from tests.support.router_support import CFG, PS, W, engine, history, run, tokens
+from tests.support.engine_support import tree_nodes
 
 
 @pytest.fixture(scope="module")
@@ -105,18 +106,10 @@ def test_every_full_page_flag_names_a_page_the_tree_holds(model):
     run(eng, [prompt])
     ids = page_ids(prompt, PS)
     held = {pid for pid, f in log.mirror.items() if f & L1_FULL}
-    n_tree = sum(len(n.keys) for n in _nodes(eng.cache.tree))
+    n_tree = sum(len(n.keys) for n in tree_nodes(eng.cache.tree))
     assert len(held) == n_tree
     last = max(eng.cache.tree.checkpoints(np.asarray(prompt))) // PS
     assert last >= 4 and set(ids[:last]) <= held
-
-
-def _nodes(tree):
-    stack = list(tree.root.children.values())
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
 
 
 def test_a_full_event_buffer_drops_counts_and_heals_with_a_snapshot(model):

@@ -22,6 +22,7 @@ from gcache.worker.model.transformer import Model
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.engine.scheduler import QueueFullError, SchedulerConfig
 from tests.support.reference import check_against_reference
+from tests.support.engine_support import tree_nodes
 
 CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
                   page_size=8, vocab_size=512, dtype="float64")
@@ -49,7 +50,7 @@ class Spy:
         def counting_insert(tokens, full_pages, swa_pages, keys=None):
             before = self._tombstoned_full_pages(tree)
             added = insert(tokens, full_pages, swa_pages, keys=keys)
-            present = {f for n in self._nodes(tree) for f in n.full}
+            present = {f for n in tree_nodes(tree) for f in n.full}
             # A tombstone's full page stays put on insert, so live SWA there now = revived.
             self.revivals += len((before & present) - self._tombstoned_full_pages(tree))
             return added
@@ -57,16 +58,8 @@ class Spy:
         tree.evict, tree.insert = counting_evict, counting_insert
         self.tree = tree
 
-    @staticmethod
-    def _nodes(tree):
-        stack = list(tree.root.children.values())
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
-
     def _tombstoned_full_pages(self, tree) -> set[int]:
-        return {f for n in self._nodes(tree) for f, s in zip(n.full, n.swa) if s is None}
+        return {f for n in tree_nodes(tree) for f, s in zip(n.full, n.swa) if s is None}
 
     def after_step(self) -> None:
         self.tombstones = max(self.tombstones, len(self._tombstoned_full_pages(self.tree)))

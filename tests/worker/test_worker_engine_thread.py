@@ -6,7 +6,6 @@ part on an asyncio loop, as http_server does.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 
 import pytest
@@ -17,34 +16,10 @@ from gcache.worker.engine.engine_thread import EngineThread, Pending
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.http.flags import build_engine, parse_args
+from tests.support.engine_support import InEngine
 
 WAIT_S = 30.0
 PROMPT = list(b"The engine thread reports to the asyncio loop. ")
-
-
-class InEngine:
-    """A step hook that runs test code in the engine thread (only that thread touches the engine)."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.Queue = queue.Queue()
-
-    def __call__(self, engine) -> None:
-        while not self.jobs.empty():
-            fn, box, done = self.jobs.get()
-            try:
-                box.append(fn(engine))
-            except Exception as e:  # noqa: BLE001 - handed back to the test thread
-                box.append(e)
-            done.set()
-
-    def run(self, fn):
-        box, done = [], threading.Event()
-        self.jobs.put((fn, box, done))
-        if not done.wait(WAIT_S):
-            raise TimeoutError("the engine thread did not run the job")
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import queue
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from gcache.serving import runner
 from gcache.serving.sse import parse_events
 from gcache.worker.http.server import make_app
 from gcache.worker.http.flags import build_engine, parse_args
+from tests.support.engine_support import InEngine
 
 WAIT_S = 30.0
 PROMPT = "In process, on a real socket. "
@@ -36,25 +36,6 @@ class Gate:
         if self.armed.is_set() and not self.open.is_set() and any(r.output for r in engine.scheduler.running):
             self.reached.set()
             self.open.wait(WAIT_S)
-
-
-class InEngine:
-    """Step hook that runs test code in the engine thread."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.Queue = queue.Queue()
-
-    def __call__(self, engine) -> None:
-        while not self.jobs.empty():
-            fn, box, done = self.jobs.get()
-            box.append(fn(engine))
-            done.set()
-
-    def run(self, fn):
-        box, done = [], threading.Event()
-        self.jobs.put((fn, box, done))
-        assert done.wait(WAIT_S), "the engine thread did not run the job"
-        return box[0]
 
 
 class InProcessWorker:
