@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gcache.cli.main import main as cli
+from gcache.cli import main as cli
 from gcache.cluster.cluster_map import ACTIVE
 from gcache.common.processes import free_port, stop_process, wait_listening
 

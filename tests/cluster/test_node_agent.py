@@ -213,7 +213,7 @@ def _states(client) -> dict:
 
 
 def _wait_states(client, expected: dict, what: str, timeout_s: float = WAIT_S) -> ClusterMap:
-    wait_until(lambda: _states(client) == expected, f"{what}: map {expected}", timeout_s)
+    wait_until(lambda: _states(client) == expected, f"{what}: map {expected}", timeout_s=timeout_s)
     return client.get_map()
 
 
