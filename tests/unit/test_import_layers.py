@@ -8,6 +8,7 @@ count; imports inside functions do (a late import hides a dependency, it does no
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "gcache"
@@ -77,6 +78,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+@functools.lru_cache(maxsize=None)  # one parse of the package for the three tests
 def graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths) | {"gcache._native"}
