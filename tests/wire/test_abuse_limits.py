@@ -8,11 +8,8 @@ import os
 import socket
 import time
 
-import pytest
-
-from gcache._native import xxh64
-from tests.support.raw_protocol import (BUSY, GET_BATCH, HEADER, MAGIC, NO_SPACE, OK, PING, PUT_BATCH, STORED,
-                                        RawConnection, frame_bytes)
+from tests.support.raw_protocol import (BUSY, GET_BATCH, HEADER, MAGIC, OK, PING, PUT_BATCH, STORED, RawConnection,
+                                        frame_bytes)
 from tests.support import waiting
 
 wait_until = functools.partial(waiting.wait_until, timeout_s=20.0, step_s=0.05)

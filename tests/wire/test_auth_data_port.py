@@ -8,16 +8,14 @@ import hmac
 import os
 import time
 
-import msgpack
 import pytest
 
 import gcache
 from gcache import errors
-from gcache._native import hmac_sha256, xxh64
+from gcache._native import hmac_sha256
 from gcache.wire.auth import auth_mac, token_id
-from tests.support.raw_protocol import (AUTH, EXISTS_BATCH, FORBIDDEN, GET_BATCH, HEADER, KEY_INVALID, PING, PUT_BATCH,
-                                        REMOVE_BATCH, STATS, STORED, UNAUTHENTICATED, RawConnection, frame_bytes,
-                                        put_frame, raw_auth)
+from tests.support.raw_protocol import (AUTH, EXISTS_BATCH, FORBIDDEN, GET_BATCH, KEY_INVALID, PING, REMOVE_BATCH, STATS,
+                                        STORED, UNAUTHENTICATED, RawConnection, frame_bytes, put_frame, raw_auth)
 
 
 ALICE = "alice-secret-0123456789"
