@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from gcache.cli import main as cli
 from gcache.cluster.cluster_map import ACTIVE
-from gcache.common.processes import free_port, stop_process, wait_listening
+from gcache.common.processes import free_port
+from gcache.tools.devcluster.local_server import LocalServer, node_args
 
 pytestmark = pytest.mark.cluster  # starts masters
 
@@ -98,14 +96,10 @@ def test_drain_wait_until_a_real_node_leaves(master, capsys, tmp_path):
     url, client = master
     for node in client.get_map().nodes:  # hand-registered nodes never report: they would block the join
         client.call("Remove", {"node_id": node.id})
-    port, admin_port = free_port(), free_port()
-    args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1", "--port", str(port),
-            "--admin-port", str(admin_port), "--data-dir", str(tmp_path / "node"), "--memory", "16MiB",
-            "--disk", "0", "--master", url, "--node-id", "real", "--heartbeat-interval-s", "0.2"]
-    with open(tmp_path / "node.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = LocalServer(tmp_path / "node", memory="16MiB", disk="0", start_timeout_s=WAIT_S,
+                         extra_args=node_args(masters=url, node_id="real", heartbeat_interval_s=0.2))
     try:
-        wait_listening(proc, port, WAIT_S, "gcache-server", lambda: (tmp_path / "node.log").read_text())
+        proc = server.pick_admin_port().start().proc
         deadline = time.monotonic() + WAIT_S
         while (node := client.get_map().node("real")) is None or node.state != ACTIVE:
             assert time.monotonic() < deadline, "node 'real' never became active"
@@ -114,4 +108,4 @@ def test_drain_wait_until_a_real_node_leaves(master, capsys, tmp_path):
         assert code == cli.EXIT_OK and "real left the map" in out, out
         assert proc.wait(WAIT_S) == 0
     finally:
-        stop_process(proc, signal.SIGKILL, group=True)
+        server.kill()

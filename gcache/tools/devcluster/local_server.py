@@ -21,9 +21,10 @@ def server_command(*, host: str, port: int, admin_port: int, memory: str, disk: 
             *extra]
 
 
-def node_args(*, masters: str, node_id: str, advertise: str, heartbeat_interval_s: float) -> list[str]:
-    """The flags that make a gcache-server a cluster node: its masters, its id, the address it advertises."""
-    return ["--master", masters, "--node-id", node_id, "--advertise", advertise,
+def node_args(*, masters: str, node_id: str, heartbeat_interval_s: float, advertise: str = "") -> list[str]:
+    """The flags that make a gcache-server a cluster node: its masters, its id, the address it
+    advertises ("": the server's default, host:port)."""
+    return ["--master", masters, "--node-id", node_id, *(["--advertise", advertise] if advertise else []),
             "--heartbeat-interval-s", str(heartbeat_interval_s)]
 
 
