@@ -22,6 +22,7 @@ import yaml
 
 from tests.support import REPO_ROOT
 from gcache.server.config import build_parser, load_settings
+from tests.support.servers import run_server_cli
 
 DEPLOY = REPO_ROOT / "deploy"
 EXAMPLE_CONFIG = DEPLOY / "gcache-server.toml"
@@ -438,10 +439,7 @@ def test_example_auth_file_loads_and_placeholders_are_refused_at_start(tmp_path)
     assert {n: sorted(t.roles) for n, t in auth.tenants.items()} == \
         {"nodes": ["cluster"], "ops": ["admin"], "engines": ["read", "write"]}
     assert placeholder_tenants(auth) == ["engines", "nodes", "ops"]
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "gcache.server.main", "--auth-file", str(EXAMPLE_AUTH),
-                          "--port", "0", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    out = run_server_cli("--auth-file", str(EXAMPLE_AUTH), "--port", "0", "--data-dir", str(tmp_path))
     assert out.returncode == 2 and "placeholder token" in out.stderr
 
 

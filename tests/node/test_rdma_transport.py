@@ -17,8 +17,6 @@ import functools
 import ctypes
 import itertools
 import os
-import subprocess
-import sys
 import threading
 
 import msgpack
@@ -31,6 +29,7 @@ from gcache.client.transports import rdma as rdma_transport, shm_ops
 from gcache.server.rdma import RdmaRegion
 from tests.support.raw_protocol import BAD_FRAME, FORBIDDEN, INTERNAL, LOOKUP, OK, RDMA_CONNECT, RawConnection
 from tests.support import waiting
+from tests.support.servers import run_server_cli
 
 
 WAIT_S = 10.0
@@ -97,10 +96,8 @@ def test_auto_falls_back_to_tcp_without_shm_and_rdma(server_factory, monkeypatch
 def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
     name = "gcache_no_such_device"
     expected = host_rdma_reason(name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "gcache.server.main", "--port", "0", "--admin-port", "0",
-         "--data-dir", str(tmp_path / "data"), "--memory", "16MiB", "--disk", "0", "--rdma-device", name],
-        capture_output=True, text=True, timeout=60)
+    proc = run_server_cli("--port", "0", "--admin-port", "0", "--data-dir", str(tmp_path / "data"),
+                          "--memory", "16MiB", "--disk", "0", "--rdma-device", name)
     assert proc.returncode == 3, proc.stderr
     assert f"--rdma-device {name}: {expected}" in proc.stderr
     assert not (tmp_path / "data").exists(), "the device is checked before the store opens"
@@ -110,11 +107,9 @@ def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
 def test_server_refuses_rdma_with_authentication(tmp_path):
     from gcache.tools.devcluster.local_security import write_auth_file
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "gcache.server.main", "--port", "0", "--admin-port", "0",
-         "--data-dir", str(tmp_path / "data"), "--memory", "16MiB", "--disk", "0", "--rdma-device", "mlx5_0",
-         "--auth-file", str(write_auth_file(tmp_path / "auth"))],
-        capture_output=True, text=True, timeout=60)
+    proc = run_server_cli("--port", "0", "--admin-port", "0", "--data-dir", str(tmp_path / "data"),
+                          "--memory", "16MiB", "--disk", "0", "--rdma-device", "mlx5_0",
+                          "--auth-file", str(write_auth_file(tmp_path / "auth")))
     assert proc.returncode == 2, proc.stderr
     assert "--rdma-device with --auth-file: RDMA would reach every tenant's values" in proc.stderr
     assert not (tmp_path / "data").exists()

@@ -1,13 +1,12 @@
 """gcache-server's eviction settings, end to end: flags, config file, validation, and the
 chain policy seeing PUT_BATCH chains and EXISTS_BATCH prefixes through a real server."""
-import subprocess
-import sys
 import tempfile
 
 import pytest
 
 import gcache
 from gcache.server.config import ConfigError, load_settings
+from tests.support.servers import run_server_cli
 
 PAGE = 4096
 FLAGS = ["--eviction-policy", "--eviction-fresh-weight", "--eviction-ghost-factor", "--eviction-tail-hint",
@@ -16,8 +15,7 @@ FLAGS = ["--eviction-policy", "--eviction-fresh-weight", "--eviction-ghost-facto
 
 @pytest.mark.process
 def test_help_names_every_eviction_flag():
-    out = subprocess.run([sys.executable, "-m", "gcache.server.main", "--help"], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = run_server_cli("--help", check=True).stdout
     for flag in FLAGS:
         assert flag in out
 

@@ -7,21 +7,14 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
-from tests.support import REPO_ROOT
 from gcache.common.processes import free_port
 from tests.support.raw_protocol import STORED, RawConnection, put_frame
+from tests.support.servers import run_server_cli
 
 pytestmark = pytest.mark.process  # starts processes
-
-
-def run_server_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gcache.server.main", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def admin_get(node, path: str) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from gcache._native import hmac_sha256
 from gcache.wire.auth import auth_mac, token_id
 from tests.support.raw_protocol import (AUTH, EXISTS_BATCH, FORBIDDEN, GET_BATCH, KEY_INVALID, PING, REMOVE_BATCH, STATS,
                                         STORED, UNAUTHENTICATED, RawConnection, frame_bytes, put_frame, raw_auth)
+from tests.support.servers import run_server_cli
 
 
 ALICE = "alice-secret-0123456789"
@@ -177,12 +178,9 @@ def test_client_with_token_works_against_a_node_without_auth(server):
 
 @pytest.mark.process
 def test_bad_auth_file_is_a_usage_error(tmp_path):
-    import subprocess
-    import sys
     bad = tmp_path / "auth.toml"
     bad.write_text('[tenants.x]\ntoken = "short"\nroles = ["read"]\n')
-    out = subprocess.run([sys.executable, "-m", "gcache.server.main", "--auth-file", str(bad), "--port", "0"],
-                         capture_output=True, text=True, timeout=60)
+    out = run_server_cli("--auth-file", str(bad), "--port", "0")
     assert out.returncode == 2 and "token must be a string of 16" in out.stderr
 
 
