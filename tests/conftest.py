@@ -1,30 +1,83 @@
-"""Shared fixtures: real gcache-server processes on free loopback ports."""
+"""Shared fixtures (real gcache-server and redis-server processes on free loopback ports) and
+the two markers: `process` (the test starts a process or a listening server) and `cluster`
+(it starts masters, i.e. a cluster; implies `process`). A test gets `process` from the fixtures
+it uses (PROCESS_FIXTURES) or from a mark in its file; an unmarked test that starts a process or
+listens on a socket fails (see pytest_runtest_setup below), so `pytest -m "not process"`, the
+unit lane, is pure."""
 from __future__ import annotations
 
 import os
 
 # One BLAS thread: on 2 shared cores, BLAS thread pools only fight each other.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import shutil
-from pathlib import Path
+import _posixsubprocess
+import contextlib
+import socket
+import subprocess
 
 import pytest
 
-from gcache.tools.devcluster.local_server import LocalServer
-from gcache.tools.storebench.peers.redis_peer import LocalRedis
+from tests.support.redis_support import start_redis
+from tests.support.servers import ServerProcess
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# This file's fixtures that start processes: a test using one of them, directly or through
+# another fixture, is marked `process`. A test file whose own fixtures or tests start processes
+# or servers says so with `pytestmark` or `@pytest.mark.process`; one that starts masters with
+# `cluster`, which implies `process`.
+PROCESS_FIXTURES = {"server_factory", "server", "redis_server", "redis_proc"}
 
 
-class ServerProcess(LocalServer):
-    """A gcache-server subprocess for tests: small tiers, an admin port, start() waits for its port."""
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("cluster") or PROCESS_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.process)
 
-    def __init__(self, data_dir: Path, memory: str = "64MiB", disk: str = "256MiB", extra_args=()):
-        super().__init__(data_dir, memory=memory, disk=disk, extra_args=extra_args, start_timeout_s=20.0)
-        self.pick_admin_port()
 
-    def log(self) -> str:
-        return self.log_tail()
+class UnmarkedProcessError(AssertionError):
+    pass
+
+
+def _refuse(item, what):
+    def refused(*args, **kwargs):
+        raise UnmarkedProcessError(f"{item.nodeid} {what} but is not marked `process` "
+                                   "(use a process fixture, @pytest.mark.process or pytestmark)")
+    return refused
+
+
+_SPAWNERS = [(module, name) for module, name in
+             ((os, "fork"), (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"),
+              (subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec")) if hasattr(module, name)]
+
+
+@contextlib.contextmanager
+def _no_processes(item):
+    if item.get_closest_marker("process") is not None:
+        yield
+        return
+    saved = [(module, name, getattr(module, name)) for module, name in _SPAWNERS]
+    saved.append((socket.socket, "listen", socket.socket.listen))
+    for module, name, _ in saved:
+        setattr(module, name, _refuse(item, "listens on a socket" if name == "listen" else "starts a process"))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """The unit lane's guard: a test not marked `process` may start no process and listen on no
+    socket, in its body or in any fixture it sets up (module- and session-scoped ones included)."""
+    with _no_processes(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes(item):
+        yield
 
 
 @pytest.fixture
@@ -51,15 +104,14 @@ def server(server_factory):
 @pytest.fixture
 def redis_server():
     """A real redis-server on a free loopback port (skips if not installed)."""
-    if shutil.which("redis-server") is None:
-        message = "redis-server is not installed: run the README's setup command (./setup.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI runs setup.sh, so a missing server is a broken setup
-        pytest.skip(message)
-    redis = LocalRedis()
+    redis = start_redis()
     yield redis.address
     redis.stop()
 
 
-def pytest_configure(config):
-    os.environ.setdefault("GCACHE_TEST", "1")
+@pytest.fixture
+def redis_proc():
+    """A real redis-server that can be killed -9, paused and restarted on its port."""
+    r = start_redis()
+    yield r
+    r.close()

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
+
+pytestmark = pytest.mark.process  # starts processes
+
 
 def test_sglang_backend_bench_smoke(tmp_path, capsys):
     bench = importlib.import_module("bench.sglang.backend")

@@ -7,6 +7,8 @@ import gcache
 from gcache.tools.devcluster.local_cluster import LocalCluster
 from .sglang_support import chain, page_bytes, slots
 
+pytestmark = pytest.mark.cluster  # starts masters
+
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, memory="64MiB", disk="128MiB")
 
 

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,8 @@ from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.tools.devcluster import local_security
 from gcache.tools.devcluster.netns import NetnsNetwork, require_netns
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
-from gcache.tools.devcluster.local_masters import wait_leader as wait_master_leader
+from gcache.tools.devcluster.local_masters import master_command, wait_leader as wait_master_leader
+from gcache.tools.devcluster.local_server import node_args, server_command
 from gcache.common.processes import PidProcess, Process, free_port, stop_process, stop_processes
 
 MASTER_HOST_BASE = 11
@@ -200,13 +200,13 @@ class LocalCluster:
 
     def _master_args(self, m: Member) -> list[str]:
         s = self.settings
-        peers = ",".join(f"{o.host}:{o.ports['raft']}" for o in self.masters if o is not m)
-        return [sys.executable, "-m", "gcache.master.main",
-                "--grpc", m.address, "--raft", f"{m.host}:{m.ports['raft']}", "--peers", peers,
-                "--http", f"{m.host}:{m.ports['http']}", "--data-dir", m.data_dir,
-                "--heartbeat-timeout-s", str(s["heartbeat_timeout_s"]),
-                "--migration-timeout-s", str(s["migration_timeout_s"]),
-                "--tick-s", str(s["tick_s"]), *self._security_args("master"), *s["master_args"]]
+        peers = [f"{o.host}:{o.ports['raft']}" for o in self.masters if o is not m]
+        return master_command(grpc_address=m.address, raft_address=f"{m.host}:{m.ports['raft']}", peers=peers,
+                              data_dir=m.data_dir, http_address=f"{m.host}:{m.ports['http']}",
+                              extra=["--heartbeat-timeout-s", str(s["heartbeat_timeout_s"]),
+                                     "--migration-timeout-s", str(s["migration_timeout_s"]),
+                                     "--tick-s", str(s["tick_s"]), *self._security_args("master"),
+                                     *s["master_args"]])
 
     def _security_args(self, role: str) -> list[str]:
         args = []
@@ -238,14 +238,12 @@ class LocalCluster:
         s = self.settings
         # `ip netns exec` execs the server, so the pid Popen returns is the server's.
         prefix = self.network.exec_prefix(n.netns) if self.network and n.netns else []
-        return [*prefix, sys.executable, "-m", "gcache.server.main",
-                "--host", n.host, "--port", str(n.ports["data"]),
-                "--admin-host", n.host, "--admin-port", str(n.ports["admin"]),
-                "--memory", s["memory"], "--disk", s["disk"], "--data-dir", n.data_dir,
-                "--master", ",".join(m.address for m in self.masters),
-                "--node-id", n.id, "--advertise", n.address,
-                "--heartbeat-interval-s", str(s["heartbeat_interval_s"]), *self._security_args("node"),
-                *s["node_args"]]
+        node = node_args(masters=",".join(m.address for m in self.masters), node_id=n.id,
+                         advertise=n.address, heartbeat_interval_s=s["heartbeat_interval_s"])
+        return [*prefix, *server_command(host=n.host, port=n.ports["data"], admin_host=n.host,
+                                         admin_port=n.ports["admin"], memory=s["memory"], disk=s["disk"],
+                                         data_dir=n.data_dir,
+                                         extra=[*node, *self._security_args("node"), *s["node_args"]])]
 
     def start(self, m: Member) -> None:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""

@@ -28,6 +28,16 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 
 
+def master_command(*, grpc_address: str, raft_address: str, peers, data_dir, http_address: str = "",
+                   extra=()) -> list[str]:
+    """The gcache-master command line of every launcher here (LocalMaster, LocalCluster's masters)."""
+    args = [sys.executable, "-m", "gcache.master.main", "--grpc", grpc_address, "--raft", raft_address,
+            "--peers", ",".join(peers), "--data-dir", str(data_dir)]
+    if http_address:
+        args += ["--http", http_address]
+    return args + list(extra)
+
+
 def _flag_args(flags: dict) -> list[str]:
     """{"heartbeat_timeout_s": 1.0} -> ["--heartbeat-timeout-s", "1.0"]."""
     out = []
@@ -55,11 +65,8 @@ class LocalMaster:
         return self.proc.pid if self.proc is not None else None
 
     def args(self) -> list[str]:
-        args = [sys.executable, "-m", "gcache.master.main", "--grpc", self.grpc_address,
-                "--raft", self.raft_address, "--peers", ",".join(self.peers), "--data-dir", str(self.data_dir)]
-        if self.http_address:
-            args += ["--http", self.http_address]
-        return args + _flag_args(self.flags)
+        return master_command(grpc_address=self.grpc_address, raft_address=self.raft_address, peers=self.peers,
+                              data_dir=self.data_dir, http_address=self.http_address, extra=_flag_args(self.flags))
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> "LocalMaster":
         """Starts the process and returns once its gRPC port accepts connections."""

@@ -12,6 +12,22 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 
+def server_command(*, host: str, port: int, admin_port: int, memory: str, disk: str, data_dir,
+                   admin_host: str | None = None, extra=()) -> list[str]:
+    """The gcache-server command line of every launcher here (LocalServer, LocalCluster's nodes)."""
+    admin = ["--admin-host", admin_host] if admin_host else []
+    return [sys.executable, "-m", "gcache.server.main", "--host", host, "--port", str(port), *admin,
+            "--admin-port", str(admin_port), "--memory", memory, "--disk", disk, "--data-dir", str(data_dir),
+            *extra]
+
+
+def node_args(*, masters: str, node_id: str, heartbeat_interval_s: float, advertise: str = "") -> list[str]:
+    """The flags that make a gcache-server a cluster node: its masters, its id, the address it
+    advertises ("": the server's default, host:port)."""
+    return ["--master", masters, "--node-id", node_id, *(["--advertise", advertise] if advertise else []),
+            "--heartbeat-interval-s", str(heartbeat_interval_s)]
+
+
 class LocalServer:
     """One gcache-server on a free loopback port; its output goes to `data_dir`/../gcache-server-PORT.log.
 
@@ -68,9 +84,8 @@ class LocalServer:
 
     def _start_once(self) -> "LocalServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "gcache.server.main", "--host", "127.0.0.1", "--port", str(self.port),
-                "--admin-port", str(self.admin_port), "--memory", self.memory, "--disk", self.disk,
-                "--data-dir", str(self.data_dir), *self.extra_args]
+        args = server_command(host="127.0.0.1", port=self.port, admin_port=self.admin_port, memory=self.memory,
+                              disk=self.disk, data_dir=self.data_dir, extra=self.extra_args)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         try:

@@ -1,0 +1,134 @@
+"""The package's shape, checked: no import circle between gcache modules, and no module
+importing from a room on its own row or above it (LAYERS, lowest first).
+
+A room is the longest prefix in LAYERS that names a module; a module may import its own room
+and rooms on lower rows only. Imports under `if TYPE_CHECKING:` are for annotations and do not
+count; imports inside functions do (a late import hides a dependency, it does not remove it).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "gcache"
+
+LAYERS = [
+    ["gcache.errors", "gcache._native"],                          # leaves
+    ["gcache.common"],                                            # sizes, addresses, breaker, processes
+    ["gcache.wire"],                                              # frames, keys, tokens
+    ["gcache.cluster"],                                           # the map, placement, the master's API
+    ["gcache.client"],                                            # the client
+    ["gcache"],                                                   # the facade: gcache.Client, __version__
+    ["gcache.server", "gcache.master", "gcache.cli"],             # the daemons and the operators' CLI
+    ["gcache.serving"],                                           # the worker <-> router contract, HTTP pieces
+    ["gcache.worker", "gcache.router"],                           # worker foundation (config, backend, integrity)
+    ["gcache.worker.kvcache"],
+    ["gcache.worker.model", "gcache.worker.engine"],
+    ["gcache.worker.http"],
+    ["gcache.integrations"],                                      # engine adapters
+    ["gcache.tools.devcluster"],                                  # launchers, local clusters
+    ["gcache.tools.storebench"],                                  # the gcache-bench harness
+    ["gcache.tools"],                                             # gcache-demo
+]
+ROW = {room: row for row, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in ROW:
+            return ".".join(parts[:end])
+    raise AssertionError(f"{module} is in no room of LAYERS: add it there")
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "gcache")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "gcache":
+                continue
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    found.discard(me)
+    return found
+
+
+@functools.lru_cache(maxsize=None)  # one parse of the package for the three tests
+def graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths) | {"gcache._native"}
+    return {m: imports_of(p, modules) for m, p in paths.items()}
+
+
+def test_every_module_has_a_room():
+    for module in graph():
+        room_of(module)
+
+
+def test_no_module_imports_a_room_above_or_beside_its_own():
+    wrong = []
+    for module, targets in graph().items():
+        mine = room_of(module)
+        for target in targets:
+            theirs = room_of(target)
+            if theirs != mine and ROW[theirs] >= ROW[mine]:
+                wrong.append(f"{module} -> {target} ({mine} row {ROW[mine]}, {theirs} row {ROW[theirs]})")
+    assert not wrong, "imports that run up or sideways:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circle():
+    edges = graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in edges:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"
