@@ -12,7 +12,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from gcache.tools.storebench.peers.redis_peer import LocalRedis
+from gcache.tools.devcluster.local_redis import LocalRedis
 
 from bench.hicache.cluster import Setup, Worker
 from bench.hicache.measure import measure_h2d, measure_timing, start_server, stop_server

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gcache.tools.storebench.peers.redis_peer import LocalRedis
+from gcache.tools.devcluster.local_redis import LocalRedis
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.engine.request import SamplingParams

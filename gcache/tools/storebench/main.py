@@ -234,7 +234,8 @@ def _run_transports(args, address, options, cfg, workers, mode, run_tag, progres
 
 
 def _run_redis(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:
-    from gcache.tools.storebench.peers.redis_peer import LocalRedis, parse_redis_url
+    from gcache.tools.devcluster.local_redis import LocalRedis
+    from gcache.tools.storebench.peers.redis_peer import parse_redis_url
     local = None
     try:
         if args.redis_url:

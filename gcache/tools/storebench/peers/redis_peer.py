@@ -1,19 +1,14 @@
-"""Redis through redis-py pipelines (SET / GET / EXISTS), and a local redis-server."""
+"""Redis through redis-py pipelines (SET / GET / EXISTS); the local redis-server it measures
+against is gcache.tools.devcluster.local_redis.LocalRedis."""
 from __future__ import annotations
-
-import shutil
-import subprocess
-import tempfile
 
 import numpy as np
 
 from gcache.common.address import parse_host_port
 from gcache.tools.storebench.peers.base import Peer, PeerSpec
-from gcache.common.processes import free_port, stop_process, wait_listening
+from gcache.tools.devcluster.local_redis import UNIX_PREFIX
 
-REDIS_START_TIMEOUT_S = 10.0
 REDIS_SOCKET_TIMEOUT_S = 60.0
-UNIX_PREFIX = "unix:"  # a peer address "unix:/path" is a Unix socket
 
 
 class RedisPeer(Peer):
@@ -68,43 +63,6 @@ class RedisPeer(Peer):
 
 def open_peer(spec: PeerSpec) -> Peer:
     return RedisPeer(spec.address)
-
-
-class LocalRedis:
-    """A throwaway redis-server on a free loopback port and a Unix socket, no persistence.
-
-    `address` is the TCP one; `local_address` the Unix socket ("unix:/path"), what a
-    client on this host uses at its best (the bench's baseline beside GCache's shm)."""
-
-    def __init__(self):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
-        self.port = free_port()
-        self.dir = tempfile.TemporaryDirectory(prefix="gcache-bench-redis-")
-        self.socket_path = f"{self.dir.name}/redis.sock"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir.name, "--unixsocket", self.socket_path, "--unixsocketperm", "700"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_listening(self.proc, self.port, REDIS_START_TIMEOUT_S, "redis-server")
-        except RuntimeError:
-            self.stop()
-            raise
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def local_address(self) -> str:
-        return UNIX_PREFIX + self.socket_path
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self.dir.cleanup()
 
 
 def parse_redis_url(url: str) -> str:
