@@ -8,7 +8,7 @@
 # Exits non-zero when the build or a test fails.
 #
 #   bash tests/native_debug.sh                      # the default test files
-#   bash tests/native_debug.sh tests/test_store_disk.py -k reclaim
+#   bash tests/native_debug.sh tests/node/test_store_disk.py -k reclaim
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD

@@ -3,7 +3,7 @@ lands at that key's position, whatever owners, retries and fallbacks it took.
 
 No server runs: each part's function answers from the node's address and the
 epoch its request would carry (NodeClient.epoch inside the call), so these
-check the routing alone; tests/test_cluster_client.py runs the same paths
+check the routing alone; tests/cluster/test_cluster_client.py runs the same paths
 against real nodes.
 """
 from __future__ import annotations

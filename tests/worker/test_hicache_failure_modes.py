@@ -260,7 +260,7 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
     """Failure mode 3, measured with the node's own eviction: a gcache-server with a 1 MiB
     memory tier and no disk (--disk 0: what S3-FIFO evicts leaves the node), running
     --eviction-policy s3fifo (the default chain policy keeps a chain's page 0 by itself:
-    tests/test_eviction_chain.py).
+    tests/node/test_eviction_chain.py).
 
     A hot chat is extended every third request on a worker whose L1 keeps it (its turns
     hit L1, so nothing ever reads the chat back from L3), while 40 cold one-off chains are
