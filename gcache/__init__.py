@@ -3,8 +3,14 @@
 __version__ = "0.1.0"
 
 from gcache.errors import (  # noqa: E402
-    BufferTooSmallError, ChecksumMismatchError, GCacheError, KeyInvalidError, ProtocolError,
-    ServerBusyError, ValueTooLargeError)
+    BufferTooSmallError,
+    ChecksumMismatchError,
+    GCacheError,
+    KeyInvalidError,
+    ProtocolError,
+    ServerBusyError,
+    ValueTooLargeError,
+)
 
 __all__ = ["Client", "ClusterClient", "GCacheError", "BufferTooSmallError", "ChecksumMismatchError",
            "KeyInvalidError", "ProtocolError", "ServerBusyError", "ValueTooLargeError"]

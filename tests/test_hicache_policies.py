@@ -3,12 +3,28 @@ from __future__ import annotations
 
 import pytest
 
-from gcache.worker.engine.scheduler import (ORDERINGS, FcfsOrder, Ordering, Scheduler, SchedulerConfig,
-                                            SchedulerPolicy, TtftOrder)
+from gcache.worker.engine.scheduler import (
+    ORDERINGS,
+    FcfsOrder,
+    Ordering,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerPolicy,
+    TtftOrder,
+)
 from gcache.worker.kvcache.hicache_config import HiCacheConfig, PrefetchPolicy, WritePolicy
-from gcache.worker.kvcache.policies import (BestEffort, PrefetchRule, PrefetchTimeout, WaitComplete, WriteBack,
-                                            WriteRule, WriteThrough, WriteThroughSelective, prefetch_rule,
-                                            write_rule)
+from gcache.worker.kvcache.policies import (
+    BestEffort,
+    PrefetchRule,
+    PrefetchTimeout,
+    WaitComplete,
+    WriteBack,
+    WriteRule,
+    WriteThrough,
+    WriteThroughSelective,
+    prefetch_rule,
+    write_rule,
+)
 
 
 @pytest.mark.parametrize("name, cls, at_insert, at_evict, counts", [

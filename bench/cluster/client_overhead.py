@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 import gcache
-from gcache.tools.devcluster.local_server import LocalServer
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
+from gcache.tools.devcluster.local_server import LocalServer
 
 NODES = 3
 EXISTS_KEYS = 10_000

@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 
-from gcache.tools.storebench.limits import loopback_tcp_gbps
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, DEAD
 from gcache.cluster.placement import Placement
 from gcache.tools.devcluster.local_cluster import LocalCluster
+from gcache.tools.storebench.limits import loopback_tcp_gbps
 
 
 def make_value(i: int, size: int) -> bytes:

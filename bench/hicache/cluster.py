@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import gcache
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.engine.engine import Engine, EngineConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.request import SamplingParams
-from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.model.sim import CostModel, VirtualClock
-
 from bench.hicache.sim import BenchHiCache, CountingClient, ScriptedModel, Timing
 from bench.hicache.workloads import Turn, first_turns
+from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.engine.request import SamplingParams
+from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.sim import CostModel, VirtualClock
 
 STUCK_STEPS_MAX = 100
 

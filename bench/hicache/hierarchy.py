@@ -60,17 +60,16 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-
+from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
 from bench.hicache.cluster import Budgets, Setup, simulate  # noqa: E402
 from bench.hicache.measure import density, measure_timing, start_server, stop_server  # noqa: E402
 from bench.hicache.report import print_density, print_targets, print_workload  # noqa: E402
-from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.hicache.sglang_tree import SGLangSWATree  # noqa: E402
-from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
+from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
+from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 MiB = 1 << 20

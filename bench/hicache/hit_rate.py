@@ -33,16 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.engine.engine import Engine, EngineConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.request import SamplingParams
-from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.model.sim import SimulatedModel, VirtualClock
 from bench.common.paths import CONVERSATION_TRACE
 from bench.common.workloads import chat_workload, trace_workload
+from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.engine.request import SamplingParams
+from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.sim import SimulatedModel, VirtualClock
 
 TRACE = CONVERSATION_TRACE
 TAIL = 8  # tokens compared to find a chat turn's previous turn (verified in full after)

@@ -42,16 +42,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
+from bench.common.stats import columns  # noqa: E402
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from gcache.worker.engine.request import SamplingParams  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.kvcache.hicache_config import HiCacheConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 from gcache.worker.model.base import BatchModel  # noqa: E402
 from gcache.worker.model.transformer import Model  # noqa: E402
-from gcache.worker.engine.request import SamplingParams  # noqa: E402
-from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-
-from bench.common.stats import columns  # noqa: E402
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -15,16 +15,15 @@ from pathlib import Path
 import numpy as np
 
 import gcache
-from gcache.tools.devcluster.local_server import LocalServer
-from gcache.wire.keys import POOL_FULL, POOL_SWA, page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.serving.swa_window import last_safe_end
-
 from bench.hicache.cluster import Budgets, Setup, simulate
 from bench.hicache.sim import Timing
 from bench.hicache.workloads import Turn, long_context_turns
+from gcache.serving.swa_window import last_safe_end
+from gcache.tools.devcluster.local_server import LocalServer
+from gcache.wire.keys import POOL_FULL, POOL_SWA, page_hashes_array
+from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
 
 
 def start_server(memory_bytes: int, disk_bytes: int) -> tuple[LocalServer, Path]:

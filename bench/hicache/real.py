@@ -43,16 +43,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-
 import gcache  # noqa: E402
-from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
-from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
-from gcache.common.processes import free_port, stop_process  # noqa: E402
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
-from gcache.serving.swa_window import tail_start_page  # noqa: E402
 from bench.common.paths import REPO  # noqa: E402
 from bench.common.stats import columns  # noqa: E402
+from gcache.common.processes import free_port, stop_process  # noqa: E402
+from gcache.serving.swa_window import tail_start_page  # noqa: E402
+from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
+from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
+from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 L3_WAIT_S = 60.0

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.common.stats import median_range
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
-
-from bench.common.stats import median_range
 
 MiB = 1 << 20
 OURS, UNAWARE, SGLANG, L1 = "L1+L2+L3", "SWA-unaware", "SGLang-style L1", "L1"
@@ -104,7 +103,7 @@ def print_targets(out: dict, names, seeds, workers, setups) -> dict:
         r = out["density"]["ratios"]
         ok = all(v >= 5 for v in r.values())
         verdicts["density_5x"] = ok
-        print(f"  prefix tokens per KV byte vs SWA-unaware at 8K+ contexts >= 5x: "
+        print("  prefix tokens per KV byte vs SWA-unaware at 8K+ contexts >= 5x: "
               + ", ".join(f"{t} {v:.2f}x" for t, v in r.items()) + f"  -> {'MET' if ok else 'NOT MET'}")
     if {OURS, UNAWARE, SGLANG} <= have:
         for name in names:

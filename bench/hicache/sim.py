@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gcache.serving.swa_window import tail_start_page
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.hicache import HiCache
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.sim import SimulatedModel
-from gcache.serving.swa_window import tail_start_page
 
 
 @dataclass(frozen=True)

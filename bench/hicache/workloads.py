@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.workloads import chat_workload, trace_workload
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.config import ModelConfig
-
-from bench.common.workloads import chat_workload, trace_workload
 
 
 @dataclass(frozen=True)

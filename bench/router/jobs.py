@@ -12,13 +12,12 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from gcache.tools.devcluster.local_redis import LocalRedis
-
 from bench.hicache.cluster import Setup, Worker
 from bench.hicache.measure import measure_h2d, measure_timing, start_server, stop_server
 from bench.hicache.sim import Timing
 from bench.router.sim import Cluster, SimConfig, simulate
 from bench.router.workloads import poisson_arrivals
+from gcache.tools.devcluster.local_redis import LocalRedis
 
 SETUP_L2 = Setup("L1+L2", l2=True)
 SETUP_L3 = Setup("L1+L2+L3", l2=True, l3=True)

@@ -37,17 +37,16 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
-from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-
+from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
+from bench.hicache.cluster import Budgets  # noqa: E402
+from bench.hicache.workloads import model_for, oracle_hit_tokens  # noqa: E402
 from bench.router.jobs import Job, run_all  # noqa: E402
 from bench.router.report import print_targets, print_workload  # noqa: E402
 from bench.router.workloads import chat_turns, trace_slice  # noqa: E402
-from bench.hicache.cluster import Budgets  # noqa: E402
-from bench.hicache.workloads import model_for, oracle_hit_tokens  # noqa: E402
-from bench.common.paths import CONVERSATION_TRACE  # noqa: E402
 from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
+from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 POLICIES = ("round_robin", "least_load", "approx_tree", "dynamo", "cache_aware", "cache_ttft")

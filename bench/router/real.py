@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.tools.storebench.peers.redis_peer import LocalRedis
 from gcache.common.processes import free_port, stop_process, wait_listening
+from gcache.tools.storebench.peers.redis_peer import LocalRedis
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.common.stats import median_range
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
-
-from bench.common.stats import median_range
 
 MiB = 1 << 20
 BASE, OURS = "least_load", "cache_aware"

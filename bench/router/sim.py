@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gcache.wire.keys import page_hashes_array
-from gcache.serving.swa_window import last_safe_end
-
 from bench.hicache.cluster import TierHits, Worker, next_events
 from bench.hicache.workloads import Turn, first_turns
+from gcache.serving.swa_window import last_safe_end
+from gcache.wire.keys import page_hashes_array
 
 
 @dataclass

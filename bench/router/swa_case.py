@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from gcache.tools.devcluster.local_redis import LocalRedis
-from gcache.worker.config import FULL, SWA, ModelConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.request import SamplingParams
-from gcache.wire.keys import page_hashes_array
-
 from bench.hicache.cluster import Budgets, Setup, Worker
 from bench.router.sim import Cluster, SimConfig
+from gcache.tools.devcluster.local_redis import LocalRedis
+from gcache.wire.keys import page_hashes_array
+from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.engine.request import SamplingParams
+from gcache.worker.kvcache.kv_pool import DualKVCache
 
 FULL_PAGES, SWA_PAGES = 1024, 256
 DOC_TOKENS, Q_TOKENS, CONTINUATION_TOKENS = 1024, 96, 512

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.hicache.workloads import Turn, chat_turns
 from bench.common.workloads import block_token_ids
+from bench.hicache.workloads import Turn, chat_turns
 
 __all__ = ["Turn", "chat_turns", "trace_slice", "poisson_arrivals"]
 

@@ -34,12 +34,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 import gcache
-from gcache.tools.devcluster.local_server import LocalServer
 from bench.common.paths import TRACE_DIR
 from bench.common.stats import columns
 from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
+from gcache.tools.devcluster.local_server import LocalServer
 
 MEMORY_MIN = 1 << 20  # gcache-server's --memory floor
 POLICIES = ("chain", "s3fifo", "lru")

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.common.units import KiB, MiB, parse_size
-
 from bench.common.stats import spread
+from gcache.common.units import KiB, MiB, parse_size
 
 GET_TARGET = 0.8
 REQUIRED = ("tcp", "shm")  # a local server offers both
@@ -175,8 +174,8 @@ def main(argv=None) -> int:
     cupy = load_cupy()  # before anything starts: say plainly why it cannot run
     import gcache
     from gcache import errors
-    from gcache.tools.devcluster.local_server import LocalServer
     from gcache.client.device import staging as device_buffers
+    from gcache.tools.devcluster.local_server import LocalServer
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

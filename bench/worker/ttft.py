@@ -41,15 +41,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from gcache.worker.config import ModelConfig  # noqa: E402
-from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
-from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
-from gcache.worker.engine.request import SamplingParams  # noqa: E402
-from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock  # noqa: E402
 # the fitted clock; bench.hicache.hierarchy and bench.router.policies take it through ttft_cost.load_cost
 from bench.common.stats import spread  # noqa: E402
 from bench.worker.ttft_cost import FittedClockModel, default_cache_path, describe, load_or_calibrate  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
+from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from gcache.worker.engine.request import SamplingParams  # noqa: E402
+from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
+from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock  # noqa: E402
 
 POLICIES = ("fcfs", "ttft")
 METRICS = ("long_p50", "long_p90", "short_p50", "short_p90")

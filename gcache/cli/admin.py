@@ -123,8 +123,8 @@ def main(args, codes) -> int:
     import grpc
 
     from gcache import errors
-    from gcache.wire.auth import read_token_file
     from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
+    from gcache.wire.auth import read_token_file
 
     if not args.master:
         print("gcache admin: no masters: pass --master gcache://HOST:PORT[,HOST:PORT...] or set "

@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     if args.command == "admin":
         from gcache.cli import admin as cli_admin
         return cli_admin.main(args, sys.modules[__name__])
-    from gcache.wire.auth import read_token_file, resolve_token
     from gcache.client import Client  # after parsing, so --help stays fast
+    from gcache.wire.auth import read_token_file, resolve_token
     try:
         token = read_token_file(args.token_file) if args.token_file else resolve_token()
     except ValueError as exc:

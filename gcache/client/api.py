@@ -14,12 +14,15 @@ here are shared, so both answer the same inputs the same way.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 from gcache import errors
-from gcache.client.device import arrays as device_arrays, staging as device_buffers
 from gcache.client.buffers import BufferRegistry, byte_view, slice_view
+from gcache.client.device import arrays as device_arrays
+from gcache.client.device import staging as device_buffers
 from gcache.wire.protocol import normalize_key, normalize_keys
+
 
 def _is_address(obj) -> bool:
     return isinstance(obj, int) and not isinstance(obj, bool)

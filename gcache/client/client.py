@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 
 from gcache import errors
-from gcache.wire.auth import resolve_token
 from gcache.client import pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
 from gcache.client.transports.choose import open_transport
+from gcache.wire.auth import resolve_token
 from gcache.wire.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
 
 RETRIES_MAX = 10

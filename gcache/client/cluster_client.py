@@ -29,8 +29,9 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import msgpack
 
@@ -40,8 +41,8 @@ from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
 from gcache.client.transports.choose import transport_kind
 from gcache.cluster.cluster_map import DEAD, ClusterMap
-from gcache.cluster.placement import Placement
 from gcache.cluster.master_api import MasterCredentials, parse_master_url
+from gcache.cluster.placement import Placement
 from gcache.wire.protocol import normalize_keys
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,7 @@ class ClusterClient(Client):
             for f in futures:
                 if not f.cancel():
                     f.exception()  # wait: a running part may still write into a caller's buffer
-            raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one")
+            raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one") from None
         first = self._run_part(routing, *parts[0], fn)
         return [first] + [f.result() for f in futures]
 

@@ -8,18 +8,17 @@ connection broken; the pool then closes it instead of reusing it.
 """
 from __future__ import annotations
 
+import builtins
 import os
 import socket
 import struct
 
-import builtins
-
 from gcache import errors
-from gcache.common.address import parse_host_port
-from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
 from gcache._native import recv_into_buffers as _native_recv_into_buffers
+from gcache.common.address import parse_host_port
+from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
 READ_BUFFER_BYTES = 64 * 1024
 # Reads larger than this go straight into the caller's buffer; smaller ones are

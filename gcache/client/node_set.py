@@ -8,13 +8,13 @@ skips it (its keys are misses) instead of waiting on it again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 from gcache import errors
 from gcache.client.client import ServerClient
-from gcache.common.breaker import Breaker
 from gcache.cluster.cluster_map import DEAD, ClusterMap, NodeInfo
+from gcache.common.breaker import Breaker
 
 
 class NodeClient(ServerClient):

@@ -12,8 +12,15 @@ from abc import ABC, abstractmethod
 
 from gcache import errors
 from gcache._native import xxh64
-from gcache.wire.protocol import (HEADER_BYTES, Opcode, PutStatus, RemoveStatus, encode_header,
-                             encode_keys_meta, encode_meta)
+from gcache.wire.protocol import (
+    HEADER_BYTES,
+    Opcode,
+    PutStatus,
+    RemoveStatus,
+    encode_header,
+    encode_keys_meta,
+    encode_meta,
+)
 
 # Bytes per key a response map may use, for bounding what is in flight (msgpack
 # uint64 is 9 bytes at most; a bool 1).
@@ -157,12 +164,12 @@ class Operation(ABC):
         connection in sync. Writes answers for keys lo..hi-1 into result; raises
         ProtocolError for an answer that breaks the protocol (the connection is dropped)."""
 
-    def follow_ups(self) -> list["Operation"] | None:
+    def follow_ups(self) -> list[Operation] | None:
         """Operations to send next on the same connection, once this one's answer was
         read (a RESERVE's COMMIT); None when there are none."""
         return None
 
-    def split(self) -> list["Operation"] | None:
+    def split(self) -> list[Operation] | None:
         """Two operations covering this one's keys, for a frame the server refused as
         over its limits while keeping the connection open; None if it cannot split."""
         return None
@@ -234,7 +241,7 @@ class _ValuesOp(Operation):
         return [self.part(self.lo, mid), self.part(mid, self.hi)]
 
     @abstractmethod
-    def part(self, lo: int, hi: int) -> "_ValuesOp":
+    def part(self, lo: int, hi: int) -> _ValuesOp:
         """The same operation over keys [lo, hi), a sub-range of this one's (for split)."""
 
 

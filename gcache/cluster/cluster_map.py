@@ -60,7 +60,7 @@ class NodeInfo(NamedTuple):
         return {**self._asdict(), "state": str(self.state)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NodeInfo":
+    def from_dict(cls, d: dict) -> NodeInfo:
         try:
             node = cls(id=str(d["id"]), address=str(d["address"]), weight=int(d["weight"]),
                        state=str(d["state"]), changed_epoch=int(d.get("changed_epoch", 0)),
@@ -88,7 +88,7 @@ class ClusterMap(NamedTuple):
     nodes: tuple  # of NodeInfo, sorted by id
 
     @classmethod
-    def empty(cls) -> "ClusterMap":
+    def empty(cls) -> ClusterMap:
         return cls(0, ())
 
     def node(self, node_id: str) -> NodeInfo | None:
@@ -109,7 +109,7 @@ class ClusterMap(NamedTuple):
         return {"epoch": self.epoch, "nodes": [n.to_dict() for n in self.nodes]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterMap":
+    def from_dict(cls, d: dict) -> ClusterMap:
         if not isinstance(d, dict) or not isinstance(d.get("epoch"), int) \
                 or not isinstance(d.get("nodes"), (list, tuple)):
             raise MapError(f"a cluster map is {{'epoch': int, 'nodes': [...]}}, got {d!r:.200}")
@@ -120,14 +120,14 @@ class ClusterMap(NamedTuple):
             raise MapError("map lists a node id twice")
         return cls(d["epoch"], nodes)
 
-    def with_node(self, node: NodeInfo) -> "ClusterMap":
+    def with_node(self, node: NodeInfo) -> ClusterMap:
         """A map at epoch + 1 where `node` is added or replaces the entry with its id."""
         node = node._replace(changed_epoch=self.epoch + 1)
         node.validate()
         others = [n for n in self.nodes if n.id != node.id]
         return ClusterMap(self.epoch + 1, tuple(sorted(others + [node], key=lambda n: n.id)))
 
-    def without_node(self, node_id: str) -> "ClusterMap":
+    def without_node(self, node_id: str) -> ClusterMap:
         return ClusterMap(self.epoch + 1, tuple(n for n in self.nodes if n.id != node_id))
 
 

@@ -52,8 +52,8 @@ import grpc
 import msgpack
 
 from gcache import errors
-from gcache.common.address import parse_host_port
 from gcache.cluster.cluster_map import ClusterMap
+from gcache.common.address import parse_host_port
 
 SERVICE = "gcache.Master"
 METHODS = ("Register", "Heartbeat", "GetMap", "Drain", "Remove", "Status")
@@ -105,7 +105,7 @@ class MasterCredentials:
     tls_key: str | None = None
 
     @classmethod
-    def from_env(cls, token: str | None = None, tls_ca: str | None = None, **kwargs) -> "MasterCredentials":
+    def from_env(cls, token: str | None = None, tls_ca: str | None = None, **kwargs) -> MasterCredentials:
         """Fills what is not given from $GCACHE_TOKEN (or $GCACHE_TOKEN_FILE) and $GCACHE_MASTER_TLS_CA."""
         from gcache.wire.auth import resolve_token
         return cls(token=resolve_token(token), tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None, **kwargs)

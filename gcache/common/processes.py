@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 STOP_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel's teardown is left to wait for
@@ -82,7 +82,7 @@ class PidProcess:
         os.kill(self.pid, sig)
 
 
-Process = Union[subprocess.Popen, PidProcess]
+Process = subprocess.Popen | PidProcess
 
 
 def running(proc: Process) -> bool:

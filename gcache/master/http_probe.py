@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Callable
 
 REQUEST_TIMEOUT_S = 2.0
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from gcache.cluster.cluster_map import DRAINING, JOINING, ClusterMap
 from gcache.master.state import LIVE_STATES

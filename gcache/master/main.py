@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 
-from gcache.common.address import parse_host_port
 from gcache.cluster.master_api import MASTERS_MAX
+from gcache.common.address import parse_host_port
 
 log = logging.getLogger("gcache.master")
 

@@ -18,13 +18,14 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
 from gcache.cluster.cluster_map import ClusterMap
-from gcache.master.state import DEAD, MapState, StateError, UNKNOWN
+from gcache.master.state import DEAD, UNKNOWN, MapState, StateError
 
 log = logging.getLogger("gcache.master")
 

@@ -13,12 +13,11 @@ from concurrent import futures
 
 import grpc
 
-from gcache.common.address import parse_host_port
-from gcache.cluster.cluster_map import NODE_ID_BYTES_MAX, WEIGHT_MAX
 from gcache.cluster import master_api
+from gcache.cluster.cluster_map import NODE_ID_BYTES_MAX, WEIGHT_MAX
+from gcache.common.address import parse_host_port
 from gcache.master.raft_state import MasterRaft, RaftUnavailableError
-from gcache.master.state import (
-    DEGRADED_CHARS_MAX, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, StateError)
+from gcache.master.state import DEGRADED_CHARS_MAX, FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, StateError
 
 log = logging.getLogger("gcache.master")
 

@@ -13,7 +13,16 @@ text for the log ("n1 joining (new at 10.0.0.1:7600, weight 64)").
 from __future__ import annotations
 
 from gcache.cluster.cluster_map import (
-    ACTIVE, DEAD, DRAINING, JOINING, NODES_MAX, UNKNOWN, ClusterMap, MapError, NodeInfo)
+    ACTIVE,
+    DEAD,
+    DRAINING,
+    JOINING,
+    NODES_MAX,
+    UNKNOWN,
+    ClusterMap,
+    MapError,
+    NodeInfo,
+)
 
 LIVE_STATES = (JOINING, ACTIVE, DRAINING)
 DEGRADED_CHARS_MAX = 200
@@ -50,7 +59,7 @@ class MapState:
         return {"map": self.map.to_dict(), "rebalanced": dict(self.rebalanced)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MapState":
+    def from_dict(cls, d: dict) -> MapState:
         state = cls(ClusterMap.from_dict(d["map"]), {str(k): int(v) for k, v in d["rebalanced"].items()})
         state.check_invariants()
         return state

@@ -103,7 +103,7 @@ class RouterConfig:
         object.__setattr__(self, "workers", workers)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RouterConfig":
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in vars(args).items() if k in names and v is not None}
         if isinstance(kw.get("workers"), str):

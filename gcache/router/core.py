@@ -16,14 +16,14 @@ import logging
 import threading
 import time
 import zlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from gcache.router.config import RouterConfig
-from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
+from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 
 log = logging.getLogger("gcache.router")
 

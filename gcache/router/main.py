@@ -9,12 +9,11 @@ import argparse
 import logging
 import sys
 
-from gcache.serving import runner
-from gcache.serving.body import BODY_DEADLINE_S
-
 from gcache.router.config import RouterConfig, add_router_args
 from gcache.router.core import RouterCore
 from gcache.router.server import make_app
+from gcache.serving import runner
+from gcache.serving.body import BODY_DEADLINE_S
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,8 +9,8 @@ overlap (what SWA-unaware routers count) is the run of pages with full KV, SWA i
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
 from gcache.serving.swa_window import last_safe_end

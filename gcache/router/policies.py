@@ -17,14 +17,14 @@ import enum
 import random as _random
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from gcache.router.config import RouterConfig, RouterPolicy
-from gcache.serving.redis_layout import Registration
-from gcache.serving.tiers import Tier
 from gcache.router.match import TierMatch, match_worker
 from gcache.router.recent import RecentPrompts
+from gcache.serving.redis_layout import Registration
+from gcache.serving.tiers import Tier
 
 
 @dataclass

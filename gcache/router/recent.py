@@ -11,7 +11,7 @@ capped per worker; the published view wins whenever it credits more.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class RecentPrompts:

@@ -24,6 +24,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from gcache.router.core import RouterCore
 from gcache.serving import sse
 from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
 from gcache.serving.counters import HTTPCounters, prometheus_response
@@ -33,8 +34,6 @@ from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, prompt_tokens
 from gcache.serving.safe_json import parse_json
 from gcache.serving.tokenizer import ByteTokenizer
-
-from gcache.router.core import RouterCore
 
 log = logging.getLogger("gcache.router")
 

@@ -25,7 +25,16 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gcache.serving.redis_layout import FLAGS_ALL, L3_FULL, L3_SWA, Keys, Registration, decode_records, id_from_bytes, valid_worker_url
+from gcache.serving.redis_layout import (
+    FLAGS_ALL,
+    L3_FULL,
+    L3_SWA,
+    Keys,
+    Registration,
+    decode_records,
+    id_from_bytes,
+    valid_worker_url,
+)
 
 L3_SKEW_MS = 2_000       # re-read this much of the L3 log on each refresh (workers' clocks differ)
 L3_APPLY_CHUNK = 20_000  # L3 reports applied per hold of the view lock (pick() waits for one chunk at most)

@@ -16,8 +16,8 @@ tenant with the admin role (UNAUTHENTICATED / PERMISSION_DENIED otherwise).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 import msgpack

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from gcache.server import prometheus
 from gcache.wire.auth import bearer_token

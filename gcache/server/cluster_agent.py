@@ -22,17 +22,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 
-from gcache.wire.auth import placement_key
-from gcache.cluster.cluster_map import (DEAD, DRAINING, JOINING, UNKNOWN, WRITE_STATES, ClusterMap,
-                                        weight_for_capacity)
+from gcache.cluster.cluster_map import DEAD, DRAINING, JOINING, UNKNOWN, WRITE_STATES, ClusterMap, weight_for_capacity
 from gcache.cluster.master_api import MasterClient, MasterUnavailableError
 from gcache.server.degradation import DegradationMonitor
-from gcache.server.rebalance import (RebalanceAborted, RebalanceCounters, Rebalancer,
-                                     keeps_local_copies)
+from gcache.server.rebalance import RebalanceAborted, RebalanceCounters, Rebalancer, keeps_local_copies
+from gcache.wire.auth import placement_key
 
 log = logging.getLogger("gcache.server.cluster")
 

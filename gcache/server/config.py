@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
 

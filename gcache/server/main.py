@@ -18,10 +18,16 @@ from pathlib import Path
 
 from gcache import __version__
 from gcache.common.address import join_host_port, parse_host_port
-from gcache.wire.rdma_verbs import RdmaUnavailable
 from gcache.server.config import (
-    EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ConfigError, ServerSettings, load_settings,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    ConfigError,
+    ServerSettings,
+    load_settings,
 )
+from gcache.wire.rdma_verbs import RdmaUnavailable
 
 log = logging.getLogger("gcache.server")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from gcache.wire import rdma_verbs
 from gcache.errors import ProtocolError
+from gcache.wire import rdma_verbs
 from gcache.wire.protocol import decode_meta, encode_meta
 
 log = logging.getLogger("gcache.server")

@@ -48,9 +48,9 @@ import logging
 import queue as queue_module
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Callable
 
 from gcache import errors
 from gcache.cluster.cluster_map import DEAD, DRAINING, ClusterMap
@@ -243,7 +243,7 @@ class Rebalancer:
                             epoch, self.fence_timeout_s)
                 return False
 
-    def _scan(self, scan: "_Scan") -> None:
+    def _scan(self, scan: _Scan) -> None:
         """One pass over the local keys: moves every unowned one, keys_pending_max at a time.
         Moving removes keys from the store mid-scan; the cursor misses none that stay."""
         owners_of = scan.placement.write.owners
@@ -269,7 +269,7 @@ class Rebalancer:
             if cursor == 0:
                 return
 
-    def _move(self, scan: "_Scan", groups: dict[str, list]) -> None:
+    def _move(self, scan: _Scan, groups: dict[str, list]) -> None:
         """Pushes (or drops) {owner id: [keys]}, up to OWNER_LANES owners at once; an owner
         found unreachable in this run is not tried again for later keys (they count as
         failures, as its first ones did)."""
@@ -297,7 +297,7 @@ class Rebalancer:
         if scan.failures:
             raise scan.failures[0]  # the first one; the others stopped because of it
 
-    def _push_owner(self, scan: "_Scan", owner_id: str, address: str, client, keys: list) -> None:
+    def _push_owner(self, scan: _Scan, owner_id: str, address: str, client, keys: list) -> None:
         """One owner's keys, in a lane of its own (a pusher thread)."""
         lane = scan.free_lanes.get_nowait()  # never empty: as many lanes as pusher threads
         try:
@@ -365,7 +365,7 @@ class Rebalancer:
                 self._remove(done[lo:lo + self.batch_keys])
         return [k for k, ok in zip(keys, present) if not ok]
 
-    def _push_group(self, client, address: str, keys: list, scan: "_Scan", lane: "_Lane") -> bool:
+    def _push_group(self, client, address: str, keys: list, scan: _Scan, lane: _Lane) -> bool:
         """Pushes `keys` to one owner, removing them locally unless scan.keep; False if the
         owner could not be reached (the rest of `keys` stay, counted as failures).
 
@@ -410,7 +410,7 @@ class Rebalancer:
             if reading is not None:  # leaving early: the lane's buffers are free only after it
                 concurrent.futures.wait([reading])
 
-    def _read_batch(self, queue: collections.deque, lane: "_Lane",
+    def _read_batch(self, queue: collections.deque, lane: _Lane,
                     turn: int) -> tuple[bytearray, list, list, list]:
         """Reads the next keys of `queue` into the lane's buffer `turn` (a reader thread):
         (that buffer, found keys, offsets, sizes)."""

@@ -3,7 +3,8 @@ and size limit, the JSON, the endpoint's parse, and only then an in-flight slot,
 client that stalls or sends garbage never holds one."""
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -131,7 +131,7 @@ class Registration:
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Registration":
+    def from_json(cls, raw: bytes) -> Registration:
         """Parse a registration; ValueError for anything malformed (a router skips it)."""
         if len(raw) > REGISTRATION_BYTES_MAX:
             raise ValueError(f"registration of {len(raw)} bytes (at most {REGISTRATION_BYTES_MAX})")

@@ -1,7 +1,7 @@
 """Byte-level reversible tokenizer: byte b -> id b; three special ids after the bytes."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 BOS_ID = 256
 EOS_ID = 257

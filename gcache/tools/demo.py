@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from gcache.tools.storebench import main as bench_main
-from gcache.tools.storebench.report import render_table
 from gcache.tools.devcluster.checker import run_checker
 from gcache.tools.devcluster.local_cluster import LocalCluster
+from gcache.tools.storebench import main as bench_main
+from gcache.tools.storebench.report import render_table
 
 DEMO_MASTERS, DEMO_NODES = 3, 3
 DEMO_MEMORY = "256MiB"    # per node; fits a 2-core, 24 GiB box with room for redis and the bench

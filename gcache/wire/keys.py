@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from gcache.errors import InvalidArgumentError, KeyInvalidError
 from gcache.wire.protocol import KEY_BYTES_MAX

@@ -192,7 +192,7 @@ class Device:
                 f"cannot register {length} bytes with RDMA device {self.name}: {exc} (a low "
                 "`ulimit -l` (locked memory) is the usual cause)") from exc
 
-    def queue_pair(self, depth: int) -> "QueuePair":
+    def queue_pair(self, depth: int) -> QueuePair:
         return QueuePair(self, depth)
 
     def close(self) -> None:

@@ -57,25 +57,25 @@ class ModelConfig:
 
     # ---- presets -------------------------------------------------------------
     @classmethod
-    def small(cls, **kw) -> "ModelConfig":
+    def small(cls, **kw) -> ModelConfig:
         return cls(**kw)
 
     @classmethod
-    def large(cls, **kw) -> "ModelConfig":
+    def large(cls, **kw) -> ModelConfig:
         """A production-shaped layout (70 layers: 10 full + 60 SWA), for GPU runs."""
         base = dict(vocab_size=32000, hidden=1024, layers=70, heads=16, kv_heads=4,
                     head_dim=64, intermediate=2816, window=128)
         base.update(kw)
         return cls(**base)
 
-    def all_full(self) -> "ModelConfig":
+    def all_full(self) -> ModelConfig:
         """The same model with full attention in every layer (KV comparison baseline)."""
         return dataclasses.replace(self, layer_pattern=(FULL,) * self.layers)
 
-    def all_swa(self) -> "ModelConfig":
+    def all_swa(self) -> ModelConfig:
         return dataclasses.replace(self, layer_pattern=(SWA,) * self.layers)
 
-    def with_dtype(self, dtype: str) -> "ModelConfig":
+    def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
 
     # ---- derived -------------------------------------------------------------
@@ -97,7 +97,7 @@ class ModelConfig:
         return json.dumps(d, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         d = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known

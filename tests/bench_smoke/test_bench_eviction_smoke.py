@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
 from bench.store import eviction_replay
-
+from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
 
 
 def test_clairvoyant_hit_rate_is_exact_on_a_crafted_trace():

@@ -9,9 +9,10 @@ itself raises unless every timed request is an L2 hit of the whole prefix.
 from __future__ import annotations
 
 import importlib
-import pytest
 import json
 import os
+
+import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

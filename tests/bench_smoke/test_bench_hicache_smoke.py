@@ -10,10 +10,10 @@ preempted. Plus the SGLang-style baseline tree's one rule, on a hand-built tree.
 from __future__ import annotations
 
 import importlib
-import pytest
 import json
 
 import numpy as np
+import pytest
 
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool

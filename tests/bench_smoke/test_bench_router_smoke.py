@@ -9,11 +9,10 @@ figures.
 from __future__ import annotations
 
 import importlib
-import pytest
 import json
 
 import numpy as np
-
+import pytest
 
 pytestmark = pytest.mark.process  # starts processes
 

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
+from gcache.common.units import parse_duration, parse_size
 from gcache.tools.storebench import main as bench_main
 from gcache.tools.storebench import report as bench_report
-from gcache.common.units import parse_duration, parse_size
 
 pytestmark = pytest.mark.process  # starts processes
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from bench.worker import ttft, ttft_cost
-
 from gcache.worker.config import ModelConfig
 
 TINY = ["--cost", "default", "--requests", "30", "--seeds", "0,1", "--rates", "20"]

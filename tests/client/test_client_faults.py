@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.support.servers import ServerProcess
 from gcache import Client, errors
+from tests.support.servers import ServerProcess
 
 
 def test_killed_server_gives_connection_error(server):

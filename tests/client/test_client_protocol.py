@@ -10,9 +10,18 @@ import pytest
 from gcache import errors
 from gcache.client import Client
 from gcache.client.buffers import BufferRegistry, byte_view, view_address
-from gcache.wire.protocol import (FLAG_RESPONSE, HEADER_BYTES, MAGIC, Header, Opcode, decode_header,
-                             decode_meta, encode_frame_head, encode_header, normalize_key)
-
+from gcache.wire.protocol import (
+    FLAG_RESPONSE,
+    HEADER_BYTES,
+    MAGIC,
+    Header,
+    Opcode,
+    decode_header,
+    decode_meta,
+    encode_frame_head,
+    encode_header,
+    normalize_key,
+)
 
 # -- framing ---------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """Every client method against a real gcache-server (value limit 1 MiB)."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.support.servers import ServerProcess
 from gcache import Client, errors
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.process  # starts processes
 

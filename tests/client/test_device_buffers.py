@@ -20,9 +20,9 @@ import pytest
 
 import gcache
 from gcache import errors
-from gcache.client.device import arrays as device_arrays, staging as device_buffers
+from gcache.client.device import arrays as device_arrays
+from gcache.client.device import staging as device_buffers
 from gcache.client.device.arrays import HostMemoryBackend
-
 from tests.support import REPO_ROOT
 from tests.support.servers import ServerProcess
 

@@ -12,8 +12,8 @@ import pytest
 from gcache import errors
 from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
-from gcache.tools.devcluster.local_cluster import LocalCluster
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
+from gcache.tools.devcluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster  # starts masters
 

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import gcache
-from tests.support.servers import ServerProcess
 from gcache import _native, errors
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap, NodeInfo
-from gcache.cluster.placement import Placement
 from gcache.cluster.master_api import MasterUnavailableError
+from gcache.cluster.placement import Placement
 from gcache.common.processes import free_port
 from tests.support import waiting
+from tests.support.servers import ServerProcess
 
 wait_until = functools.partial(waiting.wait_until, timeout_s=5.0, step_s=0.02)
 
@@ -360,8 +360,10 @@ class FakeMaster:
     """A gcache.Master that only answers GetMap, from a map the test sets."""
 
     def __init__(self, cmap: ClusterMap):
-        import grpc
         from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
         from gcache.cluster import master_api as api
         self.map = cmap
         self.calls = 0

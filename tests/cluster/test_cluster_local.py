@@ -16,12 +16,12 @@ import pytest
 from gcache.client.client import Client
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import ACTIVE
+from gcache.cluster.master_api import MasterUnavailableError
 from gcache.cluster.placement import Placement
+from gcache.common.processes import pid_alive
 from gcache.tools.devcluster import checker
 from gcache.tools.devcluster.local_cluster import LocalCluster
 from gcache.tools.devcluster.netns import netns_available
-from gcache.cluster.master_api import MasterUnavailableError
-from gcache.common.processes import pid_alive
 
 pytestmark = pytest.mark.cluster  # starts masters
 

@@ -21,9 +21,9 @@ import pytest
 from gcache.client.cluster_client import ClusterClient
 from gcache.cluster.cluster_map import DEAD
 from gcache.cluster.placement import Placement
+from gcache.common.processes import pid_alive
 from gcache.tools.devcluster import checker, local_cli, netns
 from gcache.tools.devcluster.local_cluster import LocalCluster, Member
-from gcache.common.processes import pid_alive
 
 pytestmark = pytest.mark.cluster  # starts masters
 

@@ -14,14 +14,14 @@ import re
 import shlex
 import tomllib
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import REPO_ROOT
 from gcache.server.config import build_parser, load_settings
+from tests.support import REPO_ROOT
 from tests.support.servers import run_server_cli
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -363,7 +363,7 @@ def markdown_commands(path: Path) -> list[Command]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def commands_in(path: Path) -> tuple[Command, ...]:
     kind = kind_of(path)
     if kind == "k8s":

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from gcache.cluster.master_api import MasterClient, MasterUnavailableError
-from gcache.tools.devcluster.local_masters import LocalMaster, master_status, start_masters, wait_leader
 from gcache.common.processes import free_port
+from gcache.tools.devcluster.local_masters import LocalMaster, master_status, start_masters, wait_leader
 from tests.support import waiting
 
 pytestmark = pytest.mark.cluster  # starts masters

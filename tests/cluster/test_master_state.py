@@ -5,11 +5,9 @@ import pytest
 
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, MapError
 from gcache.master import main as master_main
-from gcache.master.leader_duties import (
-    ACTIVATE, EXPIRE, FINISH_DRAIN, Action, LeaderDuties, plan, track_migrations)
+from gcache.master.leader_duties import ACTIVATE, EXPIRE, FINISH_DRAIN, Action, LeaderDuties, plan, track_migrations
 from gcache.master.raft_state import ReplicatedMap
-from gcache.master.state import (
-    FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNKNOWN, MapState, StateError)
+from gcache.master.state import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNKNOWN, MapState, StateError
 
 ADDR = "10.0.0.1:7600"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from gcache.tools.devcluster.local_server import LocalServer, node_args
 from gcache.client import Client
 from gcache.cluster.cluster_map import ACTIVE, DEAD, DRAINING, JOINING, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
 from gcache.common.processes import free_port
 from gcache.server.rebalance import rebalance
+from gcache.tools.devcluster.local_server import LocalServer, node_args
 from tests.support import waiting
 
 pytestmark = pytest.mark.cluster  # starts masters

@@ -9,8 +9,15 @@ import time
 
 import pytest
 
-from gcache.common.processes import (PidProcess, free_port, pid_alive, running, stop_process, stop_processes,
-                              wait_listening)
+from gcache.common.processes import (
+    PidProcess,
+    free_port,
+    pid_alive,
+    running,
+    stop_process,
+    stop_processes,
+    wait_listening,
+)
 
 pytestmark = pytest.mark.process  # starts processes
 

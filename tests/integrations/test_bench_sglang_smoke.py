@@ -5,7 +5,6 @@ import importlib
 
 import pytest
 
-
 pytestmark = pytest.mark.process  # starts processes
 
 

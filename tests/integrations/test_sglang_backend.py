@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gcache
+
 from .sglang_support import chain, page_bytes, slots, zero_pages
 
 LAYOUTS = ["page_first", "page_first_direct", "page_head", "layer_first"]

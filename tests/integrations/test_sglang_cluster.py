@@ -5,6 +5,7 @@ import pytest
 
 import gcache
 from gcache.tools.devcluster.local_cluster import LocalCluster
+
 from .sglang_support import chain, page_bytes, slots
 
 pytestmark = pytest.mark.cluster  # starts masters

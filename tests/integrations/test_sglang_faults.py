@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gcache.common.processes import free_port
+
 from .relay import KillingRelay
 from .sglang_support import chain, page_bytes, slots
 

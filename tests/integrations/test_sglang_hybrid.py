@@ -8,6 +8,7 @@ full pool and the last `window` SWA pages before N are all in the store.
 from __future__ import annotations
 
 import gcache
+
 from .sglang_support import chain, page_bytes, slots
 
 WINDOW = 2  # SWA pages a restore needs before its cut

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gcache.integrations.sglang.keys import (KeyLayoutError, PoolKeys, entry_parts, key_builder,
-                                             pool_tag)
+from gcache.integrations.sglang.keys import KeyLayoutError, PoolKeys, entry_parts, key_builder, pool_tag
 from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present, restorable_cuts
 from gcache.integrations.sglang.settings import BackendSettings, SettingsError
 

@@ -13,8 +13,8 @@ Three layers, tested where each can run:
 """
 from __future__ import annotations
 
-import functools
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -24,13 +24,13 @@ import pytest
 
 import gcache
 from gcache import _native, errors
-from gcache.wire import rdma_verbs
-from gcache.client.transports import rdma as rdma_transport, shm_ops
+from gcache.client.transports import rdma as rdma_transport
+from gcache.client.transports import shm_ops
 from gcache.server.rdma import RdmaRegion
-from tests.support.raw_protocol import BAD_FRAME, FORBIDDEN, INTERNAL, LOOKUP, OK, RDMA_CONNECT, RawConnection
+from gcache.wire import rdma_verbs
 from tests.support import waiting
+from tests.support.raw_protocol import BAD_FRAME, FORBIDDEN, INTERNAL, LOOKUP, OK, RDMA_CONNECT, RawConnection
 from tests.support.servers import run_server_cli
-
 
 WAIT_S = 10.0
 wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.01)
@@ -259,7 +259,7 @@ class Fabric:
     def fail(self, status: int, times: int = 1) -> None:
         self.fail_status, self.fail_left = status, times
 
-    def device(self, name: str) -> "FakeDevice":
+    def device(self, name: str) -> FakeDevice:
         return FakeDevice(self, name)
 
 

@@ -2,13 +2,14 @@
 recovery, on-disk corruption, admin endpoints."""
 from __future__ import annotations
 
-import pytest
 import os
 import re
 import signal
 import socket
 import time
 import urllib.request
+
+import pytest
 
 from gcache.common.processes import free_port
 from tests.support.raw_protocol import STORED, RawConnection, put_frame

@@ -19,10 +19,9 @@ import gcache
 from gcache import errors
 from gcache._native import xxh64
 from gcache.client.transports.shm import ShmTransport
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, waiting
 from tests.support.raw_protocol import BAD_FRAME, OK, PING, RawConnection, raw_auth
 from tests.support.raw_shm import COMMIT, FORBIDDEN, LOOKUP, RESERVE, RawShm
-from tests.support import waiting
 
 KIB, MIB = 1024, 1024 * 1024
 WAIT_S = 30  # bound on every wait for the server to act on its own

@@ -6,7 +6,6 @@ manual clock, so nothing here depends on how fast the box is.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import redis
@@ -14,9 +13,9 @@ import redis
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
 from gcache.serving.redis_layout import Keys
-from gcache.worker.model.transformer import Model
-from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher
 from gcache.worker.engine.request import SamplingParams
+from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher
+from gcache.worker.model.transformer import Model
 from tests.support.router_support import CFG, ManualClock, engine, history, run, tokens
 from tests.support.waiting import wait_until
 

@@ -15,8 +15,18 @@ import time
 import pytest
 
 from gcache.common.processes import free_port
-from tests.support.serving_support import (RouterProc, WorkerProc, burst, metric, openai_client, post_json, read_response,
-                                           request, stalled_connections, start_all)
+from tests.support.serving_support import (
+    RouterProc,
+    WorkerProc,
+    burst,
+    metric,
+    openai_client,
+    post_json,
+    read_response,
+    request,
+    stalled_connections,
+    start_all,
+)
 
 pytestmark = pytest.mark.process  # starts processes
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gcache.wire.keys import page_hashes_array
-from gcache.serving.redis_layout import L1_FULL, page_ids
 from gcache.router.match import match_worker
+from gcache.serving.redis_layout import L1_FULL, page_ids
+from gcache.wire.keys import page_hashes_array
 from gcache.worker.kvcache.cache_events import CacheEventLog
 from gcache.worker.model.transformer import Model
-from tests.support.router_support import CFG, PS, W, engine, history, run, tokens
 from tests.support.engine_support import tree_nodes
+from tests.support.router_support import CFG, PS, W, engine, history, run, tokens
 
 
 @pytest.fixture(scope="module")

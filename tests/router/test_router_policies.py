@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 
 from gcache.router.config import RouterConfig
-from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA, Registration, WorkerLoad, page_ids
 from gcache.router.match import match_worker
 from gcache.router.policies import ApproxTree, CacheAware, Candidate, Dynamo, Prompt, Random, RoundRobin
+from gcache.serving.redis_layout import (
+    L1_FULL,
+    L1_SWA,
+    L2_FULL,
+    L2_SWA,
+    L3_FULL,
+    L3_SWA,
+    Registration,
+    WorkerLoad,
+    page_ids,
+)
 
 PS, W = 8, 32          # 4 pages of window
 A, B, C = "http://a", "http://b", "http://c"

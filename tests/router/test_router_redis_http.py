@@ -14,9 +14,9 @@ import json
 
 import pytest
 
+from tests.support import waiting
 from tests.support.redis_support import TcpGate, start_redis
 from tests.support.serving_support import RouterProc, WorkerProc, metric, openai_client, post_json, request, start_all
-from tests.support import waiting
 
 pytestmark = pytest.mark.process  # starts processes
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gcache.router.config import RouterConfig
-from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, Registration, WorkerLoad, page_ids
 from gcache.router.policies import CacheAware, CacheTTFT, Candidate, Prompt
+from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, Registration, WorkerLoad, page_ids
 
 PS, W = 8, 32                               # 4 pages of window
 A, B = "http://a", "http://b"

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.scheduler import SchedulerConfig
 
 # One full-attention layer among three SWA ones, so both pools (and both L3 keys) carry bytes.
 CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,

@@ -8,14 +8,22 @@ import os
 import socket
 
 from gcache.wire.protocol import FLAG_NO_REPLY
-from tests.support.raw_protocol import (COMMIT, FORBIDDEN, LOOKUP, RELEASE, RESERVE, SHM_ATTACH,  # noqa: F401 (theirs to import)
-                                        RawConnection, frame_bytes)
+from tests.support.raw_protocol import (  # noqa: F401 (theirs to import)
+    COMMIT,
+    FORBIDDEN,
+    LOOKUP,
+    RELEASE,
+    RESERVE,
+    SHM_ATTACH,
+    RawConnection,
+    frame_bytes,
+)
 
 
 class RawShm(RawConnection):
     """RawConnection over a Unix socket, plus SHM_ATTACH (the arena, mapped)."""
 
-    def __init__(self, path: str, timeout_s: float = 20.0):  # noqa: super() opens TCP
+    def __init__(self, path: str, timeout_s: float = 20.0):  # not super().__init__: that opens TCP
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.sock.connect(path)

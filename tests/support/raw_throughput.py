@@ -26,7 +26,6 @@ from gcache._native import recv_into_buffers, send_buffers, xxh64
 from tests.support.raw_protocol import GET_BATCH, HEADER, MAGIC, PUT_BATCH, REMOVE_BATCH, RawConnection
 from tests.support.servers import ServerProcess
 
-
 RESIDENT_BATCHES = 8  # batches kept stored while PUT runs (8 x 16 MiB by default)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from gcache.tools.devcluster.local_redis import LocalRedis
 
+
 def start_redis() -> LocalRedis:
     """A started redis-server (gcache.tools.devcluster's LocalRedis); skips the test if
     redis-server is not installed, and fails it under CI, whose setup installs it."""
@@ -45,7 +46,7 @@ class TcpGate:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="tcp-gate", daemon=True)
 
-    def start(self) -> "TcpGate":
+    def start(self) -> TcpGate:
         self.thread.start()
         return self
 

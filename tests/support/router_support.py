@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from gcache.worker.engine.engine import Engine, EngineConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.kv_pool import DualKVCache
 from tests.support.hicache_support import CFG
 
 PS, W = CFG.page_size, CFG.window

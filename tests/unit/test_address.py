@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from gcache import errors
-from gcache.common.address import join_host_port, parse_host_port
 from gcache.client.connection import parse_address
 from gcache.cluster.cluster_map import ACTIVE, MapError, NodeInfo
-from gcache.master import main as master_main
 from gcache.cluster.master_api import parse_master_url
+from gcache.common.address import join_host_port, parse_host_port
+from gcache.master import main as master_main
 from gcache.server.config import _is_host_port
 
 GOOD = [

@@ -78,7 +78,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)  # one parse of the package for the three tests
+@functools.cache  # one parse of the package for the three tests
 def graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths) | {"gcache._native"}

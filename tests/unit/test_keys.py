@@ -2,7 +2,8 @@
 import hashlib
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gcache.errors import InvalidArgumentError, KeyInvalidError
 from gcache.wire.keys import KeyBuilder, get_hash_str, page_hashes

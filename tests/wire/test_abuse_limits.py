@@ -8,9 +8,19 @@ import os
 import socket
 import time
 
-from tests.support.raw_protocol import (BUSY, GET_BATCH, HEADER, MAGIC, OK, PING, PUT_BATCH, STORED, RawConnection,
-                                        frame_bytes)
 from tests.support import waiting
+from tests.support.raw_protocol import (
+    BUSY,
+    GET_BATCH,
+    HEADER,
+    MAGIC,
+    OK,
+    PING,
+    PUT_BATCH,
+    STORED,
+    RawConnection,
+    frame_bytes,
+)
 
 wait_until = functools.partial(waiting.wait_until, timeout_s=20.0, step_s=0.05)
 

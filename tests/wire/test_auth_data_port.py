@@ -14,10 +14,23 @@ import gcache
 from gcache import errors
 from gcache._native import hmac_sha256
 from gcache.wire.auth import auth_mac, token_id
-from tests.support.raw_protocol import (AUTH, EXISTS_BATCH, FORBIDDEN, GET_BATCH, KEY_INVALID, PING, REMOVE_BATCH, STATS,
-                                        STORED, UNAUTHENTICATED, RawConnection, frame_bytes, put_frame, raw_auth)
+from tests.support.raw_protocol import (
+    AUTH,
+    EXISTS_BATCH,
+    FORBIDDEN,
+    GET_BATCH,
+    KEY_INVALID,
+    PING,
+    REMOVE_BATCH,
+    STATS,
+    STORED,
+    UNAUTHENTICATED,
+    RawConnection,
+    frame_bytes,
+    put_frame,
+    raw_auth,
+)
 from tests.support.servers import run_server_cli
-
 
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789ab"

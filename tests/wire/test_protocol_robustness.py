@@ -13,9 +13,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.raw_protocol import (
-                                        BAD_FRAME, BAD_VERSION, BUSY, GET_BATCH, HEADER, LIMIT_EXCEEDED, OK, PING, PUT_BATCH, STORED,
-                                        UNKNOWN_OPCODE, RawConnection, frame_bytes, put_frame,
-                                        )
+    BAD_FRAME,
+    BAD_VERSION,
+    BUSY,
+    GET_BATCH,
+    HEADER,
+    LIMIT_EXCEEDED,
+    OK,
+    PING,
+    PUT_BATCH,
+    STORED,
+    UNKNOWN_OPCODE,
+    RawConnection,
+    frame_bytes,
+    put_frame,
+)
 
 KNOWN_STATUSES = set(range(8))
 

@@ -6,9 +6,21 @@ import os
 import pytest
 
 from tests.support.raw_protocol import (
-                                        CHECKSUM_MISMATCH, EXISTS, GET_BATCH, KEY_INVALID, LIMIT_EXCEEDED, OK, PING, PUT_BATCH,
-                                        REMOVE_BATCH, STORED, VALUE_TOO_LARGE, RawConnection, frame_bytes, put_frame,
-                                        )
+    CHECKSUM_MISMATCH,
+    EXISTS,
+    GET_BATCH,
+    KEY_INVALID,
+    LIMIT_EXCEEDED,
+    OK,
+    PING,
+    PUT_BATCH,
+    REMOVE_BATCH,
+    STORED,
+    VALUE_TOO_LARGE,
+    RawConnection,
+    frame_bytes,
+    put_frame,
+)
 
 VALUE_MAX = 1 << 20  # --value-bytes-max in these tests
 

@@ -16,12 +16,22 @@ import gcache
 from gcache import _native, errors
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
-from gcache.wire.protocol import FrameStatus, encode_keys_meta
 from gcache.server.rebalance import Rebalancer
-from tests.support.raw_protocol import (BAD_FRAME, EXISTS_BATCH, GET_BATCH, OK, PING, PUT_BATCH, REMOVE_BATCH, STORED,
-                                        STALE_EPOCH, RawConnection, frame_bytes)
+from gcache.wire.protocol import FrameStatus, encode_keys_meta
 from tests.support import waiting
-
+from tests.support.raw_protocol import (
+    BAD_FRAME,
+    EXISTS_BATCH,
+    GET_BATCH,
+    OK,
+    PING,
+    PUT_BATCH,
+    REMOVE_BATCH,
+    STALE_EPOCH,
+    STORED,
+    RawConnection,
+    frame_bytes,
+)
 
 MAP = msgpack.packb({"epoch": 5, "nodes": [{"id": "a", "address": "127.0.0.1:1"}]}, use_bin_type=True)
 

@@ -30,10 +30,10 @@ import gcache
 from gcache.wire.keys import KeyBuilder, page_hashes_array
 from gcache.worker.config import FULL, SWA
 from gcache.worker.engine.engine import Engine
+from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.transformer import Model
-from gcache.worker.engine.request import Request, SamplingParams
 from tests.support.hicache_support import CFG, build_engine
 
 PS, W = CFG.page_size, CFG.window

@@ -21,16 +21,17 @@ import urllib.request
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import gcache
 from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 from gcache.worker.config import FULL, SWA
 from gcache.worker.engine.engine import Engine
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.integrity import IntegrityError
-from gcache.worker.model.transformer import Model
 from gcache.worker.engine.request import Request, SamplingParams
+from gcache.worker.integrity import IntegrityError
+from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.model.transformer import Model
 from tests.support.hicache_support import CFG, build_engine
 from tests.support.reference import check_against_reference
 

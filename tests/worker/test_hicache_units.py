@@ -11,14 +11,15 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.wire.keys import TOKEN_ID_MAX, get_hash_str, page_hashes, page_hashes_array
 from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.integrity import IntegrityError
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.worker.kvcache.host_pool import HostKVPool
-from gcache.worker.integrity import IntegrityError
-from gcache.serving.swa_window import last_safe_end, tail_start_page
 
 CFG_KW = dict(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
               page_size=8, vocab_size=512, dtype="float64", layer_pattern=("swa", "full", "swa", "swa"))

@@ -10,8 +10,16 @@ import socket
 
 import pytest
 
-from tests.support.serving_support import (GREETING, WorkerProc, burst, metric, post_json, read_response, request,
-                                           stalled_connections)
+from tests.support.serving_support import (
+    GREETING,
+    WorkerProc,
+    burst,
+    metric,
+    post_json,
+    read_response,
+    request,
+    stalled_connections,
+)
 
 pytestmark = pytest.mark.process  # starts processes
 

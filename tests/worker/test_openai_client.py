@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.serving_support import WorkerProc, openai_client, post_json
 from gcache.serving.openai_api import CHAT_PATH, prompt_tokens
 from gcache.serving.tokenizer import ByteTokenizer
+from tests.support.serving_support import WorkerProc, openai_client, post_json
 
 pytestmark = pytest.mark.process  # starts processes
 

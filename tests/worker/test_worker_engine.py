@@ -13,16 +13,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # tiny matmuls: threads only
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.model.transformer import Model
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.engine.scheduler import QueueFullError, SchedulerConfig
-from tests.support.reference import check_against_reference
+from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.transformer import Model
 from tests.support.engine_support import tree_nodes
+from tests.support.reference import check_against_reference
 
 CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
                   page_size=8, vocab_size=512, dtype="float64")

@@ -10,13 +10,13 @@ import threading
 
 import pytest
 
-from tests.support.serving_support import WORKER_ARGS
 from gcache.serving.stop_text import OutputText
+from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine_thread import EngineThread, Pending
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
-from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.http.flags import build_engine, parse_args
 from tests.support.engine_support import InEngine
+from tests.support.serving_support import WORKER_ARGS
 
 WAIT_S = 30.0
 PROMPT = list(b"The engine thread reports to the asyncio loop. ")

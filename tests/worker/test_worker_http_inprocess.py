@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from tests.support.serving_support import WORKER_ARGS, post_json, request
 from gcache.serving import runner
 from gcache.serving.sse import parse_events
-from gcache.worker.http.server import make_app
 from gcache.worker.http.flags import build_engine, parse_args
+from gcache.worker.http.server import make_app
 from tests.support.engine_support import InEngine
+from tests.support.serving_support import WORKER_ARGS, post_json, request
 
 WAIT_S = 30.0
 PROMPT = "In process, on a real socket. "

@@ -7,14 +7,15 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gcache.serving.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from gcache.worker import backend
-from gcache.worker.model import weights as wmod
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+from gcache.worker.model import weights as wmod
 from gcache.worker.model.transformer import Model
-from gcache.serving.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 SEQ = 160  # > W = 128, so the window matters in SWA layers
 # A small hybrid model (layer 6 full, 0-5 SWA) with W = 32 for the quicker tests.

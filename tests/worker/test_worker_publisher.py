@@ -4,9 +4,9 @@ state heals by a resync), and with a real gcache-server as L3 (a prefix L3 holds
 a worker that never saw it)."""
 from __future__ import annotations
 
-import functools
 import argparse
 import asyncio
+import functools
 import threading
 
 import numpy as np
@@ -15,13 +15,13 @@ import pytest
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
 from gcache.serving.stop_text import OutputText
-from gcache.worker.engine.engine_thread import EngineThread, Pending
-from gcache.worker.model.transformer import Model
-from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher, add_publisher_args, start_publisher
-from gcache.worker.engine.request import SamplingParams
 from gcache.serving.tokenizer import ByteTokenizer
-from tests.support.router_support import CFG, engine, history, run, tokens
+from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.engine.request import SamplingParams
+from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher, add_publisher_args, start_publisher
+from gcache.worker.model.transformer import Model
 from tests.support import waiting
+from tests.support.router_support import CFG, engine, history, run, tokens
 
 wait_until = functools.partial(waiting.wait_until, timeout_s=20.0, step_s=0.02)
 

@@ -12,11 +12,11 @@ import pytest
 
 from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
-from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.model.transformer import Model
 from gcache.worker.engine.request import Request, RequestState, SamplingParams
 from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, shared_prefix_len
+from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock
+from gcache.worker.model.transformer import Model
 
 P = SamplingParams(max_tokens=4, temperature=0.0)
 POLICIES = ("fcfs", "ttft")

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gcache.serving.swa_window import swa_keep_pages, tail_pages, tail_start_page
 from gcache.worker.kvcache.kv_pool import PagePool
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
-from gcache.serving.swa_window import swa_keep_pages, tail_pages, tail_start_page
 
 PS = 4
 

@@ -24,8 +24,14 @@ import threading
 from typing import NamedTuple
 
 from gcache import errors
-from gcache.client.device.arrays import (CupyBackend, DeviceBackend, DeviceRange, device_range,
-                                         is_device_array, slice_range)
+from gcache.client.device.arrays import (
+    CupyBackend,
+    DeviceBackend,
+    DeviceRange,
+    device_range,
+    is_device_array,
+    slice_range,
+)
 from gcache.client.operations import BatchResult
 from gcache.wire.protocol import normalize_key, normalize_keys
 

@@ -29,7 +29,6 @@ from abc import ABC, abstractmethod
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, GetIntoOp, GetOp, Operation, PutOp
 
-
 PUT_CHUNK_BYTES_MAX = 8 << 20
 PUT_CHUNK_BYTES_MIN = 64 << 10
 

@@ -17,12 +17,12 @@ import os
 import time
 
 from gcache import errors
-from gcache.wire import rdma_verbs
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import BULK_READ_BYTES_PER_S_MIN, Connection
-from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
 from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
+from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
+from gcache.wire import rdma_verbs
 from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header, encode_meta
 
 STAGING_BYTES = 16 << 20      # per connection; a batch larger than this moves in rounds

@@ -19,8 +19,8 @@ from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, MetaOp
-from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
 from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
+from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
 from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header
 
 _EMPTY_MAP = b"\x80"  # msgpack {}

@@ -18,8 +18,14 @@ import time
 
 from gcache import errors
 from gcache._native import verify_views
-from gcache.client.operations import (BatchResult, Operation, _ValuesOp, _expect_list, encode_request_meta,
-                                      record_put_status)
+from gcache.client.operations import (
+    BatchResult,
+    Operation,
+    _expect_list,
+    _ValuesOp,
+    encode_request_meta,
+    record_put_status,
+)
 from gcache.wire.protocol import FLAG_NO_REPLY, Opcode, PutStatus, encode_header, encode_meta
 
 

@@ -45,7 +45,7 @@ class BackendSettings:
              "gcache_retries", "gcache_suspect_s", "gcache_skip_existing", "gcache_transport")
 
     @classmethod
-    def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> "BackendSettings":
+    def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> BackendSettings:
         extra = dict(extra_config or {})
         unknown = sorted(k for k in extra if k.startswith("gcache_") and k not in cls.KNOWN)
         if unknown:

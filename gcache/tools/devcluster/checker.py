@@ -71,7 +71,7 @@ class Tally:
         if len(self.violations) < VIOLATIONS_KEPT_MAX:
             self.violations.append(what)
 
-    def merge(self, other: "Tally") -> None:
+    def merge(self, other: Tally) -> None:
         for name in ("calls", "puts", "puts_stored", "gets", "hits", "exceptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.slowest_call_s = max(self.slowest_call_s, other.slowest_call_s)

@@ -25,12 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
-from gcache.tools.devcluster import local_security
-from gcache.tools.devcluster.netns import NetnsNetwork, require_netns
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
-from gcache.tools.devcluster.local_masters import master_command, wait_leader as wait_master_leader
-from gcache.tools.devcluster.local_server import node_args, server_command
 from gcache.common.processes import PidProcess, Process, free_port, stop_process, stop_processes
+from gcache.tools.devcluster import local_security
+from gcache.tools.devcluster.local_masters import master_command
+from gcache.tools.devcluster.local_masters import wait_leader as wait_master_leader
+from gcache.tools.devcluster.local_server import node_args, server_command
+from gcache.tools.devcluster.netns import NetnsNetwork, require_netns
 
 MASTER_HOST_BASE = 11
 NODE_HOST_BASE = 31
@@ -135,7 +136,7 @@ class LocalCluster:
         os.replace(tmp, self.dir / LAYOUT_FILE)
 
     @classmethod
-    def load(cls, directory) -> "LocalCluster":
+    def load(cls, directory) -> LocalCluster:
         path = Path(directory).resolve() / LAYOUT_FILE
         try:
             layout = json.loads(path.read_text())
@@ -360,7 +361,7 @@ class LocalCluster:
 
     # -- whole-cluster operations ------------------------------------------------------
 
-    def up(self, timeout_s: float = START_TIMEOUT_S) -> "LocalCluster":
+    def up(self, timeout_s: float = START_TIMEOUT_S) -> LocalCluster:
         """Starts every master, waits for a leader, starts every node, waits until all are active."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / LAYOUT_FILE).exists():

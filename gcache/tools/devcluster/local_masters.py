@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from gcache.common.address import parse_host_port
 from gcache.cluster import master_api as api
+from gcache.common.address import parse_host_port
 from gcache.common.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 30.0
@@ -68,7 +68,7 @@ class LocalMaster:
         return master_command(grpc_address=self.grpc_address, raft_address=self.raft_address, peers=self.peers,
                               data_dir=self.data_dir, http_address=self.http_address, extra=_flag_args(self.flags))
 
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> "LocalMaster":
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalMaster:
         """Starts the process and returns once its gRPC port accepts connections."""
         if self.alive():
             return self

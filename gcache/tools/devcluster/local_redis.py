@@ -45,7 +45,7 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "LocalRedis":
+    def start(self) -> LocalRedis:
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir.name, "--unixsocket", self.socket_path, "--unixsocketperm", "700"],

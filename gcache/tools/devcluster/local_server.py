@@ -55,7 +55,7 @@ class LocalServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, port_attempts: int = 3) -> "LocalServer":
+    def start(self, port_attempts: int = 3) -> LocalServer:
         for attempt in range(port_attempts):
             try:
                 return self._start_once()
@@ -68,7 +68,7 @@ class LocalServer:
                 self._repick()
         raise AssertionError("unreachable")
 
-    def pick_admin_port(self) -> "LocalServer":
+    def pick_admin_port(self) -> LocalServer:
         """Use a free admin port (re-picked like the data port if it is taken at start)."""
         self.admin_port = free_port()
         self._picked.add(self.admin_port)
@@ -82,7 +82,7 @@ class LocalServer:
         if self.admin_port in self._picked:
             self.pick_admin_port()
 
-    def _start_once(self) -> "LocalServer":
+    def _start_once(self) -> LocalServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = server_command(host="127.0.0.1", port=self.port, admin_port=self.admin_port, memory=self.memory,
                               disk=self.disk, data_dir=self.data_dir, extra=self.extra_args)

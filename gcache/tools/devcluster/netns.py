@@ -194,13 +194,13 @@ class NetnsNetwork:
         return {"mode": "netns", **asdict(self), "bridge": self.bridge, "gateway": self.gateway}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NetnsNetwork":
+    def from_dict(cls, d: dict) -> NetnsNetwork:
         return cls(tag=d["tag"], subnet=d["subnet"])
 
     # -- setting up ----------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory) -> "NetnsNetwork":
+    def create(cls, directory) -> NetnsNetwork:
         """Removes what a crashed earlier run from `directory` left, then makes the bridge."""
         require_netns()
         tag = tag_for(directory)

@@ -15,12 +15,12 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from gcache.common.units import parse_duration, parse_size
 from gcache.tools.storebench import limits as machine_limits
 from gcache.tools.storebench import report as bench_report
 from gcache.tools.storebench.peers.base import PeerSpec
 from gcache.tools.storebench.progress import Progress
 from gcache.tools.storebench.runner import config_dict, run_suite
-from gcache.common.units import parse_duration, parse_size
 from gcache.tools.storebench.workloads import WORKLOADS, WorkloadConfig
 
 VALUE_SIZE_MIN, VALUE_SIZE_MAX = 4 << 10, 16 << 20

@@ -28,7 +28,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled and self.tty:
             self._thread = threading.Thread(target=self._render_loop, name="progress", daemon=True)
             self._thread.start()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class WorkerContext:
     barrier: object                        # threading/multiprocessing Barrier
     on_tick: Callable[[], None] = lambda: None
 
-    def with_prefix(self, suffix: str) -> "WorkerContext":
+    def with_prefix(self, suffix: str) -> WorkerContext:
         return WorkerContext(self.worker_id, f"{self.key_prefix}/{suffix}", self.barrier, self.on_tick)
 
     def key_stream(self, start: int = 0):

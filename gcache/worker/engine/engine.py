@@ -19,22 +19,30 @@ add_request/step (the cache's L3 threads never touch the device pools).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gcache.worker import backend
+from gcache.worker.engine.metrics import EngineMetrics
+from gcache.worker.engine.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FinishReason,
+    Request,
+    RequestState,
+    SamplingParams,
+)
+from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager
 from gcache.worker.kvcache.hicache import HiCache
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.engine.metrics import EngineMetrics
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
-from gcache.worker.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishReason, Request, RequestState,
-                                          SamplingParams)
-from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
     from gcache.worker.model.base import BatchModel

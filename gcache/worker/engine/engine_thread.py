@@ -20,10 +20,9 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gcache.serving.stop_text import OutputText
-
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError

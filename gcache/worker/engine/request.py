@@ -13,11 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gcache.wire.keys import page_hashes_array
-
 from gcache.serving.tiers import TIERS
+from gcache.wire.keys import page_hashes_array
 from gcache.worker.kvcache.kv_pool import RequestKV
-
 
 
 class FinishReason(enum.StrEnum):

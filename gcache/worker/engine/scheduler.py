@@ -30,14 +30,13 @@ from __future__ import annotations
 import enum
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from gcache.worker.integrity import require
 from gcache.worker.engine.request import Request, RequestState
-
+from gcache.worker.integrity import require
 
 
 class SchedulerPolicy(enum.StrEnum):
@@ -114,7 +113,7 @@ class Ordering(ABC):
     """
 
     @abstractmethod
-    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+    def order(self, scheduler: Scheduler, prefilling: list[Request], now: float) -> list[Request]:
         """The candidates, first served first: the running requests still prefilling and
         (some of) scheduler.waiting, with estimates refreshed for this step. The caller keeps
         the first config.scan_max. May update the scheduler's per-step state (waiter counts);
@@ -124,7 +123,7 @@ class Ordering(ABC):
 class FcfsOrder(Ordering):
     """fcfs: strict arrival order, running prefills and waiting requests alike."""
 
-    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+    def order(self, scheduler: Scheduler, prefilling: list[Request], now: float) -> list[Request]:
         return sorted(prefilling + scheduler.waiting[: scheduler.config.scan_max], key=arrival_key)
 
 
@@ -132,7 +131,7 @@ class TtftOrder(Ordering):
     """ttft: shortest remaining uncached work first, Smith-weighted, with the starvation lane
     (Scheduler.priority)."""
 
-    def order(self, scheduler: "Scheduler", prefilling: list[Request], now: float) -> list[Request]:
+    def order(self, scheduler: Scheduler, prefilling: list[Request], now: float) -> list[Request]:
         scheduler._count_waiters(prefilling, now)
         return sorted(prefilling + scheduler.waiting, key=lambda r: scheduler.priority(r, now))
 

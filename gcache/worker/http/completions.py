@@ -8,9 +8,8 @@ from __future__ import annotations
 from gcache.serving import openai_bodies
 from gcache.serving.openai_api import ParsedRequest
 from gcache.serving.stop_text import OutputText
-
-from gcache.worker.engine.request import FINISH_STOP, FinishReason, Request, SamplingParams
 from gcache.serving.tokenizer import ByteTokenizer
+from gcache.worker.engine.request import FINISH_STOP, FinishReason, Request, SamplingParams
 
 
 def sampling_params(parsed: ParsedRequest, tok: ByteTokenizer) -> SamplingParams:

@@ -5,13 +5,12 @@ import argparse
 import json
 
 from gcache.serving.body import BODY_DEADLINE_S
-
 from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
+from gcache.worker.engine.scheduler import POLICIES, SchedulerConfig
+from gcache.worker.http.publisher import add_publisher_args
 from gcache.worker.kvcache.hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.http.publisher import add_publisher_args
-from gcache.worker.engine.scheduler import POLICIES, SchedulerConfig
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:

@@ -15,11 +15,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
-
 from gcache.worker.kvcache.cache_events import CacheEventLog
 
 log = logging.getLogger("gcache.worker.http.publisher")

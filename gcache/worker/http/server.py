@@ -26,15 +26,14 @@ from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, ParsedRequest, parse_request
 from gcache.serving.openai_bodies import StreamChunks, response_id
 from gcache.serving.stop_text import OutputText
-
-from gcache.worker.http import completions
+from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.engine_thread import EngineEvent, EngineThread, Pending
-from gcache.worker.http.publisher import start_publisher
 from gcache.worker.engine.request import FINISH_ABORT
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
-from gcache.serving.tokenizer import ByteTokenizer
+from gcache.worker.http import completions
 from gcache.worker.http.flags import build_engine, parse_args
+from gcache.worker.http.publisher import start_publisher
 
 __all__ = ["EngineThread", "WorkerApp", "make_app", "main", "parse_args", "build_engine"]
 

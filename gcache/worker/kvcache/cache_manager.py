@@ -17,8 +17,9 @@ it to the tree. Host pages are pinned while loaded, written to L3 or held for a 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from gcache.serving.tiers import TIERS
 
@@ -63,34 +64,34 @@ class CacheManager(ABC):
     """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
     @abstractmethod
-    def match(self, req: "Request") -> MatchResult:
+    def match(self, req: Request) -> MatchResult:
         """How much of req's tokens (always leaving >= 1 to compute) is loadable, per tier,
         right now. Takes no lock, allocates nothing, changes nothing."""
 
     @abstractmethod
-    def ready(self, req: "Request") -> bool:
+    def ready(self, req: Request) -> bool:
         """May the scheduler admit waiting req now? (the prefetch policy: a waiting request's
         L3 prefetch runs while it queues)."""
 
     @abstractmethod
-    def poll(self, waiting: "Iterable[Request]") -> None:
+    def poll(self, waiting: Iterable[Request]) -> None:
         """Background hook, once per step before scheduling: start L3 prefetches for waiting
         requests (bounded per step)."""
 
     @abstractmethod
-    def prepare_load(self, req: "Request") -> MatchResult:
+    def prepare_load(self, req: Request) -> MatchResult:
         """At admission: lock the L1 match, allocate device pages for the part that comes from
         L2/L3 (cut to what fits at a window-safe point) and queue its copies; sets req.kv,
         req.lock_node, req.branch_page. Returns a MatchResult whose per-tier lengths are what
         req actually got."""
 
     @abstractmethod
-    def start_loads(self) -> "LoadBatch | NoLoads":
+    def start_loads(self) -> LoadBatch | NoLoads:
         """Start the copies queued since the last call, layer by layer: the forward calls
         wait_layer(i) before layer i and finish() after it."""
 
     @abstractmethod
-    def prepare_write(self, req: "Request", final: bool) -> None:
+    def prepare_write(self, req: Request, final: bool) -> None:
         """After a forward: req's computed, page-aligned prefix goes into the L1 tree (req
         borrows it back under a new lock unless final) and, per the write policy, to L2 and
         L3 (L3 off the critical path)."""
@@ -104,7 +105,7 @@ class CacheManager(ABC):
         """Undo one lock(node)."""
 
     @abstractmethod
-    def release(self, req: "Request") -> None:
+    def release(self, req: Request) -> None:
         """req leaves the running list (preemption, abort, finish): give back its own pages
         and its lock; sets req.kv and req.lock_node to None."""
 
@@ -114,20 +115,20 @@ class CacheManager(ABC):
         the (full, swa) pages freed."""
 
     @abstractmethod
-    def trim_swa(self, req: "Request", pressure: bool = False) -> int:
+    def trim_swa(self, req: Request, pressure: bool = False) -> int:
         """Free req's own SWA pages it no longer needs: out of the window and (unless under
         pressure) not in a checkpoint tail. Returns the pages freed."""
 
     @abstractmethod
-    def estimate_uncached(self, req: "Request") -> int:
+    def estimate_uncached(self, req: Request) -> int:
         """Tokens req would still compute if admitted now (the scheduler's ordering key)."""
 
     @abstractmethod
-    def check_integrity(self, running: "Iterable[Request]", waiting: "Iterable[Request]" = ()) -> None:
+    def check_integrity(self, running: Iterable[Request], waiting: Iterable[Request] = ()) -> None:
         """Raise IntegrityError if any invariant of any tier is broken (page ownership
         against the running and waiting requests, pool accounting, the trees)."""
 
-    def drop_waiting(self, req: "Request") -> None:
+    def drop_waiting(self, req: Request) -> None:
         """A waiting request leaves without running (abort): drop what it holds here."""
         return None
 

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
-from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.config import FULL, SWA
+from gcache.worker.integrity import require
+from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.worker.kvcache.host_pool import HostKVPool
-from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.kvcache.l3_store import L3Config, L3Store
 from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
-from gcache.serving.swa_window import last_safe_end, tail_start_page
 
 STAT_NAMES = ("l2_load_pages", "l2_load_bytes", "l2_load_seconds", "l2_load_wait_seconds",
               "l2_write_pages", "l2_write_bytes", "l2_write_dropped", "loads_cut_to_fit",
@@ -40,8 +40,9 @@ STAT_NAMES = ("l2_load_pages", "l2_load_bytes", "l2_load_seconds", "l2_load_wait
 
 
 class HiCache(CacheManager):
-    def __init__(self, kv: DualKVCache, config: HiCacheConfig = HiCacheConfig(),
+    def __init__(self, kv: DualKVCache, config: HiCacheConfig | None = None,
                  nodes_max: int = 1_000_000, l3_client=None) -> None:
+        config = config if config is not None else HiCacheConfig()
         self.kv, self.config = kv, config
         self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
         self.ps, self.window = kv.page_size, kv.window

@@ -21,10 +21,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gcache.worker.config import FULL, SWA
 from gcache.serving.tiers import Tier
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.config import FULL, SWA
 from gcache.worker.integrity import require
+from gcache.worker.kvcache.host_pool import HostKVPool
 
 
 @dataclass

@@ -49,7 +49,7 @@ class HostKVPool:
 
     @classmethod
     def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float,
-                    xp=None) -> "HostKVPool":
+                    xp=None) -> HostKVPool:
         full, swa = DualKVCache.pages_for_budget(config, budget_bytes, swa_full_ratio)
         return cls(config, full, swa, xp)
 

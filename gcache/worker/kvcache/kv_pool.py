@@ -144,7 +144,7 @@ class DualKVCache:
 
     @classmethod
     def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float,
-                    xp=None) -> "DualKVCache":
+                    xp=None) -> DualKVCache:
         full, swa = cls.pages_for_budget(config, budget_bytes, swa_full_ratio)
         return cls(config, full, swa, xp)
 
@@ -173,7 +173,7 @@ class RequestKV:
     owned_from: int = 0
 
     @classmethod
-    def from_prefix(cls, page_size: int, window: int, prefix_len: int, full_pages, swa_pages) -> "RequestKV":
+    def from_prefix(cls, page_size: int, window: int, prefix_len: int, full_pages, swa_pages) -> RequestKV:
         """Start at a cached, page-aligned prefix whose pages the tree owns."""
         n = prefix_len // page_size
         if prefix_len % page_size or len(full_pages) != n or len(swa_pages) != n:

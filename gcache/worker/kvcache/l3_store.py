@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 
 from gcache import errors
 from gcache.common.breaker import Breaker
-from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
-
-from gcache.worker.config import FULL, SWA
-from gcache.serving.tiers import Tier
-from gcache.worker.kvcache.host_cache import HostCache
 from gcache.serving.swa_window import last_safe_end, tail_start_page
+from gcache.serving.tiers import Tier
+from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
+from gcache.worker.config import FULL, SWA
+from gcache.worker.kvcache.host_cache import HostCache
 
 TOUCH_PAGES_MAX = 64        # prefix pages probed after a write (bounded work per write)
 PROBE_PAGES_MAX = 4096      # pages one prefetch may look at

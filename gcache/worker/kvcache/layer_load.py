@@ -47,7 +47,7 @@ class LoadBatch:
         self.bytes = sum(len(ld.full[0]) * kv.bytes_per_page(FULL) + len(ld.swa[0]) * kv.bytes_per_page(SWA)
                          for ld in loads)
 
-    def start(self) -> "LoadBatch":
+    def start(self) -> LoadBatch:
         if self.layerwise:
             self._thread = threading.Thread(target=self._copy_all, name="layer-load", daemon=True)
             self._thread.start()

@@ -1,8 +1,8 @@
 """The cache manager of `--no-prefix-cache`: nothing is shared, nothing is kept."""
 from __future__ import annotations
 
-from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.integrity import require
+from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 
 

@@ -21,19 +21,17 @@ every child, since any access to a child passes through it; node count <= nodes_
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from gcache.serving.swa_window import tail_start_page
 from gcache.wire.keys import page_hashes_array
-
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import PagePool
 from gcache.worker.kvcache.swa_tree_check import check_tree
 from gcache.worker.kvcache.swa_tree_evict import SWAEvictionMixin
 from gcache.worker.kvcache.swa_tree_node import MatchEnds, MatchResult, TreeNode
-from gcache.serving.swa_window import tail_start_page
-
 
 
 class SWARadixTree(SWAEvictionMixin):

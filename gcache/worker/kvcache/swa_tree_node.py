@@ -37,7 +37,7 @@ class TreeNode:
     __slots__ = ("parent", "children", "keys", "full", "swa", "swa_locks", "full_lock",
                  "start", "live_swa", "removed")
 
-    def __init__(self, parent: "TreeNode | None", start: int, keys: list[bytes],
+    def __init__(self, parent: TreeNode | None, start: int, keys: list[bytes],
                  full: list[int], swa: list[int | None]) -> None:
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}

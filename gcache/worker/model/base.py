@@ -4,7 +4,8 @@ implement)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
@@ -14,8 +15,8 @@ class BatchModel(ABC):
     """A decoder the engine steps. Called from the engine thread only, once per step."""
 
     @abstractmethod
-    def forward_batch(self, chunks: Sequence[tuple[Sequence[int], Sequence[int] | None, "RequestKV"]],
-                      kv: "DualKVCache", all_logits: bool = False,
+    def forward_batch(self, chunks: Sequence[tuple[Sequence[int], Sequence[int] | None, RequestKV]],
+                      kv: DualKVCache, all_logits: bool = False,
                       layer_ready: Callable[[int], None] | None = None) -> list:
         """Run every chunk, one per request, as one batch.
 

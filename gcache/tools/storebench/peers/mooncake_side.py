@@ -57,11 +57,12 @@ def _warm_segment(store, segment_bytes: int) -> None:
 
 def main() -> int:
     request = json.loads(sys.argv[1])
+    import mooncake
+
     from gcache.tools.storebench.peers import mooncake_peer
     from gcache.tools.storebench.peers.base import PeerSpec
     from gcache.tools.storebench.runner import run_suite
     from gcache.tools.storebench.workloads import WorkloadConfig
-    import mooncake
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     bindir = os.path.dirname(mooncake.__file__)

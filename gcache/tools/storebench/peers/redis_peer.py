@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from gcache.common.address import parse_host_port
-from gcache.tools.storebench.peers.base import Peer, PeerSpec
 from gcache.tools.devcluster.local_redis import UNIX_PREFIX
+from gcache.tools.storebench.peers.base import Peer, PeerSpec
 
 REDIS_SOCKET_TIMEOUT_S = 60.0
 
