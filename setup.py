@@ -9,6 +9,7 @@ turns on GCACHE_ASSERT (common/assert.h) and runs Store::check_integrity after
 every store operation; tests/native_debug.sh builds it apart from the release
 module and runs the store and node tests against it.
 """
+
 import glob
 import os
 

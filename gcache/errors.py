@@ -4,6 +4,7 @@ Misses are never errors: a miss is `None` / `False` / a shorter prefix count.
 `ConnectionError` and `TimeoutError` also subclass the builtins of the same
 name, so `except ConnectionError:` works whichever one a caller imported.
 """
+
 from __future__ import annotations
 
 import builtins

@@ -4,6 +4,7 @@ the two markers: `process` (the test starts a process or a listening server) and
 it uses (PROCESS_FIXTURES) or from a mark in its file; an unmarked test that starts a process or
 listens on a socket fails (see pytest_runtest_setup below), so `pytest -m "not process"`, the
 unit lane, is pure."""
+
 from __future__ import annotations
 
 import os
@@ -40,14 +41,26 @@ class UnmarkedProcessError(AssertionError):
 
 def _refuse(item, what):
     def refused(*args, **kwargs):
-        raise UnmarkedProcessError(f"{item.nodeid} {what} but is not marked `process` "
-                                   "(use a process fixture, @pytest.mark.process or pytestmark)")
+        raise UnmarkedProcessError(
+            f"{item.nodeid} {what} but is not marked `process` "
+            "(use a process fixture, @pytest.mark.process or pytestmark)"
+        )
+
     return refused
 
 
-_SPAWNERS = [(module, name) for module, name in
-             ((os, "fork"), (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"),
-              (subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec")) if hasattr(module, name)]
+_SPAWNERS = [
+    (module, name)
+    for module, name in (
+        (os, "fork"),
+        (os, "forkpty"),
+        (os, "posix_spawn"),
+        (os, "posix_spawnp"),
+        (subprocess, "_fork_exec"),
+        (_posixsubprocess, "fork_exec"),
+    )
+    if hasattr(module, name)
+]
 
 
 @contextlib.contextmanager

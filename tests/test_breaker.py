@@ -1,4 +1,5 @@
 """gcache.common.breaker: suspect for suspect_s after a failure, on an explicit clock."""
+
 from __future__ import annotations
 
 import pytest

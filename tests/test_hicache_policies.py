@@ -1,4 +1,5 @@
 """The cache hierarchy's write / prefetch rules and the scheduler's orderings, by name."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,11 +28,14 @@ from gcache.worker.kvcache.policies import (
 )
 
 
-@pytest.mark.parametrize("name, cls, at_insert, at_evict, counts", [
-    ("write_through", WriteThrough, True, False, False),
-    ("write_through_selective", WriteThroughSelective, True, False, True),
-    ("write_back", WriteBack, False, True, False),
-])
+@pytest.mark.parametrize(
+    "name, cls, at_insert, at_evict, counts",
+    [
+        ("write_through", WriteThrough, True, False, False),
+        ("write_through_selective", WriteThroughSelective, True, False, True),
+        ("write_back", WriteBack, False, True, False),
+    ],
+)
 def test_write_rule_by_name(name, cls, at_insert, at_evict, counts):
     rule = write_rule(HiCacheConfig(write_policy=name, write_threshold=3))
     assert isinstance(rule, cls) and isinstance(rule, WriteRule) and rule.policy == name

@@ -16,6 +16,7 @@ ratio is the client's overhead plus any parallelism gained or lost.
     .venv/bin/python -m bench.cluster.client_overhead
     .venv/bin/python -m bench.cluster.client_overhead --rounds 300 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ def run_workloads(client, tag: str, rounds: int, bulk_s: float) -> dict:
     keys = [f"{tag}/exists-{i}".encode() for i in range(EXISTS_KEYS)]
     small = os.urandom(64)
     for lo in range(0, EXISTS_KEYS, 2000):
-        assert all(client.put_batch(keys[lo:lo + 2000], [small] * len(keys[lo:lo + 2000])))
+        assert all(client.put_batch(keys[lo : lo + 2000], [small] * len(keys[lo : lo + 2000])))
     assert all(client.batch_is_exist(keys))
     exists = timed(lambda: client.batch_is_exist(keys), rounds)
 
@@ -84,9 +85,14 @@ def run_workloads(client, tag: str, rounds: int, bulk_s: float) -> dict:
     put = gbps(lambda: client.batch_put_from(bulk_keys, src, sizes=sizes, offsets=offsets))
     get = gbps(lambda: client.batch_get_into(bulk_keys, dst, sizes=sizes, offsets=offsets))
     assert np.array_equal(src, dst), "batch_get_into returned different bytes"
-    return {"exists_p50_us": percentile_us(exists, 50), "exists_p99_us": percentile_us(exists, 99),
-            "get4k_p50_us": percentile_us(get4k, 50), "get4k_p99_us": percentile_us(get4k, 99),
-            "put_gbps": put, "get_gbps": get}
+    return {
+        "exists_p50_us": percentile_us(exists, 50),
+        "exists_p99_us": percentile_us(exists, 99),
+        "get4k_p50_us": percentile_us(get4k, 50),
+        "get4k_p99_us": percentile_us(get4k, 99),
+        "put_gbps": put,
+        "get_gbps": get,
+    }
 
 
 def main(argv=None) -> int:
@@ -101,9 +107,15 @@ def main(argv=None) -> int:
         try:
             for i in range(NODES):
                 servers.append(LocalServer(Path(tmp) / f"node{i}", memory="512MiB", disk="0").start())
-            cmap = ClusterMap.from_dict({"epoch": 1, "nodes": [
-                {"id": f"node-{i}", "address": s.address, "weight": 1, "state": ACTIVE}
-                for i, s in enumerate(servers)]})
+            cmap = ClusterMap.from_dict(
+                {
+                    "epoch": 1,
+                    "nodes": [
+                        {"id": f"node-{i}", "address": s.address, "weight": 1, "state": ACTIVE}
+                        for i, s in enumerate(servers)
+                    ],
+                }
+            )
             with gcache.Client(servers[0].address, timeout_s=10) as single:
                 single_res = run_workloads(single, "single", args.rounds, args.bulk_s)
             with ClusterClient(initial_map=cmap, timeout_s=10) as cluster:
@@ -112,9 +124,14 @@ def main(argv=None) -> int:
             for s in servers:
                 s.kill()
 
-    rows = {name: {"single": single_res[name], "cluster": cluster_res[name],
-                   "ratio": cluster_res[name] / single_res[name] if single_res[name] else None}
-            for name in single_res}
+    rows = {
+        name: {
+            "single": single_res[name],
+            "cluster": cluster_res[name],
+            "ratio": cluster_res[name] / single_res[name] if single_res[name] else None,
+        }
+        for name in single_res
+    }
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()

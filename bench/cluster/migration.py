@@ -14,6 +14,7 @@ content-addressed values through gcache.ClusterClient, and measures:
 
   .venv/bin/python -m bench.cluster.migration [--nodes 4] [--keys 4000] [--value-kib 64] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,14 @@ def read_hits(client, keys, size: int) -> tuple[int, int]:
     buf = bytearray(size * 256)
     hits = wrong = 0
     for lo in range(0, len(keys), 256):
-        part = keys[lo:lo + 256]
+        part = keys[lo : lo + 256]
         got = client.batch_get_into(part, buf, [size] * len(part), [j * size for j in range(len(part))])
         for j, n in enumerate(got):
             if n is None:
                 continue
             hits += 1
             index = int(part[j].split(b"/")[-1])
-            if buf[j * size:(j + 1) * size] != make_value(index, size):
+            if buf[j * size : (j + 1) * size] != make_value(index, size):
                 wrong += 1
     return hits, wrong
 
@@ -124,12 +125,23 @@ def time_dead_marking(cluster, repeat: int) -> list[float]:
 
 def run(args) -> dict:
     size = args.value_kib * 1024
-    report: dict = {"nodes": args.nodes, "keys": args.keys, "value_bytes": size,
-                    "loopback_tcp_mb_per_s": loopback_tcp_gbps() * 1000}  # the physical limit
+    report: dict = {
+        "nodes": args.nodes,
+        "keys": args.keys,
+        "value_bytes": size,
+        "loopback_tcp_mb_per_s": loopback_tcp_gbps() * 1000,
+    }  # the physical limit
     with tempfile.TemporaryDirectory(prefix="gcache-cluster-bench-") as tmp:
-        cluster = LocalCluster(tmp, masters=3, nodes=args.nodes, memory=args.memory, disk=args.disk,
-                               heartbeat_interval_s=args.heartbeat_interval_s,
-                               heartbeat_timeout_s=args.heartbeat_timeout_s, migration_timeout_s=120)
+        cluster = LocalCluster(
+            tmp,
+            masters=3,
+            nodes=args.nodes,
+            memory=args.memory,
+            disk=args.disk,
+            heartbeat_interval_s=args.heartbeat_interval_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            migration_timeout_s=120,
+        )
         cluster.up()
         client = ClusterClient(cluster.client_url, timeout_s=2.0, map_refresh_s=0.5)
         try:
@@ -140,7 +152,9 @@ def run(args) -> dict:
 
             keys = [f"bench/{i}".encode() for i in range(args.keys)]
             for lo in range(0, len(keys), 128):
-                client.put_batch(keys[lo:lo + 128], [make_value(i, size) for i in range(lo, min(lo + 128, len(keys)))])
+                client.put_batch(
+                    keys[lo : lo + 128], [make_value(i, size) for i in range(lo, min(lo + 128, len(keys)))]
+                )
             before_map = cluster.current_map()
             before = Placement(before_map)
             hits, wrong = read_hits(client, keys, size)

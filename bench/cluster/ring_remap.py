@@ -24,6 +24,7 @@ nodes that stayed, and the violations column shows how many keys that costs.
     .venv/bin/python -m bench.cluster.ring_remap   # N = 3, 5, 8, 16; 100k keys
     .venv/bin/python -m bench.cluster.ring_remap --nodes 4,32 --keys 20000 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ from gcache.cluster.placement import Placement
 from gcache.wire.keys import KeyBuilder, get_hash_str
 
 GIB_PER_WEIGHT_UNIT = 1088  # a node with 64 GiB memory + 1 TiB disk: weight 1088 (one per GiB)
-PAGES_PER_SEQUENCE = 64     # keys come in chained runs, like the pages of one prompt
+PAGES_PER_SEQUENCE = 64  # keys come in chained runs, like the pages of one prompt
 PAGE_TOKENS = 16
 
 
@@ -65,9 +66,20 @@ def weight_of(i: int, mode: str) -> int:
 
 
 def cluster_map(count: int, mode: str, state_of=lambda i: ACTIVE) -> ClusterMap:
-    return ClusterMap.from_dict({"epoch": 1, "nodes": [
-        {"id": node_id(i), "address": f"10.0.0.{i + 1}:7600", "weight": weight_of(i, mode),
-         "state": state_of(i)} for i in range(count)]})
+    return ClusterMap.from_dict(
+        {
+            "epoch": 1,
+            "nodes": [
+                {
+                    "id": node_id(i),
+                    "address": f"10.0.0.{i + 1}:7600",
+                    "weight": weight_of(i, mode),
+                    "state": state_of(i),
+                }
+                for i in range(count)
+            ],
+        }
+    )
 
 
 def modulo_owners(digests: list[int], node_ids: list[str]) -> list[str]:
@@ -114,7 +126,7 @@ def measure_size(keys, digests, count: int, mode: str) -> dict:
         drained = cluster_map(count, mode, lambda j: DRAINING if j == i else ACTIVE)
         one = measure_change(keys, before, Placement(drained), ids[i], "leave")
         one["ideal"] = weight_of(i, mode) / total_weight
-        one["modulo"] = moved_fraction(mod_before, modulo_owners(digests, ids[:i] + ids[i + 1:]))
+        one["modulo"] = moved_fraction(mod_before, modulo_owners(digests, ids[:i] + ids[i + 1 :]))
         leaves.append(one)
     leave = {
         "ideal": mean(x["ideal"] for x in leaves),
@@ -128,16 +140,27 @@ def measure_size(keys, digests, count: int, mode: str) -> dict:
     join["ratio"] = join["moved"] / join["ideal"]
     leave["ratio"] = mean(x["moved"] / x["ideal"] for x in leaves)
     # balance: the most loaded node's share over its fair (weight-proportional) share
-    return {"nodes": count, "weights": mode, "balance_max_over_mean": balance,
-            "join": join, "leave": leave}
+    return {"nodes": count, "weights": mode, "balance_max_over_mean": balance, "join": join, "leave": leave}
 
 
 def print_table(rows: list[dict], key_count: int) -> None:
     print(f"{key_count} keys. ideal: the changed node's share (join 1/(N+1), leave 1/N at equal weights);")
     print("leave: mean over each node leaving in turn, worst: the worst node; violations and fallback:")
     print("keys summed over every change (should be 0); balance: most loaded node / its fair share.")
-    head = ("weights", "N", "change", "ideal", "ring", "ring/ideal", "worst", "worst/ideal",
-            "modulo", "violations", "fallback", "balance")
+    head = (
+        "weights",
+        "N",
+        "change",
+        "ideal",
+        "ring",
+        "ring/ideal",
+        "worst",
+        "worst/ideal",
+        "modulo",
+        "violations",
+        "fallback",
+        "balance",
+    )
     fmt = "{:<8}{:>4}  {:<7}{:>7}{:>8}{:>11}{:>8}{:>12}{:>8}{:>11}{:>9}{:>9}"
     print(fmt.format(*head))
     for r in rows:
@@ -145,10 +168,22 @@ def print_table(rows: list[dict], key_count: int) -> None:
             c = r[kind]
             worst = f"{c['moved_worst']:.3f}" if kind == "leave" else ""
             worst_ratio = f"{c['ratio_worst']:.2f}" if kind == "leave" else ""
-            print(fmt.format(r["weights"], r["nodes"], kind, f"{c['ideal']:.3f}", f"{c['moved']:.3f}",
-                             f"{c['ratio']:.2f}", worst, worst_ratio,
-                             f"{c['modulo']:.3f}", c["violations"], c["fallback_wrong"],
-                             f"{r['balance_max_over_mean']:.2f}" if kind == "join" else ""))
+            print(
+                fmt.format(
+                    r["weights"],
+                    r["nodes"],
+                    kind,
+                    f"{c['ideal']:.3f}",
+                    f"{c['moved']:.3f}",
+                    f"{c['ratio']:.2f}",
+                    worst,
+                    worst_ratio,
+                    f"{c['modulo']:.3f}",
+                    c["violations"],
+                    c["fallback_wrong"],
+                    f"{r['balance_max_over_mean']:.2f}" if kind == "join" else "",
+                )
+            )
 
 
 def size_list(text: str) -> list[int]:
@@ -165,8 +200,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=size_list, default=[3, 5, 8, 16], help="cluster sizes N (default 3,5,8,16)")
     p.add_argument("--keys", type=int, default=100_000, help="keys to place (default 100000)")
-    p.add_argument("--weights", default="equal,mixed",
-                   help="equal, mixed (alternating 1x/2x capacity) or both, comma-separated (default both)")
+    p.add_argument(
+        "--weights",
+        default="equal,mixed",
+        help="equal, mixed (alternating 1x/2x capacity) or both, comma-separated (default both)",
+    )
     p.add_argument("--seed", type=int, default=0, help="key set seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)

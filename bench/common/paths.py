@@ -1,4 +1,5 @@
 """Where the benches find the repository and the shared traces."""
+
 from __future__ import annotations
 
 from pathlib import Path

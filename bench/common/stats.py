@@ -1,4 +1,5 @@
 """Summaries of repeated measurements, the one home for the benches' min / median / max."""
+
 from __future__ import annotations
 
 import statistics

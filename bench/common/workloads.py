@@ -1,5 +1,6 @@
 """Request streams for the hit-rate bench: a seeded multi-turn chat workload and a replay of
 Mooncake's conversation trace. A request is (prompt tokens, tokens to cache afterwards)."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,21 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Request:
-    prompt: np.ndarray   # int64 token ids
-    cached: np.ndarray   # what the engine caches when the request ends (prompt + output)
+    prompt: np.ndarray  # int64 token ids
+    cached: np.ndarray  # what the engine caches when the request ends (prompt + output)
 
 
-def chat_workload(seed: int = 0, conversations: int = 300, system_prompts: int = 4,
-                  system_tokens=(600, 1500), turns_mean: float = 4.0, user_tokens=(30, 300),
-                  output_tokens=(50, 400), concurrency: int = 16, vocab: int = 4096):
+def chat_workload(
+    seed: int = 0,
+    conversations: int = 300,
+    system_prompts: int = 4,
+    system_tokens=(600, 1500),
+    turns_mean: float = 4.0,
+    user_tokens=(30, 300),
+    output_tokens=(50, 400),
+    concurrency: int = 16,
+    vocab: int = 4096,
+):
     """Conversations share one of a few system prompts; turn t's prompt is the system prompt,
     every earlier user message and answer, and a new user message. `concurrency`
     conversations are open at once and a random one speaks next."""
@@ -48,8 +57,10 @@ def chat_workload(seed: int = 0, conversations: int = 300, system_prompts: int =
 def block_token_ids(hash_ids: np.ndarray, block_tokens: int, vocab: int) -> np.ndarray:
     """Deterministic pseudo-random tokens per (block hash id, offset): equal ids give equal
     tokens, so shared trace blocks become shared token prefixes (splitmix64)."""
-    x = (hash_ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
-         + np.arange(block_tokens, dtype=np.uint64)[None, :]).ravel()
+    x = (
+        hash_ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
+        + np.arange(block_tokens, dtype=np.uint64)[None, :]
+    ).ravel()
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

@@ -16,6 +16,7 @@ previous turn of its conversation has finished (closed loop per conversation).
 Requests go to workers uniformly at random (seeded), so a conversation's turns usually
 land on different workers.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -41,6 +42,7 @@ STUCK_STEPS_MAX = 100
 @dataclass(frozen=True)
 class Setup:
     """One cache configuration. Byte budgets are per worker (L1, L2) or shared (L3)."""
+
     name: str
     l2: bool = False
     l3: bool = False
@@ -98,8 +100,8 @@ class RunResult(TierHits):
     l3_distinct_bytes: int = 0
     l3_full_pages: int = 0
     l3_swa_pages: int = 0
-    load_s: float = 0.0        # virtual time charged for L2 -> L1 loads (all workers)
-    l3_read_s: float = 0.0     # virtual time of L3 prefetches (all workers)
+    load_s: float = 0.0  # virtual time charged for L2 -> L1 loads (all workers)
+    l3_read_s: float = 0.0  # virtual time of L3 prefetches (all workers)
     preemptions: int = 0
     makespan_s: float = 0.0
     wall_s: float = 0.0
@@ -119,8 +121,17 @@ def device_pages(cfg: ModelConfig, setup: Setup, budgets: Budgets) -> tuple[int,
 
 
 class Worker:
-    def __init__(self, cfg: ModelConfig, setup: Setup, budgets: Budgets, sched: SchedulerConfig,
-                 cost: CostModel, timing: Timing, l3_address: str, max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        setup: Setup,
+        budgets: Budgets,
+        sched: SchedulerConfig,
+        cost: CostModel,
+        timing: Timing,
+        l3_address: str,
+        max_new_tokens: int,
+    ) -> None:
         self.clock = VirtualClock()
         self.model = ScriptedModel(cfg, self.clock, cost, timing)
         full, swa = device_pages(cfg, setup, budgets)
@@ -128,14 +139,18 @@ class Worker:
         hc = HiCacheConfig(
             l2_bytes=budgets.l2_bytes if setup.l2 else 0,
             l2_swa_full_ratio=1.0 if setup.swa_unaware else budgets.l2_swa_full_ratio,
-            l3_url=l3_address if setup.l3 else "", model_name="bench",
+            l3_url=l3_address if setup.l3 else "",
+            model_name="bench",
             prefetch_policy="wait_complete",
-            swa_checkpoint_pages=(1 if setup.swa_unaware else
-                                  budgets.checkpoint_pages if setup.periodic_checkpoints else 0))
+            swa_checkpoint_pages=(
+                1 if setup.swa_unaware else budgets.checkpoint_pages if setup.periodic_checkpoints else 0
+            ),
+        )
         self.client = None
         if setup.l3:
-            raw = gcache.Client(l3_address, timeout_s=hc.l3_timeout_s, connect_timeout_s=0.5, retries=1,
-                                verify_checksums=True)
+            raw = gcache.Client(
+                l3_address, timeout_s=hc.l3_timeout_s, connect_timeout_s=0.5, retries=1, verify_checksums=True
+            )
             self.client = CountingClient(raw, DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA))
         self.cache = BenchHiCache(self.kv, hc, self.clock, timing, l3_client=self.client, tree_cls=setup.tree_cls)
         ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new_tokens, scheduler=sched, hicache=hc)
@@ -177,8 +192,9 @@ class Worker:
         else:
             self.stuck += 1
             if self.stuck > STUCK_STEPS_MAX:
-                raise RuntimeError(f"worker makes no progress: {self.engine.scheduler.waiting[:3]}, "
-                                   f"{self.cache.stats()}")
+                raise RuntimeError(
+                    f"worker makes no progress: {self.engine.scheduler.waiting[:3]}, {self.cache.stats()}"
+                )
         return finished
 
     def close(self) -> None:
@@ -194,9 +210,21 @@ def next_events(heap: list, pool: list) -> tuple[float, float, int]:
     return ta, te, k
 
 
-def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets, workers: int,
-             sched: SchedulerConfig, cost: CostModel, timing: Timing, l3_address: str,
-             rate_per_worker: float, seed: int, check_every: int = 0, inspect=None) -> RunResult:
+def simulate(
+    turns: list[Turn],
+    cfg: ModelConfig,
+    setup: Setup,
+    budgets: Budgets,
+    workers: int,
+    sched: SchedulerConfig,
+    cost: CostModel,
+    timing: Timing,
+    l3_address: str,
+    rate_per_worker: float,
+    seed: int,
+    check_every: int = 0,
+    inspect=None,
+) -> RunResult:
     """Run every turn through `workers` engines; returns the figures of the run.
     `inspect(workers)` is called at the end, before the engines close."""
     t0 = time.perf_counter()
@@ -245,8 +273,8 @@ def simulate(turns: list[Turn], cfg: ModelConfig, setup: Setup, budgets: Budgets
     clients = [w.client for w in pool if w.client is not None]
     res.l3_full_pages = len(set().union(*(c.keys["full"] for c in clients))) if clients else 0
     res.l3_swa_pages = len(set().union(*(c.keys["swa"] for c in clients))) if clients else 0
-    res.l3_distinct_bytes = (res.l3_full_pages * DualKVCache.page_bytes(cfg, FULL)
-                             + res.l3_swa_pages * DualKVCache.page_bytes(cfg, SWA))
+    res.l3_distinct_bytes = res.l3_full_pages * DualKVCache.page_bytes(
+        cfg, FULL
+    ) + res.l3_swa_pages * DualKVCache.page_bytes(cfg, SWA)
     res.wall_s = time.perf_counter() - t0
     return res
-

@@ -50,6 +50,7 @@ each prompt that any earlier request computed, SWA or not).
   .venv/bin/python -m bench.hicache.hierarchy           # both workloads, 3 seeds, ~5 min on 2 cores
   .venv/bin/python -m bench.hicache.hierarchy --quick   # ~30 s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,9 +74,13 @@ from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 MiB = 1 << 20
-SETUPS = (Setup("L1"), Setup("L1+L2", l2=True), Setup("L1+L2+L3", l2=True, l3=True),
-          Setup("SWA-unaware", l2=True, l3=True, swa_unaware=True),
-          Setup("SGLang-style L1", tree_cls=SGLangSWATree, periodic_checkpoints=False))
+SETUPS = (
+    Setup("L1"),
+    Setup("L1+L2", l2=True),
+    Setup("L1+L2+L3", l2=True, l3=True),
+    Setup("SWA-unaware", l2=True, l3=True, swa_unaware=True),
+    Setup("SGLang-style L1", tree_cls=SGLangSWATree, periodic_checkpoints=False),
+)
 
 
 def parse_args(argv):
@@ -86,14 +91,19 @@ def parse_args(argv):
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--setups", default=",".join(s.name for s in SETUPS))
     add_cost_args(ap)
-    ap.add_argument("--rate", type=float, default=0.0, help="requests per virtual second per worker "
-                    "(default: 0.5 chat, 0.25 trace)")
+    ap.add_argument(
+        "--rate", type=float, default=0.0, help="requests per virtual second per worker (default: 0.5 chat, 0.25 trace)"
+    )
     ap.add_argument("--conversations", type=int, default=60, help="chat conversations per seed")
     ap.add_argument("--answer-tokens", default="20,120", help="chat answer length range [lo, hi)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--trace-requests", type=int, default=400, help="first N trace records (12031 in all)")
-    ap.add_argument("--trace-block-tokens", type=int, default=64,
-                    help="tokens per 512-token trace block; prompts AND the model's window scale with it")
+    ap.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=64,
+        help="tokens per 512-token trace block; prompts AND the model's window scale with it",
+    )
     ap.add_argument("--trace-prompt-max", type=int, default=4096, help="trace prompts are cut here")
     ap.add_argument("--trace-output-max", type=int, default=16, help="most tokens a trace request generates")
     ap.add_argument("--l1-frac", type=float, default=0.25, help="L1 bytes per worker / working-set bytes")
@@ -102,10 +112,15 @@ def parse_args(argv):
     ap.add_argument("--l3-disk-frac", type=float, default=0.0625, help="L3 server --disk / its --memory")
     ap.add_argument("--l1-swa-ratio", type=float, default=0.25, help="device SWA pages per full page")
     ap.add_argument("--l2-swa-ratio", type=float, default=0.25, help="host SWA pages per full page")
-    ap.add_argument("--checkpoint-pages", type=int, default=0,
-                    help="chat: SWA checkpoint every C pages besides request ends and branch points (0: none)")
-    ap.add_argument("--trace-checkpoint-pages", type=int, default=-1,
-                    help="trace: the same (default -1: one per trace block)")
+    ap.add_argument(
+        "--checkpoint-pages",
+        type=int,
+        default=0,
+        help="chat: SWA checkpoint every C pages besides request ends and branch points (0: none)",
+    )
+    ap.add_argument(
+        "--trace-checkpoint-pages", type=int, default=-1, help="trace: the same (default -1: one per trace block)"
+    )
     ap.add_argument("--long-conversations", type=int, default=3, help="8-16K-token conversations (density)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     ap.add_argument("--check-every", type=int, default=0, help="engine.check_integrity() every N steps")
@@ -120,8 +135,9 @@ def build_workload(name: str, seed: int, args):
     if name == "chat":
         lo, hi = (int(x) for x in args.answer_tokens.split(","))
         return chat_turns(seed, args.conversations, output_tokens=(lo, hi))
-    return trace_turns(args.trace, args.trace_requests, args.trace_block_tokens, args.trace_prompt_max,
-                       args.trace_output_max)
+    return trace_turns(
+        args.trace, args.trace_requests, args.trace_block_tokens, args.trace_prompt_max, args.trace_output_max
+    )
 
 
 def checkpoint_pages(name: str, cfg: ModelConfig, args) -> int:
@@ -142,10 +158,17 @@ def budgets_for(turns, cfg: ModelConfig, args, ckpt: int) -> tuple[Budgets, dict
     l1_floor = (longest + 64) * (bf + bs)
     l1 = max(int(args.l1_frac * ws), l1_floor)
     b = Budgets(l1, int(args.l2_per_l1 * l1), int(args.l3_frac * ws), args.l1_swa_ratio, args.l2_swa_ratio, ckpt)
-    info = {"requests": len(turns), "prompt_tokens": sum(len(t.prompt) for t in turns), "pages": pages,
-            "ws_bytes": ws, "ws_unaware_bytes": pages * (bf + bs), "longest_pages": longest,
-            "l1_raised": l1 > int(args.l1_frac * ws), "oracle_hit": sum(hits) / sum(len(t.prompt) for t in turns),
-            "conversations": sum(t.after < 0 for t in turns)}
+    info = {
+        "requests": len(turns),
+        "prompt_tokens": sum(len(t.prompt) for t in turns),
+        "pages": pages,
+        "ws_bytes": ws,
+        "ws_unaware_bytes": pages * (bf + bs),
+        "longest_pages": longest,
+        "l1_raised": l1 > int(args.l1_frac * ws),
+        "oracle_hit": sum(hits) / sum(len(t.prompt) for t in turns),
+        "conversations": sum(t.after < 0 for t in turns),
+    }
     return b, info
 
 
@@ -162,8 +185,20 @@ def run_job(job) -> tuple:
     if setup.l3:
         srv, root = start_server(budgets.l3_bytes, int(budgets.l3_bytes * st["args"].l3_disk_frac))
     try:
-        res = simulate(turns, st["cfg"][name], setup, budgets, workers, st["sched"], st["cost"], st["timing"],
-                       srv.address if srv else "", st["rate"][name], seed, st["args"].check_every)
+        res = simulate(
+            turns,
+            st["cfg"][name],
+            setup,
+            budgets,
+            workers,
+            st["sched"],
+            st["cost"],
+            st["timing"],
+            srv.address if srv else "",
+            st["rate"][name],
+            seed,
+            st["args"].check_every,
+        )
     except Exception as e:
         raise RuntimeError(f"run {job} failed: {e!r}") from e
     finally:
@@ -176,6 +211,7 @@ def _exit_on_sigterm() -> None:
     """Pool workers: a SIGTERM (the pool ends early when a run fails) unwinds the run, so
     its gcache-server is stopped rather than orphaned."""
     import signal
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
 
@@ -183,6 +219,7 @@ def run_all(jobs: list, processes: int) -> dict:
     if processes <= 1:
         return dict(run_job(j) for j in jobs)
     import multiprocessing as mp
+
     # Longest runs first, so the two processes finish together.
     order = sorted(jobs, key=lambda j: (-j[3], -(("L3" in j[2]) + ("unaware" in j[2]))))
     with mp.get_context("fork").Pool(processes, initializer=_exit_on_sigterm) as pool:
@@ -196,9 +233,11 @@ def main(argv=None) -> dict:
     print("command: .venv/bin/python -m bench.hicache.hierarchy " + " ".join(argv))
     cfg = ModelConfig(dtype="float32")
     bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
-    print(f"model: {cfg.layers} layers ({len(cfg.full_layers)} full, {len(cfg.swa_layers)} SWA), W={cfg.window}, "
-          f"page {cfg.page_size} tokens; KV bytes per page: full {bf}, SWA {bs} "
-          f"(SWA KV on every page costs {(bf + bs) / bf:.1f}x full-only)")
+    print(
+        f"model: {cfg.layers} layers ({len(cfg.full_layers)} full, {len(cfg.swa_layers)} SWA), W={cfg.window}, "
+        f"page {cfg.page_size} tokens; KV bytes per page: full {bf}, SWA {bs} "
+        f"(SWA KV on every page costs {(bf + bs) / bf:.1f}x full-only)"
+    )
     cost, cost_text = load_cost(args)
     print(f"compute clock: {cost_text}")
     if args.quick:
@@ -209,25 +248,36 @@ def main(argv=None) -> dict:
     names = [n for n in args.workloads.split(",") if n]
     setups = [s for s in SETUPS if s.name in args.setups.split(",")]
     st = _JOB_STATE
-    st.update(args=args, cfg={n: model_for(n, args) for n in names}, sched=sched, cost=cost,
-              turns={}, budgets={}, info={}, rate={"chat": args.rate or 0.5, "trace": args.rate or 0.25})
+    st.update(
+        args=args,
+        cfg={n: model_for(n, args) for n in names},
+        sched=sched,
+        cost=cost,
+        turns={},
+        budgets={},
+        info={},
+        rate={"chat": args.rate or 0.5, "trace": args.rate or 0.25},
+    )
     for name in names:
         for seed in seeds:
             turns = build_workload(name, seed, args)
             st["turns"][(name, seed)] = turns
             wcfg = st["cfg"][name]
             st["budgets"][(name, seed)], st["info"][(name, seed)] = budgets_for(
-                turns, wcfg, args, checkpoint_pages(name, wcfg, args))
+                turns, wcfg, args, checkpoint_pages(name, wcfg, args)
+            )
     l3_probe = next(iter(st["budgets"].values())) if st["budgets"] else Budgets(64 * MiB, 0, 64 * MiB)
     timing = measure_timing(cfg, l3_probe.l3_bytes, int(l3_probe.l3_bytes * args.l3_disk_frac))
     st["timing"] = timing
-    print(f"copy times charged on the virtual clock, rates measured now: host->device "
-          f"{timing.h2d_bytes_per_s / 1e9:.2f} GB/s (one 256 MiB numpy copy), charged serially on the step that "
-          f"loads (no layer-wise overlap credit); "
-          f"L3 GET {timing.l3_bytes_per_s / 1e9:.2f} GB/s and round trip {timing.l3_rtt_s * 1e6:.0f} us (loopback, "
-          f"batch_get_into of 128 full + 9 SWA pages, a gcache-server with the runs' flags): an L3 prefetch takes "
-          f"3 round trips + bytes / GET rate (a miss 1 round trip) and a waiting request is admitted after it "
-          f"(wait_complete); L3 writes cost no virtual time (off the critical path)")
+    print(
+        f"copy times charged on the virtual clock, rates measured now: host->device "
+        f"{timing.h2d_bytes_per_s / 1e9:.2f} GB/s (one 256 MiB numpy copy), charged serially on the step that "
+        f"loads (no layer-wise overlap credit); "
+        f"L3 GET {timing.l3_bytes_per_s / 1e9:.2f} GB/s and round trip {timing.l3_rtt_s * 1e6:.0f} us (loopback, "
+        f"batch_get_into of 128 full + 9 SWA pages, a gcache-server with the runs' flags): an L3 prefetch takes "
+        f"3 round trips + bytes / GET rate (a miss 1 round trip) and a waiting request is admitted after it "
+        f"(wait_complete); L3 writes cost no virtual time (off the critical path)"
+    )
     jobs = [(n, s, su.name, w) for n in names for s in seeds for su in setups for w in workers]
     results = run_all(jobs, args.jobs)
     out = {"runs": results, "info": st["info"], "timing": timing}

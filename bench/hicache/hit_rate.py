@@ -22,6 +22,7 @@ own answer (the workload's answer length, the engine's tokens). Trace: arrival o
   .venv/bin/python -m bench.hicache.hit_rate   # both workloads, ~2 min on 2 cores
   .venv/bin/python -m bench.hicache.hit_rate --only chat --concurrency 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,16 +52,18 @@ INTEGRITY_EVERY = 500  # engine steps between full integrity checks (and one at 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    checkpoint_pages: int   # HiCacheConfig.swa_checkpoint_pages
-    equal_pools: bool       # SWA pool as large as the full pool (SWA-unaware sizing)
+    checkpoint_pages: int  # HiCacheConfig.swa_checkpoint_pages
+    equal_pools: bool  # SWA pool as large as the full pool (SWA-unaware sizing)
 
     @property
     def assumes(self) -> str:
         if self.equal_pools:
             return "SWA KV for every cached page (the same engine, swa_checkpoint_pages=1), equal pools"
         every = f", every {self.checkpoint_pages} pages" if self.checkpoint_pages else ""
-        return (f"SWA KV only at checkpoints the engine makes (request ends, branch points{every}; "
-                f"swa_checkpoint_pages={self.checkpoint_pages})")
+        return (
+            f"SWA KV only at checkpoints the engine makes (request ends, branch points{every}; "
+            f"swa_checkpoint_pages={self.checkpoint_pages})"
+        )
 
 
 def modes_for(checkpoint_pages: int) -> list[Mode]:
@@ -72,10 +75,10 @@ def modes_for(checkpoint_pages: int) -> list[Mode]:
 
 @dataclass(frozen=True)
 class Item:
-    prompt: np.ndarray      # the workload's prompt
-    out_tokens: int         # tokens the engine generates for it
-    prev: int | None        # chat: index of the conversation's previous turn
-    prev_len: int = 0       # tokens of the workload's prompt that are that turn's prompt + answer
+    prompt: np.ndarray  # the workload's prompt
+    out_tokens: int  # tokens the engine generates for it
+    prev: int | None  # chat: index of the conversation's previous turn
+    prev_len: int = 0  # tokens of the workload's prompt that are that turn's prompt + answer
 
 
 @dataclass
@@ -107,20 +110,20 @@ def chat_items(requests) -> list[Item]:
         prev = None
         for n in sorted(lengths, reverse=True):
             if n < len(r.prompt):
-                i = open_turns.get((n, r.prompt[n - TAIL:n].tobytes()))
-                if i is not None and np.array_equal(items[i].prompt, r.prompt[:len(items[i].prompt)]):
+                i = open_turns.get((n, r.prompt[n - TAIL : n].tobytes()))
+                if i is not None and np.array_equal(items[i].prompt, r.prompt[: len(items[i].prompt)]):
                     prev = i
                     break
         prev_len = 0
         if prev is not None:
             prev_len = items[prev].prompt.size + items[prev].out_tokens
-            del open_turns[(prev_len, r.prompt[prev_len - TAIL:prev_len].tobytes())]
+            del open_turns[(prev_len, r.prompt[prev_len - TAIL : prev_len].tobytes())]
             lengths[prev_len] -= 1
             if not lengths[prev_len]:
                 del lengths[prev_len]
         items.append(Item(r.prompt, len(r.cached) - len(r.prompt), prev, prev_len))
         n = len(r.cached)
-        open_turns[(n, r.cached[n - TAIL:n].tobytes())] = j
+        open_turns[(n, r.cached[n - TAIL : n].tobytes())] = j
         lengths[n] += 1
     return items
 
@@ -137,16 +140,23 @@ def pools_for(mode: Mode, config: ModelConfig, budget_bytes: int, swa_full_ratio
     return pages, pages
 
 
-def run_engine(mode: Mode, items: list[Item], config: ModelConfig, budget_bytes: int, ratio: float,
-               args) -> Result:
+def run_engine(mode: Mode, items: list[Item], config: ModelConfig, budget_bytes: int, ratio: float, args) -> Result:
     full_n, swa_n = pools_for(mode, config, budget_bytes, ratio)
     res = Result(mode, full_n, swa_n)
     clock = VirtualClock()
-    sched = SchedulerConfig(max_running=args.concurrency, max_tokens_per_step=args.chunk_tokens * 2,
-                            chunk_tokens=args.chunk_tokens, max_waiting=args.concurrency + 1)
-    econf = EngineConfig(max_prompt_tokens=max(it.prompt.size for it in items),
-                         max_new_tokens=max(it.out_tokens for it in items), tree_nodes_max=args.nodes_max,
-                         scheduler=sched, hicache=HiCacheConfig(swa_checkpoint_pages=mode.checkpoint_pages))
+    sched = SchedulerConfig(
+        max_running=args.concurrency,
+        max_tokens_per_step=args.chunk_tokens * 2,
+        chunk_tokens=args.chunk_tokens,
+        max_waiting=args.concurrency + 1,
+    )
+    econf = EngineConfig(
+        max_prompt_tokens=max(it.prompt.size for it in items),
+        max_new_tokens=max(it.out_tokens for it in items),
+        tree_nodes_max=args.nodes_max,
+        scheduler=sched,
+        hicache=HiCacheConfig(swa_checkpoint_pages=mode.checkpoint_pages),
+    )
     engine = Engine(SimulatedModel(config, clock), DualKVCache(config, full_n, swa_n, xp=np), econf, clock=clock)
     answered: dict[int, np.ndarray] = {}  # chat: a finished turn's prompt + the engine's answer
     needed = {it.prev for it in items if it.prev is not None}
@@ -176,8 +186,9 @@ def run_engine(mode: Mode, items: list[Item], config: ModelConfig, budget_bytes:
     return res
 
 
-def _submit_ready(engine: Engine, items: list[Item], pending: list[int], in_flight: dict, done: set,
-                  answered: dict, res: Result, args) -> None:
+def _submit_ready(
+    engine: Engine, items: list[Item], pending: list[int], in_flight: dict, done: set, answered: dict, res: Result, args
+) -> None:
     """Submit, in workload order, pending items whose previous turn is done, up to the
     concurrency limit (looking at most --lookahead items ahead)."""
     k = 0
@@ -189,7 +200,7 @@ def _submit_ready(engine: Engine, items: list[Item], pending: list[int], in_flig
         i = pending.pop(k)
         prompt = it.prompt
         if it.prev in answered:  # the previous turn's prompt + the engine's own answer
-            prompt = np.concatenate([answered[it.prev], it.prompt[it.prev_len:]])
+            prompt = np.concatenate([answered[it.prev], it.prompt[it.prev_len :]])
         res.prompt_tokens += prompt.size
         try:
             r = engine.add_request(prompt, SamplingParams(max_tokens=it.out_tokens, temperature=0.0))
@@ -208,17 +219,25 @@ def run_workload(name: str, items: list[Item], config: ModelConfig, args, checkp
     rows = [run_engine(mode, items, config, budget, ratio, args) for mode in modes_for(checkpoint_pages)]
     ps, bf, bs = config.page_size, DualKVCache.page_bytes(config, FULL), DualKVCache.page_bytes(config, SWA)
     pages = len(rows[0].pages_seen)
-    print(f"\n{name}: {len(items)} requests, {rows[0].prompt_tokens} prompt tokens; page {ps} tokens, "
-          f"W={config.window}, bytes/page full {bf} swa {bs}; budget {budget / 2**20:.0f} MiB; "
-          f"swa:full pages {ratio} (swa-tree)")
-    print(f"  working set: {pages} distinct prompt pages = {pages * ps} tokens = {pages * bf / 2**20:.0f} MiB of "
-          f"full KV ({pages * bf / budget:.1f}x the budget), {pages * (bf + bs) / 2**20:.0f} MiB full + SWA "
-          f"({pages * (bf + bs) / budget:.1f}x)")
-    print(f"  {'mode':<9} {'full pages':>10} {'swa pages':>9} {'tokens fit':>10} {'hit rate':>8} "
-          f"{'computed':>10} {'preempt':>7} {'dropped':>7} {'steps':>6} {'wall s':>6}")
+    print(
+        f"\n{name}: {len(items)} requests, {rows[0].prompt_tokens} prompt tokens; page {ps} tokens, "
+        f"W={config.window}, bytes/page full {bf} swa {bs}; budget {budget / 2**20:.0f} MiB; "
+        f"swa:full pages {ratio} (swa-tree)"
+    )
+    print(
+        f"  working set: {pages} distinct prompt pages = {pages * ps} tokens = {pages * bf / 2**20:.0f} MiB of "
+        f"full KV ({pages * bf / budget:.1f}x the budget), {pages * (bf + bs) / 2**20:.0f} MiB full + SWA "
+        f"({pages * (bf + bs) / budget:.1f}x)"
+    )
+    print(
+        f"  {'mode':<9} {'full pages':>10} {'swa pages':>9} {'tokens fit':>10} {'hit rate':>8} "
+        f"{'computed':>10} {'preempt':>7} {'dropped':>7} {'steps':>6} {'wall s':>6}"
+    )
     for r in rows:
-        print(f"  {r.mode.name:<9} {r.full_pages:>10} {r.swa_pages:>9} {r.full_pages * ps:>10} {r.hit_rate:>8.2%} "
-              f"{r.computed_tokens:>10} {r.preemptions:>7} {r.dropped:>7} {r.steps:>6} {r.seconds:>6.1f}")
+        print(
+            f"  {r.mode.name:<9} {r.full_pages:>10} {r.swa_pages:>9} {r.full_pages * ps:>10} {r.hit_rate:>8.2%} "
+            f"{r.computed_tokens:>10} {r.preemptions:>7} {r.dropped:>7} {r.steps:>6} {r.seconds:>6.1f}"
+        )
     for r in rows:
         print(f"  {r.mode.name:<9} assumes: {r.mode.assumes}")
     for r in rows[:-1]:
@@ -233,42 +252,70 @@ def ratio_text(r: Result, base: Result) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-mib", type=float, default=96, help="KV budget, chat workload")
-    ap.add_argument("--trace-budget-mib", type=float, default=16384,
-                    help="KV budget, trace replay (numpy pages the simulated model never touches: virtual memory)")
-    ap.add_argument("--chat-swa-full-ratio", type=float, default=0.1,
-                    help="SWA pages per full page in the swa-tree pools (SGLang's --swa-full-tokens-ratio)")
-    ap.add_argument("--trace-swa-full-ratio", type=float, default=0.2,
-                    help="the same for the trace (its block checkpoints keep more SWA)")
+    ap.add_argument(
+        "--trace-budget-mib",
+        type=float,
+        default=16384,
+        help="KV budget, trace replay (numpy pages the simulated model never touches: virtual memory)",
+    )
+    ap.add_argument(
+        "--chat-swa-full-ratio",
+        type=float,
+        default=0.1,
+        help="SWA pages per full page in the swa-tree pools (SGLang's --swa-full-tokens-ratio)",
+    )
+    ap.add_argument(
+        "--trace-swa-full-ratio",
+        type=float,
+        default=0.2,
+        help="the same for the trace (its block checkpoints keep more SWA)",
+    )
     ap.add_argument("--conversations", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chat-checkpoint-pages", type=int, default=0,
-                    help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the chat (0: ends and branch points only)")
+    ap.add_argument(
+        "--chat-checkpoint-pages",
+        type=int,
+        default=0,
+        help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the chat (0: ends and branch points only)",
+    )
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--trace-requests", type=int, default=3000, help="first N records (12031 in all)")
-    ap.add_argument("--trace-page-size", type=int, default=64,
-                    help="a 512-token trace block is 512/this pages; W stays 128")
-    ap.add_argument("--trace-checkpoint-pages", type=int, default=8,
-                    help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the trace (8 = every trace block)")
-    ap.add_argument("--concurrency", type=int, default=4,
-                    help="requests in flight (the engine's max_running); more in flight = more pool pressure")
+    ap.add_argument(
+        "--trace-page-size", type=int, default=64, help="a 512-token trace block is 512/this pages; W stays 128"
+    )
+    ap.add_argument(
+        "--trace-checkpoint-pages",
+        type=int,
+        default=8,
+        help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the trace (8 = every trace block)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="requests in flight (the engine's max_running); more in flight = more pool pressure",
+    )
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (compute is simulated)")
     ap.add_argument("--lookahead", type=int, default=64, help="pending requests scanned for one that may start")
     ap.add_argument("--nodes-max", type=int, default=200_000)
     ap.add_argument("--only", choices=("chat", "trace"), default=None)
     args = ap.parse_args(argv)
     print("command:", " ".join([".venv/bin/python", "-m", "bench.hicache.hit_rate", *sys.argv[1:]]))
-    print("measured through gcache.worker.engine.engine.Engine (scheduler, SWA radix tree, dual pools, SWA checkpoints, "
-          "eviction, preemption) over SimulatedModel on a VirtualClock: only the model's arithmetic is "
-          f"simulated; {args.concurrency} requests in flight; no L2/L3 (the budget is the device pools). "
-          "Deterministic (seeded workload, virtual clock): one run per mode, a rerun prints the same figures.")
+    print(
+        "measured through gcache.worker.engine.engine.Engine (scheduler, SWA radix tree, dual pools, SWA checkpoints, "
+        "eviction, preemption) over SimulatedModel on a VirtualClock: only the model's arithmetic is "
+        f"simulated; {args.concurrency} requests in flight; no L2/L3 (the budget is the device pools). "
+        "Deterministic (seeded workload, virtual clock): one run per mode, a rerun prints the same figures."
+    )
     out = []
     if args.only in (None, "chat"):
         items = chat_items(chat_workload(args.seed, args.conversations))
         out.append(run_workload("chat", items, ModelConfig(), args, args.chat_checkpoint_pages))
     if args.only in (None, "trace"):
         items = trace_items(trace_workload(args.trace, args.trace_requests))
-        out.append(run_workload("trace", items, ModelConfig(page_size=args.trace_page_size), args,
-                                args.trace_checkpoint_pages))
+        out.append(
+            run_workload("trace", items, ModelConfig(page_size=args.trace_page_size), args, args.trace_checkpoint_pages)
+        )
     print("\nsummary (hit rate = prompt tokens served from the prefix cache / prompt tokens)")
     for name, rows in out:
         cells = "  ".join(f"{r.mode.name} {r.hit_rate:.2%} ({ratio_text(r, rows[-1])})" for r in rows[:-1])

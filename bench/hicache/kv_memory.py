@@ -8,6 +8,7 @@ window go back to the pool after every chunk). At 1K the real model also runs on
 and its last logits are checked against the dense reference. Exits 1 if the 32K reduction
 is below 6.5x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,7 @@ CONTEXTS = (1024, 8192, 32768)
 REDUCTION_MIN_32K = 6.5
 
 
-def held_bytes(cfg: ModelConfig, length: int, chunk: int,
-               real: bool) -> tuple[int, int, tuple[int, int], float]:
+def held_bytes(cfg: ModelConfig, length: int, chunk: int, real: bool) -> tuple[int, int, tuple[int, int], float]:
     """(bytes held at `length`, peak bytes during prefill, (full, swa) pages, last-logit error)."""
     pages = -(-length // cfg.page_size)
     kv = DualKVCache(cfg, pages, pages)  # zero-filled lazily: accounting runs touch no memory
@@ -60,11 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     full = hybrid.all_full()
     extra = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: .venv/bin/python -m bench.hicache.kv_memory {extra}".rstrip())
-    print(f"model: {hybrid.layers} layers ({len(hybrid.full_layers)} full + {len(hybrid.swa_layers)} SWA, "
-          f"W={hybrid.window}), kv_heads={hybrid.kv_heads}, head_dim={hybrid.head_dim}, {hybrid.dtype}, "
-          f"page={hybrid.page_size} tokens, prefill chunk={args.chunk}")
-    print(f"{'context':>8} {'hybrid KiB':>11} {'(full,swa) pages':>17} {'all-full KiB':>13} "
-          f"{'reduction':>9} {'theory':>7} {'hybrid peak KiB':>16} {'1K logit err':>12}")
+    print(
+        f"model: {hybrid.layers} layers ({len(hybrid.full_layers)} full + {len(hybrid.swa_layers)} SWA, "
+        f"W={hybrid.window}), kv_heads={hybrid.kv_heads}, head_dim={hybrid.head_dim}, {hybrid.dtype}, "
+        f"page={hybrid.page_size} tokens, prefill chunk={args.chunk}"
+    )
+    print(
+        f"{'context':>8} {'hybrid KiB':>11} {'(full,swa) pages':>17} {'all-full KiB':>13} "
+        f"{'reduction':>9} {'theory':>7} {'hybrid peak KiB':>16} {'1K logit err':>12}"
+    )
     worst_32k = None
     for length in CONTEXTS:
         real = length == 1024 and not args.no_real
@@ -74,14 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f_bytes / h_bytes
         nf, ns, w = len(hybrid.full_layers), len(hybrid.swa_layers), hybrid.window
         theory = hybrid.layers * length / (nf * length + ns * min(w, length))
-        print(f"{length:>8} {h_bytes / 1024:>11.0f} {str(h_pages):>17} {f_bytes / 1024:>13.0f} "
-              f"{ratio:>8.2f}x {theory:>6.2f}x {h_peak / 1024:>16.0f} "
-              f"{(f'{err:.1e}' if real else '-'):>12}   ({time.perf_counter() - t0:.1f}s)")
+        print(
+            f"{length:>8} {h_bytes / 1024:>11.0f} {str(h_pages):>17} {f_bytes / 1024:>13.0f} "
+            f"{ratio:>8.2f}x {theory:>6.2f}x {h_peak / 1024:>16.0f} "
+            f"{(f'{err:.1e}' if real else '-'):>12}   ({time.perf_counter() - t0:.1f}s)"
+        )
         if length == 32768:
             worst_32k = ratio
     ok = worst_32k is not None and worst_32k >= REDUCTION_MIN_32K
-    print(f"32K reduction {worst_32k:.2f}x {'>=' if ok else '<'} {REDUCTION_MIN_32K}x required "
-          f"(theory for 1 full : 6 SWA is 7x as context -> infinity)")
+    print(
+        f"32K reduction {worst_32k:.2f}x {'>=' if ok else '<'} {REDUCTION_MIN_32K}x required "
+        f"(theory for 1 full : 6 SWA is 7x as context -> infinity)"
+    )
     return 0 if ok else 1
 
 

@@ -28,6 +28,7 @@ Target (issue 8): layer-wise loading hides >= 70% of load time when load ~= comp
 
 Usage: .venv/bin/python -m bench.hicache.layerwise_load [--repeats 15] [--prefix-tokens 2000] [--suffix-tokens 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,10 +105,13 @@ def timed_l2_hit(engine: Engine, prefix: list[int], suffix: list[int], expect_l2
     engine.check_integrity()
     if r.cached_by_tier != {"l1": 0, "l2": expect_l2, "l3": 0}:
         raise RuntimeError(f"expected an L2 hit of {expect_l2} tokens, got {r.cached_by_tier}")
-    return {"ttft_s": r.ttft_s, "forward_s": engine.model.last_s,
-            "load_s": c1["l2_load_seconds"] - c0["l2_load_seconds"],
-            "wait_s": c1["l2_load_wait_seconds"] - c0["l2_load_wait_seconds"],
-            "load_bytes": c1["l2_load_bytes"] - c0["l2_load_bytes"]}
+    return {
+        "ttft_s": r.ttft_s,
+        "forward_s": engine.model.last_s,
+        "load_s": c1["l2_load_seconds"] - c0["l2_load_seconds"],
+        "wait_s": c1["l2_load_wait_seconds"] - c0["l2_load_wait_seconds"],
+        "load_bytes": c1["l2_load_bytes"] - c0["l2_load_bytes"],
+    }
 
 
 def fill(engine: Engine, prefix: list[int]) -> None:
@@ -151,12 +155,15 @@ def calibrate(model: TimedModel, args, prefix: list[int], suffixes) -> Throttle:
     finally:
         eng.close()
     copy_s = float(np.median([r["load_s"] for r in runs]))
-    th = Throttle(runs[0]["load_bytes"], args.load_compute_ratio, [r["forward_s"] for r in runs],
-                  args.throttle_bytes_per_s)
-    print(f"calibration ({args.cal_repeats} unthrottled serial L2 hits, medians): copy {copy_s * 1e3:.2f} ms "
-          f"(memcpy), forward {float(np.median(th.forwards)) * 1e3:.2f} ms -> link {th.bytes_per_s() / 1e9:.3f} GB/s "
-          f"for load = {args.load_compute_ratio:g} x compute"
-          + (" (given)" if args.throttle_bytes_per_s > 0 else ", re-derived before each repeat"))
+    th = Throttle(
+        runs[0]["load_bytes"], args.load_compute_ratio, [r["forward_s"] for r in runs], args.throttle_bytes_per_s
+    )
+    print(
+        f"calibration ({args.cal_repeats} unthrottled serial L2 hits, medians): copy {copy_s * 1e3:.2f} ms "
+        f"(memcpy), forward {float(np.median(th.forwards)) * 1e3:.2f} ms -> link {th.bytes_per_s() / 1e9:.3f} GB/s "
+        f"for load = {args.load_compute_ratio:g} x compute"
+        + (" (given)" if args.throttle_bytes_per_s > 0 else ", re-derived before each repeat")
+    )
     return th
 
 
@@ -173,16 +180,24 @@ def measure(model: TimedModel, args, prefix: list[int], suffixes, throttle: Thro
             got = {mode: timed_l2_hit(engines[mode], prefix, suffix, len(prefix)) for mode in order}
             s, lw = got["serial"], got["layerwise"]
             throttle.forwards.append(s["forward_s"])
-            row = {"serial": s["ttft_s"], "layerwise": lw["ttft_s"], "load": s["load_s"],
-                   "compute": s["forward_s"], "lw_load": lw["load_s"], "lw_wait": lw["wait_s"],
-                   "bytes": s["load_bytes"]}
+            row = {
+                "serial": s["ttft_s"],
+                "layerwise": lw["ttft_s"],
+                "load": s["load_s"],
+                "compute": s["forward_s"],
+                "lw_load": lw["load_s"],
+                "lw_wait": lw["wait_s"],
+                "bytes": s["load_bytes"],
+            }
             row["hidden"] = (row["serial"] - row["layerwise"]) / row["load"]
             rows.append(row)
-            print(f"  repeat {i}: link {t / 1e9:.3f} GB/s  serial {row['serial'] * 1e3:7.2f} ms  "
-                  f"layerwise {row['layerwise'] * 1e3:7.2f} ms  load {row['load'] * 1e3:7.2f} ms  "
-                  f"compute {row['compute'] * 1e3:7.2f} ms  (load/compute {row['load'] / row['compute']:.2f}; "
-                  f"layerwise waited {row['lw_wait'] * 1e3:.2f} ms for layers)  hidden {row['hidden']:6.1%}",
-                  flush=True)
+            print(
+                f"  repeat {i}: link {t / 1e9:.3f} GB/s  serial {row['serial'] * 1e3:7.2f} ms  "
+                f"layerwise {row['layerwise'] * 1e3:7.2f} ms  load {row['load'] * 1e3:7.2f} ms  "
+                f"compute {row['compute'] * 1e3:7.2f} ms  (load/compute {row['load'] / row['compute']:.2f}; "
+                f"layerwise waited {row['lw_wait'] * 1e3:.2f} ms for layers)  hidden {row['hidden']:6.1%}",
+                flush=True,
+            )
     finally:
         for e in engines.values():
             e.close()
@@ -191,24 +206,33 @@ def measure(model: TimedModel, args, prefix: list[int], suffixes, throttle: Thro
 
 def print_summary(rows: list[dict]) -> None:
     col = lambda k: [r[k] for r in rows]  # noqa: E731
-    print(f"\nover {len(rows)} repeats ({rows[0]['bytes'] / (1 << 20):.2f} MiB loaded host -> device each):"
-          f"{'':<16}min       med       max")
+    print(
+        f"\nover {len(rows)} repeats ({rows[0]['bytes'] / (1 << 20):.2f} MiB loaded host -> device each):"
+        f"{'':<16}min       med       max"
+    )
     print(f"  TTFT, load everything then compute (serial), ms         {mmm(col('serial'))}")
     print(f"  TTFT, layer-wise load overlapped with compute, ms       {mmm(col('layerwise'))}")
     print(f"  T_load (serial copy time, throttled), ms                {mmm(col('load'))}")
     print(f"  T_compute (serial forward, KV in place), ms             {mmm(col('compute'))}")
-    print(f"  load / compute                                          "
-          f"{mmm([r['load'] / r['compute'] for r in rows], 1)}")
-    print(f"  TTFT layerwise / serial                                 "
-          f"{mmm([r['layerwise'] / r['serial'] for r in rows], 1, '{:9.3f}')}")
+    print(
+        f"  load / compute                                          {mmm([r['load'] / r['compute'] for r in rows], 1)}"
+    )
+    print(
+        f"  TTFT layerwise / serial                                 "
+        f"{mmm([r['layerwise'] / r['serial'] for r in rows], 1, '{:9.3f}')}"
+    )
     print(f"  load time hidden = (T_serial - T_layerwise) / T_load    {mmm(col('hidden'), 100, '{:8.1f}%')}")
-    print(f"  same, from the layer-wise run's waits: 1 - wait/copy    "
-          f"{mmm([1 - r['lw_wait'] / r['lw_load'] for r in rows], 100, '{:8.1f}%')}")
+    print(
+        f"  same, from the layer-wise run's waits: 1 - wait/copy    "
+        f"{mmm([1 - r['lw_wait'] / r['lw_load'] for r in rows], 100, '{:8.1f}%')}"
+    )
     med = float(np.median(col("hidden")))
     ratio = float(np.median([r["load"] / r["compute"] for r in rows]))
     near = 0.75 <= ratio <= 1.33
-    print(f"target: >= 70% of load time hidden when load ~= compute: median {med:.1%} at load/compute {ratio:.2f}"
-          f"{'' if near else ' (NOT near 1)'}: {'MET' if med >= 0.70 and near else 'NOT MET'}")
+    print(
+        f"target: >= 70% of load time hidden when load ~= compute: median {med:.1%} at load/compute {ratio:.2f}"
+        f"{'' if near else ' (NOT near 1)'}: {'MET' if med >= 0.70 and near else 'NOT MET'}"
+    )
 
 
 def main(argv=None) -> int:
@@ -219,8 +243,12 @@ def main(argv=None) -> int:
     ap.add_argument("--suffix-tokens", type=int, default=128, help="computed by the timed forward")
     ap.add_argument("--config-json", default="", help="ModelConfig overrides of the small preset")
     ap.add_argument("--load-compute-ratio", type=float, default=1.0, help="throttle the load to this x compute")
-    ap.add_argument("--throttle-bytes-per-s", type=float, default=-1.0,
-                    help="> 0: use this fixed host -> device link bandwidth instead of calibrating it")
+    ap.add_argument(
+        "--throttle-bytes-per-s",
+        type=float,
+        default=-1.0,
+        help="> 0: use this fixed host -> device link bandwidth instead of calibrating it",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     shown = argv if argv is not None else sys.argv[1:]
@@ -233,15 +261,21 @@ def main(argv=None) -> int:
     prefix = [int(t) for t in rng.integers(0, 256, size=args.prefix_tokens)]
     suffixes = iter(lambda: [int(t) for t in rng.integers(0, 256, size=args.suffix_tokens)], None)
     model = TimedModel(Model(cfg))
-    print(f"model: small preset {args.config_json} -> {cfg.layers} layers ({len(cfg.full_layers)} full, "
-          f"{len(cfg.swa_layers)} SWA), hidden {cfg.hidden}, window {cfg.window}, page {ps}, {cfg.dtype}; numpy")
-    print(f"working set: L2 hit of {args.prefix_tokens} tokens ({args.prefix_tokens // ps} pages) + "
-          f"{args.suffix_tokens} computed tokens per request; {args.repeats} repeats per mode")
+    print(
+        f"model: small preset {args.config_json} -> {cfg.layers} layers ({len(cfg.full_layers)} full, "
+        f"{len(cfg.swa_layers)} SWA), hidden {cfg.hidden}, window {cfg.window}, page {ps}, {cfg.dtype}; numpy"
+    )
+    print(
+        f"working set: L2 hit of {args.prefix_tokens} tokens ({args.prefix_tokens // ps} pages) + "
+        f"{args.suffix_tokens} computed tokens per request; {args.repeats} repeats per mode"
+    )
     load0 = os.getloadavg()[0]
     throttle = calibrate(model, args, prefix, suffixes)
     print_summary(measure(model, args, prefix, suffixes, throttle))
-    print(f"machine: {os.cpu_count()} cores, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end "
-          "(other processes' load shows up as noise in every timing above)")
+    print(
+        f"machine: {os.cpu_count()} cores, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end "
+        "(other processes' load shows up as noise in every timing above)"
+    )
     return 0
 
 

@@ -1,10 +1,11 @@
 """Measurements bench/hicache/hierarchy.py makes besides the workload runs:
 
-  measure_timing   host -> device bandwidth (one large numpy copy) and the L3 server's
-                   loopback GET throughput and round trip, for the simulated charges;
-  density          "cached prefix tokens held per KV byte", per tier, of the checkpointed
-                   hierarchy and the SWA-unaware one, on long (8K+ token) conversations.
+measure_timing   host -> device bandwidth (one large numpy copy) and the L3 server's
+                 loopback GET throughput and round trip, for the simulated charges;
+density          "cached prefix tokens held per KV byte", per tier, of the checkpointed
+                 hierarchy and the SWA-unaware one, on long (8K+ token) conversations.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -30,8 +31,9 @@ def start_server(memory_bytes: int, disk_bytes: int) -> tuple[LocalServer, Path]
     """A fresh gcache-server: --memory is the L3 budget, --disk a small extra tier."""
     root = Path(tempfile.mkdtemp(prefix="hicache-bench-"))
     seg = max(1 << 20, min(64 << 20, disk_bytes // 4))
-    srv = LocalServer(root / "data", memory=str(memory_bytes), disk=str(disk_bytes),
-                      extra_args=["--segment-bytes", str(seg)]).start()
+    srv = LocalServer(
+        root / "data", memory=str(memory_bytes), disk=str(disk_bytes), extra_args=["--segment-bytes", str(seg)]
+    ).start()
     return srv, root
 
 
@@ -123,8 +125,7 @@ def _tier_holdings(w, seqs: list[np.ndarray], cfg: ModelConfig) -> dict:
     return out
 
 
-def density(cfg: ModelConfig, cost, timing: Timing, seed: int, conversations: int,
-            sched: SchedulerConfig) -> dict:
+def density(cfg: ModelConfig, cost, timing: Timing, seed: int, conversations: int, sched: SchedulerConfig) -> dict:
     """Runs a few 8-16K-token conversations through one worker per hierarchy (ours, and
     SWA-unaware) with budgets large enough that nothing is evicted, then measures each
     tier: prefix tokens a request could load from it alone / KV bytes it holds."""
@@ -139,8 +140,20 @@ def density(cfg: ModelConfig, cost, timing: Timing, seed: int, conversations: in
         srv, root = start_server(room, 0)
         got = {}
         try:
-            simulate(turns, cfg, setup, budgets, 1, sched, cost, timing, srv.address, 0.05, seed,
-                     inspect=lambda pool: got.update(_tier_holdings(pool[0], seqs, cfg)))
+            simulate(
+                turns,
+                cfg,
+                setup,
+                budgets,
+                1,
+                sched,
+                cost,
+                timing,
+                srv.address,
+                0.05,
+                seed,
+                inspect=lambda pool: got.update(_tier_holdings(pool[0], seqs, cfg)),
+            )
         finally:
             stop_server(srv, root)
         result[setup.name] = got

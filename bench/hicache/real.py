@@ -24,6 +24,7 @@ computing it.
 Usage: .venv/bin/python -m bench.hicache.real [--runs 3] [--prompt-tokens 2000]
            [--preset small] [--config-json '{"layers": 28}']
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,13 @@ class WorkerProc:
         env = {**os.environ, "GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(self.port), *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.proc = subprocess.Popen(
+                cmd + ["--host", "127.0.0.1", "--port", str(self.port), *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,8 +123,12 @@ class WorkerProc:
             raise RuntimeError(f"worker {self.name}: HTTP {status}: {raw[:500]!r}\n{self.log_tail()}")
         out = json.loads(raw)
         details = out["usage"]["prompt_tokens_details"]
-        return {"ttft_ms": out["ttft_ms"], "wall_ms": wall_ms, "cached": details["cached_tokens"],
-                "by_tier": details["cached_tokens_by_tier"]}
+        return {
+            "ttft_ms": out["ttft_ms"],
+            "wall_ms": wall_ms,
+            "cached": details["cached_tokens"],
+            "by_tier": details["cached_tokens_by_tier"],
+        }
 
     def metrics(self) -> dict[str, float]:
         status, raw = self._call("GET", "/metrics", timeout_s=10)
@@ -126,7 +136,7 @@ class WorkerProc:
         for line in raw.decode().splitlines():
             if line.startswith("gcache_worker_"):
                 name, _, value = line.partition(" ")
-                out[name[len("gcache_worker_"):]] = float(value)
+                out[name[len("gcache_worker_") :]] = float(value)
         return out
 
     def kill(self) -> None:
@@ -195,27 +205,41 @@ def run_once(i: int, args, cfg, workers: dict, client, rng) -> dict:
     res["D"] = d.complete(prompt)
     for name in ("B", "B'"):
         io = res[name + "_io"]
-        print(f"  run {i}: {name:2} ttft {res[name]['ttft_ms']:8.2f} ms  wall {res[name]['wall_ms']:8.2f} ms  "
-              f"cached {tiers(res[name])}  (L3 read {io['l3_read_bytes'] / (1 << 20):.2f} MiB in "
-              f"{io['l3_read_seconds'] * 1e3:.1f} ms, host->device {io['l2_load_seconds'] * 1e3:.1f} ms)")
+        print(
+            f"  run {i}: {name:2} ttft {res[name]['ttft_ms']:8.2f} ms  wall {res[name]['wall_ms']:8.2f} ms  "
+            f"cached {tiers(res[name])}  (L3 read {io['l3_read_bytes'] / (1 << 20):.2f} MiB in "
+            f"{io['l3_read_seconds'] * 1e3:.1f} ms, host->device {io['l2_load_seconds'] * 1e3:.1f} ms)"
+        )
     l1_hit = res["A'"]
-    print(f"  run {i}: A  ttft {res['A']['ttft_ms']:8.2f} ms, C (no cache) {res['C']['ttft_ms']:8.2f} ms, "
-          f"A' (L1 hit) {l1_hit['ttft_ms']:.2f} ms; L3 had P {res['l3_wait_s'] * 1e3:.0f} ms after A "
-          f"answered; B restarted in {res['restart_s']:.2f} s; D (identical P) {res['D']['ttft_ms']:.2f} ms, "
-          f"cached {tiers(res['D'])}", flush=True)
+    print(
+        f"  run {i}: A  ttft {res['A']['ttft_ms']:8.2f} ms, C (no cache) {res['C']['ttft_ms']:8.2f} ms, "
+        f"A' (L1 hit) {l1_hit['ttft_ms']:.2f} ms; L3 had P {res['l3_wait_s'] * 1e3:.0f} ms after A "
+        f"answered; B restarted in {res['restart_s']:.2f} s; D (identical P) {res['D']['ttft_ms']:.2f} ms, "
+        f"cached {tiers(res['D'])}",
+        flush=True,
+    )
     return res
 
 
 def print_summary(args, rows: list[dict]) -> None:
     n = len(rows)
-    print(f"\nTTFT over {n} run(s), ms (worker's ttft_ms | client wall time):        min       med       max"
-          "  |       min       med       max")
-    labels = (("C", "compute it: no prefix cache (C)"), ("A", "compute it: cold, writes L2/L3 (A)"),
-              ("B", "L3 hit on a second worker (B)"), ("B'", "L3 hit after restarting B (B')"),
-              ("A'", "L1 hit on A (floor) (A')"), ("D", "identical P on a third worker (D)"))
+    print(
+        f"\nTTFT over {n} run(s), ms (worker's ttft_ms | client wall time):        min       med       max"
+        "  |       min       med       max"
+    )
+    labels = (
+        ("C", "compute it: no prefix cache (C)"),
+        ("A", "compute it: cold, writes L2/L3 (A)"),
+        ("B", "L3 hit on a second worker (B)"),
+        ("B'", "L3 hit after restarting B (B')"),
+        ("A'", "L1 hit on A (floor) (A')"),
+        ("D", "identical P on a third worker (D)"),
+    )
     for key, label in labels:
-        print(f"  {label:<40}   {columns([r[key]['ttft_ms'] for r in rows])}  | "
-              f"{columns([r[key]['wall_ms'] for r in rows])}")
+        print(
+            f"  {label:<40}   {columns([r[key]['ttft_ms'] for r in rows])}  | "
+            f"{columns([r[key]['wall_ms'] for r in rows])}"
+        )
     print("cached_tokens_by_tier per run:")
     for key, label in labels:
         print(f"  {label:<40}   " + " | ".join(tiers(r[key]) for r in rows))
@@ -230,25 +254,41 @@ def print_summary(args, rows: list[dict]) -> None:
                 print(f"  {num:2} / {den} ({what}){'':<50}{columns(xs, '{:9.4f}')}")
     floor = float(np.median([r["A'"]["ttft_ms"] / r["C"]["ttft_ms"] for r in rows]))
     added = float(np.median([r["B"]["ttft_ms"] - r["A'"]["ttft_ms"] for r in rows]))
-    verdict = ("measures the L3 path, not HTTP overhead" if floor < 0.05
-               else "is dominated by fixed overhead: use a bigger --config-json")
-    print(f"overhead floor: an L1 hit over HTTP (A') is {floor:.4f}x of computing it (median), so the ratio "
-          f"{verdict}; reading P through L3 adds {added:.2f} ms to it (median B - A')")
+    verdict = (
+        "measures the L3 path, not HTTP overhead"
+        if floor < 0.05
+        else "is dominated by fixed overhead: use a bigger --config-json"
+    )
+    print(
+        f"overhead floor: an L1 hit over HTTP (A') is {floor:.4f}x of computing it (median), so the ratio "
+        f"{verdict}; reading P through L3 adds {added:.2f} ms to it (median B - A')"
+    )
     worst = max(ratios[("B", "C", "ttft_ms")] + ratios[("B'", "C", "ttft_ms")])
     med = float(np.median(ratios[("B", "C", "ttft_ms")]))
-    full_hit = all(r[k]["by_tier"]["l3"] == args.prompt_tokens // args.page_size * args.page_size
-                   for r in rows for k in ("B", "B'"))
+    full_hit = all(
+        r[k]["by_tier"]["l3"] == args.prompt_tokens // args.page_size * args.page_size
+        for r in rows
+        for k in ("B", "B'")
+    )
     note = "" if full_hit else " (but B or B' missed part of P in L3: see cached_tokens_by_tier)"
     whole = args.prompt_tokens // args.page_size * args.page_size
     resumable = (args.prompt_tokens - 1) // args.page_size * args.page_size
     d_l3 = [r["D"]["by_tier"]["l3"] for r in rows]
-    print(f"identical P (D): L3 gave {d_l3} of the {resumable} tokens it could resume at (P's whole pages "
-          f"before its last token; A's checkpoint covers {whole})"
-          + ("" if min(d_l3) >= resumable else ": a prompt ending on a page boundary finds no SWA window "
-             "tail one page earlier in L2/L3, so it misses entirely"))
-    print(f"target: B's TTFT <= 0.25x of computing it (B / C, ttft_ms): median {med:.4f}, worst of B and B' "
-          f"{worst:.4f}: {'MET' if worst <= 0.25 else 'NOT MET'}"
-          f"{note}")
+    print(
+        f"identical P (D): L3 gave {d_l3} of the {resumable} tokens it could resume at (P's whole pages "
+        f"before its last token; A's checkpoint covers {whole})"
+        + (
+            ""
+            if min(d_l3) >= resumable
+            else ": a prompt ending on a page boundary finds no SWA window "
+            "tail one page earlier in L2/L3, so it misses entirely"
+        )
+    )
+    print(
+        f"target: B's TTFT <= 0.25x of computing it (B / C, ttft_ms): median {med:.4f}, worst of B and B' "
+        f"{worst:.4f}: {'MET' if worst <= 0.25 else 'NOT MET'}"
+        f"{note}"
+    )
 
 
 def main(argv=None) -> int:
@@ -272,25 +312,46 @@ def main(argv=None) -> int:
     bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
     pages = args.prompt_tokens // cfg.page_size
     tail = pages - tail_start_page(pages, cfg.page_size, cfg.window)
-    print(f"model: preset {args.preset} {args.config_json or ''} -> {cfg.layers} layers ({len(cfg.full_layers)} full, "
-          f"{len(cfg.swa_layers)} SWA), hidden {cfg.hidden}, kv_heads {cfg.kv_heads}x{cfg.head_dim}, "
-          f"window {cfg.window}, page {cfg.page_size}, {cfg.dtype}; numpy on CPU")
-    print(f"working set per run: prompt {args.prompt_tokens} tokens = {pages} whole pages; L3 holds "
-          f"{pages} full pages x {bf >> 10} KiB + {tail} SWA checkpoint pages x {bs >> 10} KiB = "
-          f"{(pages * bf + tail * bs) / (1 << 20):.2f} MiB; KV budget {budget:.0f} MiB, L2 {args.l2_mib:.0f} MiB")
-    common = ["--preset", args.preset, "--model-name", args.model_name, "--kv-budget-mib", f"{budget:.1f}",
-              "--max-prompt-tokens", str(max(8192, args.prompt_tokens + 8)), "--max-new-tokens", "16"]
+    print(
+        f"model: preset {args.preset} {args.config_json or ''} -> {cfg.layers} layers ({len(cfg.full_layers)} full, "
+        f"{len(cfg.swa_layers)} SWA), hidden {cfg.hidden}, kv_heads {cfg.kv_heads}x{cfg.head_dim}, "
+        f"window {cfg.window}, page {cfg.page_size}, {cfg.dtype}; numpy on CPU"
+    )
+    print(
+        f"working set per run: prompt {args.prompt_tokens} tokens = {pages} whole pages; L3 holds "
+        f"{pages} full pages x {bf >> 10} KiB + {tail} SWA checkpoint pages x {bs >> 10} KiB = "
+        f"{(pages * bf + tail * bs) / (1 << 20):.2f} MiB; KV budget {budget:.0f} MiB, L2 {args.l2_mib:.0f} MiB"
+    )
+    common = [
+        "--preset",
+        args.preset,
+        "--model-name",
+        args.model_name,
+        "--kv-budget-mib",
+        f"{budget:.1f}",
+        "--max-prompt-tokens",
+        str(max(8192, args.prompt_tokens + 8)),
+        "--max-new-tokens",
+        "16",
+    ]
     if args.config_json:
         common += ["--config-json", args.config_json]
     tmp = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="hicache-real-"))
     tmp.mkdir(parents=True, exist_ok=True)
     server = LocalServer(tmp / "data", memory=args.server_memory, disk="2GiB").start()
     hier = ["--l2-mib", str(args.l2_mib), "--l3", server.address, "--prefetch-policy", "wait_complete"]
-    workers = {"A": WorkerProc("A", common + hier, tmp), "B": WorkerProc("B", common + hier, tmp),
-               "C": WorkerProc("C", common + ["--no-prefix-cache"], tmp), "D": WorkerProc("D", common + hier, tmp)}
-    print("workers: A, B, D: gcache-worker " + shlex.join(common + hier)
-          + f"\n         C: gcache-worker {shlex.join(common + ['--no-prefix-cache'])}\n"
-          + f"server: gcache-server on {server.address} --memory {args.server_memory}")
+    workers = {
+        "A": WorkerProc("A", common + hier, tmp),
+        "B": WorkerProc("B", common + hier, tmp),
+        "C": WorkerProc("C", common + ["--no-prefix-cache"], tmp),
+        "D": WorkerProc("D", common + hier, tmp),
+    }
+    print(
+        "workers: A, B, D: gcache-worker "
+        + shlex.join(common + hier)
+        + f"\n         C: gcache-worker {shlex.join(common + ['--no-prefix-cache'])}\n"
+        + f"server: gcache-server on {server.address} --memory {args.server_memory}"
+    )
     client = None
     load0 = os.getloadavg()[0]
     try:
@@ -300,8 +361,10 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(args.seed)
         rows = [run_once(i, args, cfg, workers, client, rng) for i in range(args.runs)]
         print_summary(args, rows)
-        print(f"machine: {os.cpu_count()} cores, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end "
-              "(other processes' load shows up as noise in every timing above)")
+        print(
+            f"machine: {os.cpu_count()} cores, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end "
+            "(other processes' load shows up as noise in every timing above)"
+        )
     finally:
         if client is not None:
             client.close()

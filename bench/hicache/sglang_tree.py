@@ -8,6 +8,7 @@ only at a node boundary whose window tail holds no SWA tombstone
 bench/hicache/hierarchy.py installs it with BenchHiCache(tree_cls=SGLangSWATree), which replaces
 engine.cache.tree before the engine sees any request.
 """
+
 from __future__ import annotations
 
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree

@@ -9,6 +9,7 @@ tree, device pools, HostCache, L3Store, gcache.Client, gcache-server) is real.
   CountingClient    the real gcache.Client, counting what is written to L3 (distinct keys).
   Timing            the bandwidths and round trip those charges use (measured per run).
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,9 +27,9 @@ from gcache.worker.model.sim import SimulatedModel
 
 @dataclass(frozen=True)
 class Timing:
-    h2d_bytes_per_s: float    # host -> device copy (measured: one large numpy copy)
-    l3_bytes_per_s: float     # loopback GET throughput from the L3 gcache-server
-    l3_rtt_s: float           # one small round trip to it (exists of one key)
+    h2d_bytes_per_s: float  # host -> device copy (measured: one large numpy copy)
+    l3_bytes_per_s: float  # loopback GET throughput from the L3 gcache-server
+    l3_rtt_s: float  # one small round trip to it (exists of one key)
 
     def load_s(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
@@ -79,8 +80,9 @@ class BenchHiCache(HiCache):
     (virtual start + modelled read time: round trips + bytes / measured GET throughput).
     `tree_cls` swaps the L1 tree before any request (the SGLang-style baseline)."""
 
-    def __init__(self, kv: DualKVCache, config, clock, timing: Timing, nodes_max: int = 1_000_000,
-                 l3_client=None, tree_cls=None) -> None:
+    def __init__(
+        self, kv: DualKVCache, config, clock, timing: Timing, nodes_max: int = 1_000_000, l3_client=None, tree_cls=None
+    ) -> None:
         super().__init__(kv, config, nodes_max=nodes_max, l3_client=l3_client)
         if tree_cls is not None:
             on_evict = self.tree.on_evict
@@ -143,7 +145,7 @@ class BenchHiCache(HiCache):
         if not hasattr(pf, "vdone"):
             full = len(pf.fetched)
             tail = max(pf.start, tail_start_page(pf.ready_end, self.ps, self.window))
-            swa = sum(1 for k in pf.keys[tail:pf.ready_end] if k in pf.fetched)
+            swa = sum(1 for k in pf.keys[tail : pf.ready_end] if k in pf.fetched)
             nbytes = full * self.kv.bytes_per_page(FULL) + swa * self.kv.bytes_per_page(SWA)
             t = self.timing.l3_read_s(nbytes, 3 if full else 1)  # exists, exists(swa), get
             pf.vdone = pf.vstart + t
@@ -152,8 +154,7 @@ class BenchHiCache(HiCache):
 
     def next_ready_s(self, waiting) -> float | None:
         """Earliest virtual time a waiting request's finished prefetch makes it ready."""
-        times = [self._ready_at(r.prefetch) for r in waiting
-                 if r.prefetch is not None and r.prefetch.done.is_set()]
+        times = [self._ready_at(r.prefetch) for r in waiting if r.prefetch is not None and r.prefetch.done.is_set()]
         return min(times) if times else None
 
 

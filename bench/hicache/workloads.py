@@ -9,6 +9,7 @@ Also: the exact oracle of an infinite single cache (the longest page-aligned pre
 each prompt that an earlier request computed, SWA or not), the working set, and the model
 each workload runs on (model_for: bench.router.policies uses it too).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -25,10 +26,10 @@ from gcache.worker.config import ModelConfig
 
 @dataclass(frozen=True)
 class Turn:
-    prompt: np.ndarray   # int64 token ids
-    answer: np.ndarray   # tokens the engine generates (empty: free-running for max_tokens)
+    prompt: np.ndarray  # int64 token ids
+    answer: np.ndarray  # tokens the engine generates (empty: free-running for max_tokens)
     max_tokens: int
-    after: int = -1      # index of the turn that must finish before this one is sent
+    after: int = -1  # index of the turn that must finish before this one is sent
 
     def computed(self) -> np.ndarray:
         """Tokens whose KV the engine has computed when this request ends (the last
@@ -50,17 +51,18 @@ def chat_turns(seed: int, conversations: int, **kw) -> list[Turn]:
         after = -1
         for j in range(len(turns) - 1, -1, -1):
             c = cached[j]
-            if len(c) < len(prompt) and c[-1] == prompt[len(c) - 1] and np.array_equal(c, prompt[:len(c)]):
+            if len(c) < len(prompt) and c[-1] == prompt[len(c) - 1] and np.array_equal(c, prompt[: len(c)]):
                 after = j
                 break
-        answer = np.asarray(req.cached[len(prompt):], dtype=np.int64)
+        answer = np.asarray(req.cached[len(prompt) :], dtype=np.int64)
         turns.append(Turn(prompt, answer, max(1, len(answer)), after))
         cached.append(np.asarray(req.cached, dtype=np.int64))
     return turns
 
 
-def trace_turns(path: Path, limit: int, block_tokens: int, prompt_tokens_max: int,
-                output_tokens_max: int, vocab: int = 4096) -> list[Turn]:
+def trace_turns(
+    path: Path, limit: int, block_tokens: int, prompt_tokens_max: int, output_tokens_max: int, vocab: int = 4096
+) -> list[Turn]:
     """Mooncake's conversation trace (bench.common.workloads.trace_workload: shared hash ids become
     shared token prefixes). Prompts are cut at prompt_tokens_max; each request generates
     its trace output length scaled like the prompt (block_tokens / 512), at most

@@ -5,6 +5,7 @@ a run starts from an empty database (FLUSHDB), builds fresh workers, publishers 
 routers, and simulates (bench/router/sim.py). With --l3 each run also gets a fresh
 gcache-server as the shared L3.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -29,7 +30,7 @@ class Job:
     seed: int
     policy: str
     workers: int
-    scale: float = 1.0   # load sweep point: the workload's rate times this
+    scale: float = 1.0  # load sweep point: the workload's rate times this
 
     @property
     def key(self) -> tuple:
@@ -65,8 +66,10 @@ def run_job(job: Job) -> tuple:
     try:
         max_new = max(t.max_tokens for t in turns)
         setup = SETUP_L3 if args.l3 else SETUP_L2
-        workers = [Worker(cfg, setup, budgets, st["sched"], st["cost"], st["timing"],
-                          srv.address if srv else "", max_new) for _ in range(job.workers)]
+        workers = [
+            Worker(cfg, setup, budgets, st["sched"], st["cost"], st["timing"], srv.address if srv else "", max_new)
+            for _ in range(job.workers)
+        ]
         sim = SimConfig(tick_s=args.tick_s, routers=args.routers, check_every=args.check_every)
         cluster = Cluster(workers, st["wiring"], redis_url, job.policy, sim, cfg.page_size, cfg.window)
         arrivals = poisson_arrivals(len(turns), st["rate"][job.workload] * job.scale * job.workers, job.seed)
@@ -81,6 +84,7 @@ def run_job(job: Job) -> tuple:
 
 def _flush_db(redis_url: str) -> None:
     import redis
+
     with redis.Redis.from_url(redis_url, socket_timeout=5) as r:
         r.flushdb()
 
@@ -95,6 +99,7 @@ def _init_process(urls) -> None:
 def parse_knobs(text: str) -> dict:
     """--knobs NAME=VALUE,...: numeric RouterConfig fields, typed like their defaults."""
     from gcache.router.config import RouterConfig
+
     fields = RouterConfig.__dataclass_fields__
     knobs = {}
     for item in (x for x in text.split(",") if x):
@@ -107,11 +112,15 @@ def parse_knobs(text: str) -> dict:
 
 def run_all(jobs: list[Job], st: dict) -> dict:
     from bench.router.wiring import Wiring
+
     st["wiring"] = Wiring(**parse_knobs(st["args"].knobs))
     st["timing"] = t = measure(st)
     given = "given (--h2d-gbps)" if st["args"].h2d_gbps else "measured now (one 256 MiB numpy copy)"
-    l3 = (f"; L3 GET {t.l3_bytes_per_s / 1e9:.2f} GB/s + {t.l3_rtt_s * 1e6:.0f} us round trips (measured)"
-          if st["args"].l3 else "")
+    l3 = (
+        f"; L3 GET {t.l3_bytes_per_s / 1e9:.2f} GB/s + {t.l3_rtt_s * 1e6:.0f} us round trips (measured)"
+        if st["args"].l3
+        else ""
+    )
     print(f"copy charges on the virtual clock: L2 -> L1 loads at {t.h2d_bytes_per_s / 1e9:.2f} GB/s, {given}{l3}")
     given_knobs = f"--knobs {st['args'].knobs}" if st["args"].knobs else "RouterConfig defaults"
     print(f"router knobs ({given_knobs}): {st['wiring'].describe()}")

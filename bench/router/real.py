@@ -10,6 +10,7 @@ Measured per request: TTFT = time to the first streamed chunk carrying content (
 that opens a chat stream does not count), usage.prompt_tokens_details.cached_tokens from the
 final chunk, and the worker that answered (x-gcache-worker).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,16 @@ def _conversations(seed: int, n: int, turns: int) -> list[list[str]]:
 
 async def _one_turn(session, router_url: str, messages: list[dict], max_tokens: int) -> dict:
     import aiohttp
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    body = {
+        "model": "bench",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -101,9 +110,13 @@ async def _one_turn(session, router_url: str, messages: list[dict], max_tokens: 
                 usage = chunk["usage"]
     if usage is None:
         return {"error": "stream ended without usage", "worker": worker}
-    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "answer": "".join(text),
-            "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"],
-            "worker": worker}
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+        "answer": "".join(text),
+        "prompt": usage["prompt_tokens"],
+        "cached": usage["prompt_tokens_details"]["cached_tokens"],
+        "worker": worker,
+    }
 
 
 async def _client(routers: list[str], convs: list[list[str]], max_tokens: int) -> list[dict]:
@@ -135,15 +148,39 @@ def _start_cluster(policy: str, args, logdir: Path):
     try:
         for i in range(WORKERS):
             port = free_port()
-            procs.append(Proc(f"worker{i}-{policy}", [
-                py, "-m", "gcache.worker.http.server", "--port", str(port), "--redis", url,
-                "--kv-budget-mib", str(args.real_kv_mib), "--l2-mib", str(args.real_kv_mib),
-                "--max-new-tokens", "256"], port, logdir))
+            procs.append(
+                Proc(
+                    f"worker{i}-{policy}",
+                    [
+                        py,
+                        "-m",
+                        "gcache.worker.http.server",
+                        "--port",
+                        str(port),
+                        "--redis",
+                        url,
+                        "--kv-budget-mib",
+                        str(args.real_kv_mib),
+                        "--l2-mib",
+                        str(args.real_kv_mib),
+                        "--max-new-tokens",
+                        "256",
+                    ],
+                    port,
+                    logdir,
+                )
+            )
         routers = []
         for i in range(ROUTERS):
             port = free_port()
-            procs.append(Proc(f"router{i}-{policy}", [py, "-m", "gcache.router.main", "--port", str(port),
-                                                      "--redis", url, "--policy", policy], port, logdir))
+            procs.append(
+                Proc(
+                    f"router{i}-{policy}",
+                    [py, "-m", "gcache.router.main", "--port", str(port), "--redis", url, "--policy", policy],
+                    port,
+                    logdir,
+                )
+            )
             routers.append(f"http://127.0.0.1:{port}")
         for p in procs:
             p.wait_listening()
@@ -158,6 +195,7 @@ def _start_cluster(policy: str, args, logdir: Path):
 
 def _wait_routers_see_workers(routers: list[str], procs: list[Proc]) -> None:
     import urllib.request
+
     deadline = time.monotonic() + START_TIMEOUT_S
     for r in routers:
         while True:
@@ -169,8 +207,10 @@ def _wait_routers_see_workers(routers: list[str], procs: list[Proc]) -> None:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"router {r} did not see {WORKERS} workers within {START_TIMEOUT_S}s:\n"
-                                   + "\n".join(p.tail()[-400:] for p in procs))
+                raise RuntimeError(
+                    f"router {r} did not see {WORKERS} workers within {START_TIMEOUT_S}s:\n"
+                    + "\n".join(p.tail()[-400:] for p in procs)
+                )
             time.sleep(0.1)
 
 
@@ -204,12 +244,19 @@ def summarize(policy: str, rows: list[dict], wall_s: float) -> dict:
     for r in ok:
         served[r["worker"]] = served.get(r["worker"], 0) + 1
     ttfts = [r["ttft_s"] for r in ok]
-    return {"policy": policy, "requests": len(rows), "errors": [r["error"] for r in rows if "error" in r],
-            "hit": cached / max(1, prompt), "prompt_tokens": prompt, "cached_tokens": cached,
-            "ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else float("nan"),
-            "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else float("nan"),
-            "same_worker": stays / max(1, stays + moves), "served": sorted(served.values(), reverse=True),
-            "wall_s": wall_s}
+    return {
+        "policy": policy,
+        "requests": len(rows),
+        "errors": [r["error"] for r in rows if "error" in r],
+        "hit": cached / max(1, prompt),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else float("nan"),
+        "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else float("nan"),
+        "same_worker": stays / max(1, stays + moves),
+        "served": sorted(served.values(), reverse=True),
+        "wall_s": wall_s,
+    }
 
 
 def run_real(args) -> dict:
@@ -222,30 +269,40 @@ def run_real(args) -> dict:
         return {"skipped": "redis-server is not installed"}
     policies = [p for p in args.real_policies.split(",") if p]
     convs = _conversations(args.real_seed, args.real_conversations, args.real_turns)
-    print(f"=== real processes: {WORKERS} gcache-worker (real numpy model, --kv-budget-mib {args.real_kv_mib} "
-          f"--l2-mib {args.real_kv_mib}, publishing to Redis) + {ROUTERS} gcache-router (--redis) + 1 redis-server, "
-          f"fresh per policy; {len(convs)} chat conversations at once x {args.real_turns} turns, streamed "
-          f"(/v1/chat/completions, stream=true), turn t through router t % {ROUTERS}; answers "
-          f"{args.real_max_tokens} tokens (ignore_eos); 2 shared system prompts")
+    print(
+        f"=== real processes: {WORKERS} gcache-worker (real numpy model, --kv-budget-mib {args.real_kv_mib} "
+        f"--l2-mib {args.real_kv_mib}, publishing to Redis) + {ROUTERS} gcache-router (--redis) + 1 redis-server, "
+        f"fresh per policy; {len(convs)} chat conversations at once x {args.real_turns} turns, streamed "
+        f"(/v1/chat/completions, stream=true), turn t through router t % {ROUTERS}; answers "
+        f"{args.real_max_tokens} tokens (ignore_eos); 2 shared system prompts"
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="router-real-") as tmp:
         for policy in policies:
             results.append(run_policy(policy, args, convs, Path(tmp)))
-    print(f"  {'policy':<12} {'requests':>8} {'errors':>6} {'token hit':>9} {'TTFT P50':>9} {'TTFT P90':>9} "
-          f"{'same worker':>11} {'served per worker':>18} {'wall':>6}")
+    print(
+        f"  {'policy':<12} {'requests':>8} {'errors':>6} {'token hit':>9} {'TTFT P50':>9} {'TTFT P90':>9} "
+        f"{'same worker':>11} {'served per worker':>18} {'wall':>6}"
+    )
     base = next((r for r in results if r["policy"] == "least_load"), None)
     for r in results:
-        print(f"  {r['policy']:<12} {r['requests']:>8} {len(r['errors']):>6} {r['hit']:>9.1%} "
-              f"{r['ttft_p50']:>8.3f}s {r['ttft_p90']:>8.3f}s {r['same_worker']:>11.0%} "
-              f"{str(r['served']):>18} {r['wall_s']:>5.0f}s")
+        print(
+            f"  {r['policy']:<12} {r['requests']:>8} {len(r['errors']):>6} {r['hit']:>9.1%} "
+            f"{r['ttft_p50']:>8.3f}s {r['ttft_p90']:>8.3f}s {r['same_worker']:>11.0%} "
+            f"{str(r['served']):>18} {r['wall_s']:>5.0f}s"
+        )
     if base is not None:
         for r in results:
             if r is not base:
-                print(f"  {r['policy']} vs least_load: hit {r['hit'] / max(base['hit'], 1e-9):.2f}x, "
-                      f"TTFT P50 {r['ttft_p50'] / base['ttft_p50']:.2f}x, P90 {r['ttft_p90'] / base['ttft_p90']:.2f}x")
+                print(
+                    f"  {r['policy']} vs least_load: hit {r['hit'] / max(base['hit'], 1e-9):.2f}x, "
+                    f"TTFT P50 {r['ttft_p50'] / base['ttft_p50']:.2f}x, P90 {r['ttft_p90'] / base['ttft_p90']:.2f}x"
+                )
     for r in results:
         for e in r["errors"][:3]:
             print(f"  {r['policy']} error: {e}")
-    print("  (same worker: turns that landed on the worker of the conversation's previous turn, which went "
-          "through the other router; TTFT wall-clock on a shared 2-core box, so only same-run ratios mean much)")
+    print(
+        "  (same worker: turns that landed on the worker of the conversation's previous turn, which went "
+        "through the other router; TTFT wall-clock on a shared 2-core box, so only same-run ratios mean much)"
+    )
     return {"policies": results}

@@ -20,6 +20,7 @@ Events, earliest first (ties: ticks, then arrivals, then worker steps):
            conversation's next turn (closed loop per conversation).
 A worker's clock may run ahead of the event time by at most one step (the only reordering).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,15 +47,15 @@ class RunResult(TierHits):
     recomputed: int = 0
     preemptions: int = 0
     makespan_s: float = 0.0
-    busy_s: list = field(default_factory=list)       # per worker: virtual seconds stepping
-    served: list = field(default_factory=list)       # per worker: requests routed there
-    load_max_sum: float = 0.0                        # sum over samples of max_k load_k
-    load_mean_sum: float = 0.0                       # sum over samples of mean_k load_k
+    busy_s: list = field(default_factory=list)  # per worker: virtual seconds stepping
+    served: list = field(default_factory=list)  # per worker: requests routed there
+    load_max_sum: float = 0.0  # sum over samples of max_k load_k
+    load_mean_sum: float = 0.0  # sum over samples of mean_k load_k
     samples: int = 0
-    swa_lost_routes: int = 0      # chosen worker held more full pages than it could use (SWA gone)
-    swa_lost_tokens: int = 0      # those unusable tokens, summed
-    misroutes: int = 0            # ... and another worker could have served more window-safe tokens
-    misroute_tokens: int = 0      # best other window-safe match - chosen's, summed over misroutes
+    swa_lost_routes: int = 0  # chosen worker held more full pages than it could use (SWA gone)
+    swa_lost_tokens: int = 0  # those unusable tokens, summed
+    misroutes: int = 0  # ... and another worker could have served more window-safe tokens
+    misroute_tokens: int = 0  # best other window-safe match - chosen's, summed over misroutes
     wall_s: float = 0.0
 
     @property
@@ -96,12 +97,12 @@ class RunResult(TierHits):
 
 @dataclass(frozen=True)
 class SimConfig:
-    tick_s: float = 0.1            # publish + refresh period (virtual seconds)
-    keepalive_s: float = 0.5       # refresh at least this often even when no worker changed
+    tick_s: float = 0.1  # publish + refresh period (virtual seconds)
+    keepalive_s: float = 0.5  # refresh at least this often even when no worker changed
     #                                (a router whose view is older than redis_stale_s, 1 s,
     #                                falls back to least load)
-    routers: int = 1               # requests alternate between this many routers
-    check_every: int = 0           # engine.check_integrity() every N steps (0: at the end only)
+    routers: int = 1  # requests alternate between this many routers
+    check_every: int = 0  # engine.check_integrity() every N steps (0: at the end only)
 
 
 class Probe:
@@ -143,8 +144,9 @@ class SimTime:
 class Cluster:
     """The workers, their publishers, the routers; `wiring` builds the real router parts."""
 
-    def __init__(self, workers: list[Worker], wiring, redis_url: str, policy: str, sim: SimConfig,
-                 page_size: int, window: int) -> None:
+    def __init__(
+        self, workers: list[Worker], wiring, redis_url: str, policy: str, sim: SimConfig, page_size: int, window: int
+    ) -> None:
         self.workers = workers
         self.urls = [f"http://sim-worker-{k}:8000" for k in range(len(workers))]
         self.by_url = dict(zip(self.urls, workers))
@@ -204,9 +206,9 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
     n = len(pool)
     res = RunResult(policy, n, busy_s=[0.0] * n, served=[0] * n)
     heap, next_turns = first_turns(turns, arrivals)
-    index_of: dict[tuple[int, int], int] = {}   # (worker, rid) -> turn
-    url_of: dict[int, str] = {}                 # turn -> worker url
-    router_of: dict[int, int] = {}              # turn -> router index
+    index_of: dict[tuple[int, int], int] = {}  # (worker, rid) -> turn
+    url_of: dict[int, str] = {}  # turn -> worker url
+    router_of: dict[int, int] = {}  # turn -> router index
     reqs = []
     next_tick, steps, picks = 0.0, 0, 0
     try:

@@ -15,6 +15,7 @@ L1 only (no L2/L3), so the case isolates the device tree. The placement steps go
 pick(exclude=other worker), so the approximate tree learns them too; Redis is real, the
 publishers flush and the routers refresh after every step.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,6 +69,7 @@ def _run(cluster: Cluster, router, k: int, prompt: np.ndarray, max_tokens: int, 
 
 def _case_for(policy: str, st: dict, redis_url: str) -> dict:
     import redis
+
     with redis.Redis.from_url(redis_url) as c:
         c.flushdb()
     cfg = ModelConfig(dtype="float32")
@@ -81,7 +83,7 @@ def _case_for(policy: str, st: dict, redis_url: str) -> dict:
         doc, q0, q2 = _tokens(rng, DOC_TOKENS), _tokens(rng, Q_TOKENS), _tokens(rng, Q_TOKENS)
         cont = _tokens(rng, CONTINUATION_TOKENS)
         _run(cluster, router, 0, np.concatenate([doc, q0, cont]), 1, forced=True)  # A: D + q0 + s
-        _run(cluster, router, 1, doc, 1, forced=True)                               # B: D
+        _run(cluster, router, 1, doc, 1, forced=True)  # B: D
         probe = np.concatenate([doc, q0, q2])
         keys = page_hashes_array(probe[: len(probe) // cfg.page_size * cfg.page_size], cfg.page_size)
         held = [cluster.probe(w.cache, probe, keys) for w in workers]  # (window-safe, full present)
@@ -91,8 +93,15 @@ def _case_for(policy: str, st: dict, redis_url: str) -> dict:
         except Exception as e:  # explain is a diagnostic; the case stands without it
             credited = {"error": repr(e)}
         r, k = _run(cluster, router, -1, probe, 8, forced=False)
-        return {"policy": policy, "picked": "AB"[k], "held": held, "cached": r.cached_tokens,
-                "prompt": len(probe), "ttft_s": r.ttft_s, "credited": credited}
+        return {
+            "policy": policy,
+            "picked": "AB"[k],
+            "held": held,
+            "cached": r.cached_tokens,
+            "prompt": len(probe),
+            "ttft_s": r.ttft_s,
+            "credited": credited,
+        }
     finally:
         cluster.close()
 
@@ -104,35 +113,52 @@ def run_swa_case(st: dict) -> dict:
     finally:
         srv.stop()
     held = rows[0]["held"]
-    print(f"\n=== SWA mis-routing case (2 workers, L1 only: {FULL_PAGES} full + {SWA_PAGES} SWA pages each; W=128): "
-          f"A computed D+q0+s ({DOC_TOKENS}+{Q_TOKENS}+{CONTINUATION_TOKENS} tokens; the SWA KV of pages that "
-          f"left the window was evicted, the full KV stayed), B computed D. "
-          f"Request D+q0+q2 ({rows[0]['prompt']} tokens):")
-    print(f"  held before the request (window-safe / full-KV prefix tokens): A {held[0][0]} / {held[0][1]}, "
-          f"B {held[1][0]} / {held[1][1]}")
-    print(f"  {'policy':<12} {'picked':>6} {'cached':>7} {'recomputed':>10} {'TTFT':>8}   credited by the policy (A | B)")
+    print(
+        f"\n=== SWA mis-routing case (2 workers, L1 only: {FULL_PAGES} full + {SWA_PAGES} SWA pages each; W=128): "
+        f"A computed D+q0+s ({DOC_TOKENS}+{Q_TOKENS}+{CONTINUATION_TOKENS} tokens; the SWA KV of pages that "
+        f"left the window was evicted, the full KV stayed), B computed D. "
+        f"Request D+q0+q2 ({rows[0]['prompt']} tokens):"
+    )
+    print(
+        f"  held before the request (window-safe / full-KV prefix tokens): A {held[0][0]} / {held[0][1]}, "
+        f"B {held[1][0]} / {held[1][1]}"
+    )
+    print(
+        f"  {'policy':<12} {'picked':>6} {'cached':>7} {'recomputed':>10} {'TTFT':>8}   credited by the policy (A | B)"
+    )
     for row in rows:
         cred = row["credited"]
-        text = " | ".join(_credit_text(cred.get(str(j), {})) for j in range(2)) if "error" not in cred else cred["error"]
-        print(f"  {row['policy']:<12} {row['picked']:>6} {row['cached']:>7} {row['prompt'] - row['cached']:>10} "
-              f"{row['ttft_s']:>7.3f}s   {text}")
+        text = (
+            " | ".join(_credit_text(cred.get(str(j), {})) for j in range(2)) if "error" not in cred else cred["error"]
+        )
+        print(
+            f"  {row['policy']:<12} {row['picked']:>6} {row['cached']:>7} {row['prompt'] - row['cached']:>10} "
+            f"{row['ttft_s']:>7.3f}s   {text}"
+        )
     by = {row["policy"]: row for row in rows}
     ours = by.get("cache_aware")
     unaware = [by[p] for p in ("approx_tree", "dynamo") if p in by]
     aware = [by[p] for p in ("cache_aware", "cache_ttft") if p in by]
-    met = bool(ours and held[0][1] > held[0][0] and all(a["picked"] == "B" for a in aware)
-               and all(u["picked"] == "A" and u["cached"] < ours["cached"] for u in unaware))
-    summary = (f"A held {held[0][1]} full-KV tokens but {held[0][0]} window-safe; "
-               + ", ".join(f"{u['policy']} -> {u['picked']} (cached {u['cached']}, TTFT {u['ttft_s']:.3f}s)"
-                           for u in unaware)
-               + "".join(f"; {a['policy']} -> {a['picked']} (cached {a['cached']}, TTFT {a['ttft_s']:.3f}s)"
-                         for a in aware))
+    met = bool(
+        ours
+        and held[0][1] > held[0][0]
+        and all(a["picked"] == "B" for a in aware)
+        and all(u["picked"] == "A" and u["cached"] < ours["cached"] for u in unaware)
+    )
+    summary = (
+        f"A held {held[0][1]} full-KV tokens but {held[0][0]} window-safe; "
+        + ", ".join(f"{u['policy']} -> {u['picked']} (cached {u['cached']}, TTFT {u['ttft_s']:.3f}s)" for u in unaware)
+        + "".join(f"; {a['policy']} -> {a['picked']} (cached {a['cached']}, TTFT {a['ttft_s']:.3f}s)" for a in aware)
+    )
     return {"rows": rows, "held": held, "met": met, "summary": summary}
 
 
 def _credit_text(c: dict) -> str:
     if not c:
         return "-"
-    parts = [f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
-             for k in ("match", "raw_overlap", "load", "score") if k in c]
+    parts = [
+        f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
+        for k in ("match", "raw_overlap", "load", "score")
+        if k in c
+    ]
     return " ".join(parts)

@@ -11,6 +11,7 @@ new id once it is complete): it is sent only after the earlier one finished (clo
 per conversation, as in the chat). Only prompts are shared: the trace does not say which
 later blocks hold an earlier answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,15 @@ from bench.hicache.workloads import Turn, chat_turns
 __all__ = ["Turn", "chat_turns", "trace_slice", "poisson_arrivals"]
 
 
-def trace_slice(path: Path, offset: int, limit: int, block_tokens: int, prompt_tokens_max: int,
-                output_tokens_max: int, vocab: int = 4096) -> list[Turn]:
+def trace_slice(
+    path: Path,
+    offset: int,
+    limit: int,
+    block_tokens: int,
+    prompt_tokens_max: int,
+    output_tokens_max: int,
+    vocab: int = 4096,
+) -> list[Turn]:
     records = []
     with open(path) as f:
         for i, line in enumerate(f):

@@ -27,6 +27,7 @@ Usage (in the SGLang venv, tests/integrations/setup_venv.sh):
   .venv-sglang/bin/python -m bench.sglang.backend [--repeats 9] [--pages 128]
       [--layout page_first] [--page-size 16] [--layers 8] [--heads 8] [--head-dim 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,21 @@ from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
 from gcache.wire.keys import page_hashes  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
-DYNAMIC = {"backend_name": "gcache", "module_path": "gcache.integrations.sglang.backend",
-           "class_name": "GCacheHiCacheStorage", "interface_v1": 1}
+DYNAMIC = {
+    "backend_name": "gcache",
+    "module_path": "gcache.integrations.sglang.backend",
+    "class_name": "GCacheHiCacheStorage",
+    "interface_v1": 1,
+}
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang: 128)")
-    p.add_argument("--layout", default="page_first",
-                   choices=["page_first", "page_first_direct", "page_head", "layer_first"])
+    p.add_argument(
+        "--layout", default="page_first", choices=["page_first", "page_first_direct", "page_head", "layer_first"]
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8, help="KV heads on this rank")
@@ -70,13 +76,23 @@ def parse_args(argv):
 
 def storage_config(hicache_storage, extra):
     return hicache_storage.HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="bench/model", extra_config=extra)
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench/model",
+        extra_config=extra,
+    )
 
 
 def page_slots(pool, pages):
     import torch
+
     return torch.cat([pool.page_slots(p) for p in pages])
 
 
@@ -90,16 +106,23 @@ class Systems:
 
     def __init__(self, args, work: Path):
         import torch
+
         self.hicache_storage, factory = load_sglang_storage()
         self.n = n = args.pages
-        self.pool = HostPoolStandIn(layout=args.layout, page_size=args.page_size, pages=4 * n,
-                                    layer_num=args.layers, head_num=args.heads, head_dim=args.head_dim)
+        self.pool = HostPoolStandIn(
+            layout=args.layout,
+            page_size=args.page_size,
+            pages=4 * n,
+            layer_num=args.layers,
+            head_num=args.heads,
+            head_dim=args.head_dim,
+        )
         raw_bytes = self.pool.kv_buffer.view(-1).view(torch.uint8)
-        raw_bytes.copy_(torch.randint(0, 256, raw_bytes.shape, generator=torch.Generator().manual_seed(9),
-                                      dtype=torch.uint8))
+        raw_bytes.copy_(
+            torch.randint(0, 256, raw_bytes.shape, generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+        )
         self.src = page_slots(self.pool, range(n))
-        self.dst = {name: page_slots(self.pool, range((i + 1) * n, (i + 2) * n))
-                    for i, name in enumerate(SYSTEMS)}
+        self.dst = {name: page_slots(self.pool, range((i + 1) * n, (i + 2) * n)) for i, name in enumerate(SYSTEMS)}
         self.server = LocalServer(work / "gcache", memory=args.server_memory, disk="256MiB").start()
         config = storage_config(self.hicache_storage, dict(DYNAMIC, gcache_url=self.server.address))
         self.backend = factory.create_backend("dynamic", config, self.pool)
@@ -117,12 +140,12 @@ class Systems:
         """New page hashes for every system: every batch writes pages the store lacks."""
         for i, name in enumerate(SYSTEMS):
             first = (repeat * len(SYSTEMS) + i) * 10_000_000
-            self.hashes[name] = page_hashes(range(first, first + self.n * self.pool.page_size),
-                                            self.pool.page_size)
+            self.hashes[name] = page_hashes(range(first, first + self.n * self.pool.page_size), self.pool.page_size)
 
     def blank_and_check(self, name: str, check: bool) -> None:
         """Checks `name`'s read pages against the written ones, then zeroes them."""
         import torch
+
         size, first = self.pool.page_size, int(self.dst[name][0])
         blank = self.pool.get_dummy_flat_data_page()
         for p in range(self.n):
@@ -147,10 +170,12 @@ class Systems:
             ok = [g == s for g, s in zip(self.client.batch_get_into(keys, dst_ptrs, sizes), sizes)]
         elif name == BACKEND:
             ok = (self.backend.batch_set_v1 if op == "set" else self.backend.batch_get_v1)(
-                hashes, self.src if op == "set" else dst)
+                hashes, self.src if op == "set" else dst
+            )
         elif op == "set":  # what SGLang's controller does for the file backend (_generic_page_set)
-            ok = [self.file.batch_set(hashes, [self.pool.get_data_page(self.src[i * size])
-                                               for i in range(len(hashes))])]
+            ok = [
+                self.file.batch_set(hashes, [self.pool.get_data_page(self.src[i * size]) for i in range(len(hashes))])
+            ]
         else:  # _generic_page_get
             pages = self.file.batch_get(hashes, [self.pool.get_dummy_flat_data_page() for _ in hashes])
             ok = [page is not None for page in pages]
@@ -201,8 +226,7 @@ def main(argv=None) -> int:
             # (alternating), so both see the same machine; HiCacheFile's disk work comes
             # after both, and its dirty pages are flushed (untimed) before the next pair.
             pair = (RAW, BACKEND) if repeat % 2 else (BACKEND, RAW)
-            for name, op in [(n, "set") for n in pair] + [(n, "get") for n in pair] + \
-                    [(FILE, "set"), (FILE, "get")]:
+            for name, op in [(n, "set") for n in pair] + [(n, "get") for n in pair] + [(FILE, "set"), (FILE, "get")]:
                 seconds = systems.run(name, op)
                 if repeat:
                     times[(name, op)].append(seconds)
@@ -220,31 +244,41 @@ def main(argv=None) -> int:
     batch_bytes = args.pages * systems.page_bytes
     print("GCache as SGLang 0.5.23's HiCache L3 backend: v1 throughput of one batch")
     print(f"command: .venv-sglang/bin/python -m bench.sglang.backend {shlex.join(argv or sys.argv[1:])}")
-    print(f"working set: {args.pages} pages x {systems.page_bytes} B = "
-          f"{batch_bytes / 2**20:.1f} MiB per batch ({args.layout}; {args.page_size} tokens x "
-          f"{args.layers} layers x {args.heads} KV heads x {args.head_dim} dim, bf16, K+V); "
-          f"{args.repeats} repeats after one warm-up; one local gcache-server "
-          f"(memory tier {args.server_memory}); HiCacheFile in {work} (page cache)")
-    print(f"{'op':4} {'system':28} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'GB/s':>7}"
-          "  median / raw median  (median of same-repeat ratios)")
+    print(
+        f"working set: {args.pages} pages x {systems.page_bytes} B = "
+        f"{batch_bytes / 2**20:.1f} MiB per batch ({args.layout}; {args.page_size} tokens x "
+        f"{args.layers} layers x {args.heads} KV heads x {args.head_dim} dim, bf16, K+V); "
+        f"{args.repeats} repeats after one warm-up; one local gcache-server "
+        f"(memory tier {args.server_memory}); HiCacheFile in {work} (page cache)"
+    )
+    print(
+        f"{'op':4} {'system':28} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'GB/s':>7}"
+        "  median / raw median  (median of same-repeat ratios)"
+    )
     for op in ("set", "get"):
         raw_times = times[(RAW, op)]
         for name in SYSTEMS:
             lo, mid, hi, gbps = summary(times[(name, op)], batch_bytes)
             paired = statistics.median(t / r for t, r in zip(times[(name, op)], raw_times))
-            print(f"{op:4} {name:28} {lo * 1e3:9.2f} {mid * 1e3:10.2f} {hi * 1e3:9.2f} {gbps:7.2f}"
-                  f"  {mid / statistics.median(raw_times):5.2f}x  ({paired:5.2f}x)")
+            print(
+                f"{op:4} {name:28} {lo * 1e3:9.2f} {mid * 1e3:10.2f} {hi * 1e3:9.2f} {gbps:7.2f}"
+                f"  {mid / statistics.median(raw_times):5.2f}x  ({paired:5.2f}x)"
+            )
     locate_ms = statistics.median(o[0] for o in own) * 1e3
     probe_ms = statistics.median(o[1] for o in own) * 1e3
-    print(f"backend's own work per batch (medians): keys + pointers {locate_ms:.2f} ms (set, get), "
-          f"EXISTS probe {probe_ms:.2f} ms (set); the rest is the same transfer as the raw client")
+    print(
+        f"backend's own work per batch (medians): keys + pointers {locate_ms:.2f} ms (set, get), "
+        f"EXISTS probe {probe_ms:.2f} ms (set); the rest is the same transfer as the raw client"
+    )
     for op in ("set", "get"):
         ratio = statistics.median(times[(BACKEND, op)]) / statistics.median(times[(RAW, op)])
         paired = statistics.median(b / r for b, r in zip(times[(BACKEND, op)], times[(RAW, op)]))
         verdict = "met" if ratio <= 1 + TARGET_OVERHEAD else "MISSED"
-        print(f"backend overhead on {op}: {(ratio - 1) * 100:+.1f}% over the raw client, median vs "
-              f"median (target <= {TARGET_OVERHEAD * 100:.0f}%: {verdict}); same-repeat median "
-              f"{(paired - 1) * 100:+.1f}%")
+        print(
+            f"backend overhead on {op}: {(ratio - 1) * 100:+.1f}% over the raw client, median vs "
+            f"median (target <= {TARGET_OVERHEAD * 100:.0f}%: {verdict}); same-repeat median "
+            f"{(paired - 1) * 100:+.1f}%"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ Each run starts a local gcache-server (bench/store/run_targets.sh's settings: 1 
 --baseline-python adds a third column: the same bench under another checkout's interpreter
 (e.g. the tree before this change), without auth. Prints the exact commands it ran.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,12 @@ import tempfile
 from bench.common.paths import REPO
 from bench.common.stats import columns
 
-MEASURES = (("put", "gbps", "PUT GB/s", True), ("get", "gbps", "GET GB/s", True),
-            ("latency", "p50_us", "single GET p50 us", False), ("latency", "p99_us", "single GET p99 us", False))
+MEASURES = (
+    ("put", "gbps", "PUT GB/s", True),
+    ("get", "gbps", "GET GB/s", True),
+    ("latency", "p50_us", "single GET p50 us", False),
+    ("latency", "p99_us", "single GET p99 us", False),
+)
 AUTH_FILE = """[tenants.bench]
 token = "bench-secret-0123456789abcdef"
 roles = ["read", "write"]
@@ -31,10 +36,31 @@ roles = ["read", "write"]
 
 
 def bench_command(python: str, args, auth_file: str | None) -> list[str]:
-    command = [python, "-m", "gcache.tools.storebench.main", "--memory", "1GiB", "--disk", "2GiB",
-               "--value-size", args.value_size, "--batch", str(args.batch), "--threads", "1",
-               "--duration", args.duration, "--repeat", "1", "--workload", "put,get,latency",
-               "--latency-value-size", "4KiB", "--json", "--no-progress"]
+    command = [
+        python,
+        "-m",
+        "gcache.tools.storebench.main",
+        "--memory",
+        "1GiB",
+        "--disk",
+        "2GiB",
+        "--value-size",
+        args.value_size,
+        "--batch",
+        str(args.batch),
+        "--threads",
+        "1",
+        "--duration",
+        args.duration,
+        "--repeat",
+        "1",
+        "--workload",
+        "put,get,latency",
+        "--latency-value-size",
+        "4KiB",
+        "--json",
+        "--no-progress",
+    ]
     return command + (["--auth-file", auth_file] if auth_file else [])
 
 
@@ -63,8 +89,10 @@ def main(argv=None) -> int:
         with open(auth_file, "w") as f:
             f.write(AUTH_FILE)
         os.chmod(auth_file, 0o600)
-        configs = {"no auth": (bench_command(sys.executable, args, None), here),
-                   "auth": (bench_command(sys.executable, args, auth_file), here)}
+        configs = {
+            "no auth": (bench_command(sys.executable, args, None), here),
+            "auth": (bench_command(sys.executable, args, auth_file), here),
+        }
         if args.baseline_python:
             cwd = args.baseline_cwd or os.path.dirname(os.path.dirname(os.path.dirname(args.baseline_python)))
             configs["baseline"] = (bench_command(args.baseline_python, args, None), cwd)

@@ -22,6 +22,7 @@ at the end of the run (docs/storage.md).
   .venv/bin/python -m bench.store.eviction_replay --fractions 0.1 --disk off --repeat 3
   .venv/bin/python -m bench.store.eviction_replay --limit 300 --policies chain,lru   # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,8 +99,17 @@ def run_one(trace: Trace, fraction: float, disk: bool, policy: str, args, workdi
             stats = client.stats()
     finally:
         server.stop()
-    return Run(trace.name, fraction, disk, policy, hits / max(1, trace.blocks), seconds, missed,
-               stats.get("counters", {}), stats.get("gauges", {}))
+    return Run(
+        trace.name,
+        fraction,
+        disk,
+        policy,
+        hits / max(1, trace.blocks),
+        seconds,
+        missed,
+        stats.get("counters", {}),
+        stats.get("gauges", {}),
+    )
 
 
 def weight(runs: list[Run]) -> str:
@@ -115,11 +125,15 @@ def fmt_rate(values: list[float]) -> str:
 
 
 def print_table(trace: Trace, args, runs: list[Run]) -> None:
-    print(f"\n## {trace.name}: {len(trace.chains)} requests, {trace.blocks} blocks, "
-          f"{trace.unique_blocks} unique; {args.value_bytes} B values")
-    print(f"{'memory':>7} {'disk':>5} {'policy':>8} {'hit rate':>22} {'vs lru':>7} {'vs clairv.':>10} "
-          f"{'clairvoyant':>11} {'exists>get':>10} {'evict mem':>9} {'to disk':>8} {'hits disk':>9} "
-          f"{'weight':>6} {'secs':>5}")
+    print(
+        f"\n## {trace.name}: {len(trace.chains)} requests, {trace.blocks} blocks, "
+        f"{trace.unique_blocks} unique; {args.value_bytes} B values"
+    )
+    print(
+        f"{'memory':>7} {'disk':>5} {'policy':>8} {'hit rate':>22} {'vs lru':>7} {'vs clairv.':>10} "
+        f"{'clairvoyant':>11} {'exists>get':>10} {'evict mem':>9} {'to disk':>8} {'hits disk':>9} "
+        f"{'weight':>6} {'secs':>5}"
+    )
     for fraction in args.fractions:
         capacity = memory_bytes(trace, fraction, args.value_bytes) // args.value_bytes
         bound_memory = clairvoyant_hit_rate(trace, capacity)
@@ -127,8 +141,10 @@ def print_table(trace: Trace, args, runs: list[Run]) -> None:
             bound = bound_memory
             if disk:
                 bound = clairvoyant_hit_rate(trace, int(capacity * (1 + args.disk_ratio)))
-            by_policy = {p: [r for r in runs if r.fraction == fraction and r.disk == disk and r.policy == p]
-                         for p in args.policies}
+            by_policy = {
+                p: [r for r in runs if r.fraction == fraction and r.disk == disk and r.policy == p]
+                for p in args.policies
+            }
             lru = statistics.median(r.hit_rate for r in by_policy["lru"]) if by_policy.get("lru") else None
             for policy, rs in by_policy.items():
                 if not rs:
@@ -136,30 +152,49 @@ def print_table(trace: Trace, args, runs: list[Run]) -> None:
                 rates = [r.hit_rate for r in rs]
                 median = statistics.median(rates)
                 vs_lru = f"{median / lru:.3f}" if lru else "-"
-                print(f"{'1/%g' % (1 / fraction):>7} {'on' if disk else 'off':>5} {policy:>8} "
-                      f"{fmt_rate(rates):>22} {vs_lru:>7} {median / max(bound, 1e-9):>10.3f} {bound:>11.4f} "
-                      f"{max(r.exists_then_missed for r in rs):>10} "
-                      f"{statistics.median(r.counters.get('evictions_memory', 0) for r in rs):>9.0f} "
-                      f"{statistics.median(r.counters.get('demotions_to_disk', 0) for r in rs):>8.0f} "
-                      f"{statistics.median(r.counters.get('hits_disk', 0) for r in rs):>9.0f} "
-                      f"{weight(rs):>6} {statistics.median(r.seconds for r in rs):>5.1f}")
+                print(
+                    f"{'1/%g' % (1 / fraction):>7} {'on' if disk else 'off':>5} {policy:>8} "
+                    f"{fmt_rate(rates):>22} {vs_lru:>7} {median / max(bound, 1e-9):>10.3f} {bound:>11.4f} "
+                    f"{max(r.exists_then_missed for r in rs):>10} "
+                    f"{statistics.median(r.counters.get('evictions_memory', 0) for r in rs):>9.0f} "
+                    f"{statistics.median(r.counters.get('demotions_to_disk', 0) for r in rs):>8.0f} "
+                    f"{statistics.median(r.counters.get('hits_disk', 0) for r in rs):>9.0f} "
+                    f"{weight(rs):>6} {statistics.median(r.seconds for r in rs):>5.1f}"
+                )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", nargs="+", type=Path, default=sorted(TRACE_DIR.glob("*.jsonl")),
-                   help=f"trace files (default: every *.jsonl in {TRACE_DIR})")
-    p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.25],
-                   help="memory tier as a fraction of each trace's unique blocks (default 0.1 0.25)")
+    p.add_argument(
+        "--traces",
+        nargs="+",
+        type=Path,
+        default=sorted(TRACE_DIR.glob("*.jsonl")),
+        help=f"trace files (default: every *.jsonl in {TRACE_DIR})",
+    )
+    p.add_argument(
+        "--fractions",
+        nargs="+",
+        type=float,
+        default=[0.1, 0.25],
+        help="memory tier as a fraction of each trace's unique blocks (default 0.1 0.25)",
+    )
     p.add_argument("--disk", choices=["off", "on", "both"], default="both", help="disk tier (default both)")
     p.add_argument("--disk-ratio", type=float, default=1.0, help="disk tier size / memory tier size (default 1)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"--eviction-policy values to compare (default {','.join(POLICIES)}; 'default' = no flag)")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"--eviction-policy values to compare (default {','.join(POLICIES)}; 'default' = no flag)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs per setting; min/median/max shown (default 1)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of each trace")
     p.add_argument("--value-bytes", type=int, default=4096, help="bytes per block value (default 4096)")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra gcache-server argument, repeatable (e.g. --server-arg=--eviction-fresh-weight=2)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra gcache-server argument, repeatable (e.g. --server-arg=--eviction-fresh-weight=2)",
+    )
     p.add_argument("--json", type=Path, help="also write every run as JSON here")
     args = p.parse_args(argv)
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
@@ -177,8 +212,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command:", " ".join([Path(sys.executable).name, "-m", "bench.store.eviction_replay", *sys.argv[1:]]))
-    print(f"calls per request: batch_exists_prefix(chain), get_batch(hit prefix), put_batch(rest); "
-          f"disk = {args.disk_ratio:g} x memory; policies {', '.join(args.policies)}; repeat {args.repeat}")
+    print(
+        f"calls per request: batch_exists_prefix(chain), get_batch(hit prefix), put_batch(rest); "
+        f"disk = {args.disk_ratio:g} x memory; policies {', '.join(args.policies)}; repeat {args.repeat}"
+    )
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="eviction-replay-") as tmp:
         for path in args.traces:

@@ -11,6 +11,7 @@ blocks first among equals, so chains lose their tails first), or does not keep t
 block at all if nothing cached is needed later than it. A request hits its longest cached
 prefix; the figure is hit blocks / requested blocks, the same as the server replay's.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -16,6 +16,7 @@ Exit status: 0 all correct, 1 a correctness failure, 2 cannot run here (no cupy 
 
 Usage:  bash bench/store/gpu_check.sh [--value-size 1MiB] [--batch 128] [--runs 5] [--strict]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def load_cupy():
     try:
         import cupy
     except ImportError as exc:
-        cannot_run(f"cupy is not importable ({exc}); run bench/store/gpu_check.sh on a machine with an "
-                   "NVIDIA GPU (it installs cupy-cuda12x into .venv)")
+        cannot_run(
+            f"cupy is not importable ({exc}); run bench/store/gpu_check.sh on a machine with an "
+            "NVIDIA GPU (it installs cupy-cuda12x into .venv)"
+        )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError, or a driver/library that does not load
@@ -86,23 +89,31 @@ class Check:
         self.expect(got == sizes, f"{transport}: batch_get_into sizes")
         expected = sentinel.copy()
         for off, v in zip(offsets, values):
-            expected[off:off + v.size] = v
-        self.expect(np.array_equal(cp.asnumpy(dst), expected),
-                    f"{transport}: batch_get_into bytes in device memory (one buffer, offsets)")
+            expected[off : off + v.size] = v
+        self.expect(
+            np.array_equal(cp.asnumpy(dst), expected),
+            f"{transport}: batch_get_into bytes in device memory (one buffer, offsets)",
+        )
 
         arrays = [cp.zeros(n, dtype=cp.uint8) for n in sizes[:8]]
         self.expect(client.batch_get_into(keys[:8], arrays) == sizes[:8], f"{transport}: list sizes")
-        self.expect(all(np.array_equal(cp.asnumpy(a), v) for a, v in zip(arrays, values)),
-                    f"{transport}: batch_get_into bytes (list of device arrays)")
+        self.expect(
+            all(np.array_equal(cp.asnumpy(a), v) for a, v in zip(arrays, values)),
+            f"{transport}: batch_get_into bytes (list of device arrays)",
+        )
 
         src = cp.asarray(np.concatenate(values))
         put_keys = [f"gpucheck/{transport}/put/{i}".encode() for i in range(len(values))]
         put_offsets = np.cumsum([0] + sizes[:-1]).tolist()
-        self.expect(client.batch_put_from(put_keys, src, sizes=sizes, offsets=put_offsets)
-                    == [True] * len(keys), f"{transport}: batch_put_from answers")
+        self.expect(
+            client.batch_put_from(put_keys, src, sizes=sizes, offsets=put_offsets) == [True] * len(keys),
+            f"{transport}: batch_put_from answers",
+        )
         back = client.get_batch(put_keys)
-        self.expect(all(b is not None and b == v.tobytes() for b, v in zip(back, values)),
-                    f"{transport}: batch_put_from bytes from device memory")
+        self.expect(
+            all(b is not None and b == v.tobytes() for b, v in zip(back, values)),
+            f"{transport}: batch_put_from bytes from device memory",
+        )
         self.expect(client.get_into(b"gpucheck/missing", arrays[0]) is None, f"{transport}: miss")
         client.batch_remove(keys + put_keys)
 
@@ -121,10 +132,13 @@ class Check:
         self.expect(np.array_equal(cp.asnumpy(dst), host), f"{transport}: throughput bytes")
 
         put_keys = [f"gpucheck/{transport}/bwput/{i}".encode() for i in range(n)]
+
         def put_once():
             client.batch_put_from(put_keys, dst, sizes=sizes, offsets=offsets)
+
         def remove():
             client.batch_remove(put_keys)  # values are immutable: each run stores fresh
+
         put_s = self._runs(put_once, between=remove)
         client.batch_remove(keys + put_keys)
 
@@ -156,6 +170,7 @@ class Check:
         def copy(dst, src, kind):
             rt.memcpyAsync(dst, src, total, kind, stream.ptr)
             stream.synchronize()
+
         h2d = self._runs(lambda: copy(dev.data.ptr, pinned.ctypes.data, rt.memcpyHostToDevice))
         d2h = self._runs(lambda: copy(pinned.ctypes.data, dev.data.ptr, rt.memcpyDeviceToHost))
         return h2d, d2h
@@ -180,10 +195,14 @@ def main(argv=None) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"command: bash bench/store/gpu_check.sh {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"device: {name}; cupy {cupy.__version__}; staging {device_buffers.STAGING_BYTES_DEFAULT // MiB} MiB "
-          f"in {device_buffers.SLOT_BYTES_DEFAULT // MiB} MiB slots")
-    print(f"working set: {args.batch} x {args.value_size // KiB} KiB = "
-          f"{args.batch * args.value_size / MiB:.0f} MiB per batch; {args.runs} runs (min/median/max)")
+    print(
+        f"device: {name}; cupy {cupy.__version__}; staging {device_buffers.STAGING_BYTES_DEFAULT // MiB} MiB "
+        f"in {device_buffers.SLOT_BYTES_DEFAULT // MiB} MiB slots"
+    )
+    print(
+        f"working set: {args.batch} x {args.value_size // KiB} KiB = "
+        f"{args.batch * args.value_size / MiB:.0f} MiB per batch; {args.runs} runs (min/median/max)"
+    )
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gcache-gpucheck-") as tmp:
@@ -220,8 +239,10 @@ def main(argv=None) -> int:
             verdict = "(reported: loopback TCP is the ceiling)"
         print(f"{transport:9}  get  {fmt(get):>20}  {fmt(h2d):>20}  {ratio:5.2f}  {verdict}")
         print(f"{transport:9}  put  {fmt(put):>20}  {fmt(d2h):>20}  {put[1] / d2h[1]:5.2f}  (reported)")
-    print("(get: batch_get_into into device memory vs cupy H2D from pinned memory; "
-          "put: batch_put_from from device memory vs cupy D2H into pinned memory)")
+    print(
+        "(get: batch_get_into into device memory vs cupy H2D from pinned memory; "
+        "put: batch_put_from from device memory vs cupy D2H into pinned memory)"
+    )
     if check.failures:
         print(f"\ngpu_check: {len(check.failures)} correctness failure(s): {check.failures}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ the same bytes (median). A PUT must hash every byte twice (client sum, server
 check) besides the copy, so xxh64's rate bounds it; a GET under a proven lease
 copies only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,8 @@ def main(argv=None) -> int:
     arena_addr = ctypes.addressof(ctypes.c_char.from_buffer(arena))
     ctypes.memset(arena_addr, 7, ROTATION_BYTES + batch_bytes)  # touch every page once
     dst = np.zeros(batch_bytes, dtype=np.uint8)
-    targets = [memoryview(dst)[i * size:(i + 1) * size] for i in range(n)]
-    sums = [xxh64(arena[i * size:(i + 1) * size]) for i in range(n)]
+    targets = [memoryview(dst)[i * size : (i + 1) * size] for i in range(n)]
+    sums = [xxh64(arena[i * size : (i + 1) * size]) for i in range(n)]
 
     def offsets(i: int) -> list[int]:
         base = (i % slots) * batch_bytes
@@ -62,21 +63,24 @@ def main(argv=None) -> int:
 
     write_base = ROTATION_BYTES
     kernels = {
-        "memcpy, one thread (baseline)": lambda i: ctypes.memmove(dst.ctypes.data, arena_addr + (i % slots) * batch_bytes,
-                                                                  batch_bytes),
+        "memcpy, one thread (baseline)": lambda i: ctypes.memmove(
+            dst.ctypes.data, arena_addr + (i % slots) * batch_bytes, batch_bytes
+        ),
         "xxh64 of the batch, one thread": lambda i: [xxh64(t) for t in targets],
     }
     for threads in (1, 2):
-        kernels[f"GET copy (lease-proven), {threads} thread(s)"] = (
-            lambda i, t=threads: shm_read_into(arena, offsets(i), [size] * n, sums, targets, t, False))
-        kernels[f"GET copy + xxh64 check, {threads} thread(s)"] = (
-            lambda i, t=threads: shm_read_into(arena, offsets(0), [size] * n, sums, targets, t, True))
-        kernels[f"PUT copy + xxh64 sum, {threads} thread(s)"] = (
-            lambda i, t=threads: shm_write_from(arena, [write_base + j * size for j in range(n)], targets, t))
+        kernels[f"GET copy (lease-proven), {threads} thread(s)"] = lambda i, t=threads: shm_read_into(
+            arena, offsets(i), [size] * n, sums, targets, t, False
+        )
+        kernels[f"GET copy + xxh64 check, {threads} thread(s)"] = lambda i, t=threads: shm_read_into(
+            arena, offsets(0), [size] * n, sums, targets, t, True
+        )
+        kernels[f"PUT copy + xxh64 sum, {threads} thread(s)"] = lambda i, t=threads: shm_write_from(
+            arena, [write_base + j * size for j in range(n)], targets, t
+        )
     results = {name: timed(fn, args.runs, batch_bytes) for name, fn in kernels.items()}
     base = statistics.median(results["memcpy, one thread (baseline)"])
-    print(f"shm kernels: {n} x {size} B = {batch_bytes >> 20} MiB per call, {args.runs} runs, "
-          f"{os.cpu_count()} cores")
+    print(f"shm kernels: {n} x {size} B = {batch_bytes >> 20} MiB per call, {args.runs} runs, {os.cpu_count()} cores")
     print(f"{'kernel':44s} {'GB/s min / median / max':>26s}  vs memcpy")
     for name, rates in results.items():
         med = statistics.median(rates)

@@ -28,6 +28,7 @@ Workload (seeded; the prompts do not depend on the rate): short requests (fresh 
 
 Usage:  .venv/bin/python -m bench.worker.ttft [--loads 0.5,0.7,0.9] [--seeds 0,1,2,3,4] [--cost fitted|default]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +57,11 @@ METRICS = ("long_p50", "long_p90", "short_p50", "short_p90")
 
 
 class Arrival(NamedTuple):
-    t: float            # arrival, virtual seconds
-    prompt: list        # token ids
+    t: float  # arrival, virtual seconds
+    prompt: list  # token ids
     max_tokens: int
-    kind: str           # short | doc_qa | fresh_long
-    doc: int = -1       # doc_qa: which hot document the prompt starts with
+    kind: str  # short | doc_qa | fresh_long
+    doc: int = -1  # doc_qa: which hot document the prompt starts with
     doc_len: int = 0
 
 
@@ -72,8 +73,9 @@ def make_workload(args, seed: int, rate: float | None) -> list[Arrival]:
     toks = lambda n: [int(t) for t in rng.integers(0, 256, size=max(1, int(n)))]
     docs = [toks(rng.integers(1024, 3072) * s) for _ in range(args.hot_docs)]
     out, t, burst = [], 0.0, []
-    qa = lambda d: Arrival(t, docs[d] + toks(rng.integers(16, 64) * s), int(rng.integers(8, 32)), "doc_qa",
-                           d, len(docs[d]))
+    qa = lambda d: Arrival(
+        t, docs[d] + toks(rng.integers(16, 64) * s), int(rng.integers(8, 32)), "doc_qa", d, len(docs[d])
+    )
     while len(out) < args.requests:
         gap = rng.exponential(1.0)
         t += 0.0 if rate is None else gap / rate
@@ -99,9 +101,11 @@ def working_set(args, workload: list[Arrival]) -> str:
     docs = {w.doc: w.doc_len for w in workload if w.doc >= 0}
     distinct = total - sum(w.doc_len for w in workload) + sum(docs.values())
     pages = -(-distinct // ModelConfig().page_size)
-    return (f"{len(workload)} requests: {kinds['short']} short, {kinds['doc_qa']} document QA on "
-            f"{len(docs)} hot documents, {kinds['fresh_long']} fresh long; {total} prompt tokens, "
-            f"{distinct} distinct (~{pages} pages; full pool {args.full_pages})")
+    return (
+        f"{len(workload)} requests: {kinds['short']} short, {kinds['doc_qa']} document QA on "
+        f"{len(docs)} hot documents, {kinds['fresh_long']} fresh long; {total} prompt tokens, "
+        f"{distinct} distinct (~{pages} pages; full pool {args.full_pages})"
+    )
 
 
 def build_engine(args, policy: str, clock: VirtualClock, max_waiting: int, mode: str) -> Engine:
@@ -110,6 +114,7 @@ def build_engine(args, policy: str, clock: VirtualClock, max_waiting: int, mode:
         model = SimulatedModel(cfg, clock, args.cost_model)
     else:
         from gcache.worker.model.transformer import Model
+
         model = Model(cfg)
         if args.clock == "fitted":
             model = FittedClockModel(model, args.cost_model, clock)
@@ -119,10 +124,16 @@ def build_engine(args, policy: str, clock: VirtualClock, max_waiting: int, mode:
 
 
 def scheduler_config(args, policy: str, max_waiting: int = 1024) -> SchedulerConfig:
-    return SchedulerConfig(policy=policy, max_running=args.max_running, max_waiting=max_waiting,
-                           max_tokens_per_step=args.step_tokens, chunk_tokens=args.chunk_tokens,
-                           aging_tokens_per_s=args.aging,
-                           max_wait_s=args.max_wait_s, dedup_min_tokens=args.dedup_min_tokens)
+    return SchedulerConfig(
+        policy=policy,
+        max_running=args.max_running,
+        max_waiting=max_waiting,
+        max_tokens_per_step=args.step_tokens,
+        chunk_tokens=args.chunk_tokens,
+        aging_tokens_per_s=args.aging,
+        max_wait_s=args.max_wait_s,
+        dedup_min_tokens=args.dedup_min_tokens,
+    )
 
 
 def run_policy(args, policy: str, workload, mode: str | None = None) -> dict:
@@ -163,12 +174,20 @@ def run_policy(args, policy: str, workload, mode: str | None = None) -> dict:
     short = [r.ttft_s for r in reqs if len(r.prompt) < args.long_tokens]
     m = engine.metrics.snapshot()
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
-    out = {"policy": policy, "n_long": len(long_), "n_short": len(short),
-           "long_p50": pct(long_, 50), "long_p90": pct(long_, 90),
-           "short_p50": pct(short, 50), "short_p90": pct(short, 90),
-           "hit": m["cached_prompt_tokens_total"] / max(1, m["prompt_tokens_total"]),
-           "computed": m["prefill_tokens_computed_total"], "preempt": m["preemptions_total"],
-           "makespan": clock(), "busy": busy / max(1e-12, clock() - workload[0].t)}
+    out = {
+        "policy": policy,
+        "n_long": len(long_),
+        "n_short": len(short),
+        "long_p50": pct(long_, 50),
+        "long_p90": pct(long_, 90),
+        "short_p50": pct(short, 50),
+        "short_p90": pct(short, 90),
+        "hit": m["cached_prompt_tokens_total"] / max(1, m["prompt_tokens_total"]),
+        "computed": m["prefill_tokens_computed_total"],
+        "preempt": m["preemptions_total"],
+        "makespan": clock(),
+        "busy": busy / max(1e-12, clock() - workload[0].t),
+    }
     if isinstance(engine.model, FittedClockModel):
         out["real_wall_s"], out["fitted_s"] = engine.model.wall_s, engine.model.fitted_s
     return out
@@ -203,15 +222,21 @@ def fmt3(t: tuple[float, float, float], pct: bool = False) -> str:
 def table_row(label: str, rate: str, runs: list[dict]) -> str:
     cells = " ".join(f"{fmt3(spread([r[m] for r in runs])):>19}" for m in METRICS)
     med = lambda k: float(np.median([r[k] for r in runs]))
-    return (f"{label:>5} {rate:>7} {runs[0]['policy']:6} {med('busy'):5.2f} {cells} {med('hit'):6.1%} "
-            f"{med('preempt'):7.0f}")
+    return (
+        f"{label:>5} {rate:>7} {runs[0]['policy']:6} {med('busy'):5.2f} {cells} {med('hit'):6.1%} {med('preempt'):7.0f}"
+    )
 
 
 def report(sweep: list[dict], floor: list[dict], seeds: list[int]) -> None:
-    print(f"\nmin/median/max over seeds {seeds}; TTFT in virtual seconds; busy = fraction of the time the "
-          "engine computed; floor = FCFS at 1/100 of the lowest rate (no queueing: what no order can beat)")
-    print(f"{'load':>5} {'rate/s':>7} {'policy':6} {'busy':>5} " + " ".join(f"{m:>19}" for m in METRICS)
-          + f" {'hit':>6} {'preempt':>7}")
+    print(
+        f"\nmin/median/max over seeds {seeds}; TTFT in virtual seconds; busy = fraction of the time the "
+        "engine computed; floor = FCFS at 1/100 of the lowest rate (no queueing: what no order can beat)"
+    )
+    print(
+        f"{'load':>5} {'rate/s':>7} {'policy':6} {'busy':>5} "
+        + " ".join(f"{m:>19}" for m in METRICS)
+        + f" {'hit':>6} {'preempt':>7}"
+    )
     print(table_row("floor", "", floor))
     for point in sweep:
         load = "" if point["load"] is None else f"{point['load']:.2f}"
@@ -228,10 +253,12 @@ def report(sweep: list[dict], floor: list[dict], seeds: list[int]) -> None:
         f90 = float(np.median([r["long_p90"] for r in runs["fcfs"]]))
         t90 = float(np.median([r["long_p90"] for r in runs["ttft"]]))
         queueing = (f90 - t90) / (f90 - floor_l90) if f90 > floor_l90 else float("nan")
-        print(f"  {point['rate']:.2f}/s: long P90 {med['long_p90']:+.1f}%, short P90 {med['short_p90']:+.1f}%, "
-              f"short P50 {med['short_p50']:+.1f}% -> {'MET' if goal_met(med) else 'NOT MET'} "
-              f"({alone}/{len(seeds)} seeds alone); FCFS long P90 is {f90 / floor_l90:.1f}x the floor, "
-              f"ttft removes {queueing:.0%} of that queueing")
+        print(
+            f"  {point['rate']:.2f}/s: long P90 {med['long_p90']:+.1f}%, short P90 {med['short_p90']:+.1f}%, "
+            f"short P50 {med['short_p50']:+.1f}% -> {'MET' if goal_met(med) else 'NOT MET'} "
+            f"({alone}/{len(seeds)} seeds alone); FCFS long P90 is {f90 / floor_l90:.1f}x the floor, "
+            f"ttft removes {queueing:.0%} of that queueing"
+        )
 
 
 def run_sweep(args, seeds: list[int], t_start: float) -> tuple[list[dict], list[dict]]:
@@ -263,36 +290,64 @@ def parse_args(argv):
     ap.add_argument("--cost", choices=("fitted", "default"), default="fitted", help="see above")
     ap.add_argument("--clock", choices=("fitted", "wall"), default="fitted", help="--mode real: see above")
     ap.add_argument("--requests", type=int, default=None, help="per seed (default 600; --mode real: 100)")
-    ap.add_argument("--loads", default=None, help="arrival rates as fractions of the capacity "
-                    "(default 0.5,0.7,0.9; --mode real: 0.7)")
+    ap.add_argument(
+        "--loads",
+        default=None,
+        help="arrival rates as fractions of the capacity (default 0.5,0.7,0.9; --mode real: 0.7)",
+    )
     ap.add_argument("--rates", default="", help="arrivals per virtual second (overrides --loads)")
     ap.add_argument("--seeds", default=None, help="default 0,1,2,3,4; --mode real: 0")
-    ap.add_argument("--scale", type=float, default=None, help="multiply every prompt length (default 1; "
-                    "--mode real: 0.25, so the numpy model's runs take minutes, not hours)")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply every prompt length (default 1; "
+        "--mode real: 0.25, so the numpy model's runs take minutes, not hours)",
+    )
     ap.add_argument("--long-fraction", type=float, default=0.3)
     ap.add_argument("--long-tokens", type=int, default=0, help="long = prompt >= this (default 1024*scale)")
     ap.add_argument("--hot-docs", type=int, default=8)
     ap.add_argument("--full-pages", type=int, default=4096)
     ap.add_argument("--swa-pages", type=int, default=2048)
     ap.add_argument("--max-running", type=int, default=32)
-    ap.add_argument("--step-tokens", type=int, default=None, help="default 512; --mode real: 128 (prompts are "
-                    "scaled by 0.25 there: prefills still span steps)")
-    ap.add_argument("--chunk-tokens", type=int, default=0, help="most prefill tokens per request per step "
-                    "(both policies; default: the whole step)")
-    ap.add_argument("--aging", type=float, default=SchedulerConfig.aging_tokens_per_s,
-                    help="ttft: uncached tokens of priority per second waited")
+    ap.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="default 512; --mode real: 128 (prompts are scaled by 0.25 there: prefills still span steps)",
+    )
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="most prefill tokens per request per step (both policies; default: the whole step)",
+    )
+    ap.add_argument(
+        "--aging",
+        type=float,
+        default=SchedulerConfig.aging_tokens_per_s,
+        help="ttft: uncached tokens of priority per second waited",
+    )
     ap.add_argument("--max-wait-s", type=float, default=SchedulerConfig.max_wait_s)
     ap.add_argument("--dedup-min-tokens", type=int, default=32, help="ablation: 10**9 turns in-flight dedup off (both)")
     ap.add_argument("--cal-repeats", type=int, default=5)
-    ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or fit and save them "
-                    "there (default: a per-machine file under ~/.cache/gcache/)")
+    ap.add_argument(
+        "--cal-file",
+        default="",
+        help="JSON: load the fitted costs from it, or fit and save them "
+        "there (default: a per-machine file under ~/.cache/gcache/)",
+    )
     ap.add_argument("--recalibrate", action="store_true", help="refit the cost model even if a fit is saved")
     ap.add_argument("--json", default="", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     real = args.mode == "real"
-    for name, sim_default, real_default in (("requests", 600, 100), ("loads", "0.5,0.7,0.9", "0.7"),
-                                            ("seeds", "0,1,2,3,4", "0"), ("scale", 1.0, 0.25),
-                                            ("step_tokens", 512, 128)):
+    for name, sim_default, real_default in (
+        ("requests", 600, 100),
+        ("loads", "0.5,0.7,0.9", "0.7"),
+        ("seeds", "0,1,2,3,4", "0"),
+        ("scale", 1.0, 0.25),
+        ("step_tokens", 512, 128),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else sim_default)
     args.long_tokens = args.long_tokens or int(1024 * args.scale)
@@ -316,16 +371,22 @@ def main(argv=None) -> dict:
         print("compute clock: CostModel() defaults (not fitted)")
     cfg = ModelConfig(dtype="float32")
     sc = scheduler_config(args, "ttft")
-    print(f"model: {cfg.layers} layers ({len(cfg.full_layers)} full), W={cfg.window}, page {cfg.page_size}; "
-          f"pools {args.full_pages} full / {args.swa_pages} SWA pages; mode {args.mode}; "
-          f"{args.requests} requests per seed, prompt lengths x{args.scale:g}")
-    print(f"shared budgeting: {sc.max_tokens_per_step} tokens/step, <= {sc.chunk_tokens} per request, "
-          f"{sc.max_running} running; dedup of in-flight prefixes >= {sc.dedup_min_tokens} tokens (both policies); "
-          f"ttft aging {sc.aging_tokens_per_s:g} tokens/s, max wait {sc.max_wait_s:g}s")
+    print(
+        f"model: {cfg.layers} layers ({len(cfg.full_layers)} full), W={cfg.window}, page {cfg.page_size}; "
+        f"pools {args.full_pages} full / {args.swa_pages} SWA pages; mode {args.mode}; "
+        f"{args.requests} requests per seed, prompt lengths x{args.scale:g}"
+    )
+    print(
+        f"shared budgeting: {sc.max_tokens_per_step} tokens/step, <= {sc.chunk_tokens} per request, "
+        f"{sc.max_running} running; dedup of in-flight prefixes >= {sc.dedup_min_tokens} tokens (both policies); "
+        f"ttft aging {sc.aging_tokens_per_s:g} tokens/s, max wait {sc.max_wait_s:g}s"
+    )
     seeds = [int(x) for x in args.seeds.split(",") if x]
     for seed in seeds:
-        print(f"working set, seed {seed}: {working_set(args, make_workload(args, seed, None))}; "
-              f"long = prompt >= {args.long_tokens} tokens")
+        print(
+            f"working set, seed {seed}: {working_set(args, make_workload(args, seed, None))}; "
+            f"long = prompt >= {args.long_tokens} tokens"
+        )
     sweep, floor = run_sweep(args, seeds, t_start)
     report(sweep, floor, seeds)
     result = {"command": argv, "seeds": seeds, "sweep": sweep, "floor": floor, "cost": args.cost_model.__dict__}

@@ -10,6 +10,7 @@ the fit in a file; bench/worker/ttft.py defaults it to a per-machine cache file 
 the fit depends on (host, numpy, backend, model config, shapes, repeats), so every run on
 this machine reuses one fit unless --recalibrate.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +27,9 @@ from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.base import BatchModel
 from gcache.worker.model.sim import CostModel, VirtualClock
 
-CAL_SHAPES = ([[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)]
-              + [[(n, ctx)] + [(1, 300)] * nd for n in (16, 64, 128, 256, 384, 512)
-                 for ctx in (0, 1024) for nd in (0, 16)])  # [(new tokens, context before)] per batch
+CAL_SHAPES = [[(1, ctx)] * nd for nd in (1, 4, 16, 32) for ctx in (64, 512, 2048)] + [
+    [(n, ctx)] + [(1, 300)] * nd for n in (16, 64, 128, 256, 384, 512) for ctx in (0, 1024) for nd in (0, 16)
+]  # [(new tokens, context before)] per batch
 
 
 def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -48,6 +49,7 @@ def calibrate(cfg: ModelConfig, repeats: int) -> tuple[CostModel, float]:
     """Fit CostModel to the real model's batch times on this machine; returns the model
     and the median |relative error| of the fit over the calibration shapes."""
     from gcache.worker.model.transformer import Model
+
     model, rng = Model(cfg), np.random.default_rng(0)
     kv = DualKVCache(cfg, 8192, 8192)
     proto = CostModel(swa_dense=True)
@@ -72,15 +74,27 @@ def calibrate(cfg: ModelConfig, repeats: int) -> tuple[CostModel, float]:
         times.append(best)
     X, y = np.array(rows), np.array(times)
     c = nnls_relative(X, y)
-    fitted = CostModel(base_s=float(c[0]), token_s=float(c[1]), req_s=float(c[2]), kv_s=float(c[3]),
-                       read_s=float(c[4]), swa_dense=True)
+    fitted = CostModel(
+        base_s=float(c[0]), token_s=float(c[1]), req_s=float(c[2]), kv_s=float(c[3]), read_s=float(c[4]), swa_dense=True
+    )
     return fitted, float(np.median(np.abs(X @ c / y - 1)))
 
 
 def default_cache_path(cfg: ModelConfig, repeats: int) -> str:
     """~/.cache/gcache/cost_<key>.json; the key changes with anything the fit depends on."""
-    key = repr(("cpu-time-v1", platform.node(), platform.machine(), np.__version__, backend.backend_name(backend.xp),
-                os.environ.get("OPENBLAS_NUM_THREADS", ""), cfg, CAL_SHAPES, repeats))
+    key = repr(
+        (
+            "cpu-time-v1",
+            platform.node(),
+            platform.machine(),
+            np.__version__,
+            backend.backend_name(backend.xp),
+            os.environ.get("OPENBLAS_NUM_THREADS", ""),
+            cfg,
+            CAL_SHAPES,
+            repeats,
+        )
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "gcache", f"cost_{digest}.json")
@@ -102,23 +116,30 @@ def load_or_calibrate(args, log=None) -> tuple[CostModel, float]:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"cost": cost.__dict__, "median_rel_error": err,
-                       "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+            json.dump(
+                {"cost": cost.__dict__, "median_rel_error": err, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f
+            )
         os.replace(tmp, path)  # atomic: a concurrent run reads the old fit or the new one, whole
     say(f"compute clock: fitted in {time.perf_counter() - t0:.0f} s" + (f", saved to {path}" if path else ""))
     return cost, err
 
 
 def describe(c: CostModel, err: float, shapes: bool = True) -> str:
-    return (f"base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
-            f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
-            f" median |error| {err:.1%}" + (f" over {len(CAL_SHAPES)} shapes" if shapes else ""))
+    return (
+        f"base {c.base_s * 1e3:.2f}ms + {c.token_s * 1e6:.1f}us/token + {c.req_s * 1e3:.2f}ms/seq"
+        f" + {c.kv_s * 1e9:.2f}ns/(token x key) + {c.read_s * 1e9:.1f}ns/key read;"
+        f" median |error| {err:.1%}" + (f" over {len(CAL_SHAPES)} shapes" if shapes else "")
+    )
 
 
 def add_cost_args(ap) -> None:
     """The options load_cost reads: --cost fitted|default, --cal-repeats, --cal-file."""
-    ap.add_argument("--cost", choices=("fitted", "default"), default="fitted",
-                    help="fitted: CostModel fitted to the real numpy model here (bench/worker/ttft.py's calibrate)")
+    ap.add_argument(
+        "--cost",
+        choices=("fitted", "default"),
+        default="fitted",
+        help="fitted: CostModel fitted to the real numpy model here (bench/worker/ttft.py's calibrate)",
+    )
     ap.add_argument("--cal-repeats", type=int, default=3)
     ap.add_argument("--cal-file", default="", help="JSON: load the fitted costs from it, or save them")
 

@@ -9,6 +9,7 @@ URL: gcache://h:p,h:p or h:p,h:p; default $GCACHE_MASTER. Exit codes are the
 CLI's: 0 ok, 1 unknown node, 2 usage, 4 no master answered, 5 other errors
 (a refused state change, a drain that did not finish within --timeout-s).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,21 @@ COLUMNS = ("id", "address", "weight", "state", "changed_epoch", "admin")
 
 def add_parser(sub) -> None:
     """Adds the `admin` command to the main CLI's subparsers."""
-    admin = sub.add_parser("admin", help="cluster commands against the gcache-master replicas",
-                           description=__doc__.split("\n\n")[0])
-    admin.add_argument("--master", default=os.environ.get("GCACHE_MASTER", ""),
-                       help="masters as gcache://h:p,h:p or h:p,h:p (default: $GCACHE_MASTER)")
-    admin.add_argument("--tls-ca", default=os.environ.get("GCACHE_MASTER_TLS_CA", ""), metavar="PEM",
-                       help="CA of the masters' TLS certificates (default: $GCACHE_MASTER_TLS_CA; "
-                            "none: plaintext); the token comes from --token-file or $GCACHE_TOKEN")
+    admin = sub.add_parser(
+        "admin", help="cluster commands against the gcache-master replicas", description=__doc__.split("\n\n")[0]
+    )
+    admin.add_argument(
+        "--master",
+        default=os.environ.get("GCACHE_MASTER", ""),
+        help="masters as gcache://h:p,h:p or h:p,h:p (default: $GCACHE_MASTER)",
+    )
+    admin.add_argument(
+        "--tls-ca",
+        default=os.environ.get("GCACHE_MASTER_TLS_CA", ""),
+        metavar="PEM",
+        help="CA of the masters' TLS certificates (default: $GCACHE_MASTER_TLS_CA; "
+        "none: plaintext); the token comes from --token-file or $GCACHE_TOKEN",
+    )
     cmds = admin.add_subparsers(dest="admin_command", required=True, metavar="ADMIN_COMMAND")
     cmap = cmds.add_parser("map", help="print the cluster map (id, address, weight, state, ...)")
     cmap.add_argument("--json", action="store_true", help="print the map as one JSON object")
@@ -38,8 +47,13 @@ def add_parser(sub) -> None:
     drain = cmds.add_parser("drain", help="start draining NODE: it pushes its keys away, then leaves")
     drain.add_argument("node", metavar="NODE")
     drain.add_argument("--wait", action="store_true", help="wait until NODE has left the map")
-    drain.add_argument("--timeout-s", dest="wait_timeout_s", type=float, default=DRAIN_WAIT_TIMEOUT_S,
-                       help="with --wait, give up after this many seconds (default: %(default)s)")
+    drain.add_argument(
+        "--timeout-s",
+        dest="wait_timeout_s",
+        type=float,
+        default=DRAIN_WAIT_TIMEOUT_S,
+        help="with --wait, give up after this many seconds (default: %(default)s)",
+    )
     remove = cmds.add_parser("remove", help="remove NODE from the map at once (no drain)")
     remove.add_argument("node", metavar="NODE")
 
@@ -61,16 +75,18 @@ def _drain_wait(client, node_id: str, timeout_s: float) -> bool:
         node = cmap.node(node_id) if cmap is not None else None
         elapsed = time.monotonic() - start
         if node is None:
-            print(f"{node_id} left the map at epoch {cmap.epoch if cmap else '?'} "
-                  f"after {elapsed:.1f}s: drain complete")
+            print(f"{node_id} left the map at epoch {cmap.epoch if cmap else '?'} after {elapsed:.1f}s: drain complete")
             return True
         if node.state != last:
             print(f"{elapsed:6.1f}s  epoch {cmap.epoch}: {node_id} is {node.state}")
             last = node.state
         time.sleep(DRAIN_WAIT_POLL_S)
-    print(f"gcache: {node_id} was still in the map after {timeout_s:g}s; it may still be pushing "
-          "its keys (see its log or GET /cluster on its admin port), or the master's "
-          "--migration-timeout-s is longer", file=sys.stderr)
+    print(
+        f"gcache: {node_id} was still in the map after {timeout_s:g}s; it may still be pushing "
+        "its keys (see its log or GET /cluster on its admin port), or the master's "
+        "--migration-timeout-s is longer",
+        file=sys.stderr,
+    )
     return False
 
 
@@ -105,8 +121,7 @@ def _run(args, client, codes) -> int:
         answer = client.call("Drain", {"node_id": args.node})
         cmap = ClusterMap.from_dict(answer["map"]) if answer.get("map") else None
         node = cmap.node(args.node) if cmap else None
-        print(f"{args.node}: {node.state if node else 'not in the map'} at epoch "
-              f"{cmap.epoch if cmap else '?'}")
+        print(f"{args.node}: {node.state if node else 'not in the map'} at epoch {cmap.epoch if cmap else '?'}")
         if args.wait and not _drain_wait(client, args.node, args.wait_timeout_s):
             return codes.EXIT_ERROR
         return codes.EXIT_OK
@@ -127,8 +142,10 @@ def main(args, codes) -> int:
     from gcache.wire.auth import read_token_file
 
     if not args.master:
-        print("gcache admin: no masters: pass --master gcache://HOST:PORT[,HOST:PORT...] or set "
-              "$GCACHE_MASTER", file=sys.stderr)
+        print(
+            "gcache admin: no masters: pass --master gcache://HOST:PORT[,HOST:PORT...] or set $GCACHE_MASTER",
+            file=sys.stderr,
+        )
         return codes.EXIT_USAGE
     try:
         token = read_token_file(args.token_file) if getattr(args, "token_file", None) else None

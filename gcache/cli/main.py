@@ -1,4 +1,5 @@
 """`gcache`: operator commands against one gcache-server, and `gcache admin` for the cluster."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,23 @@ CLI_VALUE_BYTES_MAX = 4 * 1024 * 1024 * 1024
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gcache", description="Operator commands for a GCache node.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--server", default=os.environ.get("GCACHE_SERVER", "127.0.0.1:7600"),
-                        help="host:port of the gcache-server (default: %(default)s)")
-    parser.add_argument("--timeout-s", type=float, default=5.0,
-                        help="socket timeout in seconds (default: %(default)s)")
+        prog="gcache",
+        description="Operator commands for a GCache node.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("GCACHE_SERVER", "127.0.0.1:7600"),
+        help="host:port of the gcache-server (default: %(default)s)",
+    )
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="socket timeout in seconds (default: %(default)s)")
     parser.add_argument("--hex-keys", action="store_true", help="keys are given as hex bytes")
-    parser.add_argument("--token-file", metavar="FILE",
-                        help="file holding the tenant token (default: $GCACHE_TOKEN, $GCACHE_TOKEN_FILE)")
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="file holding the tenant token (default: $GCACHE_TOKEN, $GCACHE_TOKEN_FILE)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     put = sub.add_parser("put", help="store FILE (or stdin for '-') under KEY")
@@ -73,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ping", help="check the server answers; print its version and round trip")
 
     from gcache.cli import admin as cli_admin
+
     cli_admin.add_parser(sub)
     return parser
 
@@ -183,9 +193,11 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "admin":
         from gcache.cli import admin as cli_admin
+
         return cli_admin.main(args, sys.modules[__name__])
     from gcache.client import Client  # after parsing, so --help stays fast
     from gcache.wire.auth import read_token_file, resolve_token
+
     try:
         token = read_token_file(args.token_file) if args.token_file else resolve_token()
     except ValueError as exc:

@@ -11,6 +11,7 @@ A subclass provides the batch primitives (`_put_views`, `_get_views`,
 `stats`, `close`); the argument checking, buffer views and single-key forms
 here are shared, so both answer the same inputs the same way.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -115,7 +116,8 @@ class Client(ABC):
             if size is None:  # Mooncake's (key, buffer_ptr, size): the third argument is the size
                 if not offset:
                     raise errors.InvalidArgumentError(
-                        f"{what}: an address needs a size in bytes: {what}(key, address, size)")
+                        f"{what}: an address needs a size in bytes: {what}(key, address, size)"
+                    )
                 offset, size = 0, offset
             return self._registry.resolve(buffer + offset, size, writable)
         return slice_view(byte_view(buffer, writable), offset, size, what)
@@ -144,7 +146,8 @@ class Client(ABC):
             return views
         if offsets is None or sizes is None:
             raise errors.InvalidArgumentError(
-                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)")
+                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)"
+            )
         if _is_address(buffers):
             return [self._registry.resolve(buffers + o, s, writable) for o, s in zip(offsets, sizes)]
         base = byte_view(buffers, writable)

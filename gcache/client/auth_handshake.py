@@ -4,6 +4,7 @@ AUTH {} brings a fresh nonce; AUTH {"id", "mac"} answers it with an HMAC of the
 token, so the token itself never crosses the wire. A node without --auth-file
 answers {"auth": false} and the connection is used as it is.
 """
+
 from __future__ import annotations
 
 from gcache import errors
@@ -26,11 +27,16 @@ def _exchange(conn, meta: dict) -> dict:
         raise errors.AuthError(
             f"gcache-server at {conn.address} rejected the token: {message}. Use a token listed in "
             "the node's --auth-file (gcache.Client(..., token=...) or GCACHE_TOKEN)",
-            "unauthenticated", conn.address)
+            "unauthenticated",
+            conn.address,
+        )
     if status == FrameStatus.UNKNOWN_OPCODE:
         raise errors.AuthError(
             f"gcache-server at {conn.address} does not know AUTH (an older version): it has no "
-            "authentication; upgrade it, or connect without a token", "unauthenticated", conn.address)
+            "authentication; upgrade it, or connect without a token",
+            "unauthenticated",
+            conn.address,
+        )
     raise errors.ProtocolError(f"gcache-server at {conn.address} answered AUTH with {message}")
 
 

@@ -4,6 +4,7 @@ Every zero-copy call works on a 1-D unsigned-byte memoryview over the caller's
 memory, so sends and receives touch the caller's bytes directly. Mooncake-style
 calls pass an int address instead; it must lie inside a registered buffer.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -21,33 +22,38 @@ def byte_view(obj, writable: bool) -> memoryview:
         view = memoryview(obj)
     except TypeError:
         if isinstance(obj, str):
-            raise errors.InvalidArgumentError(
-                "values are bytes, not str: encode text first (value.encode())") from None
+            raise errors.InvalidArgumentError("values are bytes, not str: encode text first (value.encode())") from None
         if hasattr(obj, "__cuda_array_interface__"):
             raise errors.InvalidArgumentError(
                 "a GPU array goes only to get_into / batch_get_into / put_from / batch_put_from "
-                "(staged through pinned host memory); other calls take host buffers") from None
+                "(staged through pinned host memory); other calls take host buffers"
+            ) from None
         raise errors.InvalidArgumentError(
             f"{type(obj).__name__} does not expose the buffer protocol: pass bytes, bytearray, "
-            "memoryview, a numpy array, or an int address of a registered buffer") from None
+            "memoryview, a numpy array, or an int address of a registered buffer"
+        ) from None
     if writable and view.readonly:
         raise errors.InvalidArgumentError(
             f"the target {type(obj).__name__} is read-only: pass a writable buffer "
-            "(bytearray, numpy array, writable memoryview)")
+            "(bytearray, numpy array, writable memoryview)"
+        )
     if not view.c_contiguous:
         raise errors.InvalidArgumentError(
-            "the buffer is not C-contiguous: pass a contiguous array (numpy.ascontiguousarray)")
+            "the buffer is not C-contiguous: pass a contiguous array (numpy.ascontiguousarray)"
+        )
     if view.format == "B" and view.ndim == 1:
         return view
     try:
         return view.cast("B")
     except TypeError:  # formats memoryview cannot cast (e.g. complex); numpy can
         import numpy as np
+
         return memoryview(np.frombuffer(view, dtype=np.uint8))
 
 
 def view_address(view: memoryview) -> int:
     import numpy as np
+
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
@@ -61,10 +67,11 @@ def slice_view(view: memoryview, offset: int, size: int | None, what: str) -> me
         raise errors.InvalidArgumentError(f"{what}: size must be an int >= 0, got {size!r}")
     if offset + size > len(view):
         raise errors.InvalidArgumentError(
-            f"{what}: offset {offset} + size {size} runs past the end of a {len(view)}-byte buffer")
+            f"{what}: offset {offset} + size {size} runs past the end of a {len(view)}-byte buffer"
+        )
     if offset == 0 and size == len(view):
         return view
-    return view[offset:offset + size]
+    return view[offset : offset + size]
 
 
 class BufferRegistry:
@@ -80,10 +87,12 @@ class BufferRegistry:
         if isinstance(buffer_or_ptr, int) and not isinstance(buffer_or_ptr, bool):
             if not isinstance(size, int) or size <= 0:
                 raise errors.InvalidArgumentError(
-                    "register_buffer(address, size) needs the size in bytes (> 0) of that memory")
+                    "register_buffer(address, size) needs the size in bytes (> 0) of that memory"
+                )
             if buffer_or_ptr <= 0:
                 raise errors.InvalidArgumentError(f"invalid buffer address {buffer_or_ptr}")
             import numpy as np
+
             raw = (ctypes.c_uint8 * size).from_address(buffer_or_ptr)
             view = memoryview(np.ctypeslib.as_array(raw))
             start = buffer_or_ptr
@@ -99,8 +108,9 @@ class BufferRegistry:
         return start
 
     def unregister(self, buffer_or_ptr) -> bool:
-        start = buffer_or_ptr if isinstance(buffer_or_ptr, int) else \
-            view_address(byte_view(buffer_or_ptr, writable=False))
+        start = (
+            buffer_or_ptr if isinstance(buffer_or_ptr, int) else view_address(byte_view(buffer_or_ptr, writable=False))
+        )
         with self._lock:
             i = bisect.bisect_left(self._starts, start)
             if i < len(self._starts) and self._starts[i] == start:
@@ -120,13 +130,13 @@ class BufferRegistry:
                 start, end, view = self._regions[i]
                 if start <= address and address + size <= end:
                     if writable and view.readonly:
-                        raise errors.InvalidArgumentError(
-                            f"address {address:#x} lies in a read-only registered buffer")
-                    return view[address - start:address - start + size]
+                        raise errors.InvalidArgumentError(f"address {address:#x} lies in a read-only registered buffer")
+                    return view[address - start : address - start + size]
                 i -= 1
         raise errors.InvalidArgumentError(
             f"address {address:#x} (+{size} bytes) is not inside a registered buffer: "
-            "call register_buffer(buffer) or register_buffer(address, size) first")
+            "call register_buffer(buffer) or register_buffer(address, size) first"
+        )
 
     def __len__(self) -> int:
         return len(self._regions)

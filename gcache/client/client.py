@@ -5,6 +5,7 @@ a batch larger than one frame is split and pipelined on that connection.
 Every operation is idempotent (values are immutable, remove is idempotent), so
 each is retried on a fresh connection when a connection fails.
 """
+
 from __future__ import annotations
 
 import time
@@ -65,12 +66,24 @@ class ServerClient(Client):
     (gcache.client.cluster_client) instead: the same interface over a whole cluster.
     """
 
-    def __init__(self, address: str = "127.0.0.1:7600", *, timeout_s: float = 5.0,
-                 connect_timeout_s: float = 1.0, pool_size: int = 8, retries: int = 2,
-                 verify_checksums: bool = False, batch_keys_max: int = 4096,
-                 frame_payload_bytes_max: int = 64 * 1024 * 1024, pipeline_depth: int = 8,
-                 retry_backoff_s: float = 0.01, epoch: int | None = None, token: str | None = None,
-                 transport: str = "auto", copy_threads: int = 0):
+    def __init__(
+        self,
+        address: str = "127.0.0.1:7600",
+        *,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 1.0,
+        pool_size: int = 8,
+        retries: int = 2,
+        verify_checksums: bool = False,
+        batch_keys_max: int = 4096,
+        frame_payload_bytes_max: int = 64 * 1024 * 1024,
+        pipeline_depth: int = 8,
+        retry_backoff_s: float = 0.01,
+        epoch: int | None = None,
+        token: str | None = None,
+        transport: str = "auto",
+        copy_threads: int = 0,
+    ):
         parse_address(address)
         if token is not None and not isinstance(token, str):
             raise errors.InvalidArgumentError(f"token must be a str, got {type(token).__name__}")
@@ -102,8 +115,7 @@ class ServerClient(Client):
         self.pipeline_depth = pipeline_depth
         self.retry_backoff_s = retry_backoff_s
         self.epoch = epoch
-        self._transport, first = open_transport(transport, address, timeout_s, connect_timeout_s,
-                                                token, copy_threads)
+        self._transport, first = open_transport(transport, address, timeout_s, connect_timeout_s, token, copy_threads)
         self._pool = ConnectionPool(self._transport.connect, pool_size, timeout_s)
         if first is not None:
             self._pool.adopt(first)
@@ -122,8 +134,10 @@ class ServerClient(Client):
         self._drop_device_staging()
 
     def __repr__(self) -> str:
-        return (f"gcache.Client({self.address!r}, transport={self._transport.describe()!r}, "
-                f"open_connections={self._pool.open_count})")
+        return (
+            f"gcache.Client({self.address!r}, transport={self._transport.describe()!r}, "
+            f"open_connections={self._pool.open_count})"
+        )
 
     @property
     def epoch(self) -> int | None:
@@ -131,8 +145,7 @@ class ServerClient(Client):
 
     @epoch.setter
     def epoch(self, epoch: int | None) -> None:
-        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)
-                                  or not 0 <= epoch < 2 ** 63):
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**63):
             raise errors.InvalidArgumentError(f"epoch must be None or an int in [0, 2**63), got {epoch!r}")
         self._epoch = epoch
 
@@ -158,8 +171,7 @@ class ServerClient(Client):
                     result.reset()
                     continue
                 if attempt >= self.retries:
-                    raise type(exc)(f"{exc} (gave up after {attempt + 1} attempt(s))",
-                                    self.address) from exc
+                    raise type(exc)(f"{exc} (gave up after {attempt + 1} attempt(s))", self.address) from exc
                 time.sleep(self.backoff_s(attempt))
                 attempt += 1
                 result.reset()
@@ -170,7 +182,7 @@ class ServerClient(Client):
 
     def backoff_s(self, attempt: int) -> float:
         """Sleep before retry `attempt` (0-based): doubling, capped by RETRY_BACKOFF_MAX_S and timeout_s."""
-        return min(self.retry_backoff_s * (2 ** attempt), RETRY_BACKOFF_MAX_S, self.timeout_s)
+        return min(self.retry_backoff_s * (2**attempt), RETRY_BACKOFF_MAX_S, self.timeout_s)
 
     def _split(self, n: int, sizes=None, bytes_max: int | None = None) -> list[tuple[int, int]]:
         """[lo, hi) slices of at most batch_keys_max keys and `bytes_max` (default
@@ -181,8 +193,7 @@ class ServerClient(Client):
             return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
         slices, lo, total = [], 0, 0
         for i, size in enumerate(sizes):
-            if i > lo and (i - lo >= self.batch_keys_max
-                           or total + size > bytes_max):
+            if i > lo and (i - lo >= self.batch_keys_max or total + size > bytes_max):
                 slices.append((lo, i))
                 lo, total = i, 0
             total += size
@@ -198,8 +209,7 @@ class ServerClient(Client):
         result = BatchResult(keys)
         if keys:
             sizes = [len(v) for v in views]
-            chunk = min(self._transport.put_chunk_bytes or self.frame_payload_bytes_max,
-                        self.frame_payload_bytes_max)
+            chunk = min(self._transport.put_chunk_bytes or self.frame_payload_bytes_max, self.frame_payload_bytes_max)
             slices = self._split(len(keys), sizes, chunk)
             # A value over a chunk (one-sided puts): one frame at a time, so each
             # reservation may wait for room instead of queueing behind another.

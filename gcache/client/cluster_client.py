@@ -23,6 +23,7 @@ several owners, and merges the answers back in the caller's key order.
 Buffers are never copied here: the caller's buffers are sliced into one
 memoryview per key and each node's views are handed to its Client.
 """
+
 from __future__ import annotations
 
 import enum
@@ -60,23 +61,23 @@ NODE_FAILURES = (errors.ConnectionError, errors.TimeoutError)
 KEY_PROBLEMS = (errors.ValueTooLargeError, errors.BufferTooSmallError, errors.ChecksumMismatchError)
 
 
-COUNTERS = ("node_errors", "suspect_skips", "fallback_reads", "fallback_hits",
-            "stale_epoch_retries")
+COUNTERS = ("node_errors", "suspect_skips", "fallback_reads", "fallback_hits", "stale_epoch_retries")
 
 
 class Outcome(enum.StrEnum):
     """How one owner's part of a call ended (_run_part); the payload that goes with it."""
 
-    OK = "ok"            # answers: the part's values, in its keys' order
-    MISS = "miss"        # None: the node is dead, suspect or just failed; its keys are misses
-    STALE = "stale"      # StaleEpochError: the node has a newer map; retry by the new owners
-    RETRY = "retry"      # None: a newer map closed this node's client mid-call; retry
+    OK = "ok"  # answers: the part's values, in its keys' order
+    MISS = "miss"  # None: the node is dead, suspect or just failed; its keys are misses
+    STALE = "stale"  # StaleEpochError: the node has a newer map; retry by the new owners
+    RETRY = "retry"  # None: a newer map closed this node's client mid-call; retry
     PROBLEM = "problem"  # a KEY_PROBLEMS error: per-key problems, raised after the batch
-    ERROR = "error"      # any other exception: raised in the caller's thread
+    ERROR = "error"  # any other exception: raised in the caller's thread
 
 
 class _Routing(NamedTuple):
     """Everything derived from one map; swapped as a whole, so a call sees one map."""
+
     placement: Placement
     nodes: dict  # node id -> NodeInfo
     epoch: int
@@ -128,21 +129,34 @@ class ClusterClient(Client):
         plaintext gRPC to the masters.
     """
 
-    def __init__(self, address: str | None = None, *, timeout_s: float = 2.0,
-                 connect_timeout_s: float = 0.5, pool_size: int = 8, retries: int = 1,
-                 verify_checksums: bool = False, map_refresh_s: float = 2.0,
-                 suspect_s: float = 1.0, parallel_max: int = 16,
-                 initial_map: ClusterMap | None = None, master_timeout_s: float = 2.0,
-                 token: str | None = None, tls_ca: str | None = None, **node_kwargs):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        pool_size: int = 8,
+        retries: int = 1,
+        verify_checksums: bool = False,
+        map_refresh_s: float = 2.0,
+        suspect_s: float = 1.0,
+        parallel_max: int = 16,
+        initial_map: ClusterMap | None = None,
+        master_timeout_s: float = 2.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        **node_kwargs,
+    ):
         if address is None and initial_map is None:
             raise errors.InvalidArgumentError(
-                "ClusterClient needs the masters, 'gcache://host:port[,host:port...]', "
-                "or initial_map=ClusterMap(...)")
+                "ClusterClient needs the masters, 'gcache://host:port[,host:port...]', or initial_map=ClusterMap(...)"
+            )
         masters = parse_master_url(address) if address is not None else None
         if initial_map is not None and not isinstance(initial_map, ClusterMap):
             raise errors.InvalidArgumentError(
                 f"initial_map must be a gcache.cluster.cluster_map.ClusterMap, got "
-                f"{type(initial_map).__name__} (ClusterMap.from_dict builds one from a dict)")
+                f"{type(initial_map).__name__} (ClusterMap.from_dict builds one from a dict)"
+            )
         if not 1 <= parallel_max <= PARALLEL_MAX_LIMIT:
             raise errors.InvalidArgumentError(f"parallel_max must be in [1, {PARALLEL_MAX_LIMIT}]")
         if not 0 <= suspect_s <= SUSPECT_S_MAX:
@@ -153,9 +167,14 @@ class ClusterClient(Client):
             credentials = MasterCredentials.from_env(token=token, tls_ca=tls_ca)
         except ValueError as exc:
             raise errors.InvalidArgumentError(str(exc)) from None
-        node_kwargs.update(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                           pool_size=pool_size, retries=retries, verify_checksums=verify_checksums,
-                           token=credentials.token)
+        node_kwargs.update(
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            pool_size=pool_size,
+            retries=retries,
+            verify_checksums=verify_checksums,
+            token=credentials.token,
+        )
         # Bad node options fail here, not later (a probe that connects nowhere and
         # picks no transport; the transport name itself is checked on its own).
         transport_kind(node_kwargs.get("transport"))
@@ -173,9 +192,14 @@ class ClusterClient(Client):
         self._executor_lock = threading.Lock()
         self._nodes = NodeSet(lambda addr: NodeClient(addr, **self._node_kwargs), suspect_s)
         self._routing: _Routing | None = None
-        self._maps = MapSource(masters, self._on_map, initial_map=initial_map,
-                               refresh_s=map_refresh_s, master_timeout_s=master_timeout_s,
-                               credentials=credentials)
+        self._maps = MapSource(
+            masters,
+            self._on_map,
+            initial_map=initial_map,
+            refresh_s=map_refresh_s,
+            master_timeout_s=master_timeout_s,
+            credentials=credentials,
+        )
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -194,8 +218,7 @@ class ClusterClient(Client):
     def __repr__(self) -> str:
         masters = ",".join(self._maps.masters) or None
         cmap = self._maps.current
-        return (f"gcache.ClusterClient(masters={masters!r}, epoch={cmap.epoch}, "
-                f"nodes={len(cmap.nodes)})")
+        return f"gcache.ClusterClient(masters={masters!r}, epoch={cmap.epoch}, nodes={len(cmap.nodes)})"
 
     @property
     def cluster_map(self) -> ClusterMap:
@@ -254,8 +277,9 @@ class ClusterClient(Client):
             self._count("node_errors")
             self._nodes.mark_suspect(node_id)
             self._maps.request_refresh()
-            log.debug("gcache node %s (%s) failed, suspect for %ss: %s",
-                      node_id, node.address, self._nodes.suspect_s, exc)
+            log.debug(
+                "gcache node %s (%s) failed, suspect for %ss: %s", node_id, node.address, self._nodes.suspect_s, exc
+            )
             return Outcome.MISS, None
         except errors.ClientClosedError as exc:
             if self._closed:
@@ -293,7 +317,7 @@ class ClusterClient(Client):
         """Runs each node's part of `groups` ({node id: [key indexes]}), merging hits into
         call.values; returns the indexes to retry with a newer map, in increasing order."""
         if len(groups) == 1:  # one owner (every single-key call): no lists, no threads
-            (nid, idx), = groups.items()
+            ((nid, idx),) = groups.items()
             if nid is None:  # no owner
                 return []
             kind, payload = outcome = self._run_part(routing, nid, idx, fn)
@@ -356,8 +380,7 @@ class ClusterClient(Client):
         if isinstance(node_epoch, int) and self._maps.current.epoch < node_epoch:
             self._maps.wait_for_epoch(node_epoch, call.map_wait_deadline - time.monotonic())
 
-    def _batch(self, keys: list[bytes], miss, fn: Callable, *, read: bool = False,
-               remove: bool = False) -> _Call:
+    def _batch(self, keys: list[bytes], miss, fn: Callable, *, read: bool = False, remove: bool = False) -> _Call:
         """Runs `fn(node_client, key_indexes) -> answers` for every owner's keys."""
         self._check_open()
         call = _Call(len(keys), miss, self.timeout_s)
@@ -377,8 +400,7 @@ class ClusterClient(Client):
             self._raise_problems(call)
         return call
 
-    def _fall_back(self, routing: _Routing, keys, fn, call: _Call, count: bool,
-                   every_key: bool) -> None:
+    def _fall_back(self, routing: _Routing, keys, fn, call: _Call, count: bool, every_key: bool) -> None:
         """The dual read: keys that missed at their owner, at their previous owner."""
         if every_key:
             candidates = range(len(keys))
@@ -419,6 +441,7 @@ class ClusterClient(Client):
         def put_part(client, idx):
             # Keys and views are already checked: skip batch_put_from's second pass.
             return client._put_views(_pick(keys, idx), _pick(views, idx))
+
         return self._batch(keys, False, put_part).values
 
     # -- gets -------------------------------------------------------------------------
@@ -432,11 +455,13 @@ class ClusterClient(Client):
 
         def get_part(client, idx):
             return client.get_batch(_pick(keys, idx))
+
         return self._batch(keys, None, get_part, read=True).values
 
     def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
         def get_into_part(client, idx):
             return client._get_views(_pick(keys, idx), _pick(views, idx))  # keys, views checked
+
         return self._batch(keys, None, get_into_part, read=True).values
 
     # -- exists / remove ------------------------------------------------------------------
@@ -446,6 +471,7 @@ class ClusterClient(Client):
 
         def exists_part(client, idx):
             return client._exists(_pick(keys, idx)).values  # keys already normalized
+
         return self._batch(keys, False, exists_part, read=True).values
 
     def batch_exists_prefix(self, keys) -> int:
@@ -463,6 +489,7 @@ class ClusterClient(Client):
 
         def remove_part(client, idx):
             return client.batch_remove(_pick(keys, idx))
+
         return self._batch(keys, False, remove_part, remove=True).values
 
     # -- control --------------------------------------------------------------------------
@@ -476,6 +503,7 @@ class ClusterClient(Client):
                 return getattr(self._nodes.client(node), method)()
             except errors.GCacheError as exc:
                 return f"{type(exc).__name__}: {exc}"
+
         if len(nodes) <= 1:
             return {n.id: ask(n) for n in nodes}
         futures = {n.id: self._executor_get().submit(ask, n) for n in nodes}

@@ -6,6 +6,7 @@ socket, so each recv/send is one syscall instead of poll + syscall: a wait that
 makes no progress for `timeout_s` raises TimeoutError. Any failure marks the
 connection broken; the pool then closes it instead of reusing it.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -35,7 +36,8 @@ def parse_address(address: str) -> tuple[str, int]:
         return parse_host_port(address)
     except ValueError:
         raise errors.InvalidArgumentError(
-            f"server address {address!r} must look like host:port, e.g. 127.0.0.1:7600") from None
+            f"server address {address!r} must look like host:port, e.g. 127.0.0.1:7600"
+        ) from None
 
 
 def _timeval(seconds: float) -> bytes:
@@ -46,8 +48,14 @@ def _timeval(seconds: float) -> bytes:
 class Connection:
     """A blocking socket plus a small read buffer. Not thread-safe: one user at a time."""
 
-    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float,
-                 token: str | None = None, unix_path: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        connect_timeout_s: float,
+        token: str | None = None,
+        unix_path: str | None = None,
+    ):
         """`address` names the server (host:port); with `unix_path` the connection
         goes to that Unix socket of the same server instead."""
         self.address = address
@@ -71,14 +79,19 @@ class Connection:
         except ConnectionRefusedError as exc:
             raise errors.ConnectionError(
                 f"cannot connect to gcache-server at {address}: connection refused; "
-                "is the server running and listening on that port?", address) from exc
+                "is the server running and listening on that port?",
+                address,
+            ) from exc
         except (socket.timeout, TimeoutError) as exc:
             raise errors.ConnectionError(
                 f"cannot connect to gcache-server at {address} within {connect_timeout_s}s; "
-                "check the address and that the host is reachable", address) from exc
+                "check the address and that the host is reachable",
+                address,
+            ) from exc
         except OSError as exc:
             raise errors.ConnectionError(
-                f"cannot connect to gcache-server at {unix_path or address}: {exc}", address) from exc
+                f"cannot connect to gcache-server at {unix_path or address}: {exc}", address
+            ) from exc
         sock.settimeout(None)
         if unix_path is None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -91,6 +104,7 @@ class Connection:
         self._end = 0
         if token:
             from gcache.client.auth_handshake import authenticate
+
             try:
                 self.tenant = authenticate(self, token)
             except BaseException:
@@ -111,16 +125,22 @@ class Connection:
         if isinstance(exc, BlockingIOError):
             return errors.TimeoutError(
                 f"gcache-server at {self.address} made no progress {doing} for {self.timeout_s}s; "
-                "it may be overloaded or hung: check it, or raise timeout_s", self.address)
+                "it may be overloaded or hung: check it, or raise timeout_s",
+                self.address,
+            )
         return errors.ConnectionError(
             f"connection to gcache-server at {self.address} failed while {doing}: {exc}; "
-            "the server may have restarted or stopped", self.address)
+            "the server may have restarted or stopped",
+            self.address,
+        )
 
     def _closed_by_peer(self, doing: str):
         self.broken = True
         return errors.ConnectionError(
             f"gcache-server at {self.address} closed the connection while {doing}; "
-            "it may have restarted, shut down, or dropped an idle connection", self.address)
+            "it may have restarted, shut down, or dropped an idle connection",
+            self.address,
+        )
 
     # -- sending ------------------------------------------------------------
 
@@ -130,7 +150,7 @@ class Connection:
         i = 0
         try:
             while i < len(pending):
-                sent = self.sock.sendmsg(pending[i:i + IOV_PER_SENDMSG_MAX])
+                sent = self.sock.sendmsg(pending[i : i + IOV_PER_SENDMSG_MAX])
                 while sent:
                     size = len(pending[i])
                     if sent >= size:
@@ -158,29 +178,31 @@ class Connection:
         if self._end - self._pos >= needed:
             return
         if self._pos + needed > READ_BUFFER_BYTES:
-            tail = self._rbuf[self._pos:self._end]
-            self._rbuf[:len(tail)] = tail
+            tail = self._rbuf[self._pos : self._end]
+            self._rbuf[: len(tail)] = tail
             self._end = len(tail)
             self._pos = 0
         while self._end - self._pos < needed:
-            self._end += self._recv_some(self._rview[self._end:])
+            self._end += self._recv_some(self._rview[self._end :])
 
     def read_header(self) -> tuple[int, int, int, int, int, int]:
         """Returns (opcode, flags, request_id, meta_len, status, payload_len)."""
         self._fill(HEADER_BYTES)
-        magic, version, opcode, flags, request_id, meta_len, status, payload_len = \
-            HEADER.unpack_from(self._rbuf, self._pos)
+        magic, version, opcode, flags, request_id, meta_len, status, payload_len = HEADER.unpack_from(
+            self._rbuf, self._pos
+        )
         self._pos += HEADER_BYTES
         if magic != MAGIC or version != VERSION:
             self.broken = True
             raise errors.ProtocolError(
                 f"gcache-server at {self.address} sent a frame with magic {magic!r} version "
-                f"{version} (expected {MAGIC!r} v{VERSION}): is that port a GCache v1 server?")
+                f"{version} (expected {MAGIC!r} v{VERSION}): is that port a GCache v1 server?"
+            )
         if meta_len > META_BYTES_MAX:
             self.broken = True
             raise errors.ProtocolError(
-                f"gcache-server at {self.address} sent {meta_len} B of metadata, over the "
-                f"{META_BYTES_MAX} B limit")
+                f"gcache-server at {self.address} sent {meta_len} B of metadata, over the {META_BYTES_MAX} B limit"
+            )
         return opcode, flags, request_id, meta_len, status, payload_len
 
     def read_meta(self, meta_len: int) -> dict:
@@ -189,7 +211,7 @@ class Connection:
                 self._fill(meta_len)
                 start = self._pos
                 self._pos += meta_len
-                return decode_meta(self._rview[start:start + meta_len])
+                return decode_meta(self._rview[start : start + meta_len])
             big = bytearray(meta_len)
             self.read_into(memoryview(big))
             return decode_meta(big)
@@ -202,7 +224,7 @@ class Connection:
         size = len(target)
         got = min(self._end - self._pos, size)
         if got:
-            target[:got] = self._rview[self._pos:self._pos + got]
+            target[:got] = self._rview[self._pos : self._pos + got]
             self._pos += got
         while got < size:
             left = size - got
@@ -210,7 +232,7 @@ class Connection:
                 got += self._recv_some(target[got:])
             else:
                 self._fill(left)
-                target[got:] = self._rview[self._pos:self._pos + left]
+                target[got:] = self._rview[self._pos : self._pos + left]
                 self._pos += left
                 got = size
 
@@ -221,7 +243,7 @@ class Connection:
             buffered = self._end - self._pos
             if buffered:
                 got = min(buffered, len(target))
-                target[:got] = self._rview[self._pos:self._pos + got]
+                target[:got] = self._rview[self._pos : self._pos + got]
                 self._pos += got
                 if got < len(target):
                     rest.append(target[got:])
@@ -240,7 +262,8 @@ class Connection:
             raise errors.TimeoutError(
                 f"gcache-server at {self.address} did not deliver {total} bytes within "
                 f"{timeout_ms} ms; it may be overloaded or hung: check it, or raise timeout_s",
-                self.address) from exc
+                self.address,
+            ) from exc
         except OSError as exc:
             raise self._fail(exc, "receiving values") from exc
 
@@ -258,7 +281,7 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             raise self._closed_by_peer("a response was expected")
-        self._rbuf[:len(data)] = data
+        self._rbuf[: len(data)] = data
         self._pos, self._end = 0, len(data)
         return fds[0] if fds else None
 
@@ -269,7 +292,7 @@ class Connection:
         if size <= self._end - self._pos:
             start = self._pos
             self._pos += size
-            return bytes(self._rview[start:start + size])
+            return bytes(self._rview[start : start + size])
         out = bytearray(size)
         self.read_into(memoryview(out))
         return bytes(out)

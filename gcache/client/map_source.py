@@ -6,6 +6,7 @@ nodes (the map in a STALE_EPOCH answer, handed to `offer`). Epochs only grow:
 a map is adopted only if its epoch is larger than the current one. With every
 master down the current map stays in use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,16 @@ class MapSource:
     per-node clients) is ready by the time callers see it.
     """
 
-    def __init__(self, masters: list[str] | None, on_change: Callable[[ClusterMap], None], *,
-                 initial_map: ClusterMap | None = None, refresh_s: float = 2.0,
-                 master_timeout_s: float = 2.0, credentials=None):
+    def __init__(
+        self,
+        masters: list[str] | None,
+        on_change: Callable[[ClusterMap], None],
+        *,
+        initial_map: ClusterMap | None = None,
+        refresh_s: float = 2.0,
+        master_timeout_s: float = 2.0,
+        credentials=None,
+    ):
         self._on_change = on_change
         self.refresh_s = refresh_s
         self._cond = threading.Condition(threading.Lock())
@@ -45,8 +53,8 @@ class MapSource:
         self._master = MasterClient(masters, master_timeout_s, credentials) if masters else None
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self.refreshes = 0   # master answers received
-        self.adoptions = 0   # newer maps adopted, from any source
+        self.refreshes = 0  # master answers received
+        self.adoptions = 0  # newer maps adopted, from any source
         if initial_map is None:
             if self._master is None:
                 raise ValueError("MapSource needs masters or an initial_map")
@@ -55,7 +63,8 @@ class MapSource:
             except MasterUnavailableError as exc:
                 self._master.close()
                 raise MasterUnavailableError(
-                    f"{exc}; or pass initial_map=ClusterMap(...) to start without a master") from None
+                    f"{exc}; or pass initial_map=ClusterMap(...) to start without a master"
+                ) from None
             if first is None:
                 first = ClusterMap.empty()
             self.refreshes += 1
@@ -63,8 +72,7 @@ class MapSource:
         self._adopt(initial_map, force=True)
         self._thread = None
         if self._master is not None:
-            self._thread = threading.Thread(target=self._refresh_loop, name="gcache-map-refresh",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._refresh_loop, name="gcache-map-refresh", daemon=True)
             self._thread.start()
 
     @property

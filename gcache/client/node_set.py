@@ -5,6 +5,7 @@ and closed once the node leaves the map, dies, or moves to another address.
 A node that failed a request is *suspect* for `suspect_s`: the cluster client
 skips it (its keys are misses) instead of waiting on it again.
 """
+
 from __future__ import annotations
 
 import threading

@@ -6,6 +6,7 @@ retry of them) fills one result list. Per-key problems (value too large,
 buffer too small, bad checksum) are collected and raised once the whole batch
 has been read, so the connection stays in sync and other keys still count.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -50,7 +51,8 @@ class BatchResult:
             exc = errors.ValueTooLargeError(
                 f"gcache-server at {address} refused {len(keys)} value(s) as larger than its "
                 f"--value-bytes-max (first key {keys[0]!r}): split the value or raise the limit",
-                keys)
+                keys,
+            )
             exc.results = self.values
             raise exc
         if self.too_small:
@@ -59,7 +61,9 @@ class BatchResult:
             exc = errors.BufferTooSmallError(
                 f"{len(keys)} value(s) did not fit their buffers (key {keys[0]!r} needs "
                 f"{sizes[0]} bytes); those buffers were left untouched: pass larger buffers",
-                keys, sizes)
+                keys,
+                sizes,
+            )
             exc.results = self.values
             raise exc
         if self.bad_checksum:
@@ -67,7 +71,8 @@ class BatchResult:
             exc = errors.ChecksumMismatchError(
                 f"{len(keys)} value(s) failed their xxh64 check (first key {keys[0]!r}): the "
                 "bytes were corrupted or the buffer changed while being sent; retry the call",
-                keys)
+                keys,
+            )
             exc.results = self.values
             raise exc
 
@@ -128,7 +133,7 @@ class Operation(ABC):
     @property
     def keys(self) -> list[bytes]:
         """The keys this operation covers: result.keys[lo:hi]."""
-        return self.result.keys[self.lo:self.hi]
+        return self.result.keys[self.lo : self.hi]
 
     def request_meta_bytes(self, epoch: int | None) -> bytes:
         """The encoded request map (called once per send, so a retry re-encodes it);
@@ -186,8 +191,7 @@ class PutOp(Operation):
         # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
         # overlaps the server storing frame k.
         sums = [xxh64(v) for v in self.values]
-        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums},
-                                   epoch)
+        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums}, epoch)
 
     def payload(self) -> list:
         return self.values
@@ -221,7 +225,8 @@ class _ValuesOp(Operation):
         if sum(size for size in lens if size > 0) != payload_len:
             raise errors.ProtocolError(
                 f"GET response payload is {payload_len} bytes but its lengths add up to "
-                f"{sum(size for size in lens if size > 0)}")
+                f"{sum(size for size in lens if size > 0)}"
+            )
         self.read_values(conn, lens, sums, payload_len)
 
     @abstractmethod
@@ -277,7 +282,7 @@ class GetIntoOp(_ValuesOp):
         self.targets = targets
 
     def part(self, lo, hi):
-        return GetIntoOp(self.result, lo, hi, self.verify, self.targets[lo - self.lo:hi - self.lo])
+        return GetIntoOp(self.result, lo, hi, self.verify, self.targets[lo - self.lo : hi - self.lo])
 
     def read_values(self, conn, lens, sums, payload_len):
         out = self.result.values
@@ -317,7 +322,7 @@ class ExistsOp(Operation):
         if not isinstance(prefix, int) or not 0 <= prefix <= self.hi - self.lo:
             raise errors.ProtocolError(f"EXISTS response has a bad prefix {prefix!r}")
         conn.skip(payload_len)
-        self.result.values[self.lo:self.hi] = [bool(f) for f in flags]
+        self.result.values[self.lo : self.hi] = [bool(f) for f in flags]
         self.result.prefixes[self.lo] = prefix
 
 
@@ -329,9 +334,10 @@ class RemoveOp(Operation):
         conn.skip(payload_len)
         # OR with an earlier attempt's answer: a retry after a dropped connection
         # re-sends frames already answered, and those keys are now NOT_FOUND.
-        earlier = self.result.values[self.lo:self.hi]
-        self.result.values[self.lo:self.hi] = [
-            bool(was) or st == RemoveStatus.REMOVED for was, st in zip(earlier, statuses)]
+        earlier = self.result.values[self.lo : self.hi]
+        self.result.values[self.lo : self.hi] = [
+            bool(was) or st == RemoveStatus.REMOVED for was, st in zip(earlier, statuses)
+        ]
 
 
 class MetaOp(Operation):

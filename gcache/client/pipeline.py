@@ -10,6 +10,7 @@ A STALE_EPOCH answer stops sending; the frames already in flight are read (the
 node refuses them too, or serves them if its epoch did not rise for them), so
 the connection stays in sync, and then StaleEpochError is raised.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -35,17 +36,23 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
     if status == FrameStatus.BUSY:
         return errors.ServerBusyError(
             f"{where} is at its connection limit ({message}); retry later, lower pool_size, "
-            "or raise the server's --connections-max", address)
+            "or raise the server's --connections-max",
+            address,
+        )
     if status == FrameStatus.SHUTTING_DOWN:
         return errors.ServerShuttingDownError(f"{where} is shutting down: {message}", address)
     if status == FrameStatus.LIMIT_EXCEEDED:
         return errors.LimitExceededError(
             f"{where} refused a request over its limits: {message}; send smaller batches "
-            "(Client batch_keys_max / frame_payload_bytes_max)", kind, status)
+            "(Client batch_keys_max / frame_payload_bytes_max)",
+            kind,
+            status,
+        )
     if status in (FrameStatus.BAD_FRAME, FrameStatus.BAD_VERSION, FrameStatus.UNKNOWN_OPCODE):
         return errors.ProtocolError(
             f"{where} rejected a frame ({FrameStatus(status).name}, {kind}): {message}; "
-            "the client and server versions may not match")
+            "the client and server versions may not match"
+        )
     if status == FrameStatus.STALE_EPOCH:
         epoch = meta.get("epoch")
         map_bytes = meta.get("map")
@@ -53,17 +60,19 @@ def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
             f"{where} has a newer cluster map (epoch {epoch}) than this request; nothing was "
             "done: the cluster client refreshes its map and retries",
             epoch if isinstance(epoch, int) else 0,
-            bytes(map_bytes) if isinstance(map_bytes, (bytes, bytearray)) else b"")
+            bytes(map_bytes) if isinstance(map_bytes, (bytes, bytearray)) else b"",
+        )
     if status == FrameStatus.UNAUTHENTICATED:
         return errors.AuthError(
             f"{where} requires authentication and refused this connection ({message}); pass "
             "token=... to gcache.Client (or set GCACHE_TOKEN) with a token of the node's --auth-file",
-            "unauthenticated", address)
+            "unauthenticated",
+            address,
+        )
     if status == FrameStatus.FORBIDDEN:
         return errors.AuthError(f"{where} refused the request: {message}", "forbidden", address)
     if status == FrameStatus.INTERNAL:
-        return errors.ServerError(f"{where} failed internally ({kind}): {message}; "
-                                  "check the server log", kind, status)
+        return errors.ServerError(f"{where} failed internally ({kind}): {message}; check the server log", kind, status)
     return errors.ProtocolError(f"{where} answered with unknown frame status {status}: {message}")
 
 
@@ -74,11 +83,9 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
     opcode, flags, rid, meta_len, status, payload_len = conn.read_header()
     meta = conn.read_meta(meta_len)
     if status != FrameStatus.OK:
-        if (status == FrameStatus.STALE_EPOCH and rid == request_id and opcode == op.opcode
-                and payload_len == 0):
+        if status == FrameStatus.STALE_EPOCH and rid == request_id and opcode == op.opcode and payload_len == 0:
             raise status_error(status, meta, conn.address)  # the frame was read whole: in sync
-        if (status == FrameStatus.LIMIT_EXCEEDED and rid == request_id and opcode == op.opcode
-                and payload_len == 0):
+        if status == FrameStatus.LIMIT_EXCEEDED and rid == request_id and opcode == op.opcode and payload_len == 0:
             halves = op.split()  # GETs only: the server kept the connection open
             if halves is not None:
                 return halves
@@ -88,14 +95,17 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
                     f"gcache-server at {conn.address} cannot send the value of key {op.keys[0]!r} "
                     f"in one frame ({meta.get('error')}); it was stored under a larger "
                     "--value-bytes-max: raise the server's --frame-payload-bytes-max",
-                    "LIMIT_EXCEEDED", status)
+                    "LIMIT_EXCEEDED",
+                    status,
+                )
         conn.broken = True  # the rest of the stream is not worth resynchronising
         raise status_error(status, meta, conn.address)
     if rid != request_id or opcode != op.opcode or not flags & FLAG_RESPONSE:
         conn.broken = True
         raise errors.ProtocolError(
             f"gcache-server at {conn.address} answered request {rid} op {opcode}, "
-            f"expected {request_id} op {int(op.opcode)}: responses are out of order")
+            f"expected {request_id} op {int(op.opcode)}: responses are out of order"
+        )
     op.on_response(conn, meta, payload_len)
     return op.follow_ups()
 
@@ -152,9 +162,12 @@ def run(conn: Connection, ops: list[Operation], depth_max: int, epoch: int | Non
             reply_max = op.response_bytes_max()
             inserted_before = inserted
             while in_flight and not (
-                    len(in_flight) < depth_max
-                    and (request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
-                         or response_bytes + reply_max <= IN_FLIGHT_WINDOW_BYTES)):
+                len(in_flight) < depth_max
+                and (
+                    request_bytes + size <= IN_FLIGHT_WINDOW_BYTES
+                    or response_bytes + reply_max <= IN_FLIGHT_WINDOW_BYTES
+                )
+            ):
                 receive_oldest()
             if stale is not None:
                 continue  # not sent: the node would refuse it too

@@ -1,4 +1,5 @@
 """A bounded pool of connections to one server, shared by the client's threads."""
+
 from __future__ import annotations
 
 import threading
@@ -51,7 +52,8 @@ class ConnectionPool:
                     if not self._idle and self._open >= self.size_max:
                         raise errors.PoolExhaustedError(
                             f"all {self.size_max} pooled connections stayed busy for "
-                            f"{self._acquire_timeout_s}s: raise pool_size or use fewer threads")
+                            f"{self._acquire_timeout_s}s: raise pool_size or use fewer threads"
+                        )
         try:
             return self._connect()  # outside the lock: connecting can take a while
         except BaseException:

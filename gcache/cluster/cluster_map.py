@@ -12,6 +12,7 @@ States:
   draining  serves reads only; pushes its keys to their next owners, then leaves.
   dead      missed heartbeats; owns nothing and is never contacted.
 """
+
 from __future__ import annotations
 
 import enum
@@ -49,11 +50,11 @@ class MapError(ValueError):
 
 class NodeInfo(NamedTuple):
     id: str
-    address: str            # "host:port" of the data server
-    weight: int             # >= 1, proportional to capacity (see weight_for_capacity)
-    state: str              # a NodeState (a plain str when read by from_dict)
+    address: str  # "host:port" of the data server
+    weight: int  # >= 1, proportional to capacity (see weight_for_capacity)
+    state: str  # a NodeState (a plain str when read by from_dict)
     changed_epoch: int = 0  # epoch at which `state` (or address/weight) last changed
-    admin: str = ""         # "host:port" of the node's admin HTTP, "" if none
+    admin: str = ""  # "host:port" of the node's admin HTTP, "" if none
 
     def to_dict(self) -> dict:
         """Plain values only (the state as its string), for msgpack, JSON and the Raft dump."""
@@ -62,9 +63,14 @@ class NodeInfo(NamedTuple):
     @classmethod
     def from_dict(cls, d: dict) -> NodeInfo:
         try:
-            node = cls(id=str(d["id"]), address=str(d["address"]), weight=int(d["weight"]),
-                       state=str(d["state"]), changed_epoch=int(d.get("changed_epoch", 0)),
-                       admin=str(d.get("admin", "")))
+            node = cls(
+                id=str(d["id"]),
+                address=str(d["address"]),
+                weight=int(d["weight"]),
+                state=str(d["state"]),
+                changed_epoch=int(d.get("changed_epoch", 0)),
+                admin=str(d.get("admin", "")),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise MapError(f"bad node entry {d!r}: {e}") from None
         node.validate()
@@ -110,8 +116,11 @@ class ClusterMap(NamedTuple):
 
     @classmethod
     def from_dict(cls, d: dict) -> ClusterMap:
-        if not isinstance(d, dict) or not isinstance(d.get("epoch"), int) \
-                or not isinstance(d.get("nodes"), (list, tuple)):
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("epoch"), int)
+            or not isinstance(d.get("nodes"), (list, tuple))
+        ):
             raise MapError(f"a cluster map is {{'epoch': int, 'nodes': [...]}}, got {d!r:.200}")
         if len(d["nodes"]) > NODES_MAX:
             raise MapError(f"map has {len(d['nodes'])} nodes, more than {NODES_MAX}")

@@ -42,6 +42,7 @@ Register and Heartbeat the cluster role, Drain the admin or cluster role,
 Remove and Status the admin role (Status also cluster), GetMap any role.
 UNAUTHENTICATED / PERMISSION_DENIED otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,11 @@ MASTERS_MAX = 9
 CALL_TIMEOUT_S = 2.0
 # gRPC's default reconnect backoff grows to 120 s: a master that comes back
 # would stay "unavailable" to this client long after it is up again.
-CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000))
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 def pack(obj) -> bytes:
@@ -77,11 +81,12 @@ def parse_master_url(url: str) -> list[str]:
     """'gcache://h1:p1,h2:p2' or 'h1:p1,h2:p2' -> ['h1:p1', 'h2:p2']."""
     if not isinstance(url, str):
         raise errors.InvalidArgumentError(f"master addresses must be a str, got {type(url).__name__}")
-    body = url[len("gcache://"):] if url.startswith("gcache://") else url
+    body = url[len("gcache://") :] if url.startswith("gcache://") else url
     addrs = [a.strip() for a in body.split(",") if a.strip()]
     if not 1 <= len(addrs) <= MASTERS_MAX:
         raise errors.InvalidArgumentError(
-            f"give 1..{MASTERS_MAX} master addresses as host:port[,host:port...], got {url!r}")
+            f"give 1..{MASTERS_MAX} master addresses as host:port[,host:port...], got {url!r}"
+        )
     for a in addrs:
         try:
             parse_host_port(a)
@@ -108,6 +113,7 @@ class MasterCredentials:
     def from_env(cls, token: str | None = None, tls_ca: str | None = None, **kwargs) -> MasterCredentials:
         """Fills what is not given from $GCACHE_TOKEN (or $GCACHE_TOKEN_FILE) and $GCACHE_MASTER_TLS_CA."""
         from gcache.wire.auth import resolve_token
+
         return cls(token=resolve_token(token), tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None, **kwargs)
 
     def channel(self, address: str) -> grpc.Channel:
@@ -143,8 +149,7 @@ class MasterClient:
     errors are raised as they are (grpc.RpcError).
     """
 
-    def __init__(self, addresses, timeout_s: float = CALL_TIMEOUT_S,
-                 credentials: MasterCredentials | None = None):
+    def __init__(self, addresses, timeout_s: float = CALL_TIMEOUT_S, credentials: MasterCredentials | None = None):
         self.addresses = parse_master_url(addresses) if isinstance(addresses, str) else list(addresses)
         self.timeout_s = timeout_s
         self.credentials = credentials or MasterCredentials.from_env()
@@ -158,8 +163,7 @@ class MasterClient:
             ch = self._channels.get(address)
             if ch is None:
                 ch = self._channels[address] = self.credentials.channel(address)
-        return ch.unary_unary(f"/{SERVICE}/{method}", request_serializer=pack,
-                              response_deserializer=unpack)
+        return ch.unary_unary(f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack)
 
     def call(self, method: str, request: dict | None = None, timeout_s: float | None = None) -> dict:
         if method not in METHODS:
@@ -170,8 +174,9 @@ class MasterClient:
         for i in range(n):
             idx = (self._preferred + i) % n
             try:
-                answer = self._stub(self.addresses[idx], method)(request or {}, timeout=timeout_s,
-                                                                 metadata=self._metadata)
+                answer = self._stub(self.addresses[idx], method)(
+                    request or {}, timeout=timeout_s, metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     last = e
@@ -181,14 +186,17 @@ class MasterClient:
                     raise errors.AuthError(
                         f"gcache-master {self.addresses[idx]} refused {method}: {e.details()}; pass a token "
                         "of the masters' --auth-file (GCACHE_TOKEN, --token-file) with the role the call needs",
-                        kind, self.addresses[idx]) from None
+                        kind,
+                        self.addresses[idx],
+                    ) from None
                 raise
             self._preferred = idx
             return answer
         detail = last.details() if last is not None else "no address"
         raise MasterUnavailableError(
             f"no gcache-master answered {method} ({', '.join(self.addresses)}): {detail}; "
-            "check the masters are running and a majority of them can reach each other")
+            "check the masters are running and a majority of them can reach each other"
+        )
 
     def get_map(self, if_newer_than: int = -1) -> ClusterMap | None:
         answer = self.call("GetMap", {"if_newer_than": if_newer_than})

@@ -17,6 +17,7 @@ ketama_hashes and ketama_search (GIL released; numpy.searchsorted is several
 times slower on unsorted keys), and owners stay small ints (indexes into the
 ring's node ids) until grouped.
 """
+
 from __future__ import annotations
 
 from bisect import bisect
@@ -55,7 +56,7 @@ def ketama_points(weights: dict[str, int]) -> dict[int, str]:
         for v in range(VNODES * len(weights) * weight // total):
             digest = md5(f"{node_id}-{v}".encode()).digest()
             for r in range(0, 16, 4):
-                ring[int.from_bytes(digest[r:r + 4], "little")] = node_id
+                ring[int.from_bytes(digest[r : r + 4], "little")] = node_id
     return ring
 
 
@@ -139,8 +140,9 @@ class Placement:
         names += [nid for nid in self.previous.node_ids if nid not in self.write.node_ids]
         self._names = tuple(names)
         shared = {nid: i for i, nid in enumerate(names)}
-        self._previous_to_shared = np.array([shared[nid] for nid in self.previous.node_ids],
-                                            dtype=slot_dtype(len(names)))
+        self._previous_to_shared = np.array(
+            [shared[nid] for nid in self.previous.node_ids], dtype=slot_dtype(len(names))
+        )
 
     def owner(self, key: bytes) -> str | None:
         return self.write.owner(key)
@@ -173,7 +175,7 @@ class Placement:
         if count <= SCALAR_KEYS_MAX:
             groups: dict = {}
             owner = self.write.owner
-            for i in (range(count) if positions is None else positions):
+            for i in range(count) if positions is None else positions:
                 groups.setdefault(owner(keys[i]), []).append(i)
             return groups
         subset = keys if positions is None else [keys[i] for i in positions]

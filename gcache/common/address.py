@@ -7,6 +7,7 @@
 
 Callers wrap the ValueError into their own error type (UsageError, ConfigError, MapError...).
 """
+
 from __future__ import annotations
 
 PORT_MIN, PORT_MAX = 1, 65535

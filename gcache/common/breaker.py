@@ -13,6 +13,7 @@ Thread-safe: fail / succeed / retain take a lock; is_suspect reads without one (
 is atomic under the GIL). Bounded: at most keys_max keys are held; beyond that the one whose
 window ends first is dropped (it is the least suspect).
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,8 +24,9 @@ KEYS_MAX = 65536
 
 
 class Breaker:
-    def __init__(self, suspect_s: float, *, clock: Callable[[], float] = time.monotonic,
-                 keys_max: int = KEYS_MAX) -> None:
+    def __init__(
+        self, suspect_s: float, *, clock: Callable[[], float] = time.monotonic, keys_max: int = KEYS_MAX
+    ) -> None:
         if suspect_s < 0:
             raise ValueError(f"suspect_s must be >= 0, got {suspect_s!r}")
         if keys_max < 1:

@@ -5,6 +5,7 @@ tests' helpers) stops its processes the same way, through stop_process / stop_pr
 the signal asked for (SIGTERM by default) plus SIGCONT, so a paused process can act on it;
 a bounded wait; then SIGKILL and a second bounded wait, reaping every child of ours.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float, what: str, log_tail=lambda: "",
-                   host: str = "127.0.0.1") -> None:
+def wait_listening(
+    proc: subprocess.Popen, port: int, timeout_s: float, what: str, log_tail=lambda: "", host: str = "127.0.0.1"
+) -> None:
     """Returns once `host`:`port` accepts; raises RuntimeError if `proc` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -121,8 +123,9 @@ def _wait_gone(procs: list, timeout_s: float) -> bool:
     return True
 
 
-def stop_processes(procs: Iterable[Process], sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S,
-                   *, group: bool = False) -> list:
+def stop_processes(
+    procs: Iterable[Process], sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False
+) -> list:
     """Sends `sig` to every one of `procs` still running, then waits for all of them together
     (`timeout_s` in all); SIGKILL for any still running then. With group=True every signal goes
     to the process's whole process group. Returns the exit codes (negative: the signal that
@@ -141,7 +144,6 @@ def stop_processes(procs: Iterable[Process], sig: int = signal.SIGTERM, timeout_
     return [proc.returncode for proc in procs]
 
 
-def stop_process(proc: Process, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S,
-                 *, group: bool = False):
+def stop_process(proc: Process, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False):
     """stop_processes for one process: its exit code (None if never ours to read)."""
     return stop_processes([proc], sig, timeout_s, group=group)[0]

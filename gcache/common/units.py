@@ -4,6 +4,7 @@ Sizes: plain bytes (4096), binary units (KiB, MiB, GiB, TiB; K, M, G, T alone ar
 in `--value-size 256K`), and decimal units (KB, MB, GB, TB). Durations: seconds (10, 10s), ms, m,
 min. A value that is not understood raises ConfigError (a ValueError) saying what to write.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,11 +12,20 @@ import re
 from gcache.errors import ConfigError
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0}
 _NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")

@@ -7,6 +7,7 @@
 One thread serves one request at a time, each with a short socket timeout, so
 a stuck client cannot pile up work on the control plane.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,11 +49,13 @@ class HttpProbe:
         try:
             self._server = HTTPServer((host, port), Handler)
         except OSError as e:
-            raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}; "
-                          "pick another --http HOST:PORT") from None
+            raise OSError(
+                f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}; pick another --http HOST:PORT"
+            ) from None
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="gcache-master-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="gcache-master-http", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

@@ -10,6 +10,7 @@ heartbeat timeout from the moment this replica became leader (its table may
 lag the old leader's a little), and migration clocks restart on a leader
 change: both only ever delay a decision, never hasten it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,21 +34,25 @@ MASS_EXPIRY_LOG_S = 10.0
 
 
 class Action(NamedTuple):
-    kind: str           # EXPIRE | ACTIVATE | FINISH_DRAIN
+    kind: str  # EXPIRE | ACTIVATE | FINISH_DRAIN
     node_id: str
     changed_epoch: int  # the entry the decision was made on; the command is a no-op if it moved on
     forced: bool = False
 
 
-def silent_nodes(cluster_map: ClusterMap, last_seen: dict, now: float, leader_since: float,
-                 heartbeat_timeout_s: float) -> list[str]:
+def silent_nodes(
+    cluster_map: ClusterMap, last_seen: dict, now: float, leader_since: float, heartbeat_timeout_s: float
+) -> list[str]:
     """Live nodes without a heartbeat for heartbeat_timeout_s (none during the grace after
     an election). `last_seen`: node id -> monotonic time of its last applied heartbeat
     (missing: treat as `leader_since`)."""
     if now - leader_since < heartbeat_timeout_s:
         return []
-    return [n.id for n in cluster_map.nodes if n.state in LIVE_STATES
-            and now - max(last_seen.get(n.id, leader_since), leader_since) > heartbeat_timeout_s]
+    return [
+        n.id
+        for n in cluster_map.nodes
+        if n.state in LIVE_STATES and now - max(last_seen.get(n.id, leader_since), leader_since) > heartbeat_timeout_s
+    ]
 
 
 def mass_expiry(cluster_map: ClusterMap, silent: list[str]) -> bool:
@@ -56,9 +61,16 @@ def mass_expiry(cluster_map: ClusterMap, silent: list[str]) -> bool:
     return live >= MASS_EXPIRY_NODES_MIN and len(silent) > live // 2
 
 
-def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_started: dict,
-         now: float, leader_since: float, heartbeat_timeout_s: float,
-         migration_timeout_s: float) -> list[Action]:
+def plan(
+    cluster_map: ClusterMap,
+    rebalanced: dict,
+    last_seen: dict,
+    migration_started: dict,
+    now: float,
+    leader_since: float,
+    heartbeat_timeout_s: float,
+    migration_timeout_s: float,
+) -> list[Action]:
     """The commands due now. `last_seen`: see silent_nodes; `migration_started`: (node id,
     changed_epoch) -> monotonic time this leader first saw that migration."""
     actions = []
@@ -74,8 +86,11 @@ def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_s
         started = migration_started.get((node.id, node.changed_epoch), now)
         timed_out = now - started > migration_timeout_s
         if node.state == JOINING:
-            ready = all(rebalanced.get(o.id, 0) >= node.changed_epoch for o in cluster_map.nodes
-                        if o.id != node.id and o.state in LIVE_STATES)
+            ready = all(
+                rebalanced.get(o.id, 0) >= node.changed_epoch
+                for o in cluster_map.nodes
+                if o.id != node.id and o.state in LIVE_STATES
+            )
             if ready or timed_out:
                 actions.append(Action(ACTIVATE, node.id, node.changed_epoch, forced=not ready))
         elif node.state == DRAINING:
@@ -87,8 +102,11 @@ def plan(cluster_map: ClusterMap, rebalanced: dict, last_seen: dict, migration_s
 
 def track_migrations(cluster_map: ClusterMap, migration_started: dict, now: float) -> dict:
     """Migration clocks for the nodes joining/draining now: kept if already running, else started at `now`."""
-    return {(n.id, n.changed_epoch): migration_started.get((n.id, n.changed_epoch), now)
-            for n in cluster_map.nodes if n.state in (JOINING, DRAINING)}
+    return {
+        (n.id, n.changed_epoch): migration_started.get((n.id, n.changed_epoch), now)
+        for n in cluster_map.nodes
+        if n.state in (JOINING, DRAINING)
+    }
 
 
 class LeaderDuties:
@@ -97,8 +115,14 @@ class LeaderDuties:
     `raft` is a gcache.master.raft_state.MasterRaft (is_leader, leader, snapshot, apply).
     """
 
-    def __init__(self, raft, heartbeat_timeout_s: float, migration_timeout_s: float, tick_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        raft,
+        heartbeat_timeout_s: float,
+        migration_timeout_s: float,
+        tick_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.raft = raft
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.migration_timeout_s = migration_timeout_s
@@ -134,8 +158,12 @@ class LeaderDuties:
         leader = self.raft.leader()
         if leader != self._known_leader:
             self._known_leader = leader
-            log.info("raft leader is now %s (term %d)%s", leader or "unknown", self.raft.term(),
-                     " - this replica" if leader and leader == self.raft.self_address else "")
+            log.info(
+                "raft leader is now %s (term %d)%s",
+                leader or "unknown",
+                self.raft.term(),
+                " - this replica" if leader and leader == self.raft.self_address else "",
+            )
         if not self.raft.is_leader():
             self._leader_since = None
             self._migration_started = {}
@@ -144,28 +172,42 @@ class LeaderDuties:
         if self._leader_since is None or term != self._leader_term:  # (re)gained leadership
             self._leader_since, self._leader_term = now, term
             self._migration_started = {}
-            log.info("this replica leads: node heartbeats count after a grace of %.1fs",
-                     self.heartbeat_timeout_s)
+            log.info("this replica leads: node heartbeats count after a grace of %.1fs", self.heartbeat_timeout_s)
         snap = self.raft.snapshot()
         self._migration_started = track_migrations(snap.map, self._migration_started, now)
-        actions = plan(snap.map, snap.rebalanced, snap.last_seen, self._migration_started, now,
-                       self._leader_since, self.heartbeat_timeout_s, self.migration_timeout_s)
+        actions = plan(
+            snap.map,
+            snap.rebalanced,
+            snap.last_seen,
+            self._migration_started,
+            now,
+            self._leader_since,
+            self.heartbeat_timeout_s,
+            self.migration_timeout_s,
+        )
         silent = silent_nodes(snap.map, snap.last_seen, now, self._leader_since, self.heartbeat_timeout_s)
         if mass_expiry(snap.map, silent) and now - self._mass_expiry_logged >= MASS_EXPIRY_LOG_S:
             self._mass_expiry_logged = now
-            log.warning("%d of the live nodes are silent (%s): more than half at once looks like "
-                        "this master being cut off, so none is declared dead", len(silent),
-                        ",".join(silent))
+            log.warning(
+                "%d of the live nodes are silent (%s): more than half at once looks like "
+                "this master being cut off, so none is declared dead",
+                len(silent),
+                ",".join(silent),
+            )
         issued = []
         for action in actions:
             if self._stop.is_set() or not self.raft.is_leader():
                 break
             try:
-                self.raft.apply(action.kind, action.node_id, action.changed_epoch, action.forced,
-                                timeout_s=max(1.0, self.tick_s * 5))
+                self.raft.apply(
+                    action.kind,
+                    action.node_id,
+                    action.changed_epoch,
+                    action.forced,
+                    timeout_s=max(1.0, self.tick_s * 5),
+                )
             except Exception as e:  # no quorum right now: the next tick plans again
-                log.warning("leader duty %s %s not committed (%s); retrying next tick",
-                            action.kind, action.node_id, e)
+                log.warning("leader duty %s %s not committed (%s); retrying next tick", action.kind, action.node_id, e)
                 break
             issued.append(action)
         return issued

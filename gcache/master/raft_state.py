@@ -12,6 +12,7 @@ leader. Log compaction keeps the journal bounded despite them.
 data dir, fast-but-stable timeouts, and `apply`, which turns pysyncobj
 failures into RaftUnavailableError (callers answer UNAVAILABLE: retry).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,8 @@ log = logging.getLogger("gcache.master")
 COMMANDS = ("register", "heartbeat", "drain", "remove", "expire", "activate", "finish_drain")
 JOURNAL_FILE = "raft.journal"
 DUMP_FILE = "raft.dump"
-COMMANDS_QUEUE_MAX = 1024        # pending commands on one replica; beyond: QUEUE_FULL -> UNAVAILABLE
-LOG_COMPACTION_ENTRIES = 2000    # heartbeats are log entries: compact often enough to bound the journal
+COMMANDS_QUEUE_MAX = 1024  # pending commands on one replica; beyond: QUEUE_FULL -> UNAVAILABLE
+LOG_COMPACTION_ENTRIES = 2000  # heartbeats are log entries: compact often enough to bound the journal
 LOG_COMPACTION_TIME_S = 60
 
 _FAIL_TEXT = {
@@ -54,16 +55,17 @@ class RaftUnavailableError(Exception):
 
 class Snapshot(NamedTuple):
     map: ClusterMap
-    rebalanced: dict   # node id -> epoch
-    last_seen: dict    # node id -> monotonic time this replica applied its last heartbeat/register
+    rebalanced: dict  # node id -> epoch
+    last_seen: dict  # node id -> monotonic time this replica applied its last heartbeat/register
 
 
 class ReplicatedMap(SyncObjConsumer):
     """The replicated MapState. Commands return ("ok", payload) or ("error", code, message):
     an apply must never raise (pysyncobj would retry the same entry forever)."""
 
-    def __init__(self, on_change: Callable[[str, ClusterMap], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, on_change: Callable[[str, ClusterMap], None] | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         super().__init__()
         self._lock = threading.Lock()
         self._state = MapState()
@@ -100,6 +102,7 @@ class ReplicatedMap(SyncObjConsumer):
         def run(s: MapState):
             state, change = s.register(node_id, address, weight, admin)
             return {"map": s.map, "state": state}, change
+
         return self._apply(run, stamp=node_id)
 
     @replicated
@@ -107,6 +110,7 @@ class ReplicatedMap(SyncObjConsumer):
         def run(s: MapState):
             state, change = s.heartbeat(node_id, rebalanced_epoch, degraded)
             return {"epoch": s.map.epoch, "state": state}, change
+
         return self._apply(run, stamp=node_id)
 
     @replicated
@@ -161,8 +165,14 @@ class MasterRaft(SyncObj):
     """This replica's Raft node. Attributes are set before SyncObj.__init__ on purpose:
     pysyncobj pickles into its dump every attribute added after it, and these are local."""
 
-    def __init__(self, self_address: str, peers: list[str], data_dir: str, replicated_map: ReplicatedMap,
-                 bind_address: str | None = None):
+    def __init__(
+        self,
+        self_address: str,
+        peers: list[str],
+        data_dir: str,
+        replicated_map: ReplicatedMap,
+        bind_address: str | None = None,
+    ):
         self.self_address = self_address
         self.replicated_map = replicated_map
         os.makedirs(data_dir, exist_ok=True)
@@ -172,19 +182,25 @@ class MasterRaft(SyncObj):
             bindAddress=bind_address or None,
             # Takeover within ~1-2 s of a leader's death, yet no spurious elections on a
             # loaded box: a follower waits 0.8-1.6 s of silence; the leader pings every 0.1 s.
-            appendEntriesPeriod=0.1, raftMinTimeout=0.8, raftMaxTimeout=1.6,
-            autoTickPeriod=0.02,         # idle poll wait: bounds a lone replica's commit latency
-            connectionTimeout=3.5, connectionRetryTime=0.5,
-            leaderFallbackTimeout=3.0,   # a cut-off leader steps down (default 30 s)
+            appendEntriesPeriod=0.1,
+            raftMinTimeout=0.8,
+            raftMaxTimeout=1.6,
+            autoTickPeriod=0.02,  # idle poll wait: bounds a lone replica's commit latency
+            connectionTimeout=3.5,
+            connectionRetryTime=0.5,
+            leaderFallbackTimeout=3.0,  # a cut-off leader steps down (default 30 s)
             appendEntriesUseBatch=False,  # control plane: low latency per command beats throughput
             commandsQueueSize=COMMANDS_QUEUE_MAX,
             # Without a leader, fail at once (UNAVAILABLE: the caller retries) rather than queue a
             # command that would apply long after its caller gave up on it.
             commandsWaitLeader=False,
-            logCompactionMinEntries=LOG_COMPACTION_ENTRIES, logCompactionMinTime=LOG_COMPACTION_TIME_S,
-            useFork=False,               # never fork a process that runs gRPC threads
-            dnsCacheTime=5.0, dnsFailCacheTime=1.0,  # peers' IPs change on restart (Kubernetes)
-            bindRetryTime=0.3, maxBindRetries=3,
+            logCompactionMinEntries=LOG_COMPACTION_ENTRIES,
+            logCompactionMinTime=LOG_COMPACTION_TIME_S,
+            useFork=False,  # never fork a process that runs gRPC threads
+            dnsCacheTime=5.0,
+            dnsFailCacheTime=1.0,  # peers' IPs change on restart (Kubernetes)
+            bindRetryTime=0.3,
+            maxBindRetries=3,
         )
         super().__init__(self_address, list(peers), conf, consumers=[replicated_map])
 

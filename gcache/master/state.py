@@ -10,6 +10,7 @@ Every change raises the map epoch by exactly one. Methods that change nothing
 return None as their description; methods that change something return a short
 text for the log ("n1 joining (new at 10.0.0.1:7600, weight 64)").
 """
+
 from __future__ import annotations
 
 from gcache.cluster.cluster_map import (
@@ -94,14 +95,16 @@ class MapState:
         node = self.map.node(node_id)
         if node is None or node.state != JOINING:
             return False
-        return all(self.rebalanced.get(o.id, 0) >= node.changed_epoch
-                   for o in self.map.nodes if o.id != node_id and o.state in LIVE_STATES)
+        return all(
+            self.rebalanced.get(o.id, 0) >= node.changed_epoch
+            for o in self.map.nodes
+            if o.id != node_id and o.state in LIVE_STATES
+        )
 
     def drain_finished(self, node_id: str) -> bool:
         """A draining node may leave once it has pushed its keys for the current epoch."""
         node = self.map.node(node_id)
-        return node is not None and node.state == DRAINING \
-            and self.rebalanced.get(node_id, 0) >= self.map.epoch
+        return node is not None and node.state == DRAINING and self.rebalanced.get(node_id, 0) >= self.map.epoch
 
     # -- commands -----------------------------------------------------------
 
@@ -115,8 +118,9 @@ class MapState:
             raise StateError(INVALID_ARGUMENT, str(e)) from None
         if old is None:
             if len(self.map.nodes) >= NODES_MAX:
-                raise StateError(FAILED_PRECONDITION,
-                                 f"the map already holds {NODES_MAX} nodes; remove dead ones first")
+                raise StateError(
+                    FAILED_PRECONDITION, f"the map already holds {NODES_MAX} nodes; remove dead ones first"
+                )
             self._set_node(fresh)
             return JOINING, f"{node_id} joining (new at {address}, weight {weight})"
         if old.state == DEAD:
@@ -126,8 +130,9 @@ class MapState:
             return old.state, None  # a quick restart: nothing a reader cares about changed
         # Same live node, new address/weight/admin: keep its state, publish the new entry.
         self._set_node(old._replace(address=address, weight=weight, admin=admin))
-        return old.state, (f"{node_id} {old.state}, updated: {old.address} weight {old.weight} -> "
-                           f"{address} weight {weight}")
+        return old.state, (
+            f"{node_id} {old.state}, updated: {old.address} weight {old.weight} -> {address} weight {weight}"
+        )
 
     def heartbeat(self, node_id: str, rebalanced_epoch: int, degraded: str = "") -> tuple[str, str | None]:
         """-> (the node's state after the heartbeat, change description or None)."""
@@ -148,8 +153,9 @@ class MapState:
     def drain(self, node_id: str) -> str | None:
         node = self._existing(node_id)
         if node.state == DEAD:
-            raise StateError(FAILED_PRECONDITION,
-                             f"node {node_id} is dead and holds nothing to drain; Remove it instead")
+            raise StateError(
+                FAILED_PRECONDITION, f"node {node_id} is dead and holds nothing to drain; Remove it instead"
+            )
         if node.state == DRAINING:
             return None
         self._set_node(node._replace(state=DRAINING))
@@ -201,8 +207,9 @@ class MapState:
     def _existing(self, node_id: str) -> NodeInfo:
         node = self.map.node(node_id)
         if node is None:
-            raise StateError(NOT_FOUND, f"no node {node_id!r} in the map (epoch {self.map.epoch}); "
-                                        "check the id with Status")
+            raise StateError(
+                NOT_FOUND, f"no node {node_id!r} in the map (epoch {self.map.epoch}); check the id with Status"
+            )
         return node
 
     def _set_node(self, node: NodeInfo) -> None:

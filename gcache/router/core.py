@@ -10,6 +10,7 @@ heartbeat lapsed (a stall, or it died) is a candidate only when no registered on
 Workers that fail a request are backed off exponentially (backoff_base_s doubling to
 backoff_max_s).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ class RouterCore:
         self.view = ClusterView()
         self.policy = make_policy(config)
         self.fallback = LeastLoad(config)
-        self._local = threading.Lock()   # in-flight, backoff, policy state, counters
+        self._local = threading.Lock()  # in-flight, backoff, policy state, counters
         self._refreshing = threading.Lock()
         self.inflight: dict[str, int] = {}
         self.inflight_tokens: dict[str, int] = {}
@@ -54,11 +55,22 @@ class RouterCore:
             import redis
 
             self.redis = redis.Redis.from_url(
-                config.redis_url, socket_timeout=config.redis_timeout_s,
-                socket_connect_timeout=config.redis_timeout_s, retry_on_timeout=False,
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
-            self.sync = RedisSync(self.redis, Keys(config.redis_prefix), config.workers, config.workers_max,
-                                  config.stream_read_max, config.l3_pages_max, config.worker_grace_s, clock)
+                config.redis_url,
+                socket_timeout=config.redis_timeout_s,
+                socket_connect_timeout=config.redis_timeout_s,
+                retry_on_timeout=False,
+                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+            )
+            self.sync = RedisSync(
+                self.redis,
+                Keys(config.redis_prefix),
+                config.workers,
+                config.workers_max,
+                config.stream_read_max,
+                config.l3_pages_max,
+                config.worker_grace_s,
+                clock,
+            )
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -213,8 +225,16 @@ class RouterCore:
         for u in ready:
             w = self.view.workers.get(u) if healthy else None
             reg = w.reg if w is not None and w.missing_since is None else None
-            out.append(Candidate(u, zlib.crc32(key, zlib.crc32(u.encode())), self.inflight.get(u, 0),
-                                 self.inflight_tokens.get(u, 0), reg, w.flags if reg is not None else {}))
+            out.append(
+                Candidate(
+                    u,
+                    zlib.crc32(key, zlib.crc32(u.encode())),
+                    self.inflight.get(u, 0),
+                    self.inflight_tokens.get(u, 0),
+                    reg,
+                    w.flags if reg is not None else {},
+                )
+            )
         return out, healthy
 
     def _affinity_key(self, arr, ids_for) -> bytes:
@@ -263,12 +283,24 @@ class RouterCore:
                 w = self.view.workers.get(u)
                 until = self.backoff.get(u, (0.0, 0))[0]
                 ld = w.reg.load if w is not None and w.reg is not None else None
-                workers.append({"url": u, "registered": u not in missing, "inflight": self.inflight.get(u, 0),
-                                "backoff_s": round(max(0.0, until - now), 3),
-                                "running": ld.running if ld else None, "waiting": ld.waiting if ld else None,
-                                "pages": len(w.flags) if w is not None else 0})
-        return {"status": "ok" if workers else "no_workers", "policy": self.config.policy, "redis": redis_state,
-                "redis_error": self._redis_error, "workers": workers}
+                workers.append(
+                    {
+                        "url": u,
+                        "registered": u not in missing,
+                        "inflight": self.inflight.get(u, 0),
+                        "backoff_s": round(max(0.0, until - now), 3),
+                        "running": ld.running if ld else None,
+                        "waiting": ld.waiting if ld else None,
+                        "pages": len(w.flags) if w is not None else 0,
+                    }
+                )
+        return {
+            "status": "ok" if workers else "no_workers",
+            "policy": self.config.policy,
+            "redis": redis_state,
+            "redis_error": self._redis_error,
+            "workers": workers,
+        }
 
     def metrics_text(self) -> str:
         h = self.health()

@@ -1,8 +1,9 @@
 """`gcache-router`: an OpenAI-compatible front that sends each request to the worker with its prefix.
 
-    gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers from Redis
-    gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
+gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers from Redis
+gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-in-flight", type=int, default=1024, help="requests proxied at once (503 beyond)")
-    ap.add_argument("--request-timeout-s", type=float, default=600.0,
-                    help="longest wait for a worker's whole answer (504 beyond, no retry)")
-    ap.add_argument("--connect-timeout-s", type=float, default=2.0,
-                    help="longest wait to connect to a worker (then the request is retried on another)")
-    ap.add_argument("--body-timeout-s", type=float, default=BODY_DEADLINE_S,
-                    help="a request body not received within this is answered 408")
+    ap.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="longest wait for a worker's whole answer (504 beyond, no retry)",
+    )
+    ap.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=2.0,
+        help="longest wait to connect to a worker (then the request is retried on another)",
+    )
+    ap.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=BODY_DEADLINE_S,
+        help="a request body not received within this is answered 408",
+    )
     add_router_args(ap)
     return ap.parse_args(argv)
 
@@ -35,8 +48,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if args.max_in_flight < 1 or args.request_timeout_s <= 0 or args.connect_timeout_s <= 0 \
-                or args.body_timeout_s <= 0:
+        if (
+            args.max_in_flight < 1
+            or args.request_timeout_s <= 0
+            or args.connect_timeout_s <= 0
+            or args.body_timeout_s <= 0
+        ):
             raise ValueError("--max-in-flight must be >= 1 and every timeout > 0")
         config = RouterConfig.from_args(args)
         core = RouterCore(config)
@@ -48,8 +65,10 @@ def main(argv=None) -> int:
 
     def started(port: int) -> None:
         where = config.redis_url or ",".join(config.workers)
-        print(f"gcache-router: serving on http://{args.host}:{port} (policy {config.policy}; workers from {where})",
-              flush=True)
+        print(
+            f"gcache-router: serving on http://{args.host}:{port} (policy {config.policy}; workers from {where})",
+            flush=True,
+        )
 
     try:
         runner.serve_forever(app, args.host, args.port, on_started=started)

@@ -7,6 +7,7 @@ window tail), i.e. p is one of the worker's published checkpoints. L1 is matched
 pages); the shared L3 extends from there; all three through swa_window.last_safe_end. Raw
 overlap (what SWA-unaware routers count) is the run of pages with full KV, SWA ignored.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -23,12 +24,13 @@ class TierMatch:
     l1: int = 0
     l2: int = 0
     l3: int = 0
-    raw_l1: int = 0     # pages with L1 full KV from page 0, SWA ignored
-    raw_host: int = 0   # further pages with L2 full KV after raw_l1, SWA ignored
+    raw_l1: int = 0  # pages with L1 full KV from page 0, SWA ignored
+    raw_host: int = 0  # further pages with L2 full KV after raw_l1, SWA ignored
 
 
-def _extend(ids: Sequence[int], start: int, limit: int, flags_of, full_bit: int, swa_bit: int,
-            page_size: int, window: int) -> int:
+def _extend(
+    ids: Sequence[int], start: int, limit: int, flags_of, full_bit: int, swa_bit: int, page_size: int, window: int
+) -> int:
     """Last window-safe end reachable from `start` (a window-safe point of a tier above, or 0)
     through the run of pages with `full_bit`; SWA of the tail pages at or after start must
     have swa_bit (those before start are covered by the tier above): swa_window.last_safe_end."""
@@ -45,8 +47,9 @@ def _run(ids: Sequence[int], start: int, limit: int, flags_of, bit: int) -> int:
     return i - start
 
 
-def match_worker(ids: Sequence[int], limit: int, flags: Mapping[int, int], l3: Mapping[int, int],
-                 page_size: int, window: int) -> TierMatch:
+def match_worker(
+    ids: Sequence[int], limit: int, flags: Mapping[int, int], l3: Mapping[int, int], page_size: int, window: int
+) -> TierMatch:
     """The tier match of one worker for a prompt whose page ids are `ids`, looking at most at
     `limit` pages (the worker leaves a token to compute: (tokens - 1) // page_size)."""
     limit = min(limit, len(ids))

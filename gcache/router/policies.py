@@ -11,6 +11,7 @@ ties go to the higher rendezvous rank (a hash of URL and prompt, the same on eve
                the prompts this router sent, no engine feedback (its launcher's defaults).
   least_load, round_robin, random.
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,10 +31,10 @@ from gcache.serving.tiers import Tier
 @dataclass
 class Candidate:
     url: str
-    rank: int                            # rendezvous tie-break, higher wins
-    inflight: int = 0                    # this router's requests in flight to it
-    inflight_tokens: int = 0             # their prompt tokens (when the caller told begin())
-    reg: Registration | None = None      # None: nothing published (static worker, Redis down)
+    rank: int  # rendezvous tie-break, higher wins
+    inflight: int = 0  # this router's requests in flight to it
+    inflight_tokens: int = 0  # their prompt tokens (when the caller told begin())
+    reg: Registration | None = None  # None: nothing published (static worker, Redis down)
     flags: Mapping[int, int] = field(default_factory=dict)
 
 
@@ -45,25 +46,25 @@ class Prompt:
     ids_for: Callable[[int], Sequence[int]]
     l3: Mapping[int, int]
     default_page_size: int
-    now: float = 0.0                     # the router's clock
+    now: float = 0.0  # the router's clock
 
 
 class Mode(enum.StrEnum):
     """What decided a pick (the picks_<mode> counters, the explain output)."""
 
-    CACHE = "cache"              # the cache match (with load as part of the score)
-    LOAD = "load"                # load alone (least_load, or an imbalance guard)
-    CAPACITY = "capacity"        # approx_tree: the worker with the most room in its tree
+    CACHE = "cache"  # the cache match (with load as part of the score)
+    LOAD = "load"  # load alone (least_load, or an imbalance guard)
+    CAPACITY = "capacity"  # approx_tree: the worker with the most room in its tree
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
-    FALLBACK = "fallback"        # the router's own: the chosen worker failed, another took it
+    FALLBACK = "fallback"  # the router's own: the chosen worker failed, another took it
 
 
 @dataclass(frozen=True)
 class Choice:
     url: str
-    mode: Mode                           # cache | load | capacity | round_robin | random | fallback
-    scores: dict                         # url -> what the policy saw (explain)
+    mode: Mode  # cache | load | capacity | round_robin | random | fallback
+    scores: dict  # url -> what the policy saw (explain)
 
 
 def load_of(c: Candidate, cfg: RouterConfig) -> float:
@@ -166,8 +167,15 @@ class CacheAware(Policy):
         for c in cands:
             l1, l2, l3, raw = self.credited(p, c)
             pct = (w1 * l1 + w2 * l2 + w3 * l3) / p.num_tokens
-            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
-                          "load": loads[c.url], "score": cfg.match_weight * pct - loads[c.url] / top}
+            out[c.url] = {
+                Tier.L1: l1,
+                Tier.L2: l2,
+                Tier.L3: l3,
+                "match": l1 + l2 + l3,
+                "raw_overlap": raw,
+                "load": loads[c.url],
+                "score": cfg.match_weight * pct - loads[c.url] / top,
+            }
         return Mode.CACHE, out
 
     def commit(self, p, url):
@@ -200,7 +208,7 @@ class CacheTTFT(CacheAware):
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
-        self.sent: dict[str, deque[float]] = {}   # per worker: own-estimates of requests sent, newest last
+        self.sent: dict[str, deque[float]] = {}  # per worker: own-estimates of requests sent, newest last
         self._last: tuple[Prompt, dict] | None = None
 
     def unpublished(self, c: Candidate) -> list[float]:
@@ -209,7 +217,7 @@ class CacheTTFT(CacheAware):
         published = c.reg.load.running + c.reg.load.waiting if c.reg is not None else 0
         missing = max(0, c.inflight - published)
         sent = list(self.sent.get(c.url, ()))
-        return sent[len(sent) - missing:] if missing else []
+        return sent[len(sent) - missing :] if missing else []
 
     def evaluate(self, p, cands):
         cfg = self.cfg
@@ -224,11 +232,18 @@ class CacheTTFT(CacheAware):
             else:
                 published, queued = 0, 0.0
             pending = self.unpublished(c)
-            queue = (queued + sum(min(e, own) for e in pending)
-                     + cfg.ttft_running_tokens * max(published, c.inflight))
-            out[c.url] = {Tier.L1: l1, Tier.L2: l2, Tier.L3: l3, "match": l1 + l2 + l3, "raw_overlap": raw,
-                          "own_tokens": own, "queue_tokens": queue, "load": load_of(c, cfg),
-                          "score": -(cfg.ttft_own_weight * own + queue)}
+            queue = queued + sum(min(e, own) for e in pending) + cfg.ttft_running_tokens * max(published, c.inflight)
+            out[c.url] = {
+                Tier.L1: l1,
+                Tier.L2: l2,
+                Tier.L3: l3,
+                "match": l1 + l2 + l3,
+                "raw_overlap": raw,
+                "own_tokens": own,
+                "queue_tokens": queue,
+                "load": load_of(c, cfg),
+                "score": -(cfg.ttft_own_weight * own + queue),
+            }
         return Mode.CACHE, out
 
     def choose(self, p, cands):
@@ -267,9 +282,15 @@ class Dynamo(Policy):
             prefill_blocks = (new_tokens + queued) / ps
             decode_blocks = (active + new_tokens) / ps
             cost = cfg.dynamo_overlap_weight * prefill_blocks + decode_blocks
-            out[c.url] = {"raw_overlap": m.raw_l1 * ps, "host_overlap": m.raw_host * ps,
-                          "match": int(overlap * ps), "prefill_blocks": prefill_blocks,
-                          "decode_blocks": decode_blocks, "load": load_of(c, cfg), "score": -cost}
+            out[c.url] = {
+                "raw_overlap": m.raw_l1 * ps,
+                "host_overlap": m.raw_host * ps,
+                "match": int(overlap * ps),
+                "prefill_blocks": prefill_blocks,
+                "decode_blocks": decode_blocks,
+                "load": load_of(c, cfg),
+                "score": -cost,
+            }
         return Mode.CACHE, out
 
 
@@ -308,11 +329,18 @@ class ApproxTree(Policy):
         best = max(matched.values())
         ps = self._page_size(cands)
         if ids and best / len(ids) > cfg.approx_cache_threshold:
-            return Mode.CACHE, {c.url: {"match": matched[c.url] * ps, "load": float(c.inflight),
-                                     "score": matched[c.url]} for c in cands}
-        return Mode.CAPACITY, {c.url: {"match": matched[c.url] * ps, "tree_pages": len(self.trees.get(c.url, ())),
-                                    "load": float(c.inflight), "score": -len(self.trees.get(c.url, ()))}
-                            for c in cands}
+            return Mode.CACHE, {
+                c.url: {"match": matched[c.url] * ps, "load": float(c.inflight), "score": matched[c.url]} for c in cands
+            }
+        return Mode.CAPACITY, {
+            c.url: {
+                "match": matched[c.url] * ps,
+                "tree_pages": len(self.trees.get(c.url, ())),
+                "load": float(c.inflight),
+                "score": -len(self.trees.get(c.url, ())),
+            }
+            for c in cands
+        }
 
     def commit(self, p, url):
         tree = self.trees.setdefault(url, OrderedDict())

@@ -8,6 +8,7 @@ there. Only that end is credited, never a point inside it: a prefix cut mid-way 
 window-safe unless the worker says so. Entries expire after ttl_s (router clock) and are
 capped per worker; the published view wins whenever it credits more.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

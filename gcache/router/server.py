@@ -16,6 +16,7 @@ not answer within --request-timeout-s gets no retry (the client's time is spent)
 A worker that dies after its headers were sent cannot be retried: a stream gets an error
 event, a plain body is cut short (the connection is closed).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,7 @@ log = logging.getLogger("gcache.router")
 
 WORKER_HEADER = "x-gcache-worker"
 RETRY_STATUSES = (500, 502, 503)
-ROUTER_VOCAB = 1 << 31   # token-id prompts are range-checked by the worker, which knows its vocabulary
+ROUTER_VOCAB = 1 << 31  # token-id prompts are range-checked by the worker, which knows its vocabulary
 ERROR_PEEK_BYTES = 4096  # of a failed worker's answer, for the 503 message
 RELAYED_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering")
 ROUTER_COUNTERS = {
@@ -58,29 +59,38 @@ class WorkerFailed(Exception):
 
 
 class RouterApp:
-    def __init__(self, core: RouterCore, request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0,
-                 max_in_flight: int = 1024, body_timeout_s: float = BODY_DEADLINE_S,
-                 body_bytes_max: int = BODY_BYTES_MAX) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 2.0,
+        max_in_flight: int = 1024,
+        body_timeout_s: float = BODY_DEADLINE_S,
+        body_bytes_max: int = BODY_BYTES_MAX,
+    ) -> None:
         self.core = core
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.body_timeout_s, self.body_bytes_max = body_timeout_s, body_bytes_max
         self.limiter = InFlightLimiter(max_in_flight)
         self.tok = ByteTokenizer(ROUTER_VOCAB)
-        self.counters = HTTPCounters("gcache_router_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics"),
-                                     ROUTER_COUNTERS)
+        self.counters = HTTPCounters(
+            "gcache_router_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics"), ROUTER_COUNTERS
+        )
         self.session: aiohttp.ClientSession | None = None
 
     def build(self) -> web.Application:
-        app = openai_app(self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health,
-                         self.metrics)
+        app = openai_app(
+            self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health, self.metrics
+        )
         app.on_startup.append(self._open_session)
         app.on_cleanup.append(self._close_session)
         return app
 
     async def _open_session(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=2 * self.limiter.limit, limit_per_host=0)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("Accept-Encoding",))
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+        )
 
     async def _close_session(self, app: web.Application) -> None:
         if self.session is not None:
@@ -94,7 +104,8 @@ class RouterApp:
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.core.metrics_text() + self.counters.render(
-            {"http_in_flight": ("requests this router is proxying now", self.limiter.in_flight)})
+            {"http_in_flight": ("requests this router is proxying now", self.limiter.in_flight)}
+        )
         return prometheus_response(text)
 
     # ---- POST -----------------------------------------------------------------------------------------
@@ -108,9 +119,15 @@ class RouterApp:
         async def attempts(body: bytes, tokens: list[int]) -> web.StreamResponse:
             return await self._attempts(request, path, body, tokens)
 
-        return await serve_post(request, lambda payload: prompt_tokens(path, payload, self.tok), attempts,
-                                limiter=self.limiter, counters=self.counters, body_bytes_max=self.body_bytes_max,
-                                body_timeout_s=self.body_timeout_s)
+        return await serve_post(
+            request,
+            lambda payload: prompt_tokens(path, payload, self.tok),
+            attempts,
+            limiter=self.limiter,
+            counters=self.counters,
+            body_bytes_max=self.body_bytes_max,
+            body_timeout_s=self.body_timeout_s,
+        )
 
     async def _attempts(self, request: web.Request, path: str, body: bytes, tokens: list[int]) -> web.StreamResponse:
         tried: list[str] = []
@@ -131,20 +148,25 @@ class RouterApp:
             return error_response(503, "no worker available to take the request")
         return error_response(503, "no worker could take the request: " + "; ".join(failures))
 
-    async def _forward(self, request: web.Request, url: str, path: str, body: bytes, n_tokens: int,
-                       last: bool) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, url: str, path: str, body: bytes, n_tokens: int, last: bool
+    ) -> web.StreamResponse:
         """One attempt on `url`. WorkerFailed: nothing was sent to the client; try elsewhere."""
         self.core.begin(url, n_tokens)
         ok = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
             try:
-                upstream = await self.session.post(url + path, data=body, timeout=timeout,
-                                                   headers={"Content-Type": "application/json"})
+                upstream = await self.session.post(
+                    url + path, data=body, timeout=timeout, headers={"Content-Type": "application/json"}
+                )
             except asyncio.TimeoutError:
                 self.counters.inc("http_upstream_errors_total")
-                return error_response(504, f"worker {url} did not answer within {self.request_timeout_s:g} s",
-                                      headers={WORKER_HEADER: url})
+                return error_response(
+                    504,
+                    f"worker {url} did not answer within {self.request_timeout_s:g} s",
+                    headers={WORKER_HEADER: url},
+                )
             except (aiohttp.ClientError, OSError) as e:
                 self.counters.inc("http_upstream_errors_total")
                 raise WorkerFailed(f"{url}: {_describe(e)}") from None
@@ -164,8 +186,9 @@ class RouterApp:
         finally:
             self.core.end(url, ok, n_tokens)
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                     url: str) -> tuple[web.StreamResponse, bool]:
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, url: str
+    ) -> tuple[web.StreamResponse, bool]:
         """Copy the worker's answer to the client as it arrives; False if the worker broke off.
         ConnectionError: the client went away."""
         headers = {h: upstream.headers[h] for h in RELAYED_HEADERS if h in upstream.headers}
@@ -211,8 +234,12 @@ async def _peek_message(upstream: aiohttp.ClientResponse) -> str:
         return "(no message)"
 
 
-def make_app(core: RouterCore, request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0,
-             max_in_flight: int = 1024, body_timeout_s: float = BODY_DEADLINE_S,
-             body_bytes_max: int = BODY_BYTES_MAX) -> web.Application:
-    return RouterApp(core, request_timeout_s, connect_timeout_s, max_in_flight, body_timeout_s,
-                     body_bytes_max).build()
+def make_app(
+    core: RouterCore,
+    request_timeout_s: float = 600.0,
+    connect_timeout_s: float = 2.0,
+    max_in_flight: int = 1024,
+    body_timeout_s: float = BODY_DEADLINE_S,
+    body_bytes_max: int = BODY_BYTES_MAX,
+) -> web.Application:
+    return RouterApp(core, request_timeout_s, connect_timeout_s, max_in_flight, body_timeout_s, body_bytes_max).build()

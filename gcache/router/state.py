@@ -18,6 +18,7 @@ Fetching happens without the view lock; applying takes it for bounded memory wor
 (one registration pass, one stream entry, one chunk of L3 reports at a time), so pick()
 never waits on Redis.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ from gcache.serving.redis_layout import (
     valid_worker_url,
 )
 
-L3_SKEW_MS = 2_000       # re-read this much of the L3 log on each refresh (workers' clocks differ)
+L3_SKEW_MS = 2_000  # re-read this much of the L3 log on each refresh (workers' clocks differ)
 L3_APPLY_CHUNK = 20_000  # L3 reports applied per hold of the view lock (pick() waits for one chunk at most)
 
 
@@ -44,13 +45,13 @@ L3_APPLY_CHUNK = 20_000  # L3 reports applied per hold of the view lock (pick() 
 class WorkerView:
     url: str
     reg: Registration | None = None
-    flags: dict = field(default_factory=dict)   # page id -> L1/L2 flags
+    flags: dict = field(default_factory=dict)  # page id -> L1/L2 flags
     epoch: str = ""
     seq: int = -1
-    last_id: bytes | None = None                # stream id of the entry at `seq`
-    missing_since: float | None = None          # router clock when the registration went missing
-    listed: bool = True                         # in the discovery set (False: deregistered, or Redis lost it)
-    awaiting: bool = False                      # registered when Redis changed epoch: expected back
+    last_id: bytes | None = None  # stream id of the entry at `seq`
+    missing_since: float | None = None  # router clock when the registration went missing
+    listed: bool = True  # in the discovery set (False: deregistered, or Redis lost it)
+    awaiting: bool = False  # registered when Redis changed epoch: expected back
 
 
 class ClusterView:
@@ -60,7 +61,7 @@ class ClusterView:
         self.lock = threading.Lock()
         self.workers: dict[str, WorkerView] = {}
         self.l3: OrderedDict[int, int] = OrderedDict()  # page id -> L3_FULL | L3_SWA
-        self.l3_since_ms: int | None = None             # newest L3 report applied
+        self.l3_since_ms: int | None = None  # newest L3 report applied
 
     def pages(self) -> int:
         return sum(len(w.flags) for w in self.workers.values())
@@ -80,15 +81,36 @@ def _l3_member_ok(member: bytes, score: float) -> bool:
 
 
 class RedisSync:
-    def __init__(self, client, keys: Keys, static_workers: tuple[str, ...], workers_max: int,
-                 stream_read_max: int, l3_pages_max: int, grace_s: float, clock) -> None:
+    def __init__(
+        self,
+        client,
+        keys: Keys,
+        static_workers: tuple[str, ...],
+        workers_max: int,
+        stream_read_max: int,
+        l3_pages_max: int,
+        grace_s: float,
+        clock,
+    ) -> None:
         self.r, self.keys = client, keys
         self.static = static_workers
         self.workers_max, self.stream_read_max = workers_max, stream_read_max
         self.l3_pages_max, self.grace_s, self.clock = l3_pages_max, grace_s, clock
         self.run_id: str | None = None  # Redis's run_id at the last refresh (None: unknown)
-        self.stats = dict.fromkeys(("full_loads", "deltas", "stream_gaps", "bad_entries", "bad_registrations",
-                                    "bad_worker_urls", "workers_dropped", "l3_reads", "redis_epochs"), 0)
+        self.stats = dict.fromkeys(
+            (
+                "full_loads",
+                "deltas",
+                "stream_gaps",
+                "bad_entries",
+                "bad_registrations",
+                "bad_worker_urls",
+                "workers_dropped",
+                "l3_reads",
+                "redis_epochs",
+            ),
+            0,
+        )
 
     # ---- one refresh -------------------------------------------------------------------
     def refresh(self, view: ClusterView, after_error: bool = False) -> None:
@@ -262,7 +284,7 @@ class RedisSync:
         for i in range(0, len(items), L3_APPLY_CHUNK):
             with view.lock:
                 l3 = view.l3
-                for score, pid, bit in items[i:i + L3_APPLY_CHUNK]:
+                for score, pid, bit in items[i : i + L3_APPLY_CHUNK]:
                     l3[pid] = l3.get(pid, 0) | bit
                     l3.move_to_end(pid)
                 while len(l3) > self.l3_pages_max:

@@ -1,4 +1,5 @@
 """`python -m gcache.server` runs gcache-server."""
+
 import sys
 
 from gcache.server.main import main

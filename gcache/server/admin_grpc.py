@@ -13,6 +13,7 @@ request_serializer=msgpack.packb, response_deserializer=msgpack.unpackb)({}).
 With --auth-file, Flush needs the metadata `authorization: Bearer TOKEN` of a
 tenant with the admin role (UNAUTHENTICATED / PERMISSION_DENIED otherwise).
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,14 +37,18 @@ def require_role(auth, context, role: str):
     """Aborts the call unless its `authorization: Bearer TOKEN` metadata names a tenant
     with `role`; returns that tenant."""
     from gcache.wire.auth import bearer_token
+
     header = dict(context.invocation_metadata()).get("authorization")
     tenant = auth.by_token(bearer_token(header))
     if tenant is None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "send the metadata 'authorization: Bearer TOKEN' with a token of the auth file")
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "send the metadata 'authorization: Bearer TOKEN' with a token of the auth file",
+        )
     if not tenant.has(role):
-        context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                      f"tenant {tenant.name!r} lacks the {role} role this call needs")
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} lacks the {role} role this call needs"
+        )
     return tenant
 
 
@@ -60,15 +65,20 @@ class AdminGrpcServer:
 
         def method(fn):
             return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=_unpack, response_serializer=msgpack.packb)
+                fn, request_deserializer=_unpack, response_serializer=msgpack.packb
+            )
 
-        handler = grpc.method_handlers_generic_handler(SERVICE, {
-            "Ping": method(lambda _r, _c: {"version": __version__}),
-            "Stats": method(lambda _r, _c: stats()),
-            "Flush": method(do_flush),
-        })
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS_MAX),
-                                   handlers=(handler,), maximum_concurrent_rpcs=16)
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Ping": method(lambda _r, _c: {"version": __version__}),
+                "Stats": method(lambda _r, _c: stats()),
+                "Flush": method(do_flush),
+            },
+        )
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS_MAX), handlers=(handler,), maximum_concurrent_rpcs=16
+        )
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as e:

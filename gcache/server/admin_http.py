@@ -14,6 +14,7 @@ With --auth-file the POST endpoints need `Authorization: Bearer TOKEN` of a
 tenant with the admin role: 401 without a valid token, 403 without the role.
 The GET endpoints stay open (they carry counters and states, never key names).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,22 +34,30 @@ REASON_BYTES_MAX = 1024  # of a POST /drain body
 class AdminHttpServer:
     """Serves the admin endpoints in a daemon thread until close()."""
 
-    def __init__(self, host: str, port: int, stats: Callable[[], dict], flush: Callable[[], None],
-                 ready: Callable[[], bool], cluster: Callable[[], dict | None] = lambda: None,
-                 drain: Callable[[str], dict | None] = lambda reason: None, auth=None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        stats: Callable[[], dict],
+        flush: Callable[[], None],
+        ready: Callable[[], bool],
+        cluster: Callable[[], dict | None] = lambda: None,
+        drain: Callable[[str], dict | None] = lambda reason: None,
+        auth=None,
+    ):
         handler = _make_handler(stats, flush, ready, cluster, drain, auth)
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
-            raise OSError(e.errno, f"admin HTTP {host}:{port}: {e.strerror}; "
-                                   "pick a free --admin-port, or 0 to turn it off") from e
+            raise OSError(
+                e.errno, f"admin HTTP {host}:{port}: {e.strerror}; pick a free --admin-port, or 0 to turn it off"
+            ) from e
         # Request threads are joined on close, so a POST /flush in progress
         # finishes before the process exits; Handler.timeout bounds each one.
         self._httpd.daemon_threads = False
         self._httpd.block_on_close = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gcache-admin-http",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gcache-admin-http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -101,11 +110,13 @@ def _make_handler(stats, flush, ready, cluster, drain, auth):
                     self._reply(503, "shutting down\n")
             elif path == "/cluster":
                 view = cluster()
-                self._reply(200, json.dumps(view if view is not None else {"cluster": False},
-                                            sort_keys=True) + "\n", "application/json")
+                self._reply(
+                    200,
+                    json.dumps(view if view is not None else {"cluster": False}, sort_keys=True) + "\n",
+                    "application/json",
+                )
             else:
-                self._reply(404, "not found; try /metrics, /healthz, /readyz, /cluster, "
-                                 "POST /flush or POST /drain\n")
+                self._reply(404, "not found; try /metrics, /healthz, /readyz, /cluster, POST /flush or POST /drain\n")
 
         def _body(self) -> str:
             try:
@@ -122,16 +133,21 @@ def _make_handler(stats, flush, ready, cluster, drain, auth):
             if tenant is None:
                 self.send_response(401)
                 self.send_header("WWW-Authenticate", 'Bearer realm="gcache-admin"')
-                body = (b"this node has --auth-file: send 'Authorization: Bearer TOKEN' with the token "
-                        b"of a tenant that has the admin role\n")
+                body = (
+                    b"this node has --auth-file: send 'Authorization: Bearer TOKEN' with the token "
+                    b"of a tenant that has the admin role\n"
+                )
                 self.send_header("Content-Type", "text/plain; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
                 return False
             if not tenant.has("admin"):
-                self._reply(403, f"tenant {tenant.name!r} lacks the admin role needed for POST "
-                                 f"{self.path.split('?', 1)[0]}; add \"admin\" to its roles in the auth file\n")
+                self._reply(
+                    403,
+                    f"tenant {tenant.name!r} lacks the admin role needed for POST "
+                    f'{self.path.split("?", 1)[0]}; add "admin" to its roles in the auth file\n',
+                )
                 return False
             return True
 
@@ -147,8 +163,7 @@ def _make_handler(stats, flush, ready, cluster, drain, auth):
                 reason = self._body()
                 view = drain(f"operator: POST /drain{': ' + reason if reason else ''}")
                 if view is None:
-                    self._reply(409, "this node is standalone (no --master): there is no cluster "
-                                     "to drain it into\n")
+                    self._reply(409, "this node is standalone (no --master): there is no cluster to drain it into\n")
                 else:
                     self._reply(202, json.dumps(view, sort_keys=True) + "\n", "application/json")
             else:

@@ -17,6 +17,7 @@ Two daemon threads:
 A node that was draining and is then missing from the map, with its keys
 pushed, calls `on_drained` (main stops the process, exit 0).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ REGISTER_BACKOFF_MIN_S = 0.2
 REGISTER_BACKOFF_MAX_S = 5.0
 MASTER_CALL_TIMEOUT_MIN_S = 0.5
 MASTER_CALL_TIMEOUT_MAX_S = 2.0
-REBALANCE_ATTEMPTS = 3        # per map, after unexpected errors
+REBALANCE_ATTEMPTS = 3  # per map, after unexpected errors
 REBALANCE_RETRY_S = 1.0
 INCOMPLETE_RETRY_MIN_S = 0.5  # an owner was unreachable: try the same map again, backing off
 INCOMPLETE_RETRY_MAX_S = 5.0
@@ -63,37 +64,47 @@ def local_address(host: str, port: int) -> str:
 class ClusterAgent:
     """Membership of one node; start() after the native server listens, stop() before it stops."""
 
-    def __init__(self, settings, native, *, bound_port: int, admin_address: str = "",
-                 stats: Callable[[], dict], on_drained: Callable[[], None]):
+    def __init__(
+        self,
+        settings,
+        native,
+        *,
+        bound_port: int,
+        admin_address: str = "",
+        stats: Callable[[], dict],
+        on_drained: Callable[[], None],
+    ):
         self.node_id = settings.node_id_or_default(bound_port)
         self.address = settings.advertise_address(bound_port)
         self.admin_address = admin_address
         self.weight = weight_for_capacity(settings.memory + settings.disk)
         self.interval_s = settings.heartbeat_interval_s
         timeout_s = min(MASTER_CALL_TIMEOUT_MAX_S, max(MASTER_CALL_TIMEOUT_MIN_S, 2 * self.interval_s))
-        self.masters = MasterClient(settings.master, timeout_s=timeout_s,
-                                    credentials=settings.master_credentials())
+        self.masters = MasterClient(settings.master, timeout_s=timeout_s, credentials=settings.master_credentials())
         self.monitor = DegradationMonitor(stats, settings.data_dir or None, settings.memory_pressure_drain)
         self.counters = RebalanceCounters()
         self._native = native
         self._on_drained = on_drained
         self._rebalancer = Rebalancer(
-            self.node_id, local_address(settings.host, bound_port),
+            self.node_id,
+            local_address(settings.host, bound_port),
             list_keys_page=native.keys_page,
             remove_keys=native.remove_keys,
             fence=native.wait_puts_admitted_before,  # PUTs admitted under the old map finish first
             batch_bytes=settings.rebalance_batch_bytes,
-            batch_keys=settings.batch_keys_max, counters=self.counters,
+            batch_keys=settings.batch_keys_max,
+            counters=self.counters,
             token=settings.auth.cluster_token() if settings.auth else None,
-            placement_key=placement_key if settings.auth else None)
+            placement_key=placement_key if settings.auth else None,
+        )
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._wake = threading.Event()          # heartbeat now (rebalance finished)
-        self._map = ClusterMap.empty()          # newest map applied to the native server
+        self._wake = threading.Event()  # heartbeat now (rebalance finished)
+        self._map = ClusterMap.empty()  # newest map applied to the native server
         self._pending: ClusterMap | None = None  # newest map the rebalancer has not started
-        self._drop_next = False                 # (re)entered the map as a new member: drop
+        self._drop_next = False  # (re)entered the map as a new member: drop
         self._drop_generation = 0
-        self._last_done: tuple | None = None    # (ring signature, keep) of the last clean run
+        self._last_done: tuple | None = None  # (ring signature, keep) of the last clean run
         self._rebalancing = False
         self._draining_seen = False
         self._drained = False
@@ -102,14 +113,21 @@ class ClusterAgent:
         self.master_state = ""
         self._last_answer_mono = 0.0
         self._masters_ok = True
-        self._threads = [threading.Thread(target=self._heartbeat_loop, name="gcache-heartbeat", daemon=True),
-                         threading.Thread(target=self._rebalance_loop, name="gcache-rebalance", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._heartbeat_loop, name="gcache-heartbeat", daemon=True),
+            threading.Thread(target=self._rebalance_loop, name="gcache-rebalance", daemon=True),
+        ]
 
     # -- lifecycle ------------------------------------------------------------
 
     def start(self) -> None:
-        log.info("cluster: node %s at %s (weight %d) joining via masters %s",
-                 self.node_id, self.address, self.weight, ",".join(self.masters.addresses))
+        log.info(
+            "cluster: node %s at %s (weight %d) joining via masters %s",
+            self.node_id,
+            self.address,
+            self.weight,
+            ",".join(self.masters.addresses),
+        )
         for t in self._threads:
             t.start()
 
@@ -136,11 +154,16 @@ class ClusterAgent:
         me = self._map.node(self.node_id)
         age = time.monotonic() - self._last_answer_mono if self._last_answer_mono else None
         return {
-            "node_id": self.node_id, "address": self.address, "weight": self.weight,
-            "masters": list(self.masters.addresses), "registered": self.registered,
+            "node_id": self.node_id,
+            "address": self.address,
+            "weight": self.weight,
+            "masters": list(self.masters.addresses),
+            "registered": self.registered,
             "state": me.state if me else ("removed" if self._draining_seen else "not in map"),
-            "epoch": self._map.epoch, "rebalanced_epoch": self.rebalanced_epoch,
-            "rebalancing": self._rebalancing, "degraded": self.monitor.reason,
+            "epoch": self._map.epoch,
+            "rebalanced_epoch": self.rebalanced_epoch,
+            "rebalancing": self._rebalancing,
+            "degraded": self.monitor.reason,
             "master_answer_age_s": round(age, 3) if age is not None else None,
             "rebalance": self.counters.as_dict(),
         }
@@ -150,16 +173,20 @@ class ClusterAgent:
         c = self.counters.as_dict()
         return {
             "counters": {
-                "rebalances": c["rebalances"], "rebalances_aborted": c["rebalances_aborted"],
-                "rebalance_keys_pushed": c["keys_pushed"], "rebalance_bytes_pushed": c["bytes_pushed"],
+                "rebalances": c["rebalances"],
+                "rebalances_aborted": c["rebalances_aborted"],
+                "rebalance_keys_pushed": c["keys_pushed"],
+                "rebalance_bytes_pushed": c["bytes_pushed"],
                 "rebalance_keys_dropped": c["keys_dropped"],
                 "rebalance_push_failures": c["push_failures"],
                 "rebalance_push_no_space": c["push_no_space"],
                 "rebalance_milliseconds": int(c["seconds"] * 1000),
             },
             "gauges": {
-                "cluster_epoch": self._map.epoch, "cluster_rebalanced_epoch": self.rebalanced_epoch,
-                "cluster_registered": int(self.registered), "cluster_rebalancing": int(self._rebalancing),
+                "cluster_epoch": self._map.epoch,
+                "cluster_rebalanced_epoch": self.rebalanced_epoch,
+                "cluster_registered": int(self.registered),
+                "cluster_rebalancing": int(self._rebalancing),
                 "cluster_degraded": int(bool(self.monitor.reason)),
             },
         }
@@ -199,9 +226,10 @@ class ClusterAgent:
             log.warning("cluster: %s; still serving data, retrying", error)
 
     def _register(self) -> None:
-        answer = self.masters.call("Register", {
-            "node_id": self.node_id, "address": self.address, "weight": self.weight,
-            "admin": self.admin_address})
+        answer = self.masters.call(
+            "Register",
+            {"node_id": self.node_id, "address": self.address, "weight": self.weight, "admin": self.admin_address},
+        )
         cmap = ClusterMap.from_dict(answer["map"])
         me = cmap.node(self.node_id)
         if me is not None and me.state == JOINING and me.changed_epoch == cmap.epoch:
@@ -213,19 +241,26 @@ class ClusterAgent:
                 self._drop_generation += 1
         self.registered = True
         self.master_state = answer.get("state", "")
-        log.info("cluster: registered as %s, state %s, epoch %d",
-                 self.node_id, self.master_state, cmap.epoch)
+        log.info("cluster: registered as %s, state %s, epoch %d", self.node_id, self.master_state, cmap.epoch)
         self._apply(cmap)
 
     def _heartbeat(self) -> None:
-        answer = self.masters.call("Heartbeat", {
-            "node_id": self.node_id, "epoch": self._map.epoch,
-            "rebalanced_epoch": self.rebalanced_epoch, "degraded": self.monitor.check()})
+        answer = self.masters.call(
+            "Heartbeat",
+            {
+                "node_id": self.node_id,
+                "epoch": self._map.epoch,
+                "rebalanced_epoch": self.rebalanced_epoch,
+                "degraded": self.monitor.check(),
+            },
+        )
         self.master_state = state = answer.get("state", "")
         epoch = int(answer.get("epoch", 0))
         if state in (UNKNOWN, DEAD_ANSWER) and not self._draining_seen:
-            log.warning("cluster: the master answers %r for this node: registering again; keys "
-                        "it does not own will be dropped", state)
+            log.warning(
+                "cluster: the master answers %r for this node: registering again; keys it does not own will be dropped",
+                state,
+            )
             with self._cond:
                 self.registered = False
                 self._drop_next = True
@@ -247,10 +282,16 @@ class ClusterAgent:
             me = cmap.node(self.node_id)
             if me is not None and me.state == DRAINING and not self._draining_seen:
                 self._draining_seen = True
-                log.info("cluster: this node is draining (epoch %d): pushing its keys to their "
-                         "owners, still serving reads", cmap.epoch)
-            log.info("cluster: map epoch %d -> %d: %s", old.epoch, cmap.epoch,
-                     ", ".join(f"{n.id}={n.state}" for n in cmap.nodes) or "no nodes")
+                log.info(
+                    "cluster: this node is draining (epoch %d): pushing its keys to their owners, still serving reads",
+                    cmap.epoch,
+                )
+            log.info(
+                "cluster: map epoch %d -> %d: %s",
+                old.epoch,
+                cmap.epoch,
+                ", ".join(f"{n.id}={n.state}" for n in cmap.nodes) or "no nodes",
+            )
             if me is None and not self._draining_seen:
                 return  # removed while live: the next heartbeat registers again
             if me is not None and me.state == DEAD:
@@ -283,8 +324,12 @@ class ClusterAgent:
                 continue
             except Exception:  # noqa: BLE001 -- log, retry a few times, leave it to the master's timeout
                 attempts[cmap.epoch] = attempts.get(cmap.epoch, 0) + 1
-                log.exception("cluster: rebalance for epoch %d failed (attempt %d of %d)",
-                              cmap.epoch, attempts[cmap.epoch], REBALANCE_ATTEMPTS)
+                log.exception(
+                    "cluster: rebalance for epoch %d failed (attempt %d of %d)",
+                    cmap.epoch,
+                    attempts[cmap.epoch],
+                    REBALANCE_ATTEMPTS,
+                )
                 with self._cond:
                     if attempts[cmap.epoch] < REBALANCE_ATTEMPTS and self._pending is None:
                         self._pending = cmap
@@ -303,10 +348,12 @@ class ClusterAgent:
                     # replaces it). The master's --migration-timeout-s bounds a drain.
                     if self._pending is None:
                         self._pending = cmap
-                    retry_s, incomplete_wait_s = incomplete_wait_s, min(
-                        INCOMPLETE_RETRY_MAX_S, incomplete_wait_s * 2)
-                    log.warning("cluster: epoch %d not fully rebalanced (an owner was unreachable); "
-                                "retrying in %.1f s", cmap.epoch, retry_s)
+                    retry_s, incomplete_wait_s = incomplete_wait_s, min(INCOMPLETE_RETRY_MAX_S, incomplete_wait_s * 2)
+                    log.warning(
+                        "cluster: epoch %d not fully rebalanced (an owner was unreachable); retrying in %.1f s",
+                        cmap.epoch,
+                        retry_s,
+                    )
                 else:
                     incomplete_wait_s = INCOMPLETE_RETRY_MIN_S
                     self.rebalanced_epoch = max(self.rebalanced_epoch, cmap.epoch)

@@ -3,6 +3,7 @@
 Precedence: command line > config file > defaults. Every flag can be set in
 the file under the same name (dashes or underscores), e.g. `memory = "1GiB"`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 
+
 @dataclass
 class ServerSettings:
     host: str = "127.0.0.1"
@@ -34,32 +36,32 @@ class ServerSettings:
     batch_keys_max: int = 16384
     frame_payload_bytes_max: int = 2 << 30
     connections_max: int = 1024
-    connections_per_address_max: int = 256   # 0 = no cap
-    connections_per_tenant_max: int = 512    # 0 = no cap (auth only)
+    connections_per_address_max: int = 256  # 0 = no cap
+    connections_per_tenant_max: int = 512  # 0 = no cap (auth only)
     meta_buffer_bytes_max: int = 256 << 20
-    put_reserve_bytes_max: int = 0           # 0 = memory / 8
-    index_bytes_max: int = 0                 # 0 = (memory + disk) / 8
+    put_reserve_bytes_max: int = 0  # 0 = memory / 8
+    index_bytes_max: int = 0  # 0 = (memory + disk) / 8
     idle_timeout_s: float = 300.0
     stall_timeout_s: float = 30.0
     segment_bytes: int = 64 << 20
     warm_restart: bool = True
     # Memory-tier eviction (docs/storage.md, "Eviction").
     eviction_policy: str = "chain"
-    eviction_fresh_weight: float = 0.0   # chain: 0 = tuned online
-    eviction_ghost_factor: float = 2.0   # chain
-    eviction_tail_hint: bool = True      # chain
+    eviction_fresh_weight: float = 0.0  # chain: 0 = tuned online
+    eviction_ghost_factor: float = 2.0  # chain
+    eviction_tail_hint: bool = True  # chain
     eviction_small_queue_fraction: float = 0.10  # s3fifo
     disk_exclusive: bool = True
     # Same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA").
     unix_socket: str = "auto"  # "auto" = <data-dir>/gcache.sock; "" = none
     shm_lease_s: float = 10.0
-    rdma_device: str = ""      # "" = no RDMA
+    rdma_device: str = ""  # "" = no RDMA
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
     # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
     master: str = ""
-    node_id: str = ""       # "" = the advertise address
-    advertise: str = ""     # "" = host:port (the bound port if --port 0)
+    node_id: str = ""  # "" = the advertise address
+    advertise: str = ""  # "" = host:port (the bound port if --port 0)
     heartbeat_interval_s: float = 1.0
     rebalance_batch_bytes: int = 64 << 20
     memory_pressure_drain: float = 0.0  # 0 = off
@@ -75,31 +77,43 @@ class ServerSettings:
     def check_files(self) -> None:
         """At start (not when parsing, so deploy files can be checked anywhere): the TLS files
         must be readable and the auth file must hold no example placeholder token."""
-        for flag, path in (("--master-tls-ca", self.master_tls_ca), ("--master-tls-cert", self.master_tls_cert),
-                           ("--master-tls-key", self.master_tls_key)):
+        for flag, path in (
+            ("--master-tls-ca", self.master_tls_ca),
+            ("--master-tls-cert", self.master_tls_cert),
+            ("--master-tls-key", self.master_tls_key),
+        ):
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"{flag} {path}: not a readable file")
         if self.auth:
             from gcache.wire.auth import placeholder_tenants
+
             names = placeholder_tenants(self.auth)
             if names:
-                raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(names)} still have the "
-                                  "example's placeholder token; generate real ones (docs/security.md)")
+                raise ConfigError(
+                    f"auth file {self.auth_file}: tenant(s) {', '.join(names)} still have the "
+                    "example's placeholder token; generate real ones (docs/security.md)"
+                )
             quota_names = sorted(t.name for t in self.auth.tenants.values() if t.memory)
             if quota_names and self.eviction_policy == "s3fifo":
-                raise ConfigError(f"auth file {self.auth_file}: tenant(s) {', '.join(quota_names)} have a memory "
-                                  "quota, which --eviction-policy s3fifo cannot enforce (it cannot evict one "
-                                  "tenant's values alone); use --eviction-policy chain or lru, or drop the "
-                                  "memory quotas (docs/security.md)")
+                raise ConfigError(
+                    f"auth file {self.auth_file}: tenant(s) {', '.join(quota_names)} have a memory "
+                    "quota, which --eviction-policy s3fifo cannot enforce (it cannot evict one "
+                    "tenant's values alone); use --eviction-policy chain or lru, or drop the "
+                    "memory quotas (docs/security.md)"
+                )
 
     def master_credentials(self):
         """How this node proves itself to the masters: its auth file's cluster-role token
         (else $GCACHE_TOKEN) and the --master-tls-* files."""
         from gcache.cluster.master_api import MasterCredentials
+
         token = self.auth.cluster_token() if self.auth else None
-        return MasterCredentials.from_env(token=token, tls_ca=self.master_tls_ca or None,
-                                          tls_cert=self.master_tls_cert or None,
-                                          tls_key=self.master_tls_key or None)
+        return MasterCredentials.from_env(
+            token=token,
+            tls_ca=self.master_tls_ca or None,
+            tls_cert=self.master_tls_cert or None,
+            tls_key=self.master_tls_key or None,
+        )
 
     @property
     def auth(self):
@@ -109,6 +123,7 @@ class ServerSettings:
         cached = self.__dict__.get("_auth")
         if cached is None or cached.path != self.auth_file:
             from gcache.wire.auth import AuthFileError, load_auth_file
+
             try:
                 cached = self.__dict__["_auth"] = load_auth_file(self.auth_file)
             except AuthFileError as e:
@@ -131,24 +146,34 @@ class ServerSettings:
     def native_config(self) -> dict:
         """The dict gcache._native.Server(config) takes."""
         return {
-            "host": self.host, "port": self.port,
-            "memory_bytes": self.memory, "disk_bytes": self.disk, "data_dir": self.data_dir,
-            "value_bytes_max": self.value_bytes_max, "batch_keys_max": self.batch_keys_max,
+            "host": self.host,
+            "port": self.port,
+            "memory_bytes": self.memory,
+            "disk_bytes": self.disk,
+            "data_dir": self.data_dir,
+            "value_bytes_max": self.value_bytes_max,
+            "batch_keys_max": self.batch_keys_max,
             "frame_payload_bytes_max": self.frame_payload_bytes_max,
-            "connections_max": self.connections_max, "idle_timeout_s": self.idle_timeout_s,
+            "connections_max": self.connections_max,
+            "idle_timeout_s": self.idle_timeout_s,
             "connections_per_address_max": self.connections_per_address_max,
             "connections_per_tenant_max": self.connections_per_tenant_max,
             "meta_buffer_bytes_max": self.meta_buffer_bytes_max,
             "put_reserve_bytes_max": self.put_reserve_bytes_max or self.default_put_reserve_bytes(),
             "index_bytes_max": self.index_bytes_max or max(32 << 20, (self.memory + self.disk) // 8),
-            "stall_timeout_s": self.stall_timeout_s, "segment_bytes": self.segment_bytes,
+            "stall_timeout_s": self.stall_timeout_s,
+            "segment_bytes": self.segment_bytes,
             "warm_restart": self.warm_restart,
             "tenants": self.auth.native_tenants() if self.auth else None,
             "auth_timeout_s": self.auth_timeout_s,
-            "eviction_policy": self.eviction_policy, "eviction_fresh_weight": self.eviction_fresh_weight,
-            "eviction_ghost_factor": self.eviction_ghost_factor, "eviction_tail_hint": self.eviction_tail_hint,
-            "small_queue_fraction": self.eviction_small_queue_fraction, "disk_exclusive": self.disk_exclusive,
-            "unix_socket_path": self.unix_socket_path(), "shm_lease_s": self.shm_lease_s,
+            "eviction_policy": self.eviction_policy,
+            "eviction_fresh_weight": self.eviction_fresh_weight,
+            "eviction_ghost_factor": self.eviction_ghost_factor,
+            "eviction_tail_hint": self.eviction_tail_hint,
+            "small_queue_fraction": self.eviction_small_queue_fraction,
+            "disk_exclusive": self.disk_exclusive,
+            "unix_socket_path": self.unix_socket_path(),
+            "shm_lease_s": self.shm_lease_s,
             "instance_id": secrets.token_hex(8),
         }
 
@@ -169,8 +194,17 @@ class ServerSettings:
 
 UNIX_SOCKET_NAME = "gcache.sock"
 UNIX_SOCKET_PATH_BYTES_MAX = 107  # sockaddr_un.sun_path, less its NUL
-_SIZE_FIELDS = {"memory", "disk", "value_bytes_max", "frame_payload_bytes_max", "segment_bytes",
-                "rebalance_batch_bytes", "meta_buffer_bytes_max", "put_reserve_bytes_max", "index_bytes_max"}
+_SIZE_FIELDS = {
+    "memory",
+    "disk",
+    "value_bytes_max",
+    "frame_payload_bytes_max",
+    "segment_bytes",
+    "rebalance_batch_bytes",
+    "meta_buffer_bytes_max",
+    "put_reserve_bytes_max",
+    "index_bytes_max",
+}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
 EVICTION_POLICIES = ("chain", "s3fifo", "lru")
 REBALANCE_BATCH_BYTES_MIN = 1 << 20
@@ -218,111 +252,188 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", help="disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)")
     p.add_argument("--data-dir", help="directory for disk segments and the warm list (default ./gcache-data)")
     p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
-    p.add_argument("--admin-port", type=int,
-                   help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, /cluster, "
-                        "POST /flush, POST /drain; "
-                        "0 = off (default 7601)")
-    p.add_argument("--grpc-port", type=int,
-                   help="admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, /cluster, "
+        "POST /flush, POST /drain; "
+        "0 = off (default 7601)",
+    )
+    p.add_argument(
+        "--grpc-port", type=int, help="admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)"
+    )
     p.add_argument("--value-bytes-max", help="largest value accepted (default 64MiB)")
     p.add_argument("--batch-keys-max", type=int, help="most keys in one batch request (default 16384)")
-    p.add_argument("--frame-payload-bytes-max",
-                   help="largest payload of one request or response frame (default 2GiB)")
-    limits = p.add_argument_group("abuse limits (docs/protocol.md, \"Limits\")")
+    p.add_argument("--frame-payload-bytes-max", help="largest payload of one request or response frame (default 2GiB)")
+    limits = p.add_argument_group('abuse limits (docs/protocol.md, "Limits")')
     limits.add_argument("--connections-max", type=int, help="most open client connections (default 1024)")
-    limits.add_argument("--connections-per-address-max", type=int,
-                        help="most open connections from one peer IP address, so one peer cannot take "
-                             "every slot; 0 = no cap (default 256)")
-    limits.add_argument("--connections-per-tenant-max", type=int,
-                        help="most open connections of one tenant (with --auth-file); 0 = no cap (default 512)")
-    limits.add_argument("--idle-timeout-s", type=float,
-                        help="close a connection that sent no data request (PUT/GET/EXISTS/REMOVE) for this "
-                             "long; PING and STATS do not count (default 300)")
-    limits.add_argument("--stall-timeout-s", type=float,
-                        help="close a connection whose frame (or response) stops moving for this long; "
-                             "a frame must also arrive within this plus 1 s per MiB (default 30)")
-    limits.add_argument("--meta-buffer-bytes-max",
-                        help="request metadata buffered by all connections together, beyond 64KiB each; "
-                             "a frame that cannot get room within the stall timeout is refused "
-                             "(default 256MiB)")
-    limits.add_argument("--put-reserve-bytes-max",
-                        help="arena bytes PUTs may hold reserved before their values arrive, all "
-                             "connections together (one address or tenant: a quarter); a value that "
-                             "cannot get room within the stall timeout is refused NO_SPACE "
-                             "(default --memory / 8, at least 2 x --value-bytes-max, at most --memory / 2)")
-    limits.add_argument("--index-bytes-max",
-                        help="heap the key index may use (about 250 B plus the key per value, either "
-                             "tier); a new key beyond it drops the oldest disk segment, then memory "
-                             "values (default (--memory + --disk) / 8, at least 32MiB)")
+    limits.add_argument(
+        "--connections-per-address-max",
+        type=int,
+        help="most open connections from one peer IP address, so one peer cannot take "
+        "every slot; 0 = no cap (default 256)",
+    )
+    limits.add_argument(
+        "--connections-per-tenant-max",
+        type=int,
+        help="most open connections of one tenant (with --auth-file); 0 = no cap (default 512)",
+    )
+    limits.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        help="close a connection that sent no data request (PUT/GET/EXISTS/REMOVE) for this "
+        "long; PING and STATS do not count (default 300)",
+    )
+    limits.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        help="close a connection whose frame (or response) stops moving for this long; "
+        "a frame must also arrive within this plus 1 s per MiB (default 30)",
+    )
+    limits.add_argument(
+        "--meta-buffer-bytes-max",
+        help="request metadata buffered by all connections together, beyond 64KiB each; "
+        "a frame that cannot get room within the stall timeout is refused "
+        "(default 256MiB)",
+    )
+    limits.add_argument(
+        "--put-reserve-bytes-max",
+        help="arena bytes PUTs may hold reserved before their values arrive, all "
+        "connections together (one address or tenant: a quarter); a value that "
+        "cannot get room within the stall timeout is refused NO_SPACE "
+        "(default --memory / 8, at least 2 x --value-bytes-max, at most --memory / 2)",
+    )
+    limits.add_argument(
+        "--index-bytes-max",
+        help="heap the key index may use (about 250 B plus the key per value, either "
+        "tier); a new key beyond it drops the oldest disk segment, then memory "
+        "values (default (--memory + --disk) / 8, at least 32MiB)",
+    )
     p.add_argument("--segment-bytes", help="target disk segment file size (default 64MiB)")
-    p.add_argument("--warm-restart", action=argparse.BooleanOptionalAction, default=None,
-                   help="reload the warm list into memory at start (default on)")
+    p.add_argument(
+        "--warm-restart",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload the warm list into memory at start (default on)",
+    )
     eviction = p.add_argument_group("eviction (docs/storage.md)")
-    eviction.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
-                          help="memory-tier eviction: chain (chain-aware weighted recency, tuned online), "
-                               "s3fifo, or lru (default chain)")
-    eviction.add_argument("--eviction-fresh-weight", type=float, metavar="W",
-                          help="chain: how many times faster a value never read since its put ages than a "
-                               "read one; 1 = plain LRU order; 0 = picked online among 1, 2, 4, 8, 16, 32 (default 0)")
-    eviction.add_argument("--eviction-ghost-factor", type=float, metavar="F",
-                          help="chain: evicted keys remembered, per value in memory; a key put again while "
-                               "remembered counts as read (default 2)")
-    eviction.add_argument("--eviction-tail-hint", action=argparse.BooleanOptionalAction, default=None,
-                          help="chain: the last value of a put batch (a chain's partial tail block) is "
-                               "evicted first (default on)")
-    eviction.add_argument("--eviction-small-queue-fraction", type=float, metavar="FRACTION",
-                          help="s3fifo: share of the memory tier for the small FIFO (default 0.10)")
-    p.add_argument("--disk-exclusive", action=argparse.BooleanOptionalAction, default=None,
-                   help="a value read back from disk into memory gives up its disk copy, so memory and "
-                        "disk hold their sum (default on; off: it keeps the copy and leaves memory "
-                        "again without a write)")
-    local = p.add_argument_group("same-host and RDMA clients (docs/protocol.md, \"Shared memory and RDMA\")")
-    local.add_argument("--unix-socket", metavar="PATH",
-                       help="Unix socket for clients on this host: they map the arena and copy values "
-                            "themselves (transport 'shm'); mode 0600, so only this user's processes; "
-                            "'' = none (default <data-dir>/gcache.sock, if the dir exists or --disk is "
-                            "not 0); with --auth-file shared memory "
-                            "is refused, since the arena holds every tenant's values")
-    local.add_argument("--shm-lease-s", type=float,
-                       help="how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
-                            "a connection past a reservation's deadline is closed (default 10)")
-    local.add_argument("--rdma-device", metavar="NAME",
-                       help="register the arena with this RDMA device (pyverbs) so remote clients read "
-                            "and write it one-sided (transport 'rdma'); default: none")
-    p.add_argument("--shutdown-grace-s", type=float,
-                   help="on SIGTERM, how long requests in flight may take to finish (default 10)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   help="log verbosity (default info)")
+    eviction.add_argument(
+        "--eviction-policy",
+        choices=EVICTION_POLICIES,
+        help="memory-tier eviction: chain (chain-aware weighted recency, tuned online), s3fifo, or lru (default chain)",
+    )
+    eviction.add_argument(
+        "--eviction-fresh-weight",
+        type=float,
+        metavar="W",
+        help="chain: how many times faster a value never read since its put ages than a "
+        "read one; 1 = plain LRU order; 0 = picked online among 1, 2, 4, 8, 16, 32 (default 0)",
+    )
+    eviction.add_argument(
+        "--eviction-ghost-factor",
+        type=float,
+        metavar="F",
+        help="chain: evicted keys remembered, per value in memory; a key put again while "
+        "remembered counts as read (default 2)",
+    )
+    eviction.add_argument(
+        "--eviction-tail-hint",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="chain: the last value of a put batch (a chain's partial tail block) is evicted first (default on)",
+    )
+    eviction.add_argument(
+        "--eviction-small-queue-fraction",
+        type=float,
+        metavar="FRACTION",
+        help="s3fifo: share of the memory tier for the small FIFO (default 0.10)",
+    )
+    p.add_argument(
+        "--disk-exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a value read back from disk into memory gives up its disk copy, so memory and "
+        "disk hold their sum (default on; off: it keeps the copy and leaves memory "
+        "again without a write)",
+    )
+    local = p.add_argument_group('same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA")')
+    local.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="Unix socket for clients on this host: they map the arena and copy values "
+        "themselves (transport 'shm'); mode 0600, so only this user's processes; "
+        "'' = none (default <data-dir>/gcache.sock, if the dir exists or --disk is "
+        "not 0); with --auth-file shared memory "
+        "is refused, since the arena holds every tenant's values",
+    )
+    local.add_argument(
+        "--shm-lease-s",
+        type=float,
+        help="how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
+        "a connection past a reservation's deadline is closed (default 10)",
+    )
+    local.add_argument(
+        "--rdma-device",
+        metavar="NAME",
+        help="register the arena with this RDMA device (pyverbs) so remote clients read "
+        "and write it one-sided (transport 'rdma'); default: none",
+    )
+    p.add_argument(
+        "--shutdown-grace-s", type=float, help="on SIGTERM, how long requests in flight may take to finish (default 10)"
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
     security = p.add_argument_group("authentication (docs/security.md)")
-    security.add_argument("--auth-file", metavar="FILE",
-                          help="TOML file of tenants (token, roles, memory/disk quotas): clients must "
-                               "authenticate (challenge-response), keys are namespaced per tenant, a tenant "
-                               "over its memory quota evicts only its own values (needs --eviction-policy "
-                               "chain or lru), disk \"0\" keeps its values off disk, POST /flush and /drain "
-                               "need an admin token (default: none, no authentication)")
-    security.add_argument("--auth-timeout-s", type=float,
-                          help="close a connection that has not authenticated within this long; "
-                               "before AUTH only PING is answered (default 5)")
+    security.add_argument(
+        "--auth-file",
+        metavar="FILE",
+        help="TOML file of tenants (token, roles, memory/disk quotas): clients must "
+        "authenticate (challenge-response), keys are namespaced per tenant, a tenant "
+        "over its memory quota evicts only its own values (needs --eviction-policy "
+        'chain or lru), disk "0" keeps its values off disk, POST /flush and /drain '
+        "need an admin token (default: none, no authentication)",
+    )
+    security.add_argument(
+        "--auth-timeout-s",
+        type=float,
+        help="close a connection that has not authenticated within this long; "
+        "before AUTH only PING is answered (default 5)",
+    )
     cluster = p.add_argument_group("cluster (docs/cluster.md)")
-    cluster.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]",
-                         help="gcache-master replicas to register with (default: none, a standalone node)")
+    cluster.add_argument(
+        "--master",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="gcache-master replicas to register with (default: none, a standalone node)",
+    )
     cluster.add_argument("--node-id", metavar="ID", help="this node's id in the map (default: --advertise)")
-    cluster.add_argument("--advertise", metavar="HOST:PORT",
-                         help="data address other nodes and clients use (default: --host:--port; "
-                              "required with --master when --host is 0.0.0.0 or ::)")
-    cluster.add_argument("--heartbeat-interval-s", type=float,
-                         help="seconds between heartbeats to the master (default 1.0)")
-    cluster.add_argument("--rebalance-batch-bytes",
-                         help="bytes moved per batch when keys move to their owners (default 64MiB)")
-    cluster.add_argument("--master-tls-ca", metavar="PEM",
-                         help="CA of the masters' TLS certificates: talk TLS to them (default: plaintext; "
-                              "with --auth-file the node sends its cluster-role token)")
-    cluster.add_argument("--master-tls-cert", metavar="PEM",
-                         help="client certificate for masters that require one (their --tls-ca)")
+    cluster.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="data address other nodes and clients use (default: --host:--port; "
+        "required with --master when --host is 0.0.0.0 or ::)",
+    )
+    cluster.add_argument(
+        "--heartbeat-interval-s", type=float, help="seconds between heartbeats to the master (default 1.0)"
+    )
+    cluster.add_argument(
+        "--rebalance-batch-bytes", help="bytes moved per batch when keys move to their owners (default 64MiB)"
+    )
+    cluster.add_argument(
+        "--master-tls-ca",
+        metavar="PEM",
+        help="CA of the masters' TLS certificates: talk TLS to them (default: plaintext; "
+        "with --auth-file the node sends its cluster-role token)",
+    )
+    cluster.add_argument(
+        "--master-tls-cert", metavar="PEM", help="client certificate for masters that require one (their --tls-ca)"
+    )
     cluster.add_argument("--master-tls-key", metavar="PEM", help="private key of --master-tls-cert")
-    cluster.add_argument("--memory-pressure-drain", type=float, metavar="FRACTION",
-                         help="drain this node when more than this fraction of puts is refused "
-                              "for lack of space over a minute; 0 = off (default 0)")
+    cluster.add_argument(
+        "--memory-pressure-drain",
+        type=float,
+        metavar="FRACTION",
+        help="drain this node when more than this fraction of puts is refused "
+        "for lack of space over a minute; 0 = off (default 0)",
+    )
     return p
 
 
@@ -374,29 +485,36 @@ def _validate(s: ServerSettings) -> None:
         (0 <= s.grpc_port <= 65535, "--grpc-port must be 0..65535"),
         (s.memory >= 1 << 20, "--memory must be at least 1MiB"),
         (s.value_bytes_max >= 1, "--value-bytes-max must be at least 1 byte"),
-        (s.value_bytes_max <= s.frame_payload_bytes_max,
-         "--value-bytes-max must not exceed --frame-payload-bytes-max"),
+        (s.value_bytes_max <= s.frame_payload_bytes_max, "--value-bytes-max must not exceed --frame-payload-bytes-max"),
         (1 <= s.batch_keys_max <= 1 << 20, "--batch-keys-max must be 1..1048576"),
         (1 <= s.connections_max <= 1 << 20, "--connections-max must be 1..1048576"),
         (0 <= s.connections_per_address_max <= 1 << 20, "--connections-per-address-max must be 0..1048576"),
         (0 <= s.connections_per_tenant_max <= 1 << 20, "--connections-per-tenant-max must be 0..1048576"),
         (s.meta_buffer_bytes_max >= 1 << 20, "--meta-buffer-bytes-max must be at least 1MiB"),
         (s.index_bytes_max == 0 or s.index_bytes_max >= 1 << 20, "--index-bytes-max must be at least 1MiB"),
-        (s.put_reserve_bytes_max == 0 or s.put_reserve_bytes_max >= 1 << 20,
-         "--put-reserve-bytes-max must be at least 1MiB (0 = --memory / 8)"),
+        (
+            s.put_reserve_bytes_max == 0 or s.put_reserve_bytes_max >= 1 << 20,
+            "--put-reserve-bytes-max must be at least 1MiB (0 = --memory / 8)",
+        ),
         (s.idle_timeout_s > 0, "--idle-timeout-s must be positive"),
         (s.stall_timeout_s > 0, "--stall-timeout-s must be positive"),
         (s.shutdown_grace_s >= 0, "--shutdown-grace-s must not be negative"),
         (0 < s.shm_lease_s <= 3600, "--shm-lease-s must be in (0, 3600]"),
-        (s.unix_socket == "auto" or len(os.path.abspath(s.unix_socket).encode()) <= UNIX_SOCKET_PATH_BYTES_MAX
-         or not s.unix_socket, f"--unix-socket path must be at most {UNIX_SOCKET_PATH_BYTES_MAX} bytes"),
+        (
+            s.unix_socket == "auto"
+            or len(os.path.abspath(s.unix_socket).encode()) <= UNIX_SOCKET_PATH_BYTES_MAX
+            or not s.unix_socket,
+            f"--unix-socket path must be at most {UNIX_SOCKET_PATH_BYTES_MAX} bytes",
+        ),
         (s.segment_bytes >= 1 << 20, "--segment-bytes must be at least 1MiB"),
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
         (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
         (s.eviction_policy in EVICTION_POLICIES, f"--eviction-policy must be one of {', '.join(EVICTION_POLICIES)}"),
-        (s.eviction_fresh_weight == 0 or 1 <= s.eviction_fresh_weight <= 64,
-         "--eviction-fresh-weight must be 0 (tuned online) or in [1, 64]"),
+        (
+            s.eviction_fresh_weight == 0 or 1 <= s.eviction_fresh_weight <= 64,
+            "--eviction-fresh-weight must be 0 (tuned online) or in [1, 64]",
+        ),
         (0 <= s.eviction_ghost_factor <= 16, "--eviction-ghost-factor must be in [0, 16]"),
         (0.01 <= s.eviction_small_queue_fraction <= 0.9, "--eviction-small-queue-fraction must be in [0.01, 0.9]"),
     ]
@@ -408,6 +526,7 @@ def _validate(s: ServerSettings) -> None:
         auth = s.auth  # ConfigError if unreadable or invalid
         if s.master:
             from gcache.wire.auth import AuthFileError
+
             try:
                 auth.cluster_token()  # a cluster node needs the cluster role's token
             except AuthFileError as e:
@@ -430,25 +549,30 @@ def _validate_cluster(s: ServerSettings) -> None:
     if s.node_id and not 0 < len(s.node_id.encode()) <= 128:
         raise ConfigError("--node-id must be 1..128 bytes")
     if not HEARTBEAT_INTERVAL_S_MIN <= s.heartbeat_interval_s <= HEARTBEAT_INTERVAL_S_MAX:
-        raise ConfigError(f"--heartbeat-interval-s must be {HEARTBEAT_INTERVAL_S_MIN}.."
-                          f"{HEARTBEAT_INTERVAL_S_MAX:g} seconds")
+        raise ConfigError(
+            f"--heartbeat-interval-s must be {HEARTBEAT_INTERVAL_S_MIN}..{HEARTBEAT_INTERVAL_S_MAX:g} seconds"
+        )
     if not REBALANCE_BATCH_BYTES_MIN <= s.rebalance_batch_bytes <= REBALANCE_BATCH_BYTES_MAX:
         raise ConfigError("--rebalance-batch-bytes must be 1MiB..1GiB")
     if not 0.0 <= s.memory_pressure_drain < 1.0:
         raise ConfigError("--memory-pressure-drain must be a fraction in [0, 1); 0 turns it off")
     if bool(s.master_tls_cert) != bool(s.master_tls_key):
         raise ConfigError("--master-tls-cert and --master-tls-key go together")
-    if (s.master_tls_cert and not s.master_tls_ca):
+    if s.master_tls_cert and not s.master_tls_ca:
         raise ConfigError("--master-tls-cert needs --master-tls-ca (the CA that signed the masters' certificates)")
     if not s.master:
         return
     for address in s.master.removeprefix("gcache://").split(","):
         if not _is_host_port(address.strip()):
-            raise ConfigError(f"--master: {address.strip()!r} is not host:port; "
-                              "give HOST:PORT[,HOST:PORT...] of the gcache-master replicas")
+            raise ConfigError(
+                f"--master: {address.strip()!r} is not host:port; "
+                "give HOST:PORT[,HOST:PORT...] of the gcache-master replicas"
+            )
     if not s.advertise and s.host in _WILDCARD_HOSTS:
-        raise ConfigError(f"--host {s.host} listens on every interface: with --master, give "
-                          "--advertise HOST:PORT, the address other nodes and clients should use")
+        raise ConfigError(
+            f"--host {s.host} listens on every interface: with --master, give "
+            "--advertise HOST:PORT, the address other nodes and clients should use"
+        )
 
 
 def load_settings(argv: list[str] | None = None) -> ServerSettings:
@@ -467,8 +591,16 @@ def load_settings(argv: list[str] | None = None) -> ServerSettings:
     types = {f.name: f.type for f in fields(ServerSettings)}
     for name, value in merged.items():
         kind = types[name]
-        if name in ("admin_host", "master", "node_id", "advertise", "auth_file", "master_tls_ca",
-                    "master_tls_cert", "master_tls_key"):
+        if name in (
+            "admin_host",
+            "master",
+            "node_id",
+            "advertise",
+            "auth_file",
+            "master_tls_ca",
+            "master_tls_cert",
+            "master_tls_key",
+        ):
             kind = str
         setattr(settings, name, _coerce(name, value, kind))
     _validate(settings)

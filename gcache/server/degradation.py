@@ -17,6 +17,7 @@ node that reports one. Triggers, in order:
 Once a reason is found it sticks for the life of the process (a drain is not
 undone) and is logged once.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,9 +39,13 @@ SAMPLES_MAX = 4096  # bounds the window's history whatever the check rate
 class DegradationMonitor:
     """Answers "should this node drain itself, and why?" from stats and the data dir."""
 
-    def __init__(self, stats: Callable[[], dict], data_dir: str | None,
-                 memory_pressure_fraction: float = 0.0,
-                 window_s: float = MEMORY_PRESSURE_WINDOW_S):
+    def __init__(
+        self,
+        stats: Callable[[], dict],
+        data_dir: str | None,
+        memory_pressure_fraction: float = 0.0,
+        window_s: float = MEMORY_PRESSURE_WINDOW_S,
+    ):
         self._stats = stats
         self._drain_file = os.path.join(data_dir, DRAIN_FILE) if data_dir else None
         self._fraction = memory_pressure_fraction
@@ -107,6 +112,8 @@ class DegradationMonitor:
         _, puts0, refused0 = self._samples[0]
         window_puts, window_refused = puts - puts0, refused - refused0
         if window_puts >= MEMORY_PRESSURE_PUTS_MIN and window_refused > self._fraction * window_puts:
-            return (f"memory pressure: {window_refused} of {window_puts} puts refused for lack of "
-                    f"space over {self._window_s:g}s (--memory-pressure-drain {self._fraction:g})")
+            return (
+                f"memory pressure: {window_refused} of {window_puts} puts refused for lack of "
+                f"space over {self._window_s:g}s (--memory-pressure-drain {self._fraction:g})"
+            )
         return ""

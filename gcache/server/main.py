@@ -6,6 +6,7 @@ signal stops it gracefully and flushes the memory tier to disk. With --master
 a cluster agent (gcache.server.cluster_agent) also runs; after a completed
 drain it stops the node the same way and the process exits 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,22 @@ class Node:
             if settings.admin_port:
                 from gcache.server.admin_http import AdminHttpServer
 
-                self.admin_http = AdminHttpServer(admin_host, settings.admin_port, self.stats,
-                                                  self.flush, self.ready,
-                                                  cluster=self.cluster_status, drain=self.request_drain,
-                                                  auth=settings.auth)
+                self.admin_http = AdminHttpServer(
+                    admin_host,
+                    settings.admin_port,
+                    self.stats,
+                    self.flush,
+                    self.ready,
+                    cluster=self.cluster_status,
+                    drain=self.request_drain,
+                    auth=settings.auth,
+                )
             if settings.grpc_port:
                 from gcache.server.admin_grpc import AdminGrpcServer
 
-                self.admin_grpc = AdminGrpcServer(admin_host, settings.grpc_port, self.stats, self.flush,
-                                                  auth=settings.auth)
+                self.admin_grpc = AdminGrpcServer(
+                    admin_host, settings.grpc_port, self.stats, self.flush, auth=settings.auth
+                )
             config = settings.native_config()
             config["version"] = __version__
             self.native = _native.Server(config)
@@ -122,8 +130,11 @@ class Node:
         marker = drained_marker(self.settings)
         if self.settings.master and marker is not None and marker.exists():
             self.parked = True
-            log.warning("this node was drained (%s exists): not joining the cluster, /readyz answers "
-                        "503; delete that file and restart to rejoin", marker)
+            log.warning(
+                "this node was drained (%s exists): not joining the cluster, /readyz answers "
+                "503; delete that file and restart to rejoin",
+                marker,
+            )
         elif self.settings.master:
             from gcache.server.cluster_agent import ClusterAgent
 
@@ -133,9 +144,14 @@ class Node:
                 if admin_host in ("0.0.0.0", "::", ""):
                     admin_host = parse_host_port(self.settings.advertise_address(self.native.port))[0]
                 admin = join_host_port(admin_host, self.admin_http.port)
-            self.agent = ClusterAgent(self.settings, self.native, bound_port=self.native.port,
-                                      admin_address=admin, stats=self.native.stats,
-                                      on_drained=on_drained)
+            self.agent = ClusterAgent(
+                self.settings,
+                self.native,
+                bound_port=self.native.port,
+                admin_address=admin,
+                stats=self.native.stats,
+                on_drained=on_drained,
+            )
         if self.admin_http:
             self.admin_http.start()
         if self.admin_grpc:
@@ -168,8 +184,10 @@ def _write_drained_marker(settings: ServerSettings) -> None:
         return
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
-                          "delete this file to let the node rejoin the cluster\n")
+        marker.write_text(
+            f"drained at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
+            "delete this file to let the node rejoin the cluster\n"
+        )
     except OSError as e:
         log.error("drain complete, but writing %s failed (%s): a restart would join again", marker, e)
         return
@@ -190,15 +208,22 @@ def run(settings: ServerSettings) -> int:
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
     if settings.auth_file:
         from gcache.wire.auth import world_readable
+
         log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
         if world_readable(settings.auth_file):
             log.warning("%s is readable by every user: chmod 600 it (it holds the tokens)", settings.auth_file)
     elif settings.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
-                    "remove every key (docs/security.md)", settings.host, settings.port)
+        log.warning(
+            "no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
+            "remove every key (docs/security.md)",
+            settings.host,
+            settings.port,
+        )
     if settings.rdma_device and settings.auth_file:
-        log.error("--rdma-device with --auth-file: RDMA would reach every tenant's values in the arena, so a "
-                  "node with authentication refuses it; drop one of the two")
+        log.error(
+            "--rdma-device with --auth-file: RDMA would reach every tenant's values in the arena, so a "
+            "node with authentication refuses it; drop one of the two"
+        )
         return EXIT_USAGE
     stop = threading.Event()
 

@@ -1,4 +1,5 @@
 """Renders a node's stats() dict in the Prometheus text exposition format."""
+
 from __future__ import annotations
 
 HISTOGRAM_BUCKETS = 32  # bucket i: [2^i, 2^(i+1)) microseconds; the last one is open-ended

@@ -9,6 +9,7 @@ client's and answers with its own endpoint; `closed()` destroys it when the
 connection ends. The CPU does nothing per value: clients READ and WRITE the
 registered arena one-sided, and COMMIT still verifies every written checksum.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,13 @@ class RdmaRegion:
         self._qps: dict[int, rdma_verbs.QueuePair] = {}
         native.set_rdma_region(self.mr.buf, self.mr.rkey)
         native.set_rdma_connect_handler(self)
-        log.info("RDMA: arena of %d bytes registered with %s port %d (gid index %d)",
-                 native.arena_bytes, device.name, device.port, device.gid_index)
+        log.info(
+            "RDMA: arena of %d bytes registered with %s port %d (gid index %d)",
+            native.arena_bytes,
+            device.name,
+            device.port,
+            device.gid_index,
+        )
 
     def __call__(self, conn_id: int, meta: bytes) -> bytes:
         """RDMA_CONNECT on connection `conn_id`: ValueError for a bad endpoint (BAD_FRAME)."""
@@ -63,9 +69,15 @@ class RdmaRegion:
             self._qps[conn_id] = qp
         if old is not None:
             old.close()
-        return encode_meta({**qp.endpoint(), "addr": self.mr.buf, "rkey": self.mr.rkey,
-                            "arena_bytes": self._native.arena_bytes,
-                            "reserve_bytes_max": self._native.reserve_bytes_per_connection})
+        return encode_meta(
+            {
+                **qp.endpoint(),
+                "addr": self.mr.buf,
+                "rkey": self.mr.rkey,
+                "arena_bytes": self._native.arena_bytes,
+                "reserve_bytes_max": self._native.reserve_bytes_per_connection,
+            }
+        )
 
     def closed(self, conn_id: int) -> None:
         with self._lock:

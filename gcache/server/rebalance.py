@@ -40,6 +40,7 @@ could otherwise land in a part of the index already listed and never move. If
 that wait times out (a peer trickling a huge frame), the scan runs anyway and
 once more at the end.
 """
+
 from __future__ import annotations
 
 import collections
@@ -58,16 +59,16 @@ from gcache.cluster.placement import Placement
 
 log = logging.getLogger("gcache.server.rebalance")
 
-KEYS_PAGE = 65_536               # keys per keys_page call (the native cap)
-KEYS_PENDING_MAX = 262_144      # unowned keys gathered before moving them (Python bytes: ~100 B each)
-FENCE_TIMEOUT_S = 10.0          # wait for PUTs admitted under an older map; a trickler is not waited out
-FENCE_SLICE_S = 0.5             # ... in slices, so a newer map aborts the wait
+KEYS_PAGE = 65_536  # keys per keys_page call (the native cap)
+KEYS_PENDING_MAX = 262_144  # unowned keys gathered before moving them (Python bytes: ~100 B each)
+FENCE_TIMEOUT_S = 10.0  # wait for PUTs admitted under an older map; a trickler is not waited out
+FENCE_SLICE_S = 0.5  # ... in slices, so a newer map aborts the wait
 BATCH_KEYS_MAX = 4096
 PROBE_KEYS = 16
-OWNER_LANES = 3                 # owners pushed to at once, each with two buffers of batch_bytes / OWNER_LANES
-PUSH_ATTEMPTS = 3               # per batch, on top of the client's own retries
+OWNER_LANES = 3  # owners pushed to at once, each with two buffers of batch_bytes / OWNER_LANES
+PUSH_ATTEMPTS = 3  # per batch, on top of the client's own retries
 PUSH_BACKOFF_S = 0.2
-CLIENT_TIMEOUT_S = 5.0           # per socket wait; a stopped owner costs PUSH_ATTEMPTS of these
+CLIENT_TIMEOUT_S = 5.0  # per socket wait; a stopped owner costs PUSH_ATTEMPTS of these
 
 
 class RebalanceAborted(Exception):
@@ -83,8 +84,8 @@ class RebalanceCounters:
     keys_pushed: int = 0
     bytes_pushed: int = 0
     keys_dropped: int = 0
-    push_failures: int = 0   # keys not pushed: owner unreachable (retried) or value too large
-    push_no_space: int = 0   # keys an owner refused NO_SPACE (kept here)
+    push_failures: int = 0  # keys not pushed: owner unreachable (retried) or value too large
+    push_no_space: int = 0  # keys an owner refused NO_SPACE (kept here)
     seconds: float = 0.0
     last_epoch: int = 0
     last_mb_per_s: float = 0.0
@@ -103,7 +104,7 @@ class RebalanceCounters:
 @dataclass
 class RebalanceResult:
     epoch: int
-    mode: str                 # "push" or "drop"
+    mode: str  # "push" or "drop"
     keys_seen: int = 0
     keys_unowned: int = 0
     keys_pushed: int = 0
@@ -112,7 +113,7 @@ class RebalanceResult:
     push_failures: int = 0
     push_unreachable: int = 0  # of push_failures: the owner could not be reached
     push_no_space: int = 0
-    keys_present: int = 0      # skipped on a repeated run: the owner already had them
+    keys_present: int = 0  # skipped on a repeated run: the owner already had them
     owners: int = 0
     seconds: float = 0.0
 
@@ -136,15 +137,23 @@ def keeps_local_copies(cmap: ClusterMap, node_id: str) -> bool:
 class Rebalancer:
     """Moves one node's unowned keys for one map at a time (not thread-safe: one caller)."""
 
-    def __init__(self, node_id: str, local_address: str, *,
-                 list_keys_page: Callable[[int, int], tuple[int, list]],
-                 remove_keys: Callable[[list], object] | None = None,
-                 fence: Callable[[int, float], bool] | None = None,
-                 batch_bytes: int = 64 << 20, batch_keys: int = BATCH_KEYS_MAX,
-                 counters: RebalanceCounters | None = None,
-                 keys_pending_max: int = KEYS_PENDING_MAX, keys_page: int = KEYS_PAGE,
-                 fence_timeout_s: float = FENCE_TIMEOUT_S, token: str | None = None,
-                 placement_key: Callable[[bytes], bytes] | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        local_address: str,
+        *,
+        list_keys_page: Callable[[int, int], tuple[int, list]],
+        remove_keys: Callable[[list], object] | None = None,
+        fence: Callable[[int, float], bool] | None = None,
+        batch_bytes: int = 64 << 20,
+        batch_keys: int = BATCH_KEYS_MAX,
+        counters: RebalanceCounters | None = None,
+        keys_pending_max: int = KEYS_PENDING_MAX,
+        keys_page: int = KEYS_PAGE,
+        fence_timeout_s: float = FENCE_TIMEOUT_S,
+        token: str | None = None,
+        placement_key: Callable[[bytes], bytes] | None = None,
+    ):
         """list_keys_page(cursor, limit) -> (next cursor, keys): a scan that starts at cursor 0
         and ends when the next cursor is 0 (Server.keys_page). fence(epoch, timeout_s) -> bool:
         True once no PUT admitted below `epoch` is still storing (Server.wait_puts_admitted_before);
@@ -179,15 +188,23 @@ class Rebalancer:
 
     # -- one map --------------------------------------------------------------
 
-    def run(self, cmap: ClusterMap, *, drop: bool = False,
-            should_abort: Callable[[], bool] = lambda: False) -> RebalanceResult:
+    def run(
+        self, cmap: ClusterMap, *, drop: bool = False, should_abort: Callable[[], bool] = lambda: False
+    ) -> RebalanceResult:
         """Rebalances for `cmap`; raises RebalanceAborted if should_abort() turns true."""
         result = RebalanceResult(cmap.epoch, "drop" if drop else "push")
         start = time.monotonic()
-        scan = _Scan(cmap, Placement(cmap), drop, keeps_local_copies(cmap, self.node_id),
-                     result, should_abort, repeat=cmap.epoch == self._incomplete_epoch,
-                     pushers=ThreadPoolExecutor(OWNER_LANES, thread_name_prefix="gcache-rebalance-push"),
-                     readers=ThreadPoolExecutor(OWNER_LANES, thread_name_prefix="gcache-rebalance-read"))
+        scan = _Scan(
+            cmap,
+            Placement(cmap),
+            drop,
+            keeps_local_copies(cmap, self.node_id),
+            result,
+            should_abort,
+            repeat=cmap.epoch == self._incomplete_epoch,
+            pushers=ThreadPoolExecutor(OWNER_LANES, thread_name_prefix="gcache-rebalance-push"),
+            readers=ThreadPoolExecutor(OWNER_LANES, thread_name_prefix="gcache-rebalance-read"),
+        )
         for lane in self._lanes:
             scan.free_lanes.put(lane)
         self._incomplete_epoch = cmap.epoch  # until this run completes
@@ -198,8 +215,11 @@ class Rebalancer:
                 # A PUT admitted under the older map may have stored its key where the
                 # scan had already been: look once more, after waiting again.
                 if not self._wait_for_old_puts(cmap.epoch, should_abort):
-                    log.warning("epoch %d: PUTs admitted under an older map are still arriving; "
-                                "their keys may stay here until the next map", cmap.epoch)
+                    log.warning(
+                        "epoch %d: PUTs admitted under an older map are still arriving; "
+                        "their keys may stay here until the next map",
+                        cmap.epoch,
+                    )
                 self._scan(scan)
         except RebalanceAborted:
             self.counters.add(rebalances_aborted=1)
@@ -218,11 +238,23 @@ class Rebalancer:
         self.counters.add(rebalances=1)
         self.counters.last_epoch = cmap.epoch
         self.counters.last_mb_per_s = round(result.mb_per_s, 1)
-        log.info("rebalance epoch %d (%s): %d keys, %d unowned; pushed %d (%.1f MB) to %d node(s), "
-                 "dropped %d, failed %d, no space %d, already there %d; %.2f s, %.1f MB/s",
-                 cmap.epoch, result.mode, result.keys_seen, result.keys_unowned, result.keys_pushed,
-                 result.bytes_pushed / 1e6, result.owners, result.keys_dropped, result.push_failures,
-                 result.push_no_space, result.keys_present, result.seconds, result.mb_per_s)
+        log.info(
+            "rebalance epoch %d (%s): %d keys, %d unowned; pushed %d (%.1f MB) to %d node(s), "
+            "dropped %d, failed %d, no space %d, already there %d; %.2f s, %.1f MB/s",
+            cmap.epoch,
+            result.mode,
+            result.keys_seen,
+            result.keys_unowned,
+            result.keys_pushed,
+            result.bytes_pushed / 1e6,
+            result.owners,
+            result.keys_dropped,
+            result.push_failures,
+            result.push_no_space,
+            result.keys_present,
+            result.seconds,
+            result.mb_per_s,
+        )
         return result
 
     def _wait_for_old_puts(self, epoch: int, should_abort) -> bool:
@@ -238,9 +270,12 @@ class Rebalancer:
             if should_abort():
                 raise RebalanceAborted()
             if left_s <= FENCE_SLICE_S:
-                log.warning("epoch %d: PUTs admitted under an older map still storing after %.1f s "
-                            "(a slow writer); listing keys anyway, and once more at the end",
-                            epoch, self.fence_timeout_s)
+                log.warning(
+                    "epoch %d: PUTs admitted under an older map still storing after %.1f s "
+                    "(a slow writer); listing keys anyway, and once more at the end",
+                    epoch,
+                    self.fence_timeout_s,
+                )
                 return False
 
     def _scan(self, scan: _Scan) -> None:
@@ -313,8 +348,9 @@ class Rebalancer:
             scan.free_lanes.put(lane)
 
     def _owner_client(self, address: str, epoch: int):
-        return self._client_class(address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1, retries=1,
-                                  epoch=epoch, token=self._token)
+        return self._client_class(
+            address, timeout_s=CLIENT_TIMEOUT_S, pool_size=1, retries=1, epoch=epoch, token=self._token
+        )
 
     # -- removing -------------------------------------------------------------
 
@@ -325,12 +361,12 @@ class Rebalancer:
             self._remove_keys(keys)
         else:
             for lo in range(0, len(keys), self.batch_keys):
-                self._local.batch_remove(keys[lo:lo + self.batch_keys])
+                self._local.batch_remove(keys[lo : lo + self.batch_keys])
         return len(keys)
 
     def _drop(self, keys: list, result: RebalanceResult) -> int:
         for lo in range(0, len(keys), self.batch_keys):
-            self._remove(keys[lo:lo + self.batch_keys])
+            self._remove(keys[lo : lo + self.batch_keys])
         result.keys_dropped += len(keys)
         self.counters.add(keys_dropped=len(keys))
         return len(keys)
@@ -347,8 +383,7 @@ class Rebalancer:
         self._tally(result, push_failures=count, push_unreachable=count)
         self.counters.add(push_failures=count)
 
-    def _skip_present(self, client, address: str, keys: list, keep: bool,
-                      result: RebalanceResult) -> list:
+    def _skip_present(self, client, address: str, keys: list, keep: bool, result: RebalanceResult) -> list:
         """The keys the owner does not have yet (one EXISTS round trip per 4096 keys); the
         others are done: removed here unless `keep`. On a connection error, all of `keys`
         (the push finds out whether the owner is reachable)."""
@@ -362,7 +397,7 @@ class Rebalancer:
         self._tally(result, keys_present=len(done))
         if done and not keep:
             for lo in range(0, len(done), self.batch_keys):
-                self._remove(done[lo:lo + self.batch_keys])
+                self._remove(done[lo : lo + self.batch_keys])
         return [k for k, ok in zip(keys, present) if not ok]
 
     def _push_group(self, client, address: str, keys: list, scan: _Scan, lane: _Lane) -> bool:
@@ -410,8 +445,7 @@ class Rebalancer:
             if reading is not None:  # leaving early: the lane's buffers are free only after it
                 concurrent.futures.wait([reading])
 
-    def _read_batch(self, queue: collections.deque, lane: _Lane,
-                    turn: int) -> tuple[bytearray, list, list, list]:
+    def _read_batch(self, queue: collections.deque, lane: _Lane, turn: int) -> tuple[bytearray, list, list, list]:
         """Reads the next keys of `queue` into the lane's buffer `turn` (a reader thread):
         (that buffer, found keys, offsets, sizes)."""
         if self._slot_bytes:
@@ -426,8 +460,7 @@ class Rebalancer:
         buffer = lane.buffers[turn]
         slot_offsets = [i * slot for i in range(n)]
         try:
-            lens = self._local.batch_get_into(keys, buffer, sizes=[slot] * n,
-                                              offsets=slot_offsets)
+            lens = self._local.batch_get_into(keys, buffer, sizes=[slot] * n, offsets=slot_offsets)
         except errors.BufferTooSmallError as e:
             lens = e.results  # None for the keys that did not fit: read them again
             queue.extendleft(reversed(e.keys))
@@ -442,8 +475,7 @@ class Rebalancer:
         with self._slot_lock:  # lanes' readers learn at once; the slot only grows
             self._slot_bytes = max(self._slot_bytes, size_bytes)
 
-    def _put(self, client, address: str, buffer, keys, offsets, sizes, result,
-             should_abort) -> list | None:
+    def _put(self, client, address: str, buffer, keys, offsets, sizes, result, should_abort) -> list | None:
         """Per-key True (stored / already there), False (refused); None if unreachable."""
         for attempt in range(PUSH_ATTEMPTS):
             if attempt and should_abort():
@@ -457,11 +489,15 @@ class Rebalancer:
                 stored, too_large = e.results, len(e.keys)
                 self._tally(result, push_failures=too_large)
                 self.counters.add(push_failures=too_large)
-                log.warning("%s refused %d value(s) as too large (its --value-bytes-max is "
-                            "smaller than this node's); they stay here", address, too_large)
+                log.warning(
+                    "%s refused %d value(s) as too large (its --value-bytes-max is "
+                    "smaller than this node's); they stay here",
+                    address,
+                    too_large,
+                )
             except (errors.ConnectionError, errors.TimeoutError) as e:
                 if attempt + 1 < PUSH_ATTEMPTS:
-                    time.sleep(PUSH_BACKOFF_S * 2 ** attempt)
+                    time.sleep(PUSH_BACKOFF_S * 2**attempt)
                     continue
                 log.warning("cannot push to %s: %s; its keys stay here, retried later", address, e)
                 return None
@@ -490,24 +526,41 @@ class _Scan:
     keep: bool
     result: RebalanceResult
     should_abort: Callable[[], bool]
-    repeat: bool                                      # the last run for this map left keys unpushed
-    pushers: ThreadPoolExecutor                       # one thread per lane: pushes one owner's keys
-    readers: ThreadPoolExecutor                       # one thread per lane: reads its next batch
+    repeat: bool  # the last run for this map left keys unpushed
+    pushers: ThreadPoolExecutor  # one thread per lane: pushes one owner's keys
+    readers: ThreadPoolExecutor  # one thread per lane: reads its next batch
     free_lanes: queue_module.SimpleQueue = field(default_factory=queue_module.SimpleQueue)
     stop: threading.Event = field(default_factory=threading.Event)  # a lane failed: the others stop
-    failures: list = field(default_factory=list)      # lanes' exceptions, first first
-    clients: dict = field(default_factory=dict)      # owner id -> Client, closed at the end
-    unreachable: set = field(default_factory=set)    # owner ids that failed in this run
+    failures: list = field(default_factory=list)  # lanes' exceptions, first first
+    clients: dict = field(default_factory=dict)  # owner id -> Client, closed at the end
+    unreachable: set = field(default_factory=set)  # owner ids that failed in this run
 
 
-def rebalance(cmap: ClusterMap, node_id: str, local_address: str, *, list_keys_page,
-              remove_keys=None, fence=None, drop: bool = False, batch_bytes: int = 64 << 20,
-              counters: RebalanceCounters | None = None, **options) -> RebalanceResult:
+def rebalance(
+    cmap: ClusterMap,
+    node_id: str,
+    local_address: str,
+    *,
+    list_keys_page,
+    remove_keys=None,
+    fence=None,
+    drop: bool = False,
+    batch_bytes: int = 64 << 20,
+    counters: RebalanceCounters | None = None,
+    **options,
+) -> RebalanceResult:
     """One rebalance for `cmap` with a fresh Rebalancer (tests and tools); options go to
     Rebalancer (keys_pending_max, keys_page, fence_timeout_s, batch_keys)."""
-    rebalancer = Rebalancer(node_id, local_address, list_keys_page=list_keys_page,
-                            remove_keys=remove_keys, fence=fence, batch_bytes=batch_bytes,
-                            counters=counters, **options)
+    rebalancer = Rebalancer(
+        node_id,
+        local_address,
+        list_keys_page=list_keys_page,
+        remove_keys=remove_keys,
+        fence=fence,
+        batch_bytes=batch_bytes,
+        counters=counters,
+        **options,
+    )
     try:
         return rebalancer.run(cmap, drop=drop)
     finally:

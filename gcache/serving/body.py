@@ -8,6 +8,7 @@ still writing, gets to read the 413 instead of a broken pipe. A client that asks
 `Expect: 100-continue` with a Content-Length over the limit gets the 413 before it
 sends a byte of the body.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ def too_large(limit: int, size: int | None = None) -> HTTPError:
     return HTTPError(413, f"{got} exceeds the limit of {limit} bytes")
 
 
-async def read_body(request: web.BaseRequest, limit: int = BODY_BYTES_MAX,
-                    deadline_s: float = BODY_DEADLINE_S) -> bytes:
+async def read_body(
+    request: web.BaseRequest, limit: int = BODY_BYTES_MAX, deadline_s: float = BODY_DEADLINE_S
+) -> bytes:
     """The whole body, or HTTPError 413 (over `limit`), 408 (not in within `deadline_s`),
     400 (the client closed before sending all of it)."""
     size = request.content_length

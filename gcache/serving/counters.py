@@ -1,4 +1,5 @@
 """HTTP counters of one server (worker or router), rendered as Prometheus text."""
+
 from __future__ import annotations
 
 import collections
@@ -30,8 +31,10 @@ class HTTPCounters:
 
     def render(self, gauges: dict[str, tuple[str, float]] | None = None) -> str:
         p = self.prefix
-        lines = [f"# HELP {p}http_responses_total HTTP responses by route and status",
-                 f"# TYPE {p}http_responses_total counter"]
+        lines = [
+            f"# HELP {p}http_responses_total HTTP responses by route and status",
+            f"# TYPE {p}http_responses_total counter",
+        ]
         for (path, status), n in sorted(self.responses.items()):
             lines.append(f'{p}http_responses_total{{route="{path}",code="{status}"}} {n}')
         for name, help_ in self.helps.items():
@@ -52,8 +55,7 @@ class HTTPCounters:
                 raise  # the client went away: aiohttp drops the connection quietly
             except web.HTTPException as e:
                 if e.status in (404, 405):
-                    resp = error_response(e.status, f"no such endpoint: {request.method} {request.path}",
-                                          "not_found")
+                    resp = error_response(e.status, f"no such endpoint: {request.method} {request.path}", "not_found")
                 else:
                     resp = error_response(e.status, e.reason or e.text or "error")
             except Exception as e:  # noqa: BLE001 - the client gets a 500 and the log the traceback

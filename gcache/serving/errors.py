@@ -1,13 +1,21 @@
 """Client-visible errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
 from __future__ import annotations
 
 import json
 
 from aiohttp import web
 
-KIND_BY_STATUS = {400: "invalid_request_error", 404: "not_found", 408: "timeout", 411: "invalid_request_error",
-                  413: "invalid_request_error", 415: "invalid_request_error", 503: "overloaded",
-                  504: "timeout"}
+KIND_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "not_found",
+    408: "timeout",
+    411: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    503: "overloaded",
+    504: "timeout",
+}
 
 
 class HTTPError(Exception):
@@ -26,8 +34,7 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict:
 
 
 def json_response(status: int, obj, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json",
-                        headers=headers)
+    return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json", headers=headers)
 
 
 def error_response(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> web.Response:

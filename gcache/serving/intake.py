@@ -1,6 +1,7 @@
 """The front half of every POST, shared by worker and router: the body under its deadline
 and size limit, the JSON, the endpoint's parse, and only then an in-flight slot, so a
 client that stalls or sends garbage never holds one."""
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -18,9 +19,16 @@ from gcache.serving.safe_json import parse_json
 Handler = Callable[[bytes, Any], Awaitable[web.StreamResponse]]
 
 
-async def serve_post(request: web.Request, parse: Callable[[dict], Any], handle: Handler, *,
-                     limiter: InFlightLimiter, counters: HTTPCounters, body_bytes_max: int,
-                     body_timeout_s: float) -> web.StreamResponse:
+async def serve_post(
+    request: web.Request,
+    parse: Callable[[dict], Any],
+    handle: Handler,
+    *,
+    limiter: InFlightLimiter,
+    counters: HTTPCounters,
+    body_bytes_max: int,
+    body_timeout_s: float,
+) -> web.StreamResponse:
     """Read and parse the body, take a slot, `await handle(body, parse(json))`, free the slot.
     Bad bodies get their 4xx, a full limiter a 503; `parse` raises HTTPError for a 400."""
     try:
@@ -42,8 +50,15 @@ async def serve_post(request: web.Request, parse: Callable[[dict], Any], handle:
         limiter.release()
 
 
-def openai_app(counters: HTTPCounters, log, body_bytes_max: int, completions: Callable, chat: Callable,
-               health: Callable, metrics: Callable) -> web.Application:
+def openai_app(
+    counters: HTTPCounters,
+    log,
+    body_bytes_max: int,
+    completions: Callable,
+    chat: Callable,
+    health: Callable,
+    metrics: Callable,
+) -> web.Application:
     """The routes worker and router both serve, behind the counting middleware; an oversized
     `Expect: 100-continue` body gets its 413 before it is sent."""
     app = web.Application(middlewares=[counters.middleware(log)], client_max_size=body_bytes_max)

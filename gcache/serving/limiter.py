@@ -1,4 +1,5 @@
 """In-flight limiter: at most `limit` requests hold a slot; the next one is refused (503), not queued."""
+
 from __future__ import annotations
 
 

@@ -19,6 +19,7 @@ role is system, developer, user or assistant; content is a string or a list of
 string, or max_tokens). Example: [{"role": "user", "content": "Hi"}] becomes
 [256] + bytes("<|user|>\nHi\n<|assistant|>\n").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,26 +36,32 @@ STOP_BYTES_MAX = 256
 SEED_MAX = (1 << 63) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
-NOOP_VALUES = {"n": (1, None), "top_p": (1, 1.0, None), "presence_penalty": (0, 0.0, None),
-               "frequency_penalty": (0, 0.0, None)}
+NOOP_VALUES = {
+    "n": (1, None),
+    "top_p": (1, 1.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+}
 COMPLETION_NOOPS = {**NOOP_VALUES, "echo": (False, None), "logprobs": (None,), "best_of": (1, None)}
 CHAT_NOOPS = {**NOOP_VALUES, "logprobs": (False, None), "top_logprobs": (None,)}
 COMMON = {"max_tokens", "temperature", "seed", "ignore_eos", "stop", "stream", "stream_options", "model", "user"}
-KNOWN = {"completion": COMMON | {"prompt"} | set(COMPLETION_NOOPS),
-         "chat": COMMON | {"messages", "max_completion_tokens"} | set(CHAT_NOOPS)}
+KNOWN = {
+    "completion": COMMON | {"prompt"} | set(COMPLETION_NOOPS),
+    "chat": COMMON | {"messages", "max_completion_tokens"} | set(CHAT_NOOPS),
+}
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    kind: str                # "completion" or "chat"
-    prompt: list[int]        # exactly the token ids the model runs (chat: template applied)
+    kind: str  # "completion" or "chat"
+    prompt: list[int]  # exactly the token ids the model runs (chat: template applied)
     max_tokens: int
     temperature: float
     seed: int | None
     ignore_eos: bool
-    stop: tuple[str, ...]    # stop strings: the output is cut before the first one found
+    stop: tuple[str, ...]  # stop strings: the output is cut before the first one found
     stream: bool
-    include_usage: bool      # stream: a last chunk carries usage
+    include_usage: bool  # stream: a last chunk carries usage
     model: str | None
 
 
@@ -82,11 +89,18 @@ def parse_request(path: str, payload, tokenizer) -> ParsedRequest:
         stream = False
     if not isinstance(stream, bool):
         raise HTTPError(400, f"stream must be a boolean, got {stream!r}")
-    return ParsedRequest(kind=kind, prompt=prompt, max_tokens=_max_tokens(payload, kind),
-                         temperature=_temperature(payload), seed=_seed(payload),
-                         ignore_eos=_bool(payload, "ignore_eos"), stop=parse_stop(payload.get("stop")),
-                         stream=stream, include_usage=_include_usage(payload, stream),
-                         model=payload.get("model") if isinstance(payload.get("model"), str) else None)
+    return ParsedRequest(
+        kind=kind,
+        prompt=prompt,
+        max_tokens=_max_tokens(payload, kind),
+        temperature=_temperature(payload),
+        seed=_seed(payload),
+        ignore_eos=_bool(payload, "ignore_eos"),
+        stop=parse_stop(payload.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(payload, stream),
+        model=payload.get("model") if isinstance(payload.get("model"), str) else None,
+    )
 
 
 def prompt_tokens(path: str, payload, tokenizer) -> list[int]:
@@ -144,10 +158,17 @@ def _content(content, i: int) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                    and set(part) <= {"type", "text"}):
-                raise HTTPError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": str}} "
-                                     "(only text parts are supported)")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+                and set(part) <= {"type", "text"}
+            ):
+                raise HTTPError(
+                    400,
+                    f'messages[{i}].content[{j}] must be {{"type": "text", "text": str}} '
+                    "(only text parts are supported)",
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts")
@@ -162,8 +183,9 @@ def _encode(tok, text: str, field: str) -> list[int]:
 
 # ---- sampling and stream options ---------------------------------------------------------------
 def _max_tokens(payload: dict, kind: str) -> int:
-    name = "max_completion_tokens" if kind == "chat" and payload.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    name = (
+        "max_completion_tokens" if kind == "chat" and payload.get("max_completion_tokens") is not None else "max_tokens"
+    )
     v = payload.get(name)
     if v is None:
         return DEFAULT_MAX_TOKENS

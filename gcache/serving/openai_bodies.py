@@ -1,4 +1,5 @@
 """OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions."""
+
 from __future__ import annotations
 
 import secrets
@@ -12,25 +13,39 @@ def response_id(kind: str, rid: int) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: dict) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens,
-                                      "cached_tokens_by_tier": dict(cached_by_tier)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "cached_tokens_by_tier": dict(cached_by_tier)},
+    }
 
 
-def full_body(kind: str, rid_str: str, model: str, text: str, token_ids: list[int], finish_reason: str,
-              usage_: dict, extras: dict) -> dict:
+def full_body(
+    kind: str, rid_str: str, model: str, text: str, token_ids: list[int], finish_reason: str, usage_: dict, extras: dict
+) -> dict:
     """The non-streamed answer. extras (ttft_ms, ...) go at the top level."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason, "token_ids": token_ids}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "token_ids": token_ids,
+        }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid_str, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage_, **extras}
+    return {
+        "id": rid_str,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+        **extras,
+    }
 
 
 class StreamChunks:
@@ -42,15 +57,22 @@ class StreamChunks:
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list, **more) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, **more}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **more,
+        }
 
     def role(self) -> dict | None:
         """Chat streams open with the assistant role (OpenAI does); completions have none."""
         if self.kind != "chat":
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+        return self._chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
 
     def text(self, piece: str, finish_reason: str | None = None) -> dict:
         if self.kind == "chat":

@@ -10,6 +10,7 @@ Keys (prefix P):
 A page id is the first 8 bytes of the SGLang page hash (gcache.wire.keys), so it names a whole
 prefix, like the hash itself; a worker and a router compute it from the same tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -107,8 +108,8 @@ class Keys:
 class WorkerLoad:
     running: int = 0
     waiting: int = 0
-    queued_tokens: int = 0   # prompt tokens still to compute (waiting: uncached estimate; running: rest of prefill)
-    active_tokens: int = 0   # tokens held by running requests (Dynamo's decode blocks * page size)
+    queued_tokens: int = 0  # prompt tokens still to compute (waiting: uncached estimate; running: rest of prefill)
+    active_tokens: int = 0  # tokens held by running requests (Dynamo's decode blocks * page size)
     max_running: int = 0
 
 
@@ -125,9 +126,18 @@ class Registration:
     dropped_events: int = 0
 
     def to_json(self) -> bytes:
-        d = {"v": FORMAT_VERSION, "url": self.url, "model": self.model, "page_size": self.page_size,
-             "window": self.window, "epoch": self.epoch, "seq": self.seq, "ts_ms": self.ts_ms,
-             "load": self.load.__dict__, "dropped_events": self.dropped_events}
+        d = {
+            "v": FORMAT_VERSION,
+            "url": self.url,
+            "model": self.model,
+            "page_size": self.page_size,
+            "window": self.window,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "ts_ms": self.ts_ms,
+            "load": self.load.__dict__,
+            "dropped_events": self.dropped_events,
+        }
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -140,8 +150,17 @@ class Registration:
             if d.get("v") != FORMAT_VERSION:
                 raise ValueError(f"registration format {d.get('v')!r}, expected {FORMAT_VERSION}")
             load = WorkerLoad(**{k: int(v) for k, v in d["load"].items() if k in WorkerLoad.__dataclass_fields__})
-            reg = cls(str(d["url"]), str(d["model"]), int(d["page_size"]), int(d["window"]), str(d["epoch"]),
-                      int(d["seq"]), int(d["ts_ms"]), load, int(d.get("dropped_events", 0)))
+            reg = cls(
+                str(d["url"]),
+                str(d["model"]),
+                int(d["page_size"]),
+                int(d["window"]),
+                str(d["epoch"]),
+                int(d["seq"]),
+                int(d["ts_ms"]),
+                load,
+                int(d.get("dropped_events", 0)),
+            )
         except (KeyError, TypeError, AttributeError, RecursionError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed registration: {type(e).__name__}: {str(e)[:200]}") from None
         if reg.page_size <= 0 or reg.window <= 0 or reg.seq < 0:

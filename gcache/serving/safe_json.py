@@ -9,6 +9,7 @@ The walk that checks depth and strings runs only when the raw text could hold a 
 (more brackets than depth_max, or a \\uD8xx-\\uDFxx escape), so a prompt of a million
 token ids is not walked.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,5 +67,6 @@ def _check_str(s: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise HTTPError(400, f"body is not valid JSON text: lone surrogate {s[e.start]!r} "
-                             f"at index {e.start} of a string") from None
+        raise HTTPError(
+            400, f"body is not valid JSON text: lone surrogate {s[e.start]!r} at index {e.start} of a string"
+        ) from None

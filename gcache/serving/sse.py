@@ -1,4 +1,5 @@
 """Server-sent events as OpenAI streams them: `data: <json>\n\n` lines, then `data: [DONE]\n\n`."""
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ bytes are decoded incrementally, so a multi-byte character split over tokens arr
 whole. The concatenation of every piece feed() and finish() return equals the
 non-streamed text.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,10 +20,10 @@ class OutputText:
         self.tok = tokenizer
         self.stops = [s.encode("utf-8") for s in stops]
         self.hold_max = max((len(s) for s in self.stops), default=1) - 1
-        self.data = bytearray()            # every output byte so far
-        self.token_ends: list[int] = []    # len(data) after each token fed
-        self.released = 0                  # bytes already handed out as text
-        self.stop_at: int | None = None    # byte offset where the first stop string starts
+        self.data = bytearray()  # every output byte so far
+        self.token_ends: list[int] = []  # len(data) after each token fed
+        self.released = 0  # bytes already handed out as text
+        self.stop_at: int | None = None  # byte offset where the first stop string starts
         self.pieces: list[str] = []
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
@@ -73,7 +74,7 @@ class OutputText:
         return 0
 
     def _release(self, upto: int, final: bool) -> str:
-        piece = self._decoder.decode(bytes(self.data[self.released:upto]), final=final)
+        piece = self._decoder.decode(bytes(self.data[self.released : upto]), final=final)
         self.released = upto
         if piece:
             self.pieces.append(piece)

@@ -4,6 +4,7 @@ Resuming at prefix length P (tokens, page-aligned) needs SWA KV for the pages co
 W tokens before P: pages tail_start(P) .. P/ps - 1. A prefix is *window-safe* when all of
 them hold live SWA KV. Lengths here are in pages unless a name says tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,8 +20,9 @@ def tail_pages(end_page: int, page_size: int, window: int) -> int:
     return end_page - tail_start_page(end_page, page_size, window)
 
 
-def swa_keep_pages(num_pages: int, page_size: int, window: int, ends: Iterable[int] = (),
-                   checkpoint_pages: int = 0) -> set[int]:
+def swa_keep_pages(
+    num_pages: int, page_size: int, window: int, ends: Iterable[int] = (), checkpoint_pages: int = 0
+) -> set[int]:
     """Page indices whose SWA KV a finished request should keep for the prefix cache.
 
     Keeps the window tail of the sequence end (num_pages), of every extra end in `ends`
@@ -52,4 +54,3 @@ def last_safe_end(start_page: int, full_pages: int, has_swa, page_size: int, win
         if run >= end - max(start_page, tail_start_page(end, page_size, window)):
             best = end
     return best
-

@@ -1,4 +1,5 @@
 """The cache tiers by name, as the worker reports them and the router credits them."""
+
 from __future__ import annotations
 
 import enum

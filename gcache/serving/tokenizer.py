@@ -1,4 +1,5 @@
 """Byte-level reversible tokenizer: byte b -> id b; three special ids after the bytes."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -13,6 +13,7 @@ Roles: read (GET, EXISTS), write (PUT, REMOVE), admin (admin HTTP/gRPC state
 changes: /flush, /drain, master Drain/Remove), cluster (node <-> node and node
 <-> master: raw keys of every tenant, Register/Heartbeat).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,7 @@ class Tenant:
     token: str
     roles: frozenset
     memory: int | None = None  # quota bytes in the memory tier
-    disk: int | None = None    # quota bytes on disk; 0 = never on disk
+    disk: int | None = None  # quota bytes on disk; 0 = never on disk
 
     def has(self, role: str) -> bool:
         return role in self.roles
@@ -73,7 +74,7 @@ def placement_key(stored_key: bytes) -> bytes:
     """The client's key of a key as an authenticated node stores it (prefix cut off):
     placement hashes what clients hash."""
     cut = stored_key.find(PREFIX_SEPARATOR)
-    return stored_key[cut + 1:] if cut >= 0 else stored_key
+    return stored_key[cut + 1 :] if cut >= 0 else stored_key
 
 
 class AuthConfig:
@@ -99,14 +100,18 @@ class AuthConfig:
         with the cluster role. AuthFileError if there is none."""
         holders = self.with_role("cluster")
         if not holders:
-            raise AuthFileError(f"auth file {self.path}: a cluster needs a tenant with roles = [\"cluster\"] "
-                                "(nodes use its token towards the masters and each other)")
+            raise AuthFileError(
+                f'auth file {self.path}: a cluster needs a tenant with roles = ["cluster"] '
+                "(nodes use its token towards the masters and each other)"
+            )
         return holders[0].token
 
     def native_tenants(self) -> list[dict]:
         """The list gcache._native.Server's "tenants" config key takes."""
-        return [{"name": t.name, "token": t.token, "roles": sorted(t.roles), "memory": t.memory, "disk": t.disk}
-                for t in sorted(self.tenants.values(), key=lambda t: t.name)]
+        return [
+            {"name": t.name, "token": t.token, "roles": sorted(t.roles), "memory": t.memory, "disk": t.disk}
+            for t in sorted(self.tenants.values(), key=lambda t: t.name)
+        ]
 
 
 def _size(value, where: str) -> int:
@@ -127,8 +132,10 @@ def _tenant(name: str, table, path: str) -> Tenant:
         raise AuthFileError(f"{where}: unknown field(s) {sorted(unknown)}; known: token, roles, memory, disk")
     token = table.get("token")
     if not isinstance(token, str) or not TOKEN_BYTES_MIN <= len(token.encode()) <= TOKEN_BYTES_MAX:
-        raise AuthFileError(f"{where}: token must be a string of {TOKEN_BYTES_MIN}..{TOKEN_BYTES_MAX} bytes "
-                            "(e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        raise AuthFileError(
+            f"{where}: token must be a string of {TOKEN_BYTES_MIN}..{TOKEN_BYTES_MAX} bytes "
+            "(e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
     roles = table.get("roles")
     if not isinstance(roles, list) or not roles or any(r not in ROLES for r in roles):
         raise AuthFileError(f"{where}: roles must be a non-empty list of {', '.join(ROLES)}; got {roles!r}")
@@ -140,8 +147,9 @@ def _tenant(name: str, table, path: str) -> Tenant:
 def parse_auth(raw: dict, path: str = "<auth file>") -> AuthConfig:
     unknown = set(raw) - {"tenants"}
     if unknown:
-        raise AuthFileError(f"auth file {path}: unknown top-level key(s) {sorted(unknown)}; "
-                            "write one [tenants.NAME] table per tenant")
+        raise AuthFileError(
+            f"auth file {path}: unknown top-level key(s) {sorted(unknown)}; write one [tenants.NAME] table per tenant"
+        )
     tables = raw.get("tenants")
     if not isinstance(tables, dict) or not tables:
         raise AuthFileError(f"auth file {path}: no tenants; write at least one [tenants.NAME] table")
@@ -151,8 +159,10 @@ def parse_auth(raw: dict, path: str = "<auth file>") -> AuthConfig:
     seen: dict[str, str] = {}
     for t in tenants.values():
         if t.token in seen:
-            raise AuthFileError(f"auth file {path}: tenants {seen[t.token]!r} and {t.name!r} share a token; "
-                                "a token must name one tenant")
+            raise AuthFileError(
+                f"auth file {path}: tenants {seen[t.token]!r} and {t.name!r} share a token; "
+                "a token must name one tenant"
+            )
         seen[t.token] = t.name
     return AuthConfig(tenants, path)
 

@@ -11,6 +11,7 @@ hash folds in its parent, a key names a whole prefix, which is what makes
 (tenant) prefix, then the hash, the pool (`full`, `swa`, ...), an optional
 layer group, and the model / rank suffix SGLang's backends use.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,7 @@ def _token_bytes(token_ids) -> bytes:
         return struct.pack(f"<{len(flat)}I", *flat)
     except struct.error:
         bad = next((t for t in flat if not isinstance(t, int) or not 0 <= t <= TOKEN_ID_MAX), None)
-        raise InvalidArgumentError(
-            f"token ids must be ints in [0, 2^32), got {bad!r}") from None
+        raise InvalidArgumentError(f"token ids must be ints in [0, 2^32), got {bad!r}") from None
 
 
 def get_hash_str(token_ids: Sequence[int], prior_hash: str | None = None) -> str:
@@ -64,7 +64,7 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None
     hashes = []
     prior = prior_hash
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        prior = get_hash_str(token_ids[start:start + page_size], prior)
+        prior = get_hash_str(token_ids[start : start + page_size], prior)
         hashes.append(prior)
     return hashes
 
@@ -89,7 +89,7 @@ def page_hashes_array(tokens, page_size: int, prior_hash: str | None = None) -> 
     sha256 = hashlib.sha256
     for k in range(n):
         h = sha256(prior)
-        h.update(raw[k * step:(k + 1) * step])
+        h.update(raw[k * step : (k + 1) * step])
         prior = h.digest()
         out.append(prior.hex())
     return out
@@ -97,8 +97,7 @@ def page_hashes_array(tokens, page_size: int, prior_hash: str | None = None) -> 
 
 def _check_name(value: str, what: str) -> str:
     if not _NAME.match(value):
-        raise InvalidArgumentError(
-            f"{what} {value!r} may only use letters, digits, '.', '_' and '-'")
+        raise InvalidArgumentError(f"{what} {value!r} may only use letters, digits, '.', '_' and '-'")
     return value
 
 
@@ -127,7 +126,8 @@ class KeyBuilder:
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
             raise InvalidArgumentError(
                 f"ranks must satisfy 0 <= rank < size (tp {self.tp_rank}/{self.tp_size}, "
-                f"pp {self.pp_rank}/{self.pp_size})")
+                f"pp {self.pp_rank}/{self.pp_size})"
+            )
 
     @property
     def suffix(self) -> str:
@@ -152,9 +152,9 @@ class KeyBuilder:
         raw = "".join(parts).encode("ascii")
         if len(raw) > KEY_BYTES_MAX:
             raise KeyInvalidError(
-                f"key of {len(raw)} bytes exceeds {KEY_BYTES_MAX}: shorten the namespace or model name")
+                f"key of {len(raw)} bytes exceeds {KEY_BYTES_MAX}: shorten the namespace or model name"
+            )
         return raw
 
-    def keys(self, page_hashes_: Sequence[str], pool: str = POOL_FULL,
-             layer_group: int | None = None) -> list[bytes]:
+    def keys(self, page_hashes_: Sequence[str], pool: str = POOL_FULL, layer_group: int | None = None) -> list[bytes]:
         return [self.key(h, pool, layer_group) for h in page_hashes_]

@@ -3,6 +3,7 @@
 Shared by the client, the bench and tests. A frame is a 32-byte header, then
 `meta_len` bytes of msgpack (always a map), then `payload_len` raw bytes.
 """
+
 from __future__ import annotations
 
 import struct
@@ -40,10 +41,10 @@ class Opcode(IntEnum):
     AUTH = 7  # challenge-response handshake (docs/protocol.md, "Authentication")
     # One-sided access (docs/protocol.md, "Shared memory and RDMA").
     SHM_ATTACH = 8  # the arena's memfd over the Unix socket (SCM_RIGHTS)
-    LOOKUP = 9      # per key: offset, length, xxh64, under one lease
-    RELEASE = 10    # drops leases and reservations
-    RESERVE = 11    # arena blocks to write new values into
-    COMMIT = 12     # publishes reserved blocks (checksums verified)
+    LOOKUP = 9  # per key: offset, length, xxh64, under one lease
+    RELEASE = 10  # drops leases and reservations
+    RESERVE = 11  # arena blocks to write new values into
+    COMMIT = 12  # publishes reserved blocks (checksums verified)
     RDMA_CONNECT = 13  # queue-pair setup for transport "rdma" (server with --rdma-device)
 
 
@@ -58,7 +59,7 @@ class FrameStatus(IntEnum):
     INTERNAL = 7
     STALE_EPOCH = 8  # the request's cluster-map epoch is older than the node's; nothing was done
     UNAUTHENTICATED = 9  # no valid AUTH on a node with --auth-file; the connection is closed
-    FORBIDDEN = 10       # the tenant's roles do not allow the request; the connection stays open
+    FORBIDDEN = 10  # the tenant's roles do not allow the request; the connection stays open
 
 
 class PutStatus(IntEnum):
@@ -88,8 +89,9 @@ class Header(NamedTuple):
         return bool(self.flags & FLAG_RESPONSE)
 
 
-def encode_header(opcode: int, request_id: int, meta_len: int, payload_len: int,
-                  status: int = 0, flags: int = 0) -> bytes:
+def encode_header(
+    opcode: int, request_id: int, meta_len: int, payload_len: int, status: int = 0, flags: int = 0
+) -> bytes:
     return HEADER.pack(MAGIC, VERSION, opcode, flags, request_id, meta_len, status, payload_len)
 
 
@@ -101,10 +103,12 @@ def decode_header(buf) -> Header:
     if magic != MAGIC:
         raise ProtocolError(
             f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): the peer is not a "
-            "GCache v1 server, or the stream lost its framing")
+            "GCache v1 server, or the stream lost its framing"
+        )
     if version != VERSION:
-        raise ProtocolError(f"peer speaks protocol version {version}, this client speaks {VERSION}: "
-                            "upgrade the older side")
+        raise ProtocolError(
+            f"peer speaks protocol version {version}, this client speaks {VERSION}: upgrade the older side"
+        )
     if meta_len > META_BYTES_MAX:
         raise ProtocolError(f"frame metadata of {meta_len} bytes exceeds the {META_BYTES_MAX} B limit")
     return Header(opcode, flags, request_id, meta_len, status, payload_len)
@@ -136,7 +140,7 @@ def encode_keys_meta(keys: list[bytes], epoch: int | None = None) -> bytes:
     if len(keys) == 1:
         key = keys[0]
         size = len(key)
-        length = bytes((0xc4, size)) if size < 256 else b"\xc5" + size.to_bytes(2, "big")
+        length = bytes((0xC4, size)) if size < 256 else b"\xc5" + size.to_bytes(2, "big")
         if epoch is None:
             return _KEYS_MAP_ONE + length + key
         return _KEYS_EPOCH_MAP_ONE + length + key + _EPOCH_FIELD + msgpack.packb(epoch)
@@ -145,8 +149,9 @@ def encode_keys_meta(keys: list[bytes], epoch: int | None = None) -> bytes:
     return msgpack.packb({"keys": keys, "epoch": epoch}, use_bin_type=True)
 
 
-def encode_frame_head(opcode: int, request_id: int, meta: dict, payload_len: int = 0,
-                      status: int = 0, flags: int = 0) -> bytes:
+def encode_frame_head(
+    opcode: int, request_id: int, meta: dict, payload_len: int = 0, status: int = 0, flags: int = 0
+) -> bytes:
     """Header + metadata as one bytes object; the payload is sent after it, uncopied."""
     meta_bytes = encode_meta(meta)
     return encode_header(opcode, request_id, len(meta_bytes), payload_len, status, flags) + meta_bytes
@@ -167,7 +172,8 @@ def normalize_key(key) -> bytes:
     if len(raw) > KEY_BYTES_MAX:
         raise KeyInvalidError(
             f"key of {len(raw)} bytes is longer than {KEY_BYTES_MAX}: hash long names "
-            f"(gcache.wire.keys builds short content-addressed keys); key starts {raw[:32]!r}")
+            f"(gcache.wire.keys builds short content-addressed keys); key starts {raw[:32]!r}"
+        )
     return raw
 
 

@@ -10,6 +10,7 @@ Environment (both sides): $GCACHE_RDMA_PORT (the device port, default 1),
 $GCACHE_RDMA_GID_INDEX (default: chosen by `choose_gid_index`); clients also
 read $GCACHE_RDMA_DEVICE (default: the first device).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,15 +20,17 @@ from dataclasses import dataclass
 RDMA_DEVICE_ENV = "GCACHE_RDMA_DEVICE"
 RDMA_PORT_ENV = "GCACHE_RDMA_PORT"
 RDMA_GID_INDEX_ENV = "GCACHE_RDMA_GID_INDEX"
-PYVERBS_INSTALL_HINT = ("install the distribution's rdma-core bindings (Debian/Ubuntu: apt-get install "
-                        "python3-pyverbs, importable from a venv of the same Python version once "
-                        "/usr/lib/python3/dist-packages/pyverbs is linked into its site-packages), or "
-                        "pip install pyverbs (builds rdma-core: needs cmake, cython, libnl-3-dev, "
-                        "libnl-route-3-dev)")
+PYVERBS_INSTALL_HINT = (
+    "install the distribution's rdma-core bindings (Debian/Ubuntu: apt-get install "
+    "python3-pyverbs, importable from a venv of the same Python version once "
+    "/usr/lib/python3/dist-packages/pyverbs is linked into its site-packages), or "
+    "pip install pyverbs (builds rdma-core: needs cmake, cython, libnl-3-dev, "
+    "libnl-route-3-dev)"
+)
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 _IPV4_MAPPED_GID_PREFIX = "0000:0000:0000:0000:0000:ffff:"
-RD_ATOMIC_MAX = 16     # RDMA READs in flight per queue pair (capped by the device)
-PSN_MASK = 0xFFFFFF    # packet sequence numbers are 24 bits
+RD_ATOMIC_MAX = 16  # RDMA READs in flight per queue pair (capped by the device)
+PSN_MASK = 0xFFFFFF  # packet sequence numbers are 24 bits
 QPN_MAX = 0xFFFFFF
 MTU_ENUMS = (1, 2, 3, 4, 5)  # IBV_MTU_256 .. IBV_MTU_4096
 
@@ -50,8 +53,24 @@ def load():
         from pyverbs.wr import SGE, SendWR
     except ImportError as exc:
         raise RdmaUnavailable(f"pyverbs is not importable ({exc}): {PYVERBS_INSTALL_HINT}") from exc
-    return _Verbs(enums, GID, AHAttr, GlobalRoute, CQ, Context, get_device_list, MR, PD, PyverbsError,
-                  QP, QPAttr, QPCap, QPInitAttr, SGE, SendWR)
+    return _Verbs(
+        enums,
+        GID,
+        AHAttr,
+        GlobalRoute,
+        CQ,
+        Context,
+        get_device_list,
+        MR,
+        PD,
+        PyverbsError,
+        QP,
+        QPAttr,
+        QPCap,
+        QPInitAttr,
+        SGE,
+        SendWR,
+    )
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,8 @@ def device_names(verbs) -> list[str]:
     except verbs.PyverbsError as exc:
         raise RdmaUnavailable(
             f"no RDMA device: listing them failed ({exc}); this host's kernel offers none "
-            "(/sys/class/infiniband is missing or empty)") from exc
+            "(/sys/class/infiniband is missing or empty)"
+        ) from exc
     names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
     if not names:
         raise RdmaUnavailable("no RDMA device on this host (/sys/class/infiniband is empty)")
@@ -95,8 +115,7 @@ def choose_gid_index(gids: list[tuple[int, str, bool]], ethernet: bool) -> int:
     if not ethernet:
         return 0
     usable = [(i, gid.lower(), v2) for i, gid, v2 in gids if gid.lower() != ZERO_GID]
-    for wanted in (lambda g, v2: v2 and g.startswith(_IPV4_MAPPED_GID_PREFIX), lambda g, v2: v2,
-                   lambda g, v2: True):
+    for wanted in (lambda g, v2: v2 and g.startswith(_IPV4_MAPPED_GID_PREFIX), lambda g, v2: v2, lambda g, v2: True):
         for i, gid, v2 in usable:
             if wanted(gid, v2):
                 return i
@@ -119,11 +138,16 @@ def parse_endpoint(meta: dict) -> dict:
         gid = gid.decode("ascii", "replace")
     parts = gid.split(":") if isinstance(gid, str) else []
     if len(parts) != 8 or not all(len(p) == 4 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
-        raise ValueError(f"RDMA endpoint field 'gid' must look like xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx, "
-                         f"got {meta.get('gid')!r}")
-    return {"qpn": _int_field(meta, "qpn", 1, QPN_MAX), "psn": _int_field(meta, "psn", 0, PSN_MASK),
-            "lid": _int_field(meta, "lid", 0, 0xFFFF), "gid": gid.lower(),
-            "mtu": _int_field(meta, "mtu", MTU_ENUMS[0], MTU_ENUMS[-1])}
+        raise ValueError(
+            f"RDMA endpoint field 'gid' must look like xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx, got {meta.get('gid')!r}"
+        )
+    return {
+        "qpn": _int_field(meta, "qpn", 1, QPN_MAX),
+        "psn": _int_field(meta, "psn", 0, PSN_MASK),
+        "lid": _int_field(meta, "lid", 0, 0xFFFF),
+        "gid": gid.lower(),
+        "mtu": _int_field(meta, "mtu", MTU_ENUMS[0], MTU_ENUMS[-1]),
+    }
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -190,7 +214,8 @@ class Device:
         except self.v.PyverbsError as exc:
             raise RdmaUnavailable(
                 f"cannot register {length} bytes with RDMA device {self.name}: {exc} (a low "
-                "`ulimit -l` (locked memory) is the usual cause)") from exc
+                "`ulimit -l` (locked memory) is the usual cause)"
+            ) from exc
 
     def queue_pair(self, depth: int) -> QueuePair:
         return QueuePair(self, depth)
@@ -214,8 +239,7 @@ class QueuePair:
             self.qp = v.QP(device.pd, init)
             attr = v.QPAttr(port_num=device.port)
             attr.pkey_index = 0
-            attr.qp_access_flags = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-                                    | e.IBV_ACCESS_REMOTE_WRITE)
+            attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
             self.qp.to_init(attr)
         except BaseException:
             self.cq.close()
@@ -231,8 +255,9 @@ class QueuePair:
         self.qp.to_rtr(attr)
         self.qp.to_rts(attr)
 
-    def post(self, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int,
-             wr_id: int) -> None:
+    def post(
+        self, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int, wr_id: int
+    ) -> None:
         """One signaled RDMA READ (remote -> local) or WRITE (local -> remote)."""
         self.qp.post_send(work_request(self.device.v, write, local_addr, lkey, remote_addr, rkey, length, wr_id))
 
@@ -268,11 +293,15 @@ def connect_attributes(verbs, local, peer: dict, psn: int):
     return attr
 
 
-def work_request(verbs, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int,
-                 wr_id: int):
+def work_request(verbs, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int, wr_id: int):
     """A signaled RDMA WRITE (local -> remote) or READ (remote -> local) of one buffer."""
     e = verbs.e
-    wr = verbs.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ, num_sge=1,
-                      sg=[verbs.SGE(local_addr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr = verbs.SendWR(
+        wr_id=wr_id,
+        opcode=e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ,
+        num_sge=1,
+        sg=[verbs.SGE(local_addr, length, lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
     wr.set_wr_rdma(rkey, remote_addr)
     return wr

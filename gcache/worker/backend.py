@@ -2,6 +2,7 @@
 
 Set GCACHE_BACKEND=numpy to force the CPU path (or =cupy to require the GPU).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import numpy as np
 def _cupy_with_device() -> types.ModuleType | None:
     try:
         import cupy  # type: ignore[import-not-found]
+
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return cupy
     except Exception:  # not installed, no driver, no device: fall back to numpy

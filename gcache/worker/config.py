@@ -1,4 +1,5 @@
 """Model and cache geometry of the hybrid sliding-window-attention model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,17 @@ class ModelConfig:
         if not self.layer_pattern:
             object.__setattr__(self, "layer_pattern", hybrid_pattern(self.layers))
         object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
-        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
-                     "intermediate", "window", "page_size"):
+        for name in (
+            "vocab_size",
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "intermediate",
+            "window",
+            "page_size",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if len(self.layer_pattern) != self.layers:
@@ -63,8 +73,9 @@ class ModelConfig:
     @classmethod
     def large(cls, **kw) -> ModelConfig:
         """A production-shaped layout (70 layers: 10 full + 60 SWA), for GPU runs."""
-        base = dict(vocab_size=32000, hidden=1024, layers=70, heads=16, kv_heads=4,
-                    head_dim=64, intermediate=2816, window=128)
+        base = dict(
+            vocab_size=32000, hidden=1024, layers=70, heads=16, kv_heads=4, head_dim=64, intermediate=2816, window=128
+        )
         base.update(kw)
         return cls(**base)
 

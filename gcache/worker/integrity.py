@@ -1,4 +1,5 @@
 """Integrity checks that survive `python -O` (which strips assert statements)."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """bench/store/eviction_replay.py: the clairvoyant bound exactly on crafted traces, and a tiny run
 of the replay against real servers (the full bench: bench/README.md)."""
+
 import json
 import random
 from pathlib import Path
@@ -56,13 +57,32 @@ def test_replay_runs_real_servers_and_reports_against_lru(tmp_path, capsys):
     trace_path = tmp_path / "tiny_trace.jsonl"
     write_trace(trace_path, 400)
     out = tmp_path / "runs.json"
-    assert eviction_replay.main(["--traces", str(trace_path), "--fractions", "0.1", "--disk", "both",
-                                 "--policies", "chain,lru", "--json", str(out)]) == 0
+    assert (
+        eviction_replay.main(
+            [
+                "--traces",
+                str(trace_path),
+                "--fractions",
+                "0.1",
+                "--disk",
+                "both",
+                "--policies",
+                "chain,lru",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "## tiny:" in printed and "vs lru" in printed and "clairvoyant" in printed
     runs = json.loads(out.read_text())
-    assert sorted((r["policy"], r["disk"]) for r in runs) == [("chain", False), ("chain", True),
-                                                              ("lru", False), ("lru", True)]
+    assert sorted((r["policy"], r["disk"]) for r in runs) == [
+        ("chain", False),
+        ("chain", True),
+        ("lru", False),
+        ("lru", True),
+    ]
     trace = load_trace(trace_path)
     capacity = eviction_replay.memory_bytes(trace, 0.1, 4096) // 4096  # the 1 MiB floor: 256 blocks
     for r in runs:

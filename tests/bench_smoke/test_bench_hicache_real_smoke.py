@@ -6,6 +6,7 @@ after its restart, and so does D (the identical prompt; 67 tokens, so its last w
 before its last token), A' hits them in L1, C (no prefix cache) and A (cold) hit nothing. layerwise_load
 itself raises unless every timed request is an L2 hit of the whole prefix.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,8 +20,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 pytestmark = pytest.mark.process  # starts gcache processes
 
-TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
-        "window": 32, "page_size": 8, "vocab_size": 512, "layer_pattern": ["swa", "full", "swa", "swa"]}
+TINY = {
+    "layers": 4,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "intermediate": 128,
+    "window": 32,
+    "page_size": 8,
+    "vocab_size": 512,
+    "layer_pattern": ["swa", "full", "swa", "swa"],
+}
 
 
 def load_bench(name: str):
@@ -29,8 +40,25 @@ def load_bench(name: str):
 
 def test_hicache_real_smoke(tmp_path, capsys):
     bench = load_bench("real")
-    assert bench.main(["--runs", "1", "--prompt-tokens", "67", "--config-json", json.dumps(TINY),
-                       "--l2-mib", "4", "--server-memory", "64MiB", "--work-dir", str(tmp_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--runs",
+                "1",
+                "--prompt-tokens",
+                "67",
+                "--config-json",
+                json.dumps(TINY),
+                "--l2-mib",
+                "4",
+                "--server-memory",
+                "64MiB",
+                "--work-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = {line.split("   ")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
     assert rows["L3 hit on a second worker (B)"].endswith("l1=0 l2=0 l3=64")
@@ -47,11 +75,30 @@ def test_hicache_real_smoke(tmp_path, capsys):
 
 def test_layerwise_load_smoke(capsys):
     bench = load_bench("layerwise_load")
-    assert bench.main(["--repeats", "2", "--cal-repeats", "1", "--prefix-tokens", "96", "--suffix-tokens", "8",
-                       "--config-json", json.dumps(TINY)]) == 0
+    assert (
+        bench.main(
+            [
+                "--repeats",
+                "2",
+                "--cal-repeats",
+                "1",
+                "--prefix-tokens",
+                "96",
+                "--suffix-tokens",
+                "8",
+                "--config-json",
+                json.dumps(TINY),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("  repeat ") == 2
-    for label in ("TTFT, load everything then compute (serial)", "TTFT, layer-wise load overlapped",
-                  "T_load (serial copy time", "load time hidden = (T_serial - T_layerwise) / T_load",
-                  "target: >= 70% of load time hidden"):
+    for label in (
+        "TTFT, load everything then compute (serial)",
+        "TTFT, layer-wise load overlapped",
+        "T_load (serial copy time",
+        "load time hidden = (T_serial - T_layerwise) / T_load",
+        "target: >= 70% of load time hidden",
+    ):
         assert label in out, label

@@ -7,6 +7,7 @@ SWA-unaware hierarchy writing SWA KV for every page to L3 (exactly (full + SWA) 
 size bytes per token), prefill tokens computed = prompt tokens - hits when nothing was
 preempted. Plus the SGLang-style baseline tree's one rule, on a hand-built tree.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,21 +33,53 @@ def write_trace(path, records: int) -> None:
     with open(path, "w") as f:
         for i in range(records):
             ids = [0, 1 + int(rng.integers(3))] + [100 + 10 * i + k for k in range(int(rng.integers(1, 4)))]
-            f.write(json.dumps({"timestamp": i, "input_length": 512 * len(ids) - 100, "output_length": 40,
-                                "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps({"timestamp": i, "input_length": 512 * len(ids) - 100, "output_length": 40, "hash_ids": ids})
+                + "\n"
+            )
 
 
 def test_hicache_bench_tables_and_accounting(tmp_path, capsys):
     bench = load_bench()
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, 10)
-    out = bench.main(["--cost", "default", "--seeds", "0", "--workers", "1,2", "--conversations", "4",
-                      "--answer-tokens", "8,24", "--trace", str(trace), "--trace-requests", "10",
-                      "--long-conversations", "1", "--jobs", "1", "--check-every", "1"])
+    out = bench.main(
+        [
+            "--cost",
+            "default",
+            "--seeds",
+            "0",
+            "--workers",
+            "1,2",
+            "--conversations",
+            "4",
+            "--answer-tokens",
+            "8,24",
+            "--trace",
+            str(trace),
+            "--trace-requests",
+            "10",
+            "--long-conversations",
+            "1",
+            "--jobs",
+            "1",
+            "--check-every",
+            "1",
+        ]
+    )
     text = capsys.readouterr().out
     assert text.startswith("command: .venv/bin/python -m bench.hicache.hierarchy --cost default")
-    for line in ("=== chat", "=== trace", "configuration", "token hit", "TTFT P50", "L3 B/token",
-                 "cached prefix tokens held per KV byte", "=== targets", "gcache-server --memory"):
+    for line in (
+        "=== chat",
+        "=== trace",
+        "configuration",
+        "token hit",
+        "TTFT P50",
+        "L3 B/token",
+        "cached prefix tokens held per KV byte",
+        "=== targets",
+        "gcache-server --memory",
+    ):
         assert line in text, line
     setups = [s.name for s in bench.SETUPS]
     for name in setups:

@@ -7,6 +7,7 @@ of every prompt, computed here independently from the page-hash chain; the engin
 checkpoints can only hit less (ends and branch points only <= every C pages too <= that).
 The trace file is written here (shared block prefixes), so no data outside the repo is read.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,8 +19,18 @@ import numpy as np
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.config import ModelConfig
 
-TINY = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                   page_size=8, vocab_size=512, layer_pattern=("swa", "full", "swa", "swa"))
+TINY = ModelConfig(
+    layers=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    window=32,
+    page_size=8,
+    vocab_size=512,
+    layer_pattern=("swa", "full", "swa", "swa"),
+)
 BLOCK = 32  # tokens per trace block: 4 pages of 8
 ARGS = Namespace(concurrency=1, chunk_tokens=64, lookahead=8, nodes_max=100_000)
 
@@ -41,8 +52,7 @@ def write_trace(path, records: int, seed: int = 1):
             ids = base + extra
             chains.append(ids)
             length = (len(ids) - 1) * 512 + int(rng.integers(1, 513))
-            f.write(json.dumps({"timestamp": 0, "input_length": length, "output_length": 1,
-                                "hash_ids": ids}) + "\n")
+            f.write(json.dumps({"timestamp": 0, "input_length": length, "output_length": 1, "hash_ids": ids}) + "\n")
     return path
 
 
@@ -79,16 +89,24 @@ def test_trace_hits_are_exact_without_eviction(tmp_path):
     # branch points alone miss a sibling's first branching off mid-chain.
     assert 0 < ends.hit_tokens < tree.hit_tokens <= base.hit_tokens
     again = bench.run_engine(bench.Mode("baseline", 1, True), items, TINY, budget, 1.0, ARGS)
-    assert (again.hit_tokens, again.computed_tokens, again.steps) == (base.hit_tokens, base.computed_tokens,
-                                                                      base.steps)
+    assert (again.hit_tokens, again.computed_tokens, again.steps) == (base.hit_tokens, base.computed_tokens, base.steps)
 
 
 def test_chat_turns_hit_the_previous_turn_through_the_engine():
     bench = load_bench()
     from bench.common.workloads import chat_workload
 
-    reqs = list(chat_workload(0, 6, system_tokens=(100, 200), user_tokens=(10, 40), output_tokens=(10, 40),
-                              concurrency=3, vocab=TINY.vocab_size))
+    reqs = list(
+        chat_workload(
+            0,
+            6,
+            system_tokens=(100, 200),
+            user_tokens=(10, 40),
+            output_tokens=(10, 40),
+            concurrency=3,
+            vocab=TINY.vocab_size,
+        )
+    )
     items = bench.chat_items(reqs)
     linked = [it for it in items if it.prev is not None]
     assert len(linked) == len(reqs) - 6
@@ -109,17 +127,41 @@ def test_chat_turns_hit_the_previous_turn_through_the_engine():
 def test_main_prints_assumptions_and_working_set(tmp_path, capsys):
     bench = load_bench()
     trace = write_trace(tmp_path / "trace.jsonl", 12)
-    bench.main(["--conversations", "4", "--budget-mib", "16", "--chunk-tokens", "128", "--concurrency", "2",
-                "--trace", str(trace), "--trace-requests", "12", "--trace-budget-mib", "256"])
+    bench.main(
+        [
+            "--conversations",
+            "4",
+            "--budget-mib",
+            "16",
+            "--chunk-tokens",
+            "128",
+            "--concurrency",
+            "2",
+            "--trace",
+            str(trace),
+            "--trace-requests",
+            "12",
+            "--trace-budget-mib",
+            "256",
+        ]
+    )
     out = capsys.readouterr().out
     assert "measured through gcache.worker.engine.engine.Engine" in out
     assert out.count("working set:") == 2
-    assert "swa-tree  assumes: SWA KV only at checkpoints the engine makes (request ends, branch points; " \
-           "swa_checkpoint_pages=0)" in out
-    assert "swa-tree  assumes: SWA KV only at checkpoints the engine makes (request ends, branch points, " \
-           "every 8 pages; swa_checkpoint_pages=8)" in out
-    assert out.count("baseline  assumes: SWA KV for every cached page (the same engine, " \
-                     "swa_checkpoint_pages=1), equal pools") == 2
+    assert (
+        "swa-tree  assumes: SWA KV only at checkpoints the engine makes (request ends, branch points; "
+        "swa_checkpoint_pages=0)" in out
+    )
+    assert (
+        "swa-tree  assumes: SWA KV only at checkpoints the engine makes (request ends, branch points, "
+        "every 8 pages; swa_checkpoint_pages=8)" in out
+    )
+    assert (
+        out.count(
+            "baseline  assumes: SWA KV for every cached page (the same engine, swa_checkpoint_pages=1), equal pools"
+        )
+        == 2
+    )
     assert out.count("ratio swa-tree / baseline hit rate:") == 2
     assert "ratio swa-ends / baseline hit rate:" in out
     summary = out.split("summary")[1].splitlines()

@@ -6,6 +6,7 @@ RouterCore and WorkerPublisher over a real redis-server, the unfitted cost model
 host -> device copy rate), then once more for one policy to check that a rerun gives the same
 figures.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,18 +46,20 @@ def test_trace_slice_links_turns_by_complete_blocks(tmp_path):
     from bench.router.workloads import trace_slice
 
     path = tmp_path / "t.jsonl"
-    recs = [{"input_length": 1500, "output_length": 8, "hash_ids": [0, 1, 2]},      # complete: [0, 1]
-            {"input_length": 1000, "output_length": 8, "hash_ids": [0, 7]},          # complete: [0] (< 2)
-            {"input_length": 2000, "output_length": 8, "hash_ids": [0, 1, 3, 4]},    # extends record 0
-            {"input_length": 700, "output_length": 8, "hash_ids": [0, 7, 8]},        # record 1 too short
-            {"input_length": 2600, "output_length": 8, "hash_ids": [0, 1, 3, 4, 9, 10]}]  # extends 2
+    recs = [
+        {"input_length": 1500, "output_length": 8, "hash_ids": [0, 1, 2]},  # complete: [0, 1]
+        {"input_length": 1000, "output_length": 8, "hash_ids": [0, 7]},  # complete: [0] (< 2)
+        {"input_length": 2000, "output_length": 8, "hash_ids": [0, 1, 3, 4]},  # extends record 0
+        {"input_length": 700, "output_length": 8, "hash_ids": [0, 7, 8]},  # record 1 too short
+        {"input_length": 2600, "output_length": 8, "hash_ids": [0, 1, 3, 4, 9, 10]},
+    ]  # extends 2
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     turns = trace_slice(path, 0, 10, block_tokens=64, prompt_tokens_max=4096, output_tokens_max=16)
     assert [t.after for t in turns] == [-1, -1, 0, -1, 2]
     assert [len(t.prompt) for t in turns] == [187, 125, 250, 87, 325]
     assert [t.max_tokens for t in turns] == [1, 1, 1, 1, 1]
     assert np.array_equal(turns[2].prompt[:128], turns[0].prompt[:128])  # two shared blocks
-    assert np.array_equal(turns[4].prompt[:250], turns[2].prompt)        # a turn extends its predecessor
+    assert np.array_equal(turns[4].prompt[:250], turns[2].prompt)  # a turn extends its predecessor
     tail = trace_slice(path, 2, 10, block_tokens=64, prompt_tokens_max=4096, output_tokens_max=16)
     assert [t.after for t in tail] == [-1, -1, 0]  # the offset window links only inside itself
 
@@ -69,9 +72,18 @@ def test_router_bench_quick(tmp_path, capsys):
     out = bench.main(common)
     text = capsys.readouterr().out
     assert text.startswith("command: .venv/bin/python -m bench.router.policies --quick --cost default")
-    for line in ("=== chat", "=== trace", "chat, 2 workers, load x1", "trace, 2 workers, load x1",
-                 "token hit", "TTFT P90",
-                 "imbalance", "=== SWA mis-routing case", "=== targets", "hit/LL"):
+    for line in (
+        "=== chat",
+        "=== trace",
+        "chat, 2 workers, load x1",
+        "trace, 2 workers, load x1",
+        "token hit",
+        "TTFT P90",
+        "imbalance",
+        "=== SWA mis-routing case",
+        "=== targets",
+        "hit/LL",
+    ):
         assert line in text, line
     for p in POLICIES:
         assert text.count(f"\n  {p} ") >= 3, p  # both workloads and the SWA case
@@ -108,8 +120,20 @@ def test_router_bench_quick(tmp_path, capsys):
 
     # Deterministic: the same run again gives the same figures, request by request (this time
     # with a second load point: the same requests at twice the rate).
-    again = bench.main(common + ["--workloads", "chat", "--policies", "cache_aware", "--no-swa-case",
-                                 "--load-scales", "1,2", "--sweep-seeds", "0"])
+    again = bench.main(
+        common
+        + [
+            "--workloads",
+            "chat",
+            "--policies",
+            "cache_aware",
+            "--no-swa-case",
+            "--load-scales",
+            "1,2",
+            "--sweep-seeds",
+            "0",
+        ]
+    )
     assert "chat, 2 workers, load x2" in capsys.readouterr().out
     assert set(again["runs"]) == {("chat", 0, "cache_aware", 2, 1.0), ("chat", 0, "cache_aware", 2, 2.0)}
     double = again["runs"][("chat", 0, "cache_aware", 2, 2.0)]

@@ -3,6 +3,7 @@
 No timing assertions: only that every figure exists, is positive where it must
 be, and that the counts add up exactly.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,21 @@ pytestmark = pytest.mark.process  # starts processes
 VALUE = 64 << 10
 BATCH = 8
 EXISTS_KEYS = 200
-SMALL = ["--duration", "0.2s", "--repeat", "2", "--working-set", "2MiB", "--value-size", "64KiB",
-         "--batch", str(BATCH), "--exists-keys", str(EXISTS_KEYS), "--no-progress"]
+SMALL = [
+    "--duration",
+    "0.2s",
+    "--repeat",
+    "2",
+    "--working-set",
+    "2MiB",
+    "--value-size",
+    "64KiB",
+    "--batch",
+    str(BATCH),
+    "--exists-keys",
+    str(EXISTS_KEYS),
+    "--no-progress",
+]
 
 
 def check_workloads(workloads: dict, repeat: int) -> None:
@@ -39,7 +53,7 @@ def check_workloads(workloads: dict, repeat: int) -> None:
     for name in ("put", "get"):
         w = workloads[name]
         assert w["keys"] == w["calls"] * BATCH
-        assert w["bytes"] == w["keys"] * VALUE            # every key moved exactly one value
+        assert w["bytes"] == w["keys"] * VALUE  # every key moved exactly one value
         assert w["gbps"] > 0
     assert workloads["exists"]["keys"] == workloads["exists"]["calls"] * EXISTS_KEYS
     assert workloads["exists"]["bytes"] == 0
@@ -58,10 +72,11 @@ def test_bench_gcache_vs_redis(server, redis_server):
     for key, ratio in report["ratios"]["redis"].items():
         assert ratio == pytest.approx(ours[key] / theirs[key])
     assert report["fraction_of_limits"]["get_of_loopback_tcp"] == pytest.approx(
-        ours["get_gbps"] / report["limits"]["loopback_tcp_gbps"])
+        ours["get_gbps"] / report["limits"]["loopback_tcp_gbps"]
+    )
     verdicts = {(t["measure"], t["against"]): t["met"] for t in report["targets"]}
     assert len(verdicts) == 8
-    assert verdicts[("get_gbps", "mooncake")] is None          # mooncake was not asked for
+    assert verdicts[("get_gbps", "mooncake")] is None  # mooncake was not asked for
     assert isinstance(verdicts[("get_gbps", "redis")], bool)
     assert report["server"]["local"] is False and report["server"]["exit_code"] is None
     assert server.alive()
@@ -69,12 +84,29 @@ def test_bench_gcache_vs_redis(server, redis_server):
 
 def test_bench_cli_json_with_local_server_and_processes(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "gcache.tools.storebench.main", "--json", "--processes", "2", "--data-dir", str(tmp_path),
-         "--memory", "64MiB", "--disk", "128MiB", "--workload", "put,get", *SMALL],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "gcache.tools.storebench.main",
+            "--json",
+            "--processes",
+            "2",
+            "--data-dir",
+            str(tmp_path),
+            "--memory",
+            "64MiB",
+            "--disk",
+            "128MiB",
+            "--workload",
+            "put,get",
+            *SMALL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)                  # exactly one JSON object on stdout
+    report = json.loads(out.stdout)  # exactly one JSON object on stdout
     assert report["config"]["workers"] == 2 and report["config"]["mode"] == "processes"
     assert report["server"]["local"] is True and report["server"]["exit_code"] == 0  # SIGTERM, clean
     workloads = report["peers"]["gcache"]["workloads"]
@@ -85,8 +117,19 @@ def test_bench_cli_json_with_local_server_and_processes(tmp_path):
 
 
 def test_bench_vs_mooncake_runs_or_says_why(server):
-    report = bench_main.run(["--server", server.address, "--vs", "mooncake", "--mooncake-segment", "96MiB",
-                             "--workload", "get,exists", *SMALL])
+    report = bench_main.run(
+        [
+            "--server",
+            server.address,
+            "--vs",
+            "mooncake",
+            "--mooncake-segment",
+            "96MiB",
+            "--workload",
+            "get,exists",
+            *SMALL,
+        ]
+    )
     mooncake = report["peers"]["mooncake"]
     if importlib.util.find_spec("mooncake") is not None and os.geteuid() == 0:
         # setup.sh installed the wheel: then a failure to run is a bug, not a reason
@@ -101,9 +144,17 @@ def test_bench_vs_mooncake_runs_or_says_why(server):
     assert report["peers"]["gcache"]["available"] is True
 
 
-@pytest.mark.parametrize("flag, value", [("--value-size", "1KiB"), ("--value-size", "32MiB"),
-                                         ("--batch", "0"), ("--duration", "ten"), ("--vs", "memcached"),
-                                         ("--workload", "scan")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--value-size", "1KiB"),
+        ("--value-size", "32MiB"),
+        ("--batch", "0"),
+        ("--duration", "ten"),
+        ("--vs", "memcached"),
+        ("--workload", "scan"),
+    ],
+)
 def test_bench_rejects_bad_flags(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main.parse_args([flag, value])
@@ -123,18 +174,19 @@ def test_units():
 
 
 def test_bench_per_transport_beside_the_machine(server):
-    report = bench_main.run(["--server", server.address, "--transport", "tcp,shm,rdma",
-                             "--workload", "put,get,latency", *SMALL])
+    report = bench_main.run(
+        ["--server", server.address, "--transport", "tcp,shm,rdma", "--workload", "put,get,latency", *SMALL]
+    )
     assert report["config"]["transports"] == ["tcp", "shm", "rdma"]
     limits = report["limits"]
     assert limits["memcpy_batch_gbps"] > 0 and len(limits["memcpy_batch_gbps_runs"]) == 2
     assert limits["python_tcp_pingpong_p50_us"] > 0 and len(limits["python_tcp_pingpong_p50_us_runs"]) == 2
     by = report["transports"]["by_transport"]
     assert list(by) == ["tcp", "shm", "rdma"]
-    assert by["tcp"]["available"] is True                        # tcp always reaches a server
-    assert report["peers"]["gcache"]["transport"] == "tcp"       # the first available one
+    assert by["tcp"]["available"] is True  # tcp always reaches a server
+    assert report["peers"]["gcache"]["transport"] == "tcp"  # the first available one
     for name, t in by.items():
-        if not t["available"]:                                   # skipped with a one-line reason
+        if not t["available"]:  # skipped with a one-line reason
             assert t["reason"] and "\n" not in t["reason"], name
             continue
         workloads = report["peers"]["gcache"]["workloads"] if name == "tcp" else None
@@ -148,9 +200,13 @@ def test_bench_per_transport_beside_the_machine(server):
                 assert workloads[w]["bytes"] == workloads[w]["keys"] * VALUE
     targets = report["transports"]["targets"]
     assert {(t["transport"], t["measure"], t["against"]) for t in targets} == {
-        ("shm", "get_gbps", "memcpy_batch"), ("shm", "put_gbps", "memcpy_batch"),
-        ("shm", "latency_p50_us", "us"), ("shm", "latency_p50_us", "python_tcp_pingpong"),
-        ("tcp", "put_gbps", "loopback_tcp_batch"), ("tcp", "get_gbps", "loopback_tcp_batch")}
+        ("shm", "get_gbps", "memcpy_batch"),
+        ("shm", "put_gbps", "memcpy_batch"),
+        ("shm", "latency_p50_us", "us"),
+        ("shm", "latency_p50_us", "python_tcp_pingpong"),
+        ("tcp", "put_gbps", "loopback_tcp_batch"),
+        ("tcp", "get_gbps", "loopback_tcp_batch"),
+    }
     tcp_put = next(t for t in targets if t["transport"] == "tcp" and t["measure"] == "put_gbps")
     assert tcp_put["ratio"] == pytest.approx(by["tcp"]["measures"]["put_gbps"] / limits["loopback_tcp_batch_gbps"])
     assert isinstance(tcp_put["met"], bool)

@@ -1,4 +1,5 @@
 """bench/worker/ttft.py, tiny: the figures add up, both policies see one workload, runs repeat exactly."""
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def test_workload_prompts_do_not_depend_on_the_rate():
     for w in slow:
         assert (w.kind == "doc_qa") == (w.doc >= 0) and (w.doc_len > 0) == (w.doc >= 0)
         if w.doc >= 0:  # every question on a document starts with that same document
-            assert docs.setdefault(w.doc, w.prompt[:w.doc_len]) == w.prompt[:w.doc_len]
+            assert docs.setdefault(w.doc, w.prompt[: w.doc_len]) == w.prompt[: w.doc_len]
     assert docs and len(slow) == 40
 
 
@@ -64,10 +65,39 @@ def test_fitted_clock_is_read_from_the_calibration_file(tmp_path, capsys):
 @pytest.mark.slow
 def test_real_model_mode_runs_on_the_fitted_clock(tmp_path):
     cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"cost": {"base_s": 0.004, "token_s": 0.0002, "req_s": 0.0005, "kv_s": 6e-07,
-                                        "read_s": 6e-07, "swa_dense": True}, "median_rel_error": 0.05}))
-    result = ttft.main(["--mode", "real", "--cal-file", str(cal), "--requests", "6", "--scale", "0.05",
-                        "--seeds", "0", "--rates", "5", "--hot-docs", "2"])
+    cal.write_text(
+        json.dumps(
+            {
+                "cost": {
+                    "base_s": 0.004,
+                    "token_s": 0.0002,
+                    "req_s": 0.0005,
+                    "kv_s": 6e-07,
+                    "read_s": 6e-07,
+                    "swa_dense": True,
+                },
+                "median_rel_error": 0.05,
+            }
+        )
+    )
+    result = ttft.main(
+        [
+            "--mode",
+            "real",
+            "--cal-file",
+            str(cal),
+            "--requests",
+            "6",
+            "--scale",
+            "0.05",
+            "--seeds",
+            "0",
+            "--rates",
+            "5",
+            "--hot-docs",
+            "2",
+        ]
+    )
     run = result["sweep"][0]["runs"]["ttft"][0]
     assert run["real_wall_s"] > 0 and run["fitted_s"] > 0
 

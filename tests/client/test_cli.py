@@ -1,4 +1,5 @@
 """The `gcache` operator CLI, run as a subprocess against a real server."""
+
 import json
 import socket
 import subprocess
@@ -21,8 +22,13 @@ def server(tmp_path_factory):
 
 
 def gcache(server_address, *args, stdin: bytes = b""):
-    return subprocess.run([sys.executable, "-m", "gcache.cli.main", "--server", server_address, *args],
-                          input=stdin, capture_output=True, cwd=REPO_ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gcache.cli.main", "--server", server_address, *args],
+        input=stdin,
+        capture_output=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
 
 
 def test_put_get_round_trip_through_files(server, tmp_path):
@@ -96,7 +102,8 @@ def test_invalid_key_exits_2(server):
 
 
 def test_help_documents_exit_codes():
-    out = subprocess.run([sys.executable, "-m", "gcache.cli.main", "--help"], capture_output=True,
-                         cwd=REPO_ROOT, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gcache.cli.main", "--help"], capture_output=True, cwd=REPO_ROOT, timeout=60
+    )
     assert out.returncode == 0
     assert b"exit codes" in out.stdout and b"not admitted" in out.stdout

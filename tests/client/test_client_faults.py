@@ -1,4 +1,5 @@
 """The client under failure and concurrency: dead, hung and restarted servers, many threads."""
+
 import os
 import signal
 import threading

@@ -1,5 +1,6 @@
 """A GET whose found values exceed the server's frame payload limit is split by the
 client on LIMIT_EXCEEDED and retried on the same connection, unseen by the caller."""
+
 from __future__ import annotations
 
 import random
@@ -38,8 +39,9 @@ def test_get_batch_over_the_frame_limit_is_split_transparently(server_factory):
 def test_pipelined_get_frames_each_split(server_factory):
     node = server_factory(extra_args=SMALL_FRAMES)
     items = values(64)
-    with Client(node.address, frame_payload_bytes_max=FRAME_LIMIT, batch_keys_max=16,
-                pipeline_depth=4, pool_size=1) as c:
+    with Client(
+        node.address, frame_payload_bytes_max=FRAME_LIMIT, batch_keys_max=16, pipeline_depth=4, pool_size=1
+    ) as c:
         assert c.put_batch(list(items), list(items.values())) == [True] * 64
         before = limit_errors(c)
         keys = list(items)

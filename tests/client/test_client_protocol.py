@@ -1,5 +1,6 @@
 """Client pieces that need no gcache-server: framing, keys, buffers, argument checks,
 and the response reader against a scripted peer on a real loopback socket."""
+
 import socket
 import threading
 
@@ -24,6 +25,7 @@ from gcache.wire.protocol import (
 )
 
 # -- framing ---------------------------------------------------------------------
+
 
 def test_header_round_trip():
     raw = encode_header(Opcode.GET_BATCH, 2**64 - 1, 7, 2**40, status=3, flags=FLAG_RESPONSE)
@@ -63,8 +65,9 @@ def test_frame_head_carries_meta_length():
     assert decode_meta(head[32:]) == {"keys": [b"k"]}
 
 
-@pytest.mark.parametrize("key,raw", [(b"k", b"k"), ("k\u00e9", "k\u00e9".encode()),
-                                     (bytearray(b"x"), b"x"), (b"a" * 512, b"a" * 512)])
+@pytest.mark.parametrize(
+    "key,raw", [(b"k", b"k"), ("k\u00e9", "k\u00e9".encode()), (bytearray(b"x"), b"x"), (b"a" * 512, b"a" * 512)]
+)
 def test_keys_normalised(key, raw):
     assert normalize_key(key) == raw
 
@@ -76,6 +79,7 @@ def test_bad_keys_rejected(key):
 
 
 # -- buffers ---------------------------------------------------------------------
+
 
 def test_byte_view_is_the_same_memory():
     arr = np.zeros((4, 8), dtype=np.float32)
@@ -119,6 +123,7 @@ def test_registry_accepts_raw_address_and_size():
 
 # -- argument checks: errors come before anything is sent ----------------------------
 
+
 def dead_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,9 +136,18 @@ def test_bad_address_rejected(address):
         Client(address)
 
 
-@pytest.mark.parametrize("kwargs", [{"retries": -1}, {"retries": 11}, {"pool_size": 0},
-                                    {"timeout_s": 0}, {"batch_keys_max": 0},
-                                    {"batch_keys_max": 16385}, {"pipeline_depth": 0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"retries": -1},
+        {"retries": 11},
+        {"pool_size": 0},
+        {"timeout_s": 0},
+        {"batch_keys_max": 0},
+        {"batch_keys_max": 16385},
+        {"pipeline_depth": 0},
+    ],
+)
 def test_bad_options_rejected(kwargs):
     with pytest.raises(errors.InvalidArgumentError):
         Client(dead_address(), **kwargs)
@@ -180,6 +194,7 @@ def test_closed_client_refuses_calls():
 
 # -- the response reader, against a scripted peer --------------------------------------
 
+
 class ScriptedPeer:
     """Accepts one connection, reads one request, then runs `script(conn, header)`."""
 
@@ -222,8 +237,9 @@ def test_response_trickled_byte_by_byte_is_read_exactly():
 
 @pytest.mark.process
 def test_wrong_request_id_is_a_protocol_error():
-    peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"ex": [True], "prefix": 1},
-                                                             request_id=h.request_id + 1)))
+    peer = ScriptedPeer(
+        lambda conn, h: conn.sendall(reply(h, {"ex": [True], "prefix": 1}, request_id=h.request_id + 1))
+    )
     with pytest.raises(errors.ProtocolError, match="out of order"):
         Client(peer.address, transport="tcp", retries=0).is_exist(b"k")
 
@@ -237,8 +253,9 @@ def test_lengths_not_matching_payload_is_a_protocol_error():
 
 @pytest.mark.process
 def test_error_status_maps_to_typed_error():
-    peer = ScriptedPeer(lambda conn, h: conn.sendall(
-        reply(h, {"error": "too many keys", "kind": "batch_keys"}, status=3)))
+    peer = ScriptedPeer(
+        lambda conn, h: conn.sendall(reply(h, {"error": "too many keys", "kind": "batch_keys"}, status=3))
+    )
     with pytest.raises(errors.LimitExceededError, match="too many keys"):
         Client(peer.address, transport="tcp", retries=0).get(b"k")
 
@@ -256,8 +273,7 @@ def test_silent_peer_times_out_instead_of_hanging():
 
 @pytest.mark.process
 def test_peer_closing_mid_response_is_a_connection_error():
-    peer = ScriptedPeer(lambda conn, h: conn.sendall(
-        reply(h, {"lens": [100], "sums": [0]}, b"x" * 100)[:-10]))
+    peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"lens": [100], "sums": [0]}, b"x" * 100)[:-10]))
     with pytest.raises(errors.ConnectionError, match="closed the connection"):
         Client(peer.address, transport="tcp", retries=0).get(b"k")
 
@@ -265,6 +281,7 @@ def test_peer_closing_mid_response_is_a_connection_error():
 @pytest.mark.parametrize("keys", [[b"a"], [b"x" * 255], [b"y" * 256], [b"z" * 512], [b"a", b"b"]])
 def test_keys_meta_encoding_matches_msgpack(keys):
     from gcache.wire.protocol import encode_keys_meta
+
     assert encode_keys_meta(keys) == msgpack.packb({"keys": keys}, use_bin_type=True)
 
 
@@ -274,11 +291,11 @@ def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
     """A value whose bytes do not match the server's xxh64 raises, and the exception's
     results say miss for it (the good key keeps its answer)."""
     from gcache._native import xxh64
+
     good, bad = b"good value", b"bits flipped"
 
     def script(conn, header):
-        conn.sendall(reply(header, {"lens": [len(good), len(bad)], "sums": [xxh64(good), xxh64(b"x")]},
-                           good + bad))
+        conn.sendall(reply(header, {"lens": [len(good), len(bad)], "sums": [xxh64(good), xxh64(b"x")]}, good + bad))
 
     peer = ScriptedPeer(script)
     client = Client(peer.address, transport="tcp", retries=0, verify_checksums=True)

@@ -1,4 +1,5 @@
 """A REMOVE batch retried after a dropped connection keeps the answers it already had."""
+
 import socket
 import threading
 

@@ -1,4 +1,5 @@
 """Every client method against a real gcache-server (value limit 1 MiB)."""
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,8 +16,9 @@ SIZES = [0, 1, 4096, 256 * 1024, VALUE_BYTES_MAX]
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("roundtrip") / "data",
-                           extra_args=["--value-bytes-max", str(VALUE_BYTES_MAX)]).start()
+    server = ServerProcess(
+        tmp_path_factory.mktemp("roundtrip") / "data", extra_args=["--value-bytes-max", str(VALUE_BYTES_MAX)]
+    ).start()
     yield server
     server.kill()
 
@@ -101,6 +103,7 @@ def test_str_and_bytes_keys_name_the_same_value(client, ns):
 
 # -- zero-copy ------------------------------------------------------------------------
 
+
 def test_numpy_put_from_and_get_into_with_offsets(client, ns):
     src = np.arange(1000, dtype=np.float32)
     assert client.put_from(ns + b"k", src, offset=400, size=2000)  # bytes 400..2399
@@ -140,8 +143,8 @@ def test_batch_get_into_one_buffer_with_offsets(client, ns):
     got = client.batch_get_into(keys, pool, sizes=[1100] * 5, offsets=offsets)
     assert got == [1000, 1001, None, 1003, 1004]
     for i in (0, 1, 3, 4):
-        assert pool[offsets[i]:offsets[i] + 1000 + i].tobytes() == values[i]
-        assert not pool[offsets[i] + 1000 + i:offsets[i] + 1100].any()
+        assert pool[offsets[i] : offsets[i] + 1000 + i].tobytes() == values[i]
+        assert not pool[offsets[i] + 1000 + i : offsets[i] + 1100].any()
     assert not pool[2200:3300].any()
 
 
@@ -167,9 +170,8 @@ def test_batch_get_into_too_small_spares_the_others(client, ns):
 def test_batch_put_from_one_buffer(client, ns):
     src = np.frombuffer(pattern(4 * 4096, 9), dtype=np.uint8)
     keys = [ns + b"%d" % i for i in range(4)]
-    assert client.batch_put_from(keys, src, sizes=[4096] * 4, offsets=[i * 4096 for i in range(4)]) \
-        == [True] * 4
-    assert client.get_batch(keys) == [src[i * 4096:(i + 1) * 4096].tobytes() for i in range(4)]
+    assert client.batch_put_from(keys, src, sizes=[4096] * 4, offsets=[i * 4096 for i in range(4)]) == [True] * 4
+    assert client.get_batch(keys) == [src[i * 4096 : (i + 1) * 4096].tobytes() for i in range(4)]
 
 
 def test_registered_buffer_with_int_addresses(client, ns):
@@ -182,8 +184,9 @@ def test_registered_buffer_with_int_addresses(client, ns):
     assert client.batch_put_from([ns + b"a", ns + b"b"], [base, base + 4096], [4096, 4096]) == [True, True]
     assert client.get_into(ns + b"one", base + 20000, 1000) == 500
     assert arena[20000:20500].tobytes() == arena[100:600].tobytes()
-    got = client.batch_get_into([ns + b"a", ns + b"b", ns + b"nope"],
-                                [base + 30000, base + 40000, base + 50000], [4096, 4096, 4096])
+    got = client.batch_get_into(
+        [ns + b"a", ns + b"b", ns + b"nope"], [base + 30000, base + 40000, base + 50000], [4096, 4096, 4096]
+    )
     assert got == [4096, 4096, None]
     assert arena[30000:34096].tobytes() == arena[:4096].tobytes()
     assert arena[40000:44096].tobytes() == arena[4096:8192].tobytes()
@@ -202,6 +205,7 @@ def test_registered_buffer_object(client, ns):
 
 
 # -- splitting and pipelining --------------------------------------------------------------
+
 
 def test_batches_split_into_pipelined_frames(node, ns):
     keys = [ns + b"%d" % i for i in range(50)]
@@ -228,6 +232,7 @@ def test_checksum_verification_on_get(node, ns):
 
 # -- control --------------------------------------------------------------------------------
 
+
 def test_ping_and_stats(client, ns):
     answer = client.ping()
     assert isinstance(answer["version"], str) and isinstance(answer["epoch"], int)
@@ -249,9 +254,16 @@ def test_large_pipelined_batches_do_not_deadlock(node, ns):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(["put", "get", "exists", "remove", "prefix"]),
-                          st.lists(st.integers(0, 7), min_size=1, max_size=5),
-                          st.integers(0, 3000)), max_size=12))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "exists", "remove", "prefix"]),
+            st.lists(st.integers(0, 7), min_size=1, max_size=5),
+            st.integers(0, 3000),
+        ),
+        max_size=12,
+    )
+)
 def test_matches_a_dict_model(node, ops):
     """Random batches of operations behave exactly like a dict of immutable values."""
     with Client(node.address) as c:
@@ -286,12 +298,15 @@ def test_matches_a_dict_model(node, ops):
 def test_large_values_without_the_native_scatter_reader(client, ns, monkeypatch):
     """The pure-Python read path (older native module) moves the same bytes."""
     from gcache.client import connection
+
     monkeypatch.setattr(connection, "_native_recv_into_buffers", None)
     keys = [ns + b"%d" % i for i in range(4)]
     values = [pattern(200 * 1024, i) for i in range(4)]
     client.put_batch(keys, values)
     pool = np.zeros(4 * 200 * 1024, np.uint8)
-    assert client.batch_get_into(keys, pool, sizes=[200 * 1024] * 4,
-                                 offsets=[i * 200 * 1024 for i in range(4)]) == [200 * 1024] * 4
+    assert (
+        client.batch_get_into(keys, pool, sizes=[200 * 1024] * 4, offsets=[i * 200 * 1024 for i in range(4)])
+        == [200 * 1024] * 4
+    )
     assert pool.tobytes() == b"".join(values)
     assert client.get_batch(keys) == values

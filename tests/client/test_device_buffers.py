@@ -8,6 +8,7 @@ stream order only when waited for, so a slot read before its copy ran, or reused
 its copy ran, shows as wrong bytes. The chunking and staging code is the one a GPU runs.
 The tests at the bottom use a real cupy + GPU and skip without one.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -66,7 +67,7 @@ def packed(values: list[bytes], gap: int = 0) -> tuple[FakeDeviceArray, list[int
         at += len(v) + gap
     buf = device(at)
     for off, v in zip(offsets, values):
-        buf.host[off:off + len(v)] = np.frombuffer(v, np.uint8)
+        buf.host[off : off + len(v)] = np.frombuffer(v, np.uint8)
     return buf, offsets, [len(v) for v in values]
 
 
@@ -105,8 +106,8 @@ def test_round_trip_exact_bytes_across_slots_and_staging_bound(staged):
     capacities = [n + gap for n in sizes]
     assert client.batch_get_into(keys, dst, sizes=capacities, offsets=dst_offsets) == sizes
     for off, value in zip(dst_offsets, values):
-        assert dst.host[off:off + len(value)].tobytes() == value
-        assert dst.host[off + len(value):off + len(value) + gap].tobytes() == bytes([SENTINEL]) * gap
+        assert dst.host[off : off + len(value)].tobytes() == value
+        assert dst.host[off + len(value) : off + len(value) + gap].tobytes() == bytes([SENTINEL]) * gap
 
     # Staging was allocated once (lazily, its configured size); only the value larger
     # than the whole staging buffer took a temporary one, once per direction.
@@ -130,8 +131,8 @@ def test_list_of_device_arrays_and_mixed_host_buffers(staged):
     assert client.batch_get_into(keys, targets) == [len(v) for v in values]
     for i, (target, value) in enumerate(zip(targets, values)):
         got = bytes(host_target) if i == 3 else target.host.tobytes()
-        assert got[:len(value)] == value
-        assert got[len(value):] == bytes([SENTINEL]) * (len(got) - len(value))
+        assert got[: len(value)] == value
+        assert got[len(value) :] == bytes([SENTINEL]) * (len(got) - len(value))
 
 
 def test_single_key_calls_with_offset_and_size(staged):
@@ -229,8 +230,9 @@ def test_without_cupy_a_device_array_gets_a_clear_error(server_address):
 def test_gpu_check_says_clearly_why_it_cannot_run_here():
     if _cupy_device_count() > 0:
         pytest.skip("a GPU is usable here: bench/store/gpu_check.sh runs the real check")
-    proc = subprocess.run([sys.executable, "-m", "bench.store.gpu_check"],
-                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.store.gpu_check"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gpu_check: cannot run here:" in proc.stderr
     assert ("cupy is not importable" in proc.stderr) or ("no CUDA device" in proc.stderr)
@@ -250,29 +252,42 @@ class _StandInCupy:
 
     def __init__(self):
         import types
+
         self.pinned: list[tuple[int, int]] = []
         self._alive: list[bytearray] = []
         self.copies = {1: 0, 2: 0}
         self.waited_on: set = set()
         rt = types.SimpleNamespace(
-            memcpyHostToDevice=1, memcpyDeviceToHost=2, CUDARuntimeError=self.CUDARuntimeError,
-            getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"stand-in"},
-            memcpyAsync=self._memcpy, eventRecord=lambda ev, stream: self.waited_on.add(stream),
-            streamWaitEvent=lambda stream, ev: None)
+            memcpyHostToDevice=1,
+            memcpyDeviceToHost=2,
+            CUDARuntimeError=self.CUDARuntimeError,
+            getDeviceCount=lambda: 1,
+            getDeviceProperties=lambda i: {"name": b"stand-in"},
+            memcpyAsync=self._memcpy,
+            eventRecord=lambda ev, stream: self.waited_on.add(stream),
+            streamWaitEvent=lambda stream, ev: None,
+        )
         nothing = types.SimpleNamespace(ptr=0, synchronize=lambda: None, record=lambda stream=None: None)
         cuda = types.SimpleNamespace(
-            runtime=rt, alloc_pinned_memory=self._alloc_pinned, get_current_stream=lambda: nothing,
+            runtime=rt,
+            alloc_pinned_memory=self._alloc_pinned,
+            get_current_stream=lambda: nothing,
             Stream=lambda non_blocking=False: types.SimpleNamespace(ptr=7, synchronize=lambda: None),
             Event=lambda disable_timing=False: types.SimpleNamespace(
-                ptr=9, record=lambda stream=None: None, synchronize=lambda: None),
-            Device=lambda: types.SimpleNamespace(id=0))
+                ptr=9, record=lambda stream=None: None, synchronize=lambda: None
+            ),
+            Device=lambda: types.SimpleNamespace(id=0),
+        )
         self.module = types.ModuleType("cupy")
         self.module.__dict__.update(
-            __version__="stand-in", cuda=cuda, uint8=np.uint8,
+            __version__="stand-in",
+            cuda=cuda,
+            uint8=np.uint8,
             asarray=lambda a: _StandInArray(np.array(a, copy=True)),
             zeros=lambda n, dtype=np.uint8: _StandInArray(np.zeros(n, dtype)),
             empty=lambda n, dtype=np.uint8: _StandInArray(np.empty(n, dtype)),
-            asnumpy=lambda a: a.host.copy())
+            asnumpy=lambda a: a.host.copy(),
+        )
 
     def _alloc_pinned(self, nbytes: int):
         memory = bytearray(nbytes)
@@ -304,6 +319,7 @@ class _StandInArray(FakeDeviceArray):
     @property
     def data(self):
         import types
+
         return types.SimpleNamespace(ptr=self.host.ctypes.data)
 
     @property
@@ -341,8 +357,9 @@ def test_cupy_backend_glue_round_trip(stand_in_cupy, server_address, transport):
 
 def test_gpu_check_script_runs_end_to_end_on_the_stand_in(stand_in_cupy, capsys):
     gpu_check = importlib.import_module("bench.store.gpu_check")
-    rc = gpu_check.main(["--batch", "4", "--value-size", "64KiB", "--runs", "2", "--memory", "256MiB",
-                         "--transports", "tcp,shm"])
+    rc = gpu_check.main(
+        ["--batch", "4", "--value-size", "64KiB", "--runs", "2", "--memory", "256MiB", "--transports", "tcp,shm"]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
     assert "every transport correct into and out of device memory" in out.out
@@ -359,6 +376,7 @@ def _cupy_device_count() -> int:
     if importlib.util.find_spec("cupy") is None:
         return 0
     import cupy
+
     try:
         return cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError:

@@ -1,6 +1,7 @@
 """A local cluster with --auth-file everywhere and the masters' gRPC over TLS: nodes register
 with the cluster token over TLS, a tenant's client works through ClusterClient, a join moves
 the tenant's (prefixed) keys to their owners, and callers without credentials are refused."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,7 @@ from gcache.tools.devcluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster  # starts masters
 
-FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
-            memory="64MiB", disk="128MiB")
+FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0, memory="64MiB", disk="128MiB")
 
 
 @pytest.fixture
@@ -48,6 +48,7 @@ def test_secured_cluster_serves_tenants_and_rebalances_their_keys(cluster, monke
                 with Client(n.address, token=app_token) as c:
                     out[n.id] = c.stats()["gauges"]["keys"]
             return out
+
         # The join moves the tenant's prefixed keys to the owners the client computes from
         # its own keys (placement hashes the key without the prefix), then drops them here.
         deadline = time.monotonic() + 60
@@ -85,18 +86,39 @@ def test_callers_without_credentials_are_refused(cluster, monkeypatch):
         ClusterClient(cluster.client_url, timeout_s=1.0, tls_ca=ca)
     # The operator CLI passes its token file and CA.
     ops_token = cluster.secrets_dir / "ops.token"
-    status = subprocess.run([sys.executable, "-m", "gcache.cli.main", "--token-file", str(ops_token), "admin",
-                             "--master", cluster.client_url, "--tls-ca", ca, "status", "--json"],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gcache.cli.main",
+            "--token-file",
+            str(ops_token),
+            "admin",
+            "--master",
+            cluster.client_url,
+            "--tls-ca",
+            ca,
+            "status",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
-    refused = subprocess.run([sys.executable, "-m", "gcache.cli.main", "admin", "--master", cluster.client_url,
-                              "--tls-ca", ca, "status"], capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, "-m", "gcache.cli.main", "admin", "--master", cluster.client_url, "--tls-ca", ca, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 6 and "Bearer" in refused.stderr
 
 
 def test_mutual_tls_master_requires_a_client_certificate(tmp_path):
     from gcache.tools.devcluster import local_security
     from gcache.tools.devcluster.local_masters import start_masters, wait_leader
+
     pki = local_security.make_pki(tmp_path / "pki", ["127.0.0.21"])
     masters = start_masters(1, tmp_path / "m", tls_cert=pki["cert"], tls_key=pki["key"], tls_ca=pki["ca"])
     try:

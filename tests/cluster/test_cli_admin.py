@@ -1,4 +1,5 @@
 """`gcache admin`: map / status / drain / remove against a real one-replica gcache-master."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def master(tmp_path_factory):
     from gcache.cluster.master_api import MasterClient
     from gcache.tools.devcluster.local_masters import start_masters, wait_leader
 
-    masters = start_masters(1, tmp_path_factory.mktemp("admin-master"), heartbeat_timeout_s=60,
-                            migration_timeout_s=120, tick_s=0.1)
+    masters = start_masters(
+        1, tmp_path_factory.mktemp("admin-master"), heartbeat_timeout_s=60, migration_timeout_s=120, tick_s=0.1
+    )
     client = MasterClient([m.grpc_address for m in masters], timeout_s=2.0)
     try:
         wait_leader([m.grpc_address for m in masters], timeout_s=WAIT_S)
@@ -35,8 +37,7 @@ def master(tmp_path_factory):
 
 
 def _register(client, node_id: str) -> None:
-    client.call("Register", {"node_id": node_id, "address": f"127.0.0.1:{free_port()}",
-                             "weight": 1, "admin": ""})
+    client.call("Register", {"node_id": node_id, "address": f"127.0.0.1:{free_port()}", "weight": 1, "admin": ""})
 
 
 def _admin(capsys, url: str, *args) -> tuple[int, str, str]:
@@ -51,8 +52,14 @@ def test_map_and_status(master, capsys):
     code, out, _ = _admin(capsys, url, "map")
     assert code == cli.EXIT_OK
     header, columns, *rows = out.splitlines()
-    assert header.startswith("epoch ") and columns.split() == ["id", "address", "weight", "state",
-                                                               "changed_epoch", "admin"]
+    assert header.startswith("epoch ") and columns.split() == [
+        "id",
+        "address",
+        "weight",
+        "state",
+        "changed_epoch",
+        "admin",
+    ]
     assert any(r.split()[0] == "fake-map" for r in rows)
     code, out, _ = _admin(capsys, url, "map", "--json")
     as_json = json.loads(out)
@@ -96,8 +103,13 @@ def test_drain_wait_until_a_real_node_leaves(master, capsys, tmp_path):
     url, client = master
     for node in client.get_map().nodes:  # hand-registered nodes never report: they would block the join
         client.call("Remove", {"node_id": node.id})
-    server = LocalServer(tmp_path / "node", memory="16MiB", disk="0", start_timeout_s=WAIT_S,
-                         extra_args=node_args(masters=url, node_id="real", heartbeat_interval_s=0.2))
+    server = LocalServer(
+        tmp_path / "node",
+        memory="16MiB",
+        disk="0",
+        start_timeout_s=WAIT_S,
+        extra_args=node_args(masters=url, node_id="real", heartbeat_interval_s=0.2),
+    )
     try:
         proc = server.pick_admin_port().start().proc
         deadline = time.monotonic() + WAIT_S

@@ -3,6 +3,7 @@
 No master runs in these tests: every client starts from `initial_map`, and the
 address names a master port nothing listens on (refreshes fail; the map stays).
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,8 +41,9 @@ def no_master() -> str:
 
 def make_map(epoch: int, nodes: list[tuple[str, str, str]]) -> ClusterMap:
     """nodes: (id, address, state)."""
-    return ClusterMap.from_dict({"epoch": epoch, "nodes": [
-        NodeInfo(nid, address, 1, state).to_dict() for nid, address, state in nodes]})
+    return ClusterMap.from_dict(
+        {"epoch": epoch, "nodes": [NodeInfo(nid, address, 1, state).to_dict() for nid, address, state in nodes]}
+    )
 
 
 def cluster_client(cmap: ClusterMap, **kwargs) -> ClusterClient:
@@ -134,17 +136,17 @@ def test_zero_copy_methods_with_one_buffer_and_offsets(trio_map):
         # A list of buffers, one per key.
         outs = [bytearray(s) for s in sizes]
         assert client.batch_get_into(keys, outs) == sizes
-        assert all(bytes(o) == bytes(source[off:off + s]) for o, off, s in zip(outs, offsets, sizes))
+        assert all(bytes(o) == bytes(source[off : off + s]) for o, off, s in zip(outs, offsets, sizes))
         # Single-key calls, by buffer and by address of a registered buffer.
         assert client.put_from(b"zc-one", source, offset=offsets[3], size=sizes[3]) is True
         out = bytearray(sizes[3] + 10)
         assert client.get_into(b"zc-one", out, 5, sizes[3] + 5) == sizes[3]
-        assert bytes(out[5:5 + sizes[3]]) == bytes(source[offsets[3]:offsets[3] + sizes[3]])
+        assert bytes(out[5 : 5 + sizes[3]]) == bytes(source[offsets[3] : offsets[3] + sizes[3]])
         client.register_buffer(target)
         address = target.ctypes.data
         target[:] = 0
         assert client.get_into(b"zc-one", address + 100, sizes[3]) == sizes[3]
-        assert bytes(target[100:100 + sizes[3]]) == bytes(out[5:5 + sizes[3]])
+        assert bytes(target[100 : 100 + sizes[3]]) == bytes(out[5 : 5 + sizes[3]])
         assert client.unregister_buffer(target) == 0
         # A buffer too small for its value raises, after the other keys were read.
         small = [bytearray(s) for s in sizes]
@@ -232,11 +234,14 @@ def test_a_stopped_node_cannot_hang_a_call(server_factory):
         os.kill(pid, signal.SIGSTOP)  # TCP still accepts; nothing answers
         try:
             for call, expected in (
-                    (lambda: client.get_batch(keys), [None if c else v for c, v in zip(on_c, values)]),
-                    (lambda: client.put_batch(keys, values), [not c for c in on_c]),
-                    (lambda: client.batch_get_into(keys, [bytearray(len(v)) for v in values]),
-                     [None if c else len(v) for c, v in zip(on_c, values)]),
-                    (lambda: client.batch_is_exist(keys), [not c for c in on_c])):
+                (lambda: client.get_batch(keys), [None if c else v for c, v in zip(on_c, values)]),
+                (lambda: client.put_batch(keys, values), [not c for c in on_c]),
+                (
+                    lambda: client.batch_get_into(keys, [bytearray(len(v)) for v in values]),
+                    [None if c else len(v) for c, v in zip(on_c, values)],
+                ),
+                (lambda: client.batch_is_exist(keys), [not c for c in on_c]),
+            ):
                 time.sleep(0.3)  # past suspect_s: every call really waits on the stopped node
                 started = time.monotonic()
                 assert call() == expected
@@ -250,8 +255,7 @@ def test_a_stopped_node_cannot_hang_a_call(server_factory):
 
 def test_joining_node_reads_fall_back_to_previous_owners(trio):
     before = make_map(1, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE)])
-    joining = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE),
-                           ("c", trio["c"], JOINING)])
+    joining = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE), ("c", trio["c"], JOINING)])
     keys, moving = _split_by_owner(joining, "join", 120, "c")
     values = values_for(keys)
     with cluster_client(before) as old:
@@ -284,8 +288,7 @@ def test_joining_node_reads_fall_back_to_previous_owners(trio):
 
 def test_draining_node_serves_reads_and_takes_no_writes(trio):
     with_c = make_map(1, [(nid, addr, ACTIVE) for nid, addr in trio.items()])
-    draining = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE),
-                            ("c", trio["c"], DRAINING)])
+    draining = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE), ("c", trio["c"], DRAINING)])
     keys, on_c = _split_by_owner(with_c, "drain", 120, "c")
     values = values_for(keys)
     with cluster_client(with_c) as old:
@@ -312,8 +315,9 @@ def native_nodes(tmp_path):
         pytest.skip("the native module predates set_cluster_map: rebuild it")
     servers = []
     for name in ("x", "y"):
-        server = _native.Server({"port": 0, "data_dir": str(tmp_path / name),
-                                 "memory_bytes": 16 << 20, "disk_bytes": 32 << 20})
+        server = _native.Server(
+            {"port": 0, "data_dir": str(tmp_path / name), "memory_bytes": 16 << 20, "disk_bytes": 32 << 20}
+        )
         server.start()
         servers.append(server)
     yield {name: s for name, s in zip("xy", servers)}
@@ -365,6 +369,7 @@ class FakeMaster:
         import grpc
 
         from gcache.cluster import master_api as api
+
         self.map = cmap
         self.calls = 0
 
@@ -372,9 +377,15 @@ class FakeMaster:
             self.calls += 1
             newer = self.map.epoch > request.get("if_newer_than", -1)
             return {"map": self.map.to_dict() if newer else None}
-        handler = grpc.method_handlers_generic_handler(api.SERVICE, {
-            "GetMap": grpc.unary_unary_rpc_method_handler(
-                get_map, request_deserializer=api.unpack, response_serializer=api.pack)})
+
+        handler = grpc.method_handlers_generic_handler(
+            api.SERVICE,
+            {
+                "GetMap": grpc.unary_unary_rpc_method_handler(
+                    get_map, request_deserializer=api.unpack, response_serializer=api.pack
+                )
+            },
+        )
         self.server = grpc.server(ThreadPoolExecutor(2), handlers=(handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
@@ -394,6 +405,7 @@ def fake_master():
     def start(cmap: ClusterMap) -> FakeMaster:
         masters.append(FakeMaster(cmap))
         return masters[-1]
+
     yield start
     for m in masters:
         m.stop()
@@ -404,8 +416,7 @@ def test_map_comes_from_the_masters_and_stays_when_they_go(trio, fake_master):
     three = make_map(5, [(nid, addr, ACTIVE) for nid, addr in trio.items()])
     master = fake_master(two)
     keys = [f"ms-{i}".encode() for i in range(60)]
-    with ClusterClient(master.url, timeout_s=TIMEOUT_S, map_refresh_s=0.1,
-                       master_timeout_s=0.5) as client:
+    with ClusterClient(master.url, timeout_s=TIMEOUT_S, map_refresh_s=0.1, master_timeout_s=0.5) as client:
         assert client.cluster_map == two and client.client_stats()["map_refreshes"] >= 1
         assert client.put_batch(keys, [b"v"] * len(keys)) == [True] * len(keys)
         assert node_has(trio["c"], keys) == [False] * len(keys)
@@ -430,8 +441,7 @@ def test_a_failing_node_asks_for_a_refresh_at_once(trio, server_factory, fake_ma
     with_doomed = make_map(1, [("a", trio["a"], ACTIVE), ("d", doomed.address, ACTIVE)])
     master = fake_master(with_doomed)
     keys, on_d = _split_by_owner(with_doomed, "refresh", 40, "d")
-    with ClusterClient(master.url, timeout_s=TIMEOUT_S, map_refresh_s=600,
-                       master_timeout_s=0.5) as client:
+    with ClusterClient(master.url, timeout_s=TIMEOUT_S, map_refresh_s=600, master_timeout_s=0.5) as client:
         calls = master.calls
         doomed.kill()
         master.map = make_map(2, [("a", trio["a"], ACTIVE)])  # the master noticed too
@@ -447,11 +457,13 @@ def test_a_failing_node_asks_for_a_refresh_at_once(trio, server_factory, fake_ma
 def test_threads_share_one_client_while_a_node_joins(trio, fake_master):
     """Every read returns exactly what its thread wrote, before, during and after the switch."""
     import threading
+
     two = make_map(1, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE)])
     master = fake_master(two)
     failures: list = []
     stop = threading.Event()
     with ClusterClient(master.url, timeout_s=2.0, map_refresh_s=0.05, master_timeout_s=0.5) as client:
+
         def worker(t: int):
             try:
                 for round_ in range(10_000):
@@ -464,12 +476,12 @@ def test_threads_share_one_client_while_a_node_joins(trio, fake_master):
                     assert client.batch_exists_prefix(keys) == 20
             except BaseException as exc:  # noqa: BLE001 - reported by the test thread
                 failures.append(exc)
+
         threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(4)]
         for th in threads:
             th.start()
         time.sleep(0.3)
-        master.map = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE),
-                                  ("c", trio["c"], JOINING)])
+        master.map = make_map(2, [("a", trio["a"], ACTIVE), ("b", trio["b"], ACTIVE), ("c", trio["c"], JOINING)])
         assert wait_until(lambda: client.cluster_map.epoch == 2)
         time.sleep(0.3)
         stop.set()

@@ -6,6 +6,7 @@ epoch its request would carry (NodeClient.epoch inside the call), so these
 check the routing alone; tests/cluster/test_cluster_client.py runs the same paths
 against real nodes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,12 @@ ADDRESSES = {nid: f"127.0.0.1:{port}" for nid, port in (("a", 1), ("b", 2), ("c"
 
 
 def make_map(epoch: int, states: dict[str, str]) -> ClusterMap:
-    return ClusterMap.from_dict({"epoch": epoch, "nodes": [
-        NodeInfo(nid, ADDRESSES[nid], 1, st).to_dict() for nid, st in sorted(states.items())]})
+    return ClusterMap.from_dict(
+        {
+            "epoch": epoch,
+            "nodes": [NodeInfo(nid, ADDRESSES[nid], 1, st).to_dict() for nid, st in sorted(states.items())],
+        }
+    )
 
 
 @pytest.fixture
@@ -35,6 +40,7 @@ def make_client():
     def make(cmap: ClusterMap) -> ClusterClient:
         clients.append(ClusterClient(initial_map=cmap, timeout_s=0.5))
         return clients[-1]
+
     yield make
     for c in clients:
         c.close()
@@ -54,6 +60,7 @@ def test_a_batch_over_several_owners_answers_every_key_in_place(make_client):
         with lock:
             seen[node_of(client)] = list(idx)
         return [KEYS[i] for i in idx]
+
     assert cluster._batch(KEYS, None, part, read=True).values == KEYS
     owners = Placement(cmap).write.owners(KEYS)
     assert seen == {nid: [i for i, o in enumerate(owners) if o == nid] for nid in "abc"}
@@ -66,6 +73,7 @@ def test_one_owner_gets_the_whole_batch_in_order(make_client):
     def part(client, idx):
         got.append(list(idx))
         return [KEYS[i] for i in idx]
+
     assert cluster._batch(KEYS, None, part).values == KEYS
     assert got == [list(range(len(KEYS)))]
     assert cluster._batch(KEYS[:1], None, part).values == KEYS[:1]
@@ -84,6 +92,7 @@ def test_stale_parts_retry_by_the_new_owners_and_keep_their_positions(make_clien
         if client.epoch < 2:
             raise errors.StaleEpochError("newer map", 2, msgpack.packb(new.to_dict()))
         return [b"from-" + KEYS[i] for i in idx]
+
     values = cluster._batch(KEYS, None, part).values
     assert values == [b"from-" + k for k in KEYS]
     assert sorted(c[0] for c in calls if c[1] == 1) == ["a", "b", "c"]
@@ -98,6 +107,7 @@ def test_misses_at_the_owner_are_read_from_the_previous_owner_while_a_node_joins
 
     def part(client, idx):  # the joining node has nothing yet; the others have everything
         return [None if node_of(client) == "d" else KEYS[i] for i in idx]
+
     values = cluster._batch(KEYS, None, part, read=True).values
     assert values == KEYS  # every key the joiner owns was found at its previous owner
     moved = sum(placement.owner(k) == "d" for k in KEYS)

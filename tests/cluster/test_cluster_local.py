@@ -4,6 +4,7 @@ Covers `gcache-cluster up/down`, the master staying off the IO path, and the
 seeded fault checker: kill -9 the leader, kill -9 / SIGSTOP / partition a node,
 drain and join, with concurrent content-addressed clients.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,7 @@ from gcache.tools.devcluster.netns import netns_available
 
 pytestmark = pytest.mark.cluster  # starts masters
 
-FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0,
-            memory="64MiB", disk="128MiB")
+FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, migration_timeout_s=15.0, memory="64MiB", disk="128MiB")
 
 
 @pytest.fixture
@@ -41,9 +41,27 @@ def cluster(tmp_path):
 def test_cli_up_writes_layout_and_down_stops_every_process(tmp_path):
     d = tmp_path / "cli"
     cmd = [sys.executable, "-m", "gcache.tools.devcluster.local_cli"]
-    up = subprocess.run(cmd + ["up", "--masters", "1", "--nodes", "2", "--dir", str(d),
-                               "--heartbeat-interval-s", "0.2", "--memory", "32MiB", "--disk", "64MiB"],
-                        capture_output=True, text=True, timeout=90)
+    up = subprocess.run(
+        cmd
+        + [
+            "up",
+            "--masters",
+            "1",
+            "--nodes",
+            "2",
+            "--dir",
+            str(d),
+            "--heartbeat-interval-s",
+            "0.2",
+            "--memory",
+            "32MiB",
+            "--disk",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     layout = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else {}
     pids = [m["pid"] for m in layout.get("members", [])]
     try:
@@ -133,8 +151,9 @@ def test_seeded_faults_never_return_wrong_bytes_or_block(tmp_path):
     cluster.up(timeout_s=60)
     lines = []
     try:
-        report = checker.run_checker(cluster, seed=5, threads=3, keys_max=600, hold_s=0.5,
-                                     warmup_s=0.5, log=lines.append)
+        report = checker.run_checker(
+            cluster, seed=5, threads=3, keys_max=600, hold_s=0.5, warmup_s=0.5, log=lines.append
+        )
     finally:
         cluster.down(timeout_s=10)
     assert any("netns partition" in line for line in lines) == netns, lines

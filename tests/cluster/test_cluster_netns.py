@@ -7,6 +7,7 @@ heal and re-registration, the fault checker's netns partition, and
 `gcache-cluster down` from another process leaving no namespace, veth or
 bridge. Skipped where netns_available() is false (not root, no iproute2).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ from gcache.tools.devcluster.local_cluster import LocalCluster, Member
 pytestmark = pytest.mark.cluster  # starts masters
 
 HEARTBEAT_TIMEOUT_S = 1.5
-FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, migration_timeout_s=15.0,
-            memory="64MiB", disk="128MiB")
+FAST = dict(
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    migration_timeout_s=15.0,
+    memory="64MiB",
+    disk="128MiB",
+)
 CALL_BOUND_S = 5.0  # client timeout 0.5 s, one retry: far below this unless a call hangs
 
 
@@ -98,8 +104,7 @@ def _timed(fn, *args):
 def test_partition_marks_the_node_dead_and_heal_brings_it_back(netns_cluster):
     c = netns_cluster
     # TCP: namespaces stand in for hosts here, and a Unix socket would cross them.
-    client = ClusterClient(c.client_url, transport="tcp", timeout_s=0.5, retries=1, map_refresh_s=0.2,
-                           suspect_s=1.0)
+    client = ClusterClient(c.client_url, transport="tcp", timeout_s=0.5, retries=1, map_refresh_s=0.2, suspect_s=1.0)
     victim = c.member("n2")
     try:
         keys = [f"part/{i}".encode() for i in range(300)]
@@ -112,11 +117,11 @@ def test_partition_marks_the_node_dead_and_heal_brings_it_back(netns_cluster):
 
         started = time.monotonic()
         c.partition(victim)  # checks the cut both ways, raises if traffic still flows
-        dead_map = c.wait_map(lambda m: m.node(victim.id).state == DEAD, 10 * HEARTBEAT_TIMEOUT_S,
-                              f"{victim.id} marked dead")
+        dead_map = c.wait_map(
+            lambda m: m.node(victim.id).state == DEAD, 10 * HEARTBEAT_TIMEOUT_S, f"{victim.id} marked dead"
+        )
         time_to_dead_s = time.monotonic() - started
-        print(f"time to dead under a real partition: {time_to_dead_s:.2f}s "
-              f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
+        print(f"time to dead under a real partition: {time_to_dead_s:.2f}s (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
         assert dead_map.node(victim.id).state == DEAD
         assert victim.alive(), "a partition leaves the process running"
         assert c.network.is_partitioned(victim.netns)
@@ -146,8 +151,16 @@ def test_partition_marks_the_node_dead_and_heal_brings_it_back(netns_cluster):
 
 def test_checker_partitions_through_the_network_namespace(netns_cluster):
     lines = []
-    report = checker.run_checker(netns_cluster, seed=11, faults=("partition_node",), threads=2,
-                                 keys_max=300, hold_s=0.5, warmup_s=0.5, log=lines.append)
+    report = checker.run_checker(
+        netns_cluster,
+        seed=11,
+        faults=("partition_node",),
+        threads=2,
+        keys_max=300,
+        hold_s=0.5,
+        warmup_s=0.5,
+        log=lines.append,
+    )
     print(json.dumps(report, indent=1))
     assert report["ok"], report
     assert report["exceptions"] == 0 and report["hits"] > 0
@@ -178,13 +191,16 @@ def test_up_removes_leftovers_of_a_crashed_run(tmp_path):
     d = tmp_path / "crashed"
     old = netns.NetnsNetwork.create(d)
     ns, _, _ = old.add_node("n1", 0)
-    straggler = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", "import time; time.sleep(60)"],
-                                 start_new_session=True)
+    straggler = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
     try:
         new = netns.NetnsNetwork.create(d)  # what up() does first: the old run's pieces go
         assert straggler.wait(timeout=10) == -signal.SIGKILL
-        assert netns.leftovers(new.tag) == {"namespaces": [],
-                                            "links": sorted([new.bridge, new.keeper, f"gckp-{new.tag}"])}
+        assert netns.leftovers(new.tag) == {
+            "namespaces": [],
+            "links": sorted([new.bridge, new.keeper, f"gckp-{new.tag}"]),
+        }
         assert new.subnet == old.subnet, "the old bridge's subnet was freed before the pick"
     finally:
         if straggler.poll() is None:

@@ -7,6 +7,7 @@ CMD, the example TOML config and the commands in deploy/README.md. Then the
 structure that matters for a cluster: replicas, volumes at --data-dir, probes
 on the admin port, memory limit above --memory, every port a flag value.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,9 @@ POD_KINDS = ("Pod", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job
 
 @dataclass
 class Command:
-    where: str               # file and place, for messages
-    program: str             # gcache-server | gcache-master
-    argv: list[str]          # after the program name, placeholders filled in
+    where: str  # file and place, for messages
+    program: str  # gcache-server | gcache-master
+    argv: list[str]  # after the program name, placeholders filled in
     raw_argv: list[str] = field(default_factory=list)  # before (k8s only)
     doc: dict | None = None  # the Kubernetes object it came from
     container: dict | None = None
@@ -87,6 +88,7 @@ def server_flags() -> set[str]:
 
 def master_main():
     from gcache.master import main  # imported late: the server checks do not need it
+
     return main
 
 
@@ -298,8 +300,11 @@ def container_env(container: dict, pod_name: str, where: str) -> dict[str, str]:
 def expand_k8s(text: str, env: dict[str, str]) -> str:
     """Kubernetes' rules: $(VAR) of a defined variable is replaced, $$ is a literal $,
     anything else is left as written."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        text,
+    )
 
 
 def k8s_commands(path: Path) -> list[Command]:
@@ -311,20 +316,32 @@ def k8s_commands(path: Path) -> list[Command]:
         containers = spec.get("initContainers", []) + spec["containers"]
         for container in containers:
             for pod_name in pod_names(doc):
-                where = f"deploy/{path.relative_to(DEPLOY)} {doc['kind']}/{doc['metadata']['name']} " \
-                        f"container {container['name']} pod {pod_name}"
+                where = (
+                    f"deploy/{path.relative_to(DEPLOY)} {doc['kind']}/{doc['metadata']['name']} "
+                    f"container {container['name']} pod {pod_name}"
+                )
                 env = container_env(container, pod_name, where)
                 raw = list(container.get("command", [])) + list(container.get("args", []))
                 if not container.get("command"):
                     raw = containerfile_entrypoint() + raw  # the image's ENTRYPOINT
                 words = [expand_k8s(str(w), env) for w in raw]
                 program = program_of(words[0])
-                assert program or not any(p in " ".join(words) for p in PROGRAMS), \
-                    f"{where}: runs {words[0]}, not the program itself; give command: [the program] " \
+                assert program or not any(p in " ".join(words) for p in PROGRAMS), (
+                    f"{where}: runs {words[0]}, not the program itself; give command: [the program] "
                     "and args (or teach this test to read that entry)"
+                )
                 if program:
-                    out.append(Command(where, program, words[1:], raw_argv=[str(w) for w in raw[1:]],
-                                       doc=doc, container=container, pod_name=pod_name))
+                    out.append(
+                        Command(
+                            where,
+                            program,
+                            words[1:],
+                            raw_argv=[str(w) for w in raw[1:]],
+                            doc=doc,
+                            container=container,
+                            pod_name=pod_name,
+                        )
+                    )
     return out
 
 
@@ -355,10 +372,9 @@ def markdown_commands(path: Path) -> list[Command]:
             for i, word in enumerate(words[:3]):  # after e.g. `sudo -u gcache`
                 program = program_of(word)
                 if program and (word == program or word.endswith("/bin/" + program)):
-                    argv = words[i + 1:]
+                    argv = words[i + 1 :]
                     if "--help" not in argv:
-                        out.append(Command(f"deploy/{path.relative_to(DEPLOY)}: {line.strip()[:60]}",
-                                           program, argv))
+                        out.append(Command(f"deploy/{path.relative_to(DEPLOY)}: {line.strip()[:60]}", program, argv))
                     break
     return out
 
@@ -384,9 +400,11 @@ def all_commands() -> list[Command]:
 # ---------------------------------------------------------------- every flag
 
 
-@pytest.mark.parametrize("path", [p for p in deploy_files() if kind_of(p) in
-                                  ("k8s", "systemd", "containerfile", "markdown")],
-                         ids=lambda p: str(p.relative_to(DEPLOY)))
+@pytest.mark.parametrize(
+    "path",
+    [p for p in deploy_files() if kind_of(p) in ("k8s", "systemd", "containerfile", "markdown")],
+    ids=lambda p: str(p.relative_to(DEPLOY)),
+)
 def test_every_command_line_is_accepted_by_the_real_parser(path):
     for cmd in commands_in(path):
         parse(cmd)
@@ -435,17 +453,20 @@ def test_every_deployed_daemon_authenticates_and_masters_serve_tls():
 @pytest.mark.process
 def test_example_auth_file_loads_and_placeholders_are_refused_at_start(tmp_path):
     from gcache.wire.auth import load_auth_file, placeholder_tenants
+
     auth = load_auth_file(str(EXAMPLE_AUTH))
-    assert {n: sorted(t.roles) for n, t in auth.tenants.items()} == \
-        {"nodes": ["cluster"], "ops": ["admin"], "engines": ["read", "write"]}
+    assert {n: sorted(t.roles) for n, t in auth.tenants.items()} == {
+        "nodes": ["cluster"],
+        "ops": ["admin"],
+        "engines": ["read", "write"],
+    }
     assert placeholder_tenants(auth) == ["engines", "nodes", "ops"]
     out = run_server_cli("--auth-file", str(EXAMPLE_AUTH), "--port", "0", "--data-dir", str(tmp_path))
     assert out.returncode == 2 and "placeholder token" in out.stderr
 
 
 def test_command_line_overrides_config_file():
-    settings = load_settings(with_local_config(["--config", str(EXAMPLE_CONFIG), "--memory", "2GiB",
-                                                "--port", "9000"]))
+    settings = load_settings(with_local_config(["--config", str(EXAMPLE_CONFIG), "--memory", "2GiB", "--port", "9000"]))
     assert settings.memory == 2 << 30 and settings.port == 9000
     assert settings.disk == 200 << 30  # still from the file
 
@@ -485,14 +506,20 @@ def test_systemd_master_replicas_name_each_other():
 
 
 def k8s_objects(kind: str, name: str | None = None) -> list[dict]:
-    return [d for d in all_k8s_docs() if d.get("kind") == kind
-            and (name is None or d["metadata"]["name"] == name)]
+    return [d for d in all_k8s_docs() if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)]
 
 
 def k8s_commands_of(doc: dict, program: str) -> list[Command]:
-    return [c for p in deploy_files() if kind_of(p) == "k8s" for c in commands_in(p)
-            if c.doc is not None and c.doc["kind"] == doc["kind"]
-            and c.doc["metadata"]["name"] == doc["metadata"]["name"] and c.program == program]
+    return [
+        c
+        for p in deploy_files()
+        if kind_of(p) == "k8s"
+        for c in commands_in(p)
+        if c.doc is not None
+        and c.doc["kind"] == doc["kind"]
+        and c.doc["metadata"]["name"] == doc["metadata"]["name"]
+        and c.program == program
+    ]
 
 
 def container_port(container: dict, port) -> int:
@@ -513,10 +540,12 @@ def check_probes(container: dict, port: int, where: str) -> None:
             continue
         get = probe.get("httpGet")
         assert get, f"{where}: {probe_name} is not an HTTP GET"
-        assert container_port(container, get["port"]) == port, \
+        assert container_port(container, get["port"]) == port, (
             f"{where}: {probe_name} probes port {get['port']}, the HTTP flag says {port}"
-        assert get["path"] == expected.get(probe_name, get["path"]) and get["path"] in ("/healthz", "/readyz"), \
+        )
+        assert get["path"] == expected.get(probe_name, get["path"]) and get["path"] in ("/healthz", "/readyz"), (
             f"{where}: {probe_name} path {get['path']}"
+        )
 
 
 def mount_path_of(container: dict, volume_name: str) -> str | None:
@@ -529,9 +558,22 @@ def mount_path_of(container: dict, volume_name: str) -> str | None:
 def quantity_bytes(text) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTPE]i?|k)?", str(text))
     assert match, f"memory quantity {text!r} not understood"
-    units = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-             "E": 10**18, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
-             "Pi": 1 << 50, "Ei": 1 << 60}
+    units = {
+        None: 1,
+        "k": 10**3,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "P": 10**15,
+        "E": 10**18,
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+        "Pi": 1 << 50,
+        "Ei": 1 << 60,
+    }
     return int(float(match.group(1)) * units[match.group(2)])
 
 
@@ -539,8 +581,9 @@ def test_manifests_are_namespace_agnostic():
     docs = all_k8s_docs()
     assert docs
     for doc in docs:
-        assert "namespace" not in doc.get("metadata", {}), \
+        assert "namespace" not in doc.get("metadata", {}), (
             f"{doc['kind']}/{doc['metadata']['name']} pins a namespace; apply with kubectl -n instead"
+        )
 
 
 def master_statefulset() -> dict:
@@ -577,12 +620,12 @@ def test_master_statefulset():
         assert args.raft == f"gcache-master-{i}.{domain}:{raft_port}", cmd.where
         # The same list on every replica is fine: gcache-master drops its own --raft from it.
         peers = set(master_main().validate(args)["peers"])
-        assert peers == {f"gcache-master-{j}.{domain}:{raft_port}" for j in range(3) if j != i}, \
+        assert peers == {f"gcache-master-{j}.{domain}:{raft_port}" for j in range(3) if j != i}, (
             f"{cmd.where}: --peers {sorted(peers)}"
+        )
         grpc_port, http_port = port_of(args.grpc), port_of(args.http)
         assert {p["containerPort"] for p in container["ports"]} == {grpc_port, raft_port, http_port}
-        assert {container_port(container, p["targetPort"]) for p in headless["ports"]} <= \
-            {grpc_port, raft_port}
+        assert {container_port(container, p["targetPort"]) for p in headless["ports"]} <= {grpc_port, raft_port}
         check_probes(container, http_port, cmd.where)
         resources = container["resources"]
         assert resources["requests"].get("memory") and resources["requests"].get("cpu")
@@ -594,8 +637,11 @@ def test_master_client_service_reaches_the_grpc_port():
     labels = sts["spec"]["template"]["metadata"]["labels"]
     cmd = k8s_commands_of(sts, "gcache-master")[0]
     grpc_port = port_of(parse_master(cmd).grpc)
-    clients = [s for s in k8s_objects("Service") if s["spec"].get("clusterIP") != "None"
-               and s["spec"]["selector"].items() <= labels.items()]
+    clients = [
+        s
+        for s in k8s_objects("Service")
+        if s["spec"].get("clusterIP") != "None" and s["spec"]["selector"].items() <= labels.items()
+    ]
     assert clients, "no (non-headless) client Service for the masters"
     for svc in clients:
         targets = {container_port(cmd.container, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
@@ -618,8 +664,9 @@ def test_server_daemonset_runs_on_gpu_hosts_on_the_host_network():
     assert any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", []))
     for container in pod["containers"]:
         for section in ("requests", "limits"):
-            assert "nvidia.com/gpu" not in container.get("resources", {}).get(section, {}), \
+            assert "nvidia.com/gpu" not in container.get("resources", {}).get(section, {}), (
                 "the server uses no GPU: requesting one takes it from the engines"
+            )
 
 
 def test_server_daemonset_flags_volumes_probes_and_memory():
@@ -632,13 +679,15 @@ def test_server_daemonset_flags_volumes_probes_and_memory():
     container = cmd.container
 
     host_paths = {v["name"] for v in pod.get("volumes", []) if "hostPath" in v}
-    assert settings.data_dir in {mount_path_of(container, v) for v in host_paths}, \
+    assert settings.data_dir in {mount_path_of(container, v) for v in host_paths}, (
         f"--data-dir {settings.data_dir} is not on a hostPath volume"
+    )
 
     limit = quantity_bytes(container["resources"]["limits"]["memory"])
     request = quantity_bytes(container["resources"]["requests"]["memory"])
-    assert limit > settings.memory and request > settings.memory, \
+    assert limit > settings.memory and request > settings.memory, (
         "the memory limit must exceed --memory: the index, page cache and process are not in it"
+    )
 
     check_probes(container, settings.admin_port, cmd.where)
     ports = container["ports"]
@@ -646,20 +695,21 @@ def test_server_daemonset_flags_volumes_probes_and_memory():
     assert {settings.port, settings.admin_port} <= {p["containerPort"] for p in ports}
     assert all(p.get("hostPort", p["containerPort"]) == p["containerPort"] for p in ports)
 
-    assert pod["terminationGracePeriodSeconds"] >= settings.shutdown_grace_s + 60, \
+    assert pod["terminationGracePeriodSeconds"] >= settings.shutdown_grace_s + 60, (
         "SIGTERM writes the memory tier to disk: give it time before SIGKILL"
+    )
 
 
 def test_server_daemonset_cluster_flags():
     ds = server_daemonset()
     cmd = k8s_commands_of(ds, "gcache-server")[0]
     settings = parse_server(cmd)
-    env = {v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-           for v in cmd.container.get("env", [])}
+    env = {v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for v in cmd.container.get("env", [])}
 
     node_id = flag_value(cmd.raw_argv, "--node-id")
-    assert re.fullmatch(r"\$\((\w+)\)", node_id) and env[node_id[2:-1]] == "spec.nodeName", \
+    assert re.fullmatch(r"\$\((\w+)\)", node_id) and env[node_id[2:-1]] == "spec.nodeName", (
         f"--node-id {node_id} should be the node name from the downward API"
+    )
     advertise = flag_value(cmd.raw_argv, "--advertise")
     host_var, _, port = advertise.partition(":")
     assert re.fullmatch(r"\$\((\w+)\)", host_var) and env[host_var[2:-1]] == "status.hostIP", advertise

@@ -3,6 +3,7 @@
 The tests share one cluster and run in file order (each leaves it whole again).
 Fake node ids stand in for gcache-servers: the master only keeps the map.
 """
+
 import functools
 import json
 import signal
@@ -26,9 +27,9 @@ pytestmark = pytest.mark.cluster  # starts masters
 
 HEARTBEAT_TIMEOUT_S = 1.5
 HEARTBEAT_EVERY_S = 0.2
-WAIT_S = 15.0          # bound on every wait for a state: generous for a loaded 2-core box
+WAIT_S = 15.0  # bound on every wait for a state: generous for a loaded 2-core box
 wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.05)
-ECHO = "echo"          # heartbeat mode: report the last epoch seen as rebalanced
+ECHO = "echo"  # heartbeat mode: report the last epoch seen as rebalanced
 
 
 class Heartbeater:
@@ -36,7 +37,7 @@ class Heartbeater:
 
     def __init__(self, addresses):
         self.client = MasterClient(addresses, timeout_s=0.5)
-        self.modes: dict[str, object] = {}   # node id -> ECHO or a fixed rebalanced epoch
+        self.modes: dict[str, object] = {}  # node id -> ECHO or a fixed rebalanced epoch
         self.last_epoch: dict[str, int] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -47,8 +48,9 @@ class Heartbeater:
             for node_id, mode in list(self.modes.items()):
                 rebalanced = self.last_epoch.get(node_id, 0) if mode == ECHO else mode
                 try:
-                    answer = self.client.call("Heartbeat", {"node_id": node_id, "epoch": 0,
-                                                            "rebalanced_epoch": rebalanced, "degraded": ""})
+                    answer = self.client.call(
+                        "Heartbeat", {"node_id": node_id, "epoch": 0, "rebalanced_epoch": rebalanced, "degraded": ""}
+                    )
                 except (MasterUnavailableError, grpc.RpcError):
                     continue  # masters restarting: keep trying
                 self.last_epoch[node_id] = answer["epoch"]
@@ -62,8 +64,9 @@ class Heartbeater:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("masters")
-    masters = start_masters(3, base, http=True, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                            migration_timeout_s=60, tick_s=0.1)
+    masters = start_masters(
+        3, base, http=True, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, migration_timeout_s=60, tick_s=0.1
+    )
     beats = None
     try:
         addresses = [m.grpc_address for m in masters]
@@ -82,8 +85,7 @@ def addresses_of(masters):
 
 
 def register(client, node_id, port):
-    return client.call("Register", {"node_id": node_id, "address": f"127.0.0.1:{port}", "weight": 4,
-                                    "admin": ""})
+    return client.call("Register", {"node_id": node_id, "address": f"127.0.0.1:{port}", "weight": 4, "admin": ""})
 
 
 def states(address):
@@ -146,13 +148,13 @@ def test_joining_node_turns_active_only_after_the_others_rebalance(cluster):
     masters, beats = cluster
     client = MasterClient(addresses_of(masters))
     held = {node_id: beats.last_epoch.get(node_id, 0) for node_id in ("a", "b", "c")}
-    beats.modes.update(held)             # a, b, c stop reporting progress
+    beats.modes.update(held)  # a, b, c stop reporting progress
     joined_at = register(client, "d", 9003)["map"]["epoch"]
     beats.modes["d"] = ECHO
     time.sleep(1.0)
     assert states(client.addresses[0])["d"] == "joining"
     for node_id in ("a", "b", "c"):
-        beats.modes[node_id] = ECHO      # they finish pushing keys to d
+        beats.modes[node_id] = ECHO  # they finish pushing keys to d
     wait_until(lambda: states(masters[1].grpc_address).get("d") == "active", "d active")
     assert min(master_status(masters[0].grpc_address)["rebalanced_epoch"][n] for n in "abc") >= joined_at
     client.close()
@@ -167,10 +169,9 @@ def test_silent_node_becomes_dead_then_may_register_again(cluster):
     del beats.modes["e"]
     silent_since = time.monotonic()
     time.sleep(0.3)
-    assert states(masters[2].grpc_address)["e"] != "dead"     # well inside the timeout
+    assert states(masters[2].grpc_address)["e"] != "dead"  # well inside the timeout
     wait_until(lambda: states(masters[2].grpc_address).get("e") == "dead", "e dead")
-    print(f"\nsilent node declared dead after {time.monotonic() - silent_since:.2f}s "
-          f"(timeout {HEARTBEAT_TIMEOUT_S}s)")
+    print(f"\nsilent node declared dead after {time.monotonic() - silent_since:.2f}s (timeout {HEARTBEAT_TIMEOUT_S}s)")
     answer = client.call("Heartbeat", {"node_id": "e", "epoch": 0, "rebalanced_epoch": 0, "degraded": ""})
     assert answer["state"] == "dead"
     with pytest.raises(grpc.RpcError) as e:
@@ -193,7 +194,7 @@ def test_drained_node_is_removed_once_it_reports_the_current_epoch(cluster):
     with pytest.raises(grpc.RpcError) as e:
         via_follower.call("Register", {"node_id": "x", "address": "nohost", "weight": 1})
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    beats.modes["d"] = beats.last_epoch.get("d", 0)   # d has not pushed anything yet
+    beats.modes["d"] = beats.last_epoch.get("d", 0)  # d has not pushed anything yet
     answer = via_follower.call("Drain", {"node_id": "d"})
     assert {n["id"]: n["state"] for n in answer["map"]["nodes"]}["d"] == "draining"
     time.sleep(1.0)
@@ -269,8 +270,9 @@ def test_full_restart_keeps_the_map(cluster):
 
 
 def _start_expecting_exit(args, timeout_s=30.0) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "gcache.master.main", *args], capture_output=True,
-                          text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gcache.master.main", *args], capture_output=True, text=True, timeout=timeout_s
+    )
     return proc.returncode, proc.stderr
 
 
@@ -280,20 +282,34 @@ def test_ports_in_use_exit_3_and_a_shared_data_dir_exits_2(tmp_path):
         taken.bind((host, 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        code, err = _start_expecting_exit(["--grpc", f"{host}:{port}", "--raft", f"{host}:{free_port(host)}",
-                                           "--data-dir", str(tmp_path / "a")])
+        code, err = _start_expecting_exit(
+            ["--grpc", f"{host}:{port}", "--raft", f"{host}:{free_port(host)}", "--data-dir", str(tmp_path / "a")]
+        )
         assert code == 3, err
         assert "--grpc" in err
-        code, err = _start_expecting_exit(["--grpc", f"{host}:{free_port(host)}", "--raft", f"{host}:{port}",
-                                           "--data-dir", str(tmp_path / "b")])
+        code, err = _start_expecting_exit(
+            ["--grpc", f"{host}:{free_port(host)}", "--raft", f"{host}:{port}", "--data-dir", str(tmp_path / "b")]
+        )
         assert code == 3, err
         assert "--raft" in err
-    first = LocalMaster(tmp_path / "c", grpc_address=f"{host}:{free_port(host)}",
-                        raft_address=f"{host}:{free_port(host)}", log_path=tmp_path / "c.log")
+    first = LocalMaster(
+        tmp_path / "c",
+        grpc_address=f"{host}:{free_port(host)}",
+        raft_address=f"{host}:{free_port(host)}",
+        log_path=tmp_path / "c.log",
+    )
     try:
         first.start()
-        code, err = _start_expecting_exit(["--grpc", f"{host}:{free_port(host)}",
-                                           "--raft", f"{host}:{free_port(host)}", "--data-dir", str(tmp_path / "c")])
+        code, err = _start_expecting_exit(
+            [
+                "--grpc",
+                f"{host}:{free_port(host)}",
+                "--raft",
+                f"{host}:{free_port(host)}",
+                "--data-dir",
+                str(tmp_path / "c"),
+            ]
+        )
         assert code == 2 and "in use" in err
         assert first.stop(signal.SIGINT) == 0
     finally:

@@ -1,4 +1,5 @@
 """The master's state machine, the leader's plan and the CLI checks, without Raft or processes."""
+
 import random
 
 import pytest
@@ -33,13 +34,19 @@ def joined(*ids) -> MapState:
 
 # -- register --------------------------------------------------------------------
 
+
 def test_register_new_node_joins_at_next_epoch():
     s = MapState()
     state, change = step(s, s.register, "n1", ADDR, 8, "10.0.0.1:7680")
     assert state == JOINING and "joining" in change
     node = s.node("n1")
-    assert (node.address, node.weight, node.state, node.changed_epoch, node.admin) == \
-        (ADDR, 8, JOINING, 1, "10.0.0.1:7680")
+    assert (node.address, node.weight, node.state, node.changed_epoch, node.admin) == (
+        ADDR,
+        8,
+        JOINING,
+        1,
+        "10.0.0.1:7680",
+    )
     assert s.rebalanced == {"n1": 0}
 
 
@@ -79,8 +86,10 @@ def test_register_draining_node_stays_draining():
     assert state == DRAINING and change and s.node("n1").state == DRAINING
 
 
-@pytest.mark.parametrize("node_id,address,weight", [
-    ("", ADDR, 1), ("x" * 129, ADDR, 1), ("n1", "nohost", 1), ("n1", "h:0", 1), ("n1", ADDR, 0)])
+@pytest.mark.parametrize(
+    "node_id,address,weight",
+    [("", ADDR, 1), ("x" * 129, ADDR, 1), ("n1", "nohost", 1), ("n1", "h:0", 1), ("n1", ADDR, 0)],
+)
 def test_register_bad_fields_are_refused_and_change_nothing(node_id, address, weight):
     s = joined("n0")
     before = s.to_dict()
@@ -91,6 +100,7 @@ def test_register_bad_fields_are_refused_and_change_nothing(node_id, address, we
 
 
 # -- heartbeat -------------------------------------------------------------------
+
 
 def test_heartbeat_unknown_and_dead_nodes():
     s = joined("n1")
@@ -123,6 +133,7 @@ def test_degraded_heartbeat_drains_an_active_node_only():
 
 # -- drain / remove --------------------------------------------------------------
 
+
 def test_drain_rules():
     s = joined("n1", "n2")
     with pytest.raises(StateError) as e:
@@ -147,6 +158,7 @@ def test_remove_drops_node_and_its_rebalanced_epoch():
 
 
 # -- leader commands ---------------------------------------------------------------
+
 
 def test_expire_live_node_dies_draining_node_leaves_stale_decision_is_noop():
     s = joined("n1", "n2")
@@ -194,6 +206,7 @@ def test_finish_drain_waits_for_the_current_epoch_then_removes():
 
 # -- whole-state properties ------------------------------------------------------
 
+
 def test_random_command_sequences_keep_invariants_and_are_deterministic():
     rng = random.Random(7)
     ids = [f"n{i}" for i in range(5)]
@@ -203,11 +216,15 @@ def test_random_command_sequences_keep_invariants_and_are_deterministic():
         cmd = rng.choice(["register", "heartbeat", "drain", "remove", "expire", "activate", "finish_drain"])
         node = a.node(node_id)
         changed = node.changed_epoch if node and rng.random() < 0.8 else rng.randrange(0, 50)
-        args = {"register": (node_id, f"10.0.0.{rng.randrange(1, 3)}:7600", rng.choice([1, 4]), ""),
-                "heartbeat": (node_id, rng.randrange(0, a.map.epoch + 2), rng.choice(["", "", "", "disk"])),
-                "drain": (node_id,), "remove": (node_id,), "expire": (node_id, changed),
-                "activate": (node_id, changed, rng.random() < 0.2),
-                "finish_drain": (node_id, changed, rng.random() < 0.2)}[cmd]
+        args = {
+            "register": (node_id, f"10.0.0.{rng.randrange(1, 3)}:7600", rng.choice([1, 4]), ""),
+            "heartbeat": (node_id, rng.randrange(0, a.map.epoch + 2), rng.choice(["", "", "", "disk"])),
+            "drain": (node_id,),
+            "remove": (node_id,),
+            "expire": (node_id, changed),
+            "activate": (node_id, changed, rng.random() < 0.2),
+            "finish_drain": (node_id, changed, rng.random() < 0.2),
+        }[cmd]
         results = []
         for s in (a, b):
             try:
@@ -234,6 +251,7 @@ def test_from_dict_rejects_a_broken_state():
 
 # -- the replicated wrapper, applied directly (as pysyncobj does) ---------------------
 
+
 def test_replicated_map_stamps_heartbeats_and_never_raises():
     now = [100.0]
     changes = []
@@ -257,6 +275,7 @@ def test_replicated_map_stamps_heartbeats_and_never_raises():
 
 
 # -- the leader's plan -------------------------------------------------------------
+
 
 def plan_for(s: MapState, last_seen, now, leader_since=0.0, started=None, hb=5.0, mig=60.0):
     started = track_migrations(s.map, started or {}, now) if started is None else started
@@ -312,6 +331,7 @@ def test_track_migrations_keeps_running_clocks_and_forgets_finished_ones():
 class FakeRaft:
     """Just enough of MasterRaft for LeaderDuties: a local MapState, leadership by flag,
     and every node heartbeating at `now[0]` while `fresh`."""
+
     self_address = "r1"
 
     def __init__(self, state: MapState, now: list):
@@ -328,6 +348,7 @@ class FakeRaft:
 
     def snapshot(self):
         from gcache.master.raft_state import Snapshot
+
         seen = {n.id: self.now[0] for n in self.state.map.nodes} if self.fresh else {}
         return Snapshot(self.state.map, self.state.rebalanced, seen)
 
@@ -341,21 +362,20 @@ def test_leader_duties_act_only_while_leading_and_restart_clocks_on_leader_chang
     s = joined("n1", "n2")  # both joining, neither has reported: only the timeout can end it
     now = [0.0]
     raft = FakeRaft(s, now)
-    duties = LeaderDuties(raft, heartbeat_timeout_s=5.0, migration_timeout_s=10.0, tick_s=0.1,
-                          clock=lambda: now[0])
+    duties = LeaderDuties(raft, heartbeat_timeout_s=5.0, migration_timeout_s=10.0, tick_s=0.1, clock=lambda: now[0])
     assert duties.tick() == []
     raft.leading = False
-    now[0] = 11.0                       # past the timeout, but another replica leads
+    now[0] = 11.0  # past the timeout, but another replica leads
     assert duties.tick() == []
     raft.leading = True
-    now[0] = 12.0                       # this leadership restarts the migration clocks
+    now[0] = 12.0  # this leadership restarts the migration clocks
     assert duties.tick() == []
     now[0] = 21.0
     assert duties.tick() == []
     now[0] = 22.5
     assert duties.tick() == [Action(ACTIVATE, "n1", 1, forced=True), Action(ACTIVATE, "n2", 2, forced=True)]
     assert [n.state for n in s.map.nodes] == [ACTIVE, ACTIVE] and s.map.epoch == 4
-    raft.fresh = False                  # silence: dead one heartbeat timeout after the last one seen
+    raft.fresh = False  # silence: dead one heartbeat timeout after the last one seen
     now[0] = 30.0
     assert [a.kind for a in duties.tick()] == [EXPIRE, EXPIRE]
     assert [n.state for n in s.map.nodes] == [DEAD, DEAD]
@@ -363,11 +383,22 @@ def test_leader_duties_act_only_while_leading_and_restart_clocks_on_leader_chang
 
 # -- CLI argument checks -------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [
-    ["--grpc", "nohost"], ["--raft", "h:70000"], ["--peers", "a:1,a:1"], ["--peers", "a:x"],
-    ["--tick-s", "0"], ["--heartbeat-timeout-s", "-1"], ["--tick-s", "5", "--heartbeat-timeout-s", "5"],
-    ["--grpc", "127.0.0.1:7000", "--raft", "127.0.0.1:7000"], ["--log-level", "loud"],
-    ["--migration-timeout-s", "nan"]])
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--grpc", "nohost"],
+        ["--raft", "h:70000"],
+        ["--peers", "a:1,a:1"],
+        ["--peers", "a:x"],
+        ["--tick-s", "0"],
+        ["--heartbeat-timeout-s", "-1"],
+        ["--tick-s", "5", "--heartbeat-timeout-s", "5"],
+        ["--grpc", "127.0.0.1:7000", "--raft", "127.0.0.1:7000"],
+        ["--log-level", "loud"],
+        ["--migration-timeout-s", "nan"],
+    ],
+)
 def test_bad_arguments_exit_2(argv, tmp_path, capsys):
     try:
         code = master_main.main(argv + ["--data-dir", str(tmp_path / "d")])
@@ -379,7 +410,14 @@ def test_bad_arguments_exit_2(argv, tmp_path, capsys):
 
 def test_parser_defaults_and_peers_may_list_self():
     args = master_main.build_parser().parse_args(["--peers", "127.0.0.1:7701,10.0.0.2:7701"])
-    assert (args.grpc, args.raft, args.data_dir, args.heartbeat_timeout_s, args.migration_timeout_s,
-            args.tick_s, args.http, args.log_level) == \
-        ("127.0.0.1:7700", "127.0.0.1:7701", "./gcache-master-data", 5.0, 120.0, 0.2, "", "info")
+    assert (
+        args.grpc,
+        args.raft,
+        args.data_dir,
+        args.heartbeat_timeout_s,
+        args.migration_timeout_s,
+        args.tick_s,
+        args.http,
+        args.log_level,
+    ) == ("127.0.0.1:7700", "127.0.0.1:7701", "./gcache-master-data", 5.0, 120.0, 0.2, "", "info")
     assert master_main.validate(args) == {"peers": ["10.0.0.2:7701"]}

@@ -4,6 +4,7 @@ Real gcache-server processes on loopback ports; a real gcache-master (one
 replica) for the agent tests. Every wait is bounded; every process is killed at
 teardown.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,12 +62,14 @@ def _pages(keys):
     def page(cursor: int, limit: int):
         end = min(len(keys), cursor + limit)
         return (end if end < len(keys) else 0), keys[cursor:end]
+
     return page
 
 
 def _map(servers: dict, states: dict) -> ClusterMap:
-    return ClusterMap(7, tuple(NodeInfo(nid, s.address, 1, states.get(nid, ACTIVE), 1)
-                               for nid, s in sorted(servers.items())))
+    return ClusterMap(
+        7, tuple(NodeInfo(nid, s.address, 1, states.get(nid, ACTIVE), 1) for nid, s in sorted(servers.items()))
+    )
 
 
 @pytest.fixture
@@ -80,8 +83,15 @@ def test_rebalance_pushes_unowned_keys_to_their_owners_and_removes_them(three_se
     with Client(servers["a"].address) as a:
         assert all(a.put_batch(list(values), list(values.values())))
     cmap = _map(servers, {})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values),
-                       batch_bytes=256 << 10, keys_page=50, keys_pending_max=120)
+    result = rebalance(
+        cmap,
+        "a",
+        servers["a"].address,
+        list_keys_page=_pages(values),
+        batch_bytes=256 << 10,
+        keys_page=50,
+        keys_pending_max=120,
+    )
     placement = Placement(cmap)
     owners = {k: placement.owner(k) for k in values}
     held = _holdings({n: s.address for n, s in servers.items()}, values)
@@ -102,8 +112,7 @@ def test_draining_node_pushes_everything_and_keeps_its_copies(three_servers):
     with Client(servers["a"].address) as a:
         assert all(a.put_batch(list(values), list(values.values())))
     cmap = _map(servers, {"a": DRAINING})
-    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values),
-                       batch_bytes=1 << 20)
+    result = rebalance(cmap, "a", servers["a"].address, list_keys_page=_pages(values), batch_bytes=1 << 20)
     assert result.keys_pushed == len(values)
     placement = Placement(cmap)
     held = _holdings({n: s.address for n, s in servers.items()}, values)
@@ -156,17 +165,25 @@ class NodeProcess(LocalServer):
     """gcache-server --master ...; restartable on the same ports and data dir."""
 
     def __init__(self, node_id: str, base: Path, masters: str, advertise: str = ""):
-        super().__init__(base / node_id, memory="64MiB", disk="128MiB", admin_port=free_port(),
-                         start_timeout_s=WAIT_S)
+        super().__init__(base / node_id, memory="64MiB", disk="128MiB", admin_port=free_port(), start_timeout_s=WAIT_S)
         self.node_id = node_id
-        self.extra_args = [*node_args(masters=masters, node_id=node_id,
-                                      advertise=advertise or self.address,  # a test may advertise a dead one
-                                      heartbeat_interval_s=HEARTBEAT_INTERVAL_S),
-                           "--rebalance-batch-bytes", "4MiB", "--shutdown-grace-s", "2"]
+        self.extra_args = [
+            *node_args(
+                masters=masters,
+                node_id=node_id,
+                advertise=advertise or self.address,  # a test may advertise a dead one
+                heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+            ),
+            "--rebalance-batch-bytes",
+            "4MiB",
+            "--shutdown-grace-s",
+            "2",
+        ]
 
     def admin(self, path: str, data: bytes | None = None) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=data,
-                                         method="POST" if data is not None else "GET")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin_port}{path}", data=data, method="POST" if data is not None else "GET"
+        )
         with urllib.request.urlopen(request, timeout=5) as answer:
             return answer.status, answer.read().decode()
 
@@ -174,8 +191,7 @@ class NodeProcess(LocalServer):
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"node {self.node_id} still running after {timeout_s}s:\n"
-                                 f"{self.log_tail()}") from None
+            raise AssertionError(f"node {self.node_id} still running after {timeout_s}s:\n{self.log_tail()}") from None
 
 
 @pytest.fixture
@@ -183,8 +199,13 @@ def cluster(tmp_path):
     from gcache.cluster.master_api import MasterClient
     from gcache.tools.devcluster.local_masters import start_masters, wait_leader
 
-    masters = start_masters(1, tmp_path / "masters", heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                            migration_timeout_s=MIGRATION_TIMEOUT_S, tick_s=0.1)
+    masters = start_masters(
+        1,
+        tmp_path / "masters",
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        migration_timeout_s=MIGRATION_TIMEOUT_S,
+        tick_s=0.1,
+    )
     nodes: list[NodeProcess] = []
     client = None
     try:
@@ -259,8 +280,7 @@ def test_cluster_drain_join_dead_and_return(cluster):
         with Client(nodes[placement.owner(k)].address) as c:
             at_new_owner += c.get(k) == values[k]
     assert at_new_owner >= 0.99 * len(n1_keys), (at_new_owner, len(n1_keys))
-    pushes = [line.split("rebalance ", 1)[1] for line in nodes["n1"].log_tail(20000).splitlines()
-              if "(push)" in line]
+    pushes = [line.split("rebalance ", 1)[1] for line in nodes["n1"].log_tail(20000).splitlines() if "(push)" in line]
     print(f"\ndrain: n1 exited 0 {drain_s:.2f}s after POST /drain; last push: {pushes[-1:]}")
 
     # Restarted after its drain (what a DaemonSet does), n1 stays out of the cluster.
@@ -298,8 +318,9 @@ def test_cluster_drain_join_dead_and_return(cluster):
     nodes["n2"].kill()
     start = time.monotonic()
     wait_until(lambda: _states(master).get("n2") == DEAD, "n2 dead")
-    print(f"dead: n2 marked dead {time.monotonic() - start:.2f}s after kill -9 "
-          f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
+    print(
+        f"dead: n2 marked dead {time.monotonic() - start:.2f}s after kill -9 (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)"
+    )
 
     # Restart on the same dir: it rejoins, drops what it does not own, keeps what it does.
     nodes["n2"].start()
@@ -319,15 +340,25 @@ def test_cluster_flags_are_validated_with_clear_errors(tmp_path):
     from gcache.server.config import ConfigError, load_settings
 
     toml = tmp_path / "node.toml"
-    toml.write_text('master = "m1:7700,m2:7700"\nnode-id = "gpu-7"\nadvertise = "10.0.0.7:7600"\n'
-                    'heartbeat_interval_s = 0.5\nmemory-pressure-drain = 0.2\n')
+    toml.write_text(
+        'master = "m1:7700,m2:7700"\nnode-id = "gpu-7"\nadvertise = "10.0.0.7:7600"\n'
+        "heartbeat_interval_s = 0.5\nmemory-pressure-drain = 0.2\n"
+    )
     s = load_settings(["--config", str(toml), "--host", "0.0.0.0"])
-    assert (s.master, s.node_id, s.advertise, s.heartbeat_interval_s, s.memory_pressure_drain) == \
-        ("m1:7700,m2:7700", "gpu-7", "10.0.0.7:7600", 0.5, 0.2)
+    assert (s.master, s.node_id, s.advertise, s.heartbeat_interval_s, s.memory_pressure_drain) == (
+        "m1:7700,m2:7700",
+        "gpu-7",
+        "10.0.0.7:7600",
+        0.5,
+        0.2,
+    )
 
     s = load_settings(["--master", "gcache://h1:1,h2:2", "--port", "7000", "--rebalance-batch-bytes", "8MiB"])
-    assert (s.node_id_or_default(), s.advertise_address(), s.rebalance_batch_bytes) == \
-        ("127.0.0.1:7000", "127.0.0.1:7000", 8 << 20)
+    assert (s.node_id_or_default(), s.advertise_address(), s.rebalance_batch_bytes) == (
+        "127.0.0.1:7000",
+        "127.0.0.1:7000",
+        8 << 20,
+    )
     assert load_settings([]).master == ""  # standalone by default
     for argv, message in [
         (["--master", "h1"], "not host:port"),
@@ -380,8 +411,9 @@ def test_standalone_node_has_no_cluster_and_refuses_drain(server):
 
 
 def test_node_serves_data_while_no_master_answers(server_factory):
-    node = server_factory("lonely", extra_args=["--master", f"127.0.0.1:{free_port()}",
-                                                "--heartbeat-interval-s", "0.2"])
+    node = server_factory(
+        "lonely", extra_args=["--master", f"127.0.0.1:{free_port()}", "--heartbeat-interval-s", "0.2"]
+    )
     with Client(node.address) as c:
         assert c.put(b"k", b"v") and c.get(b"k") == b"v"
     with urllib.request.urlopen(f"http://127.0.0.1:{node.admin_port}/cluster", timeout=5) as r:
@@ -395,8 +427,7 @@ def test_a_drain_does_not_finish_while_an_owner_cannot_be_reached(cluster):
     pushed, so n1 stays draining (its copies still served) until the master's migration
     timeout ends the drain, instead of leaving at once and losing them."""
     master, add_node = cluster
-    nodes = {"n1": add_node("n1"), "n2": add_node("n2", advertise=f"127.0.0.1:{free_port()}"),
-             "n3": add_node("n3")}
+    nodes = {"n1": add_node("n1"), "n2": add_node("n2", advertise=f"127.0.0.1:{free_port()}"), "n3": add_node("n3")}
     cmap = _wait_states(master, dict.fromkeys(nodes, ACTIVE), "three nodes active")
     placement = Placement(cmap)
     mine = [k for k in (f"k{i}".encode() for i in range(400)) if placement.owner(k) == "n1"]
@@ -432,8 +463,7 @@ def test_repeated_run_skips_keys_the_owner_already_has(three_servers):
     to_b = {k for k in values if placement.owner(k) == "b"}
     to_c = {k for k in values if placement.owner(k) == "c"}
     servers["c"].kill()
-    rebalancer = Rebalancer("a", servers["a"].address, list_keys_page=_pages(values),
-                            batch_bytes=1 << 20)
+    rebalancer = Rebalancer("a", servers["a"].address, list_keys_page=_pages(values), batch_bytes=1 << 20)
     try:
         first = rebalancer.run(cmap)
         assert not first.complete and first.push_unreachable == len(to_c)

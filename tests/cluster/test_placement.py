@@ -3,6 +3,7 @@
 Deterministic: the keys are fixed sha256 page hashes, so every count below is
 the same on every run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,24 +33,32 @@ def node_id(i: int) -> str:
 
 def cluster_map(states: dict[str, str], weights: dict[str, int] | None = None) -> ClusterMap:
     weights = weights or {}
-    return ClusterMap.from_dict({"epoch": 7, "nodes": [
-        {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": weights.get(nid, 1088), "state": st}
-        for i, (nid, st) in enumerate(sorted(states.items()))]})
+    return ClusterMap.from_dict(
+        {
+            "epoch": 7,
+            "nodes": [
+                {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": weights.get(nid, 1088), "state": st}
+                for i, (nid, st) in enumerate(sorted(states.items()))
+            ],
+        }
+    )
 
 
 def active(count: int) -> dict[str, str]:
     return {node_id(i): ACTIVE for i in range(count)}
 
 
-@pytest.mark.parametrize("weights", [
-    {"a": 1, "b": 1, "c": 1},
-    {"gpu-node-00": 1088, "gpu-node-01": 2176, "gpu-node-02": 1088, "gpu-node-03": 544},
-    {"10.0.0.1:7600": 1, "10.0.0.2:7600": 5},
-])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"a": 1, "b": 1, "c": 1},
+        {"gpu-node-00": 1088, "gpu-node-01": 2176, "gpu-node-02": 1088, "gpu-node-03": 544},
+        {"10.0.0.1:7600": 1, "10.0.0.2:7600": 5},
+    ],
+)
 def test_owner_matches_uhashring_for_ascii_keys(weights):
     ring = Ring(weights)
-    reference = HashRing(nodes={n: {"weight": w, "vnodes": VNODES} for n, w in weights.items()},
-                         hash_fn="ketama")
+    reference = HashRing(nodes={n: {"weight": w, "vnodes": VNODES} for n, w in weights.items()}, hash_fn="ketama")
     keys = KEYS[:3000] + [b"a", b"k1", b"x" * 512, b"ns/abc.full_m_0_1"]
     for key in keys:
         assert ring.owner(key) == reference.get_node(key.decode()), key

@@ -3,6 +3,7 @@ owners of the key-by-key path and of uhashring, for every kind of map.
 
 Deterministic: fixed keys, fixed maps.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,7 @@ def test_ketama_hashes_are_the_first_md5_word_for_every_length():
     keys += ODD_KEYS + ["ключ".encode(), b"\x00\xff" * 40]
     raw = _native.ketama_hashes(keys)
     assert isinstance(raw, bytes) and len(raw) == 4 * len(keys)
-    assert [int.from_bytes(raw[4 * i:4 * i + 4], "little") for i in range(len(keys))] == \
-        [md5_point(k) for k in keys]
+    assert [int.from_bytes(raw[4 * i : 4 * i + 4], "little") for i in range(len(keys))] == [md5_point(k) for k in keys]
     assert key_points(keys).tolist() == [md5_point(k) for k in keys]
 
 
@@ -88,26 +88,25 @@ def test_ketama_search_is_bisect_right_wrapping_at_the_end(point_count, needle_c
     rng = random.Random(point_count * 10_007 + needle_count)
     points = sorted(rng.getrandbits(32) for _ in range(point_count))
     points = sorted(points + points[: point_count // 3])  # equal points, as rings may have
-    edges = [0, 2 ** 32 - 1] + [p + d for p in points[:50] for d in (-1, 0, 1) if 0 <= p + d < 2 ** 32]
-    needles = (edges + [rng.getrandbits(32) for _ in range(needle_count)])[:max(needle_count, 1)]
+    edges = [0, 2**32 - 1] + [p + d for p in points[:50] for d in (-1, 0, 1) if 0 <= p + d < 2**32]
+    needles = (edges + [rng.getrandbits(32) for _ in range(needle_count)])[: max(needle_count, 1)]
     at = _native.ketama_search(np.array(points, dtype=np.uint32), np.array(needles, dtype=np.uint32))
     assert np.frombuffer(at, dtype=np.uint32).tolist() == reference_search(points, needles)
 
 
 def test_ketama_search_with_points_crowded_into_one_bucket():
     # Many points close together (one bucket of the search table) and equal runs.
-    points = sorted([1_000_000 + 3 * i for i in range(300)] + [7] * 20 + [2 ** 32 - 1] * 5)
-    needles = sorted({p + d for p in points for d in (-1, 0, 1) if 0 <= p + d < 2 ** 32})
-    needles += [0, 5, 2 ** 31]
+    points = sorted([1_000_000 + 3 * i for i in range(300)] + [7] * 20 + [2**32 - 1] * 5)
+    needles = sorted({p + d for p in points for d in (-1, 0, 1) if 0 <= p + d < 2**32})
+    needles += [0, 5, 2**31]
     at = _native.ketama_search(np.array(points, dtype=np.uint32), np.array(needles, dtype=np.uint32))
     assert np.frombuffer(at, dtype=np.uint32).tolist() == reference_search(points, needles)
 
 
 def test_ketama_search_takes_hashes_bytes_and_refuses_bad_buffers():
-    points = np.array([10, 20, 2 ** 31], dtype=np.uint32)
-    needles = np.array([5, 10, 15, 2 ** 31, 2 ** 32 - 1], dtype=np.uint32)
-    assert np.frombuffer(_native.ketama_search(points, needles.tobytes()), dtype=np.uint32).tolist() \
-        == [0, 1, 1, 0, 0]
+    points = np.array([10, 20, 2**31], dtype=np.uint32)
+    needles = np.array([5, 10, 15, 2**31, 2**32 - 1], dtype=np.uint32)
+    assert np.frombuffer(_native.ketama_search(points, needles.tobytes()), dtype=np.uint32).tolist() == [0, 1, 1, 0, 0]
     assert _native.ketama_search(points, b"") == b""
     with pytest.raises(ValueError, match="no points"):
         _native.ketama_search(np.array([], dtype=np.uint32), needles)
@@ -129,8 +128,7 @@ WEIGHTS = [
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_batch_owners_equal_key_by_key_owners_and_uhashring(weights):
     ring = Ring(weights)
-    reference = HashRing(nodes={n: {"weight": w, "vnodes": VNODES} for n, w in weights.items()},
-                         hash_fn="ketama")
+    reference = HashRing(nodes={n: {"weight": w, "vnodes": VNODES} for n, w in weights.items()}, hash_fn="ketama")
     keys = KEYS + ODD_KEYS
     batch = ring.owners(keys)
     assert batch == [ring.owner(k) for k in keys]
@@ -150,10 +148,15 @@ def test_keys_above_the_last_point_wrap_to_the_first_points_owner():
 
 
 def cluster_map(states: dict[str, str], equal_weights: bool = False) -> ClusterMap:
-    return ClusterMap.from_dict({"epoch": 3, "nodes": [
-        {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": 1 if equal_weights else 1 + i % 2,
-         "state": st}
-        for i, (nid, st) in enumerate(sorted(states.items()))]})
+    return ClusterMap.from_dict(
+        {
+            "epoch": 3,
+            "nodes": [
+                {"id": nid, "address": f"10.0.0.{i + 1}:7600", "weight": 1 if equal_weights else 1 + i % 2, "state": st}
+                for i, (nid, st) in enumerate(sorted(states.items()))
+            ],
+        }
+    )
 
 
 MAPS = {
@@ -187,7 +190,7 @@ SUBSETS = {
     "all": None,
     "none": [],
     "one": [17],
-    "small": [5, 3, 999, 4, 1, 2000, 7, 8],          # SCALAR_KEYS_MAX keys: key-by-key path
+    "small": [5, 3, 999, 4, 1, 2000, 7, 8],  # SCALAR_KEYS_MAX keys: key-by-key path
     "just_over": [5, 3, 999, 4, 1, 2000, 7, 8, 11],  # one more: the batch path
     "reversed_evens": list(range(len(KEYS) - 2, -1, -2)),
 }
@@ -202,8 +205,7 @@ def test_group_and_fallback_group_equal_the_key_by_key_answers(map_name, subset)
     # Same owners, same order of owners (first key seen), same order inside each.
     assert list(got.items()) == list(reference_group(placement, KEYS, positions).items())
     fallback = placement.fallback_group(KEYS, positions)
-    assert list(fallback.items()) == \
-        list(reference_fallback_group(placement, KEYS, positions).items())
+    assert list(fallback.items()) == list(reference_fallback_group(placement, KEYS, positions).items())
 
 
 def test_fallback_group_finds_the_moved_keys_while_a_node_joins():

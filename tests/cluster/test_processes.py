@@ -1,4 +1,5 @@
 """gcache.common.processes: free ports, waiting for a listener, and the one way every launcher stops a process."""
+
 from __future__ import annotations
 
 import signal
@@ -29,8 +30,9 @@ def _child(code: str, *, new_session: bool = False) -> subprocess.Popen:
     """A Python child that runs `code`, then says 'ready' and sleeps until it is stopped;
     proc.said holds what `code` printed before that."""
     script = f"import signal, sys, time\n{code}\nprint('ready', flush=True)\ntime.sleep(600)\n"
-    proc = subprocess.Popen([sys.executable, "-c", script, MARKER], stdout=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, MARKER], stdout=subprocess.PIPE, text=True, start_new_session=new_session
+    )
     proc.said = []
     for line in proc.stdout:  # ends at 'ready' (its signal handlers are in place) or at its exit
         if line == "ready\n":
@@ -73,8 +75,10 @@ def test_a_clean_exit_code_comes_back_and_an_exited_process_is_left_alone():
 
 
 def test_group_reaches_the_grandchildren():
-    spawn = ("import subprocess; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
-             " print(g.pid, flush=True)")
+    spawn = (
+        "import subprocess; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+        " print(g.pid, flush=True)"
+    )
     proc = _child(spawn, new_session=True)
     grandchild = int(proc.said[0])
     assert pid_alive(grandchild)

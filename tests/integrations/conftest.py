@@ -12,6 +12,7 @@ folder is left out of collection. With GCACHE_SGLANG_GROUP=1 and the packages mi
 and skips with the reason. The sglang package is registered without running its
 heavy __init__ (gcache.integrations.sglang.testing.load_sglang_storage).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ if MISSING:
 if not MISSING:
     from gcache.integrations.sglang.testing import HostPoolStandIn, load_sglang_storage
 
-    DYNAMIC = {"backend_name": "gcache", "module_path": "gcache.integrations.sglang",
-               "class_name": "GCacheHiCacheStorage"}
+    DYNAMIC = {
+        "backend_name": "gcache",
+        "module_path": "gcache.integrations.sglang",
+        "class_name": "GCacheHiCacheStorage",
+    }
     MODEL = "org/model"
 
     @pytest.fixture(scope="session")
@@ -42,17 +46,26 @@ if not MISSING:
         """Builds SGLang's real HiCacheStorageConfig; extra_config gets the dynamic-backend fields."""
         hicache_storage, _ = sgl
 
-        def make(address: str | None, *, tp_rank=0, tp_size=1, is_mla=False, metrics=False,
-                 interface_v1=True, **extra):
+        def make(address: str | None, *, tp_rank=0, tp_size=1, is_mla=False, metrics=False, interface_v1=True, **extra):
             extra_config = dict(DYNAMIC, **extra)
             if address is not None:
                 extra_config["gcache_url"] = address
             if interface_v1:
                 extra_config["interface_v1"] = 1
             return hicache_storage.HiCacheStorageConfig(
-                tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=metrics,
-                is_page_first_layout=True, model_name=MODEL, extra_config=extra_config)
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                pp_rank=0,
+                pp_size=1,
+                attn_cp_rank=0,
+                attn_cp_size=1,
+                is_mla_model=is_mla,
+                enable_storage_metrics=metrics,
+                is_page_first_layout=True,
+                model_name=MODEL,
+                extra_config=extra_config,
+            )
+
         return make
 
     @pytest.fixture
@@ -86,15 +99,25 @@ if not MISSING:
         SGLang's MHATokenToKVPoolHost cannot be built on this CPU-only machine (see
         gcache/integrations/sglang/testing.py): this stand-in runs its methods unchanged.
         """
-        def make(layout="page_first", *, page_size=4, pages=16, layer_num=3, head_num=2,
-                 head_dim=8, seed=None, label="kv"):
+
+        def make(
+            layout="page_first", *, page_size=4, pages=16, layer_num=3, head_num=2, head_dim=8, seed=None, label="kv"
+        ):
             import torch
-            pool = HostPoolStandIn(layout=layout, page_size=page_size, pages=pages,
-                                   layer_num=layer_num, head_num=head_num, head_dim=head_dim,
-                                   label=label)
+
+            pool = HostPoolStandIn(
+                layout=layout,
+                page_size=page_size,
+                pages=pages,
+                layer_num=layer_num,
+                head_num=head_num,
+                head_dim=head_dim,
+                label=label,
+            )
             if seed is not None:
                 raw = pool.kv_buffer.view(-1).view(torch.uint8)
                 gen = torch.Generator().manual_seed(seed)
                 raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
             return pool
+
         return make

@@ -5,6 +5,7 @@ forwarded `kill_after` request bytes it SIGKILLs the server (one shot), so the k
 lands inside a batch, deterministically: some of the batch reached the server, the
 rest never will. Afterwards it only forwards. Every socket wait is bounded.
 """
+
 from __future__ import annotations
 
 import socket
@@ -57,7 +58,7 @@ class KillingRelay:
                 if request and not self.killed.is_set():
                     with self._lock:
                         room = self.kill_after - self.forwarded
-                        part = data[:max(room, 0)]
+                        part = data[: max(room, 0)]
                         self.forwarded += len(part)
                     if part:
                         dst.sendall(part)

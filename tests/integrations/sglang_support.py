@@ -1,4 +1,5 @@
 """Helpers of the SGLang integration group (importable without torch or sglang)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +26,7 @@ MISSING = missing_packages()
 def chain(pages: int, page_size: int = 4, salt: int = 0) -> list[str]:
     """SGLang page hashes (gcache.wire.keys.page_hashes == sglang's get_hash_str chain) of a prompt."""
     from gcache.wire.keys import page_hashes
+
     tokens = [(salt * 7919 + i * 31) % 50000 for i in range(pages * page_size)]
     return page_hashes(tokens, page_size)
 
@@ -32,12 +34,14 @@ def chain(pages: int, page_size: int = 4, salt: int = 0) -> list[str]:
 def slots(pool, pages: list[int]):
     """Host indices (token slots) of these page numbers, in order."""
     import torch
+
     return torch.cat([pool.page_slots(p) for p in pages])
 
 
 def page_bytes(pool, page: int) -> bytes:
     """The page's bytes as SGLang's own get_data_page(flat) sees them."""
     import torch
+
     return pool.get_data_page(page * pool.page_size).contiguous().view(torch.uint8).numpy().tobytes()
 
 

@@ -1,4 +1,5 @@
 """The group's packages: the pinned torch and sglang, or one skip that says why not."""
+
 from __future__ import annotations
 
 import importlib.metadata

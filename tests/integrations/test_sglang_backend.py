@@ -5,6 +5,7 @@ HostPoolStandIn runs SGLang's own page methods (see gcache/integrations/sglang/t
 Every round trip is checked byte for byte against SGLang's get_data_page, and the store
 is read with a raw gcache.Client under the exact keys the README documents.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,11 @@ def entry_keys(page_hash: str, layout: str, layers: int) -> list[bytes]:
     """The documented keys of one MHA page, in get_page_buffer_meta's order."""
     code = CODES[layout]
     if layout == "layer_first":
-        return [f"{page_hash}.full-{code}-{part}@g{layer}{SUFFIX}".encode()
-                for layer in range(layers) for part in ("k", "v")]
+        return [
+            f"{page_hash}.full-{code}-{part}@g{layer}{SUFFIX}".encode()
+            for layer in range(layers)
+            for part in ("k", "v")
+        ]
     return [f"{page_hash}.full-{code}-{part}{SUFFIX}".encode() for part in ("k", "v")]
 
 
@@ -79,8 +83,9 @@ def test_v0_round_trip_byte_for_byte(layout, server, storage_config, attach, hos
     assert writer.batch_set(hashes, pages) is True
     raw = gcache.Client(server.address)
     code = CODES[layout]
-    assert raw.get_batch([f"{h}.full-{code}-page{SUFFIX}".encode() for h in hashes]) == \
-        [page_bytes(src, p) for p in src_pages]
+    assert raw.get_batch([f"{h}.full-{code}-page{SUFFIX}".encode() for h in hashes]) == [
+        page_bytes(src, p) for p in src_pages
+    ]
     raw.close()
 
     dst = host_pool(layout)
@@ -129,8 +134,7 @@ def test_batch_exists_counts_the_prefix_up_to_a_gap(server, storage_config, atta
 def test_tp_ranks_never_see_each_others_pages(server, storage_config, attach, host_pool):
     hashes = chain(4, salt=4)
     pools = [host_pool(seed=10 + rank) for rank in range(2)]
-    ranks = [attach(storage_config(server.address, tp_rank=rank, tp_size=2), pools[rank])
-             for rank in range(2)]
+    ranks = [attach(storage_config(server.address, tp_rank=rank, tp_size=2), pools[rank]) for rank in range(2)]
     assert ranks[0].batch_set_v1(hashes, slots(pools[0], [0, 1, 2, 3])) == [True] * 4
     assert ranks[1].batch_exists(hashes) == 0
     probe = host_pool()
@@ -143,11 +147,9 @@ def test_tp_ranks_never_see_each_others_pages(server, storage_config, attach, ho
         fresh = host_pool()
         backend = attach(storage_config(server.address, tp_rank=rank, tp_size=2), fresh)
         assert backend.batch_get_v1(hashes, slots(fresh, [4, 5, 6, 7])) == [True] * 4
-        assert [page_bytes(fresh, p) for p in (4, 5, 6, 7)] == \
-            [page_bytes(pools[rank], p) for p in (0, 1, 2, 3)]
+        assert [page_bytes(fresh, p) for p in (4, 5, 6, 7)] == [page_bytes(pools[rank], p) for p in (0, 1, 2, 3)]
     raw = gcache.Client(server.address)
-    assert raw.batch_is_exist([f"{hashes[0]}.full-pf-k_org-model_{r}_2".encode() for r in (0, 1)]) == \
-        [True, True]
+    assert raw.batch_is_exist([f"{hashes[0]}.full-pf-k_org-model_{r}_2".encode() for r in (0, 1)]) == [True, True]
     raw.close()
 
 

@@ -1,4 +1,5 @@
 """The backend on a GCache cluster (gcache_url "gcache://master"): pages spread over nodes."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,6 +42,7 @@ def test_v1_round_trip_and_prefix_over_a_cluster(cluster, storage_config, attach
     dst = host_pool()
     reader = attach(storage_config(cluster.client_url), dst)
     assert reader.batch_get_v1(hashes, slots(dst, list(range(8, 16)))) == [True] * 3 + [False] + [True] * 4
-    assert [page_bytes(dst, p) for p in (8, 9, 10, 12, 13, 14, 15)] == \
-        [page_bytes(src, p) for p in (0, 1, 2, 4, 5, 6, 7)]
+    assert [page_bytes(dst, p) for p in (8, 9, 10, 12, 13, 14, 15)] == [
+        page_bytes(src, p) for p in (0, 1, 2, 4, 5, 6, 7)
+    ]
     assert not any(page_bytes(dst, 11))

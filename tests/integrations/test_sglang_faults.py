@@ -6,6 +6,7 @@ gcache-server once part of the request has gone through) gives misses / False on
 every call, and the backend recovers by itself once the server is back. SGLang's own
 HiCacheStorageFailureInjector wraps the backend when its test variables are set.
 """
+
 from __future__ import annotations
 
 import socket
@@ -47,12 +48,10 @@ def test_the_address_can_come_from_GCACHE_URL(server, storage_config, attach, ho
 def test_misspelled_setting_is_a_clear_error(sgl, server, storage_config, host_pool):
     _, factory = sgl
     with pytest.raises(ValueError, match="unknown extra_config key\\(s\\) \\['gcache_timeout'\\]"):
-        factory.create_backend("dynamic", storage_config(server.address, gcache_timeout=1),
-                               host_pool())
+        factory.create_backend("dynamic", storage_config(server.address, gcache_timeout=1), host_pool())
 
 
-def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, storage_config, attach,
-                                                           host_pool, sgl):
+def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, storage_config, attach, host_pool, sgl):
     hicache_storage, _ = sgl
     victim = server_factory("victim")
     pool = host_pool(page_size=4, pages=16, layer_num=4, head_num=4, head_dim=64, seed=20)
@@ -60,8 +59,10 @@ def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, stora
     relay = KillingRelay(victim, kill_after=3 * page_entry)  # inside the first put frame
     try:
         # TCP: the relay is the fault; over the store's Unix socket it would be bypassed.
-        backend = attach(storage_config(relay.address, gcache_suspect_s=0.05,
-                                        gcache_skip_existing=False, gcache_transport="tcp"), pool)
+        backend = attach(
+            storage_config(relay.address, gcache_suspect_s=0.05, gcache_skip_existing=False, gcache_transport="tcp"),
+            pool,
+        )
         hashes = chain(8, salt=20)
         # The put frame (8 pages, K and V) is cut after 3 entries' bytes: the server dies.
         assert backend.batch_set_v1(hashes, slots(pool, list(range(8)))) == [False] * 8
@@ -75,8 +76,9 @@ def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, stora
         assert backend.exists(hashes[0]) is False
         assert backend.get(hashes[0], pool.get_dummy_flat_data_page()) is None
         assert backend.batch_set(hashes[:1], [pool.get_data_page(0)]) is False
-        kv = hicache_storage.PoolTransfer(name=hicache_storage.PoolName.KV, keys=hashes[:2],
-                                          host_indices=slots(pool, [0, 1]))
+        kv = hicache_storage.PoolTransfer(
+            name=hicache_storage.PoolName.KV, keys=hashes[:2], host_indices=slots(pool, [0, 1])
+        )
         assert backend.batch_get_v2([kv]) == {hicache_storage.PoolName.KV: [False, False]}
         assert backend.batch_set_v2([kv]) == {hicache_storage.PoolName.KV: [False, False]}
         assert backend.batch_exists_v2(hashes).kv_hit_pages == 0
@@ -102,13 +104,12 @@ def test_store_killed_mid_batch_gives_misses_then_recovers(server_factory, stora
         relay.close()
 
 
-def test_hung_store_costs_a_bounded_wait_then_misses(server_factory, storage_config, attach,
-                                                     host_pool):
+def test_hung_store_costs_a_bounded_wait_then_misses(server_factory, storage_config, attach, host_pool):
     import signal
+
     node = server_factory("frozen")
     pool = host_pool(seed=21)
-    backend = attach(storage_config(node.address, gcache_timeout_s=0.3, gcache_retries=0,
-                                    gcache_suspect_s=30), pool)
+    backend = attach(storage_config(node.address, gcache_timeout_s=0.3, gcache_retries=0, gcache_suspect_s=30), pool)
     hashes = chain(2, salt=21)
     node.proc.send_signal(signal.SIGSTOP)
     wait_stopped(node.proc.pid)
@@ -137,8 +138,9 @@ def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("failure_prob", ["1.0", "0.0"])
-def test_sglang_failure_injector_wraps_the_backend(failure_prob, sgl, server, storage_config,
-                                                   attach, host_pool, monkeypatch):
+def test_sglang_failure_injector_wraps_the_backend(
+    failure_prob, sgl, server, storage_config, attach, host_pool, monkeypatch
+):
     hicache_storage, _ = sgl
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", failure_prob)
     pool = host_pool(seed=22)
@@ -156,8 +158,7 @@ def test_sglang_failure_injector_wraps_the_backend(failure_prob, sgl, server, st
     assert backend.get_stats() is not None  # passed through to the backend
 
 
-def test_random_injected_failures_never_corrupt_a_page(sgl, server, storage_config, attach,
-                                                      host_pool, monkeypatch):
+def test_random_injected_failures_never_corrupt_a_page(sgl, server, storage_config, attach, host_pool, monkeypatch):
     """Probability 0.5: whatever each call answers, a page reported read is byte-exact."""
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.5")
     src = host_pool(seed=23)

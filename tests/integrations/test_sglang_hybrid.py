@@ -5,6 +5,7 @@ pool (fewer layers, its own slots) whose pages are stored under "swa" keys. SWA 
 exist only at checkpoints: a prefix of N pages is restorable when pages [0, N) of the
 full pool and the last `window` SWA pages before N are all in the store.
 """
+
 from __future__ import annotations
 
 import gcache
@@ -25,13 +26,15 @@ def hybrid(sgl, attach, storage_config, host_pool, address, seed=None):
 
 def swa_transfer(sgl, keys, host_indices=None, window=WINDOW):
     hicache_storage, _ = sgl
-    return hicache_storage.PoolTransfer(name=hicache_storage.PoolName.SWA, keys=keys,
-                                        host_indices=host_indices,
-                                        hit_policy=hicache_storage.PoolHitPolicy.TRAILING_PAGES)
+    return hicache_storage.PoolTransfer(
+        name=hicache_storage.PoolName.SWA,
+        keys=keys,
+        host_indices=host_indices,
+        hit_policy=hicache_storage.PoolHitPolicy.TRAILING_PAGES,
+    )
 
 
-def test_swa_prefix_needs_full_pages_and_its_swa_window(sgl, server, storage_config, attach,
-                                                       host_pool):
+def test_swa_prefix_needs_full_pages_and_its_swa_window(sgl, server, storage_config, attach, host_pool):
     hicache_storage, _ = sgl
     kv, swa_name = hicache_storage.PoolName.KV, hicache_storage.PoolName.SWA
     backend, full, swa = hybrid(sgl, attach, storage_config, host_pool, server.address, seed=30)
@@ -39,8 +42,7 @@ def test_swa_prefix_needs_full_pages_and_its_swa_window(sgl, server, storage_con
     assert backend.batch_set_v1(hashes, slots(full, list(range(8)))) == [True] * 8
     # SWA checkpoints after page 4 (window pages 2, 3) and after page 8 (pages 6, 7).
     for pages, swa_slots in ((hashes[2:4], [0, 1]), (hashes[6:8], [2, 3])):
-        assert backend.batch_set_v2([swa_transfer(sgl, pages, slots(swa, swa_slots))]) == \
-            {swa_name: [True, True]}
+        assert backend.batch_set_v2([swa_transfer(sgl, pages, slots(swa, swa_slots))]) == {swa_name: [True, True]}
 
     probe = [swa_transfer(sgl, ["window"] * WINDOW)]  # SGLang passes the window as len(keys)
     result = backend.batch_exists_v2(hashes, probe)
@@ -67,8 +69,7 @@ def test_swa_pages_round_trip_byte_for_byte(sgl, server, storage_config, attach,
     swa_name = hicache_storage.PoolName.SWA
     backend, full, swa = hybrid(sgl, attach, storage_config, host_pool, server.address, seed=31)
     hashes = chain(4, salt=31)
-    assert backend.batch_set_v2([swa_transfer(sgl, hashes[2:4], slots(swa, [5, 6]))]) == \
-        {swa_name: [True, True]}
+    assert backend.batch_set_v2([swa_transfer(sgl, hashes[2:4], slots(swa, [5, 6]))]) == {swa_name: [True, True]}
     raw = gcache.Client(server.address)
     for page_hash, page in zip(hashes[2:4], (5, 6)):
         k, v = raw.get_batch([f"{page_hash}.swa-pf-{part}_org-model_0_1".encode() for part in "kv"])
@@ -91,7 +92,8 @@ def test_a_bad_transfer_fails_alone(sgl, server, storage_config, attach, host_po
     bad = swa_transfer(sgl, hashes, slots(swa, [0]))  # indices for 1 page, 2 keys
     good = hicache_storage.PoolTransfer(name=kv, keys=hashes, host_indices=slots(full, [0, 1]))
     assert backend.batch_set_v2([bad, good]) == {swa_name: [False, False], kv: [True, True]}
-    unknown = hicache_storage.PoolTransfer(name=hicache_storage.PoolName.MAMBA, keys=hashes,
-                                           host_indices=slots(full, [0, 1]))
+    unknown = hicache_storage.PoolTransfer(
+        name=hicache_storage.PoolName.MAMBA, keys=hashes, host_indices=slots(full, [0, 1])
+    )
     assert backend.batch_get_v2([unknown]) == {hicache_storage.PoolName.MAMBA: [False, False]}
     assert backend.batch_exists_v2(hashes, [unknown]).kv_hit_pages == 0

@@ -1,4 +1,5 @@
 """The backend's pure parts: settings, key names, prefix folding."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,28 +12,35 @@ H = "ab" * 32
 
 
 def test_settings_read_gcache_keys_and_the_env_fallback():
-    s = BackendSettings.from_extra_config({"gcache_url": " 10.0.0.1:7600 ", "interface_v1": 1,
-                                           "gcache_timeout_s": 0.5, "gcache_retries": 3,
-                                           "backend_name": "gcache"}, environ={})
-    assert (s.url, s.interface_v1, s.timeout_s, s.retries, s.suspect_s) == \
-        ("10.0.0.1:7600", True, 0.5, 3, 1.0)
-    assert BackendSettings.from_extra_config({}, environ={"GCACHE_URL": "gcache://m:1"}).url == \
-        "gcache://m:1"
-    assert BackendSettings.from_extra_config({"interface_v1": 0}, environ={"GCACHE_URL": "h:1"}) \
-        .interface_v1 is False
+    s = BackendSettings.from_extra_config(
+        {
+            "gcache_url": " 10.0.0.1:7600 ",
+            "interface_v1": 1,
+            "gcache_timeout_s": 0.5,
+            "gcache_retries": 3,
+            "backend_name": "gcache",
+        },
+        environ={},
+    )
+    assert (s.url, s.interface_v1, s.timeout_s, s.retries, s.suspect_s) == ("10.0.0.1:7600", True, 0.5, 3, 1.0)
+    assert BackendSettings.from_extra_config({}, environ={"GCACHE_URL": "gcache://m:1"}).url == "gcache://m:1"
+    assert BackendSettings.from_extra_config({"interface_v1": 0}, environ={"GCACHE_URL": "h:1"}).interface_v1 is False
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({}, "no GCache address"),
-    ({"gcache_url": "nohost"}, "bad GCache address 'nohost'"),
-    ({"gcache_url": "h:1", "gcache_retries": 1.5}, "gcache_retries'\\] must be a number in \\[0, 10\\]"),
-    ({"gcache_url": "h:1", "gcache_timeout_s": 0}, "gcache_timeout_s"),
-    ({"gcache_url": "h:1", "gcache_timeout_s": True}, "gcache_timeout_s"),
-    ({"gcache_url": "h:1", "gcache_namespace": ""}, "gcache_namespace"),
-    ({"gcache_url": "h:1", "gcache_skip_existing": "yes"}, "gcache_skip_existing"),
-    ({"gcache_url": "h:1", "gcache_urll": "x"}, "unknown extra_config key\\(s\\) \\['gcache_urll'\\]"),
-    ({"gcache_url": "h:1", "gcache_transport": "udp"}, "gcache_transport'\\] must be one of auto, tcp, shm, rdma"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, "no GCache address"),
+        ({"gcache_url": "nohost"}, "bad GCache address 'nohost'"),
+        ({"gcache_url": "h:1", "gcache_retries": 1.5}, "gcache_retries'\\] must be a number in \\[0, 10\\]"),
+        ({"gcache_url": "h:1", "gcache_timeout_s": 0}, "gcache_timeout_s"),
+        ({"gcache_url": "h:1", "gcache_timeout_s": True}, "gcache_timeout_s"),
+        ({"gcache_url": "h:1", "gcache_namespace": ""}, "gcache_namespace"),
+        ({"gcache_url": "h:1", "gcache_skip_existing": "yes"}, "gcache_skip_existing"),
+        ({"gcache_url": "h:1", "gcache_urll": "x"}, "unknown extra_config key\\(s\\) \\['gcache_urll'\\]"),
+        ({"gcache_url": "h:1", "gcache_transport": "udp"}, "gcache_transport'\\] must be one of auto, tcp, shm, rdma"),
+    ],
+)
 def test_bad_settings_are_clear_errors(extra, message):
     with pytest.raises(SettingsError, match=message):
         BackendSettings.from_extra_config(extra, environ={})
@@ -48,15 +56,17 @@ class Config:
         self.__dict__.update(over)
 
 
-@pytest.mark.parametrize("over, suffix", [
-    ({}, "_a-b_1_4"),
-    ({"is_mla_model": True}, "_a-b"),
-    ({"pp_size": 2, "pp_rank": 1}, "_a-b_1_4_2_1"),
-    ({"attn_cp_size": 2, "attn_cp_rank": 1}, "_a-b_cp1_2_1_4"),
-    ({"is_mla_model": True, "dcp_size": 2, "dcp_rank": 1, "logical_page_size": 64},
-     "_a-b_dcp1_2_page64"),
-    ({"model_name": None}, "_default_1_4"),
-])
+@pytest.mark.parametrize(
+    "over, suffix",
+    [
+        ({}, "_a-b_1_4"),
+        ({"is_mla_model": True}, "_a-b"),
+        ({"pp_size": 2, "pp_rank": 1}, "_a-b_1_4_2_1"),
+        ({"attn_cp_size": 2, "attn_cp_rank": 1}, "_a-b_cp1_2_1_4"),
+        ({"is_mla_model": True, "dcp_size": 2, "dcp_rank": 1, "logical_page_size": 64}, "_a-b_dcp1_2_page64"),
+        ({"model_name": None}, "_default_1_4"),
+    ],
+)
 def test_rank_suffixes(over, suffix):
     assert key_builder(Config(**over), None).suffix == suffix
 
@@ -74,11 +84,14 @@ def test_entry_keys_in_get_page_buffer_meta_order():
     builder = key_builder(Config(), "tenant")
     assert pool_tag("kv") == "full" and pool_tag("swa") == "swa"
     page_first = PoolKeys(builder, "kv", "page_first", entry_parts(2, split_kv=True))
-    assert page_first.entries([H]) == [f"tenant/{H}.full-pf-k_a-b_1_4".encode(),
-                                       f"tenant/{H}.full-pf-v_a-b_1_4".encode()]
+    assert page_first.entries([H]) == [
+        f"tenant/{H}.full-pf-k_a-b_1_4".encode(),
+        f"tenant/{H}.full-pf-v_a-b_1_4".encode(),
+    ]
     layer_first = PoolKeys(builder, "swa", "layer_first", entry_parts(4, split_kv=True))
-    assert layer_first.entries([H]) == [f"tenant/{H}.swa-lf-{p}@g{layer}_a-b_1_4".encode()
-                                        for layer in (0, 1) for p in "kv"]
+    assert layer_first.entries([H]) == [
+        f"tenant/{H}.swa-lf-{p}@g{layer}_a-b_1_4".encode() for layer in (0, 1) for p in "kv"
+    ]
     mla = PoolKeys(builder, "kv", "page_head", entry_parts(1, split_kv=False))
     assert mla.entries([H, H]) == [f"tenant/{H}.full-ph-kv_a-b_1_4".encode()] * 2
     with pytest.raises(KeyLayoutError, match="expected K/V pairs"):
@@ -97,6 +110,5 @@ def test_prefix_rules():
         restorable_cuts(2, "block_groups", 1, [True, True])
     assert fold(6, [("swa", "trailing_pages", 2, present)]) == (6, {"kv": 6, "swa": 6}, [3, 6])
     indexer = ("idx", "all_pages", 1, [True] * 4 + [False] * 2)
-    assert fold(6, [("swa", "trailing_pages", 2, present), indexer]) == \
-        (3, {"kv": 6, "swa": 6, "idx": 4}, [3])
+    assert fold(6, [("swa", "trailing_pages", 2, present), indexer]) == (3, {"kv": 6, "swa": 6, "idx": 4}, [3])
     assert fold(0, [("swa", "trailing_pages", 2, [])]) == (0, {}, [])

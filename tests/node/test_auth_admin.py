@@ -1,6 +1,7 @@
 """Admin endpoints of a node with --auth-file: POST /flush and /drain need an admin bearer
 token (401 / 403 otherwise), GET /metrics and the health endpoints stay open and never
 show key names; the admin gRPC Flush needs the same token. The CLI passes a token file."""
+
 from __future__ import annotations
 
 import subprocess
@@ -42,8 +43,9 @@ def node(server_factory, tmp_path):
 
 
 def http(node, method: str, path: str, token: str | None = None) -> tuple[int, str, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{node.admin_port}{path}", method=method,
-                                     data=b"" if method == "POST" else None)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{node.admin_port}{path}", method=method, data=b"" if method == "POST" else None
+    )
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -83,8 +85,9 @@ def test_metrics_and_health_stay_open_without_key_names(node):
 def grpc_call(port: int, method: str, token: str | None):
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(f"/gcache.Admin/{method}", request_serializer=msgpack.packb,
-                                   response_deserializer=msgpack.unpackb)
+        stub = channel.unary_unary(
+            f"/gcache.Admin/{method}", request_serializer=msgpack.packb, response_deserializer=msgpack.unpackb
+        )
         return stub({}, timeout=30, metadata=metadata)
 
 
@@ -109,8 +112,12 @@ def test_cli_passes_the_token(node, tmp_path, monkeypatch):
     value.write_bytes(b"cli bytes")
 
     def cli(*args, env=None):
-        return subprocess.run([sys.executable, "-m", "gcache.cli.main", "--server", node.address, *args],
-                              capture_output=True, timeout=60, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "gcache.cli.main", "--server", node.address, *args],
+            capture_output=True,
+            timeout=60,
+            env=env,
+        )
 
     assert cli("--token-file", str(token_file), "put", "k", str(value)).returncode == 0
     got = cli("--token-file", str(token_file), "get", "k")
@@ -118,5 +125,6 @@ def test_cli_passes_the_token(node, tmp_path, monkeypatch):
     refused = cli("get", "k")
     assert refused.returncode == 6 and b"GCACHE_TOKEN" in refused.stderr
     import os
+
     env = dict(os.environ, GCACHE_TOKEN=WRITER)
     assert cli("get", "k", env=env).stdout == b"cli bytes"

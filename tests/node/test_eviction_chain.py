@@ -5,6 +5,7 @@ EXISTS_BATCH do in the server) with 4 KiB values, so the memory tier holds a kno
 of values, no disk tier, and a fixed fresh weight (the online tuner off) unless the test is
 about the tuner. What is in memory is read with Store.keys(), which touches nothing.
 """
+
 import random
 
 import pytest
@@ -174,9 +175,16 @@ def test_evict_owned_is_a_no_op_under_s3fifo():
     assert held(s) == {b"a"}
 
 
-@pytest.mark.parametrize("bad", [{"eviction_policy": "arc"}, {"eviction_fresh_weight": 0.5},
-                                 {"eviction_fresh_weight": 65}, {"eviction_ghost_factor": -1},
-                                 {"small_queue_fraction": 0.95}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"eviction_policy": "arc"},
+        {"eviction_fresh_weight": 0.5},
+        {"eviction_fresh_weight": 65},
+        {"eviction_ghost_factor": -1},
+        {"small_queue_fraction": 0.95},
+    ],
+)
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         Store(64 * PAGE, 0, "", **bad)
@@ -236,14 +244,14 @@ def test_the_tuner_falls_back_to_recency_when_reads_do_not_repeat():
 @pytest.mark.parametrize("policy", ["chain", "s3fifo", "lru"])
 def test_invariants_hold_through_a_random_mix(policy, tmp_path):
     rng = random.Random(11)
-    with Store(32 * PAGE, 48 * PAGE, str(tmp_path / "data"), segment_bytes=16 * PAGE,
-               eviction_policy=policy) as s:
+    with Store(32 * PAGE, 48 * PAGE, str(tmp_path / "data"), segment_bytes=16 * PAGE, eviction_policy=policy) as s:
         for step in range(600):
             op = rng.random()
             keys = [b"k%d" % rng.randrange(120) for _ in range(rng.randrange(1, 6))]
             if op < 0.4:
-                s.put_batch(keys, [bytes([len(k)]) * rng.choice([1, PAGE, 3 * PAGE]) for k in keys],
-                            owner=rng.randrange(3))
+                s.put_batch(
+                    keys, [bytes([len(k)]) * rng.choice([1, PAGE, 3 * PAGE]) for k in keys], owner=rng.randrange(3)
+                )
             elif op < 0.65:
                 s.exists(keys)
             elif op < 0.9:

@@ -11,6 +11,7 @@ Three layers, tested where each can run:
 - the verbs calls themselves (gcache.wire.rdma_verbs) only where pyverbs and a
   device exist: skipped elsewhere with the precise reason.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -59,8 +60,9 @@ def test_rdma_connect_without_handler_is_refused_and_the_connection_stays(server
     with RawConnection(server.port) as c:
         frame = c.request(RDMA_CONNECT, {"qpn": 7, "psn": 1, "lid": 0, "gid": rdma_verbs.ZERO_GID, "mtu": 3})
         assert frame.status == FORBIDDEN
-        assert frame.meta["error"] == ("this gcache-server has no RDMA (start it with --rdma-device NAME); "
-                                       "use transport='tcp'")
+        assert frame.meta["error"] == (
+            "this gcache-server has no RDMA (start it with --rdma-device NAME); use transport='tcp'"
+        )
         assert c.ping()["version"]
 
 
@@ -96,8 +98,20 @@ def test_auto_falls_back_to_tcp_without_shm_and_rdma(server_factory, monkeypatch
 def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
     name = "gcache_no_such_device"
     expected = host_rdma_reason(name)
-    proc = run_server_cli("--port", "0", "--admin-port", "0", "--data-dir", str(tmp_path / "data"),
-                          "--memory", "16MiB", "--disk", "0", "--rdma-device", name)
+    proc = run_server_cli(
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--memory",
+        "16MiB",
+        "--disk",
+        "0",
+        "--rdma-device",
+        name,
+    )
     assert proc.returncode == 3, proc.stderr
     assert f"--rdma-device {name}: {expected}" in proc.stderr
     assert not (tmp_path / "data").exists(), "the device is checked before the store opens"
@@ -107,9 +121,22 @@ def test_server_with_a_missing_rdma_device_exits_3(tmp_path):
 def test_server_refuses_rdma_with_authentication(tmp_path):
     from gcache.tools.devcluster.local_security import write_auth_file
 
-    proc = run_server_cli("--port", "0", "--admin-port", "0", "--data-dir", str(tmp_path / "data"),
-                          "--memory", "16MiB", "--disk", "0", "--rdma-device", "mlx5_0",
-                          "--auth-file", str(write_auth_file(tmp_path / "auth")))
+    proc = run_server_cli(
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--memory",
+        "16MiB",
+        "--disk",
+        "0",
+        "--rdma-device",
+        "mlx5_0",
+        "--auth-file",
+        str(write_auth_file(tmp_path / "auth")),
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--rdma-device with --auth-file: RDMA would reach every tenant's values" in proc.stderr
     assert not (tmp_path / "data").exists()
@@ -156,8 +183,9 @@ def test_rdma_connect_hook_passes_meta_and_connection_ids_and_reports_closes(tmp
             assert (frame.status, frame.meta["error"]) == (BAD_FRAME, "qpn 5 is not mine")
             handler.answer = lambda conn_id, m: (_ for _ in ()).throw(RuntimeError("device gone"))
             frame = a.request(RDMA_CONNECT, meta)
-            assert frame.status == INTERNAL and "the RDMA handler failed: RuntimeError: device gone" in \
-                frame.meta["error"]
+            assert (
+                frame.status == INTERNAL and "the RDMA handler failed: RuntimeError: device gone" in frame.meta["error"]
+            )
             handler.answer = lambda conn_id, m: "not bytes"
             frame = a.request(RDMA_CONNECT, meta)
             assert frame.status == INTERNAL and "returned <class 'str'>, not bytes" in frame.meta["error"]
@@ -183,8 +211,15 @@ def test_rdma_connect_hook_passes_meta_and_connection_ids_and_reports_closes(tmp
 def test_endpoint_checks_name_the_bad_field():
     good = {"qpn": 9, "psn": 3, "lid": 0, "gid": "FE80:0000:0000:0000:0000:0000:0000:0001", "mtu": 5}
     assert rdma_verbs.parse_endpoint(good) == {**good, "gid": good["gid"].lower()}
-    for field, value in (("qpn", 0), ("qpn", 1 << 24), ("psn", -1), ("mtu", 6), ("lid", True),
-                         ("gid", "fe80::1"), ("gid", None)):
+    for field, value in (
+        ("qpn", 0),
+        ("qpn", 1 << 24),
+        ("psn", -1),
+        ("mtu", 6),
+        ("lid", True),
+        ("gid", "fe80::1"),
+        ("gid", None),
+    ):
         with pytest.raises(ValueError, match=repr(field)):
             rdma_verbs.parse_endpoint({**good, field: value})
 
@@ -214,8 +249,9 @@ def test_queue_pair_attributes_and_work_requests_build_with_the_real_pyverbs():
     """The verbs structures need no device: their field names and values are checked here."""
     verbs = rdma_verbs.load()
     local = type("Local", (), {"port": 1, "mtu": 5, "ethernet": True, "gid_index": 3, "rd_atomic": 16})
-    peer = rdma_verbs.parse_endpoint({"qpn": 0x1234, "psn": 99, "lid": 0, "mtu": 3,
-                                      "gid": "0000:0000:0000:0000:0000:ffff:0a00:0002"})
+    peer = rdma_verbs.parse_endpoint(
+        {"qpn": 0x1234, "psn": 99, "lid": 0, "mtu": 3, "gid": "0000:0000:0000:0000:0000:ffff:0a00:0002"}
+    )
     attr = rdma_verbs.connect_attributes(verbs, local, peer, psn=7)
     assert (attr.path_mtu, attr.dest_qp_num, attr.rq_psn, attr.sq_psn) == (3, 0x1234, 99, 7)
     assert (attr.max_dest_rd_atomic, attr.max_rd_atomic, attr.min_rnr_timer) == (16, 16, 12)
@@ -250,9 +286,9 @@ class Fabric:
         self.qps: dict[int, FakeQueuePair] = {}
         self.keys = itertools.count(0x1000)
         self.lock = threading.Lock()
-        self.fail_status = 0                # completion status of the next fail_left work requests
+        self.fail_status = 0  # completion status of the next fail_left work requests
         self.fail_left = 0
-        self.corrupt_next_read = False     # flip a byte of the next READ's landed bytes
+        self.corrupt_next_read = False  # flip a byte of the next READ's landed bytes
         self.reads = self.writes = 0
         self.closed: dict[str, int] = {}  # queue pairs closed, by device name
 
@@ -301,8 +337,13 @@ class FakeQueuePair:
         fabric.qps[self.qp_num] = self
 
     def endpoint(self):
-        return {"qpn": self.qp_num, "psn": self.psn, "lid": 0, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
-                "mtu": 5}
+        return {
+            "qpn": self.qp_num,
+            "psn": self.psn,
+            "lid": 0,
+            "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
+            "mtu": 5,
+        }
 
     def connect(self, peer):
         if peer["qpn"] not in self.fabric.qps:
@@ -311,8 +352,12 @@ class FakeQueuePair:
 
     def _inside(self, key, addr, length, remote):
         region = self.fabric.regions.get(key)
-        return region is not None and (region[2] or not remote) and \
-            region[0] <= addr and addr + length <= region[0] + region[1]
+        return (
+            region is not None
+            and (region[2] or not remote)
+            and region[0] <= addr
+            and addr + length <= region[0] + region[1]
+        )
 
     def post(self, write, local_addr, lkey, remote_addr, rkey, length, wr_id):
         if self.peer is None:
@@ -373,8 +418,7 @@ def fabric_node(tmp_path, monkeypatch):
 
 def values_for(n: int, seed: int) -> dict[bytes, bytes]:
     rng = __import__("random").Random(seed)
-    return {f"key-{seed}-{i}".encode(): rng.randbytes(rng.choice([0, 1, 63, 4096, 70_000, 300_000]))
-            for i in range(n)}
+    return {f"key-{seed}-{i}".encode(): rng.randbytes(rng.choice([0, 1, 63, 4096, 70_000, 300_000])) for i in range(n)}
 
 
 def test_rdma_transport_roundtrips_through_rounds_of_a_small_staging_buffer(fabric_node, monkeypatch):
@@ -392,7 +436,7 @@ def test_rdma_transport_roundtrips_through_rounds_of_a_small_staging_buffer(fabr
         buffers = [bytearray(len(v) + 5) for v in items.values()]
         sizes = client.batch_get_into(list(items), buffers)
         assert sizes == [len(v) for v in items.values()]
-        assert all(bytes(b[:len(v)]) == v and b[len(v):] == bytes(5) for b, v in zip(buffers, items.values()))
+        assert all(bytes(b[: len(v)]) == v and b[len(v) :] == bytes(5) for b, v in zip(buffers, items.values()))
         assert region.queue_pairs() >= 1
     moved = sum(1 for v in items.values() if v)  # an empty value needs no work request
     # Values up to INLINE_BYTES_MAX come inside the LOOKUP answer: only larger ones are READ.
@@ -487,7 +531,8 @@ def test_a_bad_endpoint_is_answered_bad_frame_and_leaks_no_queue_pair(fabric_nod
         assert frame.meta["error"] == "RDMA endpoint field 'qpn' must be an integer in [1, 16777215], got 0"
         frame = c.request(RDMA_CONNECT, {**endpoint, "qpn": 12345})  # no such queue pair on the fabric
         assert frame.status == BAD_FRAME and frame.meta["error"].startswith(
-            "cannot connect a queue pair to the client's endpoint")
+            "cannot connect a queue pair to the client's endpoint"
+        )
         assert region.queue_pairs() == 0 and fabric.closed == {"fake-server0": 1}
         assert c.ping()["version"]
 
@@ -522,6 +567,7 @@ def test_concurrent_rdma_puts_each_get_a_reservation_share(tmp_path, monkeypatch
     failures: list[str] = []
     try:
         with gcache.Client(f"127.0.0.1:{server.port}", transport="rdma", pool_size=4) as client:
+
             def put_batches(t: int) -> None:
                 for b in range(4):
                     keys = [b"t%d-b%d-%d" % (t, b, i) for i in range(8)]

@@ -1,4 +1,5 @@
 """The admin gRPC service (Ping, Stats, Flush) of a real gcache-server."""
+
 from __future__ import annotations
 
 import grpc
@@ -10,8 +11,9 @@ from tests.support.raw_protocol import STORED, RawConnection
 
 def call(port: int, method: str) -> dict:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(f"/gcache.Admin/{method}", request_serializer=msgpack.packb,
-                                   response_deserializer=msgpack.unpackb)
+        stub = channel.unary_unary(
+            f"/gcache.Admin/{method}", request_serializer=msgpack.packb, response_deserializer=msgpack.unpackb
+        )
         return stub({}, timeout=30)
 
 

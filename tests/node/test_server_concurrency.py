@@ -1,4 +1,5 @@
 """Many connections at once against one gcache-server: one value per key, exact bytes."""
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ def test_parallel_clients_read_their_own_writes(server):
         items = [(f"c{i}-{n}".encode(), os.urandom(1000 * (n + 1))) for n in range(20)]
         with RawConnection(server.port) as c:
             for round_ in range(5):
-                chunk = items[round_ * 4:(round_ + 1) * 4]
+                chunk = items[round_ * 4 : (round_ + 1) * 4]
                 assert c.put(chunk) == [STORED] * 4
                 assert c.get([k for k, _ in chunk]) == [v for _, v in chunk]
             assert c.get([k for k, _ in items]) == [v for _, v in items]

@@ -1,4 +1,5 @@
 """gcache-server flags, sizes and config-file merging (gcache/server/config.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,10 +8,20 @@ from gcache.server.config import ConfigError, load_settings, parse_size
 from gcache.server.prometheus import render
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("4096", 4096), ("0", 0), ("64MiB", 64 << 20), ("1GiB", 1 << 30), ("1.5GiB", 3 << 29),
-    ("500MB", 500 * 10**6), ("2kb", 2000), ("7 KiB", 7 << 10), (123, 123),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4096", 4096),
+        ("0", 0),
+        ("64MiB", 64 << 20),
+        ("1GiB", 1 << 30),
+        ("1.5GiB", 3 << 29),
+        ("500MB", 500 * 10**6),
+        ("2kb", 2000),
+        ("7 KiB", 7 << 10),
+        (123, 123),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -34,14 +45,17 @@ def test_config_file_dashes_or_underscores_and_cli_wins(tmp_path):
     assert (s.memory, s.data_dir, s.idle_timeout_s, s.warm_restart) == (3 << 30, "/x", 5.0, False)
 
 
-@pytest.mark.parametrize("toml,message", [
-    ("port = \"seven\"\n", "port must be an integer"),
-    ("warm-restart = 1\n", "true or false"),
-    ("memory = \"1KiB\"\n", "--memory must be at least 1MiB"),
-    ("port = 70000\n", "--port must be 0..65535"),
-    ("bogus = 1\n", "unknown key 'bogus'"),
-    ("memory = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "toml,message",
+    [
+        ('port = "seven"\n', "port must be an integer"),
+        ("warm-restart = 1\n", "true or false"),
+        ('memory = "1KiB"\n', "--memory must be at least 1MiB"),
+        ("port = 70000\n", "--port must be 0..65535"),
+        ("bogus = 1\n", "unknown key 'bogus'"),
+        ("memory = \n", "not valid TOML"),
+    ],
+)
 def test_bad_config_values_say_what_is_wrong(tmp_path, toml, message):
     path = tmp_path / "c.toml"
     path.write_text(toml)

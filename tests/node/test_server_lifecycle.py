@@ -1,5 +1,6 @@
 """gcache-server as a process: exit codes, graceful stop + warm restart, kill -9
 recovery, on-disk corruption, admin endpoints."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def put_all(port: int, items: dict[bytes, bytes]) -> None:
     with RawConnection(port) as c:
         pairs = list(items.items())
         for i in range(0, len(pairs), 16):
-            assert c.put(pairs[i:i + 16]) == [STORED] * len(pairs[i:i + 16])
+            assert c.put(pairs[i : i + 16]) == [STORED] * len(pairs[i : i + 16])
 
 
 def test_bad_flag_exits_2():
@@ -62,8 +63,18 @@ def test_port_in_use_exits_3(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_server_cli("--port", str(port), "--admin-port", "0", "--memory", "16MiB",
-                                "--disk", "16MiB", "--data-dir", str(tmp_path / "d"))
+        result = run_server_cli(
+            "--port",
+            str(port),
+            "--admin-port",
+            "0",
+            "--memory",
+            "16MiB",
+            "--disk",
+            "16MiB",
+            "--data-dir",
+            str(tmp_path / "d"),
+        )
     assert result.returncode == 3, result.stderr
     assert "Address already in use" in result.stderr and str(port) in result.stderr
 
@@ -73,16 +84,37 @@ def test_admin_port_in_use_exits_3(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_server_cli("--port", str(free_port()), "--admin-port", str(port), "--memory", "16MiB",
-                                "--disk", "16MiB", "--data-dir", str(tmp_path / "d"))
+        result = run_server_cli(
+            "--port",
+            str(free_port()),
+            "--admin-port",
+            str(port),
+            "--memory",
+            "16MiB",
+            "--disk",
+            "16MiB",
+            "--data-dir",
+            str(tmp_path / "d"),
+        )
     assert result.returncode == 3, result.stderr
     assert str(port) in result.stderr
 
 
 def test_data_dir_in_use_exits_3(server_factory):
     first = server_factory("shared")
-    result = run_server_cli("--port", str(free_port()), "--admin-port", "0", "--memory", "16MiB",
-                            "--disk", "16MiB", "--data-dir", str(first.data_dir), timeout_s=20)
+    result = run_server_cli(
+        "--port",
+        str(free_port()),
+        "--admin-port",
+        "0",
+        "--memory",
+        "16MiB",
+        "--disk",
+        "16MiB",
+        "--data-dir",
+        str(first.data_dir),
+        timeout_s=20,
+    )
     assert result.returncode == 3, result.stderr
     assert first.alive()
 

@@ -1,4 +1,5 @@
 """gcache._native.Server, the object the daemon drives, used in-process."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,7 @@ from tests.support.raw_protocol import STORED, RawConnection
 
 
 def config(tmp_path, **extra) -> dict:
-    return {"port": 0, "data_dir": str(tmp_path / "data"), "memory_bytes": 16 << 20,
-            "disk_bytes": 64 << 20, **extra}
+    return {"port": 0, "data_dir": str(tmp_path / "data"), "memory_bytes": 16 << 20, "disk_bytes": 64 << 20, **extra}
 
 
 def test_port_zero_picks_a_free_port_and_serves(tmp_path):

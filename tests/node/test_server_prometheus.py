@@ -1,4 +1,5 @@
 """/metrics is valid Prometheus text (every line checked) and histograms carry `_sum`."""
+
 from __future__ import annotations
 
 import math
@@ -66,7 +67,7 @@ def check_histogram(family: str, samples: list) -> None:
     counts = [v for n, _, v in samples if n == family + "_count"]
     assert len(sums) == 1 and len(counts) == 1, f"{family} needs exactly one _sum and one _count"
     bounds = [_float(re.fullmatch(r'\{le="([^"]+)"\}', labels).group(1)) for labels, _ in buckets]
-    assert bounds[-1] == math.inf, f"{family}: the last bucket must be le=\"+Inf\""
+    assert bounds[-1] == math.inf, f'{family}: the last bucket must be le="+Inf"'
     assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds), f"{family}: le not increasing"
     values = [v for _, v in buckets]
     assert values == sorted(values), f"{family}: buckets are not cumulative"

@@ -1,6 +1,7 @@
 """SIGTERM while a client streams large pipelined PUT batches: the server exits 0
 after its grace period, the client call ends (no hang), and every value the
 client saw acknowledged is there, byte for byte, after a restart."""
+
 from __future__ import annotations
 
 import random
@@ -27,8 +28,15 @@ def test_sigterm_mid_put_batch_exits_0_and_keeps_every_acknowledged_value(server
     three_done = threading.Event()
 
     def writer() -> None:
-        client = Client(node.address, timeout_s=10, retries=1, retry_backoff_s=0.01,
-                        frame_payload_bytes_max=256 * KIB, pipeline_depth=8, pool_size=1)
+        client = Client(
+            node.address,
+            timeout_s=10,
+            retries=1,
+            retry_backoff_s=0.01,
+            frame_payload_bytes_max=256 * KIB,
+            pipeline_depth=8,
+            pool_size=1,
+        )
         try:
             for b in range(BATCHES_MAX):
                 items = batch(b)

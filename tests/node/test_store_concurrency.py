@@ -1,4 +1,5 @@
 """Many threads against one Store: one value per key, leases stay exact."""
+
 import threading
 
 import pytest
@@ -49,6 +50,7 @@ def test_concurrent_puts_of_one_key_leave_exactly_one_value(tmp_path):
 @pytest.mark.parametrize("attempts", [4096, 2])  # 2: the window-eviction fallback runs too
 def test_mixed_threads_under_eviction_never_return_wrong_bytes(tmp_path, attempts):
     with Store(4 * MIB, 32 * MIB, str(tmp_path / "data"), segment_bytes=2 * MIB, eviction_attempts_max=attempts) as s:
+
         def value(k):
             return bytes([k % 251]) * (64 * 1024 + k)
 
@@ -83,6 +85,7 @@ def test_removes_racing_demotions_stay_removed_across_restart(tmp_path):
 
     stop = threading.Event()
     with Store(1 * MIB, 16 * MIB, data, segment_bytes=1 * MIB, eviction_attempts_max=8) as s:
+
         def checker():
             while not stop.is_set():
                 s.check_integrity()

@@ -1,4 +1,5 @@
 """Disk tier: restart rebuilds the index, tombstones, torn tails, corruption, warm restart, dir lock."""
+
 import os
 import random
 import signal

@@ -6,6 +6,7 @@ Layout used below: 64 KiB values (one arena block each), a 1 MiB memory tier (16
 1 MiB disk tier (5 full segments = 15 records; the 16th record needs the oldest segment
 reclaimed). LRU order, so which value leaves memory when is known exactly.
 """
+
 import threading
 from pathlib import Path
 
@@ -97,8 +98,15 @@ def _read_back_then_push_through(tmp_path, exclusive: bool) -> bool:
     """With memory for 4 values: f14 (newest segment) is read back from disk, then new
     values push it out of memory and, later, its old segment off the disk. Is f14 there?"""
     data_dir = tmp_path / f"data-{exclusive}"
-    with Store(256 * KIB, 1 * MIB, str(data_dir), segment_bytes=256 * KIB, warm_restart=False,
-               eviction_policy="lru", disk_exclusive=exclusive) as s:
+    with Store(
+        256 * KIB,
+        1 * MIB,
+        str(data_dir),
+        segment_bytes=256 * KIB,
+        warm_restart=False,
+        eviction_policy="lru",
+        disk_exclusive=exclusive,
+    ) as s:
         put_all(s, [b"f%02d" % i for i in range(19)])  # f00..f14 on disk (segments 1..5), 4 in memory
         assert s.get(b"f14") == value_of(b"f14")
         put_all(s, [b"n%02d" % i for i in range(14)])  # f14 leaves memory after 4 of them

@@ -1,6 +1,7 @@
 """Eviction: S3-FIFO keeps a hot set through a scan, leases pin values, capacity holds.
 
 The chain policy (the default) has its own tests in test_eviction_chain.py."""
+
 import os
 from pathlib import Path
 
@@ -128,8 +129,7 @@ def test_disk_reclaim_gives_read_records_a_second_chance(data_dir):
         s.check_integrity()
     assert s.stats()["segments_reclaimed"] > 0
     s.close()  # no flush: only disk records count
-    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False,
-               disk_exclusive=False) as s:
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False, disk_exclusive=False) as s:
         assert s.get(b"read") == value[b"read"]  # copied forward once
         assert s.get(b"unread") is None  # reclaimed with its segment
 
@@ -156,8 +156,7 @@ def test_large_put_into_an_arena_fragmented_by_small_values(tmp_path):
 
 def test_copy_forwards_are_counted_once_per_read_record(data_dir):
     value = {name: os.urandom(100 * KIB) for name in (b"read", b"unread")}
-    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False,
-               disk_exclusive=False) as s:
+    with Store(1 * MIB, 4 * MIB, str(data_dir), segment_bytes=512 * KIB, warm_restart=False, disk_exclusive=False) as s:
         for name, v in value.items():
             s.put(name, v)
         for i in range(12):  # pushes both out of memory into the first segment

@@ -2,6 +2,7 @@
 
 A get returns the model's exact bytes or a miss (the store is a cache), never
 anything else; a remove'd key never comes back, even across restarts."""
+
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -31,8 +32,14 @@ class StoreModel(RuleBasedStateMachine):
 
     def _open(self):
         # Few FIFO attempts, so the fragmentation fallback (window eviction) runs often too.
-        return Store(1 * MIB, 2 * MIB, str(self.dir), segment_bytes=512 * KIB, value_bytes_max=512 * KIB,
-                     eviction_attempts_max=self.attempts)
+        return Store(
+            1 * MIB,
+            2 * MIB,
+            str(self.dir),
+            segment_bytes=512 * KIB,
+            value_bytes_max=512 * KIB,
+            eviction_attempts_max=self.attempts,
+        )
 
     @rule(key=KEYS, size=SIZES, seed=st.integers(0, 255))
     def put(self, key, size, seed):

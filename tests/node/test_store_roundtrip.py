@@ -1,4 +1,5 @@
 """Store basics: round trips of every size, immutability, refusals that change nothing."""
+
 import os
 
 import pytest

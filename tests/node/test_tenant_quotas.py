@@ -2,6 +2,7 @@
 evicts only its own coldest values, `disk = "0"` keeps its values off disk, a disk
 quota drops its evicted values once full, and /metrics shows each tenant's usage.
 Real gcache-server processes, real auth files, real disk segment files."""
+
 from __future__ import annotations
 
 import os
@@ -48,15 +49,14 @@ def write_auth_file(tmp_path: Path) -> Path:
 @pytest.fixture(params=["chain", "lru"])
 def node(request, server_factory, tmp_path):
     path = write_auth_file(tmp_path)
-    return server_factory(memory="64MiB", disk="64MiB",
-                          extra_args=["--auth-file", str(path), "--eviction-policy", request.param])
+    return server_factory(
+        memory="64MiB", disk="64MiB", extra_args=["--auth-file", str(path), "--eviction-policy", request.param]
+    )
 
 
 def metrics(node) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{node.admin_port}/metrics", timeout=30) as response:
         return response.read().decode()
-
-
 
 
 def put_one_by_one(client, values: dict[bytes, bytes]) -> None:
@@ -72,7 +72,7 @@ def gauge(body: str, field: str, tenant: str) -> int:
     prefix = f'gcache_tenant_{field}{{tenant="{tenant}"}} '
     lines = [line for line in body.splitlines() if line.startswith(prefix)]
     assert len(lines) == 1, (field, tenant, body)
-    return int(lines[0][len(prefix):])
+    return int(lines[0][len(prefix) :])
 
 
 def test_a_tenant_over_its_memory_quota_evicts_only_its_own_oldest_values(node):
@@ -158,10 +158,21 @@ def test_owner_counts_stay_exact_through_disk_reclaims(tmp_path, disk_quota):
     """A small disk tier reclaims (drops or copies forward) whole segments: the
     tenant's counted bytes still match its values exactly (check_integrity)."""
     from gcache import _native
-    tenants = [{"name": "carol", "token": CAROL, "roles": ["read", "write"], "memory": 64 * KIB, "disk": disk_quota},
-               {"name": "bob", "token": BOB, "roles": ["read", "write"], "memory": None, "disk": None}]
-    server = _native.Server({"port": 0, "data_dir": str(tmp_path / "data"), "memory_bytes": 16 << 20,
-                             "disk_bytes": 2 << 20, "segment_bytes": 256 * KIB, "tenants": tenants})
+
+    tenants = [
+        {"name": "carol", "token": CAROL, "roles": ["read", "write"], "memory": 64 * KIB, "disk": disk_quota},
+        {"name": "bob", "token": BOB, "roles": ["read", "write"], "memory": None, "disk": None},
+    ]
+    server = _native.Server(
+        {
+            "port": 0,
+            "data_dir": str(tmp_path / "data"),
+            "memory_bytes": 16 << 20,
+            "disk_bytes": 2 << 20,
+            "segment_bytes": 256 * KIB,
+            "tenants": tenants,
+        }
+    )
     server.start()
     try:
         values = {b"c-%03d" % i: os.urandom(VALUE) for i in range(300)}

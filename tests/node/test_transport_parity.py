@@ -1,6 +1,7 @@
 """Every transport answers the same calls the same way: round trips, misses, bad
 input, a server that dies and comes back. tcp and shm run here against real
 servers; rdma runs where a device exists and skips with the reason elsewhere."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,7 @@ TRANSPORTS = ("tcp", "shm", "rdma")
 @pytest.fixture
 def node(server_factory):
     sock_dir = Path(tempfile.mkdtemp(prefix="gcp"))  # short: a socket path fits 107 bytes
-    server = server_factory(extra_args=["--unix-socket", str(sock_dir / "s.sock"),
-                                        "--value-bytes-max", "8MiB"])
+    server = server_factory(extra_args=["--unix-socket", str(sock_dir / "s.sock"), "--value-bytes-max", "8MiB"])
     yield server
     server.kill()
     for p in sock_dir.iterdir():
@@ -57,6 +57,7 @@ def test_round_trips_misses_and_bad_input(node, transport):
         assert c.get_into(keys[3], bytearray(300 * KIB)) == 300 * KIB
         # Registered memory named by address (Mooncake's calling convention).
         import numpy as np
+
         arena = np.zeros(MIB, dtype=np.uint8)
         c.register_buffer(arena.ctypes.data, arena.nbytes)
         assert c.put_from(b"by-address", arena.ctypes.data + 10, 0, 100) is True  # size via offset slot
@@ -114,16 +115,27 @@ def test_one_declared_interface_for_a_server_and_a_cluster():
 
     server = gcache.Client("127.0.0.1:1", transport="tcp")
     assert type(server) is ServerClient and isinstance(server, gcache.Client)
-    cmap = ClusterMap.from_dict({"epoch": 1, "nodes": [{"id": "a", "address": "127.0.0.1:1", "weight": 1,
-                                                       "state": "active"}]})
+    cmap = ClusterMap.from_dict(
+        {"epoch": 1, "nodes": [{"id": "a", "address": "127.0.0.1:1", "weight": 1, "state": "active"}]}
+    )
     cluster = gcache.Client(None, initial_map=cmap)
     try:
         assert type(cluster) is ClusterClient and isinstance(cluster, gcache.Client)
     finally:
         cluster.close()
     # Neither borrows the other's methods: every public method is declared once, on gcache.Client.
-    for name in ("put", "put_batch", "put_from", "batch_put_from", "get_into", "batch_get_into",
-                 "register_buffer", "unregister_buffer", "is_exist", "remove"):
+    for name in (
+        "put",
+        "put_batch",
+        "put_from",
+        "batch_put_from",
+        "get_into",
+        "batch_get_into",
+        "register_buffer",
+        "unregister_buffer",
+        "is_exist",
+        "remove",
+    ):
         assert getattr(ServerClient, name) is getattr(gcache.Client, name)
         assert getattr(ClusterClient, name) is getattr(gcache.Client, name)
 
@@ -135,9 +147,15 @@ def test_the_cluster_client_picks_a_transport_per_node(server_factory):
     sock_dir = Path(tempfile.mkdtemp(prefix="gcn"))
     local = server_factory("local", extra_args=["--unix-socket", str(sock_dir / "a.sock")])
     no_socket = server_factory("plain", extra_args=["--unix-socket", ""])
-    cmap = ClusterMap.from_dict({"epoch": 1, "nodes": [
-        {"id": "local", "address": local.address, "weight": 1, "state": "active"},
-        {"id": "plain", "address": no_socket.address, "weight": 1, "state": "active"}]})
+    cmap = ClusterMap.from_dict(
+        {
+            "epoch": 1,
+            "nodes": [
+                {"id": "local", "address": local.address, "weight": 1, "state": "active"},
+                {"id": "plain", "address": no_socket.address, "weight": 1, "state": "active"},
+            ],
+        }
+    )
     keys = [b"spread-%d" % i for i in range(64)]
     values = [os.urandom(20 * KIB) for _ in keys]
     with ClusterClient(None, initial_map=cmap) as cluster:

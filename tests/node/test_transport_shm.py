@@ -1,6 +1,7 @@
 """The same-host transport (transport="shm"): the server's arena mapped into the
 client, LOOKUP leases, RESERVE / COMMIT, and what happens when clients misbehave
 or die. Real gcache-server processes on a real Unix socket and a real memfd."""
+
 from __future__ import annotations
 
 import functools
@@ -97,8 +98,12 @@ def test_auto_picks_shm_and_every_method_matches_tcp(server_factory, sock_dir):
 def test_values_larger_than_a_put_chunk_and_a_batch_over_the_lookup_limit(server_factory, sock_dir):
     # 20 MiB in 8 MiB put chunks (RESERVE/COMMIT pipelined), and a LOOKUP whose found
     # bytes exceed --frame-payload-bytes-max: the client splits it, as a GET.
-    node, _ = start(server_factory, sock_dir, memory="128MiB",
-                    extra=["--frame-payload-bytes-max", "4MiB", "--value-bytes-max", "4MiB"])
+    node, _ = start(
+        server_factory,
+        sock_dir,
+        memory="128MiB",
+        extra=["--frame-payload-bytes-max", "4MiB", "--value-bytes-max", "4MiB"],
+    )
     keys = [b"chunk-%d" % i for i in range(10)]
     values = [os.urandom(2 * MIB) for _ in keys]
     with gcache.Client(node.address, transport="shm") as c:
@@ -123,12 +128,12 @@ def test_a_lease_pins_its_value_until_released(server_factory, sock_dir):
             assert frame.status == OK
             off, length, miss = frame.meta["offs"][0], frame.meta["lens"][0], frame.meta["lens"][1]
             assert (length, miss) == (MIB, -1) and frame.meta["sums"][0] == xxh64(value)
-            assert bytes(raw.arena[off:off + length]) == value
+            assert bytes(raw.arena[off : off + length]) == value
             assert gauges(node.address)["leases_active"] == 1
             free_before = gauges(node.address)["arena_free_bytes"]
             assert tcp.remove(b"pinned") is True  # gone from the index ...
             assert tcp.get(b"pinned") is None
-            assert bytes(raw.arena[off:off + length]) == value  # ... but its block is not reused
+            assert bytes(raw.arena[off : off + length]) == value  # ... but its block is not reused
             assert gauges(node.address)["arena_free_bytes"] == free_before
             raw.release(leases=[frame.meta["lease"]])  # no answer: the next request's is next
             assert raw.request(PING, {}).status == OK
@@ -191,8 +196,8 @@ def test_commit_verifies_checksums_and_bad_requests_change_nothing(server_factor
         assert frame.status == OK
         st, offs, res = frame.meta["st"], frame.meta["offs"], frame.meta["res"]
         assert st[:2] == [0, 0] and st[2] in (0, 1)  # the duplicate: reserved too, or already there
-        raw.arena[offs[0]:offs[0] + 5] = b"hello"
-        raw.arena[offs[1]:offs[1] + 5] = b"world"
+        raw.arena[offs[0] : offs[0] + 5] = b"hello"
+        raw.arena[offs[1] : offs[1] + 5] = b"world"
         sums = [xxh64(b"hello"), xxh64(b"other"), 0]
         answer = raw.request(COMMIT, {"res": res, "sums": sums})
         assert answer.status == OK and answer.meta["st"][:2] == [0, 3]  # STORED, CHECKSUM_MISMATCH
@@ -285,8 +290,11 @@ def test_writer_racing_evictions_never_returns_wrong_bytes(server_factory, sock_
                     else:
                         bufs = [bytearray(size_of[k]) for k in batch]
                         got = c.batch_get_into(batch, bufs)
-                        bad = [k for k, n, b in zip(batch, got, bufs)
-                               if n is not None and bytes(b[:n]) != value_of(k, size_of[k])]
+                        bad = [
+                            k
+                            for k, n, b in zip(batch, got, bufs)
+                            if n is not None and bytes(b[:n]) != value_of(k, size_of[k])
+                        ]
                 except errors.ChecksumMismatchError:
                     continue  # caught by the check: never returned as a hit
                 if bad:
@@ -313,14 +321,16 @@ def test_bytes_changed_after_a_lease_lapsed_are_never_a_hit(server_factory, sock
     from gcache.client.transports import shm_ops
 
     node, sock = start(server_factory, sock_dir)
-    with gcache.Client(node.address, transport="shm") as c, \
-            gcache.Client(node.address, transport="shm", verify_checksums=True) as checked:
+    with (
+        gcache.Client(node.address, transport="shm") as c,
+        gcache.Client(node.address, transport="shm", verify_checksums=True) as checked,
+    ):
         assert c.put(b"k", b"A" * BIG) and c.put(b"ok", b"C" * 100)  # "k" is leased, "ok" inline
         with RawShm(sock) as raw:
             raw.attach()
             frame = raw.request(LOOKUP, {"keys": [b"k"]})
             off = frame.meta["offs"][0]
-            raw.arena[off:off + 4] = b"BBBB"
+            raw.arena[off : off + 4] = b"BBBB"
             raw.release(leases=[frame.meta["lease"]], no_reply=False)
         assert checked.get(b"ok") == b"C" * 100
         with pytest.raises(errors.ChecksumMismatchError) as info:
@@ -348,7 +358,7 @@ def test_small_values_come_inline_and_large_ones_leased(server_factory, sock_dir
         assert frame.status == OK and frame.meta["inl"] == [False, True, False, True]
         assert frame.meta["lens"] == [len(large), len(small), -1, 0] and frame.payload == small
         off = frame.meta["offs"][0]
-        assert bytes(raw.arena[off:off + len(large)]) == large
+        assert bytes(raw.arena[off : off + len(large)]) == large
         assert gauges(node.address)["leases_active"] == 1  # only the large value stays leased
         raw.release(leases=[frame.meta["lease"]])
         assert raw.request(PING, {}).status == OK

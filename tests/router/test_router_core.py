@@ -4,6 +4,7 @@ Real engines publish with WorkerPublisher (flushed synchronously); RouterCore in
 with refresh(). Time that matters to the router (staleness, grace, backoff) runs on a
 manual clock, so nothing here depends on how fast the box is.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -136,15 +137,15 @@ def test_window_safe_match_beats_raw_overlap_when_swa_pages_were_evicted(model, 
     worker B holds a shorter prefix with its window. cache_aware sends the continuation to B
     (where it really hits); Dynamo's raw overlap (SWA-unaware) sends it to A."""
     rng = np.random.default_rng(5)
-    base = tokens(rng, 96)                  # 12 pages; W = 4 pages
+    base = tokens(rng, 96)  # 12 pages; W = 4 pages
     turn2 = base + tokens(rng, 40)
-    probe = base + tokens(rng, 9)           # branches off at the end of `base`
+    probe = base + tokens(rng, 9)  # branches off at the end of `base`
     a, b = engine(model), engine(model)
     pa, pb = publisher(a, redis_proc, URLS[0]), publisher(b, redis_proc, URLS[1])
     run(a, [base], pa)
-    run(a, [turn2], pa)                     # `base`'s end is now an inner point of A's branch
-    run(b, [base[:64]], pb)                 # B: 8 pages, window-safe at its end
-    assert a.tree.evict(0, 6) == (0, 6)     # SWA pressure: the inner end of `base` loses its window
+    run(a, [turn2], pa)  # `base`'s end is now an inner point of A's branch
+    run(b, [base[:64]], pb)  # B: 8 pages, window-safe at its end
+    assert a.tree.evict(0, 6) == (0, 6)  # SWA pressure: the inner end of `base` loses its window
     pa.on_step(a)
     assert pa.flush() and pb.flush()
     ca, dy = router(redis_proc), router(redis_proc, policy="dynamo")
@@ -280,6 +281,7 @@ def test_bad_input_and_malformed_redis_state(redis_proc):
     assert core.refresh() and core.workers() == [] and core.sync.stats["bad_registrations"] == 1
     # A stream entry no publisher would write: the router reloads the snapshot, Redis stays "up".
     from gcache.serving.redis_layout import Registration, WorkerLoad
+
     good = Registration(URLS[0], "m", 8, 32, "ep", 0, 0, WorkerLoad())
     r.set(k.reg(URLS[0]), good.to_json())
     r.hset(k.pages(URLS[0]), mapping={(7).to_bytes(8, "big"): b"\x03"})
@@ -325,8 +327,9 @@ def test_hung_redis_never_holds_up_pick(model, redis_proc):
     pub = publisher(eng, redis_proc, URLS[0])
     pub.on_step(eng)
     assert pub.flush()
-    core = RouterCore(RouterConfig(redis_url=redis_proc.url, refresh_interval_s=0.01, redis_timeout_s=30.0),
-                      clock=clock)
+    core = RouterCore(
+        RouterConfig(redis_url=redis_proc.url, refresh_interval_s=0.01, redis_timeout_s=30.0), clock=clock
+    )
     core.start()
     wait_until(lambda: core.workers() == [URLS[0]])
     redis_proc.pause()

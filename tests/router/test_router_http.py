@@ -5,6 +5,7 @@ adds x-gcache-worker, retries a dead or killed worker once on another, answers 5
 the failures when none can take a request, and holds under the same abuse as the worker.
 Every worker runs the same seeded model, so any worker's greedy answer is the reference.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,11 @@ def workers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(workers, tmp_path_factory):
-    r = RouterProc(tmp_path_factory.mktemp("router"), [w.url for w in workers],
-                   ["--policy", "round_robin", "--max-in-flight", "4", "--body-timeout-s", "2"]).start()
+    r = RouterProc(
+        tmp_path_factory.mktemp("router"),
+        [w.url for w in workers],
+        ["--policy", "round_robin", "--max-in-flight", "4", "--body-timeout-s", "2"],
+    ).start()
     yield r
     assert r.stop() == 0, r.log()
 
@@ -86,15 +90,19 @@ def test_openai_client_streams_completions_and_chat_through_the_router(workers, 
     text = reference(workers[0], prompt=PROMPT, max_tokens=24)["choices"][0]["text"]
     raw = client.completions.with_raw_response.create(model="any", prompt=PROMPT, max_tokens=24, **GREEDY)
     assert raw.headers["x-gcache-worker"] in urls and raw.parse().choices[0].text == text
-    raw = client.completions.with_raw_response.create(model="any", prompt=PROMPT, max_tokens=24, stream=True,
-                                                      stream_options={"include_usage": True}, **GREEDY)
+    raw = client.completions.with_raw_response.create(
+        model="any", prompt=PROMPT, max_tokens=24, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
     assert raw.headers["x-gcache-worker"] in urls and raw.headers["content-type"].startswith("text/event-stream")
     chunks = list(raw.parse())
     assert len(chunks) > 2 and "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
     assert chunks[-1].usage.prompt_tokens == len(PROMPT) and chunks[-1].usage.completion_tokens == 24
 
-    status, direct, _ = post_json(workers[1].port, "/v1/chat/completions",
-                                  {"messages": MESSAGES, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+    status, direct, _ = post_json(
+        workers[1].port,
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 20, "temperature": 0, "ignore_eos": True},
+    )
     answer = direct["choices"][0]["message"]["content"]
     c = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=20, **GREEDY)
     assert c.choices[0].message.content == answer
@@ -106,15 +114,19 @@ def test_openai_client_streams_completions_and_chat_through_the_router(workers, 
 def test_stop_strings_through_the_router(workers, router):
     ref = reference(workers[0], prompt=PROMPT, max_tokens=48)
     data = bytes(t % 256 for t in ref["choices"][0]["token_ids"])
-    at = next(i for i in range(2, len(data) - 1)
-              if all(32 <= b < 127 for b in data[i:i + 2]) and data.find(data[i:i + 2]) == i)
-    stop = data[at:at + 2].decode()
+    at = next(
+        i
+        for i in range(2, len(data) - 1)
+        if all(32 <= b < 127 for b in data[i : i + 2]) and data.find(data[i : i + 2]) == i
+    )
+    stop = data[at : at + 2].decode()
     expected = data[:at].decode("utf-8", errors="replace")
     client = openai_client(router.url)
     c = client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=[stop], **GREEDY)
     assert c.choices[0].text == expected and c.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=stop, stream=True,
-                                            **GREEDY))
+    chunks = list(
+        client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=stop, stream=True, **GREEDY)
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
 
 
@@ -122,8 +134,9 @@ def test_round_robin_order_and_the_worker_header(workers, start_router):
     r = start_router([w.url for w in workers])
     order = sorted(w.url for w in workers)
     before = {w.url: metric(w.port, "gcache_worker_requests_total") for w in workers}
-    seen = [post_json(r.port, "/v1/completions", {"prompt": "rr", "max_tokens": 2})[2]["x-gcache-worker"]
-            for _ in range(4)]
+    seen = [
+        post_json(r.port, "/v1/completions", {"prompt": "rr", "max_tokens": 2})[2]["x-gcache-worker"] for _ in range(4)
+    ]
     assert seen == [order[0], order[1], order[0], order[1]]
     after = {w.url: metric(w.port, "gcache_worker_requests_total") for w in workers}
     assert {u: after[u] - before[u] for u in after} == {order[0]: 2, order[1]: 2}  # the header tells the truth
@@ -135,8 +148,9 @@ def test_dead_worker_in_the_list_is_retried_on_the_other(workers, start_router):
     r = start_router([dead_url(), live.url])
     text = reference(live, prompt=PROMPT, max_tokens=8)["choices"][0]["text"]
     for _ in range(3):  # round robin reaches the dead one within two picks
-        status, body, headers = post_json(r.port, "/v1/completions",
-                                          {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        status, body, headers = post_json(
+            r.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        )
         assert status == 200 and headers["x-gcache-worker"] == live.url and body["choices"][0]["text"] == text
     assert metric(r.port, "gcache_router_http_retries_total") >= 1
     assert metric(r.port, "gcache_router_http_upstream_errors_total") >= 1
@@ -176,8 +190,14 @@ def test_worker_killed_mid_request_is_retried_on_the_other(workers, start_router
             out, done = [], threading.Event()
 
             def send():
-                out.append(post_json(r.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                                                                  "ignore_eos": True}, timeout=WAIT_S))
+                out.append(
+                    post_json(
+                        r.port,
+                        "/v1/completions",
+                        {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                        timeout=WAIT_S,
+                    )
+                )
                 done.set()
 
             t = threading.Thread(target=send)
@@ -195,8 +215,10 @@ def test_worker_killed_mid_request_is_retried_on_the_other(workers, start_router
             pytest.fail("no request reached the victim")
         assert metric(r.port, "gcache_router_http_retries_total") == 1
         health = json.loads(request(r.port, "GET", "/health")[1])
-        assert next(w for w in health["workers"] if w["url"] == victim.url)["backoff_s"] > 0 or \
-            metric(r.port, "gcache_router_worker_failures_total") >= 1
+        assert (
+            next(w for w in health["workers"] if w["url"] == victim.url)["backoff_s"] > 0
+            or metric(r.port, "gcache_router_worker_failures_total") >= 1
+        )
     finally:
         victim.kill()
 
@@ -206,8 +228,9 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error(workers, start_r
     victim = WorkerProc(tmp_path, ["--max-new-tokens", "2000", "--kv-budget-mib", "4"]).start()
     try:
         r = start_router([victim.url])
-        stream = openai_client(r.url).completions.create(model="any", prompt=PROMPT, max_tokens=2000, stream=True,
-                                                         **GREEDY)
+        stream = openai_client(r.url).completions.create(
+            model="any", prompt=PROMPT, max_tokens=2000, stream=True, **GREEDY
+        )
         got = []
         with pytest.raises(openai.APIError) as e:
             for chunk in stream:
@@ -223,10 +246,12 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error(workers, start_r
 
 # ---- the router holds under the same abuse as the worker ---------------------------------------------------
 def test_router_rejects_malformed_bodies_and_oversized_ones(router, workers):
-    for body, status, fragment in [(b'{"prompt": "ab\\ud800cd"}', 400, "lone surrogate"),
-                                   (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than"),
-                                   (b'{"messages": []}', 404, "no such endpoint"),
-                                   (b"z" * (9 << 20), 413, "exceeds the limit")]:
+    for body, status, fragment in [
+        (b'{"prompt": "ab\\ud800cd"}', 400, "lone surrogate"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than"),
+        (b'{"messages": []}', 404, "no such endpoint"),
+        (b"z" * (9 << 20), 413, "exceeds the limit"),
+    ]:
         path = "/v1/nope" if status == 404 else "/v1/completions"
         got, raw, _ = request(router.port, "POST", path, body, {"Content-Type": "application/json"})
         assert got == status and fragment in json.loads(raw)["error"]["message"]
@@ -248,8 +273,9 @@ def test_router_stalled_bodies_hold_no_slot_and_a_burst_is_not_reset(router):
     errors = [r for r in results if not isinstance(r, tuple)]
     assert errors == [], f"{len(errors)} clients failed, first: {errors[0]!r}"
     assert {r[0] for r in results} <= {200, 503} and 200 in {r[0] for r in results}
-    assert all(r[1]["error"]["message"].startswith("too many requests in flight (limit 4)")
-               for r in results if r[0] == 503)
+    assert all(
+        r[1]["error"]["message"].startswith("too many requests in flight (limit 4)") for r in results if r[0] == 503
+    )
 
 
 def test_router_health_and_metrics(router, workers):

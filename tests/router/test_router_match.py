@@ -7,6 +7,7 @@ chats; after every step: the event mirror equals a fresh walk of the tree and ho
 equals the tree's last checkpoint, its L2 end equals HiCache's own L2 extension, and the
 raw (SWA-unaware) run counts pages whose window is gone.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -79,20 +80,20 @@ def test_l2_extends_l1_after_the_leaf_is_evicted(model):
     eng = engine(model, l2_bytes=1 << 20)
     log = CacheEventLog()
     log.attach(eng.cache)
-    base = tokens(rng, 40)                       # 5 pages
+    base = tokens(rng, 40)  # 5 pages
     run(eng, [base])
     second = run(eng, [base + tokens(rng, 50)])[0]
-    probe = history(second) + tokens(rng, 5)     # resumes at the second turn's end: page 11
+    probe = history(second) + tokens(rng, 5)  # resumes at the second turn's end: page 11
 
     def tiers(toks):
         m = match_worker(page_ids(toks, PS), (len(toks) - 1) // PS, log.mirror, {}, PS, W)
         return m.l1, m.l2, m.raw_l1, m.raw_host
 
     assert tiers(probe) == (11, 11, 11, 0) and expected_ends(eng, probe) == (11, 11)
-    assert eng.tree.evict(1, 0)[0] == 6          # the LRU leaf: the second turn's 6 pages
+    assert eng.tree.evict(1, 0)[0] == 6  # the LRU leaf: the second turn's 6 pages
     assert log.rebuild() == 0
     assert tiers(probe) == (5, 11, 5, 6) and expected_ends(eng, probe) == (5, 11)
-    for cut in (48, 56, 64, 72, 80):             # full pages in L2 but no window-safe end there
+    for cut in (48, 56, 64, 72, 80):  # full pages in L2 but no window-safe end there
         toks = history(second)[:cut] + tokens(rng, 9)
         assert tiers(toks) == (5, 5, 5, cut // PS - 5) and expected_ends(eng, toks) == (5, 5)
 

@@ -1,5 +1,6 @@
 """The policies' arithmetic and decisions on hand-built views (no Redis: state.py and
 test_router_core.py cover how views are built). Every expected worker is exact."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from gcache.serving.redis_layout import (
     page_ids,
 )
 
-PS, W = 8, 32          # 4 pages of window
+PS, W = 8, 32  # 4 pages of window
 A, B, C = "http://a", "http://b", "http://c"
 PROMPT = list(range(10, 10 + 8 * 10 + 1))  # 81 tokens: 10 whole pages, match limit 10 pages
 IDS = page_ids(PROMPT, PS)
@@ -68,14 +69,14 @@ def test_a_tombstone_in_the_window_cuts_back_to_the_last_checkpoint():
 def test_cache_aware_score_and_imbalance_guard():
     cfg = RouterConfig(workers=(A,), match_weight=2.0, balance_abs_threshold=8, balance_rel_threshold=1.5)
     pol = CacheAware(cfg)
-    a = cand(A, pages(10, swa_from=6), running=4)       # 10 pages window-safe: 80 of 81 tokens
+    a = cand(A, pages(10, swa_from=6), running=4)  # 10 pages window-safe: 80 of 81 tokens
     b = cand(B, {}, running=2)
     mode, s = pol.evaluate(prompt(), [a, b])
     assert mode == "cache"
     assert s[A]["l1"] == 80 and s[A]["score"] == pytest.approx(2.0 * 80 / 81 - 4 / 4)
     assert s[B]["score"] == pytest.approx(0 - 2 / 4)
     assert pol.choose(prompt(), [a, b]).url == A
-    a = cand(A, pages(10, swa_from=6), running=12)      # 12 - 2 > 8 and 12 > 2 * 1.5: by load
+    a = cand(A, pages(10, swa_from=6), running=12)  # 12 - 2 > 8 and 12 > 2 * 1.5: by load
     choice = pol.choose(prompt(), [a, b])
     assert (choice.url, choice.mode) == (B, "load")
 
@@ -91,7 +92,7 @@ def test_cache_aware_weights_tiers_and_counts_l3_for_everyone():
 
 def test_dynamo_cost_is_raw_overlap_and_swa_unaware():
     cfg = RouterConfig(workers=(A,), dynamo_overlap_weight=1.0, dynamo_host_weight=0.5)
-    a = cand(A, pages(10), queued=16, active=80)            # no SWA at all: window-safe match 0
+    a = cand(A, pages(10), queued=16, active=80)  # no SWA at all: window-safe match 0
     b = cand(B, pages(4, swa_from=0) | {IDS[i]: L2_FULL for i in range(4, 8)})
     mode, s = Dynamo(cfg).evaluate(prompt(), [a, b])
     # A: overlap 10 blocks -> new 1 token; prefill (1 + 16) / 8; decode (80 + 1) / 8.
@@ -110,8 +111,9 @@ def test_ties_go_to_the_higher_rank():
 
 
 def test_approx_tree_follows_its_own_decisions():
-    cfg = RouterConfig(workers=(A,), page_size=PS, approx_cache_threshold=0.5, approx_balance_abs_threshold=2,
-                       approx_max_pages=12)
+    cfg = RouterConfig(
+        workers=(A,), page_size=PS, approx_cache_threshold=0.5, approx_balance_abs_threshold=2, approx_max_pages=12
+    )
     pol = ApproxTree(cfg)
     cands = lambda **inflight: [Candidate(u, r, inflight.get(u[-1], 0)) for u, r in ((A, 1), (B, 2))]
     first = pol.choose(prompt(), cands())
@@ -141,8 +143,9 @@ def test_round_robin_and_random_are_reproducible():
         got.append(ch.url)
     assert got == [A, B, C, A]
     r1, r2 = Random(cfg), Random(cfg)
-    assert [r1.choose(prompt(), [cand(A), cand(B)]).url for _ in range(8)] == \
-           [r2.choose(prompt(), [cand(B), cand(A)]).url for _ in range(8)]
+    assert [r1.choose(prompt(), [cand(A), cand(B)]).url for _ in range(8)] == [
+        r2.choose(prompt(), [cand(B), cand(A)]).url for _ in range(8)
+    ]
 
 
 def test_cache_aware_credits_the_end_of_a_prompt_it_just_sent_until_it_expires():
@@ -151,8 +154,8 @@ def test_cache_aware_credits_the_end_of_a_prompt_it_just_sent_until_it_expires()
     cands = [cand(A, rank=9), cand(B, rank=1)]
     first = Prompt(len(PROMPT), lambda ps: page_ids(PROMPT, ps), {}, PS, now=100.0)
     assert pol.choose(first, cands).url == A  # nothing known: rank
-    pol.commit(first, B)                      # (the server sent it to B, e.g. A failed)
-    turn2 = PROMPT + list(range(300, 340))    # starts with all of PROMPT's 10 whole pages
+    pol.commit(first, B)  # (the server sent it to B, e.g. A failed)
+    turn2 = PROMPT + list(range(300, 340))  # starts with all of PROMPT's 10 whole pages
     at = lambda now, toks=turn2: Prompt(len(toks), lambda ps: page_ids(toks, ps), {}, PS, now=now)
     choice = pol.choose(at(104.9), cands)
     assert choice.url == B and choice.scores[B]["l1"] == 80 and choice.scores[A]["l1"] == 0

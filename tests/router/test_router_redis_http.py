@@ -7,6 +7,7 @@ around and leaves routing.
 The workers reach Redis through a TcpGate (a real TCP forwarder the test can cut), so the
 test holds that gap open for as long as it sends requests into it, instead of racing the
 publishers' retry."""
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +41,24 @@ def cluster(tmp_path):
     try:
         # worker-grace-s bounds how long a router waits for a worker to re-register after Redis
         # lost it; the test keeps that gap open only while it sends a few requests.
-        workers = [WorkerProc(tmp_path, ["--redis", f"redis://127.0.0.1:{gate.port}/0", "--publish-interval-s",
-                                         "0.05", "--publish-ttl-s", "1.5"]) for _ in range(2)]
-        routers = [RouterProc(tmp_path, None, ["--redis", redis.url, "--policy", "cache_aware",
-                                           "--worker-grace-s", "20"]) for _ in range(2)]
+        workers = [
+            WorkerProc(
+                tmp_path,
+                [
+                    "--redis",
+                    f"redis://127.0.0.1:{gate.port}/0",
+                    "--publish-interval-s",
+                    "0.05",
+                    "--publish-ttl-s",
+                    "1.5",
+                ],
+            )
+            for _ in range(2)
+        ]
+        routers = [
+            RouterProc(tmp_path, None, ["--redis", redis.url, "--policy", "cache_aware", "--worker-grace-s", "20"])
+            for _ in range(2)
+        ]
         procs += workers + routers
         start_all(workers + routers)  # a router answers /health 200 once it sees a worker
         urls = sorted(w.url for w in workers)
@@ -67,8 +82,7 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
     by_url = {w.url: w for w in workers}
     prompt, home = DOC, None
     for turn in range(4):  # turn k goes through router k % 2
-        raw = clients[turn % 2].completions.with_raw_response.create(model="any", prompt=prompt, max_tokens=8,
-                                                                     **GREEDY)
+        raw = clients[turn % 2].completions.with_raw_response.create(model="any", prompt=prompt, max_tokens=8, **GREEDY)
         c, url = raw.parse(), raw.headers["x-gcache-worker"]
         if home is None:
             home = url
@@ -85,8 +99,9 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
     loads = [metric(r.port, "gcache_router_sync_full_loads_total") for r in routers]
     redis.kill9()
     for i in range(4):
-        status, body, headers = post_json(routers[i % 2].port, "/v1/completions",
-                                          {"prompt": f"while Redis is down {i}", "max_tokens": 2})
+        status, body, headers = post_json(
+            routers[i % 2].port, "/v1/completions", {"prompt": f"while Redis is down {i}", "max_tokens": 2}
+        )
         assert status == 200 and headers["x-gcache-worker"] in by_url, body
     # Redis back on the same port, EMPTY, while the workers' link to it is cut: the routers
     # read no registration at all (the gap every restart has until the publishers resync).
@@ -102,22 +117,28 @@ def test_conversation_alternating_routers_stays_on_its_worker_and_survives_redis
         assert h["redis"] == "resync" and [w["url"] for w in h["workers"]] == sorted(by_url)
         assert not any(w["registered"] for w in h["workers"])
     for i in range(6):
-        status, body, headers = post_json(routers[i % 2].port, "/v1/completions",
-                                          {"prompt": f"while the workers re-register {i}", "max_tokens": 2})
+        status, body, headers = post_json(
+            routers[i % 2].port, "/v1/completions", {"prompt": f"while the workers re-register {i}", "max_tokens": 2}
+        )
         assert status == 200 and headers["x-gcache-worker"] in by_url, body
     for r, n in zip(routers, picks):
         assert metric(r.port, fallback) >= n + 3
     gate.open()  # the workers re-register (new epochs), the routers reload both
     for r, n in zip(routers, loads):
-        wait_until(lambda r=r, n=n: metric(r.port, "gcache_router_sync_full_loads_total") >= n + 2
-                 and health(r)["redis"] == "up" and len(health(r)["workers"]) == 2, "resync after Redis")
+        wait_until(
+            lambda r=r, n=n: (
+                metric(r.port, "gcache_router_sync_full_loads_total") >= n + 2
+                and health(r)["redis"] == "up"
+                and len(health(r)["workers"]) == 2
+            ),
+            "resync after Redis",
+        )
 
     # The home worker is killed: requests are answered by the other one, and it leaves routing.
     other = next(u for u in by_url if u != home)
     by_url[home].kill()
     for i in range(3):
-        status, body, headers = post_json(routers[i % 2].port, "/v1/completions",
-                                          {"prompt": prompt, "max_tokens": 2})
+        status, body, headers = post_json(routers[i % 2].port, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
         assert status == 200 and headers["x-gcache-worker"] == other, body
     for r in routers:
         wait_until(lambda r=r: [w["url"] for w in health(r)["workers"]] == [other], "dead worker dropped")

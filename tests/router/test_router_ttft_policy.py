@@ -1,5 +1,6 @@
 """cache_ttft (policies.CacheTTFT): the estimated-TTFT cost on hand-built views, against the
 seed's score (cache_aware) on the same views. Every expected worker and cost is exact."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,9 @@ from gcache.router.config import RouterConfig
 from gcache.router.policies import CacheAware, CacheTTFT, Candidate, Prompt
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, Registration, WorkerLoad, page_ids
 
-PS, W = 8, 32                               # 4 pages of window
+PS, W = 8, 32  # 4 pages of window
 A, B = "http://a", "http://b"
-CONV = list(range(10, 10 + 8 * 100 + 1))    # 801 tokens: a conversation's next turn, 100 whole pages
+CONV = list(range(10, 10 + 8 * 100 + 1))  # 801 tokens: a conversation's next turn, 100 whole pages
 IDS = page_ids(CONV, PS)
 
 
@@ -59,12 +60,15 @@ def test_conversation_moves_when_home_is_heavily_loaded():
     assert choice.scores[B]["score"] == -(401 + 16)
     # The cost is exact, not a threshold: 175 queued tokens at home and it stays; at 176 it is a
     # tie (417 both), which goes to the higher rank, B.
-    at = lambda q: CacheTTFT(cfg()).choose(prompt(), [cand(A, held(90), rank=1, running=6, waiting=4, queued=q),
-                                                      other]).url
+    at = lambda q: (
+        CacheTTFT(cfg()).choose(prompt(), [cand(A, held(90), rank=1, running=6, waiting=4, queued=q), other]).url
+    )
     assert (at(175), at(176)) == (A, B)
     # A fully cached turn (1 token to compute) stays home behind any queue: it goes first there.
-    assert CacheTTFT(cfg()).choose(prompt(), [cand(A, held(100), rank=1, running=6, waiting=4, queued=4000),
-                                              other]).url == A
+    assert (
+        CacheTTFT(cfg()).choose(prompt(), [cand(A, held(100), rank=1, running=6, waiting=4, queued=4000), other]).url
+        == A
+    )
 
 
 def test_a_worker_whose_swa_kv_was_evicted_is_not_credited():
@@ -84,9 +88,9 @@ def test_host_tier_tokens_cost_their_copy():
 
 def test_requests_sent_but_not_yet_published_count_at_their_estimate():
     pol = CacheTTFT(cfg())
-    fresh = list(range(5000, 5000 + 801))   # matches nowhere: 801 uncached tokens on either worker
+    fresh = list(range(5000, 5000 + 801))  # matches nowhere: 801 uncached tokens on either worker
     first = pol.choose(prompt(fresh), [cand(A, rank=2), cand(B, rank=1)])
-    assert first.url == A                   # a tie: rank
+    assert first.url == A  # a tie: rank
     pol.commit(prompt(fresh), A)
     # A's published load still says idle, but this router has one request in flight there.
     s = pol.choose(prompt(fresh), [cand(A, rank=2, inflight=1), cand(B, rank=1)]).scores

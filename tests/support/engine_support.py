@@ -1,5 +1,6 @@
 """What the worker tests share around a running engine: a step hook that runs test code in
 the engine thread, and a walk over the radix tree."""
+
 from __future__ import annotations
 
 import queue

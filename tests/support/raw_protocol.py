@@ -3,6 +3,7 @@
 Deliberately independent of gcache.client, so server tests check the wire
 contract itself.
 """
+
 from __future__ import annotations
 
 import socket
@@ -15,19 +16,68 @@ from gcache.wire.auth import auth_mac, token_id
 from gcache.wire.protocol import HEADER, MAGIC, FrameStatus, Opcode, PutStatus
 
 # The protocol's numbers come from their one home, gcache.wire.protocol, under their bare names.
-(PING, STATS, PUT_BATCH, GET_BATCH, EXISTS_BATCH, REMOVE_BATCH, AUTH, SHM_ATTACH, LOOKUP, RELEASE,
- RESERVE, COMMIT, RDMA_CONNECT) = (
-    Opcode.PING, Opcode.STATS, Opcode.PUT_BATCH, Opcode.GET_BATCH, Opcode.EXISTS_BATCH,
-    Opcode.REMOVE_BATCH, Opcode.AUTH, Opcode.SHM_ATTACH, Opcode.LOOKUP, Opcode.RELEASE, Opcode.RESERVE,
-    Opcode.COMMIT, Opcode.RDMA_CONNECT)
-(OK, BAD_FRAME, UNKNOWN_OPCODE, LIMIT_EXCEEDED, BAD_VERSION, BUSY, SHUTTING_DOWN, INTERNAL, STALE_EPOCH,
- UNAUTHENTICATED, FORBIDDEN) = (
-    FrameStatus.OK, FrameStatus.BAD_FRAME, FrameStatus.UNKNOWN_OPCODE, FrameStatus.LIMIT_EXCEEDED,
-    FrameStatus.BAD_VERSION, FrameStatus.BUSY, FrameStatus.SHUTTING_DOWN, FrameStatus.INTERNAL,
-    FrameStatus.STALE_EPOCH, FrameStatus.UNAUTHENTICATED, FrameStatus.FORBIDDEN)
+(
+    PING,
+    STATS,
+    PUT_BATCH,
+    GET_BATCH,
+    EXISTS_BATCH,
+    REMOVE_BATCH,
+    AUTH,
+    SHM_ATTACH,
+    LOOKUP,
+    RELEASE,
+    RESERVE,
+    COMMIT,
+    RDMA_CONNECT,
+) = (
+    Opcode.PING,
+    Opcode.STATS,
+    Opcode.PUT_BATCH,
+    Opcode.GET_BATCH,
+    Opcode.EXISTS_BATCH,
+    Opcode.REMOVE_BATCH,
+    Opcode.AUTH,
+    Opcode.SHM_ATTACH,
+    Opcode.LOOKUP,
+    Opcode.RELEASE,
+    Opcode.RESERVE,
+    Opcode.COMMIT,
+    Opcode.RDMA_CONNECT,
+)
+(
+    OK,
+    BAD_FRAME,
+    UNKNOWN_OPCODE,
+    LIMIT_EXCEEDED,
+    BAD_VERSION,
+    BUSY,
+    SHUTTING_DOWN,
+    INTERNAL,
+    STALE_EPOCH,
+    UNAUTHENTICATED,
+    FORBIDDEN,
+) = (
+    FrameStatus.OK,
+    FrameStatus.BAD_FRAME,
+    FrameStatus.UNKNOWN_OPCODE,
+    FrameStatus.LIMIT_EXCEEDED,
+    FrameStatus.BAD_VERSION,
+    FrameStatus.BUSY,
+    FrameStatus.SHUTTING_DOWN,
+    FrameStatus.INTERNAL,
+    FrameStatus.STALE_EPOCH,
+    FrameStatus.UNAUTHENTICATED,
+    FrameStatus.FORBIDDEN,
+)
 (STORED, EXISTS, NO_SPACE, CHECKSUM_MISMATCH, VALUE_TOO_LARGE, KEY_INVALID) = (
-    PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE, PutStatus.CHECKSUM_MISMATCH,
-    PutStatus.VALUE_TOO_LARGE, PutStatus.KEY_INVALID)
+    PutStatus.STORED,
+    PutStatus.EXISTS,
+    PutStatus.NO_SPACE,
+    PutStatus.CHECKSUM_MISMATCH,
+    PutStatus.VALUE_TOO_LARGE,
+    PutStatus.KEY_INVALID,
+)
 
 
 @dataclass
@@ -40,22 +90,41 @@ class Frame:
     payload: bytes
 
 
-def frame_bytes(opcode: int, meta, payload: bytes = b"", request_id: int = 1, *, magic: bytes = MAGIC,
-                version: int = 1, meta_len: int | None = None, payload_len: int | None = None,
-                flags: int = 0) -> bytes:
+def frame_bytes(
+    opcode: int,
+    meta,
+    payload: bytes = b"",
+    request_id: int = 1,
+    *,
+    magic: bytes = MAGIC,
+    version: int = 1,
+    meta_len: int | None = None,
+    payload_len: int | None = None,
+    flags: int = 0,
+) -> bytes:
     """One request frame; meta may be a dict (packed) or raw bytes. Lengths can be forged."""
     meta_bytes = meta if isinstance(meta, (bytes, bytearray)) else msgpack.packb(meta, use_bin_type=True)
-    header = HEADER.pack(magic, version, opcode, flags, request_id,
-                         len(meta_bytes) if meta_len is None else meta_len, 0,
-                         len(payload) if payload_len is None else payload_len)
+    header = HEADER.pack(
+        magic,
+        version,
+        opcode,
+        flags,
+        request_id,
+        len(meta_bytes) if meta_len is None else meta_len,
+        0,
+        len(payload) if payload_len is None else payload_len,
+    )
     return header + bytes(meta_bytes) + bytes(payload)
 
 
 def put_frame(items, request_id: int = 1, sums=None) -> bytes:
     keys = [k for k, _ in items]
     values = [v for _, v in items]
-    meta = {"keys": keys, "lens": [len(v) for v in values],
-            "sums": sums if sums is not None else [xxh64(v) for v in values]}
+    meta = {
+        "keys": keys,
+        "lens": [len(v) for v in values],
+        "sums": sums if sums is not None else [xxh64(v) for v in values],
+    }
     return frame_bytes(Opcode.PUT_BATCH, meta, b"".join(values), request_id)
 
 
@@ -130,7 +199,7 @@ class RawConnection:
                 assert checksum == 0
                 out.append(None)
                 continue
-            value = frame.payload[offset:offset + length]
+            value = frame.payload[offset : offset + length]
             assert xxh64(value) == checksum, "a GET must return bytes that match their checksum"
             out.append(value)
             offset += length

@@ -1,6 +1,7 @@
 """A raw client of the one-sided opcodes for tests (docs/protocol.md, "Shared memory
 and RDMA"): frames by hand over the server's Unix socket, the arena mapped with mmap.
 Independent of gcache.client, so the tests check the wire contract itself."""
+
 from __future__ import annotations
 
 import mmap

@@ -11,6 +11,7 @@ Python bytes), prints GB/s per direction (median of 3 runs). PUT removes old
 batches as it goes so the memory tier never evicts: this measures the data
 path, not the disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ def recv_frame_into(sock, payload: memoryview) -> tuple[tuple, dict]:
 
 def measure(port: int, batch: int, value_bytes: int, seconds: float) -> tuple[float, float]:
     values = memoryview(bytearray(os.urandom(batch * value_bytes)))
-    sums = [xxh64(values[i * value_bytes:(i + 1) * value_bytes]) for i in range(batch)]
+    sums = [xxh64(values[i * value_bytes : (i + 1) * value_bytes]) for i in range(batch)]
     sink = memoryview(bytearray(batch * value_bytes))
     with RawConnection(port) as c:
         sock = c.sock

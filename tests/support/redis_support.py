@@ -1,5 +1,6 @@
 """A real redis-server for the tests (killable -9, pausable, restartable on its port), and a
 TCP gate in front of it that cuts one side's link to Redis (a network fault)."""
+
 from __future__ import annotations
 
 import os

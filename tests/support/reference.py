@@ -1,4 +1,5 @@
 """The engine's output checked against the dense float64 reference model (worker and hicache tests)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """What the router tests share: tiny real engines, chat turns, and a driver that runs the
 publisher's step hook after every engine step (as EngineThread.add_step_hook does)."""
+
 from __future__ import annotations
 
 import numpy as np

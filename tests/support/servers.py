@@ -1,5 +1,6 @@
 """The tests' gcache-server: gcache.tools.devcluster's LocalServer with small tiers and an admin
 port, and gcache-server run to its exit."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,5 +24,11 @@ class ServerProcess(LocalServer):
 
 def run_server_cli(*args: str, timeout_s: float = 60, check: bool = False) -> subprocess.CompletedProcess:
     """gcache-server run to its exit (bad flags, --help): its exit code, stdout and stderr."""
-    return subprocess.run([sys.executable, "-m", "gcache.server.main", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout_s, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "gcache.server.main", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=check,
+    )

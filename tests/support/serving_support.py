@@ -1,4 +1,5 @@
 """Real gcache-worker / gcache-router subprocesses on free loopback ports, and raw HTTP helpers."""
+
 from __future__ import annotations
 
 import http.client
@@ -16,10 +17,32 @@ from pathlib import Path
 from gcache.common.processes import free_port, stop_process
 from tests.support import REPO_ROOT
 
-TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
-        "window": 32, "page_size": 8, "vocab_size": 512, "dtype": "float64"}
-WORKER_ARGS = ["--config-json", json.dumps(TINY), "--kv-budget-mib", "1", "--max-prompt-tokens", "600",
-               "--max-new-tokens", "64", "--chunk-tokens", "64", "--max-tokens-per-step", "128"]
+TINY = {
+    "layers": 4,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "intermediate": 128,
+    "window": 32,
+    "page_size": 8,
+    "vocab_size": 512,
+    "dtype": "float64",
+}
+WORKER_ARGS = [
+    "--config-json",
+    json.dumps(TINY),
+    "--kv-budget-mib",
+    "1",
+    "--max-prompt-tokens",
+    "600",
+    "--max-new-tokens",
+    "64",
+    "--chunk-tokens",
+    "64",
+    "--max-tokens-per-step",
+    "128",
+]
 START_TIMEOUT_S = 30.0
 ENV = {"GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
@@ -132,6 +155,7 @@ def post_json(port: int, path: str, payload, timeout: float = 60):
     status, raw, headers = request(port, "POST", path, body, {"Content-Type": "application/json"}, timeout)
     if headers.get("content-type", "").startswith("text/event-stream"):
         from gcache.serving.sse import parse_events
+
         return status, parse_events(raw), headers
     return status, json.loads(raw), headers
 
@@ -169,6 +193,7 @@ def metric(port: int, name: str) -> float:
 
 def openai_client(base_url: str, **kw):
     import openai
+
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
 
 
@@ -204,7 +229,9 @@ def stalled_connections(port: int, n: int, send_body_bytes: bytes = b"") -> list
     socks = []
     for _ in range(n):
         s = socket.create_connection(("127.0.0.1", port), timeout=BURST_WAIT_S)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n" + send_body_bytes)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + send_body_bytes
+        )
         socks.append(s)
     return socks

@@ -1,4 +1,5 @@
 """The one polling helper of the tests."""
+
 from __future__ import annotations
 
 import time

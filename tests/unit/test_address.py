@@ -1,4 +1,5 @@
 """gcache.common.address: the one host:port parser, and each caller keeping its own error type."""
+
 from __future__ import annotations
 
 import ast
@@ -92,8 +93,13 @@ def test_no_other_module_splits_host_port_itself():
     offenders = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("rpartition", "rsplit") and node.args
-                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == ":"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("rpartition", "rsplit")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == ":"
+            ):
                 offenders.append(str(path.relative_to(root.parent)))
     assert offenders == ["gcache/common/address.py"]

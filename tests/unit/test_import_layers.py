@@ -5,6 +5,7 @@ A room is the longest prefix in LAYERS that names a module; a module may import 
 and rooms on lower rows only. Imports under `if TYPE_CHECKING:` are for annotations and do not
 count; imports inside functions do (a late import hides a dependency, it does not remove it).
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,22 +15,22 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "gcache"
 
 LAYERS = [
-    ["gcache.errors", "gcache._native"],                          # leaves
-    ["gcache.common"],                                            # sizes, addresses, breaker, processes
-    ["gcache.wire"],                                              # frames, keys, tokens
-    ["gcache.cluster"],                                           # the map, placement, the master's API
-    ["gcache.client"],                                            # the client
-    ["gcache"],                                                   # the facade: gcache.Client, __version__
-    ["gcache.server", "gcache.master", "gcache.cli"],             # the daemons and the operators' CLI
-    ["gcache.serving"],                                           # the worker <-> router contract, HTTP pieces
-    ["gcache.worker", "gcache.router"],                           # worker foundation (config, backend, integrity)
+    ["gcache.errors", "gcache._native"],  # leaves
+    ["gcache.common"],  # sizes, addresses, breaker, processes
+    ["gcache.wire"],  # frames, keys, tokens
+    ["gcache.cluster"],  # the map, placement, the master's API
+    ["gcache.client"],  # the client
+    ["gcache"],  # the facade: gcache.Client, __version__
+    ["gcache.server", "gcache.master", "gcache.cli"],  # the daemons and the operators' CLI
+    ["gcache.serving"],  # the worker <-> router contract, HTTP pieces
+    ["gcache.worker", "gcache.router"],  # worker foundation (config, backend, integrity)
     ["gcache.worker.kvcache"],
     ["gcache.worker.model", "gcache.worker.engine"],
     ["gcache.worker.http"],
-    ["gcache.integrations"],                                      # engine adapters
-    ["gcache.tools.devcluster"],                                  # launchers, local clusters
-    ["gcache.tools.storebench"],                                  # the gcache-bench harness
-    ["gcache.tools"],                                             # gcache-demo
+    ["gcache.integrations"],  # engine adapters
+    ["gcache.tools.devcluster"],  # launchers, local clusters
+    ["gcache.tools.storebench"],  # the gcache-bench harness
+    ["gcache.tools"],  # gcache-demo
 ]
 ROW = {room: row for row, rooms in enumerate(LAYERS) for room in rooms}
 
@@ -69,7 +70,9 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.split(".")[0] != "gcache":
                 continue
             for alias in node.names:

@@ -1,4 +1,5 @@
 """gcache.wire.keys: SGLang-compatible page hashes and the store key layout."""
+
 import hashlib
 
 import pytest
@@ -80,8 +81,10 @@ def test_bad_page_size_rejected():
 def test_key_layout():
     builder = KeyBuilder(model="meta-llama/Llama-3-8B", namespace="tenant-a", tp_rank=1, tp_size=2)
     assert builder.key(PAGE_1_2_3_4) == f"tenant-a/{PAGE_1_2_3_4}.full_meta-llama-Llama-3-8B_1_2".encode()
-    assert builder.key(PAGE_1_2_3_4, pool="swa", layer_group=3) == \
-        f"tenant-a/{PAGE_1_2_3_4}.swa@g3_meta-llama-Llama-3-8B_1_2".encode()
+    assert (
+        builder.key(PAGE_1_2_3_4, pool="swa", layer_group=3)
+        == f"tenant-a/{PAGE_1_2_3_4}.swa@g3_meta-llama-Llama-3-8B_1_2".encode()
+    )
 
 
 def test_key_layout_mla_and_pipeline_parallel():
@@ -92,8 +95,11 @@ def test_key_layout_mla_and_pipeline_parallel():
 def test_keys_differ_by_every_part():
     base = KeyBuilder(model="m")
     variants = {
-        base.key("ab"), base.key("ab", pool="swa"), base.key("ab", layer_group=0),
-        KeyBuilder(model="m", namespace="t").key("ab"), KeyBuilder(model="m2").key("ab"),
+        base.key("ab"),
+        base.key("ab", pool="swa"),
+        base.key("ab", layer_group=0),
+        KeyBuilder(model="m", namespace="t").key("ab"),
+        KeyBuilder(model="m2").key("ab"),
         KeyBuilder(model="m", tp_rank=1, tp_size=2).key("ab"),
     }
     assert len(variants) == 6

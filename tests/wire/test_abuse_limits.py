@@ -1,6 +1,7 @@
 """Abuse limits of the data port: each test reproduces an attack the protocol fuzzer found
 and shows a legitimate client still served. Real gcache-server processes; attackers and
 legitimate clients use different loopback addresses (127.0.0.1 vs 127.0.0.2/3)."""
+
 from __future__ import annotations
 
 import functools
@@ -40,8 +41,7 @@ class SourcedConnection(RawConnection):
     """A RawConnection from a chosen loopback source address."""
 
     def __init__(self, port: int, source: str, timeout_s: float = 20.0):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s,
-                                             source_address=(source, 0))
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s, source_address=(source, 0))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._next_id = 1
 
@@ -78,8 +78,9 @@ def test_idle_connections_from_one_address_do_not_lock_out_others(server_factory
 
 def test_pings_do_not_keep_an_idle_connection_forever(server_factory):
     """Connections that only PING are closed at the idle timeout; data requests extend it."""
-    node = server_factory(extra_args=["--connections-max", "4", "--connections-per-address-max", "0",
-                                      "--idle-timeout-s", "1"])
+    node = server_factory(
+        extra_args=["--connections-max", "4", "--connections-per-address-max", "0", "--idle-timeout-s", "1"]
+    )
     pingers = [connect_past_busy(node.port) for _ in range(4)]  # every slot taken
     answered = []
     for conn in pingers:
@@ -117,7 +118,7 @@ def send_what_fits(sock: socket.socket, data: bytes, wait_s: float = 0.5) -> int
     sent = 0
     try:
         while sent < len(data):
-            sent += sock.send(data[sent:sent + 256 * 1024])
+            sent += sock.send(data[sent : sent + 256 * 1024])
     except (TimeoutError, socket.timeout):
         pass
     sock.settimeout(20)
@@ -137,10 +138,10 @@ def test_promised_puts_do_not_evict_a_hot_set(server_factory):
     with SourcedConnection(node.port, "127.0.0.2") as reader:
         keys = list(hot)
         for lo in range(0, 200, 20):
-            assert reader.put([(k, hot[k]) for k in keys[lo:lo + 20]]) == [STORED] * 20
+            assert reader.put([(k, hot[k]) for k in keys[lo : lo + 20]]) == [STORED] * 20
         for _ in range(2):  # read twice: hot
             for lo in range(0, 200, 20):
-                assert reader.get(keys[lo:lo + 20]) == [hot[k] for k in keys[lo:lo + 20]]
+                assert reader.get(keys[lo : lo + 20]) == [hot[k] for k in keys[lo : lo + 20]]
         attackers = []
         try:
             for i in range(32):
@@ -155,7 +156,7 @@ def test_promised_puts_do_not_evict_a_hot_set(server_factory):
             assert writer.get([k for k, _ in fresh]) == [v for _, v in fresh]
             writer.close()
             for lo in range(0, 200, 20):
-                assert reader.get(keys[lo:lo + 20]) == [hot[k] for k in keys[lo:lo + 20]]
+                assert reader.get(keys[lo : lo + 20]) == [hot[k] for k in keys[lo : lo + 20]]
             stats = reader.stats()
             assert stats["counters"]["evictions_memory"] == 0
             assert stats["gauges"]["put_reserved_bytes"] == 64 * MiB
@@ -225,14 +226,15 @@ def rss_bytes(pid: int) -> int:
 def test_tiny_values_take_a_small_slot_not_a_page(server_factory):
     """1-byte values used to take a 4 KiB block each (16,384 filled a 64 MiB arena)."""
     import gcache
+
     node = server_factory(memory="64MiB", disk="0")
     keys = [b"tiny-%06d" % i for i in range(100_000)]
     with gcache.Client(node.address) as c:
         for lo in range(0, len(keys), 4096):
-            batch = keys[lo:lo + 4096]
+            batch = keys[lo : lo + 4096]
             assert c.put_batch(batch, [bytes([i % 251]) for i in range(lo, lo + len(batch))]) == [True] * len(batch)
         for lo in range(0, len(keys), 4096):
-            batch = keys[lo:lo + 4096]
+            batch = keys[lo : lo + 4096]
             assert c.get_batch(batch) == [bytes([i % 251]) for i in range(lo, lo + len(batch))]
         stats = c.stats()
     gauges = stats["gauges"]
@@ -244,6 +246,7 @@ def test_tiny_values_take_a_small_slot_not_a_page(server_factory):
 def test_empty_values_cannot_grow_the_index_past_its_limit(server_factory):
     """3 million empty values grew the heap by 1 GB; now the index stays within --index-bytes-max."""
     import gcache
+
     node = server_factory(memory="64MiB", disk="64MiB", extra_args=["--index-bytes-max", "4MiB"])
     with gcache.Client(node.address) as c:
         c.put(b"warm-up", b"x")

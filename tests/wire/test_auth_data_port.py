@@ -1,6 +1,7 @@
 """Authentication and tenants on the data port (--auth-file): the challenge-response,
 what an unauthenticated peer can do (PING only, then a deadline), tenant key namespaces,
 roles, and the client's AuthError. Real gcache-server processes, raw sockets."""
+
 from __future__ import annotations
 
 import hashlib
@@ -62,7 +63,6 @@ def auth_server(server_factory, tmp_path):
     path.write_text(AUTH_FILE)
     path.chmod(0o600)
     return server_factory(extra_args=["--auth-file", str(path), "--auth-timeout-s", "2"])
-
 
 
 def ping_until_closed(conn: RawConnection, pings_max: int) -> int:
@@ -232,7 +232,7 @@ def test_unauthenticated_peer_cannot_stretch_the_auth_deadline_with_a_slow_frame
     sent = 0
     try:
         for sent in range(32):
-            conn.sock.send(header[sent:sent + 1])
+            conn.sock.send(header[sent : sent + 1])
             time.sleep(0.3)
     except (BrokenPipeError, ConnectionResetError):
         pass

@@ -1,4 +1,5 @@
 """gcache._native.send_buffers / recv_into_buffers: the client-side zero-copy socket helpers."""
+
 from __future__ import annotations
 
 import os

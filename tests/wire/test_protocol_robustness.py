@@ -1,5 +1,6 @@
 """Bad input of every kind: an error response (or a clean close where framing
 is lost), never a crash or a hang; the server keeps serving fresh connections."""
+
 from __future__ import annotations
 
 import os
@@ -95,15 +96,18 @@ def test_unknown_opcode_is_skipped_and_connection_stays_open(node):
         assert c.recv_frame().request_id == 9
 
 
-@pytest.mark.parametrize("meta", [
-    b"\xc1",                                     # never-used byte
-    b"\x93\x01\x02",                             # array, not a map; truncated
-    b"\x81\xa4keys\xdd\xff\xff\xff\xff",         # claims 4G keys in 10 bytes
-    msgpack.packb({"keys": [1, 2]}),             # keys must be bytes
-    msgpack.packb({"keys": [b"a"], "lens": [-1], "sums": [0]}),
-    msgpack.packb({"keys": [b"a"]}) + b"\x00",   # trailing bytes
-    b"\x81" + b"\x91" * 40 + b"\x00",            # nested past the depth bound
-])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"\xc1",  # never-used byte
+        b"\x93\x01\x02",  # array, not a map; truncated
+        b"\x81\xa4keys\xdd\xff\xff\xff\xff",  # claims 4G keys in 10 bytes
+        msgpack.packb({"keys": [1, 2]}),  # keys must be bytes
+        msgpack.packb({"keys": [b"a"], "lens": [-1], "sums": [0]}),
+        msgpack.packb({"keys": [b"a"]}) + b"\x00",  # trailing bytes
+        b"\x81" + b"\x91" * 40 + b"\x00",  # nested past the depth bound
+    ],
+)
 def test_malformed_metadata_is_bad_frame_and_connection_stays_open(node, meta):
     with RawConnection(node.port) as c:
         c.send(frame_bytes(GET_BATCH, meta, request_id=10))
@@ -187,8 +191,12 @@ def test_connection_limit_answers_busy(server_factory):
 # --- hypothesis: random and half-valid frames -----------------------------------------
 
 _any_msgpack = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=20)
-    | st.text(max_size=10) | st.floats(allow_nan=False),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.binary(max_size=20)
+    | st.text(max_size=10)
+    | st.floats(allow_nan=False),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
     max_leaves=12,
 )
@@ -196,11 +204,14 @@ _any_msgpack = st.recursive(
 _meta_bytes = st.one_of(
     st.binary(max_size=64),
     _any_msgpack.map(lambda v: msgpack.packb(v, use_bin_type=True)),
-    st.fixed_dictionaries({}, optional={
-        "keys": st.lists(st.binary(max_size=8) | st.integers(0, 9), max_size=4),
-        "lens": st.lists(st.integers(0, 2**64 - 1), max_size=4),
-        "sums": st.lists(st.integers(0, 2**64 - 1), max_size=4),
-    }).map(lambda v: msgpack.packb(v, use_bin_type=True)),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "keys": st.lists(st.binary(max_size=8) | st.integers(0, 9), max_size=4),
+            "lens": st.lists(st.integers(0, 2**64 - 1), max_size=4),
+            "sums": st.lists(st.integers(0, 2**64 - 1), max_size=4),
+        },
+    ).map(lambda v: msgpack.packb(v, use_bin_type=True)),
 )
 
 
@@ -212,9 +223,13 @@ def _frames(draw):
     meta = draw(_meta_bytes)
     payload = draw(st.binary(max_size=64))
     header = HEADER.pack(
-        draw(st.sampled_from([b"GCH1", b"GCH1", b"GCH2"])), draw(st.sampled_from([1, 1, 1, 0, 255])),
-        draw(st.integers(0, 255)), draw(st.integers(0, 0xFFFF)), draw(st.integers(0, 2**64 - 1)),
-        draw(st.sampled_from([len(meta), len(meta), 0, 2**32 - 1])), draw(st.integers(0, 2**32 - 1)),
+        draw(st.sampled_from([b"GCH1", b"GCH1", b"GCH2"])),
+        draw(st.sampled_from([1, 1, 1, 0, 255])),
+        draw(st.integers(0, 255)),
+        draw(st.integers(0, 0xFFFF)),
+        draw(st.integers(0, 2**64 - 1)),
+        draw(st.sampled_from([len(meta), len(meta), 0, 2**32 - 1])),
+        draw(st.integers(0, 2**32 - 1)),
         draw(st.sampled_from([len(payload), len(payload), 1 << 40])),
     )
     return header + meta + payload

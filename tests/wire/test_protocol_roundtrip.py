@@ -1,4 +1,5 @@
 """Every opcode of docs/protocol.md against a real gcache-server, raw over a socket."""
+
 from __future__ import annotations
 
 import os

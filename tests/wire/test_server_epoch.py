@@ -2,6 +2,7 @@
 map in PING, and the Server hooks the cluster agent uses (set_cluster_map,
 wait_puts_admitted_before, keys_page, keys, remove_keys). The native Server
 runs in-process, as the daemon runs it."""
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,15 @@ MAP = msgpack.packb({"epoch": 5, "nodes": [{"id": "a", "address": "127.0.0.1:1"}
 
 
 def config(tmp_path, **extra) -> dict:
-    return {"port": 0, "data_dir": str(tmp_path / "data"), "memory_bytes": 16 << 20,
-            "disk_bytes": 64 << 20, "idle_timeout_s": 10, "stall_timeout_s": 5, **extra}
+    return {
+        "port": 0,
+        "data_dir": str(tmp_path / "data"),
+        "memory_bytes": 16 << 20,
+        "disk_bytes": 64 << 20,
+        "idle_timeout_s": 10,
+        "stall_timeout_s": 5,
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -60,8 +68,12 @@ def arena_free_bytes(server) -> int:
 
 
 def put_frame_with_epoch(items, epoch, request_id: int) -> bytes:
-    meta = {"keys": [k for k, _ in items], "lens": [len(v) for _, v in items],
-            "sums": [_native.xxh64(v) for _, v in items], "epoch": epoch}
+    meta = {
+        "keys": [k for k, _ in items],
+        "lens": [len(v) for _, v in items],
+        "sums": [_native.xxh64(v) for _, v in items],
+        "epoch": epoch,
+    }
     return frame_bytes(PUT_BATCH, meta, b"".join(v for _, v in items), request_id)
 
 
@@ -73,6 +85,7 @@ def assert_stale(frame, request_id: int) -> None:
 
 
 # -- the server side ----------------------------------------------------------
+
 
 def test_cluster_map_epoch_only_moves_forward(tmp_path):
     server = _native.Server(config(tmp_path, epoch=3))
@@ -118,9 +131,11 @@ def test_stale_put_is_drained_and_leaks_no_reservation(node):
     big = os.urandom(600 << 10)  # larger than the server's 256 KiB discard buffer
     with RawConnection(node.port) as c:
         # Three frames back to back: a stale PUT, then a current PUT and a GET.
-        c.send(put_frame_with_epoch([(b"stale-a", big), (b"stale-b", b"v")], 4, request_id=1)
-               + put_frame_with_epoch([(b"fresh", b"fresh value")], 5, request_id=2)
-               + frame_bytes(GET_BATCH, {"keys": [b"stale-a", b"stale-b", b"fresh"]}, request_id=3))
+        c.send(
+            put_frame_with_epoch([(b"stale-a", big), (b"stale-b", b"v")], 4, request_id=1)
+            + put_frame_with_epoch([(b"fresh", b"fresh value")], 5, request_id=2)
+            + frame_bytes(GET_BATCH, {"keys": [b"stale-a", b"stale-b", b"fresh"]}, request_id=3)
+        )
         assert_stale(c.recv_frame(), 1)
         stored = c.recv_frame()
         assert stored.status == OK and stored.request_id == 2 and stored.meta["st"] == [STORED]
@@ -156,10 +171,15 @@ def test_epoch_that_is_not_an_integer_is_a_bad_frame(node):
 
 # -- the client side ----------------------------------------------------------
 
+
 def test_client_raises_stale_epoch_error_and_keeps_its_connection(node):
     with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1, transport="tcp") as client:
-        for call in (lambda: client.put(b"k", b"v"), lambda: client.get(b"k"),
-                     lambda: client.batch_is_exist([b"k"]), lambda: client.remove(b"k")):
+        for call in (
+            lambda: client.put(b"k", b"v"),
+            lambda: client.get(b"k"),
+            lambda: client.batch_is_exist([b"k"]),
+            lambda: client.remove(b"k"),
+        ):
             with pytest.raises(errors.StaleEpochError) as info:
                 call()
             assert info.value.epoch == 5 and info.value.map_bytes == MAP
@@ -176,8 +196,9 @@ def test_client_raises_stale_epoch_error_and_keeps_its_connection(node):
 def test_stale_epoch_mid_pipeline_drains_frames_in_flight(node):
     keys = [f"key-{i}".encode() for i in range(20)]
     values = [os.urandom(1000) for _ in keys]
-    with gcache.Client(f"127.0.0.1:{node.port}", epoch=4, pool_size=1, batch_keys_max=2, transport="tcp",
-                       pipeline_depth=8) as client:
+    with gcache.Client(
+        f"127.0.0.1:{node.port}", epoch=4, pool_size=1, batch_keys_max=2, transport="tcp", pipeline_depth=8
+    ) as client:
         with pytest.raises(errors.StaleEpochError):
             client.put_batch(keys, values)  # 10 frames, several in flight when the first is refused
         with pytest.raises(errors.StaleEpochError):
@@ -205,12 +226,12 @@ def test_client_epoch_is_validated_and_absent_epoch_sends_the_old_bytes():
     assert client.epoch == 7
     for keys in ([b"k"], [b"x" * 300], [b"a", b"bb"]):
         assert encode_keys_meta(keys) == msgpack.packb({"keys": keys}, use_bin_type=True)
-        for epoch in (0, 5, 300, 2 ** 40):
-            assert encode_keys_meta(keys, epoch) == msgpack.packb({"keys": keys, "epoch": epoch},
-                                                                 use_bin_type=True)
+        for epoch in (0, 5, 300, 2**40):
+            assert encode_keys_meta(keys, epoch) == msgpack.packb({"keys": keys, "epoch": epoch}, use_bin_type=True)
 
 
 # -- keys() and remove_keys() ----------------------------------------------------
+
 
 def test_keys_snapshot_memory_then_disk_after_restart(tmp_path):
     stored = {f"k{i:03d}".encode(): os.urandom(2000) for i in range(50)}
@@ -256,7 +277,7 @@ def start_put(port: int, key: bytes, value: bytes, epoch, cut: int) -> RawConnec
     if epoch is not None:
         meta["epoch"] = epoch
     conn = RawConnection(port, timeout_s=WAIT_S)
-    conn.send(frame_bytes(PUT_BATCH, meta, value, request_id=41)[:-(len(value) - cut)])
+    conn.send(frame_bytes(PUT_BATCH, meta, value, request_id=41)[: -(len(value) - cut)])
     return conn
 
 
@@ -272,8 +293,8 @@ def test_put_admitted_under_the_old_epoch_holds_the_fence_until_stored(node):
         wait_until(lambda: admitted_below(node, 6), "the epoch-5 PUT to be admitted")
         node.set_cluster_map(6, MAP)
         assert node.wait_puts_admitted_before(6, 0.2) is False  # half its payload still to come
-        assert node.wait_puts_admitted_before(5, 0) is True     # nothing admitted below 5
-        old.send(value[len(value) // 2:])
+        assert node.wait_puts_admitted_before(5, 0) is True  # nothing admitted below 5
+        old.send(value[len(value) // 2 :])
         assert node.wait_puts_admitted_before(6, WAIT_S) is True
         stored = old.recv_frame()
         assert stored.status == OK and stored.meta["st"] == [STORED]
@@ -336,16 +357,23 @@ def test_rebalance_fence_sees_a_put_admitted_under_the_old_map(tmp_path):
     server = _native.Server(config(tmp_path))
     server.set_cluster_map(5, MAP)
     server.start()
-    cmap = ClusterMap(6, (NodeInfo("a", f"127.0.0.1:{server.port}", 1, ACTIVE, 1),
-                          NodeInfo("b", "127.0.0.1:1", 1, ACTIVE, 1)))
+    cmap = ClusterMap(
+        6, (NodeInfo("a", f"127.0.0.1:{server.port}", 1, ACTIVE, 1), NodeInfo("b", "127.0.0.1:1", 1, ACTIVE, 1))
+    )
     placement = Placement(cmap)
     keys = [f"k{i}".encode() for i in range(400)]
     slow = next(k for k in keys if placement.owner(k) == "b")
     rest = [k for k in keys if k != slow]
     value = os.urandom(300 << 10)
-    rebalancer = Rebalancer("a", f"127.0.0.1:{server.port}", list_keys_page=server.keys_page,
-                            remove_keys=server.remove_keys, fence=server.wait_puts_admitted_before,
-                            keys_page=37, keys_pending_max=50)
+    rebalancer = Rebalancer(
+        "a",
+        f"127.0.0.1:{server.port}",
+        list_keys_page=server.keys_page,
+        remove_keys=server.remove_keys,
+        fence=server.wait_puts_admitted_before,
+        keys_page=37,
+        keys_pending_max=50,
+    )
     try:
         with RawConnection(server.port) as c:
             assert c.put([(k, b"v") for k in rest]) == [STORED] * len(rest)
@@ -381,8 +409,7 @@ def test_rebalance_lists_again_when_the_fence_times_out(node):
         return False  # never drained
 
     cmap = ClusterMap(6, (NodeInfo("a", f"127.0.0.1:{node.port}", 1, ACTIVE, 1),))
-    rebalancer = Rebalancer("a", f"127.0.0.1:{node.port}", list_keys_page=pages, fence=fence,
-                            fence_timeout_s=0.2)
+    rebalancer = Rebalancer("a", f"127.0.0.1:{node.port}", list_keys_page=pages, fence=fence, fence_timeout_s=0.2)
     try:
         result = rebalancer.run(cmap)
     finally:
@@ -421,9 +448,9 @@ def test_keys_page_lists_every_key_exactly_once(node):
     listed, sizes = scan(node, 333)
     assert len(listed) == len(keys) and set(listed) == set(keys)  # no duplicate, no miss
     assert all(0 <= n <= 333 for n in sizes) and len(sizes) >= len(keys) // 333
-    cursor, everything = node.keys_page(0, 10 ** 9)  # one page holds all 5000
+    cursor, everything = node.keys_page(0, 10**9)  # one page holds all 5000
     assert cursor == 0 and sorted(everything) == sorted(keys)
-    assert sorted(node.keys(10 ** 6)) == sorted(keys) and len(node.keys(17)) == 17
+    assert sorted(node.keys(10**6)) == sorted(keys) and len(node.keys(17)) == 17
 
 
 def test_keys_page_misses_no_key_that_stays_while_others_come_and_go(node):
@@ -436,7 +463,7 @@ def test_keys_page_misses_no_key_that_stays_while_others_come_and_go(node):
         # The first 10 pages remove some keys and add many (the index triples: it rehashes).
         if page_number >= 10:
             return
-        node.remove_keys(gone[page_number * 50:(page_number + 1) * 50])
+        node.remove_keys(gone[page_number * 50 : (page_number + 1) * 50])
         fresh = [f"new-{page_number}-{i}".encode() for i in range(600)]
         put_empty_values(node, fresh)
         added.extend(fresh)
@@ -453,9 +480,9 @@ def test_keys_page_misses_no_key_that_stays_while_others_come_and_go(node):
 def test_keys_page_limits_and_bad_cursors(node):
     keys = [f"k{i:05d}".encode() for i in range(70_000)]
     put_empty_values(node, keys)
-    cursor, first = node.keys_page(0, 10 ** 9)
+    cursor, first = node.keys_page(0, 10**9)
     assert len(first) == 65536 and cursor != 0  # the cap: a page never copies more under the lock
-    rest_cursor, rest = node.keys_page(cursor, 10 ** 9)
+    rest_cursor, rest = node.keys_page(cursor, 10**9)
     assert rest_cursor == 0 and set(first) | set(rest) == set(keys) and len(first) + len(rest) == 70_000
     for bad_limit in (0, -1):
         with pytest.raises(ValueError, match="limit"):

@@ -5,6 +5,7 @@ a byte every (stall timeout - epsilon) must still hit the per-frame deadline
 (stall timeout + bytes at 1 MiB/s), and its PUT reservation must go back to
 the arena.
 """
+
 import select
 import socket
 import time

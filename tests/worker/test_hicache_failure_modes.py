@@ -14,6 +14,7 @@ S3-FIFO eviction in test 3), the tiny float64 model, every output compared token
 with an engine without any cache (and logits with the dense reference where they must be
 right), check_integrity after every step. No timing assertions; every wait is bounded.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ def make_engine(model):
     """Builds engines; every one is closed at teardown (stops its L3 threads)."""
     made: list[Engine] = []
 
-    def make(full_pages: int = 128, swa_pages: int = 32, hicache: HiCacheConfig | None = None,
-             prefix_cache: bool = True) -> Engine:
+    def make(
+        full_pages: int = 128, swa_pages: int = 32, hicache: HiCacheConfig | None = None, prefix_cache: bool = True
+    ) -> Engine:
         engine = build_engine(model, full_pages, swa_pages, hicache or HiCacheConfig(), prefix_cache)
         made.append(engine)
         return engine
@@ -97,7 +99,7 @@ def run(engine: Engine, prompt, params: SamplingParams = GREEDY4, extra_check=No
 def max_logit_error(model: Model, r: Request) -> float:
     """Largest |logit - dense float64 reference| over r's sampled positions."""
     seq = np.asarray(list(r.prompt) + r.output[:-1], dtype=np.int64)
-    ref = np.asarray(model.reference_logits(seq))[len(r.prompt) - 1:]
+    ref = np.asarray(model.reference_logits(seq))[len(r.prompt) - 1 :]
     assert len(r.logits) == len(r.output) == len(ref)
     return max(float(np.abs(np.asarray(got) - want).max()) for got, want in zip(r.logits, ref))
 
@@ -148,7 +150,7 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
     keys = again[engine].page_keys()[:12]
     host = engine.cache.host
     assert 0 < sum(k in host for k in keys) < len(keys)  # L2 has part of the prefix ...
-    assert host.run(keys, 0)[0] == 0                     # ... but not its page 0
+    assert host.run(keys, 0)[0] == 0  # ... but not its page 0
     assert again[engine].cached_tokens == again[l1_only].cached_tokens == 12 * PS
     assert again[engine].cached_by_tier == {"l1": 12 * PS, "l2": 0, "l3": 0}
 
@@ -157,8 +159,7 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
     outcome = {}
     for honor_pins in (True, False):
         node = server_factory(f"node-pins-{honor_pins}", memory="16MiB", disk="0")
-        config = hicache(l2_full=16, l2_swa=12, l3=node.address, prefetch_policy="best_effort",
-                         l3_timeout_s=60.0)
+        config = hicache(l2_full=16, l2_swa=12, l3=node.address, prefetch_policy="best_effort", l3_timeout_s=60.0)
         writer = make_engine(hicache=config)
         writer.cache.host.honor_pins = honor_pins
         host, l3 = writer.cache.host, writer.cache.l3
@@ -175,7 +176,10 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
             first_keys = first.page_keys()[:7]
             entries = [host.get(k) for k in first_keys]
             assert all(e is not None and e.l3_queued and e.pins == 1 for e in entries), (
-                [(e.l3_queued, e.pins) if e else None for e in entries], l3.stats, l3.available())
+                [(e.l3_queued, e.pins) if e else None for e in entries],
+                l3.stats,
+                l3.available(),
+            )
             for prompt in workload[1:]:
                 run(writer, prompt)
             kept = sum(k in host for k in first_keys)
@@ -186,20 +190,19 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
         writer.check_integrity()
         assert host.pins() == {}
 
-        reader = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address,
-                                             prefetch_policy="wait_complete"))
+        reader = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete"))
         replay = run(reader, workload[0])
         assert replay.cached_by_tier == {"l1": 0, "l2": 0, "l3": 7 * PS}
         outcome[honor_pins] = (kept, stats, replay)
 
     kept, stats, replay = outcome[True]
-    assert kept == 7                      # pinned pages were never evicted ...
+    assert kept == 7  # pinned pages were never evicted ...
     assert stats["l2_write_dropped"] > 0  # ... although L2 was short of slots
     assert_exact(model, replay, plain)
 
     kept, stats, replay = outcome[False]
     assert kept < 7 and stats["l2_write_dropped"] == 0  # evicted under their pins
-    assert max_logit_error(model, replay) > 1e-6         # wrong KV came back from L3
+    assert max_logit_error(model, replay) > 1e-6  # wrong KV came back from L3
 
 
 # ---- 2 ------------------------------------------------------------------------------------
@@ -223,15 +226,16 @@ def test_host_complete_device_deficient(model, make_engine):
     plain = make_engine(prefix_cache=False)
     got = {}
     for chunk_loads in (True, False):
-        engine = make_engine(full_pages=24, swa_pages=24, hicache=hicache(l2_full=64, l2_swa=32,
-                                                                          chunk_loads=chunk_loads))
+        engine = make_engine(
+            full_pages=24, swa_pages=24, hicache=hicache(l2_full=64, l2_swa=32, chunk_loads=chunk_loads)
+        )
         host = engine.cache.host
         done = [run(engine, x + [1], SamplingParams(max_tokens=1), no_pins)]
         keys = done[0].page_keys()[:20]
         assert host.run(keys, 0)[0] == 20
         assert engine.cache.evict(HUGE, HUGE) != (0, 0) and engine.cache.cached_pages() == (0, 0)
         engine.scheduler.tree_changed()
-        done.append(run(engine, x[:6 * PS + 1], SamplingParams(max_tokens=1), no_pins))
+        done.append(run(engine, x[: 6 * PS + 1], SamplingParams(max_tokens=1), no_pins))
         assert done[-1].cached_tokens == 0  # L2 had no checkpoint at page 6 yet
 
         long_decode = engine.add_request(y, SamplingParams(max_tokens=40), record_logits=True)
@@ -248,7 +252,7 @@ def test_host_complete_device_deficient(model, make_engine):
     by_tier, cuts = got[True]
     assert by_tier == {"l1": 0, "l2": 6 * PS, "l3": 0} and cuts == 1  # 0 < 48 < 160: chunked
     by_tier, cuts = got[False]
-    assert by_tier == {"l1": 0, "l2": 0, "l3": 0} and cuts == 1       # all-or-nothing: nothing
+    assert by_tier == {"l1": 0, "l2": 0, "l3": 0} and cuts == 1  # all-or-nothing: nothing
 
 
 def no_pins(engine: Engine) -> None:
@@ -281,16 +285,18 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
     got = {}
     for protect in (True, False):
         rng = np.random.default_rng(3)
-        node = server_factory(f"node-hot-{protect}", memory="1MiB", disk="0",
-                              extra_args=["--eviction-policy", "s3fifo"])
-        config = hicache(l2_full=256, l2_swa=128, l3=node.address, prefetch_policy="wait_complete",
-                         l3_protect_prefix=protect)
+        node = server_factory(
+            f"node-hot-{protect}", memory="1MiB", disk="0", extra_args=["--eviction-policy", "s3fifo"]
+        )
+        config = hicache(
+            l2_full=256, l2_swa=128, l3=node.address, prefetch_policy="wait_complete", l3_protect_prefix=protect
+        )
         worker = make_engine(full_pages=1024, swa_pages=64, hicache=config)
         done = [run(worker, tokens(rng, 45))]
         hot = done[0]
         for i in range(40):
             done.append(run(worker, tokens(rng, 57)))  # a cold one-off chain
-            assert worker.cache.l3.drain(10.0)       # one writer, in order: a deterministic node
+            assert worker.cache.l3.drain(10.0)  # one writer, in order: a deterministic node
             if i % 3 == 2:
                 hot = run(worker, follow_up(hot, tokens(rng, 5)))
                 done.append(hot)
@@ -303,11 +309,10 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
         probe = gcache.Client(node.address)
         try:
             present = probe.batch_is_exist([keys.key(h, "full") for h in chain])
-            tail_swa = probe.batch_is_exist([keys.key(h, "swa") for h in chain[-W // PS:]])
+            tail_swa = probe.batch_is_exist([keys.key(h, "swa") for h in chain[-W // PS :]])
         finally:
             probe.close()
-        fresh = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address,
-                                            prefetch_policy="wait_complete"))
+        fresh = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete"))
         resumed = run(fresh, follow_up(hot, tokens(rng, 3)))
         assert run(plain, resumed.prompt, resumed.params).output == resumed.output
         got[protect] = (present, tail_swa, resumed.cached_by_tier)
@@ -354,6 +359,5 @@ def test_swa_retention_short_sequences(model, server_factory, make_engine):
         got[ends] = (from_l2.cached_by_tier, from_l3.cached_by_tier)
 
     turn1_len = 41 + 8 - 1  # computed tokens of turn 1: 6 whole pages
-    assert got[True] == ({"l1": 0, "l2": turn1_len // PS * PS, "l3": 0},
-                         {"l1": 0, "l2": 0, "l3": turn1_len // PS * PS})
+    assert got[True] == ({"l1": 0, "l2": turn1_len // PS * PS, "l3": 0}, {"l1": 0, "l2": 0, "l3": turn1_len // PS * PS})
     assert got[False] == ({"l1": 0, "l2": 0, "l3": 0}, {"l1": 0, "l2": 0, "l3": 0})

@@ -8,6 +8,7 @@ Faults are real: keys removed from the server, wrong-sized values, a byte flippe
 disk segment, the server killed, SIGSTOPped and restarted on its data dir. Every loop is
 bounded by a step count and check_integrity() runs after every step.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,8 @@ from gcache.worker.model.transformer import Model
 from tests.support.hicache_support import CFG, build_engine
 from tests.support.reference import check_against_reference
 
-PS = CFG.page_size           # 8 tokens; the window is 4 pages
-STEPS_MAX = 20_000           # no loop runs longer: a hung engine fails, never stalls the suite
+PS = CFG.page_size  # 8 tokens; the window is 4 pages
+STEPS_MAX = 20_000  # no loop runs longer: a hung engine fails, never stalls the suite
 MODEL_NAME = "invariant-m"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=5, temperature=0.8, seed=11)
@@ -47,7 +48,7 @@ def upto(pages: int, extra=()) -> list[int]:
     """The first pages * PS + 1 tokens of the shared text, then `extra`: with fewer than PS
     extra tokens, the longest prefix a cache may serve is exactly `pages` pages (one token
     is always left to compute)."""
-    return SHARED[:pages * PS] + [SHARED[pages * PS], *extra]
+    return SHARED[: pages * PS] + [SHARED[pages * PS], *extra]
 
 
 def tiers(l1=0, l2=0, l3=0) -> dict:
@@ -65,11 +66,22 @@ def engines(model):
     """make(l3_url, ...) -> Engine with a real hierarchy; every engine is closed at teardown."""
     made: list[Engine] = []
 
-    def make(l3: str = "", l2_bytes: int = 1 << 20, model_name: str = MODEL_NAME, full_pages: int = 64,
-             swa_pages: int = 24, prefix_cache: bool = True, **hicache) -> Engine:
+    def make(
+        l3: str = "",
+        l2_bytes: int = 1 << 20,
+        model_name: str = MODEL_NAME,
+        full_pages: int = 64,
+        swa_pages: int = 24,
+        prefix_cache: bool = True,
+        **hicache,
+    ) -> Engine:
         hicache.setdefault("prefetch_policy", "wait_complete")
-        hc = HiCacheConfig(l2_bytes=l2_bytes if prefix_cache else 0, l3_url=l3 if prefix_cache else "",
-                           model_name=model_name, **hicache)
+        hc = HiCacheConfig(
+            l2_bytes=l2_bytes if prefix_cache else 0,
+            l3_url=l3 if prefix_cache else "",
+            model_name=model_name,
+            **hicache,
+        )
         engine = build_engine(model, full_pages, swa_pages, hc, prefix_cache)
         made.append(engine)
         return engine
@@ -152,6 +164,7 @@ def seed_l3(make, address: str, pages=(18,), **hicache) -> Engine:
 
 # ---- 1. where the prefix comes from ---------------------------------------------------------
 
+
 def test_prefix_from_l1(server, engines, model):
     e = engines(server.address)
     first = serve(e, upto(18))
@@ -184,17 +197,17 @@ def test_prefix_part_from_each_tier(server, engines, model):
     """L1 holds pages [0, 6), L2 [6, 12), L3 [12, 18): one request gets all three."""
     seed_l3(engines, server.address, pages=(6, 12, 18))  # checkpoints at 6, 12 and 18 pages
     b = engines(server.address)
-    reqs = [serve(b, upto(6))]                     # L2 + L1 get [0, 6) from L3
-    reqs.append(serve(b, upto(12)))                # [0, 6) from L1, [6, 12) from L3
-    assert evict_l1(b)                             # L1 empty, L2 keeps [0, 12)
-    reqs.append(serve(b, upto(6, [3])))            # [0, 6) back into L1 from L2
+    reqs = [serve(b, upto(6))]  # L2 + L1 get [0, 6) from L3
+    reqs.append(serve(b, upto(12)))  # [0, 6) from L1, [6, 12) from L3
+    assert evict_l1(b)  # L1 empty, L2 keeps [0, 12)
+    reqs.append(serve(b, upto(6, [3])))  # [0, 6) back into L1 from L2
     reqs.append(serve(b, upto(18, [5]), SAMPLED))  # L1 [0, 6), L2 [6, 12), L3 [12, 18)
-    assert [r.cached_by_tier for r in reqs] == [tiers(l3=6), tiers(l1=6, l3=6), tiers(l2=6),
-                                               tiers(l1=6, l2=6, l3=6)]
+    assert [r.cached_by_tier for r in reqs] == [tiers(l3=6), tiers(l1=6, l3=6), tiers(l2=6), tiers(l1=6, l2=6, l3=6)]
     assert_invariant(engines, model, reqs)
 
 
 # ---- 2. worker restart ------------------------------------------------------------------------
+
 
 def test_restarted_worker_finds_its_pages_and_another_model_never_reads_them(server, engines, model):
     first = seed_l3(engines, server.address)
@@ -214,6 +227,7 @@ def test_restarted_worker_finds_its_pages_and_another_model_never_reads_them(ser
 # The writer keeps SWA checkpoints every 6 pages, so L3 holds full KV for pages [0, 18) and
 # SWA KV for the window tails of 6, 12 and 18: pages 2-5, 8-11 and 14-17.
 
+
 def l3_key(model_name: str, page_hash: str, pool: str) -> bytes:
     return KeyBuilder(model=model_name).key(page_hash, pool)
 
@@ -222,11 +236,14 @@ def chain() -> list[str]:
     return Request(upto(18), GREEDY, 0.0, page_size=PS).page_keys()
 
 
-@pytest.mark.parametrize("pool, page, expected_pages", [
-    (POOL_FULL, 9, 6),     # full KV gone mid-chain: the hit ends at the checkpoint before it (6)
-    (POOL_SWA, 10, 18),    # an SWA page of checkpoint 12: resuming at 18 never needs it
-    (POOL_SWA, 16, 12),    # an SWA page of the end's window: back to checkpoint 12
-])
+@pytest.mark.parametrize(
+    "pool, page, expected_pages",
+    [
+        (POOL_FULL, 9, 6),  # full KV gone mid-chain: the hit ends at the checkpoint before it (6)
+        (POOL_SWA, 10, 18),  # an SWA page of checkpoint 12: resuming at 18 never needs it
+        (POOL_SWA, 16, 12),  # an SWA page of the end's window: back to checkpoint 12
+    ],
+)
 def test_page_missing_in_the_middle_of_an_l3_chain(server, engines, model, pool, page, expected_pages):
     seed_l3(engines, server.address, swa_checkpoint_pages=6)
     with gcache.Client(server.address) as c:
@@ -294,6 +311,7 @@ def test_corrupt_disk_record_is_a_miss_never_wrong_bytes(server, engines, model)
 
 # ---- 5. L3 down, slow, restarting -------------------------------------------------------------
 
+
 def workload(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     """n requests on the shared text, cut at various points, greedy and sampled."""
     rng = np.random.default_rng(seed)
@@ -352,8 +370,9 @@ def test_l3_down_from_the_start(server, engines, model):
 def test_l3_killed_mid_workload(server, engines, model):
     seed_l3(engines, server.address, pages=(6, 12, 18))
     e = engines(server.address, l3_timeout_s=0.3)
-    reqs = run_with_fault(e, workload(6, seed=2), fault=lambda: server.stop(signal.SIGKILL),
-                          later_jobs=workload(4, seed=3))
+    reqs = run_with_fault(
+        e, workload(6, seed=2), fault=lambda: server.stop(signal.SIGKILL), later_jobs=workload(4, seed=3)
+    )
     for r in reqs[6:]:
         assert r.cached_by_tier["l3"] == 0  # read after the kill: nothing can come from L3
     assert_invariant(engines, model, reqs)
@@ -405,6 +424,7 @@ def test_l3_restarting_mid_workload(server, engines, model):
 
 # ---- 6. random workloads on tiny pools, a tiny L2 and a real L3 ----------------------------------
 
+
 @st.composite
 def hierarchy_workloads(draw):
     n_prefixes = draw(st.integers(1, 3))
@@ -412,8 +432,11 @@ def hierarchy_workloads(draw):
     script, n_req = [], 0
     for _ in range(draw(st.integers(3, 14))):
         kind = draw(st.sampled_from(["new", "new", "turn", "turn", "step", "evict_l1", "evict_l2", "restart"]))
-        params = SamplingParams(max_tokens=draw(st.integers(1, 20)),
-                                temperature=draw(st.sampled_from([0.0, 0.0, 0.7])), seed=draw(st.integers(0, 1000)))
+        params = SamplingParams(
+            max_tokens=draw(st.integers(1, 20)),
+            temperature=draw(st.sampled_from([0.0, 0.0, 0.7])),
+            seed=draw(st.integers(0, 1000)),
+        )
         suffix = draw(st.lists(st.integers(0, 255), min_size=0, max_size=30))
         if kind == "step":
             script.append(("step", draw(st.integers(1, 20))))
@@ -443,19 +466,33 @@ def turn_prompt(reqs: list[Request], op) -> list[int]:
 _example_ids = itertools.count()
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(script=hierarchy_workloads(), full_pages=st.integers(28, 48), swa_pages=st.integers(12, 16),
-       l2_full_pages=st.integers(6, 40), checkpoint_pages=st.sampled_from([0, 0, 3]))
-def test_random_workloads_through_every_tier(model, engines, server, script, full_pages, swa_pages,
-                                             l2_full_pages, checkpoint_pages):
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    script=hierarchy_workloads(),
+    full_pages=st.integers(28, 48),
+    swa_pages=st.integers(12, 16),
+    l2_full_pages=st.integers(6, 40),
+    checkpoint_pages=st.sampled_from([0, 0, 3]),
+)
+def test_random_workloads_through_every_tier(
+    model, engines, server, script, full_pages, swa_pages, l2_full_pages, checkpoint_pages
+):
     """Tiny device pools and a tiny L2 over a real L3; turns wait for their source (the
     prompt must be known); evictions in L1 and L2 and worker restarts are script steps.
     Each example has its own model name, so its L3 pages are its own."""
     name = f"hyp-{next(_example_ids)}"
     l2_bytes = l2_full_pages * (4096 + 12288 // 2)  # ratio 0.5: half as many SWA slots
-    make = lambda: engines(server.address, model_name=name, full_pages=full_pages, swa_pages=swa_pages,
-                           l2_bytes=l2_bytes, l2_swa_full_ratio=0.5, swa_checkpoint_pages=checkpoint_pages)
+    make = lambda: engines(
+        server.address,
+        model_name=name,
+        full_pages=full_pages,
+        swa_pages=swa_pages,
+        l2_bytes=l2_bytes,
+        l2_swa_full_ratio=0.5,
+        swa_checkpoint_pages=checkpoint_pages,
+    )
     engine = make()
     got: list[Request] = []
     try:
@@ -505,6 +542,7 @@ def test_random_workloads_through_every_tier(model, engines, server, script, ful
 
 
 # ---- integrity checks do not depend on assert -----------------------------------------------
+
 
 def test_integrity_check_catches_a_stray_host_pin_and_a_leaked_host_slot(engines):
     """python -O strips asserts; these checks must still fire (run this file with -O too)."""

@@ -3,6 +3,7 @@
 Each is checked against an independent oracle (the plain-Python hash chain, a brute-force
 definition of "window-safe", a model of which host pages must survive).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,19 @@ from gcache.worker.integrity import IntegrityError
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.worker.kvcache.host_pool import HostKVPool
 
-CFG_KW = dict(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-              page_size=8, vocab_size=512, dtype="float64", layer_pattern=("swa", "full", "swa", "swa"))
+CFG_KW = dict(
+    layers=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    window=32,
+    page_size=8,
+    vocab_size=512,
+    dtype="float64",
+    layer_pattern=("swa", "full", "swa", "swa"),
+)
 CFG = ModelConfig(**CFG_KW)
 
 
@@ -32,16 +44,19 @@ def chain_by_hand(tokens: list[int], page_size: int, prior: str | None) -> list[
     out = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         h = hashlib.sha256(bytes.fromhex(prior) if prior else b"")
-        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + page_size]))
+        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start : start + page_size]))
         prior = h.hexdigest()
         out.append(prior)
     return out
 
 
 @settings(max_examples=200, deadline=None)
-@given(tokens=st.lists(st.integers(0, TOKEN_ID_MAX), max_size=70), page_size=st.integers(1, 9),
-       prior=st.one_of(st.none(), st.binary(min_size=32, max_size=32).map(bytes.hex)),
-       dtype=st.sampled_from(["int64", "uint32", "uint64"]))
+@given(
+    tokens=st.lists(st.integers(0, TOKEN_ID_MAX), max_size=70),
+    page_size=st.integers(1, 9),
+    prior=st.one_of(st.none(), st.binary(min_size=32, max_size=32).map(bytes.hex)),
+    dtype=st.sampled_from(["int64", "uint32", "uint64"]),
+)
 def test_page_hashes_array_equals_page_hashes(tokens, page_size, prior, dtype):
     want = chain_by_hand(tokens, page_size, prior)
     assert page_hashes(tokens, page_size, prior) == want
@@ -71,8 +86,9 @@ def safe_end_oracle(start: int, n: int, swa: list[bool], ps: int, window: int) -
 
 
 @settings(max_examples=300, deadline=None)
-@given(start=st.integers(0, 12), swa=st.lists(st.booleans(), max_size=24), ps=st.integers(1, 9),
-       window=st.integers(1, 40))
+@given(
+    start=st.integers(0, 12), swa=st.lists(st.booleans(), max_size=24), ps=st.integers(1, 9), window=st.integers(1, 40)
+)
 def test_last_safe_end_matches_brute_force(start, swa, ps, window):
     got = last_safe_end(start, len(swa), lambda i: swa[i - start], ps, window)
     assert got == safe_end_oracle(start, len(swa), swa, ps, window)
@@ -155,15 +171,16 @@ def test_claim_for_l3_pins_until_finished():
     claimed = cache.claim_for_l3(["a", "b", "x"])
     assert [k for k, _, _ in claimed] == ["a", "b"]
     assert cache.claim_for_l3(["a"]) == []  # queued once
-    assert cache.reserve(FULL, 1) is None   # pinned while the write is pending
+    assert cache.reserve(FULL, 1) is None  # pinned while the write is pending
     cache.finish_l3(["a", "b"], stored=True)
     assert cache.pins() == {} and cache.get("a").in_l3
     assert cache.claim_for_l3(["a"]) == []  # already in L3
     cache.check_integrity(expect_unpinned=True)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["put", "put_swa", "pin", "unpin", "reserve_cancel"]),
-                         st.integers(0, 7)), max_size=60)
+OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "put_swa", "pin", "unpin", "reserve_cancel"]), st.integers(0, 7)), max_size=60
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -237,4 +254,3 @@ def test_check_integrity_raises_under_python_O():
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("raised: host full pool: 1 leaked slots")
-

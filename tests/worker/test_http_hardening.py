@@ -2,6 +2,7 @@
 
 Each case is reproduced, and a legitimate client is served right after (or during) it.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -30,8 +31,9 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = WorkerProc(tmp_path_factory.mktemp("hardening"),
-                   ["--max-in-flight", str(SLOTS), "--body-timeout-s", "2"]).start()
+    w = WorkerProc(
+        tmp_path_factory.mktemp("hardening"), ["--max-in-flight", str(SLOTS), "--body-timeout-s", "2"]
+    ).start()
     yield w
     assert w.stop() == 0, w.log()
 
@@ -74,8 +76,10 @@ def test_burst_over_the_in_flight_limit_gets_503_never_a_reset(worker, expected_
         if status == 200:
             assert body["choices"][0]["text"] == expected_text
         else:
-            assert body["error"]["type"] == "overloaded" and "too many requests in flight (limit 8)" in \
-                body["error"]["message"]
+            assert (
+                body["error"]["type"] == "overloaded"
+                and "too many requests in flight (limit 8)" in body["error"]["message"]
+            )
     assert_served(worker, expected_text)
 
 
@@ -103,14 +107,17 @@ def test_clients_that_send_headers_and_stop_do_not_hold_the_slots(worker, expect
 
 
 # ---- 3. malformed JSON ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body, fragment", [
-    (b'{"prompt": "ab\\ud800cd"}', "lone surrogate"),
-    (json.dumps({"prompt": "ab\ud800cd"}).encode(), "lone surrogate"),
-    (b"[" * 200_000 + b"]" * 200_000, "nested deeper than"),
-    (b'{"prompt": ' + b"[" * 50 + b"]" * 50 + b"}", "nested deeper than 32"),
-    (b'{"prompt": "\xc3\x28"}', "not valid UTF-8"),
-    (b'{"prompt": "x", "max_tokens": NaN}', "NaN is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b'{"prompt": "ab\\ud800cd"}', "lone surrogate"),
+        (json.dumps({"prompt": "ab\ud800cd"}).encode(), "lone surrogate"),
+        (b"[" * 200_000 + b"]" * 200_000, "nested deeper than"),
+        (b'{"prompt": ' + b"[" * 50 + b"]" * 50 + b"}", "nested deeper than 32"),
+        (b'{"prompt": "\xc3\x28"}', "not valid UTF-8"),
+        (b'{"prompt": "x", "max_tokens": NaN}', "NaN is not valid JSON"),
+    ],
+)
 def test_malformed_json_gets_400_not_an_empty_reply(worker, expected_text, body, fragment):
     for path in ("/v1/completions", "/v1/chat/completions"):
         status, raw, headers = request(worker.port, "POST", path, body, {"Content-Type": "application/json"})
@@ -144,8 +151,13 @@ def test_chunked_body_over_8_mib_gets_413(worker, expected_text):
 
     conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=WAIT_S)
     try:
-        conn.request("POST", "/v1/completions", body=chunks(), encode_chunked=True,
-                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=chunks(),
+            encode_chunked=True,
+            headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+        )
         resp = conn.getresponse()
         status, body = resp.status, json.loads(resp.read())
     finally:
@@ -156,14 +168,18 @@ def test_chunked_body_over_8_mib_gets_413(worker, expected_text):
 
 def test_expect_100_continue_over_the_limit_gets_413_before_the_body(worker, expected_text):
     with socket.create_connection(("127.0.0.1", worker.port), timeout=WAIT_S) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {BIG}\r\nExpect: 100-continue\r\n\r\n".encode())
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {BIG}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
         status, _, body = read_response(s)  # not one body byte was sent
         assert status == 413 and "exceeds the limit" in json.loads(body)["error"]["message"]
     with socket.create_connection(("127.0.0.1", worker.port), timeout=WAIT_S) as s:
         body = json.dumps(GREETING).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
         assert s.recv(25) == b"HTTP/1.1 100 Continue\r\n\r\n"
         s.sendall(body)
         status, _, raw = read_response(s)
@@ -172,7 +188,7 @@ def test_expect_100_continue_over_the_limit_gets_413_before_the_body(worker, exp
 
 def test_a_body_cut_short_does_not_hold_anything(worker, expected_text):
     with socket.create_connection(("127.0.0.1", worker.port), timeout=WAIT_S) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"prompt\"")
+        s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"prompt"')
         s.shutdown(socket.SHUT_WR)
         assert s.recv(65536) is not None  # closed (or a 400): either way nothing hangs
     assert_served(worker, expected_text)

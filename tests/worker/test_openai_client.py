@@ -1,5 +1,6 @@
 """The official `openai` client against a real gcache-worker: completions and chat, streamed and not,
 usage with cached tokens, stop strings."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,9 +40,12 @@ def raw_completion(worker, **payload) -> dict:
 def stop_in(token_ids: list[int]) -> tuple[str, int]:
     """A 2-byte printable stop string from the output, and where it first starts (>= 2)."""
     data = TOK.decode_bytes(token_ids)
-    i = next(i for i in range(2, len(data) - 1)
-             if all(32 <= b < 127 for b in data[i:i + 2]) and data.find(data[i:i + 2]) == i)
-    return data[i:i + 2].decode(), i
+    i = next(
+        i
+        for i in range(2, len(data) - 1)
+        if all(32 <= b < 127 for b in data[i : i + 2]) and data.find(data[i : i + 2]) == i
+    )
+    return data[i : i + 2].decode(), i
 
 
 def test_completions_create_plain_and_streamed_give_the_same_text(worker, client):
@@ -59,10 +63,16 @@ def test_completions_create_plain_and_streamed_give_the_same_text(worker, client
 
 def test_streamed_usage_reports_cached_tokens_of_a_repeated_prompt(worker, client):
     prompt = "A prompt sent twice should be served from the cache the second time. " * 2
-    first = list(client.completions.create(model="any", prompt=prompt, max_tokens=4, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY))
-    second = list(client.completions.create(model="any", prompt=prompt, max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    first = list(
+        client.completions.create(
+            model="any", prompt=prompt, max_tokens=4, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    second = list(
+        client.completions.create(
+            model="any", prompt=prompt, max_tokens=4, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     plain = raw_completion(worker, prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True)
     for chunks in (first, second):
         assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(prompt)
@@ -82,8 +92,16 @@ def test_chat_completions_plain_and_streamed(worker, client):
     c = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=20, **GREEDY)
     assert c.choices[0].message.role == "assistant" and c.choices[0].message.content == text
     assert c.choices[0].finish_reason == "length" and c.usage.prompt_tokens == len(ids)
-    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_completion_tokens=20,
-                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="any",
+            messages=MESSAGES,
+            max_completion_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert chunks[-2].choices[0].finish_reason == "length"
@@ -98,15 +116,17 @@ def test_stop_strings_cut_the_text_plain_and_streamed_without_leaking(worker, cl
         c = client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=stops, **GREEDY)
         assert c.choices[0].text == expected and c.choices[0].finish_reason == "stop"
         assert c.usage.completion_tokens == at + 2  # it stopped on the token that completed the stop string
-        chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=stops,
-                                                stream=True, **GREEDY))
+        chunks = list(
+            client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=stops, stream=True, **GREEDY)
+        )
         pieces = [ch.choices[0].text for ch in chunks]
         assert "".join(pieces) == expected and chunks[-1].choices[0].finish_reason == "stop"
     raw = raw_completion(worker, prompt=PROMPT, max_tokens=48, temperature=0, ignore_eos=True, stop=stop)
     assert raw["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"][:at]
     # A stop string that never completes: everything held back is released at the end.
-    c = client.completions.create(model="any", prompt=PROMPT, max_tokens=48, stop=[stop + "\x00never"],
-                                  stream=True, **GREEDY)
+    c = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=48, stop=[stop + "\x00never"], stream=True, **GREEDY
+    )
     assert "".join(ch.choices[0].text for ch in c) == ref["choices"][0]["text"]
 
 
@@ -117,8 +137,9 @@ def test_chat_stop_string(worker, client):
     expected = TOK.decode(ref["choices"][0]["token_ids"][:at])
     c = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stop=[stop], **GREEDY)
     assert c.choices[0].message.content == expected and c.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stop=stop,
-                                                 stream=True, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stop=stop, stream=True, **GREEDY)
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 

@@ -1,4 +1,5 @@
 """gcache.serving pieces on their own: stop strings and hold-back, safe JSON, OpenAI parsing, chat template."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def test_stop_string_cuts_before_it_and_never_leaks_a_prefix():
 def test_earliest_of_several_stops_wins_and_held_text_is_released_at_the_end():
     out = OutputText(TOK, ("xyz", "yz", "q"))
     assert "".join(feed_bytes(out, b"1xy")) == "1"  # "xy" could start "xyz"
-    assert out.feed(TOK.encode("z")) == ""           # "xyz" at 1 starts before "yz" at 2
+    assert out.feed(TOK.encode("z")) == ""  # "xyz" at 1 starts before "yz" at 2
     assert out.text == "1" and out.kept_tokens() == 1
     out = OutputText(TOK, ("xyz",))
     assert "".join(feed_bytes(out, b"abxy")) == "ab"
@@ -60,16 +61,19 @@ def test_invalid_utf8_is_replaced_the_same_streamed_or_whole():
 
 
 # ---- safe JSON ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body, fragment", [
-    (b'{"prompt": "ab\\ud800cd"}', "lone surrogate"),
-    (b'{"ab\\udfffcd": 1}', "lone surrogate"),
-    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
-    (b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", "nested deeper than 32"),
-    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
-    (b'{"x": NaN}', "NaN is not valid JSON"),
-    (b'{"x": -Infinity}', "-Infinity is not valid JSON"),
-    (b"", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b'{"prompt": "ab\\ud800cd"}', "lone surrogate"),
+        (b'{"ab\\udfffcd": 1}', "lone surrogate"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
+        (b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", "nested deeper than 32"),
+        (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+        (b'{"x": NaN}', "NaN is not valid JSON"),
+        (b'{"x": -Infinity}', "-Infinity is not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
 def test_parse_json_answers_400_for_what_json_loads_lets_through_or_crashes_on(body, fragment):
     with pytest.raises(HTTPError) as e:
         parse_json(body)
@@ -77,7 +81,7 @@ def test_parse_json_answers_400_for_what_json_loads_lets_through_or_crashes_on(b
 
 
 def test_parse_json_keeps_valid_surrogate_pairs_and_moderate_nesting():
-    assert parse_json(b'{"prompt": "smile \\ud83d\\ude00"}') == {"prompt": "smile \U0001F600"}
+    assert parse_json(b'{"prompt": "smile \\ud83d\\ude00"}') == {"prompt": "smile \U0001f600"}
     nested = b"[" * 32 + b"]" * 32
     assert parse_json(nested) == json.loads(nested)
     assert parse_json(json.dumps({"prompt": list(range(50_000))}).encode())["prompt"][-1] == 49_999
@@ -85,39 +89,64 @@ def test_parse_json_keeps_valid_surrogate_pairs_and_moderate_nesting():
 
 # ---- OpenAI parsing -----------------------------------------------------------------------------------
 def test_chat_template_exact_ids():
-    payload = {"messages": [{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]}
+    payload = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+        ]
+    }
     ids = prompt_tokens(CHAT_PATH, payload, TOK)
     assert ids == [256] + list(b"<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n")
 
 
 def test_parse_request_fields_and_defaults():
-    p = parse_request(COMPLETIONS_PATH, {"prompt": "hi", "stop": "\n", "stream": True,
-                                         "stream_options": {"include_usage": True}}, TOK)
-    assert (p.kind, p.prompt, p.max_tokens, p.temperature, p.seed, p.stop, p.stream, p.include_usage) == \
-        ("completion", [104, 105], 16, 1.0, None, ("\n",), True, True)
-    p = parse_request(CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
-                                  "max_tokens": 9, "temperature": 0, "stop": ["a", "b", "a"]}, TOK)
+    p = parse_request(
+        COMPLETIONS_PATH, {"prompt": "hi", "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}, TOK
+    )
+    assert (p.kind, p.prompt, p.max_tokens, p.temperature, p.seed, p.stop, p.stream, p.include_usage) == (
+        "completion",
+        [104, 105],
+        16,
+        1.0,
+        None,
+        ("\n",),
+        True,
+        True,
+    )
+    p = parse_request(
+        CHAT_PATH,
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 5,
+            "max_tokens": 9,
+            "temperature": 0,
+            "stop": ["a", "b", "a"],
+        },
+        TOK,
+    )
     assert (p.kind, p.max_tokens, p.temperature, p.stop, p.stream) == ("chat", 5, 0.0, ("a", "b"), False)
     assert parse_request(COMPLETIONS_PATH, {"prompt": [1, 2, 3], "stop": None}, TOK).prompt == [1, 2, 3]
 
 
-@pytest.mark.parametrize("path, payload, fragment", [
-    (CHAT_PATH, {}, "missing required field: messages"),
-    (CHAT_PATH, {"messages": []}, "non-empty list"),
-    (CHAT_PATH, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": "x", "name": "n"}]}, "unsupported field(s): name"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": 5}]}, "must be a string or a list"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "tools": []}, "unsupported field(s): tools"),
-    (COMPLETIONS_PATH, {"prompt": "x", "stop": ["a", ""]}, "non-empty strings"),
-    (COMPLETIONS_PATH, {"prompt": "x", "stop": 5}, "stop must be a string or a list"),
-    (COMPLETIONS_PATH, {"prompt": "x", "stop": ["s"] * 17}, "at most 16"),
-    (COMPLETIONS_PATH, {"prompt": "x", "stop": "s" * 257}, "the limit is 256"),
-    (COMPLETIONS_PATH, {"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, "stream_options must be"),
-    (COMPLETIONS_PATH, {"prompt": "ab\ud800cd"}, "lone surrogate"),
-    (COMPLETIONS_PATH, [1], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "path, payload, fragment",
+    [
+        (CHAT_PATH, {}, "missing required field: messages"),
+        (CHAT_PATH, {"messages": []}, "non-empty list"),
+        (CHAT_PATH, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+        (CHAT_PATH, {"messages": [{"role": "user", "content": "x", "name": "n"}]}, "unsupported field(s): name"),
+        (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        (CHAT_PATH, {"messages": [{"role": "user", "content": 5}]}, "must be a string or a list"),
+        (CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "tools": []}, "unsupported field(s): tools"),
+        (COMPLETIONS_PATH, {"prompt": "x", "stop": ["a", ""]}, "non-empty strings"),
+        (COMPLETIONS_PATH, {"prompt": "x", "stop": 5}, "stop must be a string or a list"),
+        (COMPLETIONS_PATH, {"prompt": "x", "stop": ["s"] * 17}, "at most 16"),
+        (COMPLETIONS_PATH, {"prompt": "x", "stop": "s" * 257}, "the limit is 256"),
+        (COMPLETIONS_PATH, {"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, "stream_options must be"),
+        (COMPLETIONS_PATH, {"prompt": "ab\ud800cd"}, "lone surrogate"),
+        (COMPLETIONS_PATH, [1], "JSON object"),
+    ],
+)
 def test_parse_request_rejects_with_the_field_named(path, payload, fragment):
     with pytest.raises(HTTPError) as e:
         parse_request(path, payload, TOK)

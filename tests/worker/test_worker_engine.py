@@ -5,6 +5,7 @@ with no prefix cache, and its logits against the dense float64 reference model. 
 are tiny so that eviction, SWA tombstones, revival and preemption all happen; the engine's
 check_integrity (pools + tree + page ownership) runs after every step.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,18 @@ from gcache.worker.model.transformer import Model
 from tests.support.engine_support import tree_nodes
 from tests.support.reference import check_against_reference
 
-CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                  page_size=8, vocab_size=512, dtype="float64")
+CFG = ModelConfig(
+    layers=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    window=32,
+    page_size=8,
+    vocab_size=512,
+    dtype="float64",
+)
 VOCAB = CFG.vocab_size
 
 
@@ -66,10 +77,12 @@ class Spy:
         self.tombstones = max(self.tombstones, len(self._tombstoned_full_pages(self.tree)))
 
 
-def make_engine(model, full_pages: int, swa_pages: int, prefix_cache: bool, policy: str = "ttft",
-                max_running: int = 4) -> Engine:
-    sc = SchedulerConfig(policy=policy, max_tokens_per_step=64, chunk_tokens=24, max_running=max_running,
-                         dedup_min_tokens=16)
+def make_engine(
+    model, full_pages: int, swa_pages: int, prefix_cache: bool, policy: str = "ttft", max_running: int = 4
+) -> Engine:
+    sc = SchedulerConfig(
+        policy=policy, max_tokens_per_step=64, chunk_tokens=24, max_running=max_running, dedup_min_tokens=16
+    )
     ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc)
     return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
 
@@ -122,8 +135,9 @@ def chat_script(seed: int) -> list:
     for turn in range(2):
         for conv in range(6):
             src = conv if turn == 0 else 7 + conv
-            params = SamplingParams(max_tokens=int(rng.integers(4, 24)), temperature=[0.0, 0.9][conv % 2],
-                                    seed=100 + conv)
+            params = SamplingParams(
+                max_tokens=int(rng.integers(4, 24)), temperature=[0.0, 0.9][conv % 2], seed=100 + conv
+            )
             script.append(("submit", follow_up(src, toks(int(rng.integers(2, 12)))), params))
         script.append(("step", 400))
     script.append(("submit", system + toks(9), greedy))  # the system prompt again, after pressure
@@ -182,8 +196,10 @@ def test_prefix_whose_window_was_evicted_is_recomputed_and_matchable_again(model
     assert again.cached_tokens == 0  # the window before page 10 is gone: not window-safe
     hit = run(engine, [("submit", shared + [8, 8, 8], greedy)], spy)[0]
     assert hit.cached_tokens == 80  # ... so the shared prefix is matchable again
-    plain = run(make_engine(model, 64, 24, prefix_cache=False), script + [
-        ("submit", shared + [9, 9], greedy), ("submit", shared + [8, 8, 8], greedy)])
+    plain = run(
+        make_engine(model, 64, 24, prefix_cache=False),
+        script + [("submit", shared + [9, 9], greedy), ("submit", shared + [8, 8, 8], greedy)],
+    )
     for a, b in zip(first + [again, hit], plain):
         assert a.output == b.output
         check_against_reference(model, a)
@@ -196,9 +212,11 @@ def workloads(draw):
     script, n_req = [], 0
     for _ in range(draw(st.integers(3, 16))):
         kind = draw(st.sampled_from(["new", "new", "turn", "step", "evict_swa"]))
-        params = SamplingParams(max_tokens=draw(st.integers(1, 30)),
-                                temperature=draw(st.sampled_from([0.0, 0.0, 0.7])),
-                                seed=draw(st.integers(0, 1000)))
+        params = SamplingParams(
+            max_tokens=draw(st.integers(1, 30)),
+            temperature=draw(st.sampled_from([0.0, 0.0, 0.7])),
+            seed=draw(st.integers(0, 1000)),
+        )
         suffix = draw(st.lists(st.integers(0, 255), min_size=0, max_size=40))
         if kind == "step":
             script.append(("step", draw(st.integers(1, 20))))
@@ -215,13 +233,19 @@ def workloads(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(script=workloads(), full_pages=st.integers(28, 64), swa_pages=st.integers(12, 16),
-       policy=st.sampled_from(["ttft", "fcfs"]))
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    script=workloads(),
+    full_pages=st.integers(28, 64),
+    swa_pages=st.integers(12, 16),
+    policy=st.sampled_from(["ttft", "fcfs"]),
+)
 def test_random_workloads_on_tiny_pools(model, script, full_pages, swa_pages, policy):
     """A turn waits for its source to finish (the step ops interleave the rest), so the
     prompt is known; integrity is checked after every step inside run()."""
+
     def settle_turns(engine):
         out = []
         for op in script:
@@ -235,9 +259,13 @@ def test_random_workloads_on_tiny_pools(model, script, full_pages, swa_pages, po
     got = run(engine, settle_turns(engine), spy)
     for r in got:
         check_against_reference(model, r)
-    for name, seen in (("evicted", spy.evictions), ("tombstoned", spy.tombstones),
-                       ("revived", spy.revivals), ("preempted", engine.metrics.snapshot()["preemptions_total"]),
-                       ("hit", sum(r.cached_tokens for r in got))):
+    for name, seen in (
+        ("evicted", spy.evictions),
+        ("tombstoned", spy.tombstones),
+        ("revived", spy.revivals),
+        ("preempted", engine.metrics.snapshot()["preemptions_total"]),
+        ("hit", sum(r.cached_tokens for r in got)),
+    ):
         if seen:
             event(name)  # --hypothesis-show-statistics shows how often each case came up
     assert engine.kv.full.num_used == engine.tree.cached_pages()[0]  # idle: only the tree holds pages
@@ -246,8 +274,14 @@ def test_random_workloads_on_tiny_pools(model, script, full_pages, swa_pages, po
 def test_bad_input_is_rejected_and_changes_nothing(model):
     engine = make_engine(model, 40, 14, prefix_cache=True)
     good = SamplingParams(max_tokens=4)
-    for prompt, msg in [([], "non-empty"), ([1, VOCAB], "token ids must be in"), ([-1], "token ids must be in"),
-                        ([1] * 401, "limit is 400"), ([[1, 2]], "non-empty list"), ([1] * 330, "KV pages")]:
+    for prompt, msg in [
+        ([], "non-empty"),
+        ([1, VOCAB], "token ids must be in"),
+        ([-1], "token ids must be in"),
+        ([1] * 401, "limit is 400"),
+        ([[1, 2]], "non-empty list"),
+        ([1] * 330, "KV pages"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             engine.add_request(prompt, good)
     with pytest.raises(ValueError, match="max_tokens 65 exceeds"):

@@ -3,6 +3,7 @@
 A real engine (tiny float64 model) in its own thread; the test plays the HTTP handler's
 part on an asyncio loop, as http_server does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,13 @@ def engine_thread():
 async def run_one(et: EngineThread, prompt, max_tokens: int, stops=(), stream=False, on_text=None):
     """Submit one request; return (events seen, request, output text)."""
     tok = ByteTokenizer(et.engine.vocab_size)
-    p = Pending(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), OutputText(tok, stops), stream,
-                asyncio.get_running_loop())
+    p = Pending(
+        prompt,
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        OutputText(tok, stops),
+        stream,
+        asyncio.get_running_loop(),
+    )
     et.submit(p)
     seen = []
     while True:
@@ -83,12 +89,15 @@ def test_stop_string_ends_the_request_on_the_step_that_produced_it(engine_thread
     _, full, full_out = asyncio.run(run_one(engine_thread, PROMPT, 40))
     data = bytes(full_out.data)
     # A 2-byte ASCII stop string whose first occurrence is at i >= 2.
-    i = next(i for i in range(2, len(data) - 1)
-             if all(32 <= b < 127 for b in data[i:i + 2]) and data.find(data[i:i + 2]) == i)
-    stop = data[i:i + 2].decode()
+    i = next(
+        i
+        for i in range(2, len(data) - 1)
+        if all(32 <= b < 127 for b in data[i : i + 2]) and data.find(data[i : i + 2]) == i
+    )
+    stop = data[i : i + 2].decode()
     seen, r, out = asyncio.run(run_one(engine_thread, PROMPT, 40, stops=(stop, "never-there"), stream=True))
     assert r.finish_reason == FINISH_STOP and out.stopped
-    assert list(r.output) == list(full.output[:i + 2])  # one token per byte: stopped right at the stop
+    assert list(r.output) == list(full.output[: i + 2])  # one token per byte: stopped right at the stop
     assert out.text == data[:i].decode("utf-8", errors="replace") and out.kept_tokens() == i
     assert seen[0] == "accepted" and seen[-1] == "done" and "text" in seen
     engine_thread.in_engine.run(lambda e: e.check_integrity())

@@ -1,4 +1,5 @@
 """gcache-worker over real HTTP: a real subprocess on a free port, stdlib client."""
+
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from gcache.worker.model.transformer import Model
 from tests.support.serving_support import TINY, WorkerProc, request
 
 pytestmark = pytest.mark.process  # starts processes
+
 
 class Worker(WorkerProc):
     """gcache-worker (tests.support.serving_support's launcher) and the calls these tests make."""
@@ -51,9 +53,12 @@ def test_completion_round_trip_matches_reference(worker):
     assert status == 200, r
     ids = r["choices"][0]["token_ids"]
     assert len(ids) == 8 and r["choices"][0]["finish_reason"] == "length"
-    assert r["usage"] == {"prompt_tokens": 70, "completion_tokens": 8, "total_tokens": 78,
-                          "prompt_tokens_details": {"cached_tokens": 0,
-                                                    "cached_tokens_by_tier": {"l1": 0, "l2": 0, "l3": 0}}}
+    assert r["usage"] == {
+        "prompt_tokens": 70,
+        "completion_tokens": 8,
+        "total_tokens": 78,
+        "prompt_tokens_details": {"cached_tokens": 0, "cached_tokens_by_tier": {"l1": 0, "l2": 0, "l3": 0}},
+    }
     assert r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"]
     # Greedy output equals the dense float64 reference model, token for token.
     ref = Model(ModelConfig(**TINY)).reference_logits(np.asarray(prompt + ids[:-1]))
@@ -81,26 +86,29 @@ def test_seeded_sampling_is_reproducible(worker):
     assert a[1]["choices"][0]["token_ids"] == b[1]["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("payload, fragment", [
-    (b"{not json", "not valid JSON"),
-    (b"[1, 2]", "JSON object"),
-    ({"max_tokens": 4}, "missing required field: prompt"),
-    ({"prompt": 42}, "prompt must be a string or a list"),
-    ({"prompt": ""}, "must not be empty"),
-    ({"prompt": [1, "a"]}, "prompt must be a string or a list"),
-    ({"prompt": ["a", "b"]}, "batched prompts"),
-    ({"prompt": [1, 99999]}, "out of range"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
-    ({"prompt": "x", "max_tokens": "5"}, "max_tokens must be an integer"),
-    ({"prompt": "x", "max_tokens": 65}, "exceeds the limit 64"),
-    ({"prompt": "x" * 601}, "limit is 600"),
-    ({"prompt": "x", "temperature": 3}, "temperature must be a number in [0, 2]"),
-    ({"prompt": "x", "seed": -1}, "seed must be an integer"),
-    ({"prompt": "x", "stream": "yes"}, "stream must be a boolean"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream=true"),
-    ({"prompt": "x", "n": 2}, "n=2 is not supported"),
-    ({"prompt": "x", "bogus": 1}, "unsupported field(s): bogus"),
-])
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        ({"max_tokens": 4}, "missing required field: prompt"),
+        ({"prompt": 42}, "prompt must be a string or a list"),
+        ({"prompt": ""}, "must not be empty"),
+        ({"prompt": [1, "a"]}, "prompt must be a string or a list"),
+        ({"prompt": ["a", "b"]}, "batched prompts"),
+        ({"prompt": [1, 99999]}, "out of range"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens must be an integer"),
+        ({"prompt": "x", "max_tokens": 65}, "exceeds the limit 64"),
+        ({"prompt": "x" * 601}, "limit is 600"),
+        ({"prompt": "x", "temperature": 3}, "temperature must be a number in [0, 2]"),
+        ({"prompt": "x", "seed": -1}, "seed must be an integer"),
+        ({"prompt": "x", "stream": "yes"}, "stream must be a boolean"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream=true"),
+        ({"prompt": "x", "n": 2}, "n=2 is not supported"),
+        ({"prompt": "x", "bogus": 1}, "unsupported field(s): bogus"),
+    ],
+)
 def test_bad_requests_get_400_with_a_clear_message(worker, payload, fragment):
     status, body = worker.complete(payload)
     assert status == 400, body
@@ -124,8 +132,9 @@ def test_health_and_metrics(worker):
     status, body, ctype = worker.get("/metrics")
     assert status == 200 and ctype.startswith("text/plain")
     text = body.decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     assert values["gcache_worker_requests_total"] >= 1
     assert values["gcache_worker_generation_tokens_total"] >= 3
     assert values['gcache_worker_ttft_seconds_bucket{le="+Inf"}'] == values["gcache_worker_ttft_seconds_count"]

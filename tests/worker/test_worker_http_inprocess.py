@@ -1,6 +1,7 @@
 """The worker's aiohttp app in process, on a real loopback socket: request timeouts, clients that
 go away mid-stream, and shutdown with a stream open. A step hook gates the engine thread so
 each case happens at a known point (no dependence on thread timing)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ class Gate:
 class InProcessWorker:
     def __init__(self, request_timeout_s: float) -> None:
         self.engine, name = build_engine(parse_args(WORKER_ARGS + ["--max-new-tokens", "1000", "--kv-budget-mib", "4"]))
-        app, self.engine_thread = make_app(self.engine, name, request_timeout_s=request_timeout_s, max_in_flight=4,
-                                           integrity_check_s=0)
+        app, self.engine_thread = make_app(
+            self.engine, name, request_timeout_s=request_timeout_s, max_in_flight=4, integrity_check_s=0
+        )
         self.gate, self.in_engine = Gate(), InEngine()
         self.engine_thread.add_step_hook(self.gate)
         self.engine_thread.add_step_hook(self.in_engine)
@@ -58,9 +60,11 @@ class InProcessWorker:
     def idle_and_clean(self) -> tuple[int, int, int, int]:
         """Once the engine has no work (bounded wait): its integrity checked, and (running,
         waiting, full pages used, full pages the cache owns)."""
+
         def state(e):
             e.check_integrity()
             return len(e.scheduler.running), len(e.scheduler.waiting), e.kv.full.num_used, e.cache.cached_pages()[0]
+
         deadline = time.monotonic() + WAIT_S
         while True:
             got = self.in_engine.run(state)
@@ -92,8 +96,9 @@ def worker():
 @pytest.mark.process
 def test_request_timeout_answers_504_and_cancels_the_work(worker):
     worker.gate.armed.set()  # the engine holds after the first token: the request cannot finish in time
-    status, body, _ = post_json(worker.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 500,
-                                                                 "temperature": 0, "ignore_eos": True})
+    status, body, _ = post_json(
+        worker.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    )
     assert status == 504 and body["error"]["message"] == "request did not finish within 2 s"
     worker.gate.open.set()
     running, waiting, used, tree_full = worker.idle_and_clean()
@@ -108,10 +113,14 @@ def test_request_timeout_answers_504_and_cancels_the_work(worker):
 def test_client_gone_mid_stream_cancels_the_request(worker):
     worker.gate.armed.set()
     s = socket.create_connection(("127.0.0.1", worker.port), timeout=WAIT_S)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-                       "stream": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    ).encode()
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     assert worker.gate.reached.wait(WAIT_S)
     assert s.recv(65536).startswith(b"HTTP/1.1 200")
     s.close()  # gone while the engine is held after its first token: 899 tokens were still to come
@@ -129,8 +138,11 @@ def test_shutdown_with_a_stream_open_ends_it_with_an_error_event(worker):
 
     def stream():
         conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=WAIT_S)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 900, "stream": True,
-                                                            "ignore_eos": True}).encode())
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": PROMPT, "max_tokens": 900, "stream": True, "ignore_eos": True}).encode(),
+        )
         resp = conn.getresponse()
         out.append((resp.status, parse_events(resp.read())))
         conn.close()

@@ -1,4 +1,5 @@
 """Paged KV pools: allocator invariants, budget sizing, a request's page tables."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,8 +51,11 @@ def test_check_integrity_detects_corruption():
 
 
 @settings(max_examples=60, deadline=None)
-@given(size=st.integers(0, 40), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 12)), max_size=60),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    size=st.integers(0, 40),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 12)), max_size=60),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_randomized_alloc_free_keeps_invariants(size, ops, seed):
     rng = np.random.default_rng(seed)
     pool, held = PagePool(size, "p"), set()
@@ -90,9 +94,12 @@ def test_dual_cache_shapes_and_page_bytes():
 
 
 @settings(max_examples=80, deadline=None)
-@given(budget=st.integers(0, 50_000_000), ratio=st.floats(0.01, 4.0),
-       pattern=st.sampled_from(["hybrid", "all_full", "all_swa"]),
-       dtype=st.sampled_from(["float32", "float64"]))
+@given(
+    budget=st.integers(0, 50_000_000),
+    ratio=st.floats(0.01, 4.0),
+    pattern=st.sampled_from(["hybrid", "all_full", "all_swa"]),
+    dtype=st.sampled_from(["float32", "float64"]),
+)
 def test_from_budget_respects_the_budget(budget, ratio, pattern, dtype):
     cfg = {"hybrid": CFG, "all_full": CFG.all_full(), "all_swa": CFG.all_swa()}[pattern].with_dtype(dtype)
     full, swa = DualKVCache.pages_for_budget(cfg, budget, ratio)
@@ -131,10 +138,18 @@ def test_request_grow_is_all_or_nothing():
     kv.check_integrity()
 
 
-@pytest.mark.parametrize("length,expected_window", [
-    (0, range(0, 0)), (100, range(0, 7)), (128, range(0, 8)), (129, range(0, 9)),
-    (144, range(1, 9)), (145, range(1, 10)), (1000, range(54, 63)),
-])
+@pytest.mark.parametrize(
+    "length,expected_window",
+    [
+        (0, range(0, 0)),
+        (100, range(0, 7)),
+        (128, range(0, 8)),
+        (129, range(0, 9)),
+        (144, range(1, 9)),
+        (145, range(1, 10)),
+        (1000, range(54, 63)),
+    ],
+)
 def test_swa_window_pages(length, expected_window):
     """The window pages cover tokens [length - W, length): the contract's swa_tail_pages."""
     req = RequestKV(16, 128)

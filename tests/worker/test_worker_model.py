@@ -1,4 +1,5 @@
 """The hybrid SWA model: paged forward == dense reference, window semantics, weights I/O."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,18 @@ from gcache.worker.model.transformer import Model
 
 SEQ = 160  # > W = 128, so the window matters in SWA layers
 # A small hybrid model (layer 6 full, 0-5 SWA) with W = 32 for the quicker tests.
-TINY = ModelConfig(layers=7, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-                   vocab_size=512, window=32, page_size=8, dtype="float64")
+TINY = ModelConfig(
+    layers=7,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    vocab_size=512,
+    window=32,
+    page_size=8,
+    dtype="float64",
+)
 
 
 def scattered_cache(cfg: ModelConfig, pages: int, seed: int) -> DualKVCache:
@@ -41,7 +52,7 @@ def run_paged(model, kv, tokens, rng, decode_steps=0, poison=True):
     while i < len(seq):
         n = min(int(rng.integers(1, 90)), len(seq) - i)
         assert req.grow(kv, i + n)
-        out.append(model.forward(seq[i:i + n], np.arange(i, i + n), req, kv, all_logits=True))
+        out.append(model.forward(seq[i : i + n], np.arange(i, i + n), req, kv, all_logits=True))
         i += n
         freed = [req.swa_pages[j] for j in req.swa_out_of_window()]
         req.free_swa_out_of_window(kv)
@@ -78,8 +89,9 @@ def test_paged_forward_tiny_model_many_windows():
     """Context of 5 windows, chunks up to 90 tokens (longer than W): still exact."""
     model = Model(TINY, xp=np)
     rng = np.random.default_rng(17)
-    paged, seq = run_paged(model, scattered_cache(TINY, 40, seed=4), rng.integers(0, 512, 160).tolist(),
-                           rng, decode_steps=6)
+    paged, seq = run_paged(
+        model, scattered_cache(TINY, 40, seed=4), rng.integers(0, 512, 160).tolist(), rng, decode_steps=6
+    )
     np.testing.assert_allclose(paged, model.reference_logits(seq), rtol=0, atol=1e-9)
 
 
@@ -199,8 +211,18 @@ def test_forward_rejects_bad_input_and_changes_nothing():
 
 
 # ---- weights ------------------------------------------------------------------------
-SMALL = ModelConfig(layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96,
-                    vocab_size=300, window=16, page_size=4, seed=42)
+SMALL = ModelConfig(
+    layers=3,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=96,
+    vocab_size=300,
+    window=16,
+    page_size=4,
+    seed=42,
+)
 
 
 def test_seeded_weights_are_deterministic():
@@ -227,7 +249,7 @@ def test_safetensors_header_layout(tmp_path):
     wmod.save_safetensors(path, SMALL, wmod.init_weights(SMALL))
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert n % 8 == 0
     assert ModelConfig.from_json(header["__metadata__"]["gcache_config"]) == SMALL
     e = header["embed.weight"]
@@ -253,18 +275,22 @@ def _write_st(path, tensors: dict[str, tuple[str, list[int], bytes]], meta=None)
 def test_safetensors_reads_f16_and_bf16(tmp_path):
     vals = np.array([1.5, -2.0, 0.25], dtype=np.float32)
     bf16 = (vals.view(np.uint32) >> 16).astype("<u2").tobytes()
-    _write_st(tmp_path / "x.safetensors", {"a": ("F16", [3], vals.astype("<f2").tobytes()),
-                                           "b": ("BF16", [1, 3], bf16)})
+    _write_st(
+        tmp_path / "x.safetensors", {"a": ("F16", [3], vals.astype("<f2").tobytes()), "b": ("BF16", [1, 3], bf16)}
+    )
     t, meta = wmod.read_safetensors(tmp_path / "x.safetensors")
     assert meta == {}
     assert np.array_equal(t["a"], vals.astype(np.float16)) and np.array_equal(t["b"][0], vals)
 
 
-@pytest.mark.parametrize("bad,msg", [
-    ({"a": ("F32", [4], b"\0" * 12)}, "byte length"),
-    ({"a": ("I8", [4], b"\0" * 4)}, "unsupported dtype"),
-    ({"a": ("F32", [1], b"\0" * 4), "b": {"dtype": "F32"}}, "malformed header entry"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ({"a": ("F32", [4], b"\0" * 12)}, "byte length"),
+        ({"a": ("I8", [4], b"\0" * 4)}, "unsupported dtype"),
+        ({"a": ("F32", [1], b"\0" * 4), "b": {"dtype": "F32"}}, "malformed header entry"),
+    ],
+)
 def test_safetensors_rejects_malformed_files(tmp_path, bad, msg):
     _write_st(tmp_path / "bad.safetensors", bad)
     with pytest.raises(ValueError, match=msg):
@@ -276,8 +302,12 @@ def test_safetensors_rejects_truncated_and_overlapping(tmp_path):
     p.write_bytes(struct.pack("<Q", 10_000) + b"{}")
     with pytest.raises(ValueError, match="header length"):
         wmod.read_safetensors(p)
-    raw = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()
+    raw = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        }
+    ).encode()
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 12)
     with pytest.raises(ValueError, match="overlap"):
         wmod.read_safetensors(p)

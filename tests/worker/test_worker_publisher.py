@@ -2,6 +2,7 @@
 Redis hung or killed under it (the engine never waits on Redis, buffers stay bounded, the
 state heals by a resync), and with a real gcache-server as L3 (a prefix L3 holds counts for
 a worker that never saw it)."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ class Client:
 
     def complete(self, prompt: list[int], max_tokens: int = 4):
         async def go():
-            p = Pending(prompt, SamplingParams(max_tokens=max_tokens), OutputText(ByteTokenizer(CFG.vocab_size)),
-                        False, asyncio.get_running_loop())
+            p = Pending(
+                prompt,
+                SamplingParams(max_tokens=max_tokens),
+                OutputText(ByteTokenizer(CFG.vocab_size)),
+                False,
+                asyncio.get_running_loop(),
+            )
             self.et.submit(p)
             while True:
                 kind, value = await asyncio.wait_for(p.events.get(), 30)
@@ -59,6 +65,7 @@ class Client:
                     return value
                 if kind == "error":
                     raise value
+
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(60)
 
     def close(self) -> None:
@@ -86,6 +93,7 @@ def test_engine_thread_hook_publishes_and_a_router_routes_to_it(model, redis_pro
         def routed_with_cache() -> bool:
             core.refresh()
             return URL_A in core.workers() and core.explain(follow)[URL_A]["l1"] > 0
+
         wait_until(routed_with_cache)
         assert core.pick(follow) == URL_A
         assert client.complete(follow).cached_tokens == core.explain(follow)[URL_A]["l1"]
@@ -111,8 +119,12 @@ def test_hung_redis_never_blocks_the_engine_and_buffers_stay_bounded(model, redi
     redis_proc.pause()
     sizes = []
     try:
-        run(eng, [tokens(rng, int(rng.integers(20, 90))) for _ in range(12)], pub,
-            after_step=lambda: sizes.append(len(pub.events.dirty) + len(pub.events.l3)))
+        run(
+            eng,
+            [tokens(rng, int(rng.integers(20, 90))) for _ in range(12)],
+            pub,
+            after_step=lambda: sizes.append(len(pub.events.dirty) + len(pub.events.l3)),
+        )
     finally:
         redis_proc.resume()
     assert max(sizes) <= 8 and pub.events.stats["dropped"] > 0
@@ -127,8 +139,9 @@ def test_hung_redis_never_blocks_the_engine_and_buffers_stay_bounded(model, redi
 
 def test_killed_redis_heals_with_a_resync(model, redis_proc):
     eng = engine(model, full_pages=48, swa_pages=24)
-    pub = WorkerPublisher(eng, PublisherConfig(redis_proc.url, URL_A, interval_s=0, ttl_s=60, events_max=4),
-                          start_thread=False)
+    pub = WorkerPublisher(
+        eng, PublisherConfig(redis_proc.url, URL_A, interval_s=0, ttl_s=60, events_max=4), start_thread=False
+    )
     rng = np.random.default_rng(9)
     run(eng, [tokens(rng, 40)], pub)
     assert pub.flush()

@@ -1,4 +1,5 @@
 """The two scheduling policies: one shared budgeting and dedup, two orders; bounds; exactness."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,8 @@ def test_fcfs_gives_the_oldest_request_the_whole_step_then_the_next():
     a, b, c = req(300, 0.0), req(10, 1.0, 1), req(20, 2.0, 2)
     for r in (a, b, c):
         s.submit(r)
-    assert plan_of(s, 3.0, 256) == [(a, 256)]                      # vLLM / SGLang: no per-request cap
-    assert plan_of(s, 3.0, 400) == [(a, 300), (b, 10), (c, 20)]     # what a leaves goes on in order
+    assert plan_of(s, 3.0, 256) == [(a, 256)]  # vLLM / SGLang: no per-request cap
+    assert plan_of(s, 3.0, 400) == [(a, 300), (b, 10), (c, 20)]  # what a leaves goes on in order
     assert plan_of(s, 3.0, 305) == [(a, 300), (b, 5)]
     capped = sched(policy="fcfs", chunk_tokens=128)  # a cap (both policies) makes room for the next ...
     for r in (a, b, c):
@@ -87,8 +88,12 @@ def test_every_plan_respects_budget_cap_slots_and_uses_the_whole_step(policy):
     they need), and leaves budget unused only when every eligible candidate got all it needs."""
     rng = np.random.default_rng(1)
     for trial in range(200):
-        s = sched(policy=policy, max_running=int(rng.integers(1, 9)), chunk_tokens=int(rng.integers(1, 300)),
-                  max_tokens_per_step=512)
+        s = sched(
+            policy=policy,
+            max_running=int(rng.integers(1, 9)),
+            chunk_tokens=int(rng.integers(1, 300)),
+            max_tokens_per_step=512,
+        )
         for i in range(int(rng.integers(0, 12))):
             r = req(int(rng.integers(1, 600)), float(rng.random() * 10), 31 * i + trial)
             s.submit(r)
@@ -127,15 +132,18 @@ def test_waiting_queue_is_bounded_and_admissions_respect_max_running():
     assert len(s.plan(now=10.0, budget=256)) == 2
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"policy": "lifo"}, "policy must be one of"),
-    ({"max_waiting": 0}, "max_waiting must be >= 1"),
-    ({"chunk_tokens": 0}, "chunk_tokens must be >= 1"),
-    ({"max_running": 600, "max_tokens_per_step": 512}, "max_running must be <="),
-    ({"max_wait_s": 0}, "max_wait_s"),
-    ({"aging_tokens_per_s": -1.0}, "aging_tokens_per_s"),
-    ({"dedup_min_tokens": 0}, "dedup_min_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"policy": "lifo"}, "policy must be one of"),
+        ({"max_waiting": 0}, "max_waiting must be >= 1"),
+        ({"chunk_tokens": 0}, "chunk_tokens must be >= 1"),
+        ({"max_running": 600, "max_tokens_per_step": 512}, "max_running must be <="),
+        ({"max_wait_s": 0}, "max_wait_s"),
+        ({"aging_tokens_per_s": -1.0}, "aging_tokens_per_s"),
+        ({"dedup_min_tokens": 0}, "dedup_min_tokens must be >= 1"),
+    ],
+)
 def test_config_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SchedulerConfig(**kw)
@@ -175,16 +183,17 @@ def test_in_flight_prefix_is_not_computed_twice_under_both_policies(policy):
 
 
 # ---- the scheduler inside the real engine (simulated compute, virtual clock) -------------------
-CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                  page_size=8, vocab_size=512)
+CFG = ModelConfig(
+    layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32, page_size=8, vocab_size=512
+)
 
 
 def sim_engine(policy: str, full_pages=512, swa_pages=256, **kw) -> tuple[Engine, VirtualClock]:
     clock = VirtualClock()
-    sc = SchedulerConfig(**{"policy": policy, "max_tokens_per_step": 128, "chunk_tokens": 128,
-                            "max_running": 8, **kw})
-    return Engine(SimulatedModel(CFG, clock), DualKVCache(CFG, full_pages, swa_pages),
-                  EngineConfig(scheduler=sc), clock=clock), clock
+    sc = SchedulerConfig(**{"policy": policy, "max_tokens_per_step": 128, "chunk_tokens": 128, "max_running": 8, **kw})
+    return Engine(
+        SimulatedModel(CFG, clock), DualKVCache(CFG, full_pages, swa_pages), EngineConfig(scheduler=sc), clock=clock
+    ), clock
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -200,7 +209,7 @@ def test_dedup_turns_the_second_shared_prompt_into_a_cache_hit_under_both_polici
     eng.run_until_idle(on_step=eng.check_integrity)
     assert (a.cached_tokens, b.cached_tokens) == (0, 296)  # 37 whole pages of the 300 shared tokens
     assert eng.metrics.snapshot()["prefill_tokens_computed_total"] == 303 + 7
-    off, _ = sim_engine(policy, dedup_min_tokens=10**9)   # the ablation: both compute it
+    off, _ = sim_engine(policy, dedup_min_tokens=10**9)  # the ablation: both compute it
     a2, b2 = off.add_request(shared + [1, 2, 3], P), off.add_request(shared + [4, 5, 6], P)
     off.run_until_idle(on_step=off.check_integrity)
     assert a2.cached_tokens == 0 and b2.cached_tokens in (0, 296)
@@ -289,8 +298,18 @@ def test_short_requests_keep_moving_behind_a_stream_of_long_ones(max_wait_s):
 
 
 # ---- exactness: the policies change when, never what ---------------------------------------------
-MODEL_CFG = ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, window=32,
-                        page_size=8, vocab_size=512, dtype="float64")
+MODEL_CFG = ModelConfig(
+    layers=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    window=32,
+    page_size=8,
+    vocab_size=512,
+    dtype="float64",
+)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -306,12 +325,12 @@ def test_token_outputs_equal_a_no_cache_engine_with_dedup_and_groups_active(poli
             prompt = [int(t) for t in rng.integers(0, 512, size=int(rng.integers(5, 40)))]
         else:
             prompt = docs[i % 2] + [int(t) for t in rng.integers(0, 512, size=int(rng.integers(2, 9)))]
-        script.append((prompt, SamplingParams(max_tokens=int(rng.integers(2, 9)), temperature=[0.0, 0.8][i % 2],
-                                              seed=i)))
+        script.append(
+            (prompt, SamplingParams(max_tokens=int(rng.integers(2, 9)), temperature=[0.0, 0.8][i % 2], seed=i))
+        )
     outs = {}
     for cached in (True, False):
-        sc = SchedulerConfig(policy=policy, max_tokens_per_step=48, chunk_tokens=48, max_running=4,
-                             dedup_min_tokens=16)
+        sc = SchedulerConfig(policy=policy, max_tokens_per_step=48, chunk_tokens=48, max_running=4, dedup_min_tokens=16)
         eng = Engine(model, DualKVCache(MODEL_CFG, 48, 20), EngineConfig(prefix_cache=cached, scheduler=sc))
         reqs = []
         for k, (prompt, params) in enumerate(script):

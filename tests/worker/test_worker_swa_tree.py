@@ -1,6 +1,7 @@
 """SWA-aware radix tree: one test per rule, then a random workload against two oracles
 (a brute-force window-safe match over a flat dict of the tree's pages, and simulated KV
 contents that catch any page the tree hands out for the wrong tokens)."""
+
 from __future__ import annotations
 
 import random
@@ -42,7 +43,7 @@ def snapshot(tree):
 def test_tail_pages_cover_the_w_tokens_before_the_match_point():
     assert tail_start_page(10, 16, 128) == 2 and tail_pages(10, 16, 128) == 8
     assert tail_pages(3, 16, 128) == 3  # short prefix: every page
-    assert tail_pages(10, 4, 10) == 3   # W not a multiple of the page: round out
+    assert tail_pages(10, 4, 10) == 3  # W not a multiple of the page: round out
     assert swa_keep_pages(12, 4, 8) == {10, 11}
     assert swa_keep_pages(12, 4, 8, ends=[5]) == {3, 4, 10, 11}
     assert swa_keep_pages(12, 4, 8, checkpoint_pages=4) == {2, 3, 6, 7, 10, 11}
@@ -53,10 +54,10 @@ def test_match_leaves_a_token_to_compute_and_honours_max_len():
     tree = make_tree()
     s = seq(1, 6)
     assert put(tree, s) == 6
-    assert tree.match(s).prefix_len == 20          # whole input cached, default keeps one token
+    assert tree.match(s).prefix_len == 20  # whole input cached, default keeps one token
     assert tree.match(s, max_len=24).prefix_len == 24
     assert tree.match(s, max_len=9).prefix_len == 8
-    m = tree.match(s + [7, 7])                     # partial trailing page is ignored
+    m = tree.match(s + [7, 7])  # partial trailing page is ignored
     assert m.prefix_len == 24 and m.present_len == 24 and len(m.full_pages) == 6
     assert tree.match(seq(2, 6)).prefix_len == 0
     tree.check_integrity([], [])
@@ -79,7 +80,7 @@ def test_tombstone_before_the_window_does_not_matter():
     tree = make_tree()
     s = seq(1, 12)
     put(tree, s)
-    assert tree.evict(0, 1) == (0, 1)              # frees the head page's SWA (page 0)
+    assert tree.evict(0, 1) == (0, 1)  # frees the head page's SWA (page 0)
     # diverge after page 5: prefix of 5 pages needs pages 1..4 only
     assert tree.match(s[:20] + seq(9, 2)).prefix_len == 20
     assert tree.match(s[:16] + seq(9, 2)).prefix_len == 0  # needs page 0
@@ -94,7 +95,7 @@ def test_match_mid_node_splits_and_reports_where_input_branches_off():
     m = tree.match(s[:20] + seq(9, 3))
     assert m.prefix_len == 20 and m.present_len == 20
     assert tree.num_nodes == 2 and m.node.end == 5
-    put(tree, s[:20] + seq(9, 3))                   # branch at page 5
+    put(tree, s[:20] + seq(9, 3))  # branch at page 5
     assert tree.num_nodes == 3
     tree.check_integrity([], [])
 
@@ -113,7 +114,7 @@ def test_insert_frees_duplicates_and_revives_tombstones():
     tree = make_tree()
     s = seq(1, 12)
     put(tree, s)
-    tree.evict(0, 8)                                # tier 0: SWA of pages 0..7
+    tree.evict(0, 8)  # tier 0: SWA of pages 0..7
     assert tree.cached_pages() == (12, 4)
     assert tree.match(s[:24] + seq(9, 1)).prefix_len == 0
     full = tree.full_pool.alloc(12)
@@ -142,8 +143,9 @@ def test_insert_accepts_the_trees_own_pages_back_at_their_position():
     tree.check_integrity([], [])
 
 
-@pytest.mark.parametrize("case", ["misaligned", "negative", "unallocated", "dup", "owned_elsewhere",
-                                  "length", "missing_full"])
+@pytest.mark.parametrize(
+    "case", ["misaligned", "negative", "unallocated", "dup", "owned_elsewhere", "length", "missing_full"]
+)
 def test_bad_insert_raises_and_changes_nothing(case):
     tree = make_tree()
     s = seq(1, 4)
@@ -180,7 +182,7 @@ def test_locks_protect_full_path_and_swa_window_tail():
     m = tree.match(s + [0])
     tree.lock(m.node)
     tree.check_integrity([], [])
-    assert tree.evict(100, 100) == (0, 8)           # only SWA outside the 4-page tail can go
+    assert tree.evict(100, 100) == (0, 8)  # only SWA outside the 4-page tail can go
     assert tree.match(s + [0]).prefix_len == 48
     tree.unlock(m.node)
     assert tree.evict(100, 100) == (12, 4)
@@ -189,7 +191,7 @@ def test_locks_protect_full_path_and_swa_window_tail():
     with pytest.raises(ValueError):
         tree.unlock(m.node)
     with pytest.raises(ValueError):
-        tree.lock(m.node)                          # evicted node
+        tree.lock(m.node)  # evicted node
 
 
 def test_split_of_a_locked_node_keeps_lock_counts_exact():
@@ -198,7 +200,7 @@ def test_split_of_a_locked_node_keeps_lock_counts_exact():
     put(tree, s)
     m = tree.match(s + [0])
     tree.lock(m.node)
-    put(tree, s[:12] + seq(5, 4))                   # splits the locked node at page 3
+    put(tree, s[:12] + seq(5, 4))  # splits the locked node at page 3
     tree.check_integrity([], [])
     tree.unlock(m.node)
     tree.check_integrity([], [])
@@ -211,7 +213,7 @@ def test_full_phase_evicts_least_recent_leaf_first():
     a, b = seq(1, 6), seq(2, 6)
     put(tree, a)
     put(tree, b)
-    tree.match(a + [0])                             # a is now the most recent
+    tree.match(a + [0])  # a is now the most recent
     assert tree.evict(1, 0) == (6, 6)
     assert tree.match(a + [0]).prefix_len == 24 and tree.match(b + [0]).prefix_len == 0
     tree.check_integrity([], [])
@@ -220,11 +222,11 @@ def test_full_phase_evicts_least_recent_leaf_first():
 def test_swa_phase_frees_far_pages_then_stale_ends_then_oldest_live_tail():
     tree = make_tree()
     c = seq(3, 6)
-    put(tree, c)                                    # oldest branch
+    put(tree, c)  # oldest branch
     t1 = seq(1, 8)
     put(tree, t1)
     t2 = t1 + seq(1, 8, 8)
-    put(tree, t2)                                   # turn 2 extends turn 1: t1's end is stale
+    put(tree, t2)  # turn 2 extends turn 1: t1's end is stale
     # tier 0: c pages 0..1, t2-leaf pages 8..11, t1 pages 0..3 (10 pages)
     assert tree.evict(0, 10) == (0, 10)
     assert tree.match(c + [0]).prefix_len == 24 and tree.match(t2 + [0]).prefix_len == 64
@@ -244,13 +246,13 @@ def test_node_limit_evicts_lru_leaf_or_skips_insert_when_all_locked():
     a, b, c = seq(1, 3), seq(2, 3), seq(3, 3)
     put(tree, a)
     put(tree, b)
-    put(tree, c)                                    # evicts a
+    put(tree, c)  # evicts a
     assert tree.num_nodes == 2 and tree.match(a).prefix_len == 0
     locks = [tree.match(x + [0]).node for x in (b, c)]
     for n in locks:
         tree.lock(n)
     free_before = tree.full_pool.num_free
-    assert put(tree, seq(4, 3)) == 0                # no room: its pages go back
+    assert put(tree, seq(4, 3)) == 0  # no room: its pages go back
     assert tree.full_pool.num_free == free_before
     for n in locks:
         tree.unlock(n)
@@ -285,7 +287,7 @@ def oracle_match(tree, flat, tokens, max_len):
         if tuple(keys[:p]) not in flat:
             break
         lo = tail_start_page(p, PS, tree.window)
-        if all(flat[tuple(keys[:i + 1])] for i in range(lo, p)):
+        if all(flat[tuple(keys[: i + 1])] for i in range(lo, p)):
             best = p
     return best
 
@@ -296,7 +298,7 @@ class Workload:
     def __init__(self, rng: random.Random, window: int, full: int, swa: int, nodes_max: int):
         self.rng = rng
         self.tree = SWARadixTree(PS, window, PagePool(full, "full"), PagePool(swa, "swa"), nodes_max)
-        self.content_full: dict[int, tuple] = {}   # simulated KV: page id -> tokens it encodes
+        self.content_full: dict[int, tuple] = {}  # simulated KV: page id -> tokens it encodes
         self.content_swa: dict[int, tuple] = {}
         self.running: list[dict] = []
 
@@ -310,10 +312,10 @@ class Workload:
 
     def check_match(self, m, tokens):
         for i, f in enumerate(m.full_pages):
-            assert self.content_full[f] == tuple(tokens[:(i + 1) * PS]), "full page holds other tokens"
+            assert self.content_full[f] == tuple(tokens[: (i + 1) * PS]), "full page holds other tokens"
         for i, s in enumerate(m.swa_pages):
             if s is not None:
-                assert self.content_swa[s] == tuple(tokens[:(i + 1) * PS]), "swa page holds other tokens"
+                assert self.content_swa[s] == tuple(tokens[: (i + 1) * PS]), "swa page holds other tokens"
         p = m.prefix_len // PS
         assert all(m.swa_pages[i] is not None for i in range(tail_start_page(p, PS, self.tree.window), p))
 
@@ -345,13 +347,19 @@ class Workload:
             return
         swa_by_page = dict(zip(new_swa, swa))
         for i in range(done, n):  # "compute" the KV of the new pages
-            self.content_full[full[i - done]] = tuple(tokens[:(i + 1) * PS])
+            self.content_full[full[i - done]] = tuple(tokens[: (i + 1) * PS])
             if i in swa_by_page:
-                self.content_swa[swa_by_page[i]] = tuple(tokens[:(i + 1) * PS])
-        self.running.append(dict(tokens=tokens[:n * PS], node=m.node,
-                                 full=list(m.full_pages) + full,
-                                 swa=list(m.swa_pages) + [swa_by_page.get(i) for i in range(done, n)],
-                                 own_full=full, own_swa=swa))
+                self.content_swa[swa_by_page[i]] = tuple(tokens[: (i + 1) * PS])
+        self.running.append(
+            dict(
+                tokens=tokens[: n * PS],
+                node=m.node,
+                full=list(m.full_pages) + full,
+                swa=list(m.swa_pages) + [swa_by_page.get(i) for i in range(done, n)],
+                own_full=full,
+                own_swa=swa,
+            )
+        )
 
     def finish(self):
         if not self.running:
@@ -370,9 +378,13 @@ class Workload:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), ops=st.lists(st.sampled_from("ssffe"), min_size=1, max_size=80),
-       window=st.sampled_from([4, 8, 10, 16]), pools=st.sampled_from([(12, 6), (24, 24), (40, 10)]),
-       nodes_max=st.sampled_from([3, 1000]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    ops=st.lists(st.sampled_from("ssffe"), min_size=1, max_size=80),
+    window=st.sampled_from([4, 8, 10, 16]),
+    pools=st.sampled_from([(12, 6), (24, 24), (40, 10)]),
+    nodes_max=st.sampled_from([3, 1000]),
+)
 def test_random_workload_keeps_invariants_and_matches_oracle(seed, ops, window, pools, nodes_max):
     wl = Workload(random.Random(seed), window, pools[0], pools[1], nodes_max)
     for op in ops:

@@ -8,6 +8,7 @@ waits. `CupyBackend` runs them on a GPU; `HostMemoryBackend` runs them on host
 memory, in stream order, so the staging code (gcache.client.device.staging) is
 tested on a CPU exactly as it runs on a GPU.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,6 +56,7 @@ def any_device_array(buffers) -> bool:
 
 class DeviceRange(NamedTuple):
     """`nbytes` bytes of device memory at `ptr`; `stream` is the producer's stream handle."""
+
     ptr: int
     nbytes: int
     stream: int | None = None
@@ -71,8 +73,8 @@ def device_range(obj, writable: bool, what: str) -> DeviceRange:
     strides = cai.get("strides")
     if strides is not None and not _c_contiguous(shape, tuple(strides), itemsize):
         raise errors.InvalidArgumentError(
-            f"{what}: the device array is not C-contiguous: pass a contiguous array "
-            "(cupy.ascontiguousarray)")
+            f"{what}: the device array is not C-contiguous: pass a contiguous array (cupy.ascontiguousarray)"
+        )
     if writable and readonly:
         raise errors.InvalidArgumentError(f"{what}: the target device array is read-only")
     return DeviceRange(ptr, itemsize * math.prod(shape), cai.get("stream"))
@@ -187,12 +189,14 @@ class CupyBackend(DeviceBackend):
         except ImportError as exc:
             raise DeviceUnavailableError(
                 f"a device (GPU) array was passed, but cupy is not importable ({exc}): "
-                "pip install cupy-cuda12x, or pass host buffers") from None
+                "pip install cupy-cuda12x, or pass host buffers"
+            ) from None
         try:
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as exc:  # CUDARuntimeError, or a CUDA library that does not load
             raise DeviceUnavailableError(
-                f"a device array was passed, but CUDA is not usable: {type(exc).__name__}: {exc}") from None
+                f"a device array was passed, but CUDA is not usable: {type(exc).__name__}: {exc}"
+            ) from None
         if count < 1:
             raise DeviceUnavailableError("a device array was passed, but no CUDA device is visible")
         self._cupy = cupy
@@ -202,16 +206,19 @@ class CupyBackend(DeviceBackend):
 
     def alloc_pinned(self, nbytes: int) -> memoryview:
         import numpy as np
+
         memory = self._cupy.cuda.alloc_pinned_memory(nbytes)
         return memoryview(np.frombuffer(memory, np.uint8, nbytes))  # keeps `memory` alive
 
     def copy_h2d_async(self, device_ptr, host, nbytes):
-        self._runtime.memcpyAsync(device_ptr, view_address(host), nbytes,
-                                  self._runtime.memcpyHostToDevice, self._stream.ptr)
+        self._runtime.memcpyAsync(
+            device_ptr, view_address(host), nbytes, self._runtime.memcpyHostToDevice, self._stream.ptr
+        )
 
     def copy_d2h_async(self, device_ptr, host, nbytes):
-        self._runtime.memcpyAsync(view_address(host), device_ptr, nbytes,
-                                  self._runtime.memcpyDeviceToHost, self._stream.ptr)
+        self._runtime.memcpyAsync(
+            view_address(host), device_ptr, nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr
+        )
 
     def synchronize(self) -> None:
         self._stream.synchronize()

@@ -18,6 +18,7 @@ for puts, BufferTooSmallError / ChecksumMismatchError / ValueTooLargeError with
 `.results` once every key was tried. Lists may mix host and device buffers. One
 client's device calls take turns on its staging buffer.
 """
+
 from __future__ import annotations
 
 import threading
@@ -51,13 +52,15 @@ class _Chunk(NamedTuple):
 class DeviceStaging:
     """One client's pinned staging buffer (allocated at first use), cut into slots."""
 
-    def __init__(self, backend: DeviceBackend, staging_bytes: int = STAGING_BYTES_DEFAULT,
-                 slot_bytes: int = SLOT_BYTES_DEFAULT):
+    def __init__(
+        self, backend: DeviceBackend, staging_bytes: int = STAGING_BYTES_DEFAULT, slot_bytes: int = SLOT_BYTES_DEFAULT
+    ):
         if not isinstance(staging_bytes, int) or not isinstance(slot_bytes, int) or slot_bytes < 1:
             raise errors.InvalidArgumentError("staging_bytes and slot_bytes must be ints >= 1")
         if staging_bytes < 2 * slot_bytes:
             raise errors.InvalidArgumentError(
-                "staging_bytes must hold two slots at least (one read or put while the other copies)")
+                "staging_bytes must hold two slots at least (one read or put while the other copies)"
+            )
         self.backend = backend
         self.staging_bytes = staging_bytes
         self.slot_bytes = slot_bytes
@@ -74,7 +77,7 @@ class DeviceStaging:
 
     def _slot(self, slot: int, offset: int, nbytes: int) -> memoryview:
         base = slot * self.slot_bytes + offset
-        return self._staging()[base:base + nbytes]
+        return self._staging()[base : base + nbytes]
 
     def _plan(self, capacities: list) -> tuple[list[_Chunk], list[int]]:
         """Chunks whose device items fit one slot, in key order, and the device items
@@ -103,8 +106,7 @@ class DeviceStaging:
 
     def _begin(self, items: list) -> None:
         self.stats["calls"] += 1
-        self.backend.order_after({item.stream for item in items
-                                  if isinstance(item, DeviceRange) and item.stream})
+        self.backend.order_after({item.stream for item in items if isinstance(item, DeviceRange) and item.stream})
 
     def _end(self) -> None:
         self.backend.synchronize()  # nothing of this call is left in flight
@@ -134,8 +136,10 @@ class DeviceStaging:
     def _get_chunk(self, client, final: BatchResult, chunk: _Chunk, targets: list, capacities: list) -> None:
         self.stats["chunks"] += 1
         self._reuse(chunk.slot)
-        views = [targets[i] if off is None else self._slot(chunk.slot, off, capacities[i])
-                 for i, off in zip(chunk.indices, chunk.offsets)]
+        views = [
+            targets[i] if off is None else self._slot(chunk.slot, off, capacities[i])
+            for i, off in zip(chunk.indices, chunk.offsets)
+        ]
         sizes, _ = _call(client._get_views, final, chunk.indices, views, report_too_small=True)
         copies = []  # (device ptr, slot offset, bytes), merged where both sides are contiguous
         for i, off, size in zip(chunk.indices, chunk.offsets, sizes):
@@ -155,7 +159,7 @@ class DeviceStaging:
         """A target larger than a slot: read into the whole buffer (values up to its
         size), or for a larger value into a temporary pinned buffer of its size."""
         self.stats["large"] += 1
-        host = self._staging()[:min(target.nbytes, self.staging_bytes)]
+        host = self._staging()[: min(target.nbytes, self.staging_bytes)]
         (size,), too_small = _call(client._get_views, final, [i], [host], report_too_small=False)
         if too_small and too_small[0] <= target.nbytes:
             # Fits the target, not the staging buffer. If the key was replaced by a
@@ -187,8 +191,7 @@ class DeviceStaging:
                     if k + 1 < len(chunks):  # the next chunk's copies overlap this put
                         staged = self._stage_put(chunks[k + 1], sources)
                     self.backend.wait(mark)
-                    answers, _ = _call(client._put_views, final, chunk.indices, views,
-                                       report_too_small=True)
+                    answers, _ = _call(client._put_views, final, chunk.indices, views, report_too_small=True)
                     for i, ok in zip(chunk.indices, answers):
                         final.values[i] = ok
                 self.backend.synchronize()
@@ -224,7 +227,7 @@ class DeviceStaging:
     def _put_large(self, client, final: BatchResult, i: int, source: DeviceRange) -> None:
         self.stats["large"] += 1
         if source.nbytes <= self.staging_bytes:
-            host = self._staging()[:source.nbytes]
+            host = self._staging()[: source.nbytes]
         else:
             self.stats["temporary_bytes"] += source.nbytes
             host = self.backend.alloc_pinned(source.nbytes)
@@ -281,8 +284,9 @@ def staging_for(client) -> DeviceStaging:
     return staging
 
 
-def attach(client, backend: DeviceBackend, staging_bytes: int = STAGING_BYTES_DEFAULT,
-           slot_bytes: int = SLOT_BYTES_DEFAULT) -> DeviceStaging:
+def attach(
+    client, backend: DeviceBackend, staging_bytes: int = STAGING_BYTES_DEFAULT, slot_bytes: int = SLOT_BYTES_DEFAULT
+) -> DeviceStaging:
     """Gives `client` its own staging on `backend` (another size, or HostMemoryBackend)."""
     staging = DeviceStaging(backend, staging_bytes, slot_bytes)
     with _attach_lock:
@@ -298,7 +302,8 @@ def _items(client, n: int, buffers, sizes, offsets, writable: bool, what: str) -
     if not isinstance(buffers, (list, tuple)):
         if offsets is None or sizes is None:
             raise errors.InvalidArgumentError(
-                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)")
+                f"{what}: with one buffer for all keys, pass offsets and sizes (one per key)"
+            )
         base = device_range(buffers, writable, what)
         return [slice_range(base, o, s, what) for o, s in zip(offsets, sizes)]
     if len(buffers) != n:
@@ -313,8 +318,7 @@ def _items(client, n: int, buffers, sizes, offsets, writable: bool, what: str) -
                 base = ranges[id(buf)] = device_range(buf, writable, what)
             items.append(slice_range(base, offset, size, what))
         else:
-            items.append(client._views(1, [buf], None if size is None else [size], [offset],
-                                       writable, what)[0])
+            items.append(client._views(1, [buf], None if size is None else [size], [offset], writable, what)[0])
     return items
 
 

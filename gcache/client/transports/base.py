@@ -22,6 +22,7 @@ Implementations: TcpTransport (here), ShmTransport (gcache.client.transports.shm
 RdmaTransport (gcache.client.transports.rdma); `open_transport`
 (gcache.client.transports.choose) picks one.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -52,8 +53,9 @@ class Transport(ABC):
         """A new framed stream to the server."""
 
     @abstractmethod
-    def get_ops(self, result: BatchResult, slices: list[tuple[int, int]], verify: bool,
-                targets: list | None) -> list[Operation]:
+    def get_ops(
+        self, result: BatchResult, slices: list[tuple[int, int]], verify: bool, targets: list | None
+    ) -> list[Operation]:
         """Operations reading keys [lo, hi) of each slice: into `targets` (one byte
         view per key of the batch) or, with None, as new bytes objects."""
 

@@ -11,6 +11,7 @@ the client is created:
 Asking for "shm" or "rdma" explicitly raises TransportUnavailableError with
 the reason when it cannot work.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,21 +44,24 @@ def _shm(address, timeout_s, connect_timeout_s, token, copy_threads) -> tuple[Tr
 
     if token:
         raise errors.TransportUnavailableError(
-            "shared memory is off with authentication: the arena holds every tenant's values")
+            "shared memory is off with authentication: the arena holds every tenant's values"
+        )
     try:
         path, instance = discover(address, timeout_s, connect_timeout_s)
     except errors.GCacheError as exc:
         raise errors.TransportUnavailableError(f"cannot ask {address} for its Unix socket: {exc}") from exc
     if path is None:
         raise errors.TransportUnavailableError(
-            f"gcache-server at {address} offers no Unix socket (--unix-socket, or it has --auth-file)")
+            f"gcache-server at {address} offers no Unix socket (--unix-socket, or it has --auth-file)"
+        )
     if not os.path.exists(path):
         raise errors.TransportUnavailableError(
             f"gcache-server at {address} listens on {path}, which this process cannot see: "
-            "it runs on another host or in another filesystem namespace")
-    transport = ShmTransport(address, path, timeout_s, connect_timeout_s,
-                             expected_instance=instance,
-                             copy_threads=copy_threads)
+            "it runs on another host or in another filesystem namespace"
+        )
+    transport = ShmTransport(
+        address, path, timeout_s, connect_timeout_s, expected_instance=instance, copy_threads=copy_threads
+    )
     try:
         return transport, transport.connect()
     except errors.TransportUnavailableError:
@@ -88,8 +92,9 @@ def _rdma(address, timeout_s, connect_timeout_s, token) -> tuple[Transport, Conn
         raise
 
 
-def open_transport(kind: str | None, address: str, timeout_s: float, connect_timeout_s: float,
-                   token: str | None, copy_threads: int = 0) -> tuple[Transport, Connection | None]:
+def open_transport(
+    kind: str | None, address: str, timeout_s: float, connect_timeout_s: float, token: str | None, copy_threads: int = 0
+) -> tuple[Transport, Connection | None]:
     """The transport for `kind`, and the connection opened while choosing it (or None)."""
     kind = transport_kind(kind)
     if kind == "tcp":
@@ -98,8 +103,10 @@ def open_transport(kind: str | None, address: str, timeout_s: float, connect_tim
         return _shm(address, timeout_s, connect_timeout_s, token, copy_threads)
     if kind == "rdma":
         return _rdma(address, timeout_s, connect_timeout_s, token)
-    for name, pick in (("shm", lambda: _shm(address, timeout_s, connect_timeout_s, token, copy_threads)),
-                       ("rdma", lambda: _rdma(address, timeout_s, connect_timeout_s, token))):
+    for name, pick in (
+        ("shm", lambda: _shm(address, timeout_s, connect_timeout_s, token, copy_threads)),
+        ("rdma", lambda: _rdma(address, timeout_s, connect_timeout_s, token)),
+    ):
         try:
             return pick()
         except errors.TransportUnavailableError as exc:

@@ -9,6 +9,7 @@ READs from the server's registered arena into a registered staging buffer
 the bytes between staging and the caller's buffers and verifies every value's
 xxh64 in the same pass. A value is never returned unless its bytes match.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,9 +26,9 @@ from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
 from gcache.wire import rdma_verbs
 from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header, encode_meta
 
-STAGING_BYTES = 16 << 20      # per connection; a batch larger than this moves in rounds
-STAGING_BYTES_MAX = 1 << 32   # grown only for one value larger than the staging buffer
-QUEUE_DEPTH = 64              # work requests in flight per queue pair
+STAGING_BYTES = 16 << 20  # per connection; a batch larger than this moves in rounds
+STAGING_BYTES_MAX = 1 << 32  # grown only for one value larger than the staging buffer
+QUEUE_DEPTH = 64  # work requests in flight per queue pair
 STAGING_ALIGN = 64
 _IDLE_POLLS_BEFORE_SLEEP = 200
 _POLL_SLEEP_S = 50e-6
@@ -66,8 +67,17 @@ class RdmaArena:
 
     lease_s = float("inf")
 
-    def __init__(self, device, qp, address: str, addr: int, rkey: int, size: int, timeout_s: float,
-                 staging_bytes: int = STAGING_BYTES):
+    def __init__(
+        self,
+        device,
+        qp,
+        address: str,
+        addr: int,
+        rkey: int,
+        size: int,
+        timeout_s: float,
+        staging_bytes: int = STAGING_BYTES,
+    ):
         self.address = address  # the server's, for messages
         self.size = size
         self._device = device
@@ -84,24 +94,31 @@ class RdmaArena:
         if not isinstance(addr, int) or not isinstance(rkey, int) or not rkey:
             raise errors.ProtocolError(
                 f"gcache-server at {self.address} answered without its RDMA region (addr {addr!r}, rkey "
-                f"{rkey!r}): it stopped offering RDMA; reconnect, or use transport='tcp'")
+                f"{rkey!r}): it stopped offering RDMA; reconnect, or use transport='tcp'"
+            )
         self._remote = (addr, rkey)
 
     def read_into(self, offsets, lens, sums, dests, verify: bool = True) -> list[int]:
         wanted = [i for i, d in enumerate(dests) if d is not None and lens[i] >= 0]
         bad = []
         for batch, local in self._read_rounds(offsets, lens, wanted, bad):
-            bad.extend(batch[j] for j in shm_read_into(
-                self._staging.map, local, [lens[i] for i in batch], [sums[i] for i in batch],
-                [dests[i] for i in batch]))
+            bad.extend(
+                batch[j]
+                for j in shm_read_into(
+                    self._staging.map,
+                    local,
+                    [lens[i] for i in batch],
+                    [sums[i] for i in batch],
+                    [dests[i] for i in batch],
+                )
+            )
         return sorted(bad)
 
     def read_values(self, offsets, lens, sums, verify: bool = True):
         values = [None] * len(lens)
         bad = []
         for batch, local in self._read_rounds(offsets, lens, [i for i, n in enumerate(lens) if n >= 0], bad):
-            got, failed = shm_read_values(self._staging.map, local, [lens[i] for i in batch],
-                                          [sums[i] for i in batch])
+            got, failed = shm_read_values(self._staging.map, local, [lens[i] for i in batch], [sums[i] for i in batch])
             for j, i in enumerate(batch):
                 values[i] = got[j]
             bad.extend(batch[j] for j in failed)
@@ -116,7 +133,8 @@ class RdmaArena:
             if not 0 <= off <= self.size - len(views[i]):
                 raise errors.ProtocolError(
                     f"gcache-server at {self.address} reserved a block outside its arena "
-                    f"(offset {off}, {len(views[i])} bytes, arena {self.size})")
+                    f"(offset {off}, {len(views[i])} bytes, arena {self.size})"
+                )
             wanted.append(i)
         for batch, local in self._rounds(wanted, [len(v) for v in views]):
             written = shm_write_from(self._staging.map, local, [views[i] for i in batch])
@@ -162,8 +180,10 @@ class RdmaArena:
 
     def _grow(self, size: int) -> None:
         if size > STAGING_BYTES_MAX:
-            raise errors.ProtocolError(f"a value of {size} bytes is larger than the RDMA staging limit "
-                                       f"({STAGING_BYTES_MAX}); use transport='tcp'")
+            raise errors.ProtocolError(
+                f"a value of {size} bytes is larger than the RDMA staging limit "
+                f"({STAGING_BYTES_MAX}); use transport='tcp'"
+            )
         new_size = self._staging.size
         while new_size < size:
             new_size *= 2
@@ -196,7 +216,9 @@ class RdmaArena:
                         raise errors.ConnectionError(
                             f"RDMA {what} of {items[wr_id][2]} bytes from gcache-server at {self.address} "
                             f"failed (work completion status {status}); the queue pair is unusable, "
-                            "the client reconnects", self.address)
+                            "the client reconnects",
+                            self.address,
+                        )
                 done += len(completions)
                 if completions:
                     idle = 0
@@ -204,7 +226,9 @@ class RdmaArena:
                 if time.monotonic() > deadline:
                     raise errors.TimeoutError(
                         f"RDMA {what}s of {total} bytes with gcache-server at {self.address} did not complete "
-                        f"within {allowed_s:.1f}s", self.address)
+                        f"within {allowed_s:.1f}s",
+                        self.address,
+                    )
                 idle += 1
                 if idle >= _IDLE_POLLS_BEFORE_SLEEP:  # let other threads run (the GIL)
                     time.sleep(_POLL_SLEEP_S)
@@ -212,7 +236,8 @@ class RdmaArena:
             raise
         except Exception as exc:  # pyverbs errors: posting or polling failed
             raise errors.ConnectionError(
-                f"RDMA {what} with gcache-server at {self.address} failed: {exc}", self.address) from exc
+                f"RDMA {what} with gcache-server at {self.address} failed: {exc}", self.address
+            ) from exc
 
 
 class RdmaConnection(Connection):
@@ -246,7 +271,8 @@ def rdma_connect(conn: Connection, endpoint: dict) -> dict:
         if not isinstance(answer.get(name), int) or answer[name] <= 0:
             conn.broken = True
             raise errors.ProtocolError(
-                f"gcache-server at {conn.address} answered RDMA_CONNECT without {name!r} ({answer!r})")
+                f"gcache-server at {conn.address} answered RDMA_CONNECT without {name!r} ({answer!r})"
+            )
     return answer
 
 
@@ -258,14 +284,22 @@ class RdmaTransport(Transport):
     pipeline_depth = 2
     put_chunk_bytes = PUT_CHUNK_BYTES_MAX
 
-    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float, token: str | None,
-                 device=None, staging_bytes: int | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        connect_timeout_s: float,
+        token: str | None,
+        device=None,
+        staging_bytes: int | None = None,
+    ):
         """`device`: an opened rdma_verbs.Device (default: $GCACHE_RDMA_DEVICE, else the
         host's first). TransportUnavailableError saying why when RDMA cannot work."""
         super().__init__(address)
         if token:
             raise errors.TransportUnavailableError(
-                "RDMA is off with authentication: the registered arena holds every tenant's values")
+                "RDMA is off with authentication: the registered arena holds every tenant's values"
+            )
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._staging_bytes = STAGING_BYTES if staging_bytes is None else staging_bytes
@@ -286,8 +320,16 @@ class RdmaTransport(Transport):
                     qp.connect(rdma_verbs.parse_endpoint(answer))
                 except ValueError as exc:
                     raise errors.ProtocolError(f"gcache-server at {self.address}: {exc}") from exc
-                conn.arena = RdmaArena(self._device, qp, self.address, answer["addr"], answer["rkey"],
-                                       answer["arena_bytes"], self._timeout_s, self._staging_bytes)
+                conn.arena = RdmaArena(
+                    self._device,
+                    qp,
+                    self.address,
+                    answer["addr"],
+                    answer["rkey"],
+                    answer["arena_bytes"],
+                    self._timeout_s,
+                    self._staging_bytes,
+                )
                 self.put_chunk_bytes = put_chunk_for(answer["reserve_bytes_max"])
             except BaseException:
                 qp.close()

@@ -8,6 +8,7 @@ Reads and writes copy between the mapping and the caller's buffers natively
 (gcache._native.shm_*: GIL released, several threads for large batches,
 each value's xxh64 computed in the same pass).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -38,8 +39,7 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
     finally:
         conn.close()
     path, instance = result.meta.get("unix"), result.meta.get("instance")
-    return (path if isinstance(path, str) and path else None,
-            instance if isinstance(instance, str) else None)
+    return (path if isinstance(path, str) and path else None, instance if isinstance(instance, str) else None)
 
 
 class MappedArena:
@@ -88,10 +88,18 @@ def attach(conn: Connection) -> tuple[int, dict]:
             raise errors.ProtocolError(f"gcache-server at {conn.address} answered SHM_ATTACH out of order")
         size, instance, reserve = meta.get("arena_bytes"), meta.get("instance"), meta.get("reserve_bytes_max")
         lease_ms = meta.get("lease_ms")
-        if (fd is None or not isinstance(size, int) or size <= 0 or not isinstance(instance, str)
-                or not isinstance(reserve, int) or reserve <= 0 or not isinstance(lease_ms, int)):
+        if (
+            fd is None
+            or not isinstance(size, int)
+            or size <= 0
+            or not isinstance(instance, str)
+            or not isinstance(reserve, int)
+            or reserve <= 0
+            or not isinstance(lease_ms, int)
+        ):
             raise errors.ProtocolError(
-                f"gcache-server at {conn.address} answered SHM_ATTACH without an arena ({meta!r})")
+                f"gcache-server at {conn.address} answered SHM_ATTACH without an arena ({meta!r})"
+            )
     except BaseException:
         if fd is not None:
             os.close(fd)
@@ -109,8 +117,15 @@ class ShmTransport(Transport):
     # one connection may hold reserved (the server says how much at attach).
     put_chunk_bytes = PUT_CHUNK_BYTES_MAX
 
-    def __init__(self, address: str, unix_path: str, timeout_s: float, connect_timeout_s: float,
-                 expected_instance: str | None = None, copy_threads: int = 0):
+    def __init__(
+        self,
+        address: str,
+        unix_path: str,
+        timeout_s: float,
+        connect_timeout_s: float,
+        expected_instance: str | None = None,
+        copy_threads: int = 0,
+    ):
         super().__init__(address)
         self.unix_path = unix_path
         self._timeout_s = timeout_s
@@ -148,7 +163,8 @@ class ShmTransport(Transport):
             if self._expected_instance is not None and instance != self._expected_instance:
                 raise errors.TransportUnavailableError(
                     f"the Unix socket {self.unix_path} leads to another gcache-server than "
-                    f"{self.address}; use transport='tcp'")
+                    f"{self.address}; use transport='tcp'"
+                )
             self._expected_instance = None  # checked once: later a restarted server may answer
             if self._arena is None or self._arena.instance != instance:
                 # Connections to an older instance keep its mapping until they die.

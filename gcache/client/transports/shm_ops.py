@@ -12,6 +12,7 @@ written bytes), then a COMMIT that publishes the blocks; the server checks the
 checksums again. How bytes move is the connection's `arena` (an ArenaCopier):
 memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
 """
+
 from __future__ import annotations
 
 import time
@@ -62,7 +63,7 @@ class LookupOp(_ValuesOp):
         self.sent_at = 0.0
 
     def part(self, lo, hi):
-        targets = None if self.targets is None else self.targets[lo - self.lo:hi - self.lo]
+        targets = None if self.targets is None else self.targets[lo - self.lo : hi - self.lo]
         return LookupOp(self.result, lo, hi, targets, self.verify)
 
     def frame(self, request_id, epoch=None):
@@ -163,8 +164,7 @@ class ReserveOp(Operation):
 
     opcode = Opcode.RESERVE
 
-    def __init__(self, result: BatchResult, lo: int, hi: int, values: list, first: bool = True,
-                 last: bool = True):
+    def __init__(self, result: BatchResult, lo: int, hi: int, values: list, first: bool = True, last: bool = True):
         super().__init__(result, lo, hi)
         self.values = values  # byte views for keys lo..hi-1
         self.first = first  # a batch in several RESERVEs is one chain for the eviction policy
@@ -172,8 +172,9 @@ class ReserveOp(Operation):
         self.commit: CommitOp | None = None
 
     def request_meta_bytes(self, epoch):
-        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values],
-                                    "cont": not self.first, "last": self.last}, epoch)
+        return encode_request_meta(
+            {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first, "last": self.last}, epoch
+        )
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -229,6 +230,4 @@ def lookup_ops(result, slices, targets, verify: bool):
 
 def reserve_ops(result, slices, views):
     last = len(slices) - 1
-    return [ReserveOp(result, lo, hi, views[lo:hi], first=k == 0, last=k == last)
-            for k, (lo, hi) in enumerate(slices)]
-
+    return [ReserveOp(result, lo, hi, views[lo:hi], first=k == 0, last=k == last) for k, (lo, hi) in enumerate(slices)]

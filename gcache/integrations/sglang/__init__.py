@@ -5,6 +5,7 @@ backend (the HiCacheStorage class), settings (extra_config and the connection), 
 (page keys per KV pool), prefix (prefix checks), store (store failures become misses), stats,
 testing (helpers for the tests and benches, not used by the backend itself).
 """
+
 __all__ = ["GCacheHiCacheStorage"]
 
 
@@ -13,5 +14,6 @@ def __getattr__(name):
     # they stay importable (and testable) without SGLang installed.
     if name == "GCacheHiCacheStorage":
         from gcache.integrations.sglang.backend import GCacheHiCacheStorage
+
         return GCacheHiCacheStorage
     raise AttributeError(f"module 'gcache.integrations.sglang' has no attribute {name!r}")

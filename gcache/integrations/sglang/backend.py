@@ -14,6 +14,7 @@ the constructor: a missing or unreachable store fails the attach with a clear
 error. From then on no call raises: a store failure is a miss, a False, or a
 shorter prefix (store.GuardedStore). Keys: keys.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,19 +42,27 @@ def connect(settings: BackendSettings):
     """A client that has just reached the store; a clear error if it cannot."""
     client = None
     try:
-        client = gcache.Client(settings.url, timeout_s=settings.timeout_s,
-                               connect_timeout_s=settings.connect_timeout_s,
-                               retries=settings.retries, transport=settings.transport)
+        client = gcache.Client(
+            settings.url,
+            timeout_s=settings.timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            retries=settings.retries,
+            transport=settings.transport,
+        )
         answer = client.ping()
     except errors.GCacheError as exc:
         if client is not None:
             client.close()
-        raise ConnectionError(f"GCache backend: cannot reach the store at {settings.url}: {exc}. "
-                              "Start gcache-server (or fix gcache_url / GCACHE_URL)") from exc
+        raise ConnectionError(
+            f"GCache backend: cannot reach the store at {settings.url}: {exc}. "
+            "Start gcache-server (or fix gcache_url / GCACHE_URL)"
+        ) from exc
     if settings.url.startswith("gcache://") and not any(isinstance(a, dict) for a in answer.values()):
         client.close()
-        raise ConnectionError(f"GCache backend: no node of the cluster at {settings.url} "
-                              f"answered: {answer or 'the cluster map lists no nodes'}")
+        raise ConnectionError(
+            f"GCache backend: no node of the cluster at {settings.url} "
+            f"answered: {answer or 'the cluster map lists no nodes'}"
+        )
     return client
 
 
@@ -71,14 +80,18 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
         self.mem_pool_host = None
         self.registered_pools = {}
-        self._pages: dict = {}          # pool name -> PoolPages (v1 KV under "kv")
-        self._logical: set = set()      # pools that own indices but no bytes
-        self._flat = None               # v0 keys (one flat page per key)
+        self._pages: dict = {}  # pool name -> PoolPages (v1 KV under "kv")
+        self._logical: set = set()  # pools that own indices but no bytes
+        self._flat = None  # v0 keys (one flat page per key)
         self._registered_ptrs: set = set()
         self._written: OrderedDict = OrderedDict()
         self._written_lock = threading.Lock()
-        log.info("GCache HiCache backend: store %s, keys ...%s, interface_v1=%s",
-                 self.settings.url, self.builder.suffix, self.settings.interface_v1)
+        log.info(
+            "GCache HiCache backend: store %s, keys ...%s, interface_v1=%s",
+            self.settings.url,
+            self.builder.suffix,
+            self.settings.interface_v1,
+        )
 
     # -- registration --------------------------------------------------------------
 
@@ -134,14 +147,14 @@ class GCacheHiCacheStorage(HiCacheStorage):
     def _write(self, entry_keys, buffers, sizes, per_page) -> list[bool]:
         # Like SGLang's own backends, probe first: a page already stored (a shared
         # prefix) costs one EXISTS entry instead of its bytes on the wire.
-        stored = self.store.exists_flags(entry_keys) if self.settings.skip_existing \
-            else [False] * len(entry_keys)
+        stored = self.store.exists_flags(entry_keys) if self.settings.skip_existing else [False] * len(entry_keys)
         missing = [i for i, ok in enumerate(stored) if not ok]
         self.stats.count("entries_skipped_existing", len(entry_keys) - len(missing))
         if missing:
             keys = [entry_keys[i] for i in missing]
-            done = self.store.put_from(keys, [buffers[i] for i in missing],
-                                       None if sizes is None else [sizes[i] for i in missing])
+            done = self.store.put_from(
+                keys, [buffers[i] for i in missing], None if sizes is None else [sizes[i] for i in missing]
+            )
             for i, ok in zip(missing, done):
                 stored[i] = ok
             self._remember([k for k, ok in zip(keys, done) if ok])
@@ -168,8 +181,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
             self.stats.count("pages_missed", len(ok) - sum(ok))
         else:
             self.stats.count("pages_write_failed", len(ok) - sum(ok))
-        self.stats.sample("backup" if writing else "prefetch", hit, hit * pages.page_bytes,
-                          time.perf_counter() - start)
+        self.stats.sample("backup" if writing else "prefetch", hit, hit * pages.page_bytes, time.perf_counter() - start)
         return ok
 
     # -- v1: zero copy ------------------------------------------------------------------
@@ -228,12 +240,14 @@ class GCacheHiCacheStorage(HiCacheStorage):
             spans.append((transfer, len(asks), len(entry_keys), pages))
             asks.extend(entry_keys)
         flags = self.store.exists_flags(asks) if asks else []  # one round trip for every pool
-        kv_pages = len(keys) if kv_logical else \
-            leading_pages(pages_present(flags[:len(kv_keys)], kv_per_page))
+        kv_pages = len(keys) if kv_logical else leading_pages(pages_present(flags[: len(kv_keys)], kv_per_page))
         pools = []
         for transfer, start, count, pages in spans:
-            present = [True] * kv_pages if pages is None else \
-                pages_present(flags[start:start + count], pages.per_page)[:kv_pages]
+            present = (
+                [True] * kv_pages
+                if pages is None
+                else pages_present(flags[start : start + count], pages.per_page)[:kv_pages]
+            )
             window = len(transfer.keys) if transfer.keys else 1  # SGLang's trailing-window size
             policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
             pools.append((transfer.name, policy, window, present))
@@ -241,8 +255,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         return PoolTransferResult(final, hits, restorable)
 
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
-        return self._safely("batch_exists_v2", PoolTransferResult.empty(), self._exists_v2,
-                            keys, pool_transfers)
+        return self._safely("batch_exists_v2", PoolTransferResult.empty(), self._exists_v2, keys, pool_transfers)
 
     def _move_v2(self, transfers, writing: bool) -> dict:
         results, spans = {}, []
@@ -275,7 +288,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
                 got = self.store.get_into(all_keys, all_ptrs, all_sizes)
                 ok = [g is not None and g == s for g, s in zip(got, all_sizes)]
             for name, start, count, per_page in spans:
-                results[name] = pages_present(ok[start:start + count], per_page)
+                results[name] = pages_present(ok[start : start + count], per_page)
         return results
 
     def _failed_v2(self, transfers) -> dict:

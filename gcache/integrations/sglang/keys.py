@@ -17,12 +17,12 @@ pool and the socket. The key (see gcache.wire.keys.KeyBuilder) is
   context parallelism and "_dcp{r}_{n}_page{p}" under decode context parallelism;
 - tp suffix: MHA shards differ per TP rank; MLA (rank-replicated) keys omit it.
 """
+
 from __future__ import annotations
 
 from gcache.wire.keys import POOL_FULL, KeyBuilder
 
-LAYOUT_CODES = {"layer_first": "lf", "page_first": "pf", "page_first_direct": "pfd",
-                "page_head": "ph"}
+LAYOUT_CODES = {"layer_first": "lf", "page_first": "pf", "page_first_direct": "pfd", "page_head": "ph"}
 # SGLang names its main KV pool "kv" (PoolName.KV) or "__default__".
 _KV_POOL_NAMES = ("kv", "__default__")
 PART_PAGE = "page"
@@ -41,29 +41,38 @@ def pool_tag(pool_name) -> str:
 def layout_code(layout: str) -> str:
     code = LAYOUT_CODES.get(layout)
     if code is None:
-        raise KeyLayoutError(f"host pool layout {layout!r} is not supported by the GCache backend "
-                        f"(supported: {sorted(LAYOUT_CODES)}); start SGLang with "
-                        "--hicache-mem-layout page_first (or another of those)")
+        raise KeyLayoutError(
+            f"host pool layout {layout!r} is not supported by the GCache backend "
+            f"(supported: {sorted(LAYOUT_CODES)}); start SGLang with "
+            "--hicache-mem-layout page_first (or another of those)"
+        )
     return code
 
 
 def key_builder(storage_config, namespace: str | None) -> KeyBuilder:
     """The KeyBuilder of one rank, from SGLang's HiCacheStorageConfig."""
     if getattr(storage_config, "should_split_heads", False):
-        raise KeyLayoutError("heterogeneous TP (extra_config tp_lcm_size with page_head) is not "
-                        "supported by the GCache backend: drop tp_lcm_size")
+        raise KeyLayoutError(
+            "heterogeneous TP (extra_config tp_lcm_size with page_head) is not "
+            "supported by the GCache backend: drop tp_lcm_size"
+        )
     model = "-".join((storage_config.model_name or "default").split("/"))
     cp_size = getattr(storage_config, "attn_cp_size", 1) or 1
     if cp_size > 1:  # each context-parallel rank holds a disjoint slice of every page
         model += f"_cp{storage_config.attn_cp_rank}_{cp_size}"
     dcp_size = getattr(storage_config, "dcp_size", 1) or 1
     if dcp_size > 1:  # MLA shards: equal across DCP groups, different within one
-        model += (f"_dcp{storage_config.dcp_rank}_{dcp_size}"
-                  f"_page{storage_config.logical_page_size}")
+        model += f"_dcp{storage_config.dcp_rank}_{dcp_size}_page{storage_config.logical_page_size}"
     try:
-        return KeyBuilder(model=model, namespace=namespace, tp_rank=storage_config.tp_rank,
-                          tp_size=storage_config.tp_size, pp_rank=storage_config.pp_rank,
-                          pp_size=storage_config.pp_size, is_mla=storage_config.is_mla_model)
+        return KeyBuilder(
+            model=model,
+            namespace=namespace,
+            tp_rank=storage_config.tp_rank,
+            tp_size=storage_config.tp_size,
+            pp_rank=storage_config.pp_rank,
+            pp_size=storage_config.pp_size,
+            is_mla=storage_config.is_mla_model,
+        )
     except ValueError as exc:
         raise KeyLayoutError(f"cannot build GCache keys for this rank: {exc}") from None
 
@@ -77,16 +86,14 @@ def entry_parts(entries_per_page: int, split_kv: bool) -> list[tuple[str, int | 
         if entries_per_page % 2:
             raise KeyLayoutError(f"a K/V pool gave {entries_per_page} buffers per page (expected K/V pairs)")
         layers = entries_per_page // 2
-        return [(part, layer if layers > 1 else None)
-                for layer in range(layers) for part in ("k", "v")]
+        return [(part, layer if layers > 1 else None) for layer in range(layers) for part in ("k", "v")]
     return [("kv", layer if entries_per_page > 1 else None) for layer in range(entries_per_page)]
 
 
 class PoolKeys:
     """Keys of one host pool's pages: `entries(page_hashes)` lists every entry key, page by page."""
 
-    def __init__(self, builder: KeyBuilder, pool_name, layout: str,
-                 parts: list[tuple[str, int | None]]):
+    def __init__(self, builder: KeyBuilder, pool_name, layout: str, parts: list[tuple[str, int | None]]):
         base = f"{pool_tag(pool_name)}-{layout_code(layout)}"
         self.builder = builder
         self.parts = [(f"{base}-{part}", layer) for part, layer in parts]

@@ -6,6 +6,7 @@ page, how many entries a page has and how large each is, registers the pool's
 memory with the client, and from then on turns `host_indices` into pointers that
 `batch_get_into` / `batch_put_from` read and write in place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,11 +48,11 @@ class PoolPages:
             raise KeyLayoutError(
                 f"pool {pool_name!s}: get_page_buffer_meta gave {len(ptrs)} pointers and "
                 f"{len(sizes)} sizes for one page; the GCache backend needs one int pointer "
-                "and size per entry")
+                "and size per entry"
+            )
         self.entry_sizes = [int(s) for s in sizes]
         split_kv = getattr(host_pool, "v_buffer", None) is not None
-        self.keys = PoolKeys(builder, pool_name, host_pool.layout,
-                             entry_parts(len(ptrs), split_kv))
+        self.keys = PoolKeys(builder, pool_name, host_pool.layout, entry_parts(len(ptrs), split_kv))
         self.page_bytes = sum(self.entry_sizes)
 
     @property
@@ -71,6 +72,7 @@ class PoolPages:
             raise ValueError(f"{len(page_hashes)} page keys but host indices for {pages} pages")
         ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices)
         if len(ptrs) != pages * self.per_page:
-            raise ValueError(f"get_page_buffer_meta gave {len(ptrs)} entries for {pages} pages "
-                             f"(expected {self.per_page} per page)")
+            raise ValueError(
+                f"get_page_buffer_meta gave {len(ptrs)} entries for {pages} pages (expected {self.per_page} per page)"
+            )
         return self.keys.entries(page_hashes), ptrs, sizes

@@ -6,6 +6,7 @@ there. For hybrid models SGLang asks per pool: `all_pages` pools must hold every
 page of the prefix, `trailing_pages` pools (SWA, Mamba state) only the last
 `window` pages before the cut, so 5 pages can be restorable while 4 are not.
 """
+
 from __future__ import annotations
 
 ALL_PAGES = "all_pages"
@@ -14,7 +15,7 @@ TRAILING_PAGES = "trailing_pages"
 
 def pages_present(flags: list, per_page: int) -> list[bool]:
     """Per page: are all `per_page` consecutive entry flags true?"""
-    return [all(flags[i:i + per_page]) for i in range(0, len(flags), per_page)]
+    return [all(flags[i : i + per_page]) for i in range(0, len(flags), per_page)]
 
 
 def leading_pages(present: list[bool]) -> int:
@@ -30,8 +31,7 @@ def restorable_cuts(kv_pages: int, policy: str, window: int, present: list[bool]
         return list(range(1, leading_pages(present[:kv_pages]) + 1))
     if policy == TRAILING_PAGES:
         window = max(1, window)
-        return [cut for cut in range(1, kv_pages + 1)
-                if all(present[max(0, cut - window):cut])]
+        return [cut for cut in range(1, kv_pages + 1) if all(present[max(0, cut - window) : cut])]
     raise ValueError(f"hit policy {policy!r} is not supported by the GCache backend")
 
 

@@ -5,6 +5,7 @@ SGLang's HiCache logs `storage_backend.get_stats()` as a StorageMetrics
 bandwidth in GB/s, drained at every read. Its module pulls in SGLang's whole
 server stack, so outside a running SGLang a dataclass of the same fields stands in.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,6 +28,7 @@ class StorageMetricsShape:
 def _metrics_class():
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics
+
         return StorageMetrics
     except Exception:  # not inside a full SGLang install: any import failure counts
         return StorageMetricsShape
@@ -35,8 +37,16 @@ def _metrics_class():
 class BackendStats:
     """Thread-safe counters (always on) plus SGLang's batch samples (when metrics are on)."""
 
-    COUNTERS = ("pages_read", "pages_missed", "pages_written", "entries_skipped_existing",
-                "pages_write_failed", "exists_calls", "store_errors", "calls_while_suspect")
+    COUNTERS = (
+        "pages_read",
+        "pages_missed",
+        "pages_written",
+        "entries_skipped_existing",
+        "pages_write_failed",
+        "exists_calls",
+        "store_errors",
+        "calls_while_suspect",
+    )
 
     def __init__(self, samples_enabled: bool):
         self.samples_enabled = samples_enabled

@@ -7,6 +7,7 @@ prefix. After a connection failure the store is "suspect" for `suspect_s`: calls
 answer at once instead of each waiting out a timeout, and the first call after
 that window tries the store again (that is how the backend recovers).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,14 @@ from gcache.common.breaker import Breaker
 log = logging.getLogger("gcache.integrations.sglang")
 
 # Failures of the store or the path to it: the store goes suspect.
-_OUTAGE = (errors.ConnectionError, errors.TimeoutError, errors.ProtocolError,
-           errors.PoolExhaustedError, errors.ServerError, OSError)
+_OUTAGE = (
+    errors.ConnectionError,
+    errors.TimeoutError,
+    errors.ProtocolError,
+    errors.PoolExhaustedError,
+    errors.ServerError,
+    OSError,
+)
 # Per-key problems reported after the rest of the batch was served: keep the answers.
 _PARTIAL = (errors.BufferTooSmallError, errors.ValueTooLargeError, errors.ChecksumMismatchError)
 
@@ -46,8 +53,12 @@ class GuardedStore:
         except _OUTAGE as exc:
             self.stats.count("store_errors")
             if self._breaker.fail():  # the first failure since the store last answered
-                log.warning("GCache %s failed (%s); answering misses for %.1fs at a time "
-                            "until the store answers again", what, exc, self.suspect_s)
+                log.warning(
+                    "GCache %s failed (%s); answering misses for %.1fs at a time until the store answers again",
+                    what,
+                    exc,
+                    self.suspect_s,
+                )
             return failed
         except errors.GCacheError as exc:  # bad arguments or a closed client: not an outage
             self.stats.count("store_errors")

@@ -16,6 +16,7 @@ and the `k_buffer` / `v_buffer` properties are compiled from the installed
 `sglang/srt/mem_cache/pool_host/mha.py`, unchanged; only the constructor (device
 pool plumbing) is this file's.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,9 +26,18 @@ import types
 from pathlib import Path
 
 SGLANG_VERSION = "0.5.23"
-BORROWED = ("init_kv_buffer", "get_page_buffer_meta", "get_data_page", "get_dummy_flat_data_page",
-            "set_from_flat_data_page", "get_hybrid_pool_buffer", "get_size_per_token",
-            "get_ksize_per_token", "k_buffer", "v_buffer")
+BORROWED = (
+    "init_kv_buffer",
+    "get_page_buffer_meta",
+    "get_data_page",
+    "get_dummy_flat_data_page",
+    "set_from_flat_data_page",
+    "get_hybrid_pool_buffer",
+    "get_size_per_token",
+    "get_ksize_per_token",
+    "k_buffer",
+    "v_buffer",
+)
 
 
 def sglang_root() -> Path | None:
@@ -54,6 +64,7 @@ def load_sglang_storage():
         sys.modules["sglang"] = package
     from sglang.srt.mem_cache import hicache_storage
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
     return hicache_storage, StorageBackendFactory
 
 
@@ -61,13 +72,11 @@ def _borrowed_methods() -> dict:
     """SGLang's MHATokenToKVPoolHost methods, compiled from its installed source."""
     path = sglang_root() / "srt" / "mem_cache" / "pool_host" / "mha.py"
     tree = ast.parse(path.read_text(), filename=str(path))
-    cls = next(node for node in tree.body
-               if isinstance(node, ast.ClassDef) and node.name == "MHATokenToKVPoolHost")
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MHATokenToKVPoolHost")
     funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in BORROWED]
     missing = set(BORROWED) - {f.name for f in funcs}
     if missing:
-        raise ImportError(f"sglang's MHATokenToKVPoolHost has no {sorted(missing)}: not sglang "
-                          f"{SGLANG_VERSION}?")
+        raise ImportError(f"sglang's MHATokenToKVPoolHost has no {sorted(missing)}: not sglang {SGLANG_VERSION}?")
     future = ast.ImportFrom(module="__future__", names=[ast.alias(name="annotations")], level=0)
     module = ast.Module(body=[future, *funcs], type_ignores=[])
     ast.fix_missing_locations(module)
@@ -95,9 +104,20 @@ class HostPoolStandIn:
                 setattr(cls, name, method)
         return super().__new__(cls)
 
-    def __init__(self, *, layout: str, page_size: int, pages: int, layer_num: int, head_num: int,
-                 head_dim: int, dtype=None, label: str = "kv"):
+    def __init__(
+        self,
+        *,
+        layout: str,
+        page_size: int,
+        pages: int,
+        layer_num: int,
+        head_num: int,
+        head_dim: int,
+        dtype=None,
+        label: str = "kv",
+    ):
         import torch
+
         self.layout = layout
         self.page_size = page_size
         self.page_num = pages
@@ -116,4 +136,5 @@ class HostPoolStandIn:
     def page_slots(self, page: int):
         """Host indices (token slots) of page number `page`."""
         import torch
+
         return torch.arange(page * self.page_size, (page + 1) * self.page_size, dtype=torch.int64)

@@ -16,6 +16,7 @@ a node. It checks three things:
 The same seed gives the same fault order, victims and client operations, so
 a failing run can be replayed (thread timing still varies).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,7 +76,7 @@ class Tally:
         for name in ("calls", "puts", "puts_stored", "gets", "hits", "exceptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.slowest_call_s = max(self.slowest_call_s, other.slowest_call_s)
-        self.violations.extend(other.violations[:VIOLATIONS_KEPT_MAX - len(self.violations)])
+        self.violations.extend(other.violations[: VIOLATIONS_KEPT_MAX - len(self.violations)])
 
 
 class ClientWorker(threading.Thread):
@@ -142,8 +143,9 @@ class FaultRunner:
 
     def _live_node(self):
         cmap = self.cluster.current_map()
-        candidates = [n for n in self.cluster.nodes if n.alive()
-                      and (e := cmap.node(n.id)) is not None and e.state == ACTIVE]
+        candidates = [
+            n for n in self.cluster.nodes if n.alive() and (e := cmap.node(n.id)) is not None and e.state == ACTIVE
+        ]
         if len(candidates) < 2:
             return None  # keep at least one node serving
         return self.rng.choice(sorted(candidates, key=lambda m: m.id))
@@ -204,8 +206,7 @@ class FaultRunner:
             return
         # Every process shares the loopback namespace here, so a partition is
         # simulated by SIGSTOP: the node neither sends nor answers.
-        self.log("fault partition_node: no network namespaces (cluster not in netns mode), "
-                 "using SIGSTOP instead")
+        self.log("fault partition_node: no network namespaces (cluster not in netns mode), using SIGSTOP instead")
         self._lose_node("partition_node", signal.SIGSTOP)
 
     def drain(self) -> None:
@@ -231,8 +232,11 @@ def settle_and_verify(cluster, client, seed: int, keys_n: int, timeout_s: float)
     problems = []
     live = [n.id for n in cluster.nodes if n.alive()]
     try:
-        cluster.wait_map(lambda m: not m.migrating and all(
-            (e := m.node(i)) is not None and e.state == ACTIVE for i in live), timeout_s, "settled map")
+        cluster.wait_map(
+            lambda m: not m.migrating and all((e := m.node(i)) is not None and e.state == ACTIVE for i in live),
+            timeout_s,
+            "settled map",
+        )
     except TimeoutError as e:
         return [f"cluster did not settle: {e}"]
     deadline = time.monotonic() + timeout_s
@@ -251,8 +255,17 @@ def settle_and_verify(cluster, client, seed: int, keys_n: int, timeout_s: float)
     return problems
 
 
-def run_checker(cluster, *, seed: int, faults=FAULTS, threads: int = 4, keys_max: int = 2000,
-                hold_s: float = 1.0, warmup_s: float = 1.0, log=print) -> dict:
+def run_checker(
+    cluster,
+    *,
+    seed: int,
+    faults=FAULTS,
+    threads: int = 4,
+    keys_max: int = 2000,
+    hold_s: float = 1.0,
+    warmup_s: float = 1.0,
+    log=print,
+) -> dict:
     """Runs client threads against `cluster` while the seeded faults run; returns the report."""
     from gcache.client.cluster_client import ClusterClient
 
@@ -260,8 +273,14 @@ def run_checker(cluster, *, seed: int, faults=FAULTS, threads: int = 4, keys_max
     schedule = list(faults)
     rng.shuffle(schedule)
     log(f"checker seed {seed}: faults in order {schedule}")
-    client = ClusterClient(cluster.client_url, timeout_s=CLIENT_TIMEOUT_S, retries=CLIENT_RETRIES,
-                           map_refresh_s=0.5, suspect_s=1.0, **cluster.client_kwargs)
+    client = ClusterClient(
+        cluster.client_url,
+        timeout_s=CLIENT_TIMEOUT_S,
+        retries=CLIENT_RETRIES,
+        map_refresh_s=0.5,
+        suspect_s=1.0,
+        **cluster.client_kwargs,
+    )
     stop = threading.Event()
     workers = [ClientWorker(client, seed, i, keys_max, stop) for i in range(threads)]
     runner = FaultRunner(cluster, rng, hold_s, log)
@@ -291,13 +310,23 @@ def run_checker(cluster, *, seed: int, faults=FAULTS, threads: int = 4, keys_max
     client_stats = client.client_stats()
     client.close()
     return {
-        "seed": seed, "faults": schedule, "seconds": round(time.monotonic() - started, 1),
-        "calls": tally.calls, "gets": tally.gets, "hits": tally.hits,
+        "seed": seed,
+        "faults": schedule,
+        "seconds": round(time.monotonic() - started, 1),
+        "calls": tally.calls,
+        "gets": tally.gets,
+        "hits": tally.hits,
         "hit_rate": round(tally.hits / tally.gets, 4) if tally.gets else None,
-        "puts": tally.puts, "puts_stored": tally.puts_stored, "exceptions": tally.exceptions,
-        "slowest_call_s": round(tally.slowest_call_s, 3), "call_bound_s": CALL_BOUND_S,
-        "violations": tally.violations, "fault_errors": fault_errors,
-        "settle_problems": settle_problems, "timings": runner.timings, "client": client_stats,
+        "puts": tally.puts,
+        "puts_stored": tally.puts_stored,
+        "exceptions": tally.exceptions,
+        "slowest_call_s": round(tally.slowest_call_s, 3),
+        "call_bound_s": CALL_BOUND_S,
+        "violations": tally.violations,
+        "fault_errors": fault_errors,
+        "settle_problems": settle_problems,
+        "timings": runner.timings,
+        "client": client_stats,
         "ok": not tally.violations and not settle_problems and not fault_errors,
     }
 
@@ -315,10 +344,13 @@ def run_checker_cli(cluster, args) -> int:
     unknown = set(faults) - set(FAULTS)
     if unknown:
         raise ValueError(f"unknown faults {sorted(unknown)}; choose from {','.join(FAULTS)}")
-    report = run_checker(cluster, seed=args.seed, faults=faults, threads=args.threads,
-                         keys_max=args.keys, hold_s=args.hold_s)
+    report = run_checker(
+        cluster, seed=args.seed, faults=faults, threads=args.threads, keys_max=args.keys, hold_s=args.hold_s
+    )
     print(json.dumps(report, indent=2))
     if not report["ok"]:
-        print(f"CHECK FAILED; replay with: gcache-cluster check --dir {cluster.dir} --seed {args.seed} "
-              f"--faults {args.faults}")
+        print(
+            f"CHECK FAILED; replay with: gcache-cluster check --dir {cluster.dir} --seed {args.seed} "
+            f"--faults {args.faults}"
+        )
     return 0 if report["ok"] else 1

@@ -12,6 +12,7 @@ DIR/cluster.json holds the client URL (use it as gcache.Client(url)) and, for
 every process, its role, id, addresses, pid, data dir and log file; with
 --netns also the bridge, subnet and each node's namespace (`down` removes them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gcache-cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="gcache-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", help="start masters and nodes in the background")
     up.add_argument("--masters", type=int, default=3, help="master replicas, 1..5 (default 3)")
@@ -36,21 +38,33 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     up.add_argument("--migration-timeout-s", type=float, default=60.0)
     up.add_argument("--timeout-s", type=float, default=60.0, help="longest wait for the cluster to be up")
-    up.add_argument("--auth", action="store_true",
-                    help="write DIR/secrets/auth.toml (tenants nodes, ops, app with random tokens) and run "
-                         "everything with it; clients use DIR/secrets/app.token (GCACHE_TOKEN_FILE)")
-    up.add_argument("--tls", action="store_true",
-                    help="make a throwaway CA in DIR/secrets (openssl) and serve the masters' gRPC over TLS; "
-                         "clients use DIR/secrets/ca.pem (GCACHE_MASTER_TLS_CA)")
-    up.add_argument("--netns", action="store_true",
-                    help="run each node in its own network namespace behind a bridge, so a partition "
-                         "cuts its network for real (needs root and iproute2)")
-    for name, text in (("status", "show the processes and the map"),
-                       ("add-node", "start one more node and wait until it is active"),
-                       ("down", "stop every process of the cluster")):
+    up.add_argument(
+        "--auth",
+        action="store_true",
+        help="write DIR/secrets/auth.toml (tenants nodes, ops, app with random tokens) and run "
+        "everything with it; clients use DIR/secrets/app.token (GCACHE_TOKEN_FILE)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a throwaway CA in DIR/secrets (openssl) and serve the masters' gRPC over TLS; "
+        "clients use DIR/secrets/ca.pem (GCACHE_MASTER_TLS_CA)",
+    )
+    up.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each node in its own network namespace behind a bridge, so a partition "
+        "cuts its network for real (needs root and iproute2)",
+    )
+    for name, text in (
+        ("status", "show the processes and the map"),
+        ("add-node", "start one more node and wait until it is active"),
+        ("down", "stop every process of the cluster"),
+    ):
         sub.add_parser(name, help=text)
     check = sub.add_parser("check", help="run the seeded fault checker against the cluster")
     from gcache.tools.devcluster.checker import add_checker_arguments
+
     add_checker_arguments(check)
     for cmd in sub.choices.values():
         cmd.add_argument("--dir", required=True, help="folder holding cluster.json, data and logs")
@@ -82,11 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "up":
-            cluster = LocalCluster(args.dir, masters=args.masters, nodes=args.nodes, memory=args.memory,
-                                   disk=args.disk, heartbeat_interval_s=args.heartbeat_interval_s,
-                                   heartbeat_timeout_s=args.heartbeat_timeout_s,
-                                   migration_timeout_s=args.migration_timeout_s, netns=args.netns,
-                                   auth=args.auth, tls=args.tls)
+            cluster = LocalCluster(
+                args.dir,
+                masters=args.masters,
+                nodes=args.nodes,
+                memory=args.memory,
+                disk=args.disk,
+                heartbeat_interval_s=args.heartbeat_interval_s,
+                heartbeat_timeout_s=args.heartbeat_timeout_s,
+                migration_timeout_s=args.migration_timeout_s,
+                netns=args.netns,
+                auth=args.auth,
+                tls=args.tls,
+            )
             cluster.up(args.timeout_s)
             out = {"client_url": cluster.client_url, "layout": str(cluster.dir / "cluster.json")}
             if args.auth:
@@ -109,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if args.command == "check":
             from gcache.tools.devcluster.checker import run_checker_cli
+
             return run_checker_cli(cluster, args)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"gcache-cluster: error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ With netns=True (root, iproute2; gcache/tools/devcluster/netns.py) every node ru
 its own network namespace behind a bridge, and partition(node) really cuts it
 off the network; masters listen on the bridge address with distinct ports.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,7 @@ class Member:
     args: list = field(default_factory=list)
     pid: int = 0
     netns: str = ""  # the node's network namespace in netns mode
-    veth: str = ""   # its root-side veth, a port of the cluster bridge
+    veth: str = ""  # its root-side veth, a port of the cluster bridge
 
     @property
     def address(self) -> str:
@@ -80,22 +81,44 @@ class Member:
 class LocalCluster:
     """Starts, changes and stops a local cluster. Not thread-safe: one controller at a time."""
 
-    def __init__(self, directory, *, masters: int = 3, nodes: int = 3, memory: str = "256MiB",
-                 disk: str = "512MiB", heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0, migration_timeout_s: float = 60.0,
-                 tick_s: float = 0.2, node_args=(), master_args=(), netns: bool = False,
-                 auth: bool = False, tls: bool = False):
+    def __init__(
+        self,
+        directory,
+        *,
+        masters: int = 3,
+        nodes: int = 3,
+        memory: str = "256MiB",
+        disk: str = "512MiB",
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_timeout_s: float = 3.0,
+        migration_timeout_s: float = 60.0,
+        tick_s: float = 0.2,
+        node_args=(),
+        master_args=(),
+        netns: bool = False,
+        auth: bool = False,
+        tls: bool = False,
+    ):
         if not 1 <= masters <= MASTERS_MAX:
             raise ValueError(f"masters must be 1..{MASTERS_MAX}, got {masters}")
         if not 0 <= nodes <= NODES_MAX:
             raise ValueError(f"nodes must be 0..{NODES_MAX}, got {nodes}")
         self.dir = Path(directory).resolve()
-        self.settings = dict(masters=masters, nodes=nodes, memory=memory, disk=disk,
-                             heartbeat_interval_s=heartbeat_interval_s,
-                             heartbeat_timeout_s=heartbeat_timeout_s,
-                             migration_timeout_s=migration_timeout_s, tick_s=tick_s,
-                             node_args=list(node_args), master_args=list(master_args), netns=bool(netns),
-                             auth=bool(auth), tls=bool(tls))
+        self.settings = dict(
+            masters=masters,
+            nodes=nodes,
+            memory=memory,
+            disk=disk,
+            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            migration_timeout_s=migration_timeout_s,
+            tick_s=tick_s,
+            node_args=list(node_args),
+            master_args=list(master_args),
+            netns=bool(netns),
+            auth=bool(auth),
+            tls=bool(tls),
+        )
         if netns:
             require_netns()  # says why not, before anything starts
         self.network: NetnsNetwork | None = None  # set by up() in netns mode
@@ -128,9 +151,12 @@ class LocalCluster:
         raise KeyError(f"no member {member_id!r} in {self.dir / LAYOUT_FILE}")
 
     def save(self) -> None:
-        layout = {"client_url": self.client_url, "settings": self.settings,
-                  "network": self.network.to_dict() if self.network else {"mode": "loopback"},
-                  "members": [asdict(m) for m in self.members]}
+        layout = {
+            "client_url": self.client_url,
+            "settings": self.settings,
+            "network": self.network.to_dict() if self.network else {"mode": "loopback"},
+            "members": [asdict(m) for m in self.members],
+        }
         tmp = self.dir / (LAYOUT_FILE + ".tmp")
         tmp.write_text(json.dumps(layout, indent=2) + "\n")
         os.replace(tmp, self.dir / LAYOUT_FILE)
@@ -174,8 +200,9 @@ class LocalCluster:
 
     def master_client(self) -> MasterClient:
         if self._master_client is None:
-            self._master_client = MasterClient([m.address for m in self.masters], timeout_s=1.0,
-                                               credentials=self.master_credentials())
+            self._master_client = MasterClient(
+                [m.address for m in self.masters], timeout_s=1.0, credentials=self.master_credentials()
+            )
         return self._master_client
 
     # -- processes ---------------------------------------------------------------
@@ -202,12 +229,23 @@ class LocalCluster:
     def _master_args(self, m: Member) -> list[str]:
         s = self.settings
         peers = [f"{o.host}:{o.ports['raft']}" for o in self.masters if o is not m]
-        return master_command(grpc_address=m.address, raft_address=f"{m.host}:{m.ports['raft']}", peers=peers,
-                              data_dir=m.data_dir, http_address=f"{m.host}:{m.ports['http']}",
-                              extra=["--heartbeat-timeout-s", str(s["heartbeat_timeout_s"]),
-                                     "--migration-timeout-s", str(s["migration_timeout_s"]),
-                                     "--tick-s", str(s["tick_s"]), *self._security_args("master"),
-                                     *s["master_args"]])
+        return master_command(
+            grpc_address=m.address,
+            raft_address=f"{m.host}:{m.ports['raft']}",
+            peers=peers,
+            data_dir=m.data_dir,
+            http_address=f"{m.host}:{m.ports['http']}",
+            extra=[
+                "--heartbeat-timeout-s",
+                str(s["heartbeat_timeout_s"]),
+                "--migration-timeout-s",
+                str(s["migration_timeout_s"]),
+                "--tick-s",
+                str(s["tick_s"]),
+                *self._security_args("master"),
+                *s["master_args"],
+            ],
+        )
 
     def _security_args(self, role: str) -> list[str]:
         args = []
@@ -215,8 +253,11 @@ class LocalCluster:
             args += ["--auth-file", str(self.secrets_dir / local_security.AUTH_FILE)]
         if self.settings.get("tls"):
             pki = self._pki()
-            args += (["--tls-cert", pki["cert"], "--tls-key", pki["key"]] if role == "master"
-                     else ["--master-tls-ca", pki["ca"]])
+            args += (
+                ["--tls-cert", pki["cert"], "--tls-key", pki["key"]]
+                if role == "master"
+                else ["--master-tls-ca", pki["ca"]]
+            )
         return args
 
     def _new_node(self) -> Member:
@@ -232,19 +273,33 @@ class LocalCluster:
         else:
             host = f"127.0.0.{NODE_HOST_BASE + index}"
             ports = self._free_ports(host, ("data", "admin"))
-        return Member("node", nid, host, ports, str(self.dir / nid), str(self.dir / f"{nid}.log"),
-                      netns=namespace, veth=veth)
+        return Member(
+            "node", nid, host, ports, str(self.dir / nid), str(self.dir / f"{nid}.log"), netns=namespace, veth=veth
+        )
 
     def _node_args(self, n: Member) -> list[str]:
         s = self.settings
         # `ip netns exec` execs the server, so the pid Popen returns is the server's.
         prefix = self.network.exec_prefix(n.netns) if self.network and n.netns else []
-        node = node_args(masters=",".join(m.address for m in self.masters), node_id=n.id,
-                         advertise=n.address, heartbeat_interval_s=s["heartbeat_interval_s"])
-        return [*prefix, *server_command(host=n.host, port=n.ports["data"], admin_host=n.host,
-                                         admin_port=n.ports["admin"], memory=s["memory"], disk=s["disk"],
-                                         data_dir=n.data_dir,
-                                         extra=[*node, *self._security_args("node"), *s["node_args"]])]
+        node = node_args(
+            masters=",".join(m.address for m in self.masters),
+            node_id=n.id,
+            advertise=n.address,
+            heartbeat_interval_s=s["heartbeat_interval_s"],
+        )
+        return [
+            *prefix,
+            *server_command(
+                host=n.host,
+                port=n.ports["data"],
+                admin_host=n.host,
+                admin_port=n.ports["admin"],
+                memory=s["memory"],
+                disk=s["disk"],
+                data_dir=n.data_dir,
+                extra=[*node, *self._security_args("node"), *s["node_args"]],
+            ),
+        ]
 
     def start(self, m: Member) -> None:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""
@@ -253,8 +308,9 @@ class LocalCluster:
         Path(m.data_dir).mkdir(parents=True, exist_ok=True)
         m.args = self._master_args(m) if m.role == "master" else self._node_args(m)
         with open(m.log, "ab") as log:
-            proc = subprocess.Popen(m.args, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                m.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self._procs[proc.pid] = proc
         m.pid = proc.pid
         self.save()
@@ -273,8 +329,9 @@ class LocalCluster:
             if argv0 and os.path.basename(argv0) != b"ip":
                 return
             if proc.poll() is not None:
-                raise RuntimeError(f"{m.role} {m.id} exited at start (status {proc.returncode}): "
-                                   f"{self.log_tail(m, 1500)}")
+                raise RuntimeError(
+                    f"{m.role} {m.id} exited at start (status {proc.returncode}): {self.log_tail(m, 1500)}"
+                )
             time.sleep(0.01)
         raise RuntimeError(f"{m.role} {m.id}: `ip netns exec` did not start the server within {EXEC_WAIT_S}s")
 
@@ -302,8 +359,9 @@ class LocalCluster:
 
     def _netns_node(self, m: Member) -> NetnsNetwork:
         if self.network is None or not m.netns:
-            raise RuntimeError(f"{m.id} has no network namespace: partition needs "
-                               f"LocalCluster(netns=True) / gcache-cluster up --netns")
+            raise RuntimeError(
+                f"{m.id} has no network namespace: partition needs LocalCluster(netns=True) / gcache-cluster up --netns"
+            )
         return self.network
 
     def partition(self, m: Member) -> None:
@@ -330,8 +388,9 @@ class LocalCluster:
 
     def wait_leader(self, timeout_s: float = START_TIMEOUT_S) -> Member:
         """The master member that leads, once a majority of the replicas agree on it."""
-        address = wait_master_leader([m.address for m in self.masters], timeout_s,
-                                     credentials=self.master_credentials())
+        address = wait_master_leader(
+            [m.address for m in self.masters], timeout_s, credentials=self.master_credentials()
+        )
         return next(m for m in self.masters if m.address == address)
 
     def current_map(self) -> ClusterMap:
@@ -357,6 +416,7 @@ class LocalCluster:
 
         def all_active(cmap: ClusterMap) -> bool:
             return all((n := cmap.node(i)) is not None and n.state == ACTIVE for i in ids)
+
         return self.wait_map(all_active, timeout_s, f"nodes {sorted(ids)} active")
 
     # -- whole-cluster operations ------------------------------------------------------

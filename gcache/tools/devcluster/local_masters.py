@@ -9,6 +9,7 @@ Each replica gets its own loopback address (127.0.0.21, .22, ...) with free
 ports, its own data dir under `base_dir`, and its output in base_dir/master-N.log.
 Processes run in their own process group, so a stop never reaches the caller.
 """
+
 from __future__ import annotations
 
 import signal
@@ -28,11 +29,23 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 
 
-def master_command(*, grpc_address: str, raft_address: str, peers, data_dir, http_address: str = "",
-                   extra=()) -> list[str]:
+def master_command(
+    *, grpc_address: str, raft_address: str, peers, data_dir, http_address: str = "", extra=()
+) -> list[str]:
     """The gcache-master command line of every launcher here (LocalMaster, LocalCluster's masters)."""
-    args = [sys.executable, "-m", "gcache.master.main", "--grpc", grpc_address, "--raft", raft_address,
-            "--peers", ",".join(peers), "--data-dir", str(data_dir)]
+    args = [
+        sys.executable,
+        "-m",
+        "gcache.master.main",
+        "--grpc",
+        grpc_address,
+        "--raft",
+        raft_address,
+        "--peers",
+        ",".join(peers),
+        "--data-dir",
+        str(data_dir),
+    ]
     if http_address:
         args += ["--http", http_address]
     return args + list(extra)
@@ -49,8 +62,9 @@ def _flag_args(flags: dict) -> list[str]:
 class LocalMaster:
     """One gcache-master subprocess; start() may be called again after stop() (same ports, same data)."""
 
-    def __init__(self, data_dir, grpc_address: str, raft_address: str, peers=(), http_address: str = "",
-                 log_path=None, **flags):
+    def __init__(
+        self, data_dir, grpc_address: str, raft_address: str, peers=(), http_address: str = "", log_path=None, **flags
+    ):
         self.data_dir = Path(data_dir)
         self.grpc_address = grpc_address
         self.raft_address = raft_address
@@ -65,8 +79,14 @@ class LocalMaster:
         return self.proc.pid if self.proc is not None else None
 
     def args(self) -> list[str]:
-        return master_command(grpc_address=self.grpc_address, raft_address=self.raft_address, peers=self.peers,
-                              data_dir=self.data_dir, http_address=self.http_address, extra=_flag_args(self.flags))
+        return master_command(
+            grpc_address=self.grpc_address,
+            raft_address=self.raft_address,
+            peers=self.peers,
+            data_dir=self.data_dir,
+            http_address=self.http_address,
+            extra=_flag_args(self.flags),
+        )
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalMaster:
         """Starts the process and returns once its gRPC port accepts connections."""
@@ -74,12 +94,12 @@ class LocalMaster:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         host, port = parse_host_port(self.grpc_address)
         try:
-            wait_listening(self.proc, port, timeout_s, f"gcache-master {self.grpc_address}", self.log_tail,
-                           host=host)
+            wait_listening(self.proc, port, timeout_s, f"gcache-master {self.grpc_address}", self.log_tail, host=host)
         except RuntimeError:
             self.kill()
             raise
@@ -106,8 +126,9 @@ class LocalMaster:
             return ""
 
 
-def start_masters(n: int, base_dir, host_prefix: str = "127.0.0.", first_host: int = 21,
-                  http: bool = False, **flags) -> list[LocalMaster]:
+def start_masters(
+    n: int, base_dir, host_prefix: str = "127.0.0.", first_host: int = 21, http: bool = False, **flags
+) -> list[LocalMaster]:
     """Starts `n` replicas peered together, replica i on host `host_prefix + (first_host + i)`.
 
     `flags` become command-line flags (heartbeat_timeout_s=1.0 -> --heartbeat-timeout-s 1.0);
@@ -120,10 +141,17 @@ def start_masters(n: int, base_dir, host_prefix: str = "127.0.0.", first_host: i
     raft = [f"{h}:{free_port(h)}" for h in hosts]
     masters = []
     for i, host in enumerate(hosts):
-        masters.append(LocalMaster(
-            base_dir / f"master-{i}", grpc_address=f"{host}:{free_port(host)}", raft_address=raft[i],
-            peers=[r for r in raft if r != raft[i]], http_address=f"{host}:{free_port(host)}" if http else "",
-            log_path=base_dir / f"master-{i}.log", **flags))
+        masters.append(
+            LocalMaster(
+                base_dir / f"master-{i}",
+                grpc_address=f"{host}:{free_port(host)}",
+                raft_address=raft[i],
+                peers=[r for r in raft if r != raft[i]],
+                http_address=f"{host}:{free_port(host)}" if http else "",
+                log_path=base_dir / f"master-{i}.log",
+                **flags,
+            )
+        )
     try:
         for m in masters:
             m.start()
@@ -152,9 +180,10 @@ def wait_leader(addresses, timeout_s: float, credentials=None) -> str:
     deadline = time.monotonic() + timeout_s
     last = {}
     while time.monotonic() < deadline:
-        last = {a: master_status(a, timeout_s=min(1.0, max(0.1, deadline - time.monotonic())),
-                                 credentials=credentials)
-                for a in addresses}
+        last = {
+            a: master_status(a, timeout_s=min(1.0, max(0.1, deadline - time.monotonic())), credentials=credentials)
+            for a in addresses
+        }
         leaders = [a for a, s in last.items() if s and s["raft"]["is_leader"]]
         if len(leaders) == 1:
             leader_raft = last[leaders[0]]["raft"]["self"]

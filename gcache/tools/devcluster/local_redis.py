@@ -1,4 +1,5 @@
 """Start and stop a local redis-server (for the router tests, gcache-bench and bench/)."""
+
 from __future__ import annotations
 
 import shutil
@@ -47,9 +48,25 @@ class LocalRedis:
 
     def start(self) -> LocalRedis:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir.name, "--unixsocket", self.socket_path, "--unixsocketperm", "700"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir.name,
+                "--unixsocket",
+                self.socket_path,
+                "--unixsocketperm",
+                "700",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             wait_listening(self.proc, self.port, self.start_timeout_s, "redis-server")

@@ -2,6 +2,7 @@
 with one tenant per role, and a throwaway CA plus a master certificate made with the
 openssl command. For real deployments see docs/security.md and deploy/README.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,9 @@ def _write_private(path: Path, text: str) -> None:
 
 def _openssl(*args: str, cwd: Path) -> None:
     if shutil.which("openssl") is None:
-        raise RuntimeError("the openssl command is needed to make local TLS certificates; install it "
-                           "or run without --tls")
+        raise RuntimeError(
+            "the openssl command is needed to make local TLS certificates; install it or run without --tls"
+        )
     out = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {out.stderr.strip()[-500:]}")
@@ -60,15 +62,58 @@ def make_pki(directory, hosts) -> dict:
     if all(p.exists() for p in paths.values()):
         return {k: str(v) for k, v in paths.items()}
     san = ",".join([f"IP:{h}" for h in hosts] + ["DNS:localhost"])
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca-key.pem", "-out", "ca.pem",
-             "-days", str(CERT_DAYS), "-subj", "/CN=gcache local CA", cwd=directory)
-    for cert, key, cn, ext in (("cert.pem", "key.pem", "gcache-master", f"subjectAltName={san}"),
-                               ("client_cert.pem", "client_key.pem", "gcache-client", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", f"{cn}.csr",
-                 "-subj", f"/CN={cn}", cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca-key.pem",
+        "-out",
+        "ca.pem",
+        "-days",
+        str(CERT_DAYS),
+        "-subj",
+        "/CN=gcache local CA",
+        cwd=directory,
+    )
+    for cert, key, cn, ext in (
+        ("cert.pem", "key.pem", "gcache-master", f"subjectAltName={san}"),
+        ("client_cert.pem", "client_key.pem", "gcache-client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            f"{cn}.csr",
+            "-subj",
+            f"/CN={cn}",
+            cwd=directory,
+        )
         (directory / f"{cn}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", f"{cn}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem",
-                 "-CAcreateserial", "-out", cert, "-days", str(CERT_DAYS), "-extfile", f"{cn}.ext", cwd=directory)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{cn}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            cert,
+            "-days",
+            str(CERT_DAYS),
+            "-extfile",
+            f"{cn}.ext",
+            cwd=directory,
+        )
     for p in directory.glob("*key.pem"):
         p.chmod(0o600)
     return {k: str(v) for k, v in paths.items()}

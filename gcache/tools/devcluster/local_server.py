@@ -1,4 +1,5 @@
 """Start and stop a local gcache-server subprocess (for gcache-bench and gcache-demo)."""
+
 from __future__ import annotations
 
 import signal
@@ -12,20 +13,44 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 
-def server_command(*, host: str, port: int, admin_port: int, memory: str, disk: str, data_dir,
-                   admin_host: str | None = None, extra=()) -> list[str]:
+def server_command(
+    *, host: str, port: int, admin_port: int, memory: str, disk: str, data_dir, admin_host: str | None = None, extra=()
+) -> list[str]:
     """The gcache-server command line of every launcher here (LocalServer, LocalCluster's nodes)."""
     admin = ["--admin-host", admin_host] if admin_host else []
-    return [sys.executable, "-m", "gcache.server.main", "--host", host, "--port", str(port), *admin,
-            "--admin-port", str(admin_port), "--memory", memory, "--disk", disk, "--data-dir", str(data_dir),
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gcache.server.main",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *admin,
+        "--admin-port",
+        str(admin_port),
+        "--memory",
+        memory,
+        "--disk",
+        disk,
+        "--data-dir",
+        str(data_dir),
+        *extra,
+    ]
 
 
 def node_args(*, masters: str, node_id: str, heartbeat_interval_s: float, advertise: str = "") -> list[str]:
     """The flags that make a gcache-server a cluster node: its masters, its id, the address it
     advertises ("": the server's default, host:port)."""
-    return ["--master", masters, "--node-id", node_id, *(["--advertise", advertise] if advertise else []),
-            "--heartbeat-interval-s", str(heartbeat_interval_s)]
+    return [
+        "--master",
+        masters,
+        "--node-id",
+        node_id,
+        *(["--advertise", advertise] if advertise else []),
+        "--heartbeat-interval-s",
+        str(heartbeat_interval_s),
+    ]
 
 
 class LocalServer:
@@ -34,8 +59,15 @@ class LocalServer:
     Used by gcache-bench, gcache-demo and the tests' fixtures.
     """
 
-    def __init__(self, data_dir: Path, memory: str = "1GiB", disk: str = "2GiB", extra_args=(),
-                 admin_port: int = 0, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self,
+        data_dir: Path,
+        memory: str = "1GiB",
+        disk: str = "2GiB",
+        extra_args=(),
+        admin_port: int = 0,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         self.data_dir = Path(data_dir)
         self.memory = memory
         self.disk = disk
@@ -84,8 +116,15 @@ class LocalServer:
 
     def _start_once(self) -> LocalServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = server_command(host="127.0.0.1", port=self.port, admin_port=self.admin_port, memory=self.memory,
-                              disk=self.disk, data_dir=self.data_dir, extra=self.extra_args)
+        args = server_command(
+            host="127.0.0.1",
+            port=self.port,
+            admin_port=self.admin_port,
+            memory=self.memory,
+            disk=self.disk,
+            data_dir=self.data_dir,
+            extra=self.extra_args,
+        )
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         try:

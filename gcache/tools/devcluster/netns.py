@@ -16,6 +16,7 @@ goes, so the node reaches no one (ENETUNREACH), and frames to it are dropped
 at the bridge (connects time out). The root side keeps its subnet route on the
 bridge, so traffic to a cut node never leaks out through the default route.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 IP_TIMEOUT_S = 10.0
-NODE_HOST_OFFSET = 10           # node index i lives at .(10 + i)
-NODE_INDEX_MAX = 200            # keeps .(10 + i) below the broadcast address
+NODE_HOST_OFFSET = 10  # node index i lives at .(10 + i)
+NODE_INDEX_MAX = 200  # keeps .(10 + i) below the broadcast address
 SUBNET_TRIES_MAX = 4096
 PROBE_TIMEOUT_S = 0.5
 REACH_WAIT_S = 5.0
@@ -97,8 +98,9 @@ def netns_available() -> Availability:
 def require_netns() -> None:
     avail = netns_available()
     if not avail:
-        raise NetnsUnavailableError(f"netns mode unavailable: {avail.reason}; run without --netns "
-                                    f"(partitions then fall back to SIGSTOP)")
+        raise NetnsUnavailableError(
+            f"netns mode unavailable: {avail.reason}; run without --netns (partitions then fall back to SIGSTOP)"
+        )
 
 
 def tag_for(directory) -> str:
@@ -108,8 +110,10 @@ def tag_for(directory) -> str:
 
 def _routed_networks() -> list:
     nets = []
-    for line in _ip("-4", "route", "show", "table", "all").stdout.splitlines() + \
-            _ip("-4", "-o", "addr", "show").stdout.splitlines():
+    for line in (
+        _ip("-4", "route", "show", "table", "all").stdout.splitlines()
+        + _ip("-4", "-o", "addr", "show").stdout.splitlines()
+    ):
         for word in line.split():
             if word[0].isdigit() and ("/" in word or word.count(".") == 3):
                 try:
@@ -125,7 +129,7 @@ def _free_subnet(tag: str) -> str:
     start = int(tag, 16)
     for i in range(SUBNET_TRIES_MAX):
         n = (start + i) % (1 << 16)
-        cand = ipaddress.ip_network(f"10.{n >> 8}.{n & 0xff}.0/24")
+        cand = ipaddress.ip_network(f"10.{n >> 8}.{n & 0xFF}.0/24")
         if n >> 8 == 0 or n >> 8 == 255:
             continue  # 10.0.x and 10.255.x are the likeliest to be in use elsewhere
         if not any(cand.overlaps(u) for u in used):
@@ -146,12 +150,17 @@ UNREACHABLE_EXIT = 3
 
 def _tcp_reachable_from(namespace: str, host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """A TCP connect made from inside `namespace` (a short python, so no extra tools needed)."""
-    code = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1],int(sys.argv[2])),"
-            f"timeout=float(sys.argv[3])).close()\nexcept OSError:\n sys.exit({UNREACHABLE_EXIT})")
+    code = (
+        "import socket,sys\ntry:\n socket.create_connection((sys.argv[1],int(sys.argv[2])),"
+        f"timeout=float(sys.argv[3])).close()\nexcept OSError:\n sys.exit({UNREACHABLE_EXIT})"
+    )
     try:
-        done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-S", "-I", "-c", code,
-                               host, str(port), str(timeout_s)],
-                              capture_output=True, text=True, timeout=timeout_s + IP_TIMEOUT_S)
+        done = subprocess.run(
+            ["ip", "netns", "exec", namespace, sys.executable, "-S", "-I", "-c", code, host, str(port), str(timeout_s)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + IP_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return False
     if done.returncode not in (0, UNREACHABLE_EXIT):  # the probe itself failed: no verdict
@@ -227,8 +236,7 @@ class NetnsNetwork:
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", INNER_DEVICE, "netns", ns)
             _ip("link", "set", veth, "master", self.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{host}/{ipaddress.ip_network(self.subnet).prefixlen}",
-                "dev", INNER_DEVICE)
+            _ip("-n", ns, "addr", "add", f"{host}/{ipaddress.ip_network(self.subnet).prefixlen}", "dev", INNER_DEVICE)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", INNER_DEVICE, "up")
         except NetnsError:
@@ -286,13 +294,17 @@ def _kill_pids_in(namespace: str) -> None:
 
 def leftovers(tag: str) -> dict:
     """Namespaces and links of the cluster with this tag that exist now."""
-    namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines()
-                  if line.strip()]
-    links = [line.split(":", 2)[1].strip().split("@")[0]
-             for line in _ip("-o", "link", "show", check=False).stdout.splitlines() if line.count(":") >= 2]
+    namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
+    links = [
+        line.split(":", 2)[1].strip().split("@")[0]
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines()
+        if line.count(":") >= 2
+    ]
     ours = (f"gcb-{tag}", f"gck-{tag}", f"gckp-{tag}")
-    return {"namespaces": sorted(n for n in namespaces if n.startswith(f"gcn-{tag}-")),
-            "links": sorted(n for n in links if n in ours or n.startswith(f"gcv-{tag}-"))}
+    return {
+        "namespaces": sorted(n for n in namespaces if n.startswith(f"gcn-{tag}-")),
+        "links": sorted(n for n in links if n in ours or n.startswith(f"gcv-{tag}-")),
+    }
 
 
 def teardown_tag(tag: str) -> None:

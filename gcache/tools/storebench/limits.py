@@ -4,6 +4,7 @@ a Python TCP ping-pong.
 GCache's figures are printed as a fraction of these, so a noisy machine moves
 both sides of the ratio together.
 """
+
 from __future__ import annotations
 
 import signal
@@ -17,9 +18,9 @@ import numpy as np
 
 from gcache.common.processes import stop_process
 
-MEMCPY_BYTES = 256 << 20          # well past any L3 cache
-LOOPBACK_BYTES = 512 << 20        # per measurement
-LOOPBACK_CHUNK_BYTES = 4 << 20    # one sendall / recv_into at a time
+MEMCPY_BYTES = 256 << 20  # well past any L3 cache
+LOOPBACK_BYTES = 512 << 20  # per measurement
+LOOPBACK_CHUNK_BYTES = 4 << 20  # one sendall / recv_into at a time
 LOOPBACK_TIMEOUT_S = 60.0
 MEMCPY_SOURCE_BYTES_MAX = 256 << 20  # batch copies rotate over this much source: past the L3 cache
 PINGPONG_ROUNDS = 2000
@@ -29,7 +30,7 @@ PINGPONG_REQUEST_BYTES = 32
 def memcpy_gbps(size_bytes: int = MEMCPY_BYTES, rounds: int = 4) -> float:
     """Large-array copy bandwidth (bytes copied per second / 1e9), best of `rounds`."""
     src = np.ones(size_bytes, dtype=np.uint8)
-    dst = np.zeros(size_bytes, dtype=np.uint8)   # both touched before timing
+    dst = np.zeros(size_bytes, dtype=np.uint8)  # both touched before timing
     best_s = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
@@ -38,19 +39,18 @@ def memcpy_gbps(size_bytes: int = MEMCPY_BYTES, rounds: int = 4) -> float:
     return size_bytes / best_s / 1e9
 
 
-def memcpy_batch_gbps(batch_bytes: int, source_bytes: int = MEMCPY_SOURCE_BYTES_MAX,
-                      seconds: float = 0.3) -> float:
+def memcpy_batch_gbps(batch_bytes: int, source_bytes: int = MEMCPY_SOURCE_BYTES_MAX, seconds: float = 0.3) -> float:
     """One thread copying one batch's bytes into one caller-sized buffer, batch after
     batch, from a rotating source larger than the L3 cache: what a one-sided GET of
     that batch must at least do (np.copyto runs on the calling thread only)."""
     batches = max(2, min(source_bytes, 1 << 34) // batch_bytes)
     src = np.ones(batches * batch_bytes, dtype=np.uint8)
-    dst = np.zeros(batch_bytes, dtype=np.uint8)   # both touched before timing
+    dst = np.zeros(batch_bytes, dtype=np.uint8)  # both touched before timing
     copied, elapsed, i = 0, 0.0, 0
     while elapsed < seconds or i < batches:
         at = (i % batches) * batch_bytes
         start = time.perf_counter()
-        np.copyto(dst, src[at:at + batch_bytes])
+        np.copyto(dst, src[at : at + batch_bytes])
         elapsed += time.perf_counter() - start
         copied += batch_bytes
         i += 1
@@ -83,8 +83,9 @@ def python_tcp_pingpong_p50_us(reply_bytes: int = 4096, rounds: int = PINGPONG_R
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     listener.settimeout(LOOPBACK_TIMEOUT_S)
-    ponger = subprocess.Popen([sys.executable, "-c", PONG_CODE, str(listener.getsockname()[1]),
-                               str(PINGPONG_REQUEST_BYTES), str(reply_bytes)])
+    ponger = subprocess.Popen(
+        [sys.executable, "-c", PONG_CODE, str(listener.getsockname()[1]), str(PINGPONG_REQUEST_BYTES), str(reply_bytes)]
+    )
     samples = []
     try:
         conn, _ = listener.accept()
@@ -93,7 +94,7 @@ def python_tcp_pingpong_p50_us(reply_bytes: int = 4096, rounds: int = PINGPONG_R
         request = b"\x01" * PINGPONG_REQUEST_BYTES
         reply = memoryview(bytearray(reply_bytes))
         with conn:
-            for i in range(rounds + rounds // 10):          # the first tenth warms up
+            for i in range(rounds + rounds // 10):  # the first tenth warms up
                 start = time.perf_counter()
                 conn.sendall(request)
                 got = 0
@@ -128,8 +129,9 @@ with socket.create_connection(("127.0.0.1", port), timeout=60) as out:
 """
 
 
-def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOPBACK_CHUNK_BYTES,
-                      buffer_bytes: int | None = None) -> float:
+def loopback_tcp_gbps(
+    total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOPBACK_CHUNK_BYTES, buffer_bytes: int | None = None
+) -> float:
     """Bandwidth of one TCP stream over 127.0.0.1, from a sender process to this one.
 
     Two processes, like a client and a store; both sides copy with no Python in
@@ -144,8 +146,17 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     listener.settimeout(LOOPBACK_TIMEOUT_S)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER_CODE, str(listener.getsockname()[1]),
-                               str(total_bytes), str(chunk_bytes), str(buffer_bytes)])
+    sender = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SENDER_CODE,
+            str(listener.getsockname()[1]),
+            str(total_bytes),
+            str(chunk_bytes),
+            str(buffer_bytes),
+        ]
+    )
     sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8))
     received = first_bytes = 0
     elapsed = 0.0
@@ -153,7 +164,7 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
         conn, _ = listener.accept()
         conn.settimeout(LOOPBACK_TIMEOUT_S)
         with conn:
-            n = conn.recv_into(sink, chunk_bytes)     # the clock starts at the first byte
+            n = conn.recv_into(sink, chunk_bytes)  # the clock starts at the first byte
             received += n
             first_bytes = n
             start = time.perf_counter()
@@ -169,8 +180,9 @@ def loopback_tcp_gbps(total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOP
         except subprocess.TimeoutExpired:
             stop_process(sender, signal.SIGKILL)
     if received != total_bytes or sender.returncode != 0:
-        raise RuntimeError(f"loopback measurement failed: {received} of {total_bytes} bytes, "
-                           f"sender exit code {sender.returncode}")
+        raise RuntimeError(
+            f"loopback measurement failed: {received} of {total_bytes} bytes, sender exit code {sender.returncode}"
+        )
     return (total_bytes - first_bytes) / max(elapsed, 1e-9) / 1e9
 
 

@@ -3,6 +3,7 @@
 The bar advances with wall time inside the current step (capped at the step's
 plan) so it needs no callbacks from worker threads or other processes.
 """
+
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,7 @@ import time
 
 BAR_WIDTH = 30
 REFRESH_S = 0.5
-SHOW_ABOVE_S = 3.0     # runs planned shorter than this show no bar
+SHOW_ABOVE_S = 3.0  # runs planned shorter than this show no bar
 
 
 class Progress:

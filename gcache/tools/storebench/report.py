@@ -1,4 +1,5 @@
 """Turns measurements into ratios, target verdicts, a text table and the JSON object."""
+
 from __future__ import annotations
 
 import statistics
@@ -38,8 +39,11 @@ TRANSPORT_TARGETS = (
     ("tcp", "put_gbps", "loopback_tcp_batch", ">=", 0.85),
     ("tcp", "get_gbps", "loopback_tcp_batch", ">=", 0.85),
 )
-_LIMIT_FIELDS = {"memcpy_batch": "memcpy_batch_gbps", "loopback_tcp_batch": "loopback_tcp_batch_gbps",
-                 "python_tcp_pingpong": "python_tcp_pingpong_p50_us"}
+_LIMIT_FIELDS = {
+    "memcpy_batch": "memcpy_batch_gbps",
+    "loopback_tcp_batch": "loopback_tcp_batch_gbps",
+    "python_tcp_pingpong": "python_tcp_pingpong_p50_us",
+}
 _COMPARE = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b}
 
 
@@ -77,10 +81,12 @@ def build_transports(transports: dict, limits: dict, peer_values: dict) -> dict:
             out[name] = {"available": False, "reason": t.get("reason")}
             continue
         values = measure_values(t["workloads"])
-        ratios = {peer: {k: _ratio(values.get(k), v) for k, v in theirs.items()}
-                  for peer, theirs in peer_values.items() if peer != "gcache"}
-        out[name] = {"available": True, "measures": values, "spread": measure_spread(t["workloads"]),
-                     "ratios": ratios}
+        ratios = {
+            peer: {k: _ratio(values.get(k), v) for k, v in theirs.items()}
+            for peer, theirs in peer_values.items()
+            if peer != "gcache"
+        }
+        out[name] = {"available": True, "measures": values, "spread": measure_spread(t["workloads"]), "ratios": ratios}
     targets = []
     for transport, measure, against, op, bound in TRANSPORT_TARGETS:
         if transport not in transports:
@@ -88,8 +94,16 @@ def build_transports(transports: dict, limits: dict, peer_values: dict) -> dict:
         value = out[transport].get("measures", {}).get(measure)
         ratio = value if against == "us" else _ratio(value, limits.get(_LIMIT_FIELDS[against]))
         met = None if ratio is None else _COMPARE[op](ratio, bound)
-        targets.append({"transport": transport, "measure": measure, "against": against,
-                        "target": f"{op} {bound:g}", "ratio": ratio, "met": met})
+        targets.append(
+            {
+                "transport": transport,
+                "measure": measure,
+                "against": against,
+                "target": f"{op} {bound:g}",
+                "ratio": ratio,
+                "met": met,
+            }
+        )
     return {"by_transport": out, "targets": targets}
 
 
@@ -101,7 +115,8 @@ def build(config: dict, limits: dict, peers: dict, server: dict, transports: dic
     ours = values.get("gcache", {})
     ratios = {
         name: {k: _ratio(ours.get(k), v) for k, v in theirs.items()}
-        for name, theirs in values.items() if name != "gcache"
+        for name, theirs in values.items()
+        if name != "gcache"
     }
     fractions = {}
     for key in ("get_gbps", "put_gbps"):
@@ -122,8 +137,7 @@ def build(config: dict, limits: dict, peers: dict, server: dict, transports: dic
         met = None
         if ratio is not None:
             met = {">=": ratio >= bound, "<": ratio < bound, "<=": ratio <= bound}[op]
-        targets.append({"measure": measure, "against": against, "target": f"{op} {bound}",
-                        "ratio": ratio, "met": met})
+        targets.append({"measure": measure, "against": against, "target": f"{op} {bound}", "ratio": ratio, "met": met})
     report = {
         "gcache_bench": 1,
         "config": config,
@@ -158,19 +172,31 @@ def render_table(report: dict) -> str:
         f"{cfg['workers']} {cfg['mode']}, {cfg['duration_s']:g}s per run, medians of {cfg['repeat']} "
         f"(exists: {cfg['exists_keys']} keys; single GET: {format_size(cfg['latency_value_size'])})",
         f"machine: memcpy {limits['memcpy_gbps']:.2f} GB/s (one thread, 256 MiB)"
-        + (f", {limits['memcpy_batch_gbps']:.2f} GB/s (one thread, one batch's "
-           f"{format_size(cfg['value_size'] * cfg['batch'])} into a caller's buffer)"
-           if limits.get("memcpy_batch_gbps") else "")
+        + (
+            f", {limits['memcpy_batch_gbps']:.2f} GB/s (one thread, one batch's "
+            f"{format_size(cfg['value_size'] * cfg['batch'])} into a caller's buffer)"
+            if limits.get("memcpy_batch_gbps")
+            else ""
+        )
         + f"; loopback TCP {limits['loopback_tcp_gbps']:.2f} GB/s"
-        + (f" (cache-resident 4 MiB buffer; {limits['loopback_tcp_batch_gbps']:.2f} GB/s streaming "
-           f"through batch-sized buffers)" if limits.get("loopback_tcp_batch_gbps") else "")
-        + (f"; Python TCP ping-pong p50 {limits['python_tcp_pingpong_p50_us']:.1f} us "
-           f"({format_size(cfg['latency_value_size'])} reply)" if limits.get("python_tcp_pingpong_p50_us") else ""),
+        + (
+            f" (cache-resident 4 MiB buffer; {limits['loopback_tcp_batch_gbps']:.2f} GB/s streaming "
+            f"through batch-sized buffers)"
+            if limits.get("loopback_tcp_batch_gbps")
+            else ""
+        )
+        + (
+            f"; Python TCP ping-pong p50 {limits['python_tcp_pingpong_p50_us']:.1f} us "
+            f"({format_size(cfg['latency_value_size'])} reply)"
+            if limits.get("python_tcp_pingpong_p50_us")
+            else ""
+        ),
         "",
     ]
     if peers.get("gcache", {}).get("transport"):
-        lines.append(f"(gcache = transport {peers['gcache']['transport']}, the first of --transport; "
-                     "every transport is below)")
+        lines.append(
+            f"(gcache = transport {peers['gcache']['transport']}, the first of --transport; every transport is below)"
+        )
     header = f"{'measure':<34}" + "".join(f"{n:>10}" for n in shown)
     header += "".join(f"{'gc/' + n[:7]:>12}" for n in shown if n != "gcache")
     lines.append(header)
@@ -188,15 +214,20 @@ def render_table(report: dict) -> str:
             lines.append(f"{name}: WARNING: some bytes read back differed from the bytes put")
     fr = report["fraction_of_limits"]
     if fr:
-        parts = [f"{op.upper()} {_fmt(fr.get(op + '_of_loopback_tcp'))} of loopback TCP "
-                 f"({_fmt(fr.get(op + '_of_loopback_tcp_batch'))} of batch-sized loopback), "
-                 f"{_fmt(fr.get(op + '_of_memcpy'))} of memcpy" for op in ("get", "put") if op + "_of_memcpy" in fr]
+        parts = [
+            f"{op.upper()} {_fmt(fr.get(op + '_of_loopback_tcp'))} of loopback TCP "
+            f"({_fmt(fr.get(op + '_of_loopback_tcp_batch'))} of batch-sized loopback), "
+            f"{_fmt(fr.get(op + '_of_memcpy'))} of memcpy"
+            for op in ("get", "put")
+            if op + "_of_memcpy" in fr
+        ]
         lines += ["", "gcache as a fraction of the machine: " + "; ".join(parts)]
     lines += ["", "targets (ratio = gcache / against):"]
     for t in report["targets"]:
         verdict = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
-        lines.append(f"  [{verdict}] {t['measure']:<15} vs {t['against']:<13} {t['target']:<7} "
-                     f"ratio {_fmt(t['ratio'])}")
+        lines.append(
+            f"  [{verdict}] {t['measure']:<15} vs {t['against']:<13} {t['target']:<7} ratio {_fmt(t['ratio'])}"
+        )
     if "transports" in report:
         lines += ["", *render_transports(report)]
     server = report.get("server", {})
@@ -220,10 +251,13 @@ def render_transports(report: dict) -> list[str]:
     shown = [n for n, t in section["by_transport"].items() if t["available"]]
     peers = [n for n in report["measures"] if n != "gcache"]
     width = 22
-    lines = [f"by transport: median [min..max] over {cfg['repeat']} runs",
-             f"{'measure':<34}" + "".join(f"{'gcache/' + n:>{width}}" for n in shown)
-             + "".join(f"{n:>{width}}" for n in peers)
-             + "".join(f"{n + '/' + p[:8]:>14}" for p in peers for n in shown)]
+    lines = [
+        f"by transport: median [min..max] over {cfg['repeat']} runs",
+        f"{'measure':<34}"
+        + "".join(f"{'gcache/' + n:>{width}}" for n in shown)
+        + "".join(f"{n:>{width}}" for n in peers)
+        + "".join(f"{n + '/' + p[:8]:>14}" for p in peers for n in shown),
+    ]
     for key, workload, _field, label, scale, unit, _hib in MEASURES:
         if workload not in cfg["workloads"]:
             continue
@@ -237,17 +271,24 @@ def render_transports(report: dict) -> list[str]:
                 values = sorted(r[field] for r in runs)
                 triple = [values[0], statistics.median(values), values[-1]]
             row += f"{_spread(triple, scale):>{width}}"
-        row += "".join(f"{_fmt(section['by_transport'][n]['ratios'][p].get(key)) + 'x':>14}"
-                       for p in peers for n in shown)
+        row += "".join(
+            f"{_fmt(section['by_transport'][n]['ratios'][p].get(key)) + 'x':>14}" for p in peers for n in shown
+        )
         lines.append(row)
     for name, t in section["by_transport"].items():
         if not t["available"]:
             lines.append(f"gcache/{name}: not run: {t['reason']}")
-    limit_names = {"memcpy_batch": "memcpy (one thread, same bytes)", "loopback_tcp_batch": "batch-sized loopback TCP",
-                   "python_tcp_pingpong": "Python TCP ping-pong p50", "us": "microseconds"}
+    limit_names = {
+        "memcpy_batch": "memcpy (one thread, same bytes)",
+        "loopback_tcp_batch": "batch-sized loopback TCP",
+        "python_tcp_pingpong": "Python TCP ping-pong p50",
+        "us": "microseconds",
+    }
     lines += ["", "transport targets (ratio = gcache / against; for microseconds: the value):"]
     for t in section["targets"]:
         verdict = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
-        lines.append(f"  [{verdict}] {t['transport']:<5} {t['measure']:<15} vs {limit_names[t['against']]:<32} "
-                     f"{t['target']:<7} ratio {_fmt(t['ratio'])}")
+        lines.append(
+            f"  [{verdict}] {t['transport']:<5} {t['measure']:<15} vs {limit_names[t['against']]:<32} "
+            f"{t['target']:<7} ratio {_fmt(t['ratio'])}"
+        )
     return lines

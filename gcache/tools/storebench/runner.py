@@ -1,4 +1,5 @@
 """Runs a workload on N threads or processes, and repeats into medians."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -33,7 +34,7 @@ def _thread_workers(spec, name, cfg, workers, key_prefix) -> list[WorkerResult]:
             results[i] = _run_one(spec, name, cfg, WorkerContext(i, f"{key_prefix}/w{i}", barrier))
         except BaseException:
             errors.append(traceback.format_exc())
-            barrier.abort()            # release the others instead of hanging them
+            barrier.abort()  # release the others instead of hanging them
 
     threads = [threading.Thread(target=work, args=(i,), name=f"bench-{name}-{i}") for i in range(workers)]
     for t in threads:
@@ -59,8 +60,12 @@ def _process_workers(spec, name, cfg, workers, key_prefix) -> list[WorkerResult]
     barrier = ctx.Barrier(workers)
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_process_main, args=(spec, name, cfg, i, f"{key_prefix}/p{i}", barrier, queue),
-                    name=f"bench-{name}-{i}", daemon=True)
+        ctx.Process(
+            target=_process_main,
+            args=(spec, name, cfg, i, f"{key_prefix}/p{i}", barrier, queue),
+            name=f"bench-{name}-{i}",
+            daemon=True,
+        )
         for i in range(workers)
     ]
     for p in procs:
@@ -106,8 +111,9 @@ def summarize(results: list[WorkerResult]) -> dict:
     }
 
 
-def run_workload(spec: PeerSpec, name: str, cfg: WorkloadConfig, workers: int = 1,
-                 mode: str = "threads", key_prefix: str = "bench") -> dict:
+def run_workload(
+    spec: PeerSpec, name: str, cfg: WorkloadConfig, workers: int = 1, mode: str = "threads", key_prefix: str = "bench"
+) -> dict:
     if name not in RUNNERS:
         raise ValueError(f"unknown workload {name!r}: choose from {sorted(RUNNERS)}")
     if workers < 1:
@@ -130,8 +136,17 @@ def combine_repeats(runs: list[dict]) -> dict:
     return out
 
 
-def run_suite(spec: PeerSpec, workloads: list[str], cfg: WorkloadConfig, repeat: int, workers: int,
-              mode: str, run_tag: str, progress=None, planned_step_s: float = 0.0) -> dict:
+def run_suite(
+    spec: PeerSpec,
+    workloads: list[str],
+    cfg: WorkloadConfig,
+    repeat: int,
+    workers: int,
+    mode: str,
+    run_tag: str,
+    progress=None,
+    planned_step_s: float = 0.0,
+) -> dict:
     """Every workload, `repeat` times, interleaved so machine drift hits all alike."""
     runs: dict[str, list[dict]] = {w: [] for w in workloads}
     for r in range(repeat):

@@ -8,6 +8,7 @@ latency  single-key GETs of small values, one at a time
 
 Only the store calls are timed; preparation, warm-up and clean-up are not.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,9 +21,9 @@ import numpy as np
 from gcache.tools.storebench.peers.base import Peer
 
 WORKLOADS = ("put", "get", "exists", "latency")
-LATENCY_SAMPLES_MAX = 1_000_000      # per worker; later samples are not kept
-PREPARE_BATCH_KEYS_MAX = 1024        # keys per untimed put while preparing
-EXISTS_VALUE_BYTES = 64              # values behind the `exists` keys
+LATENCY_SAMPLES_MAX = 1_000_000  # per worker; later samples are not kept
+PREPARE_BATCH_KEYS_MAX = 1024  # keys per untimed put while preparing
+EXISTS_VALUE_BYTES = 64  # values behind the `exists` keys
 BARRIER_TIMEOUT_S = 300.0
 
 
@@ -31,10 +32,10 @@ class WorkloadConfig:
     value_size: int = 256 << 10
     batch: int = 64
     duration_s: float = 10.0
-    ops_max: int | None = None            # stop after this many timed calls (per worker)
+    ops_max: int | None = None  # stop after this many timed calls (per worker)
     exists_keys: int = 10_000
-    working_set_bytes: int = 256 << 20    # live bytes per worker in put and get
-    warm_bytes: int = 0                   # extra untimed put/remove traffic first (0 = working set)
+    working_set_bytes: int = 256 << 20  # live bytes per worker in put and get
+    warm_bytes: int = 0  # extra untimed put/remove traffic first (0 = working set)
     latency_value_size: int = 4096
     latency_keys: int = 256
 
@@ -46,9 +47,9 @@ class WorkerResult:
     calls: int = 0
     keys: int = 0
     bytes: int = 0
-    seconds: float = 0.0                  # time spent inside timed store calls
-    misses: int = 0                       # keys not found / not stored / wrong answer
-    verified: bool = True                 # bytes read back equal the bytes put
+    seconds: float = 0.0  # time spent inside timed store calls
+    misses: int = 0  # keys not found / not stored / wrong answer
+    verified: bool = True  # bytes read back equal the bytes put
     latencies_s: list[float] = field(default_factory=list)
 
     def record(self, elapsed_s: float) -> None:
@@ -61,8 +62,8 @@ class WorkerResult:
 @dataclass
 class WorkerContext:
     worker_id: int
-    key_prefix: str                        # unique per run, worker and workload
-    barrier: object                        # threading/multiprocessing Barrier
+    key_prefix: str  # unique per run, worker and workload
+    barrier: object  # threading/multiprocessing Barrier
     on_tick: Callable[[], None] = lambda: None
 
     def with_prefix(self, suffix: str) -> WorkerContext:
@@ -94,7 +95,7 @@ def _put_untimed(peer: Peer, keys: list[str], buf: np.ndarray, size: int) -> int
     per_call = min(len(buf) // size, PREPARE_BATCH_KEYS_MAX)
     stored = 0
     for i in range(0, len(keys), per_call):
-        stored += peer.put_from(keys[i:i + per_call], buf, size)
+        stored += peer.put_from(keys[i : i + per_call], buf, size)
     return stored
 
 
@@ -112,7 +113,7 @@ def _warm(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext, buf: np.ndarray) 
             peer.remove(live.popleft())
         ctx.on_tick()
     for keys in live:
-        peer.get_into(keys, buf, cfg.value_size)   # reading into buf rewrites the same bytes
+        peer.get_into(keys, buf, cfg.value_size)  # reading into buf rewrites the same bytes
         peer.remove(keys)
 
 
@@ -135,7 +136,7 @@ def run_put(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerResult
         result.misses += cfg.batch - stored
         live.append(keys)
         while len(live) * per_batch > cfg.working_set_bytes:
-            peer.remove(live.popleft())          # untimed: bounds each store's live data
+            peer.remove(live.popleft())  # untimed: bounds each store's live data
         ctx.on_tick()
     for keys in live:
         peer.remove(keys)
@@ -155,7 +156,7 @@ def run_get(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerResult
     for keys in working_set:
         stored = peer.put_from(keys, src, cfg.value_size)
         result.verified &= stored == cfg.batch
-    for keys in working_set:                     # warm read, checked byte for byte
+    for keys in working_set:  # warm read, checked byte for byte
         out.fill(0)
         hits = peer.get_into(keys, out, cfg.value_size)
         result.verified &= hits == cfg.batch and bool(np.array_equal(out, src))
@@ -183,12 +184,12 @@ def run_exists(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerRes
     present_keys = _take(stream, present)
     missing_keys = [f"{ctx.key_prefix}/missing/{i}" for i in range(cfg.exists_keys - present)]
     keys = [k for pair in zip(present_keys, missing_keys) for k in pair]
-    keys += missing_keys[len(present_keys):]      # odd counts
+    keys += missing_keys[len(present_keys) :]  # odd counts
     small = _pattern(PREPARE_BATCH_KEYS_MAX * EXISTS_VALUE_BYTES, ctx.worker_id + 2000)
     peer.prepare_buffer(small)
     result = WorkerResult()
     result.verified = _put_untimed(peer, present_keys, small, EXISTS_VALUE_BYTES) == present
-    result.verified &= peer.exists(keys) == present            # warm call
+    result.verified &= peer.exists(keys) == present  # warm call
     ctx.barrier.wait(BARRIER_TIMEOUT_S)
     while not _done(result, cfg):
         start = time.perf_counter()
@@ -198,7 +199,7 @@ def run_exists(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerRes
         result.misses += found != present
         ctx.on_tick()
     for i in range(0, present, PREPARE_BATCH_KEYS_MAX):
-        peer.remove(present_keys[i:i + PREPARE_BATCH_KEYS_MAX])
+        peer.remove(present_keys[i : i + PREPARE_BATCH_KEYS_MAX])
     return result
 
 
@@ -211,10 +212,10 @@ def run_latency(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerRe
     result = WorkerResult()
     result.verified = _put_untimed(peer, keys, src, size) == len(keys)
     slots = len(src) // size
-    for i, key in enumerate(keys):               # warm read, checked byte for byte
+    for i, key in enumerate(keys):  # warm read, checked byte for byte
         value = peer.get_one(key)
         slot = i % slots
-        result.verified &= value is not None and value == src[slot * size:(slot + 1) * size].tobytes()
+        result.verified &= value is not None and value == src[slot * size : (slot + 1) * size].tobytes()
     ctx.barrier.wait(BARRIER_TIMEOUT_S)
     i = 0
     while not _done(result, cfg):

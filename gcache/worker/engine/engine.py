@@ -16,6 +16,7 @@ Pages short: cache.evict, then trim running requests' SWA under pressure, then p
 most recently admitted request. The engine is single-threaded: only its owner thread calls
 add_request/step (the cache's L3 threads never touch the device pools).
 """
+
 from __future__ import annotations
 
 import time
@@ -67,19 +68,30 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: BatchModel, kv: DualKVCache, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.monotonic, cache: CacheManager | None = None) -> None:
+    def __init__(
+        self,
+        model: BatchModel,
+        kv: DualKVCache,
+        config: EngineConfig = EngineConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        cache: CacheManager | None = None,
+    ) -> None:
         self.model, self.kv, self.config, self.clock = model, kv, config, clock
         self.page_size, self.window = kv.page_size, kv.window
         self.vocab_size = kv.config.vocab_size
         chunk = config.scheduler.chunk_tokens
         swa_min = -(-(self.window + chunk) // self.page_size) + 4  # + margin, partial pages
         if kv.swa.num_pages < swa_min:
-            raise ValueError(f"SWA pool has {kv.swa.num_pages} pages; a window of {self.window} plus a "
-                             f"{chunk}-token chunk needs at least {swa_min}")
+            raise ValueError(
+                f"SWA pool has {kv.swa.num_pages} pages; a window of {self.window} plus a "
+                f"{chunk}-token chunk needs at least {swa_min}"
+            )
         if cache is None:
-            cache = (HiCache(kv, config.hicache, nodes_max=config.tree_nodes_max) if config.prefix_cache
-                     else NoPrefixCache(kv))
+            cache = (
+                HiCache(kv, config.hicache, nodes_max=config.tree_nodes_max)
+                if config.prefix_cache
+                else NoPrefixCache(kv)
+            )
         self.cache = cache
         self.scheduler = Scheduler(config.scheduler, self.cache.estimate_uncached)
         self.metrics = EngineMetrics()
@@ -127,12 +139,12 @@ class Engine:
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it."""
-        self.cache.poll(self.scheduler.waiting)                   # receive
-        batch = self._schedule()                                   # schedule (+ admission)
+        self.cache.poll(self.scheduler.waiting)  # receive
+        batch = self._schedule()  # schedule (+ admission)
         finished: list[Request] = []
         self.last_step_ran = bool(batch)
         if batch:
-            loads = self.cache.start_loads()                       # load, layer by layer
+            loads = self.cache.start_loads()  # load, layer by layer
             try:
                 work = [(r.token_slice(r.num_computed, r.num_computed + n), None, r.kv) for r, n in batch]
                 logits = self.model.forward_batch(work, self.kv, layer_ready=loads.wait_layer)  # forward
@@ -140,7 +152,7 @@ class Engine:
                 loads.finish()
             self.metrics.inc("steps_total")
             for (r, n), lg in zip(batch, logits):
-                self._after_forward(r, n, lg, finished)          # write, finish
+                self._after_forward(r, n, lg, finished)  # write, finish
         self._update_gauges()
         return finished
 
@@ -168,7 +180,8 @@ class Engine:
                     admitting = False
                     continue
             elif r.state is not RequestState.RUNNING or not self._reserve(
-                    r, min(chunk.tokens, r.to_compute), may_preempt=True):
+                r, min(chunk.tokens, r.to_compute), may_preempt=True
+            ):
                 continue
             batch.append((r, min(chunk.tokens, r.to_compute)))
             budget -= min(chunk.tokens, r.to_compute)
@@ -362,23 +375,32 @@ class Engine:
         for r in running:
             kv = r.kv
             require(r.state is RequestState.RUNNING and kv is not None, f"{r} runs without pages")
-            require(kv.num_pages >= kv.pages_for(kv.num_tokens) and len(kv.swa_pages) == kv.num_pages,
-                    f"{r}: page tables do not cover its tokens")
+            require(
+                kv.num_pages >= kv.pages_for(kv.num_tokens) and len(kv.swa_pages) == kv.num_pages,
+                f"{r}: page tables do not cover its tokens",
+            )
             for p in kv.full_pages:
                 require(self.kv.full.is_allocated(p), f"{r} references free full page {p}")
             start = max(0, (kv.num_tokens - self.window) // self.page_size)
             for p in kv.swa_pages[start:]:
                 require(p is not None and self.kv.swa.is_allocated(p), f"{r} lost SWA of its window")
         for r in self.scheduler.waiting:
-            require(r.state is RequestState.WAITING and r.kv is None and r.lock_node is None,
-                    f"{r} waits while holding pages")
+            require(
+                r.state is RequestState.WAITING and r.kv is None and r.lock_node is None,
+                f"{r} waits while holding pages",
+            )
         self.cache.check_integrity(running, self.scheduler.waiting)
 
     def _update_gauges(self) -> None:
         tf, ts = self.cache.cached_pages()
         self.metrics.set_gauges(
-            waiting_requests=len(self.scheduler.waiting), running_requests=len(self.scheduler.running),
-            full_pool_pages_used=self.kv.full.num_used, full_pool_pages_total=self.kv.full.num_pages,
-            swa_pool_pages_used=self.kv.swa.num_used, swa_pool_pages_total=self.kv.swa.num_pages,
-            tree_full_pages=tf, tree_swa_pages=ts)
+            waiting_requests=len(self.scheduler.waiting),
+            running_requests=len(self.scheduler.running),
+            full_pool_pages_used=self.kv.full.num_used,
+            full_pool_pages_total=self.kv.full.num_pages,
+            swa_pool_pages_used=self.kv.swa.num_used,
+            swa_pool_pages_total=self.kv.swa.num_pages,
+            tree_full_pages=tf,
+            tree_swa_pages=ts,
+        )
         self.metrics.set_cache_stats(self.cache.stats())

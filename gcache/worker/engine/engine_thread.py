@@ -11,6 +11,7 @@ Stop strings are checked here after every step, so a request stops on the step t
 produced its stop string. Step hooks (fn(engine)) run after every step and at least
 every IDLE_WAIT_S while idle; a hook that raises is logged and counted, never fatal.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 
 log = logging.getLogger("gcache.worker")
 
-IDLE_WAIT_S = 0.1      # idle: wake this often for hooks and the integrity check
+IDLE_WAIT_S = 0.1  # idle: wake this often for hooks and the integrity check
 HOOK_LOG_EVERY = 1000  # after the first error of a hook, log every N-th
 
 
@@ -37,22 +38,28 @@ class EngineEvent(enum.StrEnum):
     """What the engine thread tells a handler about its Pending (the first item of each event)."""
 
     ACCEPTED = "accepted"  # value None: the engine took the request
-    TEXT = "text"          # value str: new text that is safe to show (streamed requests only)
-    DONE = "done"          # value Request: finished or cancelled; exactly one per accepted request
-    ERROR = "error"        # value exception: not taken (ValueError, QueueFullError, EngineStoppedError)
+    TEXT = "text"  # value str: new text that is safe to show (streamed requests only)
+    DONE = "done"  # value Request: finished or cancelled; exactly one per accepted request
+    ERROR = "error"  # value exception: not taken (ValueError, QueueFullError, EngineStoppedError)
 
 
 class Pending:
     """One submission travelling from a handler to the engine thread and back."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, output: OutputText, stream: bool,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        output: OutputText,
+        stream: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.prompt, self.params, self.output, self.stream = prompt, params, output, stream
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens + 2 events
         self.request: Request | None = None
-        self.fed = 0              # output tokens already given to self.output
-        self.cancelled = False    # set by the handler (client gone, timeout)
+        self.fed = 0  # output tokens already given to self.output
+        self.cancelled = False  # set by the handler (client gone, timeout)
 
     def post(self, kind: EngineEvent, value=None) -> None:
         """From the engine thread: hand an event to the handler's loop."""
@@ -165,7 +172,7 @@ class EngineThread(threading.Thread):
             self._done(r)
 
     def _feed(self, p: Pending, r: Request) -> None:
-        piece = p.output.feed(r.output[p.fed:])
+        piece = p.output.feed(r.output[p.fed :])
         p.fed = len(r.output)
         if piece and p.stream:
             p.post(EngineEvent.TEXT, piece)

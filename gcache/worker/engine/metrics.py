@@ -2,6 +2,7 @@
 
 Written only by the engine thread; read by HTTP handler threads under the same lock.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,14 @@ class Histogram:
 
 
 # Cache-hierarchy figures (HiCache.stats()); everything not listed as a gauge is a counter.
-CACHE_GAUGES = {"l2_full_pages_used", "l2_swa_pages_used", "l2_full_pages_total", "l2_swa_pages_total",
-                "l2_pinned_pages", "l3_write_queue_depth"}
+CACHE_GAUGES = {
+    "l2_full_pages_used",
+    "l2_swa_pages_used",
+    "l2_full_pages_total",
+    "l2_swa_pages_total",
+    "l2_pinned_pages",
+    "l3_write_queue_depth",
+}
 CACHE_HELP = {
     "l2_load_pages": "pages loaded host -> device (L2 hits)",
     "l2_load_bytes": "bytes loaded host -> device",
@@ -45,14 +52,20 @@ CACHE_HELP = {
     "loads_cut_to_fit": "host -> device loads cut to what the device pools could hold",
     "l3_writes_skipped_down": "L3 writes skipped while GCache was marked down",
     "l2_evicted_pages": "host pages evicted",
-    "l3_writes_queued": "L3 write jobs queued", "l3_writes_dropped": "L3 write jobs dropped (queue full or store down)",
-    "l3_write_pages": "pages written to GCache", "l3_write_bytes": "bytes written to GCache",
-    "l3_write_errors": "L3 write jobs that failed", "l3_write_seconds": "seconds spent writing to GCache",
-    "l3_prefetches": "L3 prefetches started", "l3_prefetch_hit": "L3 prefetches that found pages",
-    "l3_prefetch_miss": "L3 prefetches that found nothing usable", "l3_prefetch_failed": "L3 prefetches that failed",
+    "l3_writes_queued": "L3 write jobs queued",
+    "l3_writes_dropped": "L3 write jobs dropped (queue full or store down)",
+    "l3_write_pages": "pages written to GCache",
+    "l3_write_bytes": "bytes written to GCache",
+    "l3_write_errors": "L3 write jobs that failed",
+    "l3_write_seconds": "seconds spent writing to GCache",
+    "l3_prefetches": "L3 prefetches started",
+    "l3_prefetch_hit": "L3 prefetches that found pages",
+    "l3_prefetch_miss": "L3 prefetches that found nothing usable",
+    "l3_prefetch_failed": "L3 prefetches that failed",
     "l3_prefetch_dropped": "L3 prefetches not started (queue full)",
     "l3_prefetch_cancelled": "L3 prefetches whose request was admitted or dropped before they completed",
-    "l3_read_pages": "pages read from GCache", "l3_read_bytes": "bytes read from GCache",
+    "l3_read_pages": "pages read from GCache",
+    "l3_read_bytes": "bytes read from GCache",
     "l3_read_seconds": "seconds spent reading from GCache",
     "l3_read_bad_pages": "pages GCache did not return whole (missing or failed checksum): the chain ends there",
     "l3_touch_probes": "prefix probes that keep hot chains warm on the node",
@@ -113,25 +126,34 @@ class EngineMetrics:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {**self.counters, **self.gauges, **self.cache, "ttft_count": self.ttft.n,
-                    "ttft_sum_s": self.ttft.total}
+            return {
+                **self.counters,
+                **self.gauges,
+                **self.cache,
+                "ttft_count": self.ttft.n,
+                "ttft_sum_s": self.ttft.total,
+            }
 
     def render(self) -> str:
         lines: list[str] = []
         with self.lock:
             for k, help_ in self.COUNTERS.items():
-                lines += [f"# HELP {PREFIX}{k} {help_}", f"# TYPE {PREFIX}{k} counter",
-                          f"{PREFIX}{k} {self.counters[k]}"]
+                lines += [
+                    f"# HELP {PREFIX}{k} {help_}",
+                    f"# TYPE {PREFIX}{k} counter",
+                    f"{PREFIX}{k} {self.counters[k]}",
+                ]
             for k, help_ in self.GAUGES.items():
-                lines += [f"# HELP {PREFIX}{k} {help_}", f"# TYPE {PREFIX}{k} gauge",
-                          f"{PREFIX}{k} {self.gauges[k]}"]
+                lines += [f"# HELP {PREFIX}{k} {help_}", f"# TYPE {PREFIX}{k} gauge", f"{PREFIX}{k} {self.gauges[k]}"]
             for k, v in sorted(self.cache.items()):
                 kind = "gauge" if k in CACHE_GAUGES else "counter"
-                lines += [f"# HELP {PREFIX}{k} {CACHE_HELP.get(k, k.replace('_', ' '))}",
-                          f"# TYPE {PREFIX}{k} {kind}", f"{PREFIX}{k} {v}"]
+                lines += [
+                    f"# HELP {PREFIX}{k} {CACHE_HELP.get(k, k.replace('_', ' '))}",
+                    f"# TYPE {PREFIX}{k} {kind}",
+                    f"{PREFIX}{k} {v}",
+                ]
             name = PREFIX + "ttft_seconds"
-            lines += [f"# HELP {name} time from arrival to first generated token",
-                      f"# TYPE {name} histogram"]
+            lines += [f"# HELP {name} time from arrival to first generated token", f"# TYPE {name} histogram"]
             cum = 0
             for b, c in zip(self.ttft.bounds, self.ttft.counts):
                 cum += c

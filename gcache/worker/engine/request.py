@@ -5,6 +5,7 @@ Page ownership (the rule that keeps the pools leak-free): pages [0, borrowed_pag
 never frees them. Every other page in `kv` was allocated by the request and is freed by
 it, or handed to the tree with `insert` (which takes ownership).
 """
+
 from __future__ import annotations
 
 import enum
@@ -22,8 +23,8 @@ class FinishReason(enum.StrEnum):
     """Why a request finished: OpenAI's finish_reason strings (the values go into the JSON)."""
 
     LENGTH = "length"  # max_tokens reached (OpenAI's name)
-    STOP = "stop"      # a stop token was sampled, or a stop string appeared
-    ABORT = "abort"    # the engine gave up on it (shutdown, cannot fit, cancelled)
+    STOP = "stop"  # a stop token was sampled, or a stop string appeared
+    ABORT = "abort"  # the engine gave up on it (shutdown, cannot fit, cancelled)
 
 
 FINISH_LENGTH = FinishReason.LENGTH
@@ -43,7 +44,7 @@ class RequestState(enum.Enum):
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy argmax
-    seed: int | None = None   # per-request RNG seed for temperature > 0 (None -> rid)
+    seed: int | None = None  # per-request RNG seed for temperature > 0 (None -> rid)
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -56,8 +57,14 @@ class SamplingParams:
 class Request:
     """State of one sequence through waiting -> running (-> waiting if preempted) -> finished."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, arrival_s: float,
-                 record_logits: bool = False, page_size: int = 16) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+        record_logits: bool = False,
+        page_size: int = 16,
+    ) -> None:
         if len(prompt) < 1:
             raise ValueError("prompt must have at least one token")
         self.rid = next(_rid_counter)
@@ -75,11 +82,11 @@ class Request:
         self.lock_node = None
         self.prefix_cached = False  # this admission's prefill already handed to the tree
         self._page_keys: list[str] = []  # page-hash chain of tokens(), grown on demand
-        self.branch_page = 0        # where this request's tokens leave the cached tree (pages)
-        self.prefetch = None        # L3 prefetch handle while waiting (hierarchy)
+        self.branch_page = 0  # where this request's tokens leave the cached tree (pages)
+        self.prefetch = None  # L3 prefetch handle while waiting (hierarchy)
         self.prefetch_tried = False
         # Accounting.
-        self.cached_tokens = 0      # prefix hit at first admission (usage.cached_tokens)
+        self.cached_tokens = 0  # prefix hit at first admission (usage.cached_tokens)
         self.cached_by_tier = dict.fromkeys(TIERS, 0)  # split of cached_tokens
         self.preemptions = 0
         self.arrival_s = arrival_s
@@ -111,8 +118,8 @@ class Request:
         if end <= n:
             return self.prompt[start:end]
         if start >= n:
-            return np.asarray(self.output[start - n:end - n], dtype=np.int64)
-        return np.concatenate([self.prompt[start:], np.asarray(self.output[:end - n], dtype=np.int64)])
+            return np.asarray(self.output[start - n : end - n], dtype=np.int64)
+        return np.concatenate([self.prompt[start:], np.asarray(self.output[: end - n], dtype=np.int64)])
 
     def page_keys(self, num_pages: int | None = None) -> list[str]:
         """The SGLang page-hash chain of the first num_pages whole pages of tokens() (default:
@@ -154,5 +161,7 @@ class Request:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     def __repr__(self) -> str:
-        return (f"Request(rid={self.rid}, {self.state.value}, prompt={len(self.prompt)}, "
-                f"out={len(self.output)}, computed={self.num_computed}, borrowed={self.borrowed_pages})")
+        return (
+            f"Request(rid={self.rid}, {self.state.value}, prompt={len(self.prompt)}, "
+            f"out={len(self.output)}, computed={self.num_computed}, borrowed={self.borrowed_pages})"
+        )

@@ -25,6 +25,7 @@ Orders:
         puts long-waiting heavy prefills ahead of cheap long-prompt requests).
 Decodes are not planned here: the engine runs every decode first, then these chunks.
 """
+
 from __future__ import annotations
 
 import enum
@@ -61,21 +62,27 @@ class EngineStoppedError(QueueFullError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = SchedulerPolicy.TTFT  # a SchedulerPolicy (or its string)
-    max_waiting: int = 1024          # bound of the waiting queue
-    max_running: int = 32            # requests holding KV at once
-    max_tokens_per_step: int = 512   # decode tokens + prefill tokens per step
-    chunk_tokens: int = 256          # most prefill tokens one request gets per step (both policies)
+    max_waiting: int = 1024  # bound of the waiting queue
+    max_running: int = 32  # requests holding KV at once
+    max_tokens_per_step: int = 512  # decode tokens + prefill tokens per step
+    chunk_tokens: int = 256  # most prefill tokens one request gets per step (both policies)
     aging_tokens_per_s: float = 0.0  # ttft: priority gained per second waited (see above)
-    max_wait_s: float = 30.0         # ttft: starvation lane; both: longest dedup hold
-    dedup_min_tokens: int = 32       # shared uncached prefix worth waiting for
-    estimates_per_step: int = 64     # tree matches spent refreshing stale estimates per step
-    scan_max: int = 256              # candidates examined per plan
+    max_wait_s: float = 30.0  # ttft: starvation lane; both: longest dedup hold
+    dedup_min_tokens: int = 32  # shared uncached prefix worth waiting for
+    estimates_per_step: int = 64  # tree matches spent refreshing stale estimates per step
+    scan_max: int = 256  # candidates examined per plan
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_waiting", "max_running", "max_tokens_per_step", "chunk_tokens",
-                     "estimates_per_step", "scan_max"):
+        for name in (
+            "max_waiting",
+            "max_running",
+            "max_tokens_per_step",
+            "chunk_tokens",
+            "estimates_per_step",
+            "scan_max",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1")
         if self.max_running > self.max_tokens_per_step:
@@ -286,7 +293,11 @@ class Scheduler:
             return None
         head, last = r.prompt[:end], r.prompt[end - 1]
         for other in in_flight:  # the last-token test first: most pairs differ there, cheaply
-            if (other is not r and len(other.prompt) >= end and other.prompt[end - 1] == last
-                    and np.array_equal(other.prompt[:end], head)):
+            if (
+                other is not r
+                and len(other.prompt) >= end
+                and other.prompt[end - 1] == last
+                and np.array_equal(other.prompt[:end], head)
+            ):
                 return other
         return None

@@ -3,6 +3,7 @@
 Parsing and validation live in gcache.serving.openai_api (shared with the router); the
 text a client sees (stop strings, UTF-8) in gcache.serving.stop_text.
 """
+
 from __future__ import annotations
 
 from gcache.serving import openai_bodies
@@ -14,8 +15,9 @@ from gcache.worker.engine.request import FINISH_STOP, FinishReason, Request, Sam
 
 def sampling_params(parsed: ParsedRequest, tok: ByteTokenizer) -> SamplingParams:
     stops = () if parsed.ignore_eos else (tok.eos_id,)
-    return SamplingParams(max_tokens=parsed.max_tokens, temperature=parsed.temperature, seed=parsed.seed,
-                          stop_token_ids=stops)
+    return SamplingParams(
+        max_tokens=parsed.max_tokens, temperature=parsed.temperature, seed=parsed.seed, stop_token_ids=stops
+    )
 
 
 def finish_reason(r: Request, out: OutputText) -> FinishReason:
@@ -25,7 +27,7 @@ def finish_reason(r: Request, out: OutputText) -> FinishReason:
 def output_ids(r: Request, out: OutputText) -> list[int]:
     """The generated ids the text stands for: cut before a stop string; without a stop token."""
     if out.stopped:
-        return list(r.output[:out.kept_tokens()])
+        return list(r.output[: out.kept_tokens()])
     if r.finish_reason == FINISH_STOP and r.output:
         return list(r.output[:-1])  # the stop token is not part of the text (OpenAI)
     return list(r.output)
@@ -37,10 +39,21 @@ def usage(r: Request) -> dict:
 
 def extras(r: Request) -> dict:
     """Worker-specific fields beside OpenAI's: timings and preemptions."""
-    return {"ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
-            "e2e_ms": round((r.finished_s - r.arrival_s) * 1e3, 3), "preemptions": r.preemptions}
+    return {
+        "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
+        "e2e_ms": round((r.finished_s - r.arrival_s) * 1e3, 3),
+        "preemptions": r.preemptions,
+    }
 
 
 def full_response(kind: str, r: Request, out: OutputText, model_name: str) -> dict:
-    return openai_bodies.full_body(kind, openai_bodies.response_id(kind, r.rid), model_name, out.text,
-                                   output_ids(r, out), finish_reason(r, out), usage(r), extras(r))
+    return openai_bodies.full_body(
+        kind,
+        openai_bodies.response_id(kind, r.rid),
+        model_name,
+        out.text,
+        output_ids(r, out),
+        finish_reason(r, out),
+        usage(r),
+        extras(r),
+    )

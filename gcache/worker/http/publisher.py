@@ -8,6 +8,7 @@ gcache/serving/redis_layout.py). Redis down or slow never blocks the engine: onl
 Redis, with a timeout, and after a failure the next good flush is a full resync (Redis may
 have restarted empty); meanwhile the event buffer stays bounded (drop + count + resync).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ from gcache.worker.kvcache.cache_events import CacheEventLog
 
 log = logging.getLogger("gcache.worker.http.publisher")
 
-HSET_CHUNK = 10_000       # fields per HSET inside a resync transaction
-RETRY_MAX_S = 0.5         # longest pause between flush attempts while Redis is down (routers
+HSET_CHUNK = 10_000  # fields per HSET inside a resync transaction
+RETRY_MAX_S = 0.5  # longest pause between flush attempts while Redis is down (routers
 #                           route by least load until this worker re-registers after a restart)
 WORKERS_FORGET_MS = 3_600_000  # discovery entries not refreshed for an hour are removed
 
@@ -34,22 +35,24 @@ class PublisherConfig:
     redis_url: str
     advertise_url: str
     prefix: str = "gcache:router"
-    interval_s: float = 0.1          # flush / load-sample period (0: sample load at every on_step)
-    ttl_s: float = 3.0               # registration TTL: a dead worker disappears after this
-    events_max: int = 16384          # dirty pages buffered between flushes (then: drop + resync)
-    stream_max: int = 1000           # event stream entries kept (MAXLEN ~); a router further
+    interval_s: float = 0.1  # flush / load-sample period (0: sample load at every on_step)
+    ttl_s: float = 3.0  # registration TTL: a dead worker disappears after this
+    events_max: int = 16384  # dirty pages buffered between flushes (then: drop + resync)
+    stream_max: int = 1000  # event stream entries kept (MAXLEN ~); a router further
     #                                  behind reloads the snapshot. Bytes <= 9 * events_max each.
     resync_interval_s: float = 300.0  # rebuild the mirror from the real cache this often
     redis_timeout_s: float = 0.5
-    l3_pages_max: int = 1 << 20      # cap of the shared L3 index in Redis
+    l3_pages_max: int = 1 << 20  # cap of the shared L3 index in Redis
     model: str = ""
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis must look like redis://HOST:PORT/DB, got {self.redis_url!r}")
         if not valid_worker_url(self.advertise_url.rstrip("/")):
-            raise ValueError("--advertise-url must be http(s)://HOST:PORT (printable, no spaces or quotes), "
-                             f"got {self.advertise_url[:200]!r}")
+            raise ValueError(
+                "--advertise-url must be http(s)://HOST:PORT (printable, no spaces or quotes), "
+                f"got {self.advertise_url[:200]!r}"
+            )
         if not 0 <= self.interval_s <= 60:
             raise ValueError("publish interval must be in [0, 60] s")
         if not 0.1 <= self.ttl_s <= 86400 or self.ttl_s <= 2 * self.interval_s:
@@ -62,8 +65,9 @@ class PublisherConfig:
 
 
 class WorkerPublisher:
-    def __init__(self, engine, config: PublisherConfig, start_thread: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, engine, config: PublisherConfig, start_thread: bool = True, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         import redis
 
         self.config, self.clock = config, clock
@@ -73,9 +77,12 @@ class WorkerPublisher:
         self.page_size, self.window = engine.page_size, engine.window
         self.model = config.model or getattr(getattr(engine.cache, "config", None), "model_name", "") or "model"
         self.redis = redis.Redis.from_url(
-            config.redis_url, socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s, retry_on_timeout=False,
-            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            retry_on_timeout=False,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        )
         self._redis_errors = (redis.RedisError, OSError)
         self._attached = False
         self._load = WorkerLoad()
@@ -145,7 +152,7 @@ class WorkerPublisher:
             epoch, seq = os.urandom(8).hex(), 0
             p.delete(k.pages(url))
             for i in range(0, len(batch.pages), HSET_CHUNK):
-                p.hset(k.pages(url), mapping={id_bytes(pid): bytes([f]) for pid, f in batch.pages[i:i + HSET_CHUNK]})
+                p.hset(k.pages(url), mapping={id_bytes(pid): bytes([f]) for pid, f in batch.pages[i : i + HSET_CHUNK]})
             p.xadd(k.events(url), {"e": epoch, "s": 0, "r": 1}, maxlen=self.config.stream_max, approximate=True)
         else:
             epoch, seq = self._epoch, self._seq
@@ -157,15 +164,20 @@ class WorkerPublisher:
                     p.hset(k.pages(url), mapping=sets)
                 if dels:
                     p.hdel(k.pages(url), *dels)
-                p.xadd(k.events(url), {"e": epoch, "s": seq, "d": encode_records(batch.pages)},
-                       maxlen=self.config.stream_max, approximate=True)
+                p.xadd(
+                    k.events(url),
+                    {"e": epoch, "s": seq, "d": encode_records(batch.pages)},
+                    maxlen=self.config.stream_max,
+                    approximate=True,
+                )
         for key, bit in ((k.l3_full, 1), (k.l3_swa, 2)):
             members = {id_bytes(pid): now_ms for pid, f in batch.l3 if f & bit}
             if members:
                 p.zadd(key, members)
                 p.zremrangebyrank(key, 0, -(self.config.l3_pages_max + 1))
-        reg = Registration(url, self.model, self.page_size, self.window, epoch, seq, now_ms, self._load,
-                           self.events.stats["dropped"])
+        reg = Registration(
+            url, self.model, self.page_size, self.window, epoch, seq, now_ms, self._load, self.events.stats["dropped"]
+        )
         p.set(k.reg(url), reg.to_json(), px=int(self.config.ttl_s * 1000), xx=not batch.full)
         p.zadd(k.workers, {url: now_ms})
         p.zremrangebyscore(k.workers, "-inf", now_ms - WORKERS_FORGET_MS)  # long-gone URLs
@@ -211,8 +223,11 @@ class WorkerPublisher:
 
     def stats(self) -> dict:
         """Counters: flushes, errors, resyncs, records sent, events seen / dropped, pending."""
-        return {**self.counters, **{f"events_{k}": v for k, v in self.events.stats.items()},
-                "pending": self.events.pending()}
+        return {
+            **self.counters,
+            **{f"events_{k}": v for k, v in self.events.stats.items()},
+            "pending": self.events.pending(),
+        }
 
 
 def sample_load(engine) -> WorkerLoad:
@@ -227,14 +242,23 @@ def sample_load(engine) -> WorkerLoad:
 
 def add_publisher_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("routing (publish cache state and load for gcache-router)")
-    g.add_argument("--redis", default="", metavar="redis://HOST:PORT/DB",
-                   help="publish this worker's cache and load to this Redis for gcache-router")
+    g.add_argument(
+        "--redis",
+        default="",
+        metavar="redis://HOST:PORT/DB",
+        help="publish this worker's cache and load to this Redis for gcache-router",
+    )
     g.add_argument("--redis-prefix", default="gcache:router", help="namespace of the Redis keys (as the routers)")
-    g.add_argument("--advertise-url", default="",
-                   help="the URL routers use to reach this worker (default http://HOST:PORT)")
+    g.add_argument(
+        "--advertise-url", default="", help="the URL routers use to reach this worker (default http://HOST:PORT)"
+    )
     g.add_argument("--publish-interval-s", type=float, default=0.1)
-    g.add_argument("--publish-ttl-s", type=float, default=3.0,
-                   help="registration TTL: a worker that stops publishing leaves routing after this")
+    g.add_argument(
+        "--publish-ttl-s",
+        type=float,
+        default=3.0,
+        help="registration TTL: a worker that stops publishing leaves routing after this",
+    )
 
 
 def start_publisher(args: argparse.Namespace, engine_thread, bound_port: int | None = None) -> WorkerPublisher | None:
@@ -248,9 +272,14 @@ def start_publisher(args: argparse.Namespace, engine_thread, bound_port: int | N
         if args.host in ("0.0.0.0", "::", ""):
             raise ValueError("--advertise-url is needed when listening on all interfaces")
         url = f"http://{args.host}:{bound_port if bound_port is not None else args.port}"
-    cfg = PublisherConfig(redis_url=args.redis, advertise_url=url, prefix=args.redis_prefix,
-                          interval_s=args.publish_interval_s, ttl_s=args.publish_ttl_s,
-                          model=getattr(args, "model_name", "") or "")
+    cfg = PublisherConfig(
+        redis_url=args.redis,
+        advertise_url=url,
+        prefix=args.redis_prefix,
+        interval_s=args.publish_interval_s,
+        ttl_s=args.publish_ttl_s,
+        model=getattr(args, "model_name", "") or "",
+    )
     pub = WorkerPublisher(engine_thread.engine, cfg, start_thread=True)
     engine_thread.add_step_hook(pub.on_step)
     return pub

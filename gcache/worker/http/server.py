@@ -8,6 +8,7 @@ A request's way through: its body is read under --body-timeout-s and the 8 MiB l
 anything malformed), then it takes one of --max-in-flight slots (503 when none is free)
 and goes to the engine thread (engine_thread.py), which reports back on this loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,21 +51,29 @@ HTTP_COUNTERS = {
 class WorkerApp:
     """The aiohttp handlers of one worker; the engine lives in `engine_thread`."""
 
-    def __init__(self, engine_thread: EngineThread, model_name: str, request_timeout_s: float = 600.0,
-                 max_in_flight: int = 256, body_timeout_s: float = BODY_DEADLINE_S,
-                 body_bytes_max: int = BODY_BYTES_MAX) -> None:
+    def __init__(
+        self,
+        engine_thread: EngineThread,
+        model_name: str,
+        request_timeout_s: float = 600.0,
+        max_in_flight: int = 256,
+        body_timeout_s: float = BODY_DEADLINE_S,
+        body_bytes_max: int = BODY_BYTES_MAX,
+    ) -> None:
         self.engine_thread = engine_thread
         self.tok = ByteTokenizer(engine_thread.engine.vocab_size)
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self.body_timeout_s, self.body_bytes_max = body_timeout_s, body_bytes_max
         self.limiter = InFlightLimiter(max_in_flight)
-        self.counters = HTTPCounters("gcache_worker_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics",
-                                                        "/v1/models"), HTTP_COUNTERS)
+        self.counters = HTTPCounters(
+            "gcache_worker_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics", "/v1/models"), HTTP_COUNTERS
+        )
 
     def build(self) -> web.Application:
-        app = openai_app(self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health,
-                         self.metrics)
+        app = openai_app(
+            self.counters, log, self.body_bytes_max, self.completions, self.chat, self.health, self.metrics
+        )
         app.router.add_get("/v1/models", self.models)
         return app
 
@@ -72,21 +81,30 @@ class WorkerApp:
     async def health(self, request: web.Request) -> web.Response:
         ok = self.engine_thread.is_serving()
         snap = self.engine_thread.engine.metrics.snapshot()
-        return json_response(200 if ok else 503, {"status": "ok" if ok else "down",
-                                                  "waiting": snap["waiting_requests"],
-                                                  "running": snap["running_requests"],
-                                                  "in_flight": self.limiter.in_flight})
+        return json_response(
+            200 if ok else 503,
+            {
+                "status": "ok" if ok else "down",
+                "waiting": snap["waiting_requests"],
+                "running": snap["running_requests"],
+                "in_flight": self.limiter.in_flight,
+            },
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         et = self.engine_thread
-        text = et.engine.metrics.render() + self.counters.render({
-            "http_in_flight": ("requests holding a completion slot", self.limiter.in_flight),
-            "step_hook_errors": ("exceptions raised by engine step hooks (logged, not fatal)", et.hook_errors)})
+        text = et.engine.metrics.render() + self.counters.render(
+            {
+                "http_in_flight": ("requests holding a completion slot", self.limiter.in_flight),
+                "step_hook_errors": ("exceptions raised by engine step hooks (logged, not fatal)", et.hook_errors),
+            }
+        )
         return prometheus_response(text)
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(200, {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                               "owned_by": "gcache"}]})
+        return json_response(
+            200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "gcache"}]}
+        )
 
     # ---- POST -----------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -99,14 +117,25 @@ class WorkerApp:
         async def run(body: bytes, parsed: ParsedRequest) -> web.StreamResponse:
             return await self._run(request, parsed)
 
-        return await serve_post(request, lambda payload: parse_request(path, payload, self.tok), run,
-                                limiter=self.limiter, counters=self.counters, body_bytes_max=self.body_bytes_max,
-                                body_timeout_s=self.body_timeout_s)
+        return await serve_post(
+            request,
+            lambda payload: parse_request(path, payload, self.tok),
+            run,
+            limiter=self.limiter,
+            counters=self.counters,
+            body_bytes_max=self.body_bytes_max,
+            body_timeout_s=self.body_timeout_s,
+        )
 
     async def _run(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        p = Pending(parsed.prompt, completions.sampling_params(parsed, self.tok), OutputText(self.tok, parsed.stop),
-                    parsed.stream, loop)
+        p = Pending(
+            parsed.prompt,
+            completions.sampling_params(parsed, self.tok),
+            OutputText(self.tok, parsed.stop),
+            parsed.stream,
+            loop,
+        )
         try:
             self.engine_thread.submit(p)
         except QueueFullError as e:
@@ -149,8 +178,9 @@ class WorkerApp:
                 if not self.engine_thread.is_serving() and p.events.empty():
                     return EngineEvent.ERROR, EngineStoppedError("engine stopped")
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, p: Pending,
-                      deadline: float) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, parsed: ParsedRequest, p: Pending, deadline: float
+    ) -> web.StreamResponse:
         chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
         resp = await sse.start(request)
         try:
@@ -163,8 +193,9 @@ class WorkerApp:
                 except asyncio.TimeoutError:
                     self.engine_thread.cancel(p)
                     self.counters.inc("http_request_timeouts_total")
-                    await resp.write(sse.event(error_body(
-                        504, f"request did not finish within {self.request_timeout_s:g} s")))
+                    await resp.write(
+                        sse.event(error_body(504, f"request did not finish within {self.request_timeout_s:g} s"))
+                    )
                     break
                 if kind == EngineEvent.TEXT:
                     await resp.write(sse.event(chunks.text(value)))
@@ -185,9 +216,15 @@ class WorkerApp:
         return resp
 
 
-def make_app(engine: Engine, model_name: str, request_timeout_s: float = 600.0, max_in_flight: int = 256,
-             integrity_check_s: float = 5.0, body_timeout_s: float = BODY_DEADLINE_S,
-             body_bytes_max: int = BODY_BYTES_MAX) -> tuple[web.Application, EngineThread]:
+def make_app(
+    engine: Engine,
+    model_name: str,
+    request_timeout_s: float = 600.0,
+    max_in_flight: int = 256,
+    integrity_check_s: float = 5.0,
+    body_timeout_s: float = BODY_DEADLINE_S,
+    body_bytes_max: int = BODY_BYTES_MAX,
+) -> tuple[web.Application, EngineThread]:
     """The aiohttp app and its (not yet started) engine thread."""
     engine_thread = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
     worker = WorkerApp(engine_thread, model_name, request_timeout_s, max_in_flight, body_timeout_s, body_bytes_max)
@@ -202,8 +239,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError, GCacheError) as e:
         print(f"gcache-worker: {e}", file=sys.stderr)
         return 2
-    app, engine_thread = make_app(engine, name, args.request_timeout_s, args.max_in_flight, args.integrity_check_s,
-                                  args.body_timeout_s)
+    app, engine_thread = make_app(
+        engine, name, args.request_timeout_s, args.max_in_flight, args.integrity_check_s, args.body_timeout_s
+    )
     engine_thread.start()
     publisher = None
 
@@ -216,8 +254,11 @@ def main(argv=None) -> int:
             tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
         if getattr(engine.cache, "l3", None) is not None:
             tiers += f" + L3 ({args.l3})"
-        print(f"gcache-worker: serving {name} on http://{args.host}:{port} (full pages {engine.kv.full.num_pages}, "
-              f"swa pages {engine.kv.swa.num_pages}; cache {tiers})", flush=True)
+        print(
+            f"gcache-worker: serving {name} on http://{args.host}:{port} (full pages {engine.kv.full.num_pages}, "
+            f"swa pages {engine.kv.swa.num_pages}; cache {tiers})",
+            flush=True,
+        )
 
     async def stopping() -> None:  # abort what runs so every handler answers, then the server closes
         engine_thread.stopping.set()

@@ -11,6 +11,7 @@ Threads: tree hooks run in the engine thread; host hooks also run on L3 prefetch
 threads, under the host cache's lock. Everything here takes one short lock of its own, after
 the host's (never the other way round).
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,9 +24,9 @@ L1_BITS, L2_BITS = L1_FULL | L1_SWA, L2_FULL | L2_SWA
 
 @dataclass
 class Batch:
-    full: bool                     # a whole snapshot (replace everything) or a delta
-    pages: list                    # (page id, flags) — flags 0 = gone
-    l3: list                       # (page id, L3_FULL | L3_SWA) newly known to be in L3
+    full: bool  # a whole snapshot (replace everything) or a delta
+    pages: list  # (page id, flags) — flags 0 = gone
+    l3: list  # (page id, L3_FULL | L3_SWA) newly known to be in L3
 
 
 class CacheEventLog:
@@ -37,9 +38,8 @@ class CacheEventLog:
         self.mirror: dict[int, int] = {}
         self.dirty: dict[int, None] = {}
         self.l3: dict[int, int] = {}
-        self.resync = True             # the first batch is a snapshot
-        self.stats = dict.fromkeys(("events", "dropped", "l3_dropped", "snapshots", "deltas", "drift",
-                                    "rebuilds"), 0)
+        self.resync = True  # the first batch is a snapshot
+        self.stats = dict.fromkeys(("events", "dropped", "l3_dropped", "snapshots", "deltas", "drift", "rebuilds"), 0)
         self.tree = self.host = None
 
     # ---- attach / detach (engine thread) ------------------------------------------------------
@@ -76,8 +76,11 @@ class CacheEventLog:
                 if attach:
                     self.host.observers.append(self)
             with self.lock:
-                drift = 0 if attach else sum(1 for k in fresh.keys() | self.mirror.keys()
-                                             if fresh.get(k, 0) != self.mirror.get(k, 0))
+                drift = (
+                    0
+                    if attach
+                    else sum(1 for k in fresh.keys() | self.mirror.keys() if fresh.get(k, 0) != self.mirror.get(k, 0))
+                )
                 self.mirror = fresh
                 self.dirty.clear()
                 self.resync = True
@@ -101,7 +104,7 @@ class CacheEventLog:
             return
         if len(self.dirty) >= self.events_max:
             self.stats["dropped"] += 1
-            self.resync = True   # the next batch is a snapshot of the mirror
+            self.resync = True  # the next batch is a snapshot of the mirror
             self.dirty.clear()
             return
         self.dirty[pid] = None

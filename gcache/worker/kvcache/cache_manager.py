@@ -14,6 +14,7 @@ Page ownership: pages [0, req.kv.owned_from) of a running request are the tree's
 req.lock_node); every other page in req.kv is the request's own until prepare_write hands
 it to the tree. Host pages are pinned while loaded, written to L3 or held for a prefetch.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -36,11 +37,11 @@ class MatchResult:
     l1_len: int = 0
     l2_len: int = 0
     l3_len: int = 0
-    device_pages: tuple = ()      # full-pool page ids of the L1 part
-    host_keys: tuple = ()         # page hashes of the pages L2 serves (after L1)
-    l3_keys: tuple = ()           # the subset of host_keys that came from L3
-    node: object = None           # L1 lock handle
-    present_len: int = 0          # tokens of the input present in L1, window-safe or not
+    device_pages: tuple = ()  # full-pool page ids of the L1 part
+    host_keys: tuple = ()  # page hashes of the pages L2 serves (after L1)
+    l3_keys: tuple = ()  # the subset of host_keys that came from L3
+    node: object = None  # L1 lock handle
+    present_len: int = 0  # tokens of the input present in L1, window-safe or not
     by_tier: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     @property

@@ -16,6 +16,7 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
     So each tier holds a prefix's SWA cost O(W) per checkpoint, and a prefix is loadable
     from a tier up to its last checkpoint whose full pages are all there.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -34,14 +35,23 @@ from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
 
-STAT_NAMES = ("l2_load_pages", "l2_load_bytes", "l2_load_seconds", "l2_load_wait_seconds",
-              "l2_write_pages", "l2_write_bytes", "l2_write_dropped", "loads_cut_to_fit",
-              "l3_writes_skipped_down")
+STAT_NAMES = (
+    "l2_load_pages",
+    "l2_load_bytes",
+    "l2_load_seconds",
+    "l2_load_wait_seconds",
+    "l2_write_pages",
+    "l2_write_bytes",
+    "l2_write_dropped",
+    "loads_cut_to_fit",
+    "l3_writes_skipped_down",
+)
 
 
 class HiCache(CacheManager):
-    def __init__(self, kv: DualKVCache, config: HiCacheConfig | None = None,
-                 nodes_max: int = 1_000_000, l3_client=None) -> None:
+    def __init__(
+        self, kv: DualKVCache, config: HiCacheConfig | None = None, nodes_max: int = 1_000_000, l3_client=None
+    ) -> None:
         config = config if config is not None else HiCacheConfig()
         self.kv, self.config = kv, config
         self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
@@ -53,9 +63,13 @@ class HiCache(CacheManager):
             pool = HostKVPool.from_budget(kv.config, config.l2_bytes, config.l2_swa_full_ratio, kv.xp)
             self.host = HostCache(pool, protect_prefix=config.l3_protect_prefix)
             if config.l3_url:
-                l3c = L3Config(url=config.l3_url, model=config.model_name, timeout_s=config.l3_timeout_s,
-                               write_queue_max=config.l3_write_queue_max,
-                               protect_prefix=config.l3_protect_prefix)
+                l3c = L3Config(
+                    url=config.l3_url,
+                    model=config.model_name,
+                    timeout_s=config.l3_timeout_s,
+                    write_queue_max=config.l3_write_queue_max,
+                    protect_prefix=config.l3_protect_prefix,
+                )
                 self.l3 = L3Store(l3c, self.host, self.window, self.ps, client=l3_client)
             if self.write_rule.writes_at_evict:
                 self.tree.on_evict = self._demote
@@ -80,9 +94,15 @@ class HiCache(CacheManager):
         m = self.tree.match(req.tokens(), keys=all_keys)
         p1 = m.prefix_len // self.ps
         end = self._host_end(keys, p1)
-        return MatchResult(l1_len=m.prefix_len, l2_len=end * self.ps, l3_len=end * self.ps,
-                           device_pages=m.full_pages, host_keys=tuple(keys[p1:end]), node=m.node,
-                           present_len=m.present_len)
+        return MatchResult(
+            l1_len=m.prefix_len,
+            l2_len=end * self.ps,
+            l3_len=end * self.ps,
+            device_pages=m.full_pages,
+            host_keys=tuple(keys[p1:end]),
+            node=m.node,
+            present_len=m.present_len,
+        )
 
     def estimate_uncached(self, req) -> int:
         return req.num_tokens - self.match(req).total
@@ -135,9 +155,17 @@ class HiCache(CacheManager):
             req.prefetch = None
         l3 = len(l3_keys) * ps
         by_tier = {Tier.L1: m.prefix_len, Tier.L2: (end - p1) * ps - l3, Tier.L3: l3}
-        return MatchResult(l1_len=m.prefix_len, l2_len=end * ps, l3_len=end * ps, device_pages=m.full_pages,
-                           host_keys=tuple(keys[p1:end]), l3_keys=l3_keys, node=m.node,
-                           present_len=m.present_len, by_tier=by_tier)
+        return MatchResult(
+            l1_len=m.prefix_len,
+            l2_len=end * ps,
+            l3_len=end * ps,
+            device_pages=m.full_pages,
+            host_keys=tuple(keys[p1:end]),
+            l3_keys=l3_keys,
+            node=m.node,
+            present_len=m.present_len,
+            by_tier=by_tier,
+        )
 
     def _load_from_host(self, req, keys: list[str], p1: int) -> int:
         """Queue the copy of L2 pages [p1, E) into new device pages; returns E (p1 if none).
@@ -146,13 +174,13 @@ class HiCache(CacheManager):
         n, _ = host.run(keys, p1)
         if not n:
             return p1
-        pinned = host.pin(keys[p1:p1 + n])
+        pinned = host.pin(keys[p1 : p1 + n])
         k = 0  # a prefetch thread may have evicted a page between run and pin: stop there
         while k < len(pinned) and pinned[k] == keys[p1 + k]:
             k += 1
         host.unpin(pinned[k:])
         pinned = pinned[:k]
-        n, swa = host.run(keys[:p1 + k], p1)  # pinned: stable from here on
+        n, swa = host.run(keys[: p1 + k], p1)  # pinned: stable from here on
         want = last_safe_end(p1, n, lambda i: swa[i - p1], ps, W) - p1
         if want <= 0:
             host.unpin(pinned)
@@ -181,16 +209,23 @@ class HiCache(CacheManager):
         kv.full_pages += full_dev
         kv.swa_pages += [None] * (tail_lo - p1) + swa_dev
         kv.num_tokens = end * ps
-        host.unpin(pinned[end - p1:])
-        self._loads.append(PageLoad(req, (full_dev, [e.full for e in entries]),
-                                    (swa_dev, [e.swa for e in entries[tail_lo - p1:]]), pinned[:end - p1]))
+        host.unpin(pinned[end - p1 :])
+        self._loads.append(
+            PageLoad(
+                req,
+                (full_dev, [e.full for e in entries]),
+                (swa_dev, [e.swa for e in entries[tail_lo - p1 :]]),
+                pinned[: end - p1],
+            )
+        )
         return end
 
     def start_loads(self):
         if not self._loads:
             return NoLoads()
-        batch = LoadBatch(self.kv, self.host, self._loads, self.config.layerwise_load,
-                          self.config.load_throttle_bytes_per_s)
+        batch = LoadBatch(
+            self.kv, self.host, self._loads, self.config.layerwise_load, self.config.load_throttle_bytes_per_s
+        )
         self._loads = []
         c = self.counters
         c["l2_load_pages"] += sum(len(ld.full[0]) for ld in batch.loads)
@@ -241,8 +276,10 @@ class HiCache(CacheManager):
         if end_is_checkpoint:
             lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
         idx = self.write_rule.at_insert(range(lo, npages), keys, self._hits)
-        swa = [kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint)
-               else None for i in range(npages)]
+        swa = [
+            kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint) else None
+            for i in range(npages)
+        ]
         self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
 
     def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
@@ -336,8 +373,11 @@ class HiCache(CacheManager):
 
     def _trim_to_checkpoints(self, req, npages: int) -> None:
         kv = req.kv
-        idx = [i for i in range(kv.owned_from, min(npages, kv.num_pages))
-               if kv.swa_pages[i] is not None and not self._keep(req, i, npages)]
+        idx = [
+            i
+            for i in range(kv.owned_from, min(npages, kv.num_pages))
+            if kv.swa_pages[i] is not None and not self._keep(req, i, npages)
+        ]
         self._free_swa(kv, idx)
 
     def _free_swa(self, kv: RequestKV, idx: list[int]) -> int:
@@ -385,16 +425,20 @@ class HiCache(CacheManager):
         owned_swa: list[int] = []
         for r in running:
             kv = r.kv
-            owned_full += kv.full_pages[kv.owned_from:]
-            owned_swa += [p for p in kv.swa_pages[kv.owned_from:] if p is not None]
+            owned_full += kv.full_pages[kv.owned_from :]
+            owned_swa += [p for p in kv.swa_pages[kv.owned_from :] if p is not None]
         self.tree.check_integrity(owned_full, owned_swa)
         tree_full, tree_swa = self.tree.cached_pages()
         require(len(set(owned_full)) == len(owned_full), "a full page is owned by two requests")
         require(len(set(owned_swa)) == len(owned_swa), "an SWA page is owned by two requests")
-        require(self.kv.full.num_used == tree_full + len(owned_full),
-                f"full pages: {self.kv.full.num_used} used, tree {tree_full} + requests {len(owned_full)}")
-        require(self.kv.swa.num_used == tree_swa + len(owned_swa),
-                f"swa pages: {self.kv.swa.num_used} used, tree {tree_swa} + requests {len(owned_swa)}")
+        require(
+            self.kv.full.num_used == tree_full + len(owned_full),
+            f"full pages: {self.kv.full.num_used} used, tree {tree_full} + requests {len(owned_full)}",
+        )
+        require(
+            self.kv.swa.num_used == tree_swa + len(owned_swa),
+            f"swa pages: {self.kv.swa.num_used} used, tree {tree_swa} + requests {len(owned_swa)}",
+        )
         if self.host is None:
             return
         self.host.check_integrity()
@@ -405,18 +449,20 @@ class HiCache(CacheManager):
             for lst in holders:
                 for k in lst:
                     expected[k] = expected.get(k, 0) + 1
-            require(self.host.pins() == expected,
-                    "host pins disagree with the loads and prefetches that hold them")
+            require(self.host.pins() == expected, "host pins disagree with the loads and prefetches that hold them")
 
     def stats(self) -> dict:
         out = dict(self.counters)
         if self.host is not None:
             f, s = self.host.used_pages()
-            out.update(l2_full_pages_used=f, l2_swa_pages_used=s,
-                       l2_full_pages_total=self.host.pool.pools[FULL].num_pages,
-                       l2_swa_pages_total=self.host.pool.pools[SWA].num_pages,
-                       l2_pinned_pages=self.host.pinned_pages(),
-                       l2_evicted_pages=self.host.stats["evicted_full"])
+            out.update(
+                l2_full_pages_used=f,
+                l2_swa_pages_used=s,
+                l2_full_pages_total=self.host.pool.pools[FULL].num_pages,
+                l2_swa_pages_total=self.host.pool.pools[SWA].num_pages,
+                l2_pinned_pages=self.host.pinned_pages(),
+                l2_evicted_pages=self.host.stats["evicted_full"],
+            )
         if self.l3 is not None:
             with self.l3._lock:
                 out.update({f"l3_{k}": v for k, v in self.l3.stats.items()})

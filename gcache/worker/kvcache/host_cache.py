@@ -15,6 +15,7 @@ whose page 0 is gone is worthless, however many later pages remain).
 
 Thread-safe: the engine thread, L3 writer threads and prefetch threads all use it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,11 +30,11 @@ from gcache.worker.kvcache.host_pool import HostKVPool
 
 @dataclass
 class HostPage:
-    full: int                # slot in the host full pool
-    swa: int | None = None   # slot in the host SWA pool (checkpoint tails only)
+    full: int  # slot in the host full pool
+    swa: int | None = None  # slot in the host SWA pool (checkpoint tails only)
     pins: int = 0
-    origin: Tier = Tier.L1   # L1: written from the device; L3: read from GCache
-    in_l3: bool = False      # known to be in L3 (written there or read from there)
+    origin: Tier = Tier.L1  # L1: written from the device; L3: read from GCache
+    in_l3: bool = False  # known to be in L3 (written there or read from there)
     l3_queued: bool = False  # an L3 write of it is queued or running
 
 
@@ -123,8 +124,9 @@ class HostCache:
             self._reserved[kind].difference_update(slots)
             self.pool.pools[kind].free(slots)
 
-    def publish(self, key: str, full: int | None, swa: int | None, origin: Tier,
-                in_l3: bool = False, pin: bool = False) -> bool:
+    def publish(
+        self, key: str, full: int | None, swa: int | None, origin: Tier, in_l3: bool = False, pin: bool = False
+    ) -> bool:
         """Hand reserved slots to the entry of `key`. A slot that duplicates what the entry
         already holds goes back to the pool. An SWA page without a full page to hang on is
         dropped. Returns whether the entry exists afterwards (pinned once more if pin)."""
@@ -183,8 +185,7 @@ class HostCache:
                 e = self.entries.get(k)
                 if e is None and not self.honor_pins:
                     continue  # evicted under a pin: only the failure-mode-1 test does this
-                require(e is not None and e.pins > 0 and e.l3_queued,
-                        f"finish_l3 of a page not queued for L3 {k[:12]}")
+                require(e is not None and e.pins > 0 and e.l3_queued, f"finish_l3 of a page not queued for L3 {k[:12]}")
                 self._unpin(e)
                 e.l3_queued = False
                 e.in_l3 = e.in_l3 or stored
@@ -260,11 +261,12 @@ class HostCache:
                 reserved = self._reserved[kind]
                 require(not reserved & set(held), f"a reserved host {kind} slot is also published")
                 allocated = {p for p in range(pool.num_pages) if pool.is_allocated(p)}
-                require(allocated == set(held) | reserved,
-                        f"host {kind} pool: {len(allocated - set(held) - reserved)} leaked slots, "
-                        f"{len((set(held) | reserved) - allocated)} held but free")
-            require(self._pinned == sum(1 for e in self.entries.values() if e.pins),
-                    "pinned-page count is stale")
+                require(
+                    allocated == set(held) | reserved,
+                    f"host {kind} pool: {len(allocated - set(held) - reserved)} leaked slots, "
+                    f"{len((set(held) | reserved) - allocated)} held but free",
+                )
+            require(self._pinned == sum(1 for e in self.entries.values() if e.pins), "pinned-page count is stale")
             for key, e in self.entries.items():
                 require(e.pins >= 0, f"host page {key[:12]} has negative pins")
                 require(not expect_unpinned or e.pins == 0, f"host page {key[:12]} still pinned when idle")

@@ -12,6 +12,7 @@ as soon as layer i is in place).
 With cupy the buffers are pinned host memory (cupyx.empty_pinned); with numpy both
 tiers are host arrays and the code path is the same.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,6 +27,7 @@ KINDS = (FULL, SWA)
 def _host_bytes(nbytes: int, xp) -> np.ndarray:
     if xp is not np:
         import cupyx  # type: ignore[import-not-found]
+
         return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
     return np.zeros(nbytes, dtype=np.uint8)
 
@@ -44,12 +46,13 @@ class HostKVPool:
         self._raw = {k: _host_bytes(self.pools[k].num_pages * self.page_bytes[k], xp) for k in KINDS}
         tail = (config.page_size, config.kv_heads, config.head_dim)
         # Typed views: [slot, K/V, layer of this kind, ps, kv_heads, head_dim].
-        self.pages = {k: self._raw[k].view(config.dtype).reshape(
-            (self.pools[k].num_pages, 2, self.layers[k]) + tail) for k in KINDS}
+        self.pages = {
+            k: self._raw[k].view(config.dtype).reshape((self.pools[k].num_pages, 2, self.layers[k]) + tail)
+            for k in KINDS
+        }
 
     @classmethod
-    def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float,
-                    xp=None) -> HostKVPool:
+    def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float, xp=None) -> HostKVPool:
         full, swa = DualKVCache.pages_for_budget(config, budget_bytes, swa_full_ratio)
         return cls(config, full, swa, xp)
 
@@ -63,7 +66,7 @@ class HostKVPool:
 
     def slot_view(self, kind: str, slot: int) -> memoryview:
         b = self.page_bytes[kind]
-        return memoryview(self._raw[kind])[int(slot) * b:(int(slot) + 1) * b]
+        return memoryview(self._raw[kind])[int(slot) * b : (int(slot) + 1) * b]
 
     def total_bytes(self) -> int:
         return sum(self.pools[k].num_pages * self.page_bytes[k] for k in KINDS)
@@ -81,8 +84,7 @@ class HostKVPool:
         dst[s, 0] = backend.to_numpy(k_pool[:, kv.xp.asarray(idx)]).swapaxes(0, 1)
         dst[s, 1] = backend.to_numpy(v_pool[:, kv.xp.asarray(idx)]).swapaxes(0, 1)
 
-    def load_layer(self, kv: DualKVCache, kind: str, layer_index: int, dev_pages: list[int],
-                   slots: list[int]) -> None:
+    def load_layer(self, kv: DualKVCache, kind: str, layer_index: int, dev_pages: list[int], slots: list[int]) -> None:
         """Host slots -> device pages for one layer of `kind` (its index among that kind)."""
         if not dev_pages:
             return

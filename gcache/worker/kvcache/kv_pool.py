@@ -4,6 +4,7 @@ Full-attention layers keep KV for every page of a request (O(N)); SWA layers onl
 the pages covering the last W tokens (O(W)), so they draw from a separate, smaller pool.
 Page i of a request covers tokens [i*ps, (i+1)*ps) in both pools.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,8 +23,7 @@ class PagePool:
 
     def __init__(self, num_pages: int, name: str) -> None:
         if not isinstance(num_pages, int) or not 0 <= num_pages < PAGES_MAX:
-            raise ValueError(f"pool {name!r}: num_pages must be an int in [0, {PAGES_MAX}), "
-                             f"got {num_pages!r}")
+            raise ValueError(f"pool {name!r}: num_pages must be an int in [0, {PAGES_MAX}), got {num_pages!r}")
         self.name = name
         self.num_pages = num_pages
         # Pop from the end; reversed so fresh pools hand out 0, 1, 2, ... (easy to read in logs).
@@ -77,13 +77,10 @@ class PagePool:
     def check_integrity(self) -> None:
         """Every page is either on the free list exactly once or allocated, never both."""
         free = np.asarray(self._free, dtype=np.int64)
-        require(free.size == 0 or (free.min() >= 0 and free.max() < self.num_pages),
-                "free page out of range")
+        require(free.size == 0 or (free.min() >= 0 and free.max() < self.num_pages), "free page out of range")
         counts = np.bincount(free, minlength=self.num_pages)
-        require(counts.max(initial=0) <= 1,
-                f"pool {self.name!r}: a page is on the free list twice")
-        require(np.array_equal(counts == 0, self._allocated),
-                f"pool {self.name!r}: free list and bitmap disagree")
+        require(counts.max(initial=0) <= 1, f"pool {self.name!r}: a page is on the free list twice")
+        require(np.array_equal(counts == 0, self._allocated), f"pool {self.name!r}: free list and bitmap disagree")
 
 
 class DualKVCache:
@@ -125,8 +122,7 @@ class DualKVCache:
         return self.page_bytes(self.config, kind)
 
     @classmethod
-    def pages_for_budget(cls, config: ModelConfig, budget_bytes: int,
-                         swa_full_ratio: float) -> tuple[int, int]:
+    def pages_for_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float) -> tuple[int, int]:
         """(full_pages, swa_pages) with full*bf + swa*bs <= budget and swa ~= ratio * full.
 
         swa_full_ratio = SWA pages / full pages (SGLang's --swa-full-tokens-ratio).
@@ -143,8 +139,7 @@ class DualKVCache:
         return full, swa
 
     @classmethod
-    def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float,
-                    xp=None) -> DualKVCache:
+    def from_budget(cls, config: ModelConfig, budget_bytes: int, swa_full_ratio: float, xp=None) -> DualKVCache:
         full, swa = cls.pages_for_budget(config, budget_bytes, swa_full_ratio)
         return cls(config, full, swa, xp)
 

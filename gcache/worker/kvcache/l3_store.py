@@ -16,6 +16,7 @@ Hot chains (failure mode 3): the writer stores a chain suffix-first and then pro
 prefix pages (an EXISTS is a use for the node's S3-FIFO), and the prefetcher probes a
 chain from page 0, so a hot chain's page 0 outlives its suffix pages on the node.
 """
+
 from __future__ import annotations
 
 import queue
@@ -31,8 +32,8 @@ from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.host_cache import HostCache
 
-TOUCH_PAGES_MAX = 64        # prefix pages probed after a write (bounded work per write)
-PROBE_PAGES_MAX = 4096      # pages one prefetch may look at
+TOUCH_PAGES_MAX = 64  # prefix pages probed after a write (bounded work per write)
+PROBE_PAGES_MAX = 4096  # pages one prefetch may look at
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class L3Config:
 
 @dataclass
 class WriteJob:
-    pages: list              # (page hash, full slot, swa slot | None), chain order, pinned in L2
-    touch: list[str]         # the chain's first page hashes, to probe after the write
+    pages: list  # (page hash, full slot, swa slot | None), chain order, pinned in L2
+    touch: list[str]  # the chain's first page hashes, to probe after the write
     enqueued_s: float = 0.0
 
     @property
@@ -75,44 +76,72 @@ class Prefetch:
     start: int
     started_s: float
     ready_end: int = 0
-    fetched: set = field(default_factory=set)   # hashes read from L3 by this prefetch
+    fetched: set = field(default_factory=set)  # hashes read from L3 by this prefetch
     pinned: list = field(default_factory=list)  # L2 keys pinned on the request's behalf
-    outcome: str = "pending"                    # hit | miss | failed | dropped | cancelled
+    outcome: str = "pending"  # hit | miss | failed | dropped | cancelled
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     released: bool = False
 
 
 class L3Store:
-    def __init__(self, config: L3Config, host: HostCache, window: int, page_size: int,
-                 client=None) -> None:
+    def __init__(self, config: L3Config, host: HostCache, window: int, page_size: int, client=None) -> None:
         import gcache
 
         self.config = config
         self.host = host
         self.window, self.page_size = window, page_size
         self.keys = KeyBuilder(model=config.model.replace("/", "-"))
-        self.client = client if client is not None else gcache.Client(
-            config.url, timeout_s=config.timeout_s, connect_timeout_s=min(0.5, config.timeout_s),
-            retries=1, verify_checksums=True)
+        self.client = (
+            client
+            if client is not None
+            else gcache.Client(
+                config.url,
+                timeout_s=config.timeout_s,
+                connect_timeout_s=min(0.5, config.timeout_s),
+                retries=1,
+                verify_checksums=True,
+            )
+        )
         self.pool = host.pool
         for kind in (FULL, SWA):
             if self.pool.page_bytes[kind] and self.pool.pools[kind].num_pages:
                 self.client.register_buffer(self.pool.buffer(kind))
         self._breaker = Breaker(config.suspect_s)
         self._lock = threading.Lock()
-        self.stats = dict.fromkeys((
-            "writes_queued", "writes_dropped", "write_pages", "write_bytes", "write_errors",
-            "write_seconds", "prefetches", "prefetch_hit", "prefetch_miss", "prefetch_failed",
-            "prefetch_dropped", "prefetch_cancelled", "read_pages", "read_bytes", "read_seconds",
-            "read_bad_pages", "touch_probes"), 0)
+        self.stats = dict.fromkeys(
+            (
+                "writes_queued",
+                "writes_dropped",
+                "write_pages",
+                "write_bytes",
+                "write_errors",
+                "write_seconds",
+                "prefetches",
+                "prefetch_hit",
+                "prefetch_miss",
+                "prefetch_failed",
+                "prefetch_dropped",
+                "prefetch_cancelled",
+                "read_pages",
+                "read_bytes",
+                "read_seconds",
+                "read_bad_pages",
+                "touch_probes",
+            ),
+            0,
+        )
         self._writes: queue.Queue = queue.Queue(maxsize=config.write_queue_max)
         self._prefetches: queue.Queue = queue.Queue(maxsize=config.prefetch_queue_max)
         self._stopping = threading.Event()
-        self._threads = [threading.Thread(target=self._write_loop, name=f"l3-writer-{i}", daemon=True)
-                         for i in range(config.writer_threads)]
-        self._threads += [threading.Thread(target=self._prefetch_loop, name=f"l3-prefetch-{i}", daemon=True)
-                          for i in range(config.prefetch_threads)]
+        self._threads = [
+            threading.Thread(target=self._write_loop, name=f"l3-writer-{i}", daemon=True)
+            for i in range(config.writer_threads)
+        ]
+        self._threads += [
+            threading.Thread(target=self._prefetch_loop, name=f"l3-prefetch-{i}", daemon=True)
+            for i in range(config.prefetch_threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -186,15 +215,19 @@ class L3Store:
             if self.config.protect_prefix and job.touch:
                 # Both pools: a chain resumes only at a checkpoint whose SWA tail is there too
                 # (the SWA keys that exist are its checkpoint tails; probing a missing key is free).
-                self.client.batch_is_exist([self.keys.key(h, pool) for h in job.touch
-                                            for pool in (POOL_FULL, POOL_SWA)])
+                self.client.batch_is_exist(
+                    [self.keys.key(h, pool) for h in job.touch for pool in (POOL_FULL, POOL_SWA)]
+                )
                 self._count(touch_probes=1)
         except (errors.GCacheError, OSError):
             self._failed()
             self._count(write_errors=1)
             return False
-        self._count(write_pages=len(order), write_bytes=sum(s for s, x in zip(sizes, ok) if x),
-                    write_seconds=time.monotonic() - t0)
+        self._count(
+            write_pages=len(order),
+            write_bytes=sum(s for s, x in zip(sizes, ok) if x),
+            write_seconds=time.monotonic() - t0,
+        )
         return all(ok)
 
     def _buffer(self, kind: str, slot: int):
@@ -208,7 +241,7 @@ class L3Store:
         full or the store is down (the request then simply misses L3)."""
         if not self.available() or start >= len(keys):
             return None
-        p = Prefetch(keys[:start + PROBE_PAGES_MAX], start, time.monotonic())
+        p = Prefetch(keys[: start + PROBE_PAGES_MAX], start, time.monotonic())
         try:
             self._prefetches.put_nowait(p)
         except queue.Full:
@@ -263,14 +296,14 @@ class L3Store:
             p.outcome = "failed"
             return
         chain = p.keys
-        full_keys = [self.keys.key(h, POOL_FULL) for h in chain[p.start:]]
+        full_keys = [self.keys.key(h, POOL_FULL) for h in chain[p.start :]]
         n_full = self.client.batch_exists_prefix(full_keys)  # also keeps the chain warm
         if n_full == 0:
             p.outcome = "miss"
             return
-        swa_l3 = self.client.batch_is_exist([self.keys.key(h, POOL_SWA) for h in chain[p.start:p.start + n_full]])
-        in_l2 = {h: self.host.get(h) for h in chain[p.start:p.start + n_full]}
-        has_swa = (lambda i: swa_l3[i - p.start] or (in_l2[chain[i]] is not None and in_l2[chain[i]].swa is not None))
+        swa_l3 = self.client.batch_is_exist([self.keys.key(h, POOL_SWA) for h in chain[p.start : p.start + n_full]])
+        in_l2 = {h: self.host.get(h) for h in chain[p.start : p.start + n_full]}
+        has_swa = lambda i: swa_l3[i - p.start] or (in_l2[chain[i]] is not None and in_l2[chain[i]].swa is not None)
         end = last_safe_end(p.start, n_full, has_swa, self.page_size, self.window)
         if end == p.start:
             p.outcome = "miss"
@@ -289,7 +322,7 @@ class L3Store:
         pages, keep pages [start, ready_end) pinned for the request; returns (ready_end,
         cut): cut < end is the first bad page (missing, wrong-sized or corrupt)."""
         chain, tail = p.keys, max(p.start, tail_start_page(end, self.page_size, self.window))
-        pinned = self.host.pin(chain[p.start:end])  # what L2 has now stays until admission
+        pinned = self.host.pin(chain[p.start : end])  # what L2 has now stays until admission
         want = []  # (page index, kind)
         for i in range(p.start, end):
             e = self.host.get(chain[i])
@@ -323,23 +356,32 @@ class L3Store:
             self.host.unpin(pinned)
             raise
         bad = {i for (i, kind, _), n in zip(plan, got_lens) if n != self.pool.page_bytes[kind]}
-        self._count(read_pages=len(plan) - len(bad), read_bytes=sum(n for n in got_lens if n),
-                    read_bad_pages=len(bad), read_seconds=time.monotonic() - t0)
+        self._count(
+            read_pages=len(plan) - len(bad),
+            read_bytes=sum(n for n in got_lens if n),
+            read_bad_pages=len(bad),
+            read_seconds=time.monotonic() - t0,
+        )
         cut = min([end, *bad])  # a page missing or corrupt in the middle ends the chain there
         for i, kind, s in plan:
             if i >= cut:
                 self.host.cancel(kind, [s])
                 continue
-            if self.host.publish(chain[i], s if kind == FULL else None, s if kind == SWA else None,
-                                 origin=Tier.L3, in_l3=True, pin=kind == FULL):
+            if self.host.publish(
+                chain[i],
+                s if kind == FULL else None,
+                s if kind == SWA else None,
+                origin=Tier.L3,
+                in_l3=True,
+                pin=kind == FULL,
+            ):
                 p.fetched.add(chain[i])
                 if kind == FULL:
                     pinned.append(chain[i])
         # Pinned pages cannot be evicted (nor lose their SWA), so this is what the request gets.
         n, swa = self.host.run(chain, p.start)
-        ready = last_safe_end(p.start, min(n, cut - p.start), lambda i: swa[i - p.start],
-                              self.page_size, self.window)
-        keep = set(chain[p.start:ready])
+        ready = last_safe_end(p.start, min(n, cut - p.start), lambda i: swa[i - p.start], self.page_size, self.window)
+        keep = set(chain[p.start : ready])
         self.host.unpin([k for k in pinned if k not in keep])
         with p.lock:
             p.pinned = [k for k in pinned if k in keep]

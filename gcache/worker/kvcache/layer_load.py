@@ -12,6 +12,7 @@ differ (full layers carry every page, SWA layers only the window tail), like the
 The host pages of every load stay pinned until finish() (they cannot be evicted while
 being copied); the device pages belong to the loading request.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,12 +29,18 @@ class PageLoad:
     req: object
     full: tuple[list[int], list[int]]  # (device pages, host slots)
     swa: tuple[list[int], list[int]]
-    pinned: list[str]                  # host page keys, unpinned at finish
+    pinned: list[str]  # host page keys, unpinned at finish
 
 
 class LoadBatch:
-    def __init__(self, kv: DualKVCache, host: HostCache, loads: list[PageLoad], layerwise: bool,
-                 throttle_bytes_per_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        kv: DualKVCache,
+        host: HostCache,
+        loads: list[PageLoad],
+        layerwise: bool,
+        throttle_bytes_per_s: float = 0.0,
+    ) -> None:
         self.kv, self.host, self.loads = kv, host, loads
         self.layerwise = layerwise
         self.throttle_bytes_per_s = throttle_bytes_per_s
@@ -42,10 +49,11 @@ class LoadBatch:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.on_finish = None  # called with this batch once finished (stats)
-        self.wait_s = 0.0     # time the forward spent waiting for layers
-        self.copy_s = 0.0     # time the copies took (incl. throttle)
-        self.bytes = sum(len(ld.full[0]) * kv.bytes_per_page(FULL) + len(ld.swa[0]) * kv.bytes_per_page(SWA)
-                         for ld in loads)
+        self.wait_s = 0.0  # time the forward spent waiting for layers
+        self.copy_s = 0.0  # time the copies took (incl. throttle)
+        self.bytes = sum(
+            len(ld.full[0]) * kv.bytes_per_page(FULL) + len(ld.swa[0]) * kv.bytes_per_page(SWA) for ld in loads
+        )
 
     def start(self) -> LoadBatch:
         if self.layerwise:

@@ -3,6 +3,7 @@ a waiting request waits for its L3 prefetch (PrefetchRule). HiCache picks one of
 names in HiCacheConfig (write_rule / prefetch_rule below) and asks it at fixed points; the
 page moves themselves stay HiCache's.
 """
+
 from __future__ import annotations
 
 import time

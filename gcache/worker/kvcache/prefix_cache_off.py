@@ -1,4 +1,5 @@
 """The cache manager of `--no-prefix-cache`: nothing is shared, nothing is kept."""
+
 from __future__ import annotations
 
 from gcache.worker.integrity import require
@@ -51,7 +52,8 @@ class NoPrefixCache(CacheManager):
 
     def check_integrity(self, running, waiting=()) -> None:
         for kind, pool, owned in (
-                ("full", self.kv.full, [p for r in running for p in r.kv.full_pages]),
-                ("swa", self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None])):
+            ("full", self.kv.full, [p for r in running for p in r.kv.full_pages]),
+            ("swa", self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None]),
+        ):
             require(len(owned) == len(set(owned)), f"a {kind} page is owned by two requests")
             require(pool.num_used == len(owned), f"{kind} pages: {pool.num_used} used, requests own {len(owned)}")

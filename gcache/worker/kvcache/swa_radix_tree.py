@@ -18,6 +18,7 @@ never exceed their node's full lock; every pool page is owned exactly once (tree
 list or a named outside owner); in both LRU orders (oldest first) a parent comes after
 every child, since any access to a child passes through it; node count <= nodes_max.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
@@ -35,8 +36,15 @@ from gcache.worker.kvcache.swa_tree_node import MatchEnds, MatchResult, TreeNode
 
 
 class SWARadixTree(SWAEvictionMixin):
-    def __init__(self, page_size: int, window: int, full_pool: PagePool, swa_pool: PagePool,
-                 nodes_max: int = 1_000_000, match_ends: MatchEnds = MatchEnds.ANY_PAGE) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        window: int,
+        full_pool: PagePool,
+        swa_pool: PagePool,
+        nodes_max: int = 1_000_000,
+        match_ends: MatchEnds = MatchEnds.ANY_PAGE,
+    ) -> None:
         for name, v in (("page_size", page_size), ("window", window), ("nodes_max", nodes_max)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -114,8 +122,7 @@ class SWARadixTree(SWAEvictionMixin):
         swa[: tail_start_page(best_i, self.page_size, self.window)] = []
         swa[:0] = [None] * (best_i - len(swa))
         self._touch(handle)
-        return MatchResult(best_i * self.page_size, tuple(full), tuple(swa), handle,
-                           i * self.page_size)
+        return MatchResult(best_i * self.page_size, tuple(full), tuple(swa), handle, i * self.page_size)
 
     def lock(self, node: TreeNode) -> None:
         """Full lock on root..node, SWA lock on the pages of node's window tail. Call it
@@ -151,8 +158,9 @@ class SWARadixTree(SWAEvictionMixin):
         keys = self._page_keys(tokens, aligned=True, keys=keys)
         full_pages, swa_pages = list(full_pages), list(swa_pages)
         if len(full_pages) != len(keys) or len(swa_pages) != len(keys):
-            raise ValueError(f"insert: {len(keys)} pages of tokens but {len(full_pages)} full and "
-                             f"{len(swa_pages)} swa page ids")
+            raise ValueError(
+                f"insert: {len(keys)} pages of tokens but {len(full_pages)} full and {len(swa_pages)} swa page ids"
+            )
         self._check_page_ids(full_pages, swa_pages)
         segments, present, stop = self._walk(keys)
         self._check_ownership(segments, present, full_pages, swa_pages)
@@ -163,8 +171,7 @@ class SWARadixTree(SWAEvictionMixin):
         last = segments[-1][0] if segments else self.root
         added = 0
         if present < len(keys):
-            added, leaf = self._add_branch(keys, full_pages, swa_pages, present, stop, segments,
-                                           free_full, free_swa)
+            added, leaf = self._add_branch(keys, full_pages, swa_pages, present, stop, segments, free_full, free_swa)
             last = leaf or last
         self.full_pool.free(free_full)
         self.swa_pool.free(free_swa)
@@ -321,8 +328,10 @@ class SWARadixTree(SWAEvictionMixin):
 
     # ---- insert helpers --------------------------------------------------------------
     def _check_page_ids(self, full_pages: list, swa_pages: list) -> None:
-        for kind, pages, pool, owned in (("full", full_pages, self.full_pool, self._full_owned),
-                                         ("swa", swa_pages, self.swa_pool, self._swa_owned)):
+        for kind, pages, pool, owned in (
+            ("full", full_pages, self.full_pool, self._full_owned),
+            ("swa", swa_pages, self.swa_pool, self._swa_owned),
+        ):
             ids = [p for p in pages if p is not None]
             if kind == "full" and len(ids) != len(pages):
                 raise ValueError("insert: every page needs a full-attention page id")
@@ -376,13 +385,14 @@ class SWARadixTree(SWAEvictionMixin):
             self._evict_nodes(self.num_nodes + needed - self.nodes_max, {s[0] for s in segments})
         if not keep or self.num_nodes + needed > self.nodes_max:
             keep = 0
-        free_full.extend(full_pages[present + keep:])
+        free_full.extend(full_pages[present + keep :])
         free_swa.extend(s for s in new_swa[keep:] if s is not None)
         if not keep:
             return 0, None
         parent = self._split(node, off) if off < len(node) else node
-        leaf = TreeNode(parent, present, keys[present:present + keep], full_pages[present:present + keep],
-                        new_swa[:keep])
+        leaf = TreeNode(
+            parent, present, keys[present : present + keep], full_pages[present : present + keep], new_swa[:keep]
+        )
         parent.children[leaf.keys[0]] = leaf
         self.num_nodes += 1
         self._full_lru[leaf] = None

@@ -12,6 +12,7 @@ Phase 2, SWA deficit: free SWA pages in three tiers, least-recent nodes first in
      point tombstones it (its children keep their own windows).
 So the window-safe tails of live branches go last.
 """
+
 from __future__ import annotations
 
 from gcache.worker.integrity import require
@@ -148,8 +149,10 @@ class SWAEvictionMixin:
                 self._settle(n, freed)
 
     def _remove_leaf(self, node, freed: list) -> None:
-        require(node is not self.root and not node.children and not node.full_lock,
-                "removing the root, an inner node or a locked leaf")
+        require(
+            node is not self.root and not node.children and not node.full_lock,
+            "removing the root, an inner node or a locked leaf",
+        )
         self._free_pages(node, 0, freed)
         del node.parent.children[node.keys[0]]
         del self._full_lru[node]

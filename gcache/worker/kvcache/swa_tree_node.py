@@ -1,4 +1,5 @@
 """Node and match result of the SWA-aware radix tree (see swa_radix_tree.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,11 +35,11 @@ class TreeNode:
     and an SWA lock count. The full lock is per node: a full lock always covers a whole
     root..node path, so both halves of a split inherit it exactly."""
 
-    __slots__ = ("parent", "children", "keys", "full", "swa", "swa_locks", "full_lock",
-                 "start", "live_swa", "removed")
+    __slots__ = ("parent", "children", "keys", "full", "swa", "swa_locks", "full_lock", "start", "live_swa", "removed")
 
-    def __init__(self, parent: TreeNode | None, start: int, keys: list[bytes],
-                 full: list[int], swa: list[int | None]) -> None:
+    def __init__(
+        self, parent: TreeNode | None, start: int, keys: list[bytes], full: list[int], swa: list[int | None]
+    ) -> None:
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}
         self.keys = keys
@@ -59,18 +60,20 @@ class TreeNode:
         return len(self.keys)
 
     def __repr__(self) -> str:
-        return (f"TreeNode(start={self.start}, pages={len(self.keys)}, live_swa={self.live_swa}, "
-                f"full_lock={self.full_lock}, children={len(self.children)})")
+        return (
+            f"TreeNode(start={self.start}, pages={len(self.keys)}, live_swa={self.live_swa}, "
+            f"full_lock={self.full_lock}, children={len(self.children)})"
+        )
 
 
 @dataclass(frozen=True)
 class MatchResult:
-    prefix_len: int                    # tokens, multiple of page_size, window-safe
-    full_pages: tuple[int, ...]        # one per page of the prefix
+    prefix_len: int  # tokens, multiple of page_size, window-safe
+    full_pages: tuple[int, ...]  # one per page of the prefix
     swa_pages: tuple[int | None, ...]  # one per page; live ids on the window tail only, None
     #                                    before it (those are not locked: never hold them)
-    node: object                       # handle for lock/unlock (the root when prefix_len == 0)
-    present_len: int = 0               # tokens of the input present in the tree, window-safe
+    node: object  # handle for lock/unlock (the root when prefix_len == 0)
+    present_len: int = 0  # tokens of the input present in the tree, window-safe
     #                                    or not (>= prefix_len): the input branches off there.
     #                                    Keeping SWA for the W tokens before it makes that
     #                                    branch point matchable after insert.

@@ -1,6 +1,7 @@
 """What the engine needs of a model: one batched forward over paged KV (the contract the real
 model, transformer.Model, the simulated one, sim.SimulatedModel, and the benches' wrappers
 implement)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -15,9 +16,13 @@ class BatchModel(ABC):
     """A decoder the engine steps. Called from the engine thread only, once per step."""
 
     @abstractmethod
-    def forward_batch(self, chunks: Sequence[tuple[Sequence[int], Sequence[int] | None, RequestKV]],
-                      kv: DualKVCache, all_logits: bool = False,
-                      layer_ready: Callable[[int], None] | None = None) -> list:
+    def forward_batch(
+        self,
+        chunks: Sequence[tuple[Sequence[int], Sequence[int] | None, RequestKV]],
+        kv: DualKVCache,
+        all_logits: bool = False,
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> list:
         """Run every chunk, one per request, as one batch.
 
         chunks: [(tokens, positions or None, request KV)]: each request's next tokens (a

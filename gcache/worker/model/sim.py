@@ -12,6 +12,7 @@ chunk against its whole key span and masks, where a banded kernel would not).
 req_s (per-sequence overhead) and read_s (gathering each sequence's keys once per step) are
 0 by default; bench/worker/ttft.py fits all five to the real numpy model (--mode real).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,13 +42,13 @@ class VirtualClock:
 
 @dataclass(frozen=True)
 class CostModel:
-    base_s: float = 0.004      # launch + weights read per step
-    token_s: float = 40e-6     # MLP/projection time per new token
-    kv_s: float = 4e-9         # attention time per (new token x attended key)
-    req_s: float = 0.0         # per sequence in the batch (page tables, per-sequence kernels)
-    read_s: float = 0.0        # per key gathered from the pages, once per sequence
+    base_s: float = 0.004  # launch + weights read per step
+    token_s: float = 40e-6  # MLP/projection time per new token
+    kv_s: float = 4e-9  # attention time per (new token x attended key)
+    req_s: float = 0.0  # per sequence in the batch (page tables, per-sequence kernels)
+    read_s: float = 0.0  # per key gathered from the pages, once per sequence
 
-    swa_dense: bool = False    # SWA scores computed for the chunk's whole key span (W + n), masked
+    swa_dense: bool = False  # SWA scores computed for the chunk's whole key span (W + n), masked
 
     def features(self, chunks, full_fraction: float, window: int) -> tuple[float, ...]:
         """(1, new tokens, sequences, token x key pairs, keys read) of one batch;
@@ -86,7 +87,7 @@ class SimulatedModel(BatchModel):
             end = req.num_tokens + len(tokens)
             if req.num_pages < req.pages_for(end):
                 raise ValueError("request pages do not cover the chunk: grow() first")
-            window = req.swa_pages[max(0, (req.num_tokens - self.config.window + 1) // req.page_size):]
+            window = req.swa_pages[max(0, (req.num_tokens - self.config.window + 1) // req.page_size) :]
             if any(p is None for p in window):
                 raise ValueError("SWA KV of the window is not live")
             req.num_tokens = end

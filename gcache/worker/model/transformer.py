@@ -5,6 +5,7 @@ Full-attention layers attend to every earlier position; SWA layers to (p - W, p]
 decode token); `forward_batch` runs several requests' chunks with shared matmuls;
 `reference_logits` is the dense, cache-free ground truth.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,12 +58,12 @@ class Model(BatchModel):
         allowed = kpos[None, :] <= qpos[:, None]
         if window is not None:
             allowed &= kpos[None, :] > qpos[:, None] - window
-        qg = q.reshape(t, c.kv_heads, g, c.head_dim).transpose(1, 2, 0, 3)        # [KVH,g,T,D]
-        scores = qg @ k.transpose(1, 2, 0)[:, None] * float(c.head_dim ** -0.5)  # [KVH,g,T,S]
+        qg = q.reshape(t, c.kv_heads, g, c.head_dim).transpose(1, 2, 0, 3)  # [KVH,g,T,D]
+        scores = qg @ k.transpose(1, 2, 0)[:, None] * float(c.head_dim**-0.5)  # [KVH,g,T,S]
         scores = xp.where(xp.asarray(allowed), scores, -xp.inf)
         scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
-        out = probs @ v.transpose(1, 0, 2)[:, None]                                 # [KVH,g,T,D]
+        out = probs @ v.transpose(1, 0, 2)[:, None]  # [KVH,g,T,D]
         return out.transpose(2, 0, 1, 3).reshape(t, c.heads * c.head_dim)
 
     def _finish_layer(self, layer: int, x, attn):
@@ -135,7 +136,7 @@ class Model(BatchModel):
         logits = self._logits(x if all_logits else x[xp.asarray(bounds[1:] - 1)])
         if all_logits:
             return [logits[r] for r in rows]
-        return [logits[i:i + 1] for i in range(len(plans))]
+        return [logits[i : i + 1] for i in range(len(plans))]
 
     def _plan(self, tokens, positions, req: RequestKV, kv: DualKVCache):
         """Validate one chunk (before anything is written) and precompute its page indices."""
@@ -148,16 +149,21 @@ class Model(BatchModel):
         if req.page_size != c.page_size or req.window != c.window:
             raise ValueError("RequestKV page_size/window differ from the model config")
         if req.num_pages < req.pages_for(end):
-            raise ValueError(f"request holds {req.num_pages} pages, needs {req.pages_for(end)}: "
-                             "call grow() first")
+            raise ValueError(f"request holds {req.num_pages} pages, needs {req.pages_for(end)}: call grow() first")
         ps = c.page_size
         tables = {}
-        for kind, table, first in ((FULL, req.full_pages, 0),
-                                   (SWA, req.swa_pages, max(0, (start - c.window + 1) // ps))):
-            read = table[first:req.pages_for(end)]
+        for kind, table, first in (
+            (FULL, req.full_pages, 0),
+            (SWA, req.swa_pages, max(0, (start - c.window + 1) // ps)),
+        ):
+            read = table[first : req.pages_for(end)]
             if any(p is None for p in read):
                 raise ValueError(f"{kind} KV of pages {first}..{req.pages_for(end) - 1} is not all live")
             read_np = np.asarray(read, dtype=np.int64)
-            tables[kind] = (xp.asarray(read_np[pos // ps - first]), xp.asarray(pos % ps),
-                            xp.asarray(read_np), np.arange(first * ps, end))
+            tables[kind] = (
+                xp.asarray(read_np[pos // ps - first]),
+                xp.asarray(pos % ps),
+                xp.asarray(read_np),
+                np.arange(first * ps, end),
+            )
         return tokens, pos, req, tables

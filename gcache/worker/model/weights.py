@@ -4,6 +4,7 @@ The tensor layout (names, shapes, orientation y = x @ W) is documented in
 docs/worker-weights.md. The safetensors header is parsed here with json + numpy,
 so no extra dependency is needed.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import numpy as np
 
 from gcache.worker.config import ModelConfig
 
-CONFIG_KEY = "gcache_config"          # safetensors __metadata__ key / npz array name
+CONFIG_KEY = "gcache_config"  # safetensors __metadata__ key / npz array name
 HEADER_BYTES_MAX = 100 * 1024 * 1024  # refuse absurd headers instead of reading them
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2")}
 _ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<f2"): "F16"}
@@ -26,12 +27,19 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h)}
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (h,), p + "attn.wq": (h, q), p + "attn.wk": (h, kv),
-            p + "attn.wv": (h, kv), p + "attn.wo": (q, h), p + "mlp_norm.weight": (h,),
-            p + "mlp.w_gate": (h, cfg.intermediate), p + "mlp.w_up": (h, cfg.intermediate),
-            p + "mlp.w_down": (cfg.intermediate, h),
-        })
+        shapes.update(
+            {
+                p + "attn_norm.weight": (h,),
+                p + "attn.wq": (h, q),
+                p + "attn.wk": (h, kv),
+                p + "attn.wv": (h, kv),
+                p + "attn.wo": (q, h),
+                p + "mlp_norm.weight": (h,),
+                p + "mlp.w_gate": (h, cfg.intermediate),
+                p + "mlp.w_up": (h, cfg.intermediate),
+                p + "mlp.w_down": (cfg.intermediate, h),
+            }
+        )
     shapes["final_norm.weight"] = (h,)
     shapes["lm_head.weight"] = (h, cfg.vocab_size)
     return shapes
@@ -93,8 +101,7 @@ def save_safetensors(path: str | os.PathLike, cfg: ModelConfig, weights: dict[st
     offset = 0
     for name, a in weights.items():
         dt = a.dtype.newbyteorder("<")
-        header[name] = {"dtype": _ST_NAMES[dt], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": _ST_NAMES[dt], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data buffer 8-byte aligned
@@ -149,8 +156,9 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     return tensors, meta
 
 
-def load_safetensors(path: str | os.PathLike, cfg: ModelConfig | None = None
-                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_safetensors(
+    path: str | os.PathLike, cfg: ModelConfig | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     tensors, meta = read_safetensors(path)
     if cfg is None:
         if CONFIG_KEY not in meta:

@@ -1,4 +1,5 @@
 """The contract every store adapter meets, so all stores run identical workloads."""
+
 from __future__ import annotations
 
 import importlib
@@ -49,8 +50,8 @@ class Peer(ABC):
 class PeerSpec:
     """Picklable recipe for opening a Peer in any thread or process."""
 
-    kind: str                      # "gcache" | "redis" | "mooncake"
-    address: str = ""              # host:port of the store (mooncake: its master)
+    kind: str  # "gcache" | "redis" | "mooncake"
+    address: str = ""  # host:port of the store (mooncake: its master)
     options: dict = field(default_factory=dict)
 
 

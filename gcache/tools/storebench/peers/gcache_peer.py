@@ -1,9 +1,10 @@
 """GCache through gcache.Client's zero-copy calls (batch_put_from / batch_get_into)."""
+
 from __future__ import annotations
 
 from gcache.tools.storebench.peers.base import Peer, PeerSpec
 
-CLIENT_TIMEOUT_S = 60.0          # a 64 x 16 MiB batch on a loaded 2-core box takes seconds
+CLIENT_TIMEOUT_S = 60.0  # a 64 x 16 MiB batch on a loaded 2-core box takes seconds
 
 
 class GCachePeer(Peer):

@@ -6,6 +6,7 @@ benchmark client driving it) runs in a private network namespace that has only
 loopback: `unshare -n` starts mooncake_side.py, which prints its results as
 JSON. This module holds the in-namespace Peer and the launcher used outside.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,13 @@ from gcache.tools.storebench.peers.base import Peer, PeerSpec
 
 RESULT_MARKER = "MOONCAKE_RESULT "
 IMPORT_CHECK_TIMEOUT_S = 60.0
-SIDE_OVERHEAD_S = 240.0           # start-up, segment warm-up, tear-down, on top of the plan
+SIDE_OVERHEAD_S = 240.0  # start-up, segment warm-up, tear-down, on top of the plan
 WHEEL = "mooncake-transfer-engine-non-cuda"
-LEASED_ERROR = -706               # batch_remove: the object still holds a read lease
-LEASE_WAIT_S = 0.1                # > the master's --default_kv_lease_ttl set by mooncake_side
+LEASED_ERROR = -706  # batch_remove: the object still holds a read lease
+LEASE_WAIT_S = 0.1  # > the master's --default_kv_lease_ttl set by mooncake_side
 REMOVE_TRIES = 5
 
-_store = None                     # one store per process, shared by worker threads
+_store = None  # one store per process, shared by worker threads
 _store_lock = threading.Lock()
 
 
@@ -39,10 +40,13 @@ def _shared_store(spec: PeerSpec):
 
             store = MooncakeDistributedStore()
             rc = store.setup(
-                spec.options.get("local_hostname", "127.0.0.1"), "P2PHANDSHAKE",
-                0,                                            # no segment: a pure client
+                spec.options.get("local_hostname", "127.0.0.1"),
+                "P2PHANDSHAKE",
+                0,  # no segment: a pure client
                 int(spec.options.get("local_buffer_bytes", 64 << 20)),
-                "tcp", "", spec.address,
+                "tcp",
+                "",
+                spec.address,
             )
             if rc != 0:
                 raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
@@ -63,7 +67,7 @@ class MooncakePeer(Peer):
 
     def __init__(self, spec: PeerSpec):
         self.store = _shared_store(spec)
-        self._registered: list[tuple[int, object]] = []   # (address, buffer kept alive)
+        self._registered: list[tuple[int, object]] = []  # (address, buffer kept alive)
 
     def prepare_buffer(self, buf):
         rc = self.store.register_buffer(buf.ctypes.data, buf.nbytes)
@@ -119,9 +123,14 @@ def unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (util-linux / iproute2)"
     check = subprocess.run(
-        [sys.executable, "-c", "import mooncake.store, mooncake, os, sys; "
-         "sys.stdout.write(os.path.dirname(mooncake.__file__))"],
-        capture_output=True, text=True, timeout=IMPORT_CHECK_TIMEOUT_S,
+        [
+            sys.executable,
+            "-c",
+            "import mooncake.store, mooncake, os, sys; sys.stdout.write(os.path.dirname(mooncake.__file__))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=IMPORT_CHECK_TIMEOUT_S,
     )
     if check.returncode != 0:
         last = (check.stderr.strip().splitlines() or ["unknown error"])[-1]
@@ -135,7 +144,15 @@ def unavailable_reason() -> str | None:
 def run_in_namespace(request: dict, timeout_s: float) -> dict:
     """Runs mooncake_side.py under `unshare -n`; returns its JSON or {"available": False, ...}."""
     log = tempfile.NamedTemporaryFile(prefix="gcache-bench-mooncake-", suffix=".log", delete=False)
-    cmd = ["unshare", "-n", "--", sys.executable, "-m", "gcache.tools.storebench.peers.mooncake_side", json.dumps(request)]
+    cmd = [
+        "unshare",
+        "-n",
+        "--",
+        sys.executable,
+        "-m",
+        "gcache.tools.storebench.peers.mooncake_side",
+        json.dumps(request),
+    ]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -145,5 +162,5 @@ def run_in_namespace(request: dict, timeout_s: float) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARKER):
             os.unlink(log.name)
-            return json.loads(line[len(RESULT_MARKER):])
+            return json.loads(line[len(RESULT_MARKER) :])
     return {"available": False, "reason": f"the Mooncake side exited with {proc.returncode} (log: {log.name})"}

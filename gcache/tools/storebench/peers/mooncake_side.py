@@ -5,6 +5,7 @@ every byte the benchmark client moves crosses loopback TCP; warms the segment
 once, runs the same suite as the other peers, and prints one JSON line.
 Usage: python -m gcache.tools.storebench.peers.mooncake_side REQUEST_JSON
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,11 @@ import numpy as np
 
 from gcache.common.processes import stop_process, wait_listening
 
-MASTER_PORT = 50051               # the namespace is private, so fixed ports are free
+MASTER_PORT = 50051  # the namespace is private, so fixed ports are free
 MASTER_METRICS_PORT = 9003
 STORAGE_HOSTNAME = "127.0.0.1:17000"
 START_TIMEOUT_S = 60.0
-KV_LEASE_TTL_MS = 50              # short leases so untimed removes right after reads succeed
+KV_LEASE_TTL_MS = 50  # short leases so untimed removes right after reads succeed
 WARM_BATCH_BYTES = 16 << 20
 
 STORAGE_CODE = r"""
@@ -68,10 +69,16 @@ def main() -> int:
     bindir = os.path.dirname(mooncake.__file__)
     logdir = tempfile.mkdtemp(prefix="gcache-bench-mooncake-")
     master = subprocess.Popen(
-        [os.path.join(bindir, "mooncake_master"), f"--rpc_port={MASTER_PORT}", "--rpc_address=127.0.0.1",
-         f"--metrics_port={MASTER_METRICS_PORT}", "--metrics_host=127.0.0.1",
-         f"--default_kv_lease_ttl={KV_LEASE_TTL_MS}"],
-        stdout=open(os.path.join(logdir, "master.log"), "wb"), stderr=subprocess.STDOUT,
+        [
+            os.path.join(bindir, "mooncake_master"),
+            f"--rpc_port={MASTER_PORT}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={MASTER_METRICS_PORT}",
+            "--metrics_host=127.0.0.1",
+            f"--default_kv_lease_ttl={KV_LEASE_TTL_MS}",
+        ],
+        stdout=open(os.path.join(logdir, "master.log"), "wb"),
+        stderr=subprocess.STDOUT,
     )
     storage = None
     try:
@@ -79,8 +86,10 @@ def main() -> int:
         master_address = f"127.0.0.1:{MASTER_PORT}"
         storage = subprocess.Popen(
             [sys.executable, "-c", STORAGE_CODE, STORAGE_HOSTNAME, str(request["segment_bytes"]), master_address],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(os.path.join(logdir, "storage.log"), "wb"), text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(logdir, "storage.log"), "wb"),
+            text=True,
         )
         line = storage.stdout.readline().strip()
         if line != "ready":
@@ -89,8 +98,9 @@ def main() -> int:
         store = mooncake_peer._shared_store(spec)
         _warm_segment(store, request["segment_bytes"])
         cfg = WorkloadConfig(**request["config"])
-        results = run_suite(spec, request["workloads"], cfg, request["repeat"], request["workers"],
-                            request["mode"], request["run_tag"])
+        results = run_suite(
+            spec, request["workloads"], cfg, request["repeat"], request["workers"], request["mode"], request["run_tag"]
+        )
         mooncake_peer.close_shared_store()
         out = {"available": True, "segment_bytes": request["segment_bytes"], "workloads": results}
     except Exception as exc:  # reported to the parent as a reason, the run goes on

@@ -1,5 +1,6 @@
 """Redis through redis-py pipelines (SET / GET / EXISTS); the local redis-server it measures
 against is gcache.tools.devcluster.local_redis.LocalRedis."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,9 @@ class RedisPeer(Peer):
         import redis  # optional dependency: only --vs redis needs it
 
         if address.startswith(UNIX_PREFIX):
-            self.client = redis.Redis(unix_socket_path=address[len(UNIX_PREFIX):],
-                                      socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+            self.client = redis.Redis(
+                unix_socket_path=address[len(UNIX_PREFIX) :], socket_timeout=REDIS_SOCKET_TIMEOUT_S
+            )
         else:
             host, port = parse_host_port(address)
             self.client = redis.Redis(host=host, port=port, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
@@ -29,7 +31,7 @@ class RedisPeer(Peer):
         view = memoryview(buf)
         pipe = self.client.pipeline(transaction=False)
         for i, key in enumerate(keys):
-            pipe.set(key, view[i * size:(i + 1) * size])
+            pipe.set(key, view[i * size : (i + 1) * size])
         return sum(1 for ok in pipe.execute() if ok)
 
     def get_into(self, keys, buf, size):
@@ -40,7 +42,7 @@ class RedisPeer(Peer):
         for i, value in enumerate(pipe.execute()):
             if value is not None and len(value) == size:
                 # redis-py returns bytes; landing them in the caller's buffer is part of the job
-                buf[i * size:(i + 1) * size] = np.frombuffer(value, dtype=np.uint8)
+                buf[i * size : (i + 1) * size] = np.frombuffer(value, dtype=np.uint8)
                 hits += 1
         return hits
 
