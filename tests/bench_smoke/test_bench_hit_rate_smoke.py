@@ -17,20 +17,9 @@ from argparse import Namespace
 import numpy as np
 
 from gcache.wire.keys import page_hashes_array
-from gcache.worker.config import ModelConfig
+from tests.support.tiny_model import ONE_FULL_LAYER, tiny_config
 
-TINY = ModelConfig(
-    layers=4,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate=128,
-    window=32,
-    page_size=8,
-    vocab_size=512,
-    layer_pattern=("swa", "full", "swa", "swa"),
-)
+TINY = tiny_config(layer_pattern=ONE_FULL_LAYER)
 BLOCK = 32  # tokens per trace block: 4 pages of 8
 ARGS = Namespace(concurrency=1, chunk_tokens=64, lookahead=8, nodes_max=100_000)
 

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from tests.support.tiny_model import ONE_FULL_LAYER, tiny_config
 
-# One full-attention layer among three SWA ones, so both pools (and both L3 keys) carry bytes.
-CFG = ModelConfig(
-    layers=4,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate=128,
-    window=32,
-    page_size=8,
-    vocab_size=512,
-    dtype="float64",
-    layer_pattern=("swa", "full", "swa", "swa"),
-)
+CFG = tiny_config(dtype="float64", layer_pattern=ONE_FULL_LAYER)
 
 
 def build_engine(model, full_pages: int, swa_pages: int, hicache: HiCacheConfig, prefix_cache: bool = True) -> Engine:

@@ -21,20 +21,9 @@ from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.integrity import IntegrityError
 from gcache.worker.kvcache.host_cache import HostCache
 from gcache.worker.kvcache.host_pool import HostKVPool
+from tests.support.tiny_model import ONE_FULL_LAYER, TINY_MODEL
 
-CFG_KW = dict(
-    layers=4,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate=128,
-    window=32,
-    page_size=8,
-    vocab_size=512,
-    dtype="float64",
-    layer_pattern=("swa", "full", "swa", "swa"),
-)
+CFG_KW = dict(TINY_MODEL, dtype="float64", layer_pattern=ONE_FULL_LAYER)
 CFG = ModelConfig(**CFG_KW)
 
 

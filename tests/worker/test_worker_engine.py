@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.engine.scheduler import QueueFullError, SchedulerConfig
@@ -25,19 +24,9 @@ from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.transformer import Model
 from tests.support.engine_support import tree_nodes
 from tests.support.reference import check_against_reference
+from tests.support.tiny_model import tiny_config
 
-CFG = ModelConfig(
-    layers=4,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate=128,
-    window=32,
-    page_size=8,
-    vocab_size=512,
-    dtype="float64",
-)
+CFG = tiny_config(dtype="float64")
 VOCAB = CFG.vocab_size
 
 

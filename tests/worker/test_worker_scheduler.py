@@ -18,6 +18,7 @@ from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerC
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock
 from gcache.worker.model.transformer import Model
+from tests.support.tiny_model import tiny_config
 
 P = SamplingParams(max_tokens=4, temperature=0.0)
 POLICIES = ("fcfs", "ttft")
@@ -298,18 +299,7 @@ def test_short_requests_keep_moving_behind_a_stream_of_long_ones(max_wait_s):
 
 
 # ---- exactness: the policies change when, never what ---------------------------------------------
-MODEL_CFG = ModelConfig(
-    layers=4,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate=128,
-    window=32,
-    page_size=8,
-    vocab_size=512,
-    dtype="float64",
-)
+MODEL_CFG = tiny_config(dtype="float64")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
