@@ -172,7 +172,12 @@ def test_idle_connection_is_closed(server_factory):
 
 def test_connection_limit_answers_busy(server_factory):
     node = server_factory(extra_args=["--connections-max", "2"])
-    wait_connections_open(node, 0)  # the fixture's readiness probe has been closed
+    # The fixture's readiness probe is a bare TCP connect the server may not have accepted
+    # yet. A PING answered on a later connection proves it was (one accept loop, in order),
+    # so once the gauge reads 0 both are gone and the two slots are free.
+    with RawConnection(node.port) as probe:
+        assert probe.ping()
+    wait_connections_open(node, 0)
     first, second = RawConnection(node.port), RawConnection(node.port)
     assert first.ping() and second.ping()
     with RawConnection(node.port) as third:
