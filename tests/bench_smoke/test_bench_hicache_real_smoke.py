@@ -18,20 +18,11 @@ import pytest
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+from tests.support.tiny_model import ONE_FULL_LAYER, TINY_MODEL  # noqa: E402
+
 pytestmark = pytest.mark.process  # starts gcache processes
 
-TINY = {
-    "layers": 4,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    "intermediate": 128,
-    "window": 32,
-    "page_size": 8,
-    "vocab_size": 512,
-    "layer_pattern": ["swa", "full", "swa", "swa"],
-}
+TINY = {**TINY_MODEL, "layer_pattern": list(ONE_FULL_LAYER)}
 
 
 def load_bench(name: str):

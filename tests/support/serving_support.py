@@ -16,19 +16,9 @@ from pathlib import Path
 
 from gcache.common.processes import free_port, stop_process
 from tests.support import REPO_ROOT
+from tests.support.tiny_model import TINY_MODEL
 
-TINY = {
-    "layers": 4,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    "intermediate": 128,
-    "window": 32,
-    "page_size": 8,
-    "vocab_size": 512,
-    "dtype": "float64",
-}
+TINY = {**TINY_MODEL, "dtype": "float64"}
 WORKER_ARGS = [
     "--config-json",
     json.dumps(TINY),
