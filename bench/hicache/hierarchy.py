@@ -68,12 +68,12 @@ from bench.hicache.report import print_density, print_targets, print_workload  #
 from bench.hicache.sglang_tree import SGLangSWATree  # noqa: E402
 from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
+from gcache.common.units import MiB
 from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
-MiB = 1 << 20
 SETUPS = (
     Setup("L1"),
     Setup("L1+L2", l2=True),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from bench.common.stats import median_range
+from gcache.common.units import MiB
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
-MiB = 1 << 20
 OURS, UNAWARE, SGLANG, L1 = "L1+L2+L3", "SWA-unaware", "SGLang-style L1", "L1"
 
 

@@ -51,7 +51,6 @@ from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
 POLICIES = ("round_robin", "least_load", "approx_tree", "dynamo", "cache_aware", "cache_ttft")
-MiB = 1 << 20
 
 
 def parse_args(argv):

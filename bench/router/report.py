@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from bench.common.stats import median_range
+from gcache.common.units import MiB
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
-MiB = 1 << 20
 BASE, OURS = "least_load", "cache_aware"
 OURS_ALL = ("cache_aware", "cache_ttft")  # the seed's score (default) and the estimated-TTFT cost
 HIT_GAIN_MIN, IMBALANCE_MAX = 1.35, 1.25

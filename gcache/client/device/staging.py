@@ -34,9 +34,9 @@ from gcache.client.device.arrays import (
     slice_range,
 )
 from gcache.client.operations import BatchResult
+from gcache.common.units import MiB
 from gcache.wire.protocol import normalize_key, normalize_keys
 
-MiB = 1 << 20
 STAGING_BYTES_DEFAULT = 64 * MiB  # the server's default --value-bytes-max: any value fits
 SLOT_BYTES_DEFAULT = 4 * MiB  # small enough that a 16 MiB batch overlaps reads and copies
 
