@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from contextlib import contextmanager
 
 from gcache import errors
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
@@ -43,7 +44,14 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
 
 
 class MappedArena:
-    """A server's arena, mapped read-write (a put writes its reserved blocks)."""
+    """A server's arena, mapped read-write (a put writes its reserved blocks).
+
+    Copies run while other threads may close the client (a ClusterClient closes a
+    node's Client once the node dies or leaves the map): every copy holds the
+    mapping (`_use`), close() only marks it closing, and the last copy out
+    unmaps it. A copy that starts after close() raises ClientClosedError (the
+    cluster client retries the keys by its newer map), never mmap's ValueError.
+    """
 
     def __init__(self, fd: int, size: int, instance: str, lease_s: float, threads: int = 0):
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -51,23 +59,57 @@ class MappedArena:
         self.instance = instance
         self.lease_s = lease_s  # how long a LOOKUP lease lasts on the server
         self.threads = threads  # copy threads per call; 0 = by size (1 per MiB, at most the cores)
+        self._lock = threading.Lock()
+        self._users = 0  # copies running on the mapping
+        self._closing = False
 
     def check_answer(self, meta: dict) -> None:
         """Where an answer's offsets point is this mapping: nothing to check."""
 
+    @contextmanager
+    def _use(self):
+        with self._lock:
+            if self._closing:
+                raise errors.ClientClosedError(
+                    f"the arena mapping of gcache-server instance {self.instance} was closed "
+                    "(its client closed, or the node left the cluster map)"
+                )
+            self._users += 1
+        try:
+            yield self.map
+        except ValueError as exc:  # a block outside the mapping: the answer is wrong
+            raise errors.ProtocolError(f"gcache-server instance {self.instance}: {exc}") from None
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self._closing and self._users == 0
+            if last:
+                self._unmap()
+
     def read_into(self, offsets, lens, sums, dests, verify: bool) -> list[int]:
-        return shm_read_into(self.map, offsets, lens, sums, dests, self.threads, verify)
+        with self._use() as arena:
+            return shm_read_into(arena, offsets, lens, sums, dests, self.threads, verify)
 
     def read_values(self, offsets, lens, sums, verify: bool):
-        return shm_read_values(self.map, offsets, lens, sums, self.threads, verify)
+        with self._use() as arena:
+            return shm_read_values(arena, offsets, lens, sums, self.threads, verify)
 
     def write_from(self, offsets, views) -> list[int]:
-        return shm_write_from(self.map, offsets, views, self.threads)
+        with self._use() as arena:
+            return shm_write_from(arena, offsets, views, self.threads)
 
     def close(self) -> None:
+        """Unmaps now if no copy runs, else when the last one ends."""
+        with self._lock:
+            self._closing = True
+            idle = self._users == 0
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
         try:
             self.map.close()
-        except BufferError:  # a copy in another thread still holds it: the GC unmaps it
+        except BufferError:  # a view of the mapping is still exported: the GC unmaps it
             pass
 
 
