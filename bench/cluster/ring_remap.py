@@ -30,11 +30,21 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import sys
+from hashlib import md5
 from statistics import mean
 
-from gcache.cluster.cluster_map import ACTIVE, DRAINING, JOINING, ClusterMap
-from gcache.cluster.placement import Placement
+from gcache.cluster.cluster_map import (
+    ACTIVE,
+    DRAINING,
+    JOINING,
+    PREVIOUS_STATES,
+    WRITE_STATES,
+    ClusterMap,
+    PlacementKind,
+)
+from gcache.cluster.placement import VNODES, Placement, Ring
 from gcache.wire.keys import KeyBuilder, get_hash_str
 
 GIB_PER_WEIGHT_UNIT = 1088  # a node with 64 GiB memory + 1 TiB disk: weight 1088 (one per GiB)
@@ -62,10 +72,47 @@ def node_id(i: int) -> str:
 
 
 def weight_of(i: int, mode: str) -> int:
+    if mode == "random":  # hosts of 0.25x..4x the usual capacity, fixed per index
+        return max(1, int(GIB_PER_WEIGHT_UNIT * 2 ** random.Random(i * 7919 + 1).uniform(-2, 2)))
     return GIB_PER_WEIGHT_UNIT * (2 if mode == "mixed" and i % 2 else 1)
 
 
-def cluster_map(count: int, mode: str, state_of=lambda i: ACTIVE) -> ClusterMap:
+# Placements compared: the map's two kinds, and ketama with points proportional to
+# each node's own weight (VNODES per OWN_WEIGHT_REF of weight, at least one), which
+# no map names: measured here only.
+KINDS = ("ketama", "ketama-own", "rendezvous")
+OWN_WEIGHT_REF = 1024
+
+
+def own_weight_points(weights: dict[str, int]) -> dict[int, str]:
+    ring: dict[int, str] = {}
+    for nid, weight in weights.items():
+        for v in range(max(1, round(VNODES * weight / OWN_WEIGHT_REF))):
+            digest = md5(f"{nid}-{v}".encode()).digest()
+            for r in range(0, 16, 4):
+                ring[int.from_bytes(digest[r : r + 4], "little")] = nid
+    return ring
+
+
+class OwnWeightPlacement(Placement):
+    """Placement with a ketama ring whose points per node depend on its weight alone."""
+
+    def __init__(self, cmap: ClusterMap):
+        super().__init__(cmap)
+        ring = lambda ws: Ring(ws, points_of=own_weight_points)  # noqa: E731
+        write = {n.id: n.weight for n in cmap.in_states(WRITE_STATES)}
+        previous = {n.id: n.weight for n in cmap.in_states(PREVIOUS_STATES)}
+        self.write = ring(write)
+        self.previous = self.write if previous == write else ring(previous)
+
+
+def placement_for(cmap: ClusterMap, kind: str) -> Placement:
+    if kind == "ketama-own":
+        return OwnWeightPlacement(cmap)
+    return Placement(cmap._replace(placement=PlacementKind(kind)))
+
+
+def cluster_map(count: int, mode: str, state_of=lambda i: ACTIVE, weight=weight_of) -> ClusterMap:
     return ClusterMap.from_dict(
         {
             "epoch": 1,
@@ -73,7 +120,7 @@ def cluster_map(count: int, mode: str, state_of=lambda i: ACTIVE) -> ClusterMap:
                 {
                     "id": node_id(i),
                     "address": f"10.0.0.{i + 1}:7600",
-                    "weight": weight_of(i, mode),
+                    "weight": weight(i, mode),
                     "state": state_of(i),
                 }
                 for i in range(count)
@@ -92,22 +139,35 @@ def moved_fraction(before: list, after: list) -> float:
 
 
 def measure_change(keys, before: list[str], placement: Placement, node: str, kind: str) -> dict:
-    """Moved fraction, violations and fallback misses for one join or leave of `node`."""
+    """Moved fraction, violations and fallback misses for one join, leave or reweight of `node`."""
     after = placement.write.owners(keys)
     moved = violations = fallback_wrong = 0
     for key, old, new in zip(keys, before, after):
         if old == new:
             continue
         moved += 1
-        if (kind == "join" and new != node) or (kind == "leave" and old != node):
+        if (kind == "join" and new != node) or (kind == "leave" and old != node) or (node not in (old, new)):
             violations += 1
-        if placement.fallback(key, new) != old:
+        if kind != "reweight" and placement.fallback(key, new) != old:
             fallback_wrong += 1
     return {"moved": moved / len(keys), "violations": violations, "fallback_wrong": fallback_wrong}
 
 
-def measure_size(keys, digests, count: int, mode: str) -> dict:
-    base = Placement(cluster_map(count, mode))
+def summarize(changes: list[dict]) -> dict:
+    return {
+        "ideal": mean(x["ideal"] for x in changes),
+        "moved": mean(x["moved"] for x in changes),
+        "moved_worst": max(x["moved"] for x in changes),
+        "ratio": mean(x["moved"] / x["ideal"] for x in changes),
+        "ratio_worst": max(x["moved"] / x["ideal"] for x in changes),
+        "modulo": mean(x.get("modulo", 0.0) for x in changes),
+        "violations": sum(x["violations"] for x in changes),
+        "fallback_wrong": sum(x["fallback_wrong"] for x in changes),
+    }
+
+
+def measure_size(keys, digests, count: int, mode: str, kind: str = "ketama") -> dict:
+    base = placement_for(cluster_map(count, mode), kind)
     before = base.write.owners(keys)
     ids = [node_id(i) for i in range(count)]
     shares = [before.count(n) / len(keys) for n in ids]
@@ -117,43 +177,54 @@ def measure_size(keys, digests, count: int, mode: str) -> dict:
 
     newcomer = node_id(count)
     joined = cluster_map(count + 1, mode, lambda i: JOINING if i == count else ACTIVE)
-    join = measure_change(keys, before, Placement(joined), newcomer, "join")
+    join = measure_change(keys, before, placement_for(joined, kind), newcomer, "join")
     join["ideal"] = weight_of(count, mode) / (total_weight + weight_of(count, mode))
     join["modulo"] = moved_fraction(mod_before, modulo_owners(digests, ids + [newcomer]))
 
-    leaves = []
+    leaves, reweights = [], []
     for i in range(count):
         drained = cluster_map(count, mode, lambda j: DRAINING if j == i else ACTIVE)
-        one = measure_change(keys, before, Placement(drained), ids[i], "leave")
+        one = measure_change(keys, before, placement_for(drained, kind), ids[i], "leave")
         one["ideal"] = weight_of(i, mode) / total_weight
         one["modulo"] = moved_fraction(mod_before, modulo_owners(digests, ids[:i] + ids[i + 1 :]))
         leaves.append(one)
-    leave = {
-        "ideal": mean(x["ideal"] for x in leaves),
-        "moved": mean(x["moved"] for x in leaves),
-        "moved_worst": max(x["moved"] for x in leaves),
-        "ratio_worst": max(x["moved"] / x["ideal"] for x in leaves),
-        "modulo": mean(x["modulo"] for x in leaves),
-        "violations": sum(x["violations"] for x in leaves),
-        "fallback_wrong": sum(x["fallback_wrong"] for x in leaves),
-    }
-    join["ratio"] = join["moved"] / join["ideal"]
-    leave["ratio"] = mean(x["moved"] / x["ideal"] for x in leaves)
+        # Node i's capacity doubles (even i) or halves (odd i); the others stay.
+        factor = 2.0 if i % 2 == 0 else 0.5
+        new_weight = max(1, int(weight_of(i, mode) * factor))
+        reweighted = cluster_map(count, mode, weight=lambda j, m: new_weight if j == i else weight_of(j, m))
+        one = measure_change(keys, before, placement_for(reweighted, kind), ids[i], "reweight")
+        new_total = total_weight - weight_of(i, mode) + new_weight
+        one["ideal"] = abs(new_weight / new_total - weight_of(i, mode) / total_weight)
+        reweights.append(one)
+    join.update(moved_worst=join["moved"], ratio=join["moved"] / join["ideal"])
+    join["ratio_worst"] = join["ratio"]
     # balance: the most loaded node's share over its fair (weight-proportional) share
-    return {"nodes": count, "weights": mode, "balance_max_over_mean": balance, "join": join, "leave": leave}
+    return {
+        "nodes": count,
+        "weights": mode,
+        "placement": kind,
+        "balance_max_over_mean": balance,
+        "join": join,
+        "leave": summarize(leaves),
+        "reweight": summarize(reweights),
+    }
 
 
 def print_table(rows: list[dict], key_count: int) -> None:
-    print(f"{key_count} keys. ideal: the changed node's share (join 1/(N+1), leave 1/N at equal weights);")
-    print("leave: mean over each node leaving in turn, worst: the worst node; violations and fallback:")
-    print("keys summed over every change (should be 0); balance: most loaded node / its fair share.")
+    print(f"{key_count} keys. ideal: the changed node's share (join 1/(N+1), leave 1/N at equal weights;")
+    print("reweight: each node in turn doubles (even) or halves (odd) its weight, ideal = its share's change);")
+    print("leave/reweight: mean over the nodes, worst: the worst node; violations and fallback: keys summed")
+    print("over every change (should be 0); balance: most loaded node / its fair share.")
+    print("placement: ketama = the old ring (maps without a placement field), ketama-own = points per node")
+    print("from its own weight only, rendezvous = weighted rendezvous hashing (the new maps' placement).")
     head = (
         "weights",
         "N",
+        "placement",
         "change",
         "ideal",
-        "ring",
-        "ring/ideal",
+        "moved",
+        "ratio",
         "worst",
         "worst/ideal",
         "modulo",
@@ -161,27 +232,26 @@ def print_table(rows: list[dict], key_count: int) -> None:
         "fallback",
         "balance",
     )
-    fmt = "{:<8}{:>4}  {:<7}{:>7}{:>8}{:>11}{:>8}{:>12}{:>8}{:>11}{:>9}{:>9}"
+    fmt = "{:<8}{:>4}  {:<11}{:<9}{:>7}{:>8}{:>7}{:>8}{:>12}{:>8}{:>11}{:>9}{:>9}"
     print(fmt.format(*head))
     for r in rows:
-        for kind in ("join", "leave"):
-            c = r[kind]
-            worst = f"{c['moved_worst']:.3f}" if kind == "leave" else ""
-            worst_ratio = f"{c['ratio_worst']:.2f}" if kind == "leave" else ""
+        for change in ("join", "leave", "reweight"):
+            c = r[change]
             print(
                 fmt.format(
                     r["weights"],
                     r["nodes"],
-                    kind,
+                    r["placement"],
+                    change,
                     f"{c['ideal']:.3f}",
                     f"{c['moved']:.3f}",
                     f"{c['ratio']:.2f}",
-                    worst,
-                    worst_ratio,
-                    f"{c['modulo']:.3f}",
+                    f"{c['moved_worst']:.3f}",
+                    f"{c['ratio_worst']:.2f}",
+                    f"{c['modulo']:.3f}" if change != "reweight" else "",
                     c["violations"],
-                    c["fallback_wrong"],
-                    f"{r['balance_max_over_mean']:.2f}" if kind == "join" else "",
+                    c["fallback_wrong"] if change != "reweight" else "",
+                    f"{r['balance_max_over_mean']:.2f}" if change == "join" else "",
                 )
             )
 
@@ -202,21 +272,29 @@ def main(argv=None) -> int:
     p.add_argument("--keys", type=int, default=100_000, help="keys to place (default 100000)")
     p.add_argument(
         "--weights",
-        default="equal,mixed",
-        help="equal, mixed (alternating 1x/2x capacity) or both, comma-separated (default both)",
+        default="equal,mixed,random",
+        help="equal, mixed (alternating 1x/2x capacity), random (0.25x..4x), comma-separated (default all)",
+    )
+    p.add_argument(
+        "--placement",
+        default=",".join(KINDS),
+        help=f"placements to compare, comma-separated from {','.join(KINDS)} (default all)",
     )
     p.add_argument("--seed", type=int, default=0, help="key set seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.weights.split(",") if m.strip()]
-    if not modes or set(modes) - {"equal", "mixed"}:
-        p.error(f"--weights takes equal and/or mixed, got {args.weights!r}")
+    if not modes or set(modes) - {"equal", "mixed", "random"}:
+        p.error(f"--weights takes equal, mixed and/or random, got {args.weights!r}")
+    kinds = [k.strip() for k in args.placement.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(KINDS):
+        p.error(f"--placement takes {', '.join(KINDS)}, got {args.placement!r}")
     if not 1000 <= args.keys <= 10_000_000:
         p.error("--keys must be 1000..10000000")
 
     keys = page_keys(args.keys, args.seed)
     digests = [int.from_bytes(hashlib.sha256(k).digest(), "big") for k in keys]
-    rows = [measure_size(keys, digests, n, mode) for mode in modes for n in args.nodes]
+    rows = [measure_size(keys, digests, n, mode, kind) for mode in modes for n in args.nodes for kind in kinds]
     if args.json:
         json.dump({"keys": args.keys, "seed": args.seed, "rows": rows}, sys.stdout, indent=2)
         print()

@@ -1,9 +1,16 @@
-"""The cluster map: (epoch, nodes[id, address, weight, state]), immutable.
+"""The cluster map: (epoch, nodes[id, address, weight, state], placement), immutable.
 
 The master owns it (Raft-replicated); nodes and clients hold copies and
 compute placement from them (gcache.cluster.placement). The epoch rises by one
 on every change that any reader could care about, so "newer" is just a larger
 epoch. Encoded as a plain dict (msgpack / JSON) by `to_dict` / `from_dict`.
+
+`placement` names how keys map to nodes (gcache.cluster.placement), so every
+client, node and master places keys one way for a given map: "ketama" (the
+first placement; a map without the field), "rendezvous" (weighted
+rendezvous hashing: a change of one node moves keys only to or from it).
+A map naming a placement this code does not know is refused (MapError), never
+read with another placement.
 
 States:
   joining   registered, owns keys (writes go to it), migration into it running;
@@ -42,6 +49,19 @@ PREVIOUS_STATES = (ACTIVE, DRAINING)
 NODE_ID_BYTES_MAX = 128
 NODES_MAX = 4096
 WEIGHT_MAX = 1 << 20
+
+
+class PlacementKind(enum.StrEnum):
+    """How keys map to nodes; the values are the wire strings of the map's "placement"."""
+
+    KETAMA = "ketama"  # uhashring ketama ring: the placement of maps without the field
+    RENDEZVOUS = "rendezvous"  # weighted rendezvous hashing (gcache.cluster.rendezvous)
+
+
+# What a map without "placement" means (maps written before the field existed).
+PLACEMENT_LEGACY = PlacementKind.KETAMA
+# What a new cluster's master starts with (an existing map keeps its own).
+PLACEMENT_NEW = PlacementKind.RENDEZVOUS
 
 
 class MapError(ValueError):
@@ -92,10 +112,11 @@ class NodeInfo(NamedTuple):
 class ClusterMap(NamedTuple):
     epoch: int
     nodes: tuple  # of NodeInfo, sorted by id
+    placement: str = PLACEMENT_LEGACY  # a PlacementKind
 
     @classmethod
-    def empty(cls) -> ClusterMap:
-        return cls(0, ())
+    def empty(cls, placement: str = PLACEMENT_LEGACY) -> ClusterMap:
+        return cls(0, (), PlacementKind(placement))
 
     def node(self, node_id: str) -> NodeInfo | None:
         for n in self.nodes:
@@ -112,7 +133,11 @@ class ClusterMap(NamedTuple):
         return any(n.state in (JOINING, DRAINING) for n in self.nodes)
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "nodes": [n.to_dict() for n in self.nodes]}
+        # The legacy placement is written as no field: the bytes older readers expect.
+        out = {"epoch": self.epoch, "nodes": [n.to_dict() for n in self.nodes]}
+        if self.placement != PLACEMENT_LEGACY:
+            out["placement"] = str(self.placement)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> ClusterMap:
@@ -127,17 +152,25 @@ class ClusterMap(NamedTuple):
         nodes = tuple(sorted((NodeInfo.from_dict(n) for n in d["nodes"]), key=lambda n: n.id))
         if len({n.id for n in nodes}) != len(nodes):
             raise MapError("map lists a node id twice")
-        return cls(d["epoch"], nodes)
+        placement = d.get("placement", PLACEMENT_LEGACY)
+        try:
+            placement = PlacementKind(placement)
+        except ValueError:
+            raise MapError(
+                f"map placement {placement!r} is not one of {[k.value for k in PlacementKind]}: "
+                "this gcache is older than the cluster's; upgrade it"
+            ) from None
+        return cls(d["epoch"], nodes, placement)
 
     def with_node(self, node: NodeInfo) -> ClusterMap:
         """A map at epoch + 1 where `node` is added or replaces the entry with its id."""
         node = node._replace(changed_epoch=self.epoch + 1)
         node.validate()
         others = [n for n in self.nodes if n.id != node.id]
-        return ClusterMap(self.epoch + 1, tuple(sorted(others + [node], key=lambda n: n.id)))
+        return ClusterMap(self.epoch + 1, tuple(sorted(others + [node], key=lambda n: n.id)), self.placement)
 
     def without_node(self, node_id: str) -> ClusterMap:
-        return ClusterMap(self.epoch + 1, tuple(n for n in self.nodes if n.id != node_id))
+        return ClusterMap(self.epoch + 1, tuple(n for n in self.nodes if n.id != node_id), self.placement)
 
 
 def weight_for_capacity(capacity_bytes: int) -> int:

@@ -1,5 +1,11 @@
 """Placement: which node owns a key, computed from the cluster map alone.
 
+The map's `placement` field names how (gcache.cluster.cluster_map.PlacementKind):
+"rendezvous" is weighted rendezvous hashing (gcache.cluster.rendezvous: a
+change of one node moves keys only to or from it, at any weights); "ketama",
+what a map without the field means, is the ring described below. Both give
+the same interface (RING_KINDS), and the two rings below are built with it.
+
 A ketama ring (uhashring-compatible: md5, virtual nodes, weights proportional
 to capacity) is built once per map; `ketama_points` computes uhashring's points
 directly and sorts once (uhashring inserts them one by one, quadratic in the
@@ -26,7 +32,8 @@ from hashlib import md5
 import numpy as np
 
 from gcache._native import ketama_hash, ketama_hashes, ketama_search
-from gcache.cluster.cluster_map import PREVIOUS_STATES, WRITE_STATES, ClusterMap
+from gcache.cluster.cluster_map import PREVIOUS_STATES, WRITE_STATES, ClusterMap, PlacementKind
+from gcache.cluster.rendezvous import RendezvousRing
 
 VNODES = 160  # points per node = VNODES * 4 (ketama replicas) at equal weights
 # Up to this many keys a batch is placed key by key: numpy's fixed cost per
@@ -63,9 +70,9 @@ def ketama_points(weights: dict[str, int]) -> dict[int, str]:
 class Ring:
     """One consistent-hash ring over a set of node ids. Empty rings own nothing."""
 
-    def __init__(self, weights: dict[str, int]):
+    def __init__(self, weights: dict[str, int], points_of=ketama_points):
         self.node_ids = tuple(sorted(weights))
-        ring = ketama_points(weights) if weights else {}
+        ring = points_of(weights) if weights else {}
         points = sorted(ring)
         owners = [ring[p] for p in points]
         self._points = points
@@ -102,6 +109,10 @@ class Ring:
         return [ids[s] for s in self.owner_slots(keys).tolist()]
 
 
+# The ring of each placement kind: node_ids, owner, owners, owner_slots, slots_of_points.
+RING_KINDS = {PlacementKind.KETAMA: Ring, PlacementKind.RENDEZVOUS: RendezvousRing}
+
+
 def _group_slots(slots: np.ndarray, names, positions: list[int] | None, count: int) -> dict:
     """{names[slot]: [positions[j] for each j with slots[j] == slot]}, owners in the
     order of their first key, each list in `positions` order (None: j itself)."""
@@ -130,9 +141,11 @@ class Placement:
         self.map = cmap
         write = {n.id: n.weight for n in cmap.in_states(WRITE_STATES)}
         previous = {n.id: n.weight for n in cmap.in_states(PREVIOUS_STATES)}
-        self.write = Ring(write)
+        ring = RING_KINDS[PlacementKind(cmap.placement)]
+        self.kind = PlacementKind(cmap.placement)
+        self.write = ring(write)
         # Nothing joining or draining: both rings hold the same nodes, build one.
-        self.previous = self.write if previous == write else Ring(previous)
+        self.previous = self.write if previous == write else ring(previous)
         self.migrating = cmap.migrating
         # Both rings' owners in one index space (write ids, then previous-only
         # ids), so write and previous owners compare as ints.

@@ -19,6 +19,7 @@ from gcache.cluster.cluster_map import (
     DRAINING,
     JOINING,
     NODES_MAX,
+    PLACEMENT_NEW,
     UNKNOWN,
     ClusterMap,
     MapError,
@@ -51,7 +52,8 @@ class MapState:
     """
 
     def __init__(self, cluster_map: ClusterMap | None = None, rebalanced: dict | None = None):
-        self.map = cluster_map if cluster_map is not None else ClusterMap.empty()
+        # A new cluster starts with the newest placement; a loaded map keeps its own.
+        self.map = cluster_map if cluster_map is not None else ClusterMap.empty(PLACEMENT_NEW)
         self.rebalanced = dict(rebalanced or {})
 
     # -- encoding (the Raft full dump) -------------------------------------

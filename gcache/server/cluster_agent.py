@@ -48,8 +48,8 @@ DEAD_ANSWER = DEAD  # heartbeat answers: the node's state, or UNKNOWN
 
 
 def _ring_signature(cmap: ClusterMap) -> tuple:
-    """What placement depends on: the write ring's members, weights and addresses."""
-    return tuple((n.id, n.weight, n.address) for n in cmap.in_states(WRITE_STATES))
+    """What placement depends on: the placement kind, the write ring's members, weights and addresses."""
+    return (str(cmap.placement),) + tuple((n.id, n.weight, n.address) for n in cmap.in_states(WRITE_STATES))
 
 
 def local_address(host: str, port: int) -> str:

@@ -281,6 +281,114 @@ py::bytes ketama_search(py::handle points_obj, py::handle needles_obj) {
   return result;
 }
 
+// Weighted rendezvous (highest random weight) placement: a key belongs to the
+// node with the smallest -ln(u(key, node)) / weight, u uniform in (0, 1] from
+// a hash of the key's ketama point and the node's seed. A node's share is its
+// weight over the total, and a change of one node (join, leave, weight) moves
+// only keys to or from that node. Every client, node and master must pick the
+// same owner, so the score is computed with IEEE +, -, *, / only (correctly
+// rounded everywhere, and no fused multiply-add: GC_NO_FMA), the same steps as
+// gcache.cluster.rendezvous.score in Python.
+#if defined(__clang__)
+#define GC_NO_FMA_BEGIN _Pragma("clang fp contract(off)")
+#define GC_NO_FMA_ATTR
+#elif defined(__GNUC__)
+#define GC_NO_FMA_BEGIN
+#define GC_NO_FMA_ATTR __attribute__((optimize("fp-contract=off")))
+#else
+#define GC_NO_FMA_BEGIN
+#define GC_NO_FMA_ATTR
+#endif
+
+inline uint64_t fmix64(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+constexpr double kLn2 = 0.6931471805599453;
+constexpr double kSqrt2 = 1.4142135623730951;
+constexpr int kSeriesTerms = 12;  // |s| <= 0.172: the 12th term is below 1e-18
+
+// -ln(m / 2^53) for an integer m in [1, 2^53]: m = f * 2^e exactly, f in
+// [sqrt(1/2), sqrt(2)), ln f = 2 atanh(s) with s = (f - 1) / (f + 1).
+GC_NO_FMA_ATTR double neg_ln_unit(uint64_t m) {
+  GC_NO_FMA_BEGIN
+  int e = 63 - __builtin_clzll(m);
+  double f = double(m) / double(uint64_t(1) << e);  // exact: m < 2^54, a power of two divides
+  if (f > kSqrt2) {
+    f = f / 2.0;
+    e += 1;
+  }
+  const double s = (f - 1.0) / (f + 1.0);
+  const double s2 = s * s;
+  double p = 1.0 / double(2 * kSeriesTerms + 1);
+  for (int k = kSeriesTerms - 1; k >= 0; --k) p = p * s2 + 1.0 / double(2 * k + 1);
+  const double ln_m = double(e) * kLn2 + 2.0 * s * p;
+  return 53.0 * kLn2 - ln_m;
+}
+
+GC_NO_FMA_ATTR double rendezvous_score(uint32_t point, uint64_t seed, double weight) {
+  GC_NO_FMA_BEGIN
+  const uint64_t x = fmix64(seed ^ fmix64(uint64_t(point)));
+  return neg_ln_unit((x >> 11) + 1) / weight;
+}
+
+template <typename T>
+std::vector<T> le_words(py::bytes b, const char* what) {
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(b.ptr(), &data, &len) != 0) throw py::error_already_set();
+  if (len % Py_ssize_t(sizeof(T)) != 0) throw py::value_error(std::string(what) + ": length is not whole words");
+  std::vector<T> out(size_t(len) / sizeof(T));
+  std::memcpy(out.data(), data, size_t(len));
+  return out;
+}
+
+// Slot (index into seeds) of every point's owner; ties go to the lower slot.
+py::bytes rendezvous_slots(py::handle points_obj, py::bytes seeds_b, py::bytes weights_b) {
+  const U32View points = u32_view(points_obj, "rendezvous_slots points");
+  const std::vector<uint64_t> seeds = le_words<uint64_t>(seeds_b, "rendezvous_slots seeds");
+  const std::vector<uint32_t> weights_u = le_words<uint32_t>(weights_b, "rendezvous_slots weights");
+  if (seeds.empty() || seeds.size() != weights_u.size())
+    throw py::value_error("rendezvous_slots: one weight per seed, at least one node");
+  std::vector<double> weights(weights_u.begin(), weights_u.end());
+  for (double w : weights)
+    if (w < 1) throw py::value_error("rendezvous_slots: every weight must be >= 1");
+  const size_t n = points.count;
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * 4));
+  if (out == nullptr) throw py::error_already_set();
+  py::bytes result = py::reinterpret_steal<py::bytes>(out);
+  auto* dst = reinterpret_cast<uint32_t*>(PyBytes_AS_STRING(out));
+  const size_t nodes = seeds.size();
+  auto place_all = [&] {
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t point = points.data[i];
+      size_t best = 0;
+      double best_score = rendezvous_score(point, seeds[0], weights[0]);
+      for (size_t j = 1; j < nodes; ++j) {
+        const double score = rendezvous_score(point, seeds[j], weights[j]);
+        if (score < best_score) {
+          best_score = score;
+          best = j;
+        }
+      }
+      dst[i] = uint32_t(best);
+    }
+  };
+  if (n * nodes < kReleaseGilKeysMin * 16) {
+    place_all();
+  } else {
+    PyThreadState* saved = PyEval_SaveThread();
+    place_all();  // never throws
+    PyEval_RestoreThread(saved);
+  }
+  return result;
+}
+
 }  // namespace
 
 void bind_ketama(py::module_& m) {
@@ -292,6 +400,13 @@ KetamaRing.hashi(key, 0) for an ASCII key. Hashes with the GIL released.
 np.frombuffer(ketama_hashes(keys), dtype="<u4") gives them as an array.)doc");
   m.def("ketama_hash", &ketama_hash, py::arg("key"),
         "The ketama point of one key (bytes): ketama_hashes([key]) as an int, for single-key calls.");
+  m.def("rendezvous_slots", &rendezvous_slots, py::arg("points"), py::arg("seeds"), py::arg("weights"),
+        R"doc(Weighted rendezvous owner of each point (e.g. ketama_hashes(keys)): for each, the
+index of the node with the smallest -ln(u) / weight, u from fmix64(seed ^ fmix64(point)).
+
+seeds: bytes of native uint64 (one per node), weights: bytes of native uint32 (>= 1).
+Returns native uint32s (np.frombuffer(..., dtype=np.uint32)). GIL released.
+gcache.cluster.rendezvous documents the score step by step.)doc");
   m.def("ketama_search", &ketama_search, py::arg("points"), py::arg("needles"),
         R"doc(For each needle, the index of the first ring point above it (bisect_right),
 or 0 when it is above the last point (the ring wraps), as native uint32s.

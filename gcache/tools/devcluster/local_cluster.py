@@ -95,6 +95,7 @@ class LocalCluster:
         tick_s: float = 0.2,
         node_args=(),
         master_args=(),
+        node_disks=(),
         netns: bool = False,
         auth: bool = False,
         tls: bool = False,
@@ -115,6 +116,9 @@ class LocalCluster:
             tick_s=tick_s,
             node_args=list(node_args),
             master_args=list(master_args),
+            # Per node (n1, n2, ...; cycled): its --disk instead of `disk`, so nodes can have
+            # different capacities and so map weights (disk files grow as written).
+            node_disks=list(node_disks),
             netns=bool(netns),
             auth=bool(auth),
             tls=bool(tls),
@@ -295,11 +299,15 @@ class LocalCluster:
                 admin_host=n.host,
                 admin_port=n.ports["admin"],
                 memory=s["memory"],
-                disk=s["disk"],
+                disk=self._disk_of(n),
                 data_dir=n.data_dir,
                 extra=[*node, *self._security_args("node"), *s["node_args"]],
             ),
         ]
+
+    def _disk_of(self, n: Member) -> str:
+        disks = self.settings.get("node_disks") or []
+        return disks[(int(n.id[1:]) - 1) % len(disks)] if disks else self.settings["disk"]
 
     def start(self, m: Member) -> None:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""
