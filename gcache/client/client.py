@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from gcache import errors
+from gcache.client import deadline as call_deadline
 from gcache.client import pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
@@ -32,7 +33,11 @@ class ServerClient(Client):
     Thread-safe; use one per process.
 
     timeout_s: the longest any socket wait may go without progress, and the
-        longest a call waits for a free pooled connection.
+        longest a call waits for a free pooled connection (default
+        TIMEOUT_S_DEFAULT, 5 s, as on the ClusterClient).
+    call_timeout_s: the most one call may take in all, every attempt, wait and
+        backoff included (gcache.client.deadline); when it runs out the call
+        raises gcache.errors.TimeoutError. Default: timeout_s * (retries + 1).
     connect_timeout_s: the longest a new connection may take to open.
     pool_size: open connections at most (one per concurrently calling thread).
     retries: extra attempts, on a fresh connection, after a connection failure
@@ -70,7 +75,8 @@ class ServerClient(Client):
         self,
         address: str = "127.0.0.1:7600",
         *,
-        timeout_s: float = 5.0,
+        timeout_s: float = call_deadline.TIMEOUT_S_DEFAULT,
+        call_timeout_s: float | None = None,
         connect_timeout_s: float = 1.0,
         pool_size: int = 8,
         retries: int = 2,
@@ -95,6 +101,7 @@ class ServerClient(Client):
             raise errors.InvalidArgumentError("timeout_s and connect_timeout_s must be in (0, 3600]")
         if not 0 <= retries <= RETRIES_MAX:
             raise errors.InvalidArgumentError(f"retries must be in [0, {RETRIES_MAX}], got {retries}")
+        call_timeout_s = call_deadline.call_timeout_for(timeout_s, retries, call_timeout_s)
         if not 1 <= batch_keys_max <= BATCH_KEYS_MAX:
             raise errors.InvalidArgumentError(f"batch_keys_max must be in [1, {BATCH_KEYS_MAX}]")
         if frame_payload_bytes_max < 1:
@@ -108,6 +115,7 @@ class ServerClient(Client):
         super().__init__()
         self.address = address
         self.timeout_s = timeout_s
+        self.call_timeout_s = call_timeout_s
         self.retries = retries
         self.verify_checksums = verify_checksums
         self.batch_keys_max = batch_keys_max
@@ -152,6 +160,16 @@ class ServerClient(Client):
     # -- the retry loop -------------------------------------------------------
 
     def _run(self, ops: list, result: BatchResult, depth: int | None = None) -> None:
+        # One deadline for the whole call: a ClusterClient's (its part of a larger call),
+        # else call_timeout_s from now. Every wait below is capped by it.
+        deadline = call_deadline.current()
+        if deadline is None:
+            with call_deadline.using(call_deadline.Deadline(self.call_timeout_s)) as deadline:
+                self._run_until(ops, result, depth, deadline)
+        else:
+            self._run_until(ops, result, depth, deadline)
+
+    def _run_until(self, ops: list, result: BatchResult, depth: int | None, deadline) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
         depth = min(depth or self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
@@ -159,7 +177,9 @@ class ServerClient(Client):
         while True:
             conn = None
             try:
+                deadline.check(self.address, "waiting for a connection")
                 conn = self._pool.acquire()
+                conn.begin_call(deadline)
                 pipeline.run(conn, ops, depth, epoch)
                 break
             except errors.ConnectionError as exc:
@@ -170,13 +190,15 @@ class ServerClient(Client):
                     stale_retry_left = False
                     result.reset()
                     continue
-                if attempt >= self.retries:
+                backoff = self.backoff_s(attempt)
+                if attempt >= self.retries or deadline.left() <= backoff:
                     raise type(exc)(f"{exc} (gave up after {attempt + 1} attempt(s))", self.address) from exc
-                time.sleep(self.backoff_s(attempt))
+                time.sleep(backoff)
                 attempt += 1
                 result.reset()
             finally:
                 if conn is not None:
+                    conn.end_call()
                     self._pool.release(conn)
         result.raise_problems(self.address)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -37,6 +36,7 @@ from typing import NamedTuple
 import msgpack
 
 from gcache import errors
+from gcache.client import deadline as call_deadline
 from gcache.client.api import Client
 from gcache.client.map_source import MapSource
 from gcache.client.node_set import NodeClient, NodeSet
@@ -86,14 +86,14 @@ class _Routing(NamedTuple):
 class _Call:
     """One call's answers (caller's key order) and what went wrong along the way."""
 
-    __slots__ = ("values", "miss", "merged", "problems", "map_wait_deadline")
+    __slots__ = ("values", "miss", "merged", "problems", "deadline")
 
-    def __init__(self, n: int, miss, map_wait_s: float):
+    def __init__(self, n: int, miss, deadline: call_deadline.Deadline):
         self.values = [miss] * n
         self.miss = miss
         self.merged = False  # False: every value is still `miss`
         self.problems: list[errors.GCacheError] = []
-        self.map_wait_deadline = time.monotonic() + map_wait_s
+        self.deadline = deadline  # the whole call's: every phase, part and map wait
 
     def missed(self, i: int) -> bool:
         v = self.values[i]
@@ -116,9 +116,14 @@ class ClusterClient(Client):
         start; the masters (if any) are then only used for refreshes and may be
         unreachable.
     timeout_s, connect_timeout_s, pool_size, retries, verify_checksums and any
-        other keyword: passed to each node's single-node gcache.Client.
-        A call lasts at most about timeout_s * (retries + 1) per phase, even
-        when a node accepts connections but never answers.
+        other keyword: passed to each node's single-node gcache.Client
+        (timeout_s defaults to TIMEOUT_S_DEFAULT, 5 s, as there).
+    call_timeout_s: the most one call may take in all (default timeout_s *
+        (retries + 1)): one deadline (gcache.client.deadline) carried through
+        every phase (the owners' parts, waiting for a newer map, the stale-epoch
+        retries, the dual read) and every node's attempts, waits and backoffs,
+        even when a node accepts connections but never answers. Keys not
+        answered by then are misses (None / False), as for a node that failed.
     map_refresh_s: how often the map is fetched from the masters.
     suspect_s: how long a node that failed is skipped.
     parallel_max: threads running owners' parts at once (shared by all calls).
@@ -133,7 +138,8 @@ class ClusterClient(Client):
         self,
         address: str | None = None,
         *,
-        timeout_s: float = 2.0,
+        timeout_s: float = call_deadline.TIMEOUT_S_DEFAULT,
+        call_timeout_s: float | None = None,
         connect_timeout_s: float = 0.5,
         pool_size: int = 8,
         retries: int = 1,
@@ -181,6 +187,7 @@ class ClusterClient(Client):
         NodeClient("127.0.0.1:1", **{**node_kwargs, "transport": "tcp"}).close()
         self.address = address
         self.timeout_s = timeout_s
+        self.call_timeout_s = call_deadline.call_timeout_for(timeout_s, retries, call_timeout_s)
         self.retries = retries
         self.parallel_max = parallel_max
         self._node_kwargs = node_kwargs
@@ -257,18 +264,23 @@ class ClusterClient(Client):
 
     # -- running parts ----------------------------------------------------------
 
-    def _run_part(self, routing: _Routing, node_id: str, idx: list[int], fn) -> tuple[Outcome, object]:
+    def _run_part(
+        self, routing: _Routing, node_id: str, idx: list[int], fn, deadline: call_deadline.Deadline
+    ) -> tuple[Outcome, object]:
         """(Outcome, payload): OK/answers, MISS, STALE/exc, RETRY, PROBLEM/exc, ERROR/exc."""
         node = routing.nodes.get(node_id)
         if node is None or node.state == DEAD:
+            return Outcome.MISS, None
+        if deadline.expired:  # the call's time went elsewhere: a miss, the node did nothing wrong
             return Outcome.MISS, None
         if self._nodes.is_suspect(node_id):
             self._count("suspect_skips", len(idx))
             return Outcome.MISS, None
         try:
-            client = self._nodes.client(node)
-            with client.using_epoch(routing.epoch):
-                return Outcome.OK, fn(client, idx)
+            with call_deadline.using(deadline):
+                client = self._nodes.client(node)
+                with client.using_epoch(routing.epoch):
+                    return Outcome.OK, fn(client, idx)
         except errors.StaleEpochError as exc:  # the node's map is newer than the request's
             return Outcome.STALE, exc
         except KEY_PROBLEMS as exc:
@@ -295,22 +307,22 @@ class ClusterClient(Client):
                 self._executor = ThreadPoolExecutor(self.parallel_max, thread_name_prefix="gcache-part")
             return self._executor
 
-    def _run_parts(self, routing: _Routing, parts: list, fn) -> list[tuple[Outcome, object]]:
+    def _run_parts(self, routing: _Routing, parts: list, fn, deadline) -> list[tuple[Outcome, object]]:
         if len(parts) == 1:
-            return [self._run_part(routing, *parts[0], fn)]
+            return [self._run_part(routing, *parts[0], fn, deadline)]
         # Every part is waited for, even after another failed: a part still running
         # could otherwise write into a caller's buffer after the call returned.
         # Each part is bounded by its node Client's timeouts.
         futures = []
         try:
             for nid, idx in parts[1:]:
-                futures.append(self._executor_get().submit(self._run_part, routing, nid, idx, fn))
+                futures.append(self._executor_get().submit(self._run_part, routing, nid, idx, fn, deadline))
         except (RuntimeError, errors.ClientClosedError):  # close() raced this call
             for f in futures:
                 if not f.cancel():
                     f.exception()  # wait: a running part may still write into a caller's buffer
             raise errors.ClientClosedError("this gcache ClusterClient was closed; create a new one") from None
-        first = self._run_part(routing, *parts[0], fn)
+        first = self._run_part(routing, *parts[0], fn, deadline)
         return [first] + [f.result() for f in futures]
 
     def _execute(self, routing: _Routing, groups: dict, fn, call: _Call) -> list[int]:
@@ -320,7 +332,7 @@ class ClusterClient(Client):
             ((nid, idx),) = groups.items()
             if nid is None:  # no owner
                 return []
-            kind, payload = outcome = self._run_part(routing, nid, idx, fn)
+            kind, payload = outcome = self._run_part(routing, nid, idx, fn, call.deadline)
             if kind == Outcome.OK:
                 self._merge(call, idx, payload)
                 return []
@@ -329,7 +341,7 @@ class ClusterClient(Client):
             parts = [(nid, idx) for nid, idx in groups.items() if nid is not None]
             if not parts:
                 return []
-            outcomes = self._run_parts(routing, parts, fn)
+            outcomes = self._run_parts(routing, parts, fn, call.deadline)
         retry: list[int] = []
         stale: list = []
         error = None
@@ -378,23 +390,24 @@ class ClusterClient(Client):
             except Exception as bad:  # noqa: BLE001 - the node's map is only a hint
                 log.debug("ignoring an unreadable map in a STALE_EPOCH answer: %s", bad)
         if isinstance(node_epoch, int) and self._maps.current.epoch < node_epoch:
-            self._maps.wait_for_epoch(node_epoch, call.map_wait_deadline - time.monotonic())
+            # Bounded by the call's deadline, and by timeout_s: a map is one master RPC away.
+            self._maps.wait_for_epoch(node_epoch, call.deadline.cap(self.timeout_s))
 
     def _batch(self, keys: list[bytes], miss, fn: Callable, *, read: bool = False, remove: bool = False) -> _Call:
         """Runs `fn(node_client, key_indexes) -> answers` for every owner's keys."""
         self._check_open()
-        call = _Call(len(keys), miss, self.timeout_s)
+        call = _Call(len(keys), miss, call_deadline.Deadline(self.call_timeout_s))
         if not keys:
             return call
         routing = self._routing
         todo = None  # every key
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
             todo = self._execute(routing, routing.placement.group(keys, todo), fn, call)
-            if not todo or attempt == STALE_EPOCH_RETRIES_MAX or self._routing is routing:
-                break  # done, out of retries, or no newer map to retry with: misses
+            if not todo or attempt == STALE_EPOCH_RETRIES_MAX or self._routing is routing or call.deadline.expired:
+                break  # done, out of retries or time, or no newer map to retry with: misses
             self._count("stale_epoch_retries")
             routing = self._routing
-        if (read or remove) and routing.placement.migrating:
+        if (read or remove) and routing.placement.migrating and not call.deadline.expired:
             self._fall_back(routing, keys, fn, call, count=read, every_key=remove)
         if call.problems:
             self._raise_problems(call)
@@ -498,9 +511,12 @@ class ClusterClient(Client):
         self._check_open()
         nodes = [n for n in self._routing.nodes.values() if n.state != DEAD]
 
+        deadline = call_deadline.Deadline(self.call_timeout_s)  # one for the whole call
+
         def ask(node):
             try:
-                return getattr(self._nodes.client(node), method)()
+                with call_deadline.using(deadline):
+                    return getattr(self._nodes.client(node), method)()
             except errors.GCacheError as exc:
                 return f"{type(exc).__name__}: {exc}"
 
@@ -508,6 +524,33 @@ class ClusterClient(Client):
             return {n.id: ask(n) for n in nodes}
         futures = {n.id: self._executor_get().submit(ask, n) for n in nodes}
         return {nid: f.result() for nid, f in futures.items()}
+
+    @property
+    def transport(self) -> str | None:
+        """The transport every node in use shares ("tcp", "shm", "rdma"), "mixed" when they
+        differ, None before any node was used; node_transports() has each node's."""
+        kinds = set(self.node_transports(connect=False).values())
+        return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def node_transports(self, connect: bool = True) -> dict[str, str]:
+        """{node id: the transport its Client uses} for every live node in the map. connect:
+        open a Client for nodes not used yet (as ping does); False: only those in use."""
+        self._check_open()
+        out = {}
+        for node in self._routing.nodes.values():
+            if node.state == DEAD:
+                continue
+            client = self._nodes.existing(node) if not connect else None
+            if connect:
+                try:
+                    with call_deadline.using(call_deadline.Deadline(self.call_timeout_s)):
+                        client = self._nodes.client(node)
+                except errors.GCacheError as exc:
+                    out[node.id] = f"{type(exc).__name__}: {exc}"
+                    continue
+            if client is not None:
+                out[node.id] = client.transport
+        return out
 
     def ping(self) -> dict:
         """{node id: the node's PING answer, or an error string} for every live node."""

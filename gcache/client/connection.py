@@ -18,6 +18,7 @@ from gcache import errors
 
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
 from gcache._native import recv_into_buffers as _native_recv_into_buffers
+from gcache.client import deadline as call_deadline
 from gcache.common.address import parse_host_port
 from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
@@ -64,6 +65,13 @@ class Connection:
         self.broken = False
         self.reused = False  # set by the pool when handed out again after being idle
         self.arena = None  # the mapped arena a one-sided transport reads through (shm)
+        # The deadline of the call using this connection (gcache.client.deadline): every
+        # wait is capped by what is left of it. Set for a call, cleared by end_call().
+        self.deadline = call_deadline.current()
+        self._waits_capped = False  # the socket timeouts are below timeout_s (near a deadline)
+        if self.deadline is not None:
+            self.deadline.check(address, "connecting")
+            connect_timeout_s = max(0.001, self.deadline.cap(connect_timeout_s))
         host, port = parse_address(address)
         try:
             if unix_path is not None:
@@ -118,10 +126,49 @@ class Connection:
         except OSError:
             pass
 
+    # -- the call's deadline ------------------------------------------------
+
+    def begin_call(self, deadline) -> None:
+        self.deadline = deadline
+
+    def end_call(self) -> None:
+        self.deadline = None
+        if self._waits_capped and not self.broken:
+            self._set_waits(self.timeout_s)
+        self._waits_capped = False
+
+    def _set_waits(self, seconds: float) -> None:
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+        except OSError as exc:
+            raise self._fail(exc, "setting socket timeouts") from exc
+
+    def _cap_wait(self, doing: str) -> float:
+        """Before a blocking wait: raises TimeoutError when the call's deadline has passed, and
+        lowers the socket timeouts to what is left of it once that is under timeout_s."""
+        if self.deadline is None:
+            return self.timeout_s
+        left = self.deadline.left()
+        if left <= 0:
+            self.broken = True  # a request may be in flight: the stream is not reusable
+            self.deadline.check(self.address, doing)
+        if left < self.timeout_s:
+            self._set_waits(max(left, 0.001))
+            self._waits_capped = True
+            return left
+        return self.timeout_s
+
     # -- errors -------------------------------------------------------------
 
     def _fail(self, exc: BaseException, doing: str):
         self.broken = True
+        if isinstance(exc, BlockingIOError) and self._waits_capped and self.deadline is not None:
+            return errors.TimeoutError(
+                f"gcache-server at {self.address} made no progress {doing} until the call ran out "
+                f"of its {self.deadline.budget_s:g}s (call_timeout_s); it may be overloaded or hung",
+                self.address,
+            )
         if isinstance(exc, BlockingIOError):
             return errors.TimeoutError(
                 f"gcache-server at {self.address} made no progress {doing} for {self.timeout_s}s; "
@@ -148,6 +195,7 @@ class Connection:
         """Sends byte buffers back to back with sendmsg (gather write, no joining)."""
         pending = [p for p in parts if len(p)]
         i = 0
+        self._cap_wait("sending a request")
         try:
             while i < len(pending):
                 sent = self.sock.sendmsg(pending[i : i + IOV_PER_SENDMSG_MAX])
@@ -165,6 +213,7 @@ class Connection:
     # -- receiving ----------------------------------------------------------
 
     def _recv_some(self, view) -> int:
+        self._cap_wait("waiting for a response")
         try:
             n = self.sock.recv_into(view)
         except OSError as exc:
@@ -254,7 +303,11 @@ class Connection:
             for target in rest:
                 self.read_into(target)
             return
-        timeout_ms = int((self.timeout_s + total / BULK_READ_BYTES_PER_S_MIN) * 1000)
+        timeout_s = self.timeout_s + total / BULK_READ_BYTES_PER_S_MIN
+        if self.deadline is not None:
+            self._cap_wait("receiving values")
+            timeout_s = max(0.001, self.deadline.cap(timeout_s))
+        timeout_ms = max(1, int(timeout_s * 1000))
         try:
             _native_recv_into_buffers(self.sock.fileno(), rest, timeout_ms)
         except builtins.TimeoutError as exc:
@@ -273,6 +326,7 @@ class Connection:
         buffer: a descriptor travels with the first byte of its response."""
         if self._pos != self._end:
             raise errors.ProtocolError("receive_with_fd needs an empty read buffer")
+        self._cap_wait("waiting for a response")
         try:
             data, fds, _, _ = socket.recv_fds(self.sock, READ_BUFFER_BYTES, 1)
         except OSError as exc:

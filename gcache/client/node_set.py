@@ -82,6 +82,12 @@ class NodeSet:
             stale.close()
         return current
 
+    def existing(self, node: NodeInfo) -> NodeClient | None:
+        """The Client of `node` at its current address if one is open; never creates one."""
+        with self._lock:
+            current = self._clients.get(node.id)
+        return current if current is not None and current.address == node.address else None
+
     def sync(self, cmap: ClusterMap) -> None:
         """Closes the Clients of nodes that left `cmap`, died, or changed address."""
         live = {n.id: n.address for n in cmap.nodes if n.state != DEAD}

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from gcache import errors
+from gcache.client import deadline as call_deadline
 from gcache.client.connection import Connection
 
 # A connection idle this long may have been closed by the server's idle timeout
@@ -46,13 +47,17 @@ class ConnectionPool:
                     self._open += 1
                     break
                 if deadline is None:
-                    deadline = time.monotonic() + self._acquire_timeout_s
+                    wait_s = self._acquire_timeout_s
+                    call = call_deadline.current()  # the call's deadline caps the wait
+                    if call is not None:
+                        wait_s = call.cap(wait_s)
+                    deadline = time.monotonic() + wait_s
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     if not self._idle and self._open >= self.size_max:
                         raise errors.PoolExhaustedError(
                             f"all {self.size_max} pooled connections stayed busy for "
-                            f"{self._acquire_timeout_s}s: raise pool_size or use fewer threads"
+                            f"{wait_s:.3g}s: raise pool_size or use fewer threads"
                         )
         try:
             return self._connect()  # outside the lock: connecting can take a while
