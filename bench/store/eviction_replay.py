@@ -38,6 +38,7 @@ from pathlib import Path
 import gcache
 from bench.common.paths import TRACE_DIR
 from bench.common.stats import columns
+from bench.store.agent_traces import SHAPES, agent_trace
 from bench.store.eviction_traces import Trace, clairvoyant_hit_rate, load_trace
 from gcache.tools.devcluster.local_server import LocalServer
 
@@ -173,6 +174,13 @@ def parse_args(argv=None):
         help=f"trace files (default: every *.jsonl in {TRACE_DIR})",
     )
     p.add_argument(
+        "--agent",
+        default="",
+        help="also generated agent-style traces (bench/store/agent_traces.py): 'all' (every shape, "
+        "seeds 0-2) or SHAPE:SEED,... e.g. tools:0,adversarial:0 (default none)",
+    )
+    p.add_argument("--agent-requests", type=int, default=2000, help="requests per agent trace (default 2000)")
+    p.add_argument(
         "--fractions",
         nargs="+",
         type=float,
@@ -204,7 +212,16 @@ def parse_args(argv=None):
             p.error("--fractions must be in (0, 1]")
     if args.repeat < 1 or args.value_bytes < 1 or args.disk_ratio <= 0:
         p.error("--repeat, --value-bytes and --disk-ratio must be positive")
-    if not args.traces:
+    args.agent_traces = []
+    for item in [x.strip() for x in args.agent.split(",") if x.strip()]:
+        if item == "all":
+            args.agent_traces += [(shape, seed) for shape in SHAPES for seed in range(3)]
+            continue
+        shape, _, seed = item.partition(":")
+        if shape not in SHAPES or not seed.isdigit():
+            p.error(f"--agent takes 'all' or SHAPE:SEED with SHAPE one of {', '.join(SHAPES)}, got {item!r}")
+        args.agent_traces.append((shape, int(seed)))
+    if not args.traces and not args.agent_traces:
         p.error(f"no traces given and none found in {TRACE_DIR}")
     return args
 
@@ -218,8 +235,10 @@ def main(argv=None) -> int:
     )
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="eviction-replay-") as tmp:
-        for path in args.traces:
-            trace = load_trace(path, args.limit)
+        traces = [lambda path=path: load_trace(path, args.limit) for path in args.traces]
+        traces += [lambda s=s, n=n: agent_trace(s, n, args.agent_requests) for s, n in args.agent_traces]
+        for make_trace in traces:
+            trace = make_trace()
             for fraction in args.fractions:
                 for disk in args.disk_modes:
                     for _ in range(args.repeat):

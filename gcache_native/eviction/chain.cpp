@@ -28,7 +28,10 @@ void ChainPolicy::insert(Entry* e, const PutHint& hint) {
     batch_last_ = nullptr;
   }
   ChainQueues<Entry>& queues = queues_of(e->owner);
-  if (ghosts_.take(e->key_hash)) {
+  if (lru_mode()) {
+    ghosts_.take(e->key_hash);
+    queues.put_used(e, tick_);  // LRU: to the hot end, in key order
+  } else if (ghosts_.take(e->key_hash)) {
     queues.put_used(e, batch_when_);  // evicted recently and wanted again
   } else {
     Entry* prev = batch_last_ && batch_last_->owner == e->owner ? batch_last_ : nullptr;
@@ -60,11 +63,20 @@ void ChainPolicy::use(Entry* e) {
 
 void ChainPolicy::on_read(Entry* e) {
   if (tuner_) tuner_->on_read(e->key_hash);
+  if (lru_mode()) {
+    if (e->queue != QueueId::None) queues_of(e->owner).use(e, tick_);  // LRU: every read is a use
+    return;
+  }
   use(e);
 }
 
 void ChainPolicy::on_exists(Entry* const* in_memory, const uint64_t* key_hashes, size_t n, size_t) {
   if (tuner_) tuner_->on_exists(key_hashes, n);
+  if (lru_mode()) {  // as LruPolicy: every present key, in key order
+    for (size_t i = 0; i < n; ++i)
+      if (in_memory[i] && in_memory[i]->queue != QueueId::None) queues_of(in_memory[i]->owner).use(in_memory[i], tick_);
+    return;
+  }
   // Deepest first: the chain's head ends hottest. Keys after a gap count too: the
   // client puts the missing ones next, and the chain is whole again.
   for (size_t i = n; i-- > 0;)
@@ -121,6 +133,7 @@ void ChainPolicy::fill_gauges(const GaugeSink& add) const {
   add("ghost_keys", ghosts_.count());
   add("eviction_fresh_weight_pct", uint64_t(fresh_weight() * 100 + 0.5));
   add("eviction_tuner_epochs", tuner_ ? tuner_->epochs() : 0);
+  add("eviction_tuner_lru", lru_mode() ? 1 : 0);
   add("eviction_tuner_shadow_keys", tuner_ ? tuner_->shadow_values() : 0);
 }
 

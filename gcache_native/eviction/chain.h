@@ -12,7 +12,10 @@
 //  - A key put again while a ghost of it is remembered (it was evicted recently,
 //    `ghost_factor` x the values in memory) goes straight to used.
 //  - fresh_weight 0 (the default) lets ChainTuner pick it online among
-//    1 (= LRU), 2, 4, 8, 16, 32; a fixed weight turns the tuner off.
+//    1, 2, 4, 8, 16, 32 and plain LRU; a fixed weight turns the tuner off.
+//    While LRU is picked the policy is LRU (eviction/lru.cpp): every put goes
+//    to the hot end in key order, every read and probe is a use, in key order,
+//    weight 1; what the chain order placed before stays until used or evicted.
 //  - Owners: each owner's values have their own lists; eviction compares the
 //    heads of all owners' lists (O(owners) per step, one owner today), and
 //    next(victim, owner) evicts from one owner only (tenant quotas).
@@ -46,7 +49,8 @@ class ChainPolicy : public EvictionPolicy {
   void fill_gauges(const GaugeSink& add) const override;
   void check() const override;
 
-  double fresh_weight() const { return tuner_ ? tuner_->weight() : config_.fresh_weight; }
+  double fresh_weight() const { return lru_mode() ? 1.0 : tuner_ ? tuner_->weight() : config_.fresh_weight; }
+  bool lru_mode() const { return tuner_ && tuner_->lru(); }
 
  private:
   ChainQueues<Entry>& queues_of(OwnerId owner) { return queues_[owner]; }

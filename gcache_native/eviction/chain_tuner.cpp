@@ -22,11 +22,13 @@ ChainTuner::ChainTuner(uint64_t memory_bytes, double ghost_factor, bool tail_hin
   threshold_ = uint32_t(std::min(rate * double(1u << 24), double(1u << 24)));
   capacity_bytes_ = std::max<uint64_t>(kPage, uint64_t(double(memory_bytes) * rate));
   ghosts_min_ = std::max<size_t>(1, size_t(double(kGhostsMin) * rate));  // the live policy's floor, scaled
-  shadows_.reserve(weights.size());  // never reallocated: shadows hold pointers into themselves
+  shadows_.reserve(weights.size() + 1);  // never reallocated: shadows hold pointers into themselves
   for (double w : weights) {
     shadows_.emplace_back();
     shadows_.back().weight = w;
   }
+  shadows_.emplace_back();  // plain LRU
+  shadows_.back().lru = true;
 }
 
 bool ChainTuner::sampled(uint64_t key_hash) const { return sampling_hash(key_hash) < threshold_; }
@@ -59,7 +61,9 @@ void ChainTuner::insert(Shadow& s, uint64_t key_hash, uint64_t bytes, const PutH
     s.batch_when = s.tick;
     s.batch_last = nullptr;
   }
-  if (s.ghosts.take(key_hash)) {
+  if (s.lru) {
+    s.queues.put_used(&n, s.tick);  // LRU: each put to the hot end, in key order
+  } else if (s.ghosts.take(key_hash)) {
     s.queues.put_used(&n, s.batch_when);
   } else {
     s.queues.put_fresh(&n, s.batch_when, s.batch_last, tail_hint_ && hint.chain_tail);
@@ -78,16 +82,17 @@ void ChainTuner::evict_one(Shadow& s) {
   uint64_t key_hash = victim->key_hash;
   if (s.batch_last == victim) s.batch_last = nullptr;
   s.nodes.erase(key_hash);
-  s.ghosts.remember(key_hash, std::max(ghosts_min_, size_t(ghost_factor_ * double(s.nodes.size()))));
+  if (!s.lru) s.ghosts.remember(key_hash, std::max(ghosts_min_, size_t(ghost_factor_ * double(s.nodes.size()))));
 }
 
 void ChainTuner::on_read(uint64_t key_hash) {
   if (!sampled(key_hash)) return;
   for (Shadow& s : shadows_) {
     auto it = s.nodes.find(key_hash);
-    if (it == s.nodes.end() || it->second.last_use == s.tick) continue;  // probed just now: one use
-    s.score += 1;
-    s.queues.use(&it->second, s.tick);
+    if (it == s.nodes.end()) continue;
+    const bool probed = it->second.last_use == s.tick;  // probed just now: one use, one point
+    if (!probed) s.score += 1;
+    if (!probed || s.lru) s.queues.use(&it->second, s.tick);  // LRU: every read is a use
   }
 }
 
@@ -99,7 +104,12 @@ void ChainTuner::on_exists(const uint64_t* key_hashes, size_t n) {
   for (Shadow& s : shadows_) {
     size_t prefix = 0;
     while (prefix < picked.size() && s.nodes.count(picked[prefix])) ++prefix;
-    s.score += double(prefix);                  // what a client could read: the sampled keys' prefix
+    s.score += double(prefix);  // what a client could read: the sampled keys' prefix
+    if (s.lru) {                // as LruPolicy: every present key, in key order
+      for (uint64_t h : picked)
+        if (auto it = s.nodes.find(h); it != s.nodes.end()) s.queues.use(&it->second, s.tick);
+      continue;
+    }
     for (size_t i = picked.size(); i-- > 0;) {  // as the live policy: deepest first, all present
       auto it = s.nodes.find(picked[i]);
       if (it != s.nodes.end() && it->second.last_use != s.tick) s.queues.use(&it->second, s.tick);
@@ -114,10 +124,15 @@ void ChainTuner::end_epoch() {
   const Shadow* current = nullptr;
   for (const Shadow& s : shadows_) {
     if (!best || s.score > best->score) best = &s;
-    if (s.weight == weight_) current = &s;
+    if (s.lru == lru_ && (lru_ || s.weight == weight_)) current = &s;
   }
-  // A clear winner only: near-ties (sampling noise) keep the weight in use.
-  if (best->score > 0 && (!current || best->score > current->score * (1 + kSwitchMargin))) weight_ = best->weight;
+  // A clear winner only: near-ties (sampling noise) keep the candidate in use. LRU,
+  // the baseline the policy must never fall below, wins by any margin.
+  const double margin = best->lru ? 0.0 : kSwitchMargin;
+  if (best->score > 0 && best != current && (!current || best->score > current->score * (1 + margin))) {
+    lru_ = best->lru;
+    if (!best->lru) weight_ = best->weight;
+  }
   for (Shadow& s : shadows_) s.score *= kScoreDecay;
 }
 

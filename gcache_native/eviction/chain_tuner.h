@@ -3,11 +3,14 @@
 // Simulations", ATC'17): a fixed sample of the key space (by key hash, about
 // 16 MiB worth of the memory tier, at least 1/64 of it) is replayed into a few
 // metadata-only shadow caches, scaled down by the same rate, each running the
-// chain policy with one candidate weight (1 = LRU order, 2, 4 ... 32). Shadows
+// chain policy with one candidate weight (1, 2, 4 ... 32), plus one running
+// plain LRU (every put to the hot end, every read and probe a use, in key
+// order: exactly eviction/lru.cpp), so the live policy can become LRU. Shadows
 // score one point per hit (an EXISTS prefix or a GET). Every epoch (a shadow's
 // capacity of sampled inserts) the live weight becomes the best scorer's if it
-// beats the weight in use by 2% (near-ties are sampling noise), and scores
-// decay. So the node keeps what works for the workload it serves, and falls
+// beats the weight in use by 2% (near-ties are sampling noise; LRU, the
+// baseline, needs only to beat the candidate in use, and keeps its place
+// unless beaten by 2%), and scores decay. So the node keeps what works for the workload it serves, and falls
 // back to plain recency where recency wins. Cost: O(candidates) per sampled
 // key, nothing for the others.
 #pragma once
@@ -36,6 +39,7 @@ class ChainTuner {
              double initial_weight);
 
   double weight() const { return weight_; }
+  bool lru() const { return lru_; }  // the LRU candidate won: the live policy runs as plain LRU
   uint64_t epochs() const { return epochs_; }
   size_t shadow_values() const;
   bool sampled(uint64_t key_hash) const;
@@ -56,6 +60,7 @@ class ChainTuner {
     std::list<Node*>::iterator queue_pos;
   };
   struct Shadow {
+    bool lru = false;  // the plain LRU candidate (weight 1, LRU's insert and use rules)
     double weight = 1;
     double score = 0;
     uint64_t bytes = 0, tick = 1;
@@ -77,6 +82,7 @@ class ChainTuner {
   bool tail_hint_;
   std::vector<Shadow> shadows_;
   double weight_;
+  bool lru_ = false;
   uint64_t epoch_pages_ = 0, epochs_ = 0;
 };
 

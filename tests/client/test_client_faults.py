@@ -162,7 +162,9 @@ def test_retry_backoff_is_capped_so_a_failing_call_stays_bounded():
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused at once
     fast = Client(nowhere, timeout_s=5, retries=10, retry_backoff_s=0.01)
     assert [fast.backoff_s(a) for a in (0, 1, 6, 7, 9)] == [0.01, 0.02, 0.64, 1.0, 1.0]
-    slow = Client(nowhere, timeout_s=0.05, retries=10, retry_backoff_s=10)
+    # call_timeout_s well above ten sleeps: every retry runs (the default, timeout_s * 11,
+    # may end it sooner: the call's deadline caps the retries too).
+    slow = Client(nowhere, timeout_s=0.05, retries=10, retry_backoff_s=10, call_timeout_s=60)
     assert {slow.backoff_s(a) for a in range(10)} == {0.05}  # not 10 * 2^9 s
     with pytest.raises(errors.ConnectionError, match=r"refused.*gave up after 11 attempt"):
         slow.ping()  # ten sleeps of 0.05 s
