@@ -1,6 +1,7 @@
 #include "eviction/chain_tuner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace gcache {
@@ -47,7 +48,7 @@ void ChainTuner::on_put(uint64_t key_hash, uint64_t bytes, const PutHint& hint) 
   bytes = std::max<uint64_t>(bytes, kShadowValueBytesMin);
   for (Shadow& s : shadows_) insert(s, key_hash, bytes, hint);
   epoch_pages_ += pages_of(bytes);
-  if (epoch_pages_ >= capacity_bytes_ / kPage) end_epoch();
+  if (epoch_pages_ * kDecisionsPerEpoch >= capacity_bytes_ / kPage) end_epoch();
 }
 
 void ChainTuner::insert(Shadow& s, uint64_t key_hash, uint64_t bytes, const PutHint& hint) {
@@ -133,7 +134,8 @@ void ChainTuner::end_epoch() {
     lru_ = best->lru;
     if (!best->lru) weight_ = best->weight;
   }
-  for (Shadow& s : shadows_) s.score *= kScoreDecay;
+  static const double decay = std::pow(kScoreDecay, 1.0 / kDecisionsPerEpoch);
+  for (Shadow& s : shadows_) s.score *= decay;
 }
 
 void ChainTuner::check() const {

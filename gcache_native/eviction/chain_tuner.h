@@ -6,12 +6,12 @@
 // chain policy with one candidate weight (1, 2, 4 ... 32), plus one running
 // plain LRU (every put to the hot end, every read and probe a use, in key
 // order: exactly eviction/lru.cpp), so the live policy can become LRU. Shadows
-// score one point per hit (an EXISTS prefix or a GET). Every epoch (a shadow's
-// capacity of sampled inserts) the live weight becomes the best scorer's if it
+// score one point per hit (an EXISTS prefix or a GET). Four times an epoch (a
+// shadow's capacity of sampled inserts) the live candidate becomes the best scorer if it
 // beats the weight in use by 2% (near-ties are sampling noise; LRU, the
 // baseline, needs only to beat the candidate in use, and keeps its place
-// unless beaten by 2%), and scores decay. So the node keeps what works for the workload it serves, and falls
-// back to plain recency where recency wins. Cost: O(candidates) per sampled
+// unless beaten by 2%), and scores decay. It starts as LRU. So the node keeps what
+// works for the workload it serves, and is plain LRU where recency wins. Cost: O(candidates) per sampled
 // key, nothing for the others.
 #pragma once
 
@@ -30,6 +30,9 @@ class ChainTuner {
  public:
   static constexpr uint64_t kShadowBytesTarget = 16ull << 20;
   static constexpr double kRateMin = 1.0 / 64;
+  // A decision every quarter of a shadow's capacity of sampled inserts (an epoch);
+  // scores decay by 0.9 per epoch, 0.9^(1/4) per decision.
+  static constexpr int kDecisionsPerEpoch = 4;
   static constexpr double kScoreDecay = 0.9;
   static constexpr double kSwitchMargin = 0.02;           // a candidate must beat the weight in use by 2%
   static constexpr size_t kGhostsMin = 1024;              // the chain policy's ghost floor
@@ -82,7 +85,7 @@ class ChainTuner {
   bool tail_hint_;
   std::vector<Shadow> shadows_;
   double weight_;
-  bool lru_ = false;
+  bool lru_ = true;  // starts as LRU, the baseline: left only for a candidate 2% better
   uint64_t epoch_pages_ = 0, epochs_ = 0;
 };
 

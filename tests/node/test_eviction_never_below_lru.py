@@ -18,7 +18,7 @@ VALUE = bytes(range(256)) * 16
 
 
 def replay(chains, memory_values: int, policy: str, from_request: int = 0) -> tuple[float, dict]:
-    """(hit rate over requests from `from_request` on, the store's stats at the end)."""
+    """(hit rate over the requests from `from_request` on, the store's stats at the end)."""
     s = Store(memory_values * PAGE, 0, "", eviction_policy=policy)
     hits = asked = 0
     for n, ids in enumerate(chains):
@@ -85,19 +85,15 @@ def unique(chains) -> int:
     return len({b for c in chains for b in c})
 
 
-def test_on_a_trace_adversarial_for_chain_the_tuner_becomes_lru_and_matches_it():
-    chains = round_robin_sessions(5000)
-    memory = unique(chains[:3000]) // 4
+def test_on_a_trace_adversarial_for_chain_the_tuner_stays_lru_and_matches_it():
+    chains = round_robin_sessions(3000)
+    memory = unique(chains) // 4
     chain_rate, stats = replay(chains, memory, "chain")
     lru_rate, _ = replay(chains, memory, "lru")
-    assert stats["eviction_tuner_lru"] == 1, "the tuner picked plain LRU"
-    # Before: 0.9395 vs LRU 0.9509 (0.988x) on the first 3000 requests. Now the whole run
-    # loses only the first epochs, spent on chain before the tuner switched ...
-    assert chain_rate >= lru_rate * 0.995, (chain_rate, lru_rate)
-    # ... and once switched it evicts as LRU does: the same hits, request for request.
-    tail_chain, _ = replay(chains, memory, "chain", from_request=2500)
-    tail_lru, _ = replay(chains, memory, "lru", from_request=2500)
-    assert tail_chain >= tail_lru, (tail_chain, tail_lru)
+    assert stats["eviction_tuner_lru"] == 1, "the tuner kept plain LRU"
+    assert stats["eviction_tuner_epochs"] > 10  # it decided, many times
+    # Before: chain 0.9395 vs LRU 0.9509 (0.988x). Now LRU's hits, request for request.
+    assert chain_rate >= lru_rate, (chain_rate, lru_rate)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

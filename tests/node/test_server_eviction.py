@@ -118,7 +118,8 @@ def test_the_default_server_tunes_its_weight(server_factory):
     server = server_factory(memory="1MiB", disk="0")
     with gcache.Client(server.address) as client:
         gauges = client.stats()["gauges"]
-        assert gauges["eviction_fresh_weight_pct"] == 200  # the tuner's starting point
+        assert gauges["eviction_tuner_lru"] == 1  # the tuner's starting point: plain LRU
+        assert gauges["eviction_fresh_weight_pct"] == 100
         assert gauges["eviction_tuner_epochs"] == 0
         value = bytes(PAGE)
         for i in range(600):  # 2.3 memory tiers of one-off puts: epochs pass
