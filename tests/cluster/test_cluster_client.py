@@ -49,6 +49,9 @@ def make_map(epoch: int, nodes: list[tuple[str, str, str]]) -> ClusterMap:
 def cluster_client(cmap: ClusterMap, **kwargs) -> ClusterClient:
     kwargs.setdefault("timeout_s", TIMEOUT_S)
     kwargs.setdefault("retries", RETRIES)
+    # The whole call's bound (default timeout_s * (retries + 1) = 1 s here) covers the
+    # stale-epoch retry and new node clients too: a loaded machine needs more room.
+    kwargs.setdefault("call_timeout_s", CALL_BOUND_S - 1.0)
     kwargs.setdefault("map_refresh_s", 0.2)
     kwargs.setdefault("master_timeout_s", 0.3)
     return ClusterClient(no_master(), initial_map=cmap, **kwargs)
