@@ -124,6 +124,7 @@ class Registration:
     ts_ms: int
     load: WorkerLoad
     dropped_events: int = 0
+    role: str = "mixed"  # handoff.Role: prefill / decode / mixed (routers pool workers by it)
 
     def to_json(self) -> bytes:
         d = {
@@ -137,6 +138,7 @@ class Registration:
             "ts_ms": self.ts_ms,
             "load": self.load.__dict__,
             "dropped_events": self.dropped_events,
+            "role": self.role,
         }
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -160,6 +162,7 @@ class Registration:
                 int(d["ts_ms"]),
                 load,
                 int(d.get("dropped_events", 0)),
+                str(d.get("role", "mixed"))[:16],  # an older worker has no role: mixed
             )
         except (KeyError, TypeError, AttributeError, RecursionError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed registration: {type(e).__name__}: {str(e)[:200]}") from None
