@@ -219,8 +219,12 @@ class PDRouterApp(RouterApp):
                     ok = True  # a 4xx about the handoff: the client learns why
                     await self._end_with_error(resp, up.status, await _peek_message(up))
                     return
+                tail = b""
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
+                    tail = (tail + chunk)[-len(sse.DONE) :]
+                if tail != sse.DONE:  # a body closed early looks complete to HTTP: [DONE] says it is
+                    raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
                 ok = True
                 await resp.write_eof()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

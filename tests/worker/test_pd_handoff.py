@@ -124,3 +124,34 @@ def test_missing_handoff_pages_are_recomputed_with_the_same_output(cluster, tmp_
     finally:
         assert lone.stop() == 0, lone.log()
         empty.kill()
+
+
+def test_corrupt_handoff_pages_are_recomputed_with_the_same_output(cluster, tmp_path):
+    """A wrong-sized value under a page's key (what a torn or foreign write leaves) cuts the
+    L3 hit there: the decode worker recomputes from that page on, and the answer is the same."""
+    import gcache
+    from gcache.wire.keys import KeyBuilder
+    from tests.support.servers import ServerProcess
+
+    pre, _, mixed = cluster
+    store = ServerProcess(tmp_path / "store").start()
+    lone_pre = pd_worker(tmp_path, "prefill", store.address)
+    lone_dec = pd_worker(tmp_path, "decode", store.address)
+    start_all([lone_pre, lone_dec])
+    try:
+        req = {"prompt": PROMPT + "corrupt", "max_tokens": 16, **GREEDY}
+        ref = mixed_answer(mixed, COMPLETIONS_PATH, req)["choices"][0]["text"]
+        status, first, _ = prefill(lone_pre.port, COMPLETIONS_PATH, req)
+        assert status == 200 and first["handoff"]["stored_pages"] == len(first["handoff"]["pages"])
+        bad = 5
+        key = KeyBuilder(model="pd-tiny").key(first["handoff"]["pages"][bad], "full")
+        with gcache.Client(store.address) as c:
+            assert c.remove(key) and c.put(key, b"torn")  # (a put over a present key keeps the first value)
+        status, rest, _ = decode(lone_dec.port, COMPLETIONS_PATH, req, first["handoff"])
+        assert status == 200, rest
+        assert rest["choices"][0]["text"] == ref
+        assert rest["usage"]["prompt_tokens_details"]["cached_tokens"] <= bad * 8  # cut at the bad page
+    finally:
+        for p in (lone_pre, lone_dec):
+            assert p.stop() == 0, p.log()
+        store.kill()
