@@ -241,14 +241,25 @@ def run(
         r = w.engine.add_request(job.prompt, SamplingParams(max_tokens=max_tokens))
         meta[r.rid] = (job, None, w)
 
+    stalled: set = set()  # workers whose last step ran nothing (pages short): not stepped until something changes
+
+    def unstall(t: float) -> None:
+        for w in workers:
+            if id(w) in stalled:
+                w.clock.advance_to(t)  # it waited (idle) until this event
+        stalled.clear()
     while True:
-        busy = [w for w in workers if w.busy()]
+        busy = [w for w in workers if w.busy() and id(w) not in stalled]
         t_arr = arrivals[ai].arrival_s if ai < len(arrivals) else float("inf")
         t_hand = handoffs[0][0] if handoffs else float("inf")
         t_step = min((w.clock() for w in busy), default=float("inf"))
         t = min(t_arr, t_hand, t_step)
         if t == float("inf"):
+            if any(w.busy() for w in workers):
+                raise RuntimeError(f"bench: {mode} deadlocked (every busy worker short of pages)")
             break
+        if t != t_step:
+            unstall(t)  # an arrival or a landing may free or need pages
         if t == t_arr:
             job = arrivals[ai]
             ai += 1
@@ -265,7 +276,12 @@ def run(
             land(heapq.heappop(handoffs))
         else:
             w = min(busy, key=lambda x: x.clock())
-            for r in w.engine.step():
+            done = w.engine.step()
+            if w.engine.last_step_ran:
+                unstall(w.clock())  # its step may have freed pages another worker waits for
+            else:
+                stalled.add(id(w))
+            for r in done:
                 job, first_s, _ = meta.pop(r.rid)
                 if pd and w in pre:  # a prefill: hand it to the least-loaded decode worker
                     n, tail, nbytes = handoff_bytes(cfg, len(job.prompt))
