@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         default=2048,
         help="PD: prompts shorter than this skip the prefill pool (gcache-router's bypass; 0 = none)",
     )
+    ap.add_argument("--prefill", type=int, default=2, help="prefill workers of the 4 in PD (2 = 2P+2D)")
     ap.add_argument("--quick", action="store_true", help="1 load, 1 seed, 12 requests, short 'long' prompts")
     add_cost_args(ap)
     args = ap.parse_args(argv)
@@ -75,7 +76,10 @@ def main(argv=None) -> int:
         args.link_gbs,
         pd_min_prompt_tokens=args.pd_min_prompt_tokens,
     )
+    if not 1 <= args.prefill <= 3:
+        ap.error("--prefill must be 1, 2 or 3 (of 4 workers)")
     print(f"compute clock: {cost_line}")
+    print(f"PD: {args.prefill} prefill + {4 - args.prefill} decode workers; mixed: 4 workers")
     print(
         f"setup: {n} requests per run, {args.long_share:.0%} long ({long_range[0]}-{long_range[1]} tokens in, 32-128 out), "
         f"the rest 256-1024 in / 256-512 out; per worker {setup.full_pages} full + {setup.swa_pages} SWA device pages, "
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
             mean_s = float(np.mean([service_s(cfg, cost, j, setup.chunk_tokens) for j in probe]))
             rate = load * 0.5 * 4 / mean_s
             jobs = workload(n, rate, seed, args.long_share, long_range)
-            rows[(load, seed)] = {m: run(cfg, jobs, setup, cost, m) for m in MODES}
+            rows[(load, seed)] = {m: run(cfg, jobs, setup, cost, m, n_prefill=args.prefill) for m in MODES}
             print(
                 f"  load x{load:g} seed {seed}: rate {rate:.3f}/s done ({time.perf_counter() - t0:.0f} s)", flush=True
             )

@@ -126,12 +126,20 @@ def handoff_bytes(cfg: ModelConfig, n_tokens: int) -> tuple[int, int, int]:
 
 
 def run(
-    cfg: ModelConfig, jobs: list[Job], setup: Setup, cost: CostModel, mode: str, n_workers: int = 4, max_new: int = 4096
+    cfg: ModelConfig,
+    jobs: list[Job],
+    setup: Setup,
+    cost: CostModel,
+    mode: str,
+    n_workers: int = 4,
+    max_new: int = 4096,
+    n_prefill: int | None = None,
 ) -> Result:
-    """mode: mixed | pd_host | pd_device."""
+    """mode: mixed | pd_host | pd_device; PD: n_prefill of the n_workers prefill (default half)."""
     pd = mode != "mixed"
     workers = [SimWorker(cfg, setup, cost, max_new) for _ in range(n_workers)]
-    pre, dec = (workers[: n_workers // 2], workers[n_workers // 2 :]) if pd else (workers, [])
+    k = n_workers // 2 if n_prefill is None else n_prefill
+    pre, dec = (workers[:k], workers[k:]) if pd else (workers, [])
     res = Result(mode)
     meta: dict = {}  # rid -> (job, first_token_s | None, worker)
     pins: dict = {}  # rid -> (request, host keys pinned for it until admission)
@@ -248,6 +256,7 @@ def run(
             if id(w) in stalled:
                 w.clock.advance_to(t)  # it waited (idle) until this event
         stalled.clear()
+
     while True:
         busy = [w for w in workers if w.busy() and id(w) not in stalled]
         t_arr = arrivals[ai].arrival_s if ai < len(arrivals) else float("inf")
