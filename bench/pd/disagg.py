@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         run_h = [float(np.mean(r.running_samples)) if r.running_samples else 0.0 for r in hs]
         print(
             f"x{load:<4g} device: peak {median_range([r.held_peak for r in dv], lambda v: f'{v:.0f}')} "
-            f"mean {median_range([r.held_mean for r in dv], lambda v: f'{v:.0f}')} of {2 * setup.full_pages} "
+            f"mean {median_range([r.held_mean for r in dv], lambda v: f'{v:.0f}')} of {(4 - args.prefill) * setup.full_pages} "
             f"(TPOT P90 {median_range([r.q(r.tpot_s, 90) for r in dv], ms)} ms, running/step "
             f"{median_range(run_d, lambda v: f'{v:.1f}')}); host: 0 device pages (peak host slots "
             f"{median_range([r.host_peak for r in hs], lambda v: f'{v:.0f}')}; TPOT P90 "
