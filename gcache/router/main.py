@@ -13,6 +13,7 @@ import sys
 from gcache.router.config import RouterConfig, add_router_args
 from gcache.router.core import RouterCore
 from gcache.router.pd_config import add_pd_args, pd_config
+from gcache.router.pd_policy import DecodeLoad
 from gcache.router.pd_server import make_pd_app
 from gcache.router.server import make_app
 from gcache.serving import runner
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
             args.workers = ",".join(pd.prefill_workers + pd.decode_workers)  # the base config's check
         config = RouterConfig.from_args(args)
         cores = [RouterCore(c) for c in pd.pools(config)] if pd is not None else [RouterCore(config)]
+        if pd is not None:
+            cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2

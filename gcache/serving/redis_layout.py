@@ -111,6 +111,7 @@ class WorkerLoad:
     queued_tokens: int = 0  # prompt tokens still to compute (waiting: uncached estimate; running: rest of prefill)
     active_tokens: int = 0  # tokens held by running requests (Dynamo's decode blocks * page size)
     max_running: int = 0
+    free_pages: int = -1  # full device pages free or held only by the evictable cache (-1: not published)
 
 
 @dataclass(frozen=True)

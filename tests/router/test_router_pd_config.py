@@ -29,3 +29,21 @@ def test_router_pd_pools():
         pd_config(pd_args("--pd"))
     with pytest.raises(ValueError, match="go together"):
         PDConfig(prefill_workers=("http://a:1",))
+
+
+def test_the_decode_pick_is_least_load_among_workers_with_room():
+    from gcache.router.pd_policy import DecodeLoad
+    from gcache.router.policies import Candidate, Prompt
+    from gcache.serving.redis_layout import Registration, WorkerLoad
+
+    def cand(url, running, free, rank=0):
+        reg = Registration(url, "m", 8, 32, "e", 1, 0, WorkerLoad(running, 0, 0, 0, 32, free))
+        return Candidate(url, rank, 0, 0, reg, {})
+
+    policy = DecodeLoad(RouterConfig(workers=("http://a:1",)))
+    p = Prompt(800, lambda ps: [], {}, 8)  # 800 tokens + 1: 101 pages
+    assert policy.choose(p, [cand("http://a", 0, 100), cand("http://b", 3, 101)]).url == "http://b"
+    assert policy.choose(p, [cand("http://a", 0, 500), cand("http://b", 3, 101)]).url == "http://a"
+    assert policy.choose(p, [cand("http://a", 2, 5), cand("http://b", 1, 7)]).url == "http://b"  # none has room
+    unpublished = Candidate("http://c", 0, 4, 0, None, {})  # static worker: room assumed, in-flight as load
+    assert policy.choose(p, [cand("http://a", 5, 50), unpublished]).url == "http://c"

@@ -247,7 +247,8 @@ def sample_load(engine) -> WorkerLoad:
     queued = sum(r.uncached_estimate for r in waiting)
     queued += sum(r.to_compute for r in running if not r.is_decoding)
     active = sum(r.num_tokens for r in running)
-    return WorkerLoad(len(running), len(waiting), int(queued), int(active), sched.config.max_running)
+    free = engine.kv.full.num_free + engine.cache.cached_pages()[0]  # the cache's pages are evictable (at most)
+    return WorkerLoad(len(running), len(waiting), int(queued), int(active), sched.config.max_running, int(free))
 
 
 def add_publisher_args(ap: argparse.ArgumentParser) -> None:
