@@ -135,7 +135,11 @@ def run_setup(kind: str, reqs: list[dict], args, logdir: Path) -> list[dict]:
             procs += [p, d]
             for x in procs:
                 x.wait()
-            r = router("router-pd", logdir, ["--prefill-workers", p.url, "--decode-workers", d.url])
+            r = router(
+                "router-pd",
+                logdir,
+                ["--prefill-workers", p.url, "--decode-workers", d.url, "--pd-min-prompt-tokens", str(args.pd_min)],
+            )
         else:
             ms = [worker(f"mixed{i}", logdir, []) for i in range(2)]
             procs += ms
@@ -158,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=9)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=3000)
+    ap.add_argument(
+        "--pd-min-prompt-tokens", dest="pd_min", type=int, default=0, help="the PD router's bypass (0: all through PD)"
+    )
     args = ap.parse_args(argv)
     per = {"mixed": [], "pd": []}
     t0 = time.perf_counter()
@@ -177,7 +184,7 @@ def main(argv=None) -> int:
     print(
         f"\n{args.requests} requests per run ({args.requests // 3 + (args.requests % 3 > 0)} of {args.long_tokens} "
         f"tokens, 24 out; the others 100-300 in, 96 out), {args.concurrency} at a time; ms, median [min..max] over "
-        f"{args.runs} runs"
+        f"{args.runs} runs; PD router --pd-min-prompt-tokens {args.pd_min}"
     )
     print(f"{'setup':>6} {'TTFT P50':>18} {'TTFT P90':>18} {'TPOT P50':>14} {'TPOT P90':>14}")
     q = lambda rs, key, p: float(np.nanpercentile([r[key] for r in rs], p))  # noqa: E731

@@ -229,7 +229,8 @@ class PDRouterApp(RouterApp):
                 await resp.write_eof()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 if isinstance(e, ConnectionError) and not isinstance(e, aiohttp.ClientError):
-                    raise  # the client went away (resp.write)
+                    ok = True  # the client went away (resp.write): not the worker's fault
+                    raise
                 self.counters.inc("http_upstream_errors_total")
                 self.counters.inc("http_broken_answers_total")
                 await self._end_with_error(resp, 502, f"decode worker {url} failed mid-answer: {_describe(e)}")
