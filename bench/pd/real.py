@@ -28,6 +28,7 @@ from gcache.common.processes import free_port, stop_process, wait_listening
 from gcache.tools.devcluster.local_server import LocalServer
 
 START_TIMEOUT_S = 90.0
+DTYPE: list[str] = []  # --dtype for every worker (main sets it)
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -57,7 +58,7 @@ class Proc:
 def worker(name: str, logdir: Path, extra: list[str]) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "gcache.worker.http.server", "--port", str(port), "--model-name", "bench-pd"]
-    argv += ["--max-prompt-tokens", "8192", "--max-new-tokens", "512", "--kv-budget-mib", "96", *extra]
+    argv += ["--max-prompt-tokens", "8192", "--max-new-tokens", "512", "--kv-budget-mib", "96", *DTYPE, *extra]
     return Proc(name, argv, port, logdir)
 
 
@@ -159,6 +160,8 @@ def run_setup(kind: str, reqs: list[dict], args, logdir: Path) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.pd.real", description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--first-run", type=int, default=0, help="seed of the first run (run i uses seed i)")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="", help="the workers' --dtype")
     ap.add_argument("--requests", type=int, default=9)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=3000)
@@ -166,9 +169,10 @@ def main(argv=None) -> int:
         "--pd-min-prompt-tokens", dest="pd_min", type=int, default=0, help="the PD router's bypass (0: all through PD)"
     )
     args = ap.parse_args(argv)
+    DTYPE[:] = ["--dtype", args.dtype] if args.dtype else []
     per = {"mixed": [], "pd": []}
     t0 = time.perf_counter()
-    for run in range(args.runs):
+    for run in range(args.first_run, args.first_run + args.runs):
         reqs = requests_for(run, args.requests, args.long_tokens)
         with tempfile.TemporaryDirectory(prefix="bench-pd-real-") as tmp:
             got = {k: run_setup(k, reqs, args, Path(tmp)) for k in ("mixed", "pd")}
@@ -178,6 +182,11 @@ def main(argv=None) -> int:
             return 1
         same = sum(a["text"] == b["text"] for a, b in zip(got["mixed"], got["pd"]))
         print(f"run {run}: {same}/{len(reqs)} PD answers equal to mixed ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for i, (a, b) in enumerate(zip(got["mixed"], got["pd"])):
+            if a["text"] != b["text"]:
+                at = next((k for k, (x, y) in enumerate(zip(a["text"], b["text"])) if x != y), None)
+                kind = "long" if reqs[i]["long"] else "short"
+                print(f"  request {i} ({kind}, {len(reqs[i]['prompt'])} tokens) differs from char {at} on")
         for k, rs in got.items():
             per[k].append(rs)
     ms = lambda v: f"{v * 1e3:.0f}"  # noqa: E731
