@@ -2,6 +2,8 @@
 
 gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers from Redis
 gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
+gcache-router --port 8000 --prefill-workers http://127.0.0.1:30011 --decode-workers http://127.0.0.1:30012  # PD
+gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools from Redis, by the workers' --role
 """
 
 from __future__ import annotations
