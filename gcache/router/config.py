@@ -62,6 +62,7 @@ class RouterConfig:
     workers_max: int = 1024
     stream_read_max: int = 2000  # stream entries read per worker per refresh
     l3_pages_max: int = 1 << 20
+    roles: tuple[str, ...] = ()  # registered workers of these roles only (PD pools); () = every role
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

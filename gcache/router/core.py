@@ -150,8 +150,8 @@ class RouterCore:
             return list(self.config.workers), frozenset()
         live, back, lapsed = [], [], []
         for u, w in self.view.workers.items():
-            if w.reg is None:
-                continue
+            if w.reg is None or (self.config.roles and w.reg.role not in self.config.roles):
+                continue  # (a PD pool: workers of its role only)
             if w.missing_since is None:
                 live.append(u)
             elif w.awaiting:

@@ -2,6 +2,8 @@
 
 gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers from Redis
 gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
+gcache-router --port 8000 --prefill-workers http://127.0.0.1:30011 --decode-workers http://127.0.0.1:30012  # PD
+gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools from Redis, by the workers' --role
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import sys
 
 from gcache.router.config import RouterConfig, add_router_args
 from gcache.router.core import RouterCore
+from gcache.router.pd_config import add_pd_args, pd_config
+from gcache.router.pd_policy import DecodeLoad
+from gcache.router.pd_server import make_pd_app
 from gcache.router.server import make_app
 from gcache.serving import runner
 from gcache.serving.body import BODY_DEADLINE_S
@@ -41,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a request body not received within this is answered 408",
     )
     add_router_args(ap)
+    add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)
 
 
@@ -55,16 +61,30 @@ def main(argv=None) -> int:
             or args.body_timeout_s <= 0
         ):
             raise ValueError("--max-in-flight must be >= 1 and every timeout > 0")
+        pd = pd_config(args)
+        if pd is not None and pd.prefill_workers:
+            args.workers = ",".join(pd.prefill_workers + pd.decode_workers)  # the base config's check
         config = RouterConfig.from_args(args)
-        core = RouterCore(config)
+        cores = [RouterCore(c) for c in pd.pools(config)] if pd is not None else [RouterCore(config)]
+        if pd is not None:
+            cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2
-    core.start()
-    app = make_app(core, args.request_timeout_s, args.connect_timeout_s, args.max_in_flight, args.body_timeout_s)
+    for core in cores:
+        core.start()
+    kw = dict(
+        request_timeout_s=args.request_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        max_in_flight=args.max_in_flight,
+        body_timeout_s=args.body_timeout_s,
+    )
+    app = make_app(cores[0], **kw) if pd is None else make_pd_app(cores[1], cores[0], pd, **kw)
 
     def started(port: int) -> None:
         where = config.redis_url or ",".join(config.workers)
+        if pd is not None:
+            where += f"; prefill/decode pools{' by role' if not pd.prefill_workers else ''}"
         print(
             f"gcache-router: serving on http://{args.host}:{port} (policy {config.policy}; workers from {where})",
             flush=True,
@@ -76,7 +96,8 @@ def main(argv=None) -> int:
         print(f"gcache-router: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     finally:
-        core.close()
+        for core in cores:
+            core.close()
     return 0
 
 

@@ -111,6 +111,7 @@ class WorkerLoad:
     queued_tokens: int = 0  # prompt tokens still to compute (waiting: uncached estimate; running: rest of prefill)
     active_tokens: int = 0  # tokens held by running requests (Dynamo's decode blocks * page size)
     max_running: int = 0
+    free_pages: int = -1  # full device pages free or held only by the evictable cache (-1: not published)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Registration:
     ts_ms: int
     load: WorkerLoad
     dropped_events: int = 0
+    role: str = "mixed"  # handoff.Role: prefill / decode / mixed (routers pool workers by it)
 
     def to_json(self) -> bytes:
         d = {
@@ -137,6 +139,7 @@ class Registration:
             "ts_ms": self.ts_ms,
             "load": self.load.__dict__,
             "dropped_events": self.dropped_events,
+            "role": self.role,
         }
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -160,6 +163,7 @@ class Registration:
                 int(d["ts_ms"]),
                 load,
                 int(d.get("dropped_events", 0)),
+                str(d.get("role", "mixed"))[:16],  # an older worker has no role: mixed
             )
         except (KeyError, TypeError, AttributeError, RecursionError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed registration: {type(e).__name__}: {str(e)[:200]}") from None

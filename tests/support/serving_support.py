@@ -34,7 +34,9 @@ WORKER_ARGS = [
     "128",
 ]
 START_TIMEOUT_S = 30.0
-ENV = {"GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+# PYTHONPATH: the workers run this checkout's code (a console script alone would import
+# whichever gcache the venv has installed).
+ENV = {"GCACHE_BACKEND": "numpy", "OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def _command(script: str, module: str) -> list[str]:

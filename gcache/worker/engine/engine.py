@@ -105,11 +105,20 @@ class Engine:
         return getattr(self.cache, "tree", None)
 
     # ---- submission -------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams, record_logits: bool = False) -> Request:
-        """Validate and enqueue; ValueError for bad input, QueueFullError when full."""
+    def add_request(self, prompt, params: SamplingParams, record_logits: bool = False, handed=()) -> Request:
+        """Validate and enqueue; ValueError for bad input, QueueFullError when full.
+        `handed`: output tokens another worker already sampled (a PD handoff): the request
+        continues after them, as if it had sampled them itself (same RNG draws)."""
         try:
             prompt = self._validate(prompt, params)
             req = Request(prompt, params, self.clock(), record_logits, page_size=self.page_size)
+            if handed:
+                if len(handed) >= params.max_tokens or not all(0 <= int(t) < self.vocab_size for t in handed):
+                    raise ValueError("handed tokens must be fewer than max_tokens and inside the vocabulary")
+                req.output = [int(t) for t in handed]
+                req.first_token_s = req.arrival_s  # its first token was another worker's (no TTFT here)
+                for _ in handed if float(params.temperature) else ():
+                    req.rng.random()  # one draw per sampled token, as _sample does
             self.scheduler.submit(req)
         except (ValueError, QueueFullError):
             self.metrics.inc("requests_rejected_total")

@@ -60,6 +60,7 @@ class Pending:
         self.request: Request | None = None
         self.fed = 0  # output tokens already given to self.output
         self.cancelled = False  # set by the handler (client gone, timeout)
+        self.handed: tuple[int, ...] = ()  # PD decode: output tokens the prefill worker sampled
 
     def post(self, kind: EngineEvent, value=None) -> None:
         """From the engine thread: hand an event to the handler's loop."""
@@ -144,7 +145,7 @@ class EngineThread(threading.Thread):
                 p.post(EngineEvent.ERROR, EngineStoppedError("engine is stopping"))
                 continue
             try:
-                p.request = self.engine.add_request(p.prompt, p.params)
+                p.request = self.engine.add_request(p.prompt, p.params, handed=p.handed)
             except (ValueError, QueueFullError) as e:
                 p.post(EngineEvent.ERROR, e)
                 continue

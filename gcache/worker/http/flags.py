@@ -9,6 +9,7 @@ from gcache.serving.body import BODY_DEADLINE_S
 from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.scheduler import POLICIES, SchedulerConfig
+from gcache.worker.http.pd_flags import add_role_args, check_role
 from gcache.worker.http.publisher import add_publisher_args
 from gcache.worker.kvcache.hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
@@ -16,6 +17,8 @@ from gcache.worker.kvcache.kv_pool import DualKVCache
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker import backend
+
+    check_role(args)  # ValueError for a role these flags cannot serve
     from gcache.worker.model.transformer import Model
     from gcache.worker.model.weights import load
 
@@ -126,10 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument(
         "--prefetch-policy",
         choices=PREFETCH_POLICIES,
-        default="timeout",
+        default=None,
         help="a queued request prefetches from L3 while it waits; best_effort: admit it whenever "
         "it is its turn; wait_complete: not before the prefetch is done; timeout: wait at "
-        "most --prefetch-timeout-s",
+        "most --prefetch-timeout-s (default: wait_complete with --role decode, else timeout)",
     )
     h.add_argument("--prefetch-timeout-s", type=float, default=0.5)
     h.add_argument(
@@ -151,4 +154,5 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="longest wait on GCache per call; after a failure L3 is skipped for a while",
     )
     add_publisher_args(ap)  # --redis ...: publish cache state and load for gcache-router
+    add_role_args(ap)  # --role prefill|decode|mixed
     return ap.parse_args(argv)

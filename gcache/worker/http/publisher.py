@@ -44,6 +44,7 @@ class PublisherConfig:
     redis_timeout_s: float = 0.5
     l3_pages_max: int = 1 << 20  # cap of the shared L3 index in Redis
     model: str = ""
+    role: str = "mixed"  # handoff.Role, published in the registration
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -176,7 +177,16 @@ class WorkerPublisher:
                 p.zadd(key, members)
                 p.zremrangebyrank(key, 0, -(self.config.l3_pages_max + 1))
         reg = Registration(
-            url, self.model, self.page_size, self.window, epoch, seq, now_ms, self._load, self.events.stats["dropped"]
+            url,
+            self.model,
+            self.page_size,
+            self.window,
+            epoch,
+            seq,
+            now_ms,
+            self._load,
+            self.events.stats["dropped"],
+            self.config.role,
         )
         p.set(k.reg(url), reg.to_json(), px=int(self.config.ttl_s * 1000), xx=not batch.full)
         p.zadd(k.workers, {url: now_ms})
@@ -237,7 +247,8 @@ def sample_load(engine) -> WorkerLoad:
     queued = sum(r.uncached_estimate for r in waiting)
     queued += sum(r.to_compute for r in running if not r.is_decoding)
     active = sum(r.num_tokens for r in running)
-    return WorkerLoad(len(running), len(waiting), int(queued), int(active), sched.config.max_running)
+    free = engine.kv.full.num_free + engine.cache.cached_pages()[0]  # the cache's pages are evictable (at most)
+    return WorkerLoad(len(running), len(waiting), int(queued), int(active), sched.config.max_running, int(free))
 
 
 def add_publisher_args(ap: argparse.ArgumentParser) -> None:
@@ -279,6 +290,7 @@ def start_publisher(args: argparse.Namespace, engine_thread, bound_port: int | N
         interval_s=args.publish_interval_s,
         ttl_s=args.publish_ttl_s,
         model=getattr(args, "model_name", "") or "",
+        role=getattr(args, "role", "mixed"),
     )
     pub = WorkerPublisher(engine_thread.engine, cfg, start_thread=True)
     engine_thread.add_step_hook(pub.on_step)

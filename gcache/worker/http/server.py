@@ -22,6 +22,7 @@ from gcache.serving import runner, sse
 from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
 from gcache.serving.counters import HTTPCounters, prometheus_response
 from gcache.serving.errors import error_body, error_response, json_response
+from gcache.serving.handoff import Role
 from gcache.serving.intake import openai_app, serve_post
 from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, ParsedRequest, parse_request
@@ -34,6 +35,8 @@ from gcache.worker.engine.request import FINISH_ABORT
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 from gcache.worker.http import completions
 from gcache.worker.http.flags import build_engine, parse_args
+from gcache.worker.http.pd_flags import HANDOFF_WAIT_S
+from gcache.worker.http.pd_routes import PDRoutes
 from gcache.worker.http.publisher import start_publisher
 
 __all__ = ["EngineThread", "WorkerApp", "make_app", "main", "parse_args", "build_engine"]
@@ -128,14 +131,21 @@ class WorkerApp:
         )
 
     async def _run(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
         p = Pending(
             parsed.prompt,
             completions.sampling_params(parsed, self.tok),
             OutputText(self.tok, parsed.stop),
             parsed.stream,
-            loop,
+            asyncio.get_running_loop(),
         )
+        return await self.run_pending(request, parsed, p)
+
+    async def run_pending(
+        self, request: web.Request, parsed: ParsedRequest, p: Pending, chunks: StreamChunks | None = None
+    ) -> web.StreamResponse:
+        """Submit p and answer with it: a stream (chunks: its ids; a chat stream's role chunk
+        only when chunks is None) or one body. PD decode passes its own chunks (pd_routes)."""
+        loop = asyncio.get_running_loop()
         try:
             self.engine_thread.submit(p)
         except QueueFullError as e:
@@ -144,13 +154,13 @@ class WorkerApp:
         try:
             kind, value = await self._next_event(p, deadline)
             if kind == EngineEvent.ACCEPTED and parsed.stream:
-                return await self._stream(request, parsed, p, deadline)
+                return await self._stream(request, parsed, p, deadline, chunks)
             while kind == EngineEvent.ACCEPTED:  # not streamed: no TEXT events, only DONE (or ERROR)
                 kind, value = await self._next_event(p, deadline)
             if kind == EngineEvent.ERROR:
                 status = 503 if isinstance(value, QueueFullError) else 400
                 return error_response(status, str(value))
-            return self._full_answer(parsed, p, value)
+            return self._full_answer(parsed, p, value, None if chunks is None else chunks.id)
         except asyncio.TimeoutError:
             self.engine_thread.cancel(p)
             self.counters.inc("http_request_timeouts_total")
@@ -159,10 +169,13 @@ class WorkerApp:
             self.engine_thread.cancel(p)
             raise
 
-    def _full_answer(self, parsed: ParsedRequest, p: Pending, r) -> web.Response:
+    def _full_answer(self, parsed: ParsedRequest, p: Pending, r, rid: str | None = None) -> web.Response:
         if r.finish_reason == FINISH_ABORT and not p.output.stopped:
             return error_response(503, f"request aborted: {r.error}")
-        return json_response(200, completions.full_response(parsed.kind, r, p.output, self.model_name))
+        body = completions.full_response(parsed.kind, r, p.output, self.model_name)
+        if rid is not None:
+            body["id"] = rid
+        return json_response(200, body)
 
     async def _next_event(self, p: Pending, deadline: float) -> tuple[EngineEvent, object]:
         """The engine thread's next event for p; TimeoutError at the deadline. While waiting,
@@ -179,12 +192,14 @@ class WorkerApp:
                     return EngineEvent.ERROR, EngineStoppedError("engine stopped")
 
     async def _stream(
-        self, request: web.Request, parsed: ParsedRequest, p: Pending, deadline: float
+        self, request: web.Request, parsed: ParsedRequest, p: Pending, deadline: float, chunks=None
     ) -> web.StreamResponse:
-        chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
+        continues = chunks is not None  # PD decode: the router sent the role and first token
+        if chunks is None:
+            chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
         resp = await sse.start(request)
         try:
-            role = chunks.role()
+            role = None if continues else chunks.role()
             if role is not None:
                 await resp.write(sse.event(role))
             while True:
@@ -224,11 +239,15 @@ def make_app(
     integrity_check_s: float = 5.0,
     body_timeout_s: float = BODY_DEADLINE_S,
     body_bytes_max: int = BODY_BYTES_MAX,
+    role: Role = Role.MIXED,
+    handoff_wait_s: float = HANDOFF_WAIT_S,
 ) -> tuple[web.Application, EngineThread]:
     """The aiohttp app and its (not yet started) engine thread."""
     engine_thread = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
     worker = WorkerApp(engine_thread, model_name, request_timeout_s, max_in_flight, body_timeout_s, body_bytes_max)
-    return worker.build(), engine_thread
+    app = worker.build()
+    PDRoutes(worker, Role(role), handoff_wait_s).install(app)  # /pd/prefill, /pd/decode by role
+    return app, engine_thread
 
 
 def main(argv=None) -> int:
@@ -240,7 +259,14 @@ def main(argv=None) -> int:
         print(f"gcache-worker: {e}", file=sys.stderr)
         return 2
     app, engine_thread = make_app(
-        engine, name, args.request_timeout_s, args.max_in_flight, args.integrity_check_s, args.body_timeout_s
+        engine,
+        name,
+        args.request_timeout_s,
+        args.max_in_flight,
+        args.integrity_check_s,
+        args.body_timeout_s,
+        role=Role(args.role),
+        handoff_wait_s=args.pd_handoff_wait_s,
     )
     engine_thread.start()
     publisher = None
@@ -256,7 +282,7 @@ def main(argv=None) -> int:
             tiers += f" + L3 ({args.l3})"
         print(
             f"gcache-worker: serving {name} on http://{args.host}:{port} (full pages {engine.kv.full.num_pages}, "
-            f"swa pages {engine.kv.swa.num_pages}; cache {tiers})",
+            f"swa pages {engine.kv.swa.num_pages}; cache {tiers}; role {args.role})",
             flush=True,
         )
 
