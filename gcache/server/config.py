@@ -69,6 +69,8 @@ class ServerSettings:
     # (not a field, so tokens never reach as_dict() and the config log line).
     auth_file: str = ""
     auth_timeout_s: float = 5.0
+    preauth_connections_max: int = 256  # not yet authenticated (auth only); the oldest goes first
+    preauth_connections_per_address_max: int = 64
     # TLS towards the masters' gRPC API (PEM paths): their CA, and a client cert where they require one.
     master_tls_ca: str = ""
     master_tls_cert: str = ""
@@ -166,6 +168,8 @@ class ServerSettings:
             "warm_restart": self.warm_restart,
             "tenants": self.auth.native_tenants() if self.auth else None,
             "auth_timeout_s": self.auth_timeout_s,
+            "preauth_connections_max": self.preauth_connections_max,
+            "preauth_connections_per_address_max": self.preauth_connections_per_address_max,
             "eviction_policy": self.eviction_policy,
             "eviction_fresh_weight": self.eviction_fresh_weight,
             "eviction_ghost_factor": self.eviction_ghost_factor,
@@ -398,6 +402,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a connection that has not authenticated within this long; "
         "before AUTH only PING is answered (default 5)",
     )
+    security.add_argument(
+        "--preauth-connections-max",
+        type=int,
+        help="most connections not yet authenticated, apart from --connections-max: when "
+        "full, the oldest of them (of the address holding the most) is dropped, so a "
+        "client that authenticates always gets in (default 256)",
+    )
+    security.add_argument(
+        "--preauth-connections-per-address-max",
+        type=int,
+        help="most connections not yet authenticated from one address; when full, that "
+        "address's oldest is dropped (default 64)",
+    )
     cluster = p.add_argument_group("cluster (docs/cluster.md)")
     cluster.add_argument(
         "--master",
@@ -510,6 +527,11 @@ def _validate(s: ServerSettings) -> None:
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
         (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
+        (1 <= s.preauth_connections_max <= 1 << 20, "--preauth-connections-max must be 1..1048576"),
+        (
+            1 <= s.preauth_connections_per_address_max <= 1 << 20,
+            "--preauth-connections-per-address-max must be 1..1048576",
+        ),
         (s.eviction_policy in EVICTION_POLICIES, f"--eviction-policy must be one of {', '.join(EVICTION_POLICIES)}"),
         (
             s.eviction_fresh_weight == 0 or 1 <= s.eviction_fresh_weight <= 64,
