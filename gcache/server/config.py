@@ -187,10 +187,34 @@ class ServerSettings:
         too long for a socket address (108 bytes), or with --disk 0 and no such dir."""
         if self.unix_socket != "auto":
             return os.path.abspath(self.unix_socket) if self.unix_socket else ""
-        if not self.data_dir or (self.disk == 0 and not os.path.isdir(self.data_dir)):
-            return ""  # a memory-only node creates no data dir just for the socket
-        path = os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
+        if not self.data_dir:
+            return ""
+        path = self._auto_unix_socket_path()
         return path if len(path.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX else ""
+
+    def _auto_unix_socket_path(self) -> str:
+        return os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
+
+    def no_unix_socket_reason(self) -> str:
+        """Why same-host clients get no shared memory from this node ("" when they do), with
+        what to change: `Client(transport="auto")` then uses TCP."""
+        if self.auth_file:
+            return (
+                "--auth-file is set and the arena holds every tenant's values, so shared memory "
+                "is refused; same-host clients use TCP (docs/security.md)"
+            )
+        if self.unix_socket == "":
+            return "--unix-socket '' turns the Unix socket off; same-host clients use TCP"
+        if self.unix_socket == "auto" and not self.data_dir:
+            return "no --data-dir for the Unix socket; pass --unix-socket PATH, or same-host clients use TCP"
+        if self.unix_socket == "auto" and not self.unix_socket_path():
+            path = self._auto_unix_socket_path()
+            return (
+                f"the socket path {path} is {len(path.encode())} bytes, over the "
+                f"{UNIX_SOCKET_PATH_BYTES_MAX} a Unix socket allows; pass a shorter --unix-socket "
+                "PATH, or same-host clients use TCP"
+            )
+        return ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -254,7 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="data port (default 7600; 0 = any free port)")
     p.add_argument("--memory", help="memory tier (shared-memory arena) size (default 1GiB)")
     p.add_argument("--disk", help="disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)")
-    p.add_argument("--data-dir", help="directory for disk segments and the warm list (default ./gcache-data)")
+    p.add_argument(
+        "--data-dir",
+        help="directory for disk segments, the warm list and the Unix socket; created mode 0700, "
+        "refused if other users may read or write it (default ./gcache-data)",
+    )
     p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
     p.add_argument(
         "--admin-port",
@@ -366,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="Unix socket for clients on this host: they map the arena and copy values "
         "themselves (transport 'shm'); mode 0600, so only this user's processes; "
-        "'' = none (default <data-dir>/gcache.sock, if the dir exists or --disk is "
-        "not 0); with --auth-file shared memory "
+        "'' = none (default <data-dir>/gcache.sock; the node creates the dir, 0700); "
+        "with --auth-file shared memory "
         "is refused, since the arena holds every tenant's values",
     )
     local.add_argument(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gcache import __version__
 from gcache.common.address import join_host_port, parse_host_port
+from gcache.common.file_modes import FileModeError, prepare_private_dir, private_umask, secret_file_problems
 from gcache.server.config import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -205,13 +206,16 @@ def _setup_logging(level: str) -> None:
 def run(settings: ServerSettings) -> int:
     from gcache import _native
 
+    private_umask()  # every file and directory the node creates: 0600 / 0700, whatever the umask
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
     if settings.auth_file:
-        from gcache.wire.auth import world_readable
-
         log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
-        if world_readable(settings.auth_file):
-            log.warning("%s is readable by every user: chmod 600 it (it holds the tokens)", settings.auth_file)
+        problems = secret_file_problems(settings.auth_file)
+        if problems.error:
+            log.error("%s", problems.error)
+            return EXIT_USAGE
+        if problems.warning:
+            log.warning("%s (it holds the tokens)", problems.warning)
     elif settings.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
             "no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
@@ -225,6 +229,19 @@ def run(settings: ServerSettings) -> int:
             "node with authentication refuses it; drop one of the two"
         )
         return EXIT_USAGE
+    if settings.data_dir:
+        try:
+            if prepare_private_dir(settings.data_dir):
+                log.info("created the data dir %s (mode 0700)", settings.data_dir)
+        except FileModeError as e:
+            log.error("%s", e)
+            return EXIT_USAGE
+        except OSError as e:
+            log.error("cannot create --data-dir %s: %s", settings.data_dir, e.strerror or e)
+            return EXIT_UNAVAILABLE
+    no_socket = settings.no_unix_socket_reason()
+    if no_socket:
+        log.warning("no shared memory for same-host clients: %s", no_socket)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
