@@ -8,7 +8,6 @@ answers {"auth": false} and the connection is used as it is.
 from __future__ import annotations
 
 from gcache import errors
-from gcache.client.pipeline import status_error
 from gcache.wire.auth import NONCE_BYTES, auth_mac, token_id
 from gcache.wire.protocol import FrameStatus, Opcode, encode_frame_head
 
@@ -32,7 +31,11 @@ def _exchange(conn, meta: dict) -> dict:
             conn.address,
         )
     if status == FrameStatus.BUSY:  # authenticated, but the node's authenticated connections fill its caps
-        raise status_error(status, answer, conn.address)
+        raise errors.ServerBusyError(
+            f"gcache-server at {conn.address} is at its connection limit ({message}); retry later, "
+            "lower pool_size, or raise the server's --connections-max",
+            conn.address,
+        )
     if status == FrameStatus.UNKNOWN_OPCODE:
         raise errors.AuthError(
             f"gcache-server at {conn.address} does not know AUTH (an older version): it has no "
