@@ -20,6 +20,8 @@ from pathlib import Path
 from gcache import __version__
 from gcache.common.address import join_host_port, parse_host_port
 from gcache.common.file_modes import FileModeError, prepare_private_dir, private_umask, secret_file_problems
+from gcache.common.host_checks import HostNeeds, run_checks, warning_lines
+from gcache.common.host_checks import gauges as host_gauges
 from gcache.server.config import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -57,6 +59,7 @@ class Node:
         self.agent = None  # ClusterAgent with --master, started once the data port listens
         self.rdma = None  # gcache.server.rdma.RdmaRegion with --rdma-device
         self.parked = False  # drained earlier (DRAINED marker): up, but out of the cluster
+        self.host_gauges: dict[str, int] = {}  # the host checks' results (gcache.common.host_checks)
         # Before the store opens (which can take a while): a missing device fails at once.
         rdma_device = None
         if settings.rdma_device:
@@ -100,6 +103,7 @@ class Node:
 
     def stats(self) -> dict:
         stats = self.native.stats()
+        stats.setdefault("gauges", {}).update(self.host_gauges)  # gcache_host_check_<name>
         agent = self.agent
         if agent is not None:  # rebalance counters and cluster gauges beside the native ones
             for section, values in agent.metrics().items():
@@ -178,6 +182,15 @@ class Node:
         log.info("stopped cleanly")
 
 
+def host_needs(settings: ServerSettings) -> HostNeeds:
+    """What the host checks compare against: the arena, RDMA registration, the connection caps."""
+    return HostNeeds(
+        arena_bytes=settings.memory,
+        rdma=bool(settings.rdma_device),
+        connections=settings.connections_max + (settings.preauth_connections_max if settings.auth_file else 0),
+    )
+
+
 def _write_drained_marker(settings: ServerSettings) -> None:
     marker = drained_marker(settings)
     if marker is None:
@@ -242,6 +255,9 @@ def run(settings: ServerSettings) -> int:
     no_socket = settings.no_unix_socket_reason()
     if no_socket:
         log.warning("no shared memory for same-host clients: %s", no_socket)
+    host = run_checks(host_needs(settings))
+    for line in warning_lines(host):
+        log.warning("%s", line)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -270,6 +286,7 @@ def run(settings: ServerSettings) -> int:
         drained.set()
         stop.set()
 
+    node.host_gauges = host_gauges(host)
     node.start(on_drained)
     admin = f", admin http :{node.admin_http.port}" if node.admin_http else ""
     admin += f", admin grpc :{node.admin_grpc.port}" if node.admin_grpc else ""
