@@ -1,4 +1,5 @@
-"""Every listener of every daemon binds exactly the address it was given (issue 21, finding 8):
+"""Every listener of every daemon (gcache-server, gcache-master, gcache-worker, gcache-router)
+binds exactly the address it was given (issue 21, finding 8):
 read back from /proc/net/tcp. And the README's "by hand" recipe on one host: three masters on
 three loopback addresses with one set of ports all start and elect a leader."""
 
@@ -13,6 +14,7 @@ from gcache.common.processes import free_port, stop_process, wait_listening
 from gcache.tools.devcluster.local_masters import LocalMaster, wait_leader
 from gcache.tools.devcluster.local_server import server_command
 from tests.support.listeners import listening_addresses
+from tests.support.serving_support import RouterProc, WorkerProc, start_all
 
 pytestmark = pytest.mark.cluster
 
@@ -73,3 +75,15 @@ def test_three_masters_on_one_host_share_their_ports_on_three_addresses(tmp_path
     finally:
         for m in masters:
             m.kill()
+
+
+def test_worker_and_router_bind_exactly_their_host(tmp_path):
+    worker = WorkerProc(tmp_path)
+    router = RouterProc(tmp_path, [worker.url])
+    try:
+        start_all([worker, router])
+        assert listening_addresses(worker.proc.pid) == {("127.0.0.1", worker.port)}
+        assert listening_addresses(router.proc.pid) == {("127.0.0.1", router.port)}
+    finally:
+        router.kill()
+        worker.kill()
