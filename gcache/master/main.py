@@ -216,8 +216,17 @@ def _lock_data_dir(data_dir: str):
 
 
 def main(argv=None) -> int:
+    """The journal and everything else it writes: 0600 / 0700, whatever the umask it was
+    started with (restored on return, for callers in the same process)."""
+    previous_umask = private_umask()
+    try:
+        return _main(argv)
+    finally:
+        os.umask(previous_umask)
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    private_umask()  # the journal and everything else it writes: 0600 / 0700, whatever the umask
     try:
         derived = validate(args)
         derived.update(tls=_tls(args), auth=_auth(args))

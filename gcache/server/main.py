@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -217,9 +218,19 @@ def _setup_logging(level: str) -> None:
 
 
 def run(settings: ServerSettings) -> int:
+    """Serves until a signal (or a completed drain); returns the exit code. Every file and
+    directory the node creates meanwhile is 0600 / 0700, whatever the umask it was started
+    with (restored on return, for callers in the same process)."""
+    previous_umask = private_umask()
+    try:
+        return _run(settings)
+    finally:
+        os.umask(previous_umask)
+
+
+def _run(settings: ServerSettings) -> int:
     from gcache import _native
 
-    private_umask()  # every file and directory the node creates: 0600 / 0700, whatever the umask
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
     if settings.auth_file:
         log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
