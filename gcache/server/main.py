@@ -67,6 +67,12 @@ class Node:
             from gcache.server.rdma import open_device
 
             rdma_device = open_device(settings.rdma_device)  # RdmaUnavailable
+        try:
+            _prepare_data_dir(settings)  # before the Unix socket and the store
+        except BaseException:
+            if rdma_device is not None:
+                rdma_device.close()
+            raise
         # Admin ports bind first: once the data port accepts, everything is up.
         try:
             admin_host = settings.admin_host or settings.host
@@ -183,6 +189,22 @@ class Node:
         log.info("stopped cleanly")
 
 
+class DataDirUnusable(Exception):
+    """--data-dir cannot be created."""
+
+
+def _prepare_data_dir(settings: ServerSettings) -> None:
+    """Creates the data dir 0700 where it is missing (also with --disk 0: the Unix socket lives
+    there); FileModeError when other users may read or write an existing one."""
+    if not settings.data_dir:
+        return
+    try:
+        if prepare_private_dir(settings.data_dir):
+            log.info("created the data dir %s (mode 0700)", settings.data_dir)
+    except OSError as e:
+        raise DataDirUnusable(f"cannot create --data-dir {settings.data_dir}: {e.strerror or e}") from None
+
+
 def host_needs(settings: ServerSettings) -> HostNeeds:
     """What the host checks compare against: the arena, RDMA registration, the connection caps."""
     return HostNeeds(
@@ -253,16 +275,6 @@ def _run(settings: ServerSettings) -> int:
             "node with authentication refuses it; drop one of the two"
         )
         return EXIT_USAGE
-    if settings.data_dir:
-        try:
-            if prepare_private_dir(settings.data_dir):
-                log.info("created the data dir %s (mode 0700)", settings.data_dir)
-        except FileModeError as e:
-            log.error("%s", e)
-            return EXIT_USAGE
-        except OSError as e:
-            log.error("cannot create --data-dir %s: %s", settings.data_dir, e.strerror or e)
-            return EXIT_UNAVAILABLE
     no_socket = settings.no_unix_socket_reason()
     if no_socket:
         log.warning("no shared memory for same-host clients: %s", no_socket)
@@ -281,6 +293,12 @@ def _run(settings: ServerSettings) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         node = Node(settings)
+    except FileModeError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    except DataDirUnusable as e:
+        log.error("%s", e)
+        return EXIT_UNAVAILABLE
     except _native.StoreOpenError as e:
         log.error("%s; check --data-dir exists, is writable and no other gcache-server uses it", e)
         return EXIT_UNAVAILABLE
