@@ -260,7 +260,8 @@ memory tier is written to disk (a restart comes back warm), then exit 0.
 exit codes:
   0  clean stop, or left the cluster after a completed drain
   1  internal error
-  2  usage or configuration error (bad flag, bad value, unreadable config file)
+  2  usage or configuration error (bad flag, bad value, unreadable config file, a data
+     dir other users may read or write, an auth file others may write)
   3  cannot serve: port already in use, data dir locked or unusable
 """
 
