@@ -5,7 +5,8 @@
 // Auth on: a new connection takes a place in the pre-auth budget, never a
 // slot; when that budget (or its address's share) is full, the oldest
 // unauthenticated connection goes (of the address holding the most, so a
-// quiet address is never the one to pay for a busy one). A new client is
+// quiet address is never the one to pay for a busy one; one that has sent
+// nothing before one in the middle of its AUTH). A new client is
 // never refused for unauthenticated ones, and an authenticated connection is
 // never closed: at AUTH it moves to a slot, or is answered BUSY when the
 // authenticated ones fill the caps.
@@ -101,13 +102,18 @@ Server::Connection* Server::idle_victim_locked(const std::string* peer) {
   return best_heaviest != nullptr ? best_heaviest : best;
 }
 
-// The oldest unauthenticated connection of `peer` (conns_ is in accept order).
+// The oldest unauthenticated connection of `peer` that has sent nothing yet,
+// else its oldest (conns_ is in accept order): a client in the middle of its
+// AUTH outlives sockets that only hold a place.
 Server::Connection* Server::preauth_victim_locked(const std::string& peer) {
+  Connection* oldest = nullptr;
   for (auto& owned : conns_) {
     Connection* c = owned.get();
-    if (c->preauth && !c->evicted && c->peer == peer) return c;
+    if (!c->preauth || c->evicted || c->peer != peer) continue;
+    if (!c->spoke.load(std::memory_order_relaxed)) return c;
+    if (oldest == nullptr) oldest = c;
   }
-  return nullptr;
+  return oldest;
 }
 
 bool Server::close_for_room_locked(Connection* victim) {

@@ -80,9 +80,11 @@ struct Server::Connection {
   std::atomic<int64_t> last_work_us{0};  // last data request or AUTH: the idle timeout counts from here
   std::atomic<Activity> activity{Activity::Busy};
   // Slots (server/admission.cpp), guarded by the server's conns_mu_.
-  bool holds_slot = false;    // counted in connections_max and the address's cap
-  bool preauth = false;       // counted in the pre-auth budget (auth on, before AUTH)
-  bool evicted = false;       // closed to make room: its thread ends at its next step
+  bool holds_slot = false;  // counted in connections_max and the address's cap
+  bool preauth = false;     // counted in the pre-auth budget (auth on, before AUTH)
+  bool evicted = false;     // closed to make room: its thread ends at its next step
+  // A frame arrived before AUTH: the pre-auth budget drops silent connections first.
+  std::atomic<bool> spoke{false};
   uint64_t meta_charged = 0;  // meta buffer bytes charged to the global budget
   std::thread thread;
   std::atomic<bool> finished{false};

@@ -600,6 +600,7 @@ Server::Flow Server::read_frame_header(Connection* c, FrameHeader* h, int64_t* s
     recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
   *start_us = now_us();
   *h = parse_frame_header(header_bytes);
+  if (unauthenticated(c)) c->spoke.store(true, std::memory_order_relaxed);
   c->deadline_us = frame_deadline_us(
       c, first_byte_us, uint64_t(kFrameHeaderBytes) + h->meta_len + std::min<uint64_t>(h->payload_len, UINT64_MAX / 2));
   metrics_->requests++;

@@ -184,7 +184,7 @@ class Server {
   bool promote_locked(Connection* c, std::string* refusal);
   bool take_slot_locked(Connection* c, bool may_close_idle, std::string* refusal);
   Connection* idle_victim_locked(const std::string* peer);     // longest idle, nothing in flight
-  Connection* preauth_victim_locked(const std::string& peer);  // oldest unauthenticated of peer
+  Connection* preauth_victim_locked(const std::string& peer);  // oldest unauthenticated of peer, silent first
   bool close_for_room_locked(Connection* victim);              // false: it became busy meanwhile
   void release_slots_locked(Connection* c);
 

@@ -18,7 +18,8 @@ import pytest
 
 import gcache
 from gcache import errors
-from tests.support.raw_protocol import BUSY, STORED, RawConnection, raw_auth
+from gcache.wire.auth import auth_mac, token_id
+from tests.support.raw_protocol import AUTH, BUSY, STORED, RawConnection, raw_auth
 from tests.support.slots import busy_connection
 
 pytestmark = pytest.mark.process
@@ -223,3 +224,35 @@ def test_authenticated_connections_are_never_dropped_auth_beyond_the_caps_is_bus
             with gcache.Client(node.address, token=TOKEN, transport="tcp", retries=0) as client:
                 client.ping()
         raw_round_trip(holder, b"holder")
+
+
+def test_a_client_in_the_middle_of_its_auth_outlives_silent_sockets_from_its_own_address(server_factory, tmp_path):
+    """The issue's 127.0.0.1 case: engines share the attacker's address. A connection that has
+    asked for its nonce outlives a flood of silent sockets from that address, far past its share:
+    the silent ones are dropped first."""
+    node = server_factory(
+        extra_args=[
+            *("--auth-file", write_auth_file(tmp_path), "--auth-timeout-s", "60"),
+            *("--preauth-connections-per-address-max", "8"),
+        ]
+    )
+    legit = SourcedConnection(node.port, ATTACKERS[0])
+    nonce = legit.request(AUTH, {}).meta["nonce"]  # answered: the node has read a frame of it
+    flood = []
+    try:
+        for _ in range(64):
+            flood.append(
+                socket.create_connection(("127.0.0.1", node.port), timeout=30, source_address=(ATTACKERS[0], 0))
+            )
+        # A later connection authenticated: the accept loop (one, in order) has taken every flood socket.
+        with raw_auth(SourcedConnection(node.port, "127.0.0.6"), TOKEN):
+            pass
+        answer = legit.request(AUTH, {"id": token_id(TOKEN), "mac": auth_mac(TOKEN, nonce)})
+        assert answer.status == 0 and answer.meta["tenant"] == "alice", answer
+        raw_round_trip(legit, b"mid-auth")
+        stats = legit.stats()
+        assert stats["counters"]["preauth_dropped"] == 64 + 1 - 8  # every one of them a silent socket
+    finally:
+        legit.close()
+        for s in flood:
+            s.close()
