@@ -35,6 +35,8 @@ A node with --auth-file needs a token: --token-file FILE, else $GCACHE_TOKEN, el
 the file named by $GCACHE_TOKEN_FILE (a token on the command line would show in `ps`).
 `gcache admin --master URL map|status|drain NODE [--wait]|remove NODE` talks to the
 gcache-master replicas (URL gcache://h:p,h:p; default $GCACHE_MASTER).
+`gcache doctor [--memory SIZE] [--connections N] [--rdma]` checks this host's settings
+(no server needed): exit 0 when nothing warns, 1 on a warning.
 """
 
 # put reads the whole value into memory; this is an operator tool, not a loader.
@@ -82,8 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ping", help="check the server answers; print its version and round trip")
 
     from gcache.cli import admin as cli_admin
+    from gcache.cli import doctor as cli_doctor
 
     cli_admin.add_parser(sub)
+    cli_doctor.add_parser(sub)
     return parser
 
 
@@ -195,6 +199,14 @@ def main(argv=None) -> int:
         from gcache.cli import admin as cli_admin
 
         return cli_admin.main(args, sys.modules[__name__])
+    if args.command == "doctor":  # this host's settings: no server involved
+        from gcache.cli import doctor as cli_doctor
+
+        try:
+            return cli_doctor.main(args)
+        except ValueError as exc:
+            print(f"gcache doctor: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     from gcache.client import Client  # after parsing, so --help stays fast
     from gcache.wire.auth import read_token_file, resolve_token
 

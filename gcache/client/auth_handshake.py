@@ -30,6 +30,12 @@ def _exchange(conn, meta: dict) -> dict:
             "unauthenticated",
             conn.address,
         )
+    if status == FrameStatus.BUSY:  # authenticated, but the node's authenticated connections fill its caps
+        raise errors.ServerBusyError(
+            f"gcache-server at {conn.address} is at its connection limit ({message}); retry later, "
+            "lower pool_size, or raise the server's --connections-max",
+            conn.address,
+        )
     if status == FrameStatus.UNKNOWN_OPCODE:
         raise errors.AuthError(
             f"gcache-server at {conn.address} does not know AUTH (an older version): it has no "

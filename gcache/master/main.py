@@ -19,6 +19,7 @@ import threading
 
 from gcache.cluster.master_api import MASTERS_MAX
 from gcache.common.address import parse_host_port
+from gcache.common.file_modes import PRIVATE_DIR_MODE, private_umask, secret_file_problems
 
 log = logging.getLogger("gcache.master")
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="HOST:PORT",
         help="address to bind for Raft when it differs from --raft (e.g. 0.0.0.0:7701 "
-        "behind NAT or Kubernetes DNS names); default: --raft",
+        "behind NAT or Kubernetes DNS names); default: exactly --raft's host and port",
     )
     p.add_argument(
         "--peers",
@@ -189,13 +190,18 @@ def _auth(args):
             f"auth file {args.auth_file}: tenant(s) {', '.join(names)} still have the example's "
             "placeholder token; generate real ones (docs/security.md)"
         )
+    problems = secret_file_problems(args.auth_file)
+    if problems.error:
+        raise UsageError(problems.error)
+    if problems.warning:
+        log.warning("%s (it holds the tokens)", problems.warning)
     return auth
 
 
 def _lock_data_dir(data_dir: str):
     """Creates the dir and holds a lock in it: two replicas on one journal would corrupt it."""
     try:
-        os.makedirs(data_dir, exist_ok=True)
+        os.makedirs(data_dir, mode=PRIVATE_DIR_MODE, exist_ok=True)
         lock = open(os.path.join(data_dir, LOCK_FILE), "a")
     except OSError as e:
         raise UsageError(f"--data-dir {data_dir!r}: {e.strerror or e}; give a writable directory") from None
@@ -210,6 +216,16 @@ def _lock_data_dir(data_dir: str):
 
 
 def main(argv=None) -> int:
+    """The journal and everything else it writes: 0600 / 0700, whatever the umask it was
+    started with (restored on return, for callers in the same process)."""
+    previous_umask = private_umask()
+    try:
+        return _main(argv)
+    finally:
+        os.umask(previous_umask)
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         derived = validate(args)
@@ -277,7 +293,8 @@ def _serve(args, derived: dict, stop: threading.Event) -> int:
         log.info("map epoch %d: %s", new_map.epoch, change)
 
     replicated_map = ReplicatedMap(on_change=on_change)
-    raft = MasterRaft(args.raft, peers, args.data_dir, replicated_map, bind_address=args.raft_bind or None)
+    # Exactly --raft's address unless --raft-bind says otherwise (pysyncobj alone binds 0.0.0.0).
+    raft = MasterRaft(args.raft, peers, args.data_dir, replicated_map, bind_address=args.raft_bind or args.raft)
     try:
         raft.waitBinded()
     except SyncObjException:

@@ -69,6 +69,8 @@ class ServerSettings:
     # (not a field, so tokens never reach as_dict() and the config log line).
     auth_file: str = ""
     auth_timeout_s: float = 5.0
+    preauth_connections_max: int = 256  # not yet authenticated (auth only); the oldest goes first
+    preauth_connections_per_address_max: int = 64
     # TLS towards the masters' gRPC API (PEM paths): their CA, and a client cert where they require one.
     master_tls_ca: str = ""
     master_tls_cert: str = ""
@@ -166,6 +168,8 @@ class ServerSettings:
             "warm_restart": self.warm_restart,
             "tenants": self.auth.native_tenants() if self.auth else None,
             "auth_timeout_s": self.auth_timeout_s,
+            "preauth_connections_max": self.preauth_connections_max,
+            "preauth_connections_per_address_max": self.preauth_connections_per_address_max,
             "eviction_policy": self.eviction_policy,
             "eviction_fresh_weight": self.eviction_fresh_weight,
             "eviction_ghost_factor": self.eviction_ghost_factor,
@@ -183,10 +187,34 @@ class ServerSettings:
         too long for a socket address (108 bytes), or with --disk 0 and no such dir."""
         if self.unix_socket != "auto":
             return os.path.abspath(self.unix_socket) if self.unix_socket else ""
-        if not self.data_dir or (self.disk == 0 and not os.path.isdir(self.data_dir)):
-            return ""  # a memory-only node creates no data dir just for the socket
-        path = os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
+        if not self.data_dir:
+            return ""
+        path = self._auto_unix_socket_path()
         return path if len(path.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX else ""
+
+    def _auto_unix_socket_path(self) -> str:
+        return os.path.abspath(os.path.join(self.data_dir, UNIX_SOCKET_NAME))
+
+    def no_unix_socket_reason(self) -> str:
+        """Why same-host clients get no shared memory from this node ("" when they do), with
+        what to change: `Client(transport="auto")` then uses TCP."""
+        if self.auth_file:
+            return (
+                "--auth-file is set and the arena holds every tenant's values, so shared memory "
+                "is refused; same-host clients use TCP (docs/security.md)"
+            )
+        if self.unix_socket == "":
+            return "--unix-socket '' turns the Unix socket off; same-host clients use TCP"
+        if self.unix_socket == "auto" and not self.data_dir:
+            return "no --data-dir for the Unix socket; pass --unix-socket PATH, or same-host clients use TCP"
+        if self.unix_socket == "auto" and not self.unix_socket_path():
+            path = self._auto_unix_socket_path()
+            return (
+                f"the socket path {path} is {len(path.encode())} bytes, over the "
+                f"{UNIX_SOCKET_PATH_BYTES_MAX} a Unix socket allows; pass a shorter --unix-socket "
+                "PATH, or same-host clients use TCP"
+            )
+        return ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -232,7 +260,8 @@ memory tier is written to disk (a restart comes back warm), then exit 0.
 exit codes:
   0  clean stop, or left the cluster after a completed drain
   1  internal error
-  2  usage or configuration error (bad flag, bad value, unreadable config file)
+  2  usage or configuration error (bad flag, bad value, unreadable config file, a data
+     dir other users may read or write, an auth file others may write)
   3  cannot serve: port already in use, data dir locked or unusable
 """
 
@@ -250,7 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="data port (default 7600; 0 = any free port)")
     p.add_argument("--memory", help="memory tier (shared-memory arena) size (default 1GiB)")
     p.add_argument("--disk", help="disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)")
-    p.add_argument("--data-dir", help="directory for disk segments and the warm list (default ./gcache-data)")
+    p.add_argument(
+        "--data-dir",
+        help="directory for disk segments, the warm list and the Unix socket; created mode 0700, "
+        "refused if other users may read or write it (default ./gcache-data)",
+    )
     p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
     p.add_argument(
         "--admin-port",
@@ -362,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="Unix socket for clients on this host: they map the arena and copy values "
         "themselves (transport 'shm'); mode 0600, so only this user's processes; "
-        "'' = none (default <data-dir>/gcache.sock, if the dir exists or --disk is "
-        "not 0); with --auth-file shared memory "
+        "'' = none (default <data-dir>/gcache.sock; the node creates the dir, 0700); "
+        "with --auth-file shared memory "
         "is refused, since the arena holds every tenant's values",
     )
     local.add_argument(
@@ -397,6 +430,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="close a connection that has not authenticated within this long; "
         "before AUTH only PING is answered (default 5)",
+    )
+    security.add_argument(
+        "--preauth-connections-max",
+        type=int,
+        help="most connections not yet authenticated, apart from --connections-max: when "
+        "full, the oldest of them (of the address holding the most) is dropped, so a "
+        "client that authenticates always gets in (default 256)",
+    )
+    security.add_argument(
+        "--preauth-connections-per-address-max",
+        type=int,
+        help="most connections not yet authenticated from one address; when full, that "
+        "address's oldest is dropped (default 64)",
     )
     cluster = p.add_argument_group("cluster (docs/cluster.md)")
     cluster.add_argument(
@@ -510,6 +556,11 @@ def _validate(s: ServerSettings) -> None:
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
         (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
         (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
+        (1 <= s.preauth_connections_max <= 1 << 20, "--preauth-connections-max must be 1..1048576"),
+        (
+            1 <= s.preauth_connections_per_address_max <= 1 << 20,
+            "--preauth-connections-per-address-max must be 1..1048576",
+        ),
         (s.eviction_policy in EVICTION_POLICIES, f"--eviction-policy must be one of {', '.join(EVICTION_POLICIES)}"),
         (
             s.eviction_fresh_weight == 0 or 1 <= s.eviction_fresh_weight <= 64,

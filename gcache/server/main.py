@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,9 @@ from pathlib import Path
 
 from gcache import __version__
 from gcache.common.address import join_host_port, parse_host_port
+from gcache.common.file_modes import FileModeError, prepare_private_dir, private_umask, secret_file_problems
+from gcache.common.host_checks import HostNeeds, run_checks, warning_lines
+from gcache.common.host_checks import gauges as host_gauges
 from gcache.server.config import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -56,12 +60,19 @@ class Node:
         self.agent = None  # ClusterAgent with --master, started once the data port listens
         self.rdma = None  # gcache.server.rdma.RdmaRegion with --rdma-device
         self.parked = False  # drained earlier (DRAINED marker): up, but out of the cluster
+        self.host_gauges: dict[str, int] = {}  # the host checks' results (gcache.common.host_checks)
         # Before the store opens (which can take a while): a missing device fails at once.
         rdma_device = None
         if settings.rdma_device:
             from gcache.server.rdma import open_device
 
             rdma_device = open_device(settings.rdma_device)  # RdmaUnavailable
+        try:
+            _prepare_data_dir(settings)  # before the Unix socket and the store
+        except BaseException:
+            if rdma_device is not None:
+                rdma_device.close()
+            raise
         # Admin ports bind first: once the data port accepts, everything is up.
         try:
             admin_host = settings.admin_host or settings.host
@@ -99,6 +110,7 @@ class Node:
 
     def stats(self) -> dict:
         stats = self.native.stats()
+        stats.setdefault("gauges", {}).update(self.host_gauges)  # gcache_host_check_<name>
         agent = self.agent
         if agent is not None:  # rebalance counters and cluster gauges beside the native ones
             for section, values in agent.metrics().items():
@@ -177,6 +189,31 @@ class Node:
         log.info("stopped cleanly")
 
 
+class DataDirUnusable(Exception):
+    """--data-dir cannot be created."""
+
+
+def _prepare_data_dir(settings: ServerSettings) -> None:
+    """Creates the data dir 0700 where it is missing (also with --disk 0: the Unix socket lives
+    there); FileModeError when other users may read or write an existing one."""
+    if not settings.data_dir:
+        return
+    try:
+        if prepare_private_dir(settings.data_dir):
+            log.info("created the data dir %s (mode 0700)", settings.data_dir)
+    except OSError as e:
+        raise DataDirUnusable(f"cannot create --data-dir {settings.data_dir}: {e.strerror or e}") from None
+
+
+def host_needs(settings: ServerSettings) -> HostNeeds:
+    """What the host checks compare against: the arena, RDMA registration, the connection caps."""
+    return HostNeeds(
+        arena_bytes=settings.memory,
+        rdma=bool(settings.rdma_device),
+        connections=settings.connections_max + (settings.preauth_connections_max if settings.auth_file else 0),
+    )
+
+
 def _write_drained_marker(settings: ServerSettings) -> None:
     marker = drained_marker(settings)
     if marker is None:
@@ -203,15 +240,28 @@ def _setup_logging(level: str) -> None:
 
 
 def run(settings: ServerSettings) -> int:
+    """Serves until a signal (or a completed drain); returns the exit code. Every file and
+    directory the node creates meanwhile is 0600 / 0700, whatever the umask it was started
+    with (restored on return, for callers in the same process)."""
+    previous_umask = private_umask()
+    try:
+        return _run(settings)
+    finally:
+        os.umask(previous_umask)
+
+
+def _run(settings: ServerSettings) -> int:
     from gcache import _native
 
     log.info("config %s", json.dumps(settings.as_dict(), sort_keys=True))
     if settings.auth_file:
-        from gcache.wire.auth import world_readable
-
         log.info("authentication on: %d tenants from %s", len(settings.auth.tenants), settings.auth_file)
-        if world_readable(settings.auth_file):
-            log.warning("%s is readable by every user: chmod 600 it (it holds the tokens)", settings.auth_file)
+        problems = secret_file_problems(settings.auth_file)
+        if problems.error:
+            log.error("%s", problems.error)
+            return EXIT_USAGE
+        if problems.warning:
+            log.warning("%s (it holds the tokens)", problems.warning)
     elif settings.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
             "no --auth-file and --host %s: anyone who can reach port %d can read, overwrite and "
@@ -225,6 +275,12 @@ def run(settings: ServerSettings) -> int:
             "node with authentication refuses it; drop one of the two"
         )
         return EXIT_USAGE
+    no_socket = settings.no_unix_socket_reason()
+    if no_socket:
+        log.warning("no shared memory for same-host clients: %s", no_socket)
+    host = run_checks(host_needs(settings))
+    for line in warning_lines(host):
+        log.warning("%s", line)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -237,6 +293,12 @@ def run(settings: ServerSettings) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         node = Node(settings)
+    except FileModeError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    except DataDirUnusable as e:
+        log.error("%s", e)
+        return EXIT_UNAVAILABLE
     except _native.StoreOpenError as e:
         log.error("%s; check --data-dir exists, is writable and no other gcache-server uses it", e)
         return EXIT_UNAVAILABLE
@@ -253,6 +315,7 @@ def run(settings: ServerSettings) -> int:
         drained.set()
         stop.set()
 
+    node.host_gauges = host_gauges(host)
     node.start(on_drained)
     admin = f", admin http :{node.admin_http.port}" if node.admin_http else ""
     admin += f", admin grpc :{node.admin_grpc.port}" if node.admin_grpc else ""

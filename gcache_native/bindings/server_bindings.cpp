@@ -141,7 +141,8 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "connections_per_address_max", "connections_per_tenant_max", "meta_buffer_bytes_max",
       "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
       "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive",
-      "unix_socket_path", "shm_lease_s", "instance_id"};
+      "unix_socket_path", "shm_lease_s", "instance_id", "preauth_connections_max",
+      "preauth_connections_per_address_max"};
   // clang-format on
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
@@ -168,6 +169,9 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "warm_restart") sc->warm_restart = py::cast<bool>(v);
     else if (key == "index_bytes_max") sc->index_bytes_max = py::cast<uint64_t>(v);
     else if (key == "auth_timeout_s") vc->auth_timeout_s = py::cast<double>(v);
+    else if (key == "preauth_connections_max") vc->preauth_connections_max = py::cast<uint32_t>(v);
+    else if (key == "preauth_connections_per_address_max")
+      vc->preauth_connections_per_address_max = py::cast<uint32_t>(v);
     else if (key == "connections_per_address_max") vc->connections_per_address_max = py::cast<uint32_t>(v);
     else if (key == "connections_per_tenant_max") vc->connections_per_tenant_max = py::cast<uint32_t>(v);
     else if (key == "meta_buffer_bytes_max") vc->meta_buffer_bytes_max = py::cast<uint64_t>(v);
@@ -183,6 +187,8 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "instance_id") vc->instance_id = py::cast<std::string>(v);
   }
   if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600)) throw py::value_error("shm_lease_s must be in (0, 3600]");
+  if (vc->preauth_connections_max == 0 || vc->preauth_connections_per_address_max == 0)
+    throw py::value_error("preauth_connections_max and preauth_connections_per_address_max must be at least 1");
   if (vc->tenants) {
     for (const auto& t : vc->tenants->all()) {
       if (t->key_prefix.empty()) continue;  // the cluster role stores nothing of its own
@@ -267,7 +273,8 @@ batch_keys_max, socket_buffer_bytes, epoch, version, memory_bytes, disk_bytes,
 data_dir, segment_bytes, value_bytes_max, small_queue_fraction,
 eviction_attempts_max, warm_restart, tenants (None = no authentication, or a
 list of {"name", "token", "roles": ["read"|"write"|"admin"|"cluster"], "memory",
-"disk"}), auth_timeout_s, connections_per_address_max, connections_per_tenant_max,
+"disk"}), auth_timeout_s, preauth_connections_max,
+preauth_connections_per_address_max (both at least 1), connections_per_address_max, connections_per_tenant_max,
 meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max, eviction_policy
 ("chain", "s3fifo", "lru"), eviction_ghost_factor, eviction_fresh_weight (0 =
 tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md), unix_socket_path ("" = none),

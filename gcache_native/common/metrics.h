@@ -66,6 +66,8 @@ struct Histogram {
   X(errors_forbidden)            \
   X(connections_refused_address) \
   X(connections_refused_tenant)  \
+  X(connections_closed_for_room) \
+  X(preauth_dropped)             \
   X(idle_closes)                 \
   X(puts_reserve_refused)        \
   X(meta_budget_refused)         \

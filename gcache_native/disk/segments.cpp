@@ -53,10 +53,10 @@ bool read_segment(const SegmentFile& file, uint64_t offset, uint64_t len, void* 
 
 DiskSegments::DiskSegments(const std::string& dir, uint64_t disk_bytes, uint64_t segment_bytes, Metrics* metrics)
     : dir_(dir), disk_bytes_(disk_bytes), segment_bytes_(segment_bytes ? segment_bytes : 1), metrics_(metrics) {
-  if (mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST)
+  if (mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST)
     throw std::runtime_error("cannot create data dir " + dir_ + ": " + errno_text());
   std::string lock_path = dir_ + "/LOCK";
-  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw std::runtime_error("cannot open " + lock_path + ": " + errno_text());
   if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
@@ -135,7 +135,7 @@ void DiskSegments::scan(const std::function<void(const ScannedRecord&)>& visit) 
 
 DiskSegments::Segment& DiskSegments::open_new_segment() {
   uint32_t id = next_id_++;
-  int fd = open(path_of(id).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  int fd = open(path_of(id).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) throw std::runtime_error("cannot create segment " + path_of(id) + ": " + errno_text());
   Segment& segment = segments_[id];
   segment.file = std::make_shared<SegmentFile>();

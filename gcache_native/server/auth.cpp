@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -154,6 +155,16 @@ bool Server::handle_auth(Connection* c, const FrameHeader& h) {
                "authentication failed: this node's --auth-file has no tenant with that token "
                "(check GCACHE_TOKEN or the client's token=); the connection is closed");
     return false;
+  }
+  {  // from the pre-auth budget to a slot: the authenticated caps apply from here
+    std::string refusal;
+    std::unique_lock<std::mutex> lock(conns_mu_);
+    if (!promote_locked(c, &refusal)) {
+      lock.unlock();
+      if (refusal.empty()) return false;  // dropped to make room while it authenticated
+      send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::Busy, refusal);
+      return false;
+    }
   }
   const uint32_t tenant_max = config_.connections_per_tenant_max;
   if (t->connections.fetch_add(1) >= tenant_max && tenant_max > 0) {

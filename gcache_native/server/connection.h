@@ -61,6 +61,12 @@ struct Server::Reply {
 };
 using Reply = Server::Reply;
 
+// What a connection's thread is doing, for the accept loop's choice of a
+// connection to close to make room (server/admission.cpp): auth off, only an
+// Idle one (waiting for a frame; no leases, reservations or RDMA) may become
+// Evicted; an unauthenticated one (auth on) is dropped whatever it does.
+enum class Activity : uint8_t { Busy, Idle, Evicted };
+
 struct Server::Connection {
   int fd = -1;
   SocketTimer timer;  // fd and its kernel timeouts (see arm)
@@ -68,10 +74,17 @@ struct Server::Connection {
   const Tenant* tenant = nullptr;  // set by a successful AUTH (auth on only)
   bool nonce_issued = false;       // a challenge is outstanding (single use)
   uint8_t nonce[kAuthNonceBytes] = {};
-  std::string keys_buf;       // the request's keys with the tenant prefix
-  std::string peer;           // the peer's address (no port): --connections-per-address-max
-  std::string owner;          // whose budget shares it uses: "a:" + peer, or "t:" + tenant
-  int64_t last_work_us = 0;   // last data request or AUTH: the idle timeout counts from here
+  std::string keys_buf;                  // the request's keys with the tenant prefix
+  std::string peer;                      // the peer's address (no port): --connections-per-address-max
+  std::string owner;                     // whose budget shares it uses: "a:" + peer, or "t:" + tenant
+  std::atomic<int64_t> last_work_us{0};  // last data request or AUTH: the idle timeout counts from here
+  std::atomic<Activity> activity{Activity::Busy};
+  // Slots (server/admission.cpp), guarded by the server's conns_mu_.
+  bool holds_slot = false;  // counted in connections_max and the address's cap
+  bool preauth = false;     // counted in the pre-auth budget (auth on, before AUTH)
+  bool evicted = false;     // closed to make room: its thread ends at its next step
+  // A frame arrived before AUTH: the pre-auth budget drops silent connections first.
+  std::atomic<bool> spoke{false};
   uint64_t meta_charged = 0;  // meta buffer bytes charged to the global budget
   std::thread thread;
   std::atomic<bool> finished{false};

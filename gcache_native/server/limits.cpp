@@ -61,7 +61,28 @@ bool PeerCounts::try_add(const std::string& peer) {
 void PeerCounts::remove(const std::string& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = counts_.find(peer);
+  GCACHE_ASSERT(it != counts_.end() && it->second > 0);  // only peers added come back
   if (it != counts_.end() && --it->second == 0) counts_.erase(it);
+}
+
+bool PeerCounts::at_cap(const std::string& peer) const {
+  if (max_ == 0) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = counts_.find(peer);
+  return it != counts_.end() && it->second >= max_;
+}
+
+std::string PeerCounts::heaviest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string best;
+  uint32_t most = 0;
+  for (const auto& [peer, n] : counts_) {
+    if (n > most) {
+      most = n;
+      best = peer;
+    }
+  }
+  return best;
 }
 
 }  // namespace gcache

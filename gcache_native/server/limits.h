@@ -37,16 +37,19 @@ class ByteBudget {
   std::unordered_map<std::string, uint64_t> by_owner_;
 };
 
-// Open connections per peer address, for --connections-per-address-max.
+// Open connections per peer address, for --connections-per-address-max (and
+// the pre-auth budget's per-address cap).
 class PeerCounts {
  public:
   explicit PeerCounts(uint32_t per_peer_max) : max_(per_peer_max) {}
   bool try_add(const std::string& peer);  // false: the peer is at its cap (0 = no cap)
   void remove(const std::string& peer);
+  bool at_cap(const std::string& peer) const;  // false when there is no cap
+  std::string heaviest() const;                // the peer with the most connections ("" when none)
 
  private:
   const uint32_t max_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::unordered_map<std::string, uint32_t> counts_;
 };
 

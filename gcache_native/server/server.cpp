@@ -134,6 +134,15 @@ bool is_batch_op(Opcode op) {
          op == Opcode::Lookup || op == Opcode::Reserve;
 }
 
+// Moves a connection's activity to `want` unless it was closed to make room (false).
+bool set_activity(Server::Connection* c, Activity want) {
+  Activity current = c->activity.load();
+  while (current != Activity::Evicted) {
+    if (current == want || c->activity.compare_exchange_weak(current, want)) return true;
+  }
+  return false;
+}
+
 // Answers BUSY on a connection the accept loop will not serve, then closes it.
 void refuse_busy(int fd, Metrics* m, const std::string& message) {
   Server::Connection busy;
@@ -284,6 +293,7 @@ Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
       epoch_(config.epoch),
       map_bytes_(std::make_shared<const std::string>()),
       peers_(config.connections_per_address_max),
+      preauth_peers_(config.preauth_connections_per_address_max),
       reservations_(config.put_reserve_bytes_max, config.put_reserve_bytes_max / 4),
       meta_buffers_(config.meta_buffer_bytes_max, config.meta_buffer_bytes_max / 4) {
   addrinfo hints{};
@@ -466,44 +476,40 @@ void Server::accept_loop() {
     metrics_->connections_accepted++;
     // A local peer counts per process: its limits are per client, as an address's are.
     const std::string peer = is_unix ? unix_peer(fd) : peer_address(peer_addr);
-    if (metrics_->connections_open.load() >= int64_t(config_.connections_max)) {
-      refuse_busy(fd, metrics_,
-                  "server has " + std::to_string(config_.connections_max) +
-                      " connections (connections_max); retry later, reuse pooled connections, or "
-                      "raise --connections-max");
-      continue;
-    }
-    if (!peers_.try_add(peer)) {
-      metrics_->connections_refused_address++;
-      refuse_busy(fd, metrics_,
-                  "address " + peer + " already has " + std::to_string(config_.connections_per_address_max) +
-                      " connections (--connections-per-address-max); reuse pooled connections");
-      continue;
-    }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    set_socket_buffers(fd, config_.socket_buffer_bytes);
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
     conn->is_unix = is_unix;
-    conn->accepted_us = conn->last_work_us = now_us();
+    conn->accepted_us = now_us();
+    conn->last_work_us = conn->accepted_us;
     conn->peer = peer;
     // Budget shares: per address over TCP; per connection on the Unix socket, where a
     // RESERVE holds its share until COMMIT and a same-user process is trusted with the
     // arena anyway (the total still bounds them all).
     conn->owner = is_unix ? "u:" + peer + "#" + std::to_string(fd) : "a:" + peer;
     conn->stall_timeout_s = config_.stall_timeout_s;
-    conn->timer = SocketTimer::for_socket(fd, config_.stall_timeout_s);
+    // Auth off, it waits for its first frame holding nothing: it may make room
+    // as any idle one does (one whose peer already left counts no longer).
+    if (!auth_on()) conn->activity.store(Activity::Idle);
     Connection* raw = conn.get();
+    std::unique_lock<std::mutex> lock(conns_mu_);
+    std::string refusal;
+    if (!admit_locked(raw, &refusal)) {  // every slot busy (auth off) or authenticated
+      lock.unlock();
+      refuse_busy(fd, metrics_, refusal);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    set_socket_buffers(fd, config_.socket_buffer_bytes);
+    conn->timer = SocketTimer::for_socket(fd, config_.stall_timeout_s);
     metrics_->connections_open++;
-    std::lock_guard<std::mutex> lock(conns_mu_);
     try {
       raw->thread = std::thread([this, raw] { serve(raw); });
       conns_.push_back(std::move(conn));
     } catch (const std::system_error&) {
       metrics_->errors_internal++;
       metrics_->connections_open--;
-      peers_.remove(peer);
+      release_slots_locked(raw);
       close(fd);
     }
   }
@@ -542,6 +548,9 @@ void Server::serve(Connection* c) {
 // reservation expiry (to expire it). Also the stop signal, when idle.
 Server::Flow Server::await_frame(Connection* c) {
   if (c->shm.next_deadline_us() != 0 && expire_shm(c)) return Flow::Close;
+  // Auth off, a connection waiting with nothing held may be closed to make room (admission.cpp).
+  const bool holds_nothing = !auth_on() && c->shm.next_deadline_us() == 0 && c->rdma_id == 0;
+  if (!set_activity(c, holds_nothing ? Activity::Idle : Activity::Busy)) return Flow::Close;
   double wait_s = config_.idle_timeout_s - double(now_us() - c->last_work_us) / 1e6;
   if (wait_s <= 0) {
     metrics_->idle_closes++;
@@ -562,6 +571,7 @@ Server::Flow Server::await_frame(Connection* c) {
   if (ready == 0 && !stopping_) return Flow::Retry;           // the next wait decides: idle, or auth deadline
   if (ready == 0 || fds[0].revents == 0) return Flow::Close;  // stopping and idle
   if (stopping_ && now_us() > stop_deadline_us_) return Flow::Close;
+  if (!set_activity(c, Activity::Busy)) return Flow::Close;  // closed to make room just now
   return Flow::Proceed;
 }
 
@@ -590,6 +600,7 @@ Server::Flow Server::read_frame_header(Connection* c, FrameHeader* h, int64_t* s
     recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
   *start_us = now_us();
   *h = parse_frame_header(header_bytes);
+  if (unauthenticated(c)) c->spoke.store(true, std::memory_order_relaxed);
   c->deadline_us = frame_deadline_us(
       c, first_byte_us, uint64_t(kFrameHeaderBytes) + h->meta_len + std::min<uint64_t>(h->payload_len, UINT64_MAX / 2));
   metrics_->requests++;
@@ -658,11 +669,12 @@ bool Server::dispatch(Connection* c, const FrameHeader& h, int64_t start_us) {
 
 // The connection is done: give back what it holds and mark it for the reaper.
 void Server::end_connection(Connection* c) {
+  c->activity.store(Activity::Busy);  // never chosen to make room from here on
   end_shm_session(c);
   release_meta(c);
-  peers_.remove(c->peer);
   if (c->tenant != nullptr) c->tenant->connections--;
   std::lock_guard<std::mutex> lock(conns_mu_);
+  release_slots_locked(c);
   close(c->fd);
   c->fd = -1;
   metrics_->connections_open--;
@@ -1035,6 +1047,10 @@ bool Server::unauthenticated(const Connection* c) const { return auth_on() && c-
 
 void Server::fill_gauges(std::vector<std::pair<std::string, int64_t>>* out) const {
   out->emplace_back("connections_open", metrics_->connections_open.load());
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    out->emplace_back("connections_unauthenticated", int64_t(preauth_used_));
+  }
   out->emplace_back("put_reserved_bytes", int64_t(reservations_.used()));
   out->emplace_back("meta_buffer_bytes", int64_t(meta_buffers_.used()));
 }

@@ -47,6 +47,12 @@ struct ServerConfig {
   // Authentication (--auth-file): null = off, every connection may do everything.
   std::shared_ptr<const TenantTable> tenants;
   double auth_timeout_s = 5;  // an unauthenticated connection lives this long
+  // The pre-auth budget (auth on): connections that have not authenticated yet
+  // count here, not in connections_max or the per-address cap. When it is full
+  // the oldest unauthenticated connection (of the address holding the most) is
+  // dropped, so a client that authenticates promptly always gets in.
+  uint32_t preauth_connections_max = 256;
+  uint32_t preauth_connections_per_address_max = 64;
   // Same-host clients (docs/protocol.md, "Shared memory and RDMA"): a Unix
   // socket ("" = none) whose connections may map the arena, and how long a
   // LOOKUP lease or a RESERVE reservation lasts.
@@ -168,6 +174,19 @@ class Server {
   void release_meta(Connection* c);
   int64_t budget_wait_deadline(const Connection* c) const;
   void send_stale_epoch(Connection* c, const FrameHeader& h);
+  // Connection slots (server/admission.cpp), all under conns_mu_. A new
+  // connection takes a pre-auth place (auth on) or a slot (auth off), closing
+  // an unauthenticated or an idle one to make room; false: *refusal says why.
+  bool admit_locked(Connection* c, std::string* refusal);
+  // AUTH succeeded: from the pre-auth budget to a slot. False: dropped meanwhile
+  // (*refusal empty) or no slot free (*refusal says why; authenticated
+  // connections are never closed to make room).
+  bool promote_locked(Connection* c, std::string* refusal);
+  bool take_slot_locked(Connection* c, bool may_close_idle, std::string* refusal);
+  Connection* idle_victim_locked(const std::string* peer);     // longest idle, nothing in flight
+  Connection* preauth_victim_locked(const std::string& peer);  // oldest unauthenticated of peer, silent first
+  bool close_for_room_locked(Connection* victim);              // false: it became busy meanwhile
+  void release_slots_locked(Connection* c);
 
   ServerConfig config_;
   Store* store_;
@@ -201,11 +220,14 @@ class Server {
   std::condition_variable admit_cv_;
   std::map<int64_t, uint64_t> puts_in_flight_;
 
-  PeerCounts peers_;
-  ByteBudget reservations_;  // PUT reservations whose bytes have not all arrived
-  ByteBudget meta_buffers_;  // metadata buffers grown past kMetaFreeBytes
+  PeerCounts peers_;           // slots by address (guarded by conns_mu_ too)
+  PeerCounts preauth_peers_;   // pre-auth places by address
+  uint32_t slots_used_ = 0;    // guarded by conns_mu_
+  uint32_t preauth_used_ = 0;  // guarded by conns_mu_
+  ByteBudget reservations_;    // PUT reservations whose bytes have not all arrived
+  ByteBudget meta_buffers_;    // metadata buffers grown past kMetaFreeBytes
 
-  std::mutex conns_mu_;
+  mutable std::mutex conns_mu_;
   std::condition_variable conns_cv_;
   std::list<std::unique_ptr<Connection>> conns_;
 };

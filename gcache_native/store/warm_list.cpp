@@ -42,7 +42,7 @@ bool write_warm_list(const std::string& path, const std::vector<WarmItem>& items
   uint64_t sum = xxh64(data.data(), data.size());
   put_bytes(&data, &sum, sizeof(sum));
   std::string tmp = path + ".tmp";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return false;
   bool ok = write_all(fd, data) && fsync(fd) == 0;
   close(fd);

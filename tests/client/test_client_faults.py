@@ -9,6 +9,7 @@ import pytest
 
 from gcache import Client, errors
 from tests.support.servers import ServerProcess
+from tests.support.slots import busy_connection
 
 
 def test_killed_server_gives_connection_error(server):
@@ -132,8 +133,7 @@ def test_pool_exhaustion_is_a_bounded_wait(server):
 
 def test_server_at_its_connection_limit_gives_busy_error(server_factory):
     node = server_factory("busy", extra_args=["--connections-max", "1"])
-    holder = Client(node.address)
-    holder.ping()  # keeps the server's only connection open in its pool
+    holder = busy_connection(node)  # the only slot, with a frame under way: never closed for room
     other = Client(node.address, retries=1, retry_backoff_s=0.01)
     with pytest.raises(errors.ServerBusyError, match="connections-max"):
         other.ping()

@@ -29,6 +29,7 @@ from tests.support.raw_protocol import (
     frame_bytes,
     put_frame,
 )
+from tests.support.slots import busy_connection
 
 KNOWN_STATUSES = set(range(8))
 
@@ -171,6 +172,8 @@ def test_idle_connection_is_closed(server_factory):
 
 
 def test_connection_limit_answers_busy(server_factory):
+    """Every slot held by a connection with a frame under way: a new one is answered BUSY (idle
+    ones would be closed to make room instead, tests/wire/test_preauth_budget.py)."""
     node = server_factory(extra_args=["--connections-max", "2"])
     # The fixture's readiness probe is a bare TCP connect the server may not have accepted
     # yet. A PING answered on a later connection proves it was (one accept loop, in order),
@@ -178,8 +181,7 @@ def test_connection_limit_answers_busy(server_factory):
     with RawConnection(node.port) as probe:
         assert probe.ping()
     wait_connections_open(node, 0)
-    first, second = RawConnection(node.port), RawConnection(node.port)
-    assert first.ping() and second.ping()
+    first, second = busy_connection(node), busy_connection(node)
     with RawConnection(node.port) as third:
         frame = third.recv_frame()
         assert frame.status == BUSY and "connections-max" in frame.meta["error"]

@@ -43,7 +43,12 @@ class InProcessWorker:
     def __init__(self, request_timeout_s: float) -> None:
         self.engine, name = build_engine(parse_args(WORKER_ARGS + ["--max-new-tokens", "1000", "--kv-budget-mib", "4"]))
         app, self.engine_thread = make_app(
-            self.engine, name, request_timeout_s=request_timeout_s, max_in_flight=4, integrity_check_s=0
+            self.engine,
+            name,
+            request_timeout_s=request_timeout_s,
+            max_in_flight=4,
+            integrity_check_s=0,
+            host_gauges={"host_check_swap": 0, "host_check_numa_balancing": 1},
         )
         self.gate, self.in_engine = Gate(), InEngine()
         self.engine_thread.add_step_hook(self.gate)
@@ -158,3 +163,9 @@ def test_shutdown_with_a_stream_open_ends_it_with_an_error_event(worker):
     assert events[-2]["error"]["message"] == "request aborted: engine stopped" and events[-2]["error"]["code"] == 503
     status, body, _ = post_json(worker.port, "/v1/completions", {"prompt": "x"})
     assert status == 503 and "engine is not running" in body["error"]["message"]
+
+
+@pytest.mark.process
+def test_host_checks_are_gauges_in_the_workers_metrics(worker):
+    assert worker.counter("gcache_worker_host_check_swap") == 0
+    assert worker.counter("gcache_worker_host_check_numa_balancing") == 1

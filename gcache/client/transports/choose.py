@@ -103,6 +103,7 @@ def open_transport(
         return _shm(address, timeout_s, connect_timeout_s, token, copy_threads)
     if kind == "rdma":
         return _rdma(address, timeout_s, connect_timeout_s, token)
+    why_not = []
     for name, pick in (
         ("shm", lambda: _shm(address, timeout_s, connect_timeout_s, token, copy_threads)),
         ("rdma", lambda: _rdma(address, timeout_s, connect_timeout_s, token)),
@@ -111,4 +112,19 @@ def open_transport(
             return pick()
         except errors.TransportUnavailableError as exc:
             log.debug("transport %s not used for %s: %s", name, address, exc)
+            why_not.append(f"{name}: {exc}")
+    _log_tcp_choice_once(address, "; ".join(why_not))
     return TcpTransport(address, timeout_s, connect_timeout_s, token), None
+
+
+_TCP_LOGGED_MAX = 1024  # addresses remembered, so the log line comes once per node
+_tcp_logged: set[str] = set()
+
+
+def _log_tcp_choice_once(address: str, why_not: str) -> None:
+    """Says once per process and node why "auto" fell back to TCP (a fifth of shm's speed on
+    the same host), not for every client."""
+    if address in _tcp_logged or len(_tcp_logged) >= _TCP_LOGGED_MAX:
+        return
+    _tcp_logged.add(address)
+    log.info("transport 'auto' chose TCP for %s (%s)", address, why_not)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
+from gcache.common.file_modes import make_private_dir
 from gcache.common.processes import PidProcess, Process, free_port, stop_process, stop_processes
 from gcache.tools.devcluster import local_security
 from gcache.tools.devcluster.local_masters import master_command
@@ -313,7 +314,7 @@ class LocalCluster:
         """Starts (or restarts) one member's process, detached from the caller's terminal."""
         if m.alive():
             raise RuntimeError(f"{m.role} {m.id} is already running (pid {m.pid})")
-        Path(m.data_dir).mkdir(parents=True, exist_ok=True)
+        make_private_dir(Path(m.data_dir))  # 0700: the daemon refuses a dir others may read
         m.args = self._master_args(m) if m.role == "master" else self._node_args(m)
         with open(m.log, "ab") as log:
             proc = subprocess.Popen(

@@ -22,6 +22,7 @@ import grpc
 
 from gcache.cluster import master_api as api
 from gcache.common.address import parse_host_port
+from gcache.common.file_modes import make_private_dir
 from gcache.common.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 30.0
@@ -92,7 +93,7 @@ class LocalMaster:
         """Starts the process and returns once its gRPC port accepts connections."""
         if self.alive():
             return self
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.data_dir)  # 0700: the daemon refuses a dir others may read
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.args(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gcache.common.file_modes import make_private_dir
 from gcache.common.processes import free_port, stop_process, wait_listening
 
 START_TIMEOUT_S = 60.0
@@ -115,7 +116,7 @@ class LocalServer:
             self.pick_admin_port()
 
     def _start_once(self) -> LocalServer:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.data_dir)  # 0700: the daemon refuses a dir others may read
         args = server_command(
             host="127.0.0.1",
             port=self.port,

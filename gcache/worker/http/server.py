@@ -17,6 +17,8 @@ import sys
 
 from aiohttp import web
 
+from gcache.common.host_checks import gauges as host_gauges
+from gcache.common.host_checks import run_checks, warning_lines
 from gcache.errors import GCacheError
 from gcache.serving import runner, sse
 from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
@@ -72,6 +74,7 @@ class WorkerApp:
         self.counters = HTTPCounters(
             "gcache_worker_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics", "/v1/models"), HTTP_COUNTERS
         )
+        self.host_gauges: dict[str, int] = {}  # host_check_<name>: 1 ok, 0 warn, -1 unknown
 
     def build(self) -> web.Application:
         app = openai_app(
@@ -100,6 +103,10 @@ class WorkerApp:
             {
                 "http_in_flight": ("requests holding a completion slot", self.limiter.in_flight),
                 "step_hook_errors": ("exceptions raised by engine step hooks (logged, not fatal)", et.hook_errors),
+                **{
+                    name: ("host check at start: 1 ok, 0 warning (logged with its fix), -1 unreadable", value)
+                    for name, value in self.host_gauges.items()
+                },
             }
         )
         return prometheus_response(text)
@@ -241,10 +248,13 @@ def make_app(
     body_bytes_max: int = BODY_BYTES_MAX,
     role: Role = Role.MIXED,
     handoff_wait_s: float = HANDOFF_WAIT_S,
+    host_gauges: dict[str, int] | None = None,
 ) -> tuple[web.Application, EngineThread]:
-    """The aiohttp app and its (not yet started) engine thread."""
+    """The aiohttp app and its (not yet started) engine thread; host_gauges: the host checks'
+    results for /metrics (gcache.common.host_checks.gauges)."""
     engine_thread = EngineThread(engine, inbox_max=max(1, max_in_flight), integrity_check_s=integrity_check_s)
     worker = WorkerApp(engine_thread, model_name, request_timeout_s, max_in_flight, body_timeout_s, body_bytes_max)
+    worker.host_gauges = dict(host_gauges or {})
     app = worker.build()
     PDRoutes(worker, Role(role), handoff_wait_s).install(app)  # /pd/prefill, /pd/decode by role
     return app, engine_thread
@@ -253,6 +263,9 @@ def make_app(
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host = run_checks()  # no arena or connection caps of its own: the host-wide settings
+    for line in warning_lines(host):
+        log.warning("%s", line)
     try:
         engine, name = build_engine(args)
     except (ValueError, OSError, GCacheError) as e:
@@ -267,6 +280,7 @@ def main(argv=None) -> int:
         args.body_timeout_s,
         role=Role(args.role),
         handoff_wait_s=args.pd_handoff_wait_s,
+        host_gauges=host_gauges(host),
     )
     engine_thread.start()
     publisher = None
