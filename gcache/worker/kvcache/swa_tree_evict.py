@@ -4,7 +4,9 @@ Phase 1, full deficit: remove the least-recent unlocked leaves (their full and S
 go back to the pools); a parent left as a leaf that no longer ends window-safe is cut back
 to its last window-safe page, or removed, and so on up.
 
-Phase 2, SWA deficit: free SWA pages in three tiers, least-recent nodes first in each:
+Phase 2, SWA deficit: free SWA pages in four tiers, least-recent nodes first in each:
+  spare. pages no checkpoint needs (insert(spare=...)): they would have been freed already
+     if nothing had been worth keeping them for (the first-reuse fix);
   0. pages in no window-safe node end's tail (they only serve matches ending mid-node);
   1. tails of ends that are single-child internal nodes (an earlier turn a later one extends);
   2. tails of leaves and branch points, the ends live requests match. Breaking a leaf's
@@ -56,6 +58,14 @@ class SWAEvictionMixin:
     def _evict_swa(self, needed: int, freed: list) -> None:
         """Tier by tier, least-recent nodes first; protection is computed per node when it
         is visited, so a call that finds enough old tier-0 pages stays cheap."""
+        if self._spare:
+            for node in list(self._swa_lru):
+                if freed[1] >= needed or not self._spare:
+                    break
+                if node.removed or not node.live_swa:
+                    continue
+                js = [j for j, s in enumerate(node.swa) if s in self._spare and not node.swa_locks[j]]
+                self._drop_swa(node, js[: needed - freed[1]], freed)
         for tier in (0, 1, 2):
             for node in list(self._swa_lru):
                 if freed[1] >= needed:
@@ -125,6 +135,7 @@ class SWAEvictionMixin:
             node.swa[j] = None
         self.swa_pool.free(pages)
         self._swa_owned.difference_update(pages)
+        self._spare.difference_update(pages)
         node.live_swa -= len(pages)
         freed[1] += len(pages)
         if not node.live_swa:
@@ -170,6 +181,7 @@ class SWAEvictionMixin:
         self.swa_pool.free(swa)
         self._full_owned.difference_update(full)
         self._swa_owned.difference_update(swa)
+        self._spare.difference_update(swa)
         freed[0] += len(full)
         freed[1] += len(swa)
         node.live_swa -= len(swa)
