@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.engine.speculative import accept_greedy, accept_sampled, softmax
+from gcache.worker.engine.speculative import MTP_PREFIX, accept_greedy, accept_sampled, softmax
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
@@ -36,9 +36,11 @@ def model() -> Model:
     return Model(CFG)
 
 
-def make_engine(model, mtp: int, full_pages: int = 200, swa_pages: int = 40, max_running: int = 4) -> Engine:
+def make_engine(
+    model, mtp: int, full_pages: int = 200, swa_pages: int = 40, max_running: int = 4, prefix: str = "rebuild"
+) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=max_running, dedup_min_tokens=16)
-    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, mtp_layers=mtp, scheduler=sc)
+    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, mtp_layers=mtp, mtp_prefix=prefix, scheduler=sc)
     return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
 
 
@@ -88,11 +90,11 @@ def workload(seed: int, n: int = 6):
     return jobs
 
 
-@pytest.mark.parametrize("mtp", [1, 3])
-def test_greedy_with_mtp_equals_without(model, mtp):
+@pytest.mark.parametrize("mtp,prefix", [(1, "rebuild"), (3, "rebuild"), (2, "prefill"), (2, "none")])
+def test_greedy_with_mtp_equals_without(model, mtp, prefix):
     jobs = workload(1)
     plain = run(make_engine(model, 0), jobs)
-    e = make_engine(model, mtp)
+    e = make_engine(model, mtp, prefix=prefix)
     got = run(e, jobs)
     assert any(r.cached_tokens for r in got)
     for a, b in zip(got, plain):
@@ -129,12 +131,13 @@ def test_accepted_runs_roll_back_and_equal_plain_decoding(model, wrong):
     wrong=st.sampled_from([1, 2, 5, 1000]),
     full_pages=st.integers(40, 90),
     swa_pages=st.integers(14, 24),
+    prefix=st.sampled_from(MTP_PREFIX),
 )
-def test_random_workloads_on_tiny_pools_with_rollbacks(model, seed, mtp, wrong, full_pages, swa_pages):
+def test_random_workloads_on_tiny_pools_with_rollbacks(model, seed, mtp, wrong, full_pages, swa_pages, prefix):
     jobs = workload(seed, n=5)
     plain = run(make_engine(model, 0, full_pages, swa_pages), jobs)
     truth = {tuple(r.prompt): list(r.output) for r in plain}
-    e = make_engine(model, mtp, full_pages, swa_pages)
+    e = make_engine(model, mtp, full_pages, swa_pages, prefix=prefix)
     Oracle(e, truth, wrong, seed)
     got = run(e, jobs)
     assert [r.output for r in got] == [r.output for r in plain]
@@ -189,3 +192,25 @@ def test_temperature_sampling_with_mtp_runs_and_keeps_integrity(model):
     got = run(make_engine(model, 2), jobs)
     assert all(len(r.output) == 20 for r in got)
     assert any(r.cached_tokens for r in got)
+
+
+@pytest.mark.parametrize("prefix,exact", [("rebuild", True), ("prefill", False)])
+def test_a_cached_prefix_brings_its_mtp_window_with_rebuild(model, prefix, exact):
+    """B reuses A's first 24 tokens (< W, so their SWA KV is all live): with REBUILD the MTP
+    KV of the prefix is rebuilt from its cached KV at admission, so B's first drafts are the
+    dense reference's; with PREFILL the MTP blocks see only B's own tokens."""
+    rng = np.random.default_rng(5)
+    a = [int(t) for t in rng.integers(3, 500, size=30)]
+    e = make_engine(model, 3, prefix=prefix)
+    run_one = SamplingParams(max_tokens=1)
+    e.add_request(a, run_one)
+    e.run_until_idle(on_step=e.check_integrity)
+    b = e.add_request(a[:24] + [int(t) for t in rng.integers(3, 500, size=10)], SamplingParams(max_tokens=8))
+    while not b.output:
+        e.step()
+        e.check_integrity()
+    assert b.cached_tokens == 24
+    ref = e.spec.head.reference_drafts(list(b.prompt) + b.output, 3)
+    assert (b.draft == ref) is exact
+    e.run_until_idle(on_step=e.check_integrity)
+    assert e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == (24 if exact else 0)

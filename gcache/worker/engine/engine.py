@@ -61,6 +61,7 @@ class EngineConfig:
     preemptions_per_step_max: int = 8
     tree_nodes_max: int = 1_000_000
     mtp_layers: int = 0  # speculative decoding with this many MTP drafts per step (0 = off)
+    mtp_prefix: str = "rebuild"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
@@ -98,7 +99,7 @@ class Engine:
                 else NoPrefixCache(kv)
             )
         self.cache = cache
-        self.spec = Speculator(model, config.mtp_layers) if config.mtp_layers else None
+        self.spec = Speculator(model, config.mtp_layers, config.mtp_prefix) if config.mtp_layers else None
         self.scheduler = Scheduler(config.scheduler, self.cache.estimate_uncached)
         self.metrics = EngineMetrics()
         self.last_step_ran = False

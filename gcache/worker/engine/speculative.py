@@ -19,10 +19,24 @@ engine thread as before (it may see several new tokens per step).
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.engine.request import FINISH_LENGTH, FINISH_STOP, Request
+
+
+class MTPPrefix(enum.StrEnum):
+    """Where a request's MTP KV comes from (EngineConfig.mtp_prefix; the bench's configs)."""
+
+    NONE = "none"  # not built at prefill: the MTP blocks start at the first sampled token
+    PREFILL = "prefill"  # built for every token the request computes; none for a cached prefix
+    REBUILD = "rebuild"  # PREFILL, and for a cached prefix (any tier) the window before it is
+    #                      rebuilt at admission from the prefix's KV (a read-only forward of W tokens)
+
+
+MTP_PREFIX = tuple(m.value for m in MTPPrefix)
 
 OUT_BUCKETS = ((0, 128, "0_128"), (128, 256, "128_256"), (256, 512, "256_512"), (512, 1 << 62, "512_inf"))
 
@@ -68,10 +82,12 @@ def accept_sampled(rows: list, drafts: list[int], q_rows: list, temperature: flo
 class Speculator:
     """The engine's MTP drafting and verification (Engine.spec when --mtp-layers > 0)."""
 
-    def __init__(self, model, depths: int) -> None:
+    def __init__(self, model, depths: int, prefix: str = MTPPrefix.REBUILD) -> None:
         if not hasattr(model, "mtp_head"):
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
-        self.model, self.depths = model, depths
+        if prefix not in MTP_PREFIX:
+            raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
+        self.model, self.depths, self.prefix = model, depths, MTPPrefix(prefix)
         self.head = model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
 
     # ---- before the forward ----------------------------------------------------------
@@ -99,12 +115,15 @@ class Speculator:
         k = n - min(n, r.num_tokens - c_old)  # drafts this chunk carried
         drafts = list(r.draft[:k])
         st = r.mtp
-        if st is None or st.owner is not r.kv:  # admitted anew (cache hit, preemption): no MTP KV before here
-            st = r.mtp = self.head.new_state(c_old, r.kv)
+        if st is not None and st.owner is not r.kv:
+            st = r.mtp = None  # admitted anew (preemption): its MTP KV went with its pages
+        if st is None and self.prefix is not MTPPrefix.NONE:
+            st = r.mtp = self._new_state(eng, r, c_old)
         if not r.output or n - k > 1:
             eng.metrics.inc("prefill_tokens_computed_total", n - k)
         if c_fwd < r.num_tokens:  # mid-prefill: the MTP blocks follow, nothing to sample
-            self.head.step(st, hidden, c_old, c_fwd, r.tokens(), 0)
+            if st is not None:
+                self.head.step(st, hidden, c_old, c_fwd, r.tokens(), 0)
             eng.cache.trim_swa(r)
             return
         rows = list(np.asarray(backend.to_numpy(self.model.logits(hidden[n - k - 1 :])), dtype=np.float64))
@@ -147,10 +166,26 @@ class Speculator:
             return
         want = min(self.depths, r.params.max_tokens - len(r.output) - 1)
         pick = None if t == 0.0 else (lambda row: draw(softmax(row, t), r.rng))
+        c_new = r.num_computed
+        if st is None:  # MTPPrefix.NONE: the MTP KV starts at the last computed position
+            st = r.mtp = self.head.new_state(c_new - 1, r.kv)
+        base = st.valid[0]
         r.draft, r.draft_rows = self.head.step(
-            st, hidden[: r.num_computed - c_old], c_old, r.num_computed, r.tokens(), want, pick
+            st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), want, pick
         )
         eng.cache.trim_swa(r)
+
+    def _new_state(self, eng, r: Request, c_old: int):
+        """A request's MTP KV from position c_old on; with REBUILD and a cached prefix, the
+        window before c_old too (from the prefix's KV, which the loads have brought by now)."""
+        if self.prefix is not MTPPrefix.REBUILD or c_old == 0:
+            return self.head.new_state(c_old, r.kv)
+        h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - eng.window), c_old)
+        st = self.head.new_state(lo, r.kv)
+        if h is not None:
+            self.head.step(st, h, lo, c_old, r.tokens(), 0)
+            eng.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
+        return st
 
     @staticmethod
     def _rollback(eng, r: Request, valid: int) -> None:

@@ -117,6 +117,10 @@ class MTPHead:
             prev, prev_lo = out, lo
         return drafts, rows
 
+    def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int):
+        """window_hidden() below, with this head's model."""
+        return window_hidden(self.model, tokens, req_kv, kv, lo, hi)
+
     def draft_logits(self, d: int, h):
         m = self.model
         return m._rmsnorm(h, f"mtp.{d}.final_norm.weight") @ m.w["lm_head.weight"]
@@ -153,3 +157,39 @@ class MTPHead:
             q, k, v = m._qkv(layer, x, pos)
             x = m._finish_layer(layer, x, m._attend(q, k, v, pos, pos, None if kind == "full" else self.config.window))
         return self.step(st, x, 0, n - 1, list(toks), drafts_max)[0]
+
+
+def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int):
+    """(hidden, lo'): the main model's last hidden states at positions [lo', hi) of a cached
+    prefix (lo' >= lo: where the request's live SWA KV starts), read from the request's pages
+    without writing any (they may be the prefix tree's, shared). `tokens`: the sequence's
+    tokens, at least hi of them. Full layers read every position; SWA layers only what is live
+    (a cached prefix keeps SWA KV for its last W tokens), so early positions see a shorter
+    window: good enough for drafts, which never decide the output."""
+    from gcache.worker.config import FULL
+
+    c, xp = model.config, model.xp
+    ps = c.page_size
+    swa_from = req_kv.pages_for(hi)
+    while swa_from > 0 and req_kv.swa_pages[swa_from - 1] is not None:
+        swa_from -= 1
+    lo = max(lo, swa_from * ps)
+    if lo >= hi:
+        return None, hi
+    toks = np.asarray(tokens[lo:hi], dtype=np.int64)
+    pos = np.arange(lo, hi)
+    x = model.w["embed.weight"][xp.asarray(toks)]
+    for layer in range(c.layers):
+        q, _, _ = model._qkv(layer, x, pos)
+        kind, j = kv.layer_slot[layer]
+        if kind == FULL:
+            first, pages, k_pool, v_pool = 0, req_kv.full_pages, kv.k_full, kv.v_full
+        else:
+            first, pages, k_pool, v_pool = swa_from, req_kv.swa_pages, kv.k_swa, kv.v_swa
+        read = xp.asarray(np.asarray(pages[first : req_kv.pages_for(hi)], dtype=np.int64))
+        n = hi - first * ps
+        keys = k_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
+        vals = v_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
+        attn = model._attend(q, keys, vals, pos, np.arange(first * ps, hi), None if kind == FULL else c.window)
+        x = model._finish_layer(layer, x, attn)
+    return x, lo
