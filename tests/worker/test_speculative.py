@@ -25,6 +25,7 @@ from gcache.worker.engine.speculative import MTP_PREFIX, accept_greedy, accept_s
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
+from gcache.worker.model.weights import init_weights, save_npz
 from tests.support.reference import check_against_reference
 from tests.support.tiny_model import tiny_config
 
@@ -214,3 +215,22 @@ def test_a_cached_prefix_brings_its_mtp_window_with_rebuild(model, prefix, exact
     assert (b.draft == ref) is exact
     e.run_until_idle(on_step=e.check_integrity)
     assert e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == (24 if exact else 0)
+
+
+def test_worker_flags_build_an_mtp_engine(tmp_path):
+    import json
+
+    from gcache.worker.http.flags import build_engine as build_from_flags
+    from gcache.worker.http.flags import parse_args
+    from tests.support.tiny_model import TINY_MODEL
+
+    args = parse_args(["--config-json", json.dumps(TINY_MODEL), "--mtp-layers", "2", "--kv-budget-mib", "2"])
+    e, _ = build_from_flags(args)
+    assert e.spec is not None and e.spec.depths == 2 and e.model.config.mtp_layers == 2
+    r = e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=6))
+    e.run_until_idle(on_step=e.check_integrity)
+    assert len(r.output) == 6
+    no_mtp = tiny_config()
+    save_npz(tmp_path / "w.npz", no_mtp, init_weights(no_mtp))
+    with pytest.raises(SystemExit):  # weights without MTP blocks: refused, never made up
+        build_from_flags(parse_args(["--weights", str(tmp_path / "w.npz"), "--mtp-layers", "1"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from gcache.serving.body import BODY_DEADLINE_S
 from gcache.worker.config import ModelConfig
@@ -14,6 +15,8 @@ from gcache.worker.http.publisher import add_publisher_args
 from gcache.worker.kvcache.hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
+TINY_MTP_WEIGHTS = Path(__file__).resolve().parents[1] / "model/presets/tiny_mtp_stdlib.npz"
+
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker import backend
@@ -21,6 +24,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker.model.weights import load
 
     weights = None
+    if args.preset == "tiny-mtp" and not args.weights:
+        args.weights = str(TINY_MTP_WEIGHTS)  # the shipped trained weights (gcache.tools.train_mtp)
     if args.weights:
         cfg, weights = load(args.weights)
     else:
@@ -72,7 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gcache-worker", description="Hybrid-SWA inference worker (HTTP)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--preset", choices=("small", "large"), default="small")
+    ap.add_argument(
+        "--preset",
+        choices=("small", "large", "tiny-mtp"),
+        default="small",
+        help="seeded small / large model, or tiny-mtp: the shipped weights trained on the stdlib source, 3 MTP blocks",
+    )
     ap.add_argument("--config-json", default="", help="ModelConfig overrides, e.g. '{\"layers\": 4}'")
     ap.add_argument("--weights", default="", help=".npz or .safetensors (config read from the file)")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="")

@@ -387,13 +387,15 @@ class HiCache(CacheManager):
             return 0
         return self._trim(req, pressure)
 
-    def _trim(self, req, pressure: bool) -> int:
+    def _trim(self, req, pressure: bool, limit: int | None = None) -> int:
+        """limit: free at most that many, oldest first (the pages nearest the request's end are
+        the likeliest divergence points of a later request: keep them longest)."""
         kv, n = req.kv, req.num_computed
         idx = kv.swa_out_of_window(n - self.ps)
         if not pressure:
             npages = n // self.ps
             idx = [i for i in idx if not self._keep(req, i, npages)]
-        return self._free_swa(kv, idx)
+        return self._free_swa(kv, idx if limit is None else idx[:limit])
 
     def _trim_to_checkpoints(self, req, npages: int) -> None:
         kv = req.kv
@@ -441,7 +443,7 @@ class HiCache(CacheManager):
                 if trimmed >= swa_pages:
                     break
                 if r.kv is not None:
-                    trimmed += self._trim(r, pressure=False)
+                    trimmed += self._trim(r, pressure=False, limit=swa_pages - trimmed)
         f, s = self.tree.evict(full_pages, max(0, swa_pages - trimmed))
         return f, s + trimmed
 
