@@ -29,7 +29,6 @@ from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.sim import SimulatedModel, VirtualClock
 
-
 Q1 = 300  # question one: longer than W plus the end's margin, so S's end is no checkpoint of A
 
 
