@@ -62,13 +62,13 @@ def main(argv=None) -> None:
     print("command:", " ".join([".venv/bin/python", "-m", "bench.worker.first_reuse", *sys.argv[1:]]))
     cfg = ModelConfig()
     ps = cfg.page_size
-    swa_min = -(-(cfg.window + 256) // ps) + 4  # the least the engine accepts (+ 8 below: at the
-    # minimum itself the engine can stall on these prompts, with or without the fix)
+    swa_min = -(-(cfg.window + 256) // ps) + 4  # the least the engine accepts (+ 8 below: near the
+    # minimum the engine can stall on long prompts, with or without the fix: see the closing note)
     print(f"page {ps}, W {cfg.window}; cached_tokens of B (the first reuse); '+C': an unrelated request between")
     print(f"  {'S':>6} {'SWA pages':>10} {'before':>8} {'after':>8} {'before+C':>9} {'after+C':>8}  window-safe S")
     for s_len in (int(x) for x in args.lengths.split(",")):
         roomy = 3 * (s_len + Q1 + 100) // ps
-        for swa in (roomy, max(swa_min + 8, s_len // ps // 2), swa_min + 8):
+        for swa in (roomy, max(swa_min + 8, s_len // ps // 2), max(swa_min + 8, s_len // ps // 4)):
             cells = [cached_of_b(cfg, s_len, swa, keep, between) for between in (False, True) for keep in (False, True)]
             c = ["stall" if x < 0 else str(x) for x in cells]
             print(f"  {s_len:>6} {swa:>10} {c[0]:>8} {c[1]:>8} {c[2]:>9} {c[3]:>8}  {s_len // ps * ps}", flush=True)
