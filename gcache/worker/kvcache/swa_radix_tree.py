@@ -72,7 +72,9 @@ class SWARadixTree(SWAEvictionMixin):
         self._swa_lru: OrderedDict[TreeNode, None] = OrderedDict()
         self._full_owned: set[int] = set()
         self._swa_owned: set[int] = set()
-        self._spare: set[int] = set()  # tree-owned SWA page ids no checkpoint needs: evicted first
+        # Tree-owned SWA page ids no checkpoint needs -> the node holding them, oldest first:
+        # evicted first, in this order (so eviction never scans the tree for them).
+        self._spare: dict[int, TreeNode] = {}
         self._handles: Counter[TreeNode] = Counter()  # outstanding lock() calls per node
         # Called with (page keys, full page ids, swa page ids or None) just before eviction
         # frees them to the pools: the hierarchy demotes them to host memory (write_back).
@@ -184,18 +186,18 @@ class SWARadixTree(SWAEvictionMixin):
                 held = node.swa[j0 + k]
                 if s is not None and held is not None:
                     if i0 + k in spare and held == s:
-                        self._spare.add(held)
+                        self._spare[held] = node
                     elif i0 + k not in spare:
-                        self._spare.discard(held)  # someone's checkpoint now
+                        self._spare.pop(held, None)  # someone's checkpoint now
         last = segments[-1][0] if segments else self.root
         added = 0
         if present < len(keys):
             added, leaf = self._add_branch(keys, full_pages, swa_pages, present, stop, segments, free_full, free_swa)
             last = leaf or last
             if leaf is not None:
-                self._spare.update(
-                    leaf.swa[j] for j in range(len(leaf)) if present + j in spare and leaf.swa[j] is not None
-                )
+                for j, sp in enumerate(leaf.swa):
+                    if sp is not None and present + j in spare:
+                        self._spare[sp] = leaf
         self.full_pool.free(free_full)
         self.swa_pool.free(free_swa)
         for node, _, _, _ in segments:  # a path node left as a leaf by the node-limit eviction
@@ -351,7 +353,7 @@ class SWARadixTree(SWAEvictionMixin):
             for j in range(len(n) - 1, -1, -1):
                 n.swa_locks[j] += delta
                 if delta > 0 and self._spare:
-                    self._spare.discard(n.swa[j])  # a request resumed here: a checkpoint now
+                    self._spare.pop(n.swa[j], None)  # a request resumed here: a checkpoint now
                 require(n.swa_locks[j] >= 0, "SWA lock count went negative")
                 pages -= 1
                 if not pages:
@@ -454,6 +456,9 @@ class SWARadixTree(SWAEvictionMixin):
         upper = TreeNode(node.parent, node.start, node.keys[:k], node.full[:k], node.swa[:k])
         upper.swa_locks = node.swa_locks[:k]
         upper.full_lock = node.full_lock
+        for sp in upper.swa:  # spare pages now held by the upper part
+            if sp is not None and sp in self._spare:
+                self._spare[sp] = upper
         node.parent.children[node.keys[0]] = upper
         for lst in (node.keys, node.full, node.swa, node.swa_locks):
             del lst[:k]

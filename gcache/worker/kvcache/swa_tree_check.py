@@ -96,7 +96,8 @@ def _check_ownership(tree, nodes, external_full, external_swa) -> None:
         require(len(pages) == len(set(pages)), f"a {kind} page is owned by two tree positions")
         require(set(pages) == owned, f"tree's {kind} ownership set is stale")
         if kind == "swa":
-            require(tree._spare <= owned, "a spare SWA page is not one the tree holds")
+            require(set(tree._spare) <= owned, "a spare SWA page is not one the tree holds")
+            require(all(not n.removed and p in n.swa for p, n in tree._spare.items()), "a spare page's node is stale")
         require(all(pool.is_allocated(p) for p in pages), f"tree holds a free {kind} page")
         if ext is not None:
             ext = list(ext)

@@ -17,6 +17,8 @@ So the window-safe tails of live branches go last.
 
 from __future__ import annotations
 
+import itertools
+
 from gcache.worker.integrity import require
 
 
@@ -58,14 +60,18 @@ class SWAEvictionMixin:
     def _evict_swa(self, needed: int, freed: list) -> None:
         """Tier by tier, least-recent nodes first; protection is computed per node when it
         is visited, so a call that finds enough old tier-0 pages stays cheap."""
-        if self._spare:
-            for node in list(self._swa_lru):
-                if freed[1] >= needed or not self._spare:
-                    break
-                if node.removed or not node.live_swa:
-                    continue
-                js = [j for j, s in enumerate(node.swa) if s in self._spare and not node.swa_locks[j]]
-                self._drop_swa(node, js[: needed - freed[1]], freed)
+        guard = len(self._spare) + 1  # every round frees or drops what it takes
+        while self._spare and freed[1] < needed and guard > 0:
+            guard -= 1
+            take = dict(itertools.islice(self._spare.items(), needed - freed[1]))  # oldest first
+            by_node: dict = {}
+            for page, node in take.items():
+                by_node.setdefault(node, set()).add(page)
+            for node, pages in by_node.items():
+                if not node.removed:
+                    self._drop_swa(node, [j for j, sp in enumerate(node.swa) if sp in pages], freed)
+            for page in take:  # anything not freed above is no longer spare-held: forget it
+                self._spare.pop(page, None)
         for tier in (0, 1, 2):
             for node in list(self._swa_lru):
                 if freed[1] >= needed:
@@ -135,7 +141,8 @@ class SWAEvictionMixin:
             node.swa[j] = None
         self.swa_pool.free(pages)
         self._swa_owned.difference_update(pages)
-        self._spare.difference_update(pages)
+        for p in pages:
+            self._spare.pop(p, None)
         node.live_swa -= len(pages)
         freed[1] += len(pages)
         if not node.live_swa:
@@ -181,7 +188,8 @@ class SWAEvictionMixin:
         self.swa_pool.free(swa)
         self._full_owned.difference_update(full)
         self._swa_owned.difference_update(swa)
-        self._spare.difference_update(swa)
+        for p in swa:
+            self._spare.pop(p, None)
         freed[0] += len(full)
         freed[1] += len(swa)
         node.live_swa -= len(swa)
