@@ -150,6 +150,11 @@ class HiCache(CacheManager):
         first = tail_start_page(p1, ps, W)  # borrow SWA only for the locked window tail
         swa = [p if i >= first else None for i, p in enumerate(m.swa_pages)]
         req.kv = RequestKV.from_prefix(ps, W, m.prefix_len, m.full_pages, swa)
+        if p1 and self.host is not None and self.write_rule.writes_at_insert:
+            # req resumes here: a checkpoint now (it may have been spare SWA in L1 only), so its
+            # window tail goes down like any checkpoint's (a no-op when L2 has it)
+            idx = self.write_rule.at_insert(range(first, p1), keys, self._hits)
+            self._write_pages(keys[:p1], idx, m.full_pages, swa, chain=keys[:p1])
         self._count_hits(keys[:p1], m.full_pages, swa)
         end, l3_keys = p1, ()
         if self.host is not None:
