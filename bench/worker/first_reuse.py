@@ -68,7 +68,10 @@ def main(argv=None) -> None:
     print(f"  {'S':>6} {'SWA pages':>10} {'before':>8} {'after':>8} {'before+C':>9} {'after+C':>8}  window-safe S")
     for s_len in (int(x) for x in args.lengths.split(",")):
         roomy = 3 * (s_len + Q1 + 100) // ps
-        for swa in (roomy, max(swa_min + 8, s_len // ps // 2), max(swa_min + 8, s_len // ps // 4)):
+        for swa in (
+            roomy,
+            max(swa_min + 8, s_len // ps // 2),
+        ):  # nearer the minimum the engine can stall (before the fix too)
             cells = [cached_of_b(cfg, s_len, swa, keep, between) for between in (False, True) for keep in (False, True)]
             c = ["stall" if x < 0 else str(x) for x in cells]
             print(f"  {s_len:>6} {swa:>10} {c[0]:>8} {c[1]:>8} {c[2]:>9} {c[3]:>8}  {s_len // ps * ps}", flush=True)
