@@ -107,6 +107,9 @@ def _tier_holdings(w, seqs: list[np.ndarray], cfg: ModelConfig) -> dict:
     bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
     cache = w.cache
     out = {}
+    # spare SWA pages (kept only while the pool has room, evicted first) are not part of the
+    # checkpointed footprint this measures: count L1 as it stands once they are needed
+    cache.tree.evict(0, cache.tree.spare_pages())
     f, s = cache.tree.cached_pages()
     l1 = sum(cache.tree.match(q, max_len=len(q) // ps * ps).prefix_len for q in seqs)
     out["L1"] = (l1, f * bf + s * bs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 FULL = "full"
 SWA = "swa"
 DTYPES = ("float32", "float64")
+MTP_LAYERS_MAX = 3
 
 
 def hybrid_pattern(layers: int, swa_per_full: int = 6) -> tuple[str, ...]:
@@ -33,6 +34,7 @@ class ModelConfig:
     page_size: int = 16
     dtype: str = "float32"
     seed: int = 0
+    mtp_layers: int = 0  # multi-token-prediction blocks in the weights (model/mtp.py), 0..MTP_LAYERS_MAX
 
     def __post_init__(self) -> None:
         if not self.layer_pattern:
@@ -62,6 +64,8 @@ class ModelConfig:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.mtp_layers, int) or not 0 <= self.mtp_layers <= MTP_LAYERS_MAX:
+            raise ValueError(f"ModelConfig.mtp_layers must be an int in [0, {MTP_LAYERS_MAX}], got {self.mtp_layers!r}")
         if self.vocab_size < 259:
             raise ValueError("vocab_size must be >= 259 (256 bytes + 3 special ids)")
 

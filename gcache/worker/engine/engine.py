@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gcache.worker import backend
+from gcache.worker.config import MTP_LAYERS_MAX
 from gcache.worker.engine.metrics import EngineMetrics
 from gcache.worker.engine.request import (
     FINISH_ABORT,
@@ -38,6 +39,7 @@ from gcache.worker.engine.request import (
     SamplingParams,
 )
 from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from gcache.worker.engine.speculative import Speculator
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager
 from gcache.worker.kvcache.hicache import HiCache
@@ -58,6 +60,8 @@ class EngineConfig:
     prefix_cache: bool = True
     preemptions_per_step_max: int = 8
     tree_nodes_max: int = 1_000_000
+    mtp_layers: int = 0  # speculative decoding with this many MTP drafts per step (0 = off)
+    mtp_prefix: str = "rebuild"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
@@ -65,6 +69,8 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_new_tokens", "preemptions_per_step_max", "tree_nodes_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
+        if not 0 <= self.mtp_layers <= MTP_LAYERS_MAX:
+            raise ValueError(f"EngineConfig.mtp_layers must be in [0, {MTP_LAYERS_MAX}]")
 
 
 class Engine:
@@ -93,6 +99,7 @@ class Engine:
                 else NoPrefixCache(kv)
             )
         self.cache = cache
+        self.spec = Speculator(model, config.mtp_layers, config.mtp_prefix) if config.mtp_layers else None
         self.scheduler = Scheduler(config.scheduler, self.cache.estimate_uncached)
         self.metrics = EngineMetrics()
         self.last_step_ran = False
@@ -155,13 +162,20 @@ class Engine:
         if batch:
             loads = self.cache.start_loads()  # load, layer by layer
             try:
-                work = [(r.token_slice(r.num_computed, r.num_computed + n), None, r.kv) for r, n in batch]
-                logits = self.model.forward_batch(work, self.kv, layer_ready=loads.wait_layer)  # forward
+                if self.spec is None:
+                    work = [(r.token_slice(r.num_computed, r.num_computed + n), None, r.kv) for r, n in batch]
+                    logits = self.model.forward_batch(work, self.kv, layer_ready=loads.wait_layer)  # forward
+                else:  # MTP: drafts ride along (verify), hidden states feed the MTP blocks
+                    work = [(self.spec.chunk(r, n), None, r.kv) for r, n in batch]
+                    logits = self.spec.forward(work, self.kv, loads.wait_layer)
             finally:
                 loads.finish()
             self.metrics.inc("steps_total")
             for (r, n), lg in zip(batch, logits):
-                self._after_forward(r, n, lg, finished)  # write, finish
+                if self.spec is None:
+                    self._after_forward(r, n, lg, finished)  # write, finish
+                else:
+                    self.spec.after_forward(self, r, n, lg, finished)
         self._update_gauges()
         return finished
 
@@ -170,10 +184,15 @@ class Engine:
         self._preemptions_left = self.config.preemptions_per_step_max
         batch: list[tuple[Request, int]] = []
         decodes = [r for r in sched.running if r.is_decoding]
+        budget = sched.config.max_tokens_per_step
         for r in decodes:
-            if r.state is RequestState.RUNNING and self._reserve(r, 1, may_preempt=True):
-                batch.append((r, 1))
-        budget = sched.config.max_tokens_per_step - len(decodes)
+            n = 1 if self.spec is None else self.spec.decode_tokens(r)
+            if n > 1 and r.state is RequestState.RUNNING and not self._reserve(r, n, may_preempt=False):
+                r.draft, r.draft_rows, n = [], [], 1  # no room for the drafts: decode plainly
+            if r.state is RequestState.RUNNING and self._reserve(r, n, may_preempt=True):
+                batch.append((r, n))
+            budget -= n
+        budget = max(0, budget)
         admitting = True
         for chunk in sched.plan(self.clock(), budget):
             r = chunk.req
@@ -316,6 +335,7 @@ class Engine:
 
     def _release(self, r: Request, preempted: bool) -> None:
         """Give back r's own pages and its lock; r goes back to the waiting queue."""
+        Speculator.drop(r)
         self.cache.release(r)
         r.prefix_cached = False
         r.state = RequestState.WAITING
@@ -330,6 +350,7 @@ class Engine:
         if r.num_computed // self.page_size > r.kv.owned_from:
             self.scheduler.tree_changed()
         self.cache.prepare_write(r, final=True)
+        Speculator.drop(r)
         self.cache.release(r)
         r.state, r.finish_reason, r.finished_s = RequestState.FINISHED, reason, self.clock()
         self.scheduler.running.remove(r)

@@ -87,6 +87,17 @@ class EngineMetrics:
         "prefill_tokens_computed_total": "tokens run through the model as prefill",
         "preemptions_total": "running requests sent back to the waiting queue",
         "steps_total": "engine steps that ran the model",
+        "mtp_rebuilt_tokens_total": "positions of cached prefixes whose MTP KV was rebuilt at admission",
+        **{
+            f"spec_{what}_out_{b}_total": f"{text}, output positions {b.replace('_', '-')}"
+            for b in ("0_128", "128_256", "256_512", "512_inf")
+            for what, text in (
+                ("drafted", "MTP draft tokens proposed"),
+                ("accepted", "MTP draft tokens the main model accepted"),
+                ("forwards", "decode forwards of a request (tokens per forward = emitted / forwards)"),
+                ("emitted", "tokens decode forwards emitted"),
+            )
+        },
     }
     GAUGES = {
         "waiting_requests": "requests in the waiting queue",

@@ -85,6 +85,11 @@ class Request:
         self.branch_page = 0  # where this request's tokens leave the cached tree (pages)
         self.prefetch = None  # L3 prefetch handle while waiting (hierarchy)
         self.prefetch_tried = False
+        # Speculative decoding (engine/speculative.py): next step's MTP drafts, their logits
+        # rows (temperature > 0), and the MTP KV (model/mtp.MTPState) while running.
+        self.draft: list[int] = []
+        self.draft_rows: list = []
+        self.mtp = None
         # Accounting.
         self.cached_tokens = 0  # prefix hit at first admission (usage.cached_tokens)
         self.cached_by_tier = dict.fromkeys(TIERS, 0)  # split of cached_tokens

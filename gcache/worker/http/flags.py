@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 
 from gcache.serving.body import BODY_DEADLINE_S
 from gcache.worker.config import ModelConfig
@@ -14,6 +16,8 @@ from gcache.worker.http.publisher import add_publisher_args
 from gcache.worker.kvcache.hicache_config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
+TINY_MTP_WEIGHTS = Path(__file__).resolve().parents[1] / "model/presets/tiny_mtp_stdlib.npz"
+
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker import backend
@@ -23,6 +27,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker.model.weights import load
 
     weights = None
+    if args.preset == "tiny-mtp" and not args.weights:
+        args.weights = str(TINY_MTP_WEIGHTS)  # the shipped trained weights (gcache.tools.train_mtp)
     if args.weights:
         cfg, weights = load(args.weights)
     else:
@@ -31,6 +37,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         cfg = base(**overrides)
     if args.dtype:
         cfg = cfg.with_dtype(args.dtype)
+    if args.mtp_layers and weights is None and cfg.mtp_layers < args.mtp_layers:
+        cfg = dataclasses.replace(cfg, mtp_layers=args.mtp_layers)  # seeded MTP blocks (random: low acceptance)
+    if args.mtp_layers > cfg.mtp_layers:
+        raise SystemExit(f"--mtp-layers {args.mtp_layers}: the weights have {cfg.mtp_layers} MTP layers")
     xp = backend.select_backend()
     model = Model(cfg, weights, xp)
     kv = DualKVCache.from_budget(cfg, int(args.kv_budget_mib * (1 << 20)), args.swa_full_ratio, xp)
@@ -59,6 +69,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens,
         prefix_cache=not args.no_prefix_cache,
+        mtp_layers=args.mtp_layers,
         scheduler=sched,
         hicache=hicache,
     )
@@ -69,10 +80,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gcache-worker", description="Hybrid-SWA inference worker (HTTP)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--preset", choices=("small", "large"), default="small")
+    ap.add_argument(
+        "--preset",
+        choices=("small", "large", "tiny-mtp"),
+        default="small",
+        help="seeded small / large model, or tiny-mtp: the shipped weights trained on the stdlib source, 3 MTP blocks",
+    )
     ap.add_argument("--config-json", default="", help="ModelConfig overrides, e.g. '{\"layers\": 4}'")
     ap.add_argument("--weights", default="", help=".npz or .safetensors (config read from the file)")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="")
+    ap.add_argument(
+        "--mtp-layers",
+        type=int,
+        choices=range(0, 4),
+        default=0,
+        metavar="K",
+        help="speculative decoding: K MTP drafts per step, verified in one forward (0 = off; "
+        "the weights need >= K MTP blocks, or seeded ones are made)",
+    )
     ap.add_argument("--model-name", default="")
     ap.add_argument("--kv-budget-mib", type=float, default=64.0)
     ap.add_argument("--swa-full-ratio", type=float, default=0.5, help="SWA pages per full page")

@@ -15,6 +15,11 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
     pages); everything else goes back to the SWA pool as soon as it leaves the window.
     So each tier holds a prefix's SWA cost O(W) per checkpoint, and a prefix is loadable
     from a tier up to its last checkpoint whose full pages are all there.
+  * spare SWA in L1 (swa_keep_spare, the first-reuse fix): the SWA pages a request would
+    free that way are kept instead while the pool has room, and handed to the tree as
+    spare pages (evicted before anything else). So B = S + q2 after A = S + q1 hits S on
+    an idle worker; when the pool needs pages, evict() frees running requests' such pages
+    first, then the tree's spare ones, and only then what it freed before the fix.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class HiCache(CacheManager):
                 self.l3 = L3Store(l3c, self.host, self.window, self.ps, client=l3_client)
             if self.write_rule.writes_at_evict:
                 self.tree.on_evict = self._demote
+        self._running: dict[int, object] = {}  # rid -> request holding pages (for evict's trim)
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
         self.counters = dict.fromkeys(STAT_NAMES, 0)
@@ -138,11 +144,17 @@ class HiCache(CacheManager):
         m = self.tree.match(req.tokens(), keys=all_keys)
         self.tree.lock(m.node)
         req.lock_node = m.node
+        self._running[req.rid] = req
         req.branch_page = m.present_len // ps
         p1 = m.prefix_len // ps
         first = tail_start_page(p1, ps, W)  # borrow SWA only for the locked window tail
         swa = [p if i >= first else None for i, p in enumerate(m.swa_pages)]
         req.kv = RequestKV.from_prefix(ps, W, m.prefix_len, m.full_pages, swa)
+        if p1 and self.host is not None and self.write_rule.writes_at_insert:
+            # req resumes here: a checkpoint now (it may have been spare SWA in L1 only), so its
+            # window tail goes down like any checkpoint's (a no-op when L2 has it)
+            idx = self.write_rule.at_insert(range(first, p1), keys, self._hits)
+            self._write_pages(keys[:p1], idx, m.full_pages, swa, chain=keys[:p1])
         self._count_hits(keys[:p1], m.full_pages, swa)
         end, l3_keys = p1, ()
         if self.host is not None:
@@ -241,7 +253,7 @@ class HiCache(CacheManager):
     def prepare_write(self, req, final: bool) -> None:
         ps, kv = self.ps, req.kv
         npages = req.num_computed // ps
-        if final:
+        if final and not self.config.swa_keep_spare:
             self._trim_to_checkpoints(req, npages)
         first = tail_start_page(npages, ps, self.window)
         if npages <= kv.owned_from:
@@ -254,7 +266,9 @@ class HiCache(CacheManager):
             # Both ends of a turn are checkpoints: the prompt's (a resend or a new continuation
             # of the same prompt resumes there) and the answer's (the next turn resumes there).
             self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
-        self.tree.insert(tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys)
+        self.tree.insert(
+            tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys, spare=self._spare(req, npages)
+        )
         if final:
             kv.owned_from = npages  # the tree owns them now
             return
@@ -361,15 +375,32 @@ class HiCache(CacheManager):
         one page earlier and needs one more page of SWA)."""
         return npages, min(npages, (req.num_computed - 1) // self.ps)
 
+    def _spare(self, req, npages: int) -> list[int]:
+        """Pages of req it owns with live SWA outside the window and every checkpoint tail:
+        spare for the tree (kept, evicted first)."""
+        kv = req.kv
+        if not self.config.swa_keep_spare:
+            return []
+        end = tail_start_page(npages, self.ps, self.window)
+        return [i for i in range(kv.owned_from, end) if kv.swa_pages[i] is not None and not self._keep(req, i, npages)]
+
     def trim_swa(self, req, pressure: bool = False) -> int:
         """Free req's own SWA pages out of its window (one page of margin, so the end tail
-        of its whole pages stays) and, unless under pressure, outside its checkpoint tails."""
+        of its whole pages stays) and, unless under pressure, outside its checkpoint tails.
+        With swa_keep_spare the latter wait until evict() needs them (first-reuse fix)."""
+        if not pressure and self.config.swa_keep_spare:
+            return 0
+        return self._trim(req, pressure)
+
+    def _trim(self, req, pressure: bool, limit: int | None = None) -> int:
+        """limit: free at most that many, oldest first (the pages nearest the request's end are
+        the likeliest divergence points of a later request: keep them longest)."""
         kv, n = req.kv, req.num_computed
         idx = kv.swa_out_of_window(n - self.ps)
         if not pressure:
             npages = n // self.ps
             idx = [i for i in idx if not self._keep(req, i, npages)]
-        return self._free_swa(kv, idx)
+        return self._free_swa(kv, idx if limit is None else idx[:limit])
 
     def _trim_to_checkpoints(self, req, npages: int) -> None:
         kv = req.kv
@@ -401,6 +432,7 @@ class HiCache(CacheManager):
                 self.host.unpin(ld.pinned)
         req.kv.release(self.kv)
         self.tree.unlock(req.lock_node)
+        self._running.pop(req.rid, None)
         req.kv, req.lock_node = None, None
 
     def drop_waiting(self, req) -> None:
@@ -410,7 +442,15 @@ class HiCache(CacheManager):
             req.prefetch = None
 
     def evict(self, full_pages: int, swa_pages: int) -> tuple[int, int]:
-        return self.tree.evict(full_pages, swa_pages)
+        trimmed = 0
+        if swa_pages and self.config.swa_keep_spare:  # first what trim_swa left for later
+            for r in list(self._running.values()):
+                if trimmed >= swa_pages:
+                    break
+                if r.kv is not None:
+                    trimmed += self._trim(r, pressure=False, limit=swa_pages - trimmed)
+        f, s = self.tree.evict(full_pages, max(0, swa_pages - trimmed))
+        return f, s + trimmed
 
     def cached_pages(self) -> tuple[int, int]:
         return self.tree.cached_pages()

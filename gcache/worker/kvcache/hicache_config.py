@@ -40,6 +40,8 @@ class HiCacheConfig:
     swa_checkpoint_pages: int = 0  # keep SWA for the window before every C pages (0 = ends only)
     swa_checkpoint_ends: bool = True  # checkpoint every request end and branch point (failure
     #                                   mode 4 fix: short chats keep their SWA in every tier)
+    swa_keep_spare: bool = True  # first-reuse fix: out-of-window SWA no checkpoint needs stays
+    #                              (request, then tree) until the pool needs it, evicted first
     layerwise_load: bool = True  # layer i computes while layer i+1 is loading
     chunk_loads: bool = True  # load what fits of an L2 hit (failure mode 2 fix), not all-or-nothing
     load_throttle_bytes_per_s: float = 0.0  # benches: host -> device copies at most this fast (0 = memcpy)

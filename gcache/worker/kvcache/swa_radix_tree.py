@@ -17,6 +17,13 @@ full lock counts come from the outstanding lock handles, SWA lock counts are per
 never exceed their node's full lock; every pool page is owned exactly once (tree, pool free
 list or a named outside owner); in both LRU orders (oldest first) a parent comes after
 every child, since any access to a child passes through it; node count <= nodes_max.
+
+Spare SWA pages (the first-reuse fix): insert(spare=...) names pages whose SWA KV no
+checkpoint needs (a request left them behind its window). The tree keeps them live, so a
+later request that diverges inside that stretch still finds a window-safe point there, and
+eviction frees them before anything else (swa_tree_evict tier "spare"); a page stops being
+spare once a request resumes on it (lock). Spare pages are never demoted to L2 (on_evict
+sees None for them): lower tiers keep SWA only for checkpoints.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ class SWARadixTree(SWAEvictionMixin):
         self._swa_lru: OrderedDict[TreeNode, None] = OrderedDict()
         self._full_owned: set[int] = set()
         self._swa_owned: set[int] = set()
+        # Tree-owned SWA page ids no checkpoint needs -> the node holding them, oldest first:
+        # evicted first, in this order (so eviction never scans the tree for them).
+        self._spare: dict[int, TreeNode] = {}
         self._handles: Counter[TreeNode] = Counter()  # outstanding lock() calls per node
         # Called with (page keys, full page ids, swa page ids or None) just before eviction
         # frees them to the pools: the hierarchy demotes them to host memory (write_back).
@@ -150,12 +160,16 @@ class SWARadixTree(SWAEvictionMixin):
         if not self._handles[node]:
             del self._handles[node]
 
-    def insert(self, tokens, full_pages, swa_pages, keys: list | None = None) -> int:
+    def insert(self, tokens, full_pages, swa_pages, keys: list | None = None, spare=()) -> int:
         """Cache a page-aligned sequence. The tree takes ownership of every page given:
         a page already cached at its position is freed back to its pool (unless it is the
         very page the tree holds), a live SWA page revives a tombstone there, and pages past
-        the last window-safe point of a new branch are freed. Returns full pages added."""
+        the last window-safe point of a new branch are freed. `spare`: page indices whose
+        SWA KV the caller needs for no checkpoint (kept, evicted first; a live non-spare
+        page given where the tree holds a spare one makes it a checkpoint page).
+        Returns full pages added."""
         keys = self._page_keys(tokens, aligned=True, keys=keys)
+        spare = frozenset(spare)
         full_pages, swa_pages = list(full_pages), list(swa_pages)
         if len(full_pages) != len(keys) or len(swa_pages) != len(keys):
             raise ValueError(
@@ -167,12 +181,23 @@ class SWARadixTree(SWAEvictionMixin):
         free_full, free_swa = [], []
         for node, j0, i0, n in segments:  # pages already in the tree: dedupe or revive
             for k in range(n):
-                self._merge_page(node, j0 + k, full_pages[i0 + k], swa_pages[i0 + k], free_full, free_swa)
+                s = swa_pages[i0 + k]
+                self._merge_page(node, j0 + k, full_pages[i0 + k], s, free_full, free_swa)
+                held = node.swa[j0 + k]
+                if s is not None and held is not None:
+                    if i0 + k in spare and held == s:
+                        self._spare[held] = node
+                    elif i0 + k not in spare:
+                        self._spare.pop(held, None)  # someone's checkpoint now
         last = segments[-1][0] if segments else self.root
         added = 0
         if present < len(keys):
             added, leaf = self._add_branch(keys, full_pages, swa_pages, present, stop, segments, free_full, free_swa)
             last = leaf or last
+            if leaf is not None:
+                for j, sp in enumerate(leaf.swa):
+                    if sp is not None and present + j in spare:
+                        self._spare[sp] = leaf
         self.full_pool.free(free_full)
         self.swa_pool.free(free_swa)
         for node, _, _, _ in segments:  # a path node left as a leaf by the node-limit eviction
@@ -190,6 +215,10 @@ class SWARadixTree(SWAEvictionMixin):
 
     def cached_pages(self) -> tuple[int, int]:
         return len(self._full_owned), len(self._swa_owned)
+
+    def spare_pages(self) -> int:
+        """Live SWA pages the tree holds that no checkpoint needs (evicted first)."""
+        return len(self._spare)
 
     def checkpoints(self, tokens, keys: list | None = None) -> list[int]:
         """The window-safe points (tokens) on the cached path of `tokens`: the prefix lengths
@@ -221,9 +250,12 @@ class SWARadixTree(SWAEvictionMixin):
         return [k for keys in reversed(chain) for k in keys]
 
     def _evicting(self, keys: list, full_ids: list, swa_ids: list) -> None:
-        """Pages are about to leave (full id given) or lose their SWA KV (full id None)."""
+        """Pages are about to leave (full id given) or lose their SWA KV (full id None).
+        Spare SWA is not demoted (lower tiers keep checkpoint SWA only)."""
         if self.on_evict is not None:
-            self.on_evict(keys, full_ids, swa_ids)
+            demote = [None if s in self._spare else s for s in swa_ids] if self._spare else swa_ids
+            if any(f is not None for f in full_ids) or any(s is not None for s in demote):
+                self.on_evict(keys, full_ids, demote)
         for obs in self.observers:
             obs.pages_evicted(keys, full_ids, swa_ids)
 
@@ -320,6 +352,8 @@ class SWARadixTree(SWAEvictionMixin):
         while pages > 0:
             for j in range(len(n) - 1, -1, -1):
                 n.swa_locks[j] += delta
+                if delta > 0 and self._spare:
+                    self._spare.pop(n.swa[j], None)  # a request resumed here: a checkpoint now
                 require(n.swa_locks[j] >= 0, "SWA lock count went negative")
                 pages -= 1
                 if not pages:
@@ -422,6 +456,9 @@ class SWARadixTree(SWAEvictionMixin):
         upper = TreeNode(node.parent, node.start, node.keys[:k], node.full[:k], node.swa[:k])
         upper.swa_locks = node.swa_locks[:k]
         upper.full_lock = node.full_lock
+        for sp in upper.swa:  # spare pages now held by the upper part
+            if sp is not None and sp in self._spare:
+                self._spare[sp] = upper
         node.parent.children[node.keys[0]] = upper
         for lst in (node.keys, node.full, node.swa, node.swa_locks):
             del lst[:k]

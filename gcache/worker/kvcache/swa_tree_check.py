@@ -95,6 +95,9 @@ def _check_ownership(tree, nodes, external_full, external_swa) -> None:
         pages = [p for n in nodes for p in (n.full if kind == "full" else n.swa) if p is not None]
         require(len(pages) == len(set(pages)), f"a {kind} page is owned by two tree positions")
         require(set(pages) == owned, f"tree's {kind} ownership set is stale")
+        if kind == "swa":
+            require(set(tree._spare) <= owned, "a spare SWA page is not one the tree holds")
+            require(all(not n.removed and p in n.swa for p, n in tree._spare.items()), "a spare page's node is stale")
         require(all(pool.is_allocated(p) for p in pages), f"tree holds a free {kind} page")
         if ext is not None:
             ext = list(ext)

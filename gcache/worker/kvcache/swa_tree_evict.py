@@ -4,7 +4,9 @@ Phase 1, full deficit: remove the least-recent unlocked leaves (their full and S
 go back to the pools); a parent left as a leaf that no longer ends window-safe is cut back
 to its last window-safe page, or removed, and so on up.
 
-Phase 2, SWA deficit: free SWA pages in three tiers, least-recent nodes first in each:
+Phase 2, SWA deficit: free SWA pages in four tiers, least-recent nodes first in each:
+  spare. pages no checkpoint needs (insert(spare=...)): they would have been freed already
+     if nothing had been worth keeping them for (the first-reuse fix);
   0. pages in no window-safe node end's tail (they only serve matches ending mid-node);
   1. tails of ends that are single-child internal nodes (an earlier turn a later one extends);
   2. tails of leaves and branch points, the ends live requests match. Breaking a leaf's
@@ -14,6 +16,8 @@ So the window-safe tails of live branches go last.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from gcache.worker.integrity import require
 
@@ -56,6 +60,18 @@ class SWAEvictionMixin:
     def _evict_swa(self, needed: int, freed: list) -> None:
         """Tier by tier, least-recent nodes first; protection is computed per node when it
         is visited, so a call that finds enough old tier-0 pages stays cheap."""
+        guard = len(self._spare) + 1  # every round frees or drops what it takes
+        while self._spare and freed[1] < needed and guard > 0:
+            guard -= 1
+            take = dict(itertools.islice(self._spare.items(), needed - freed[1]))  # oldest first
+            by_node: dict = {}
+            for page, node in take.items():
+                by_node.setdefault(node, set()).add(page)
+            for node, pages in by_node.items():
+                if not node.removed:
+                    self._drop_swa(node, [j for j, sp in enumerate(node.swa) if sp in pages], freed)
+            for page in take:  # anything not freed above is no longer spare-held: forget it
+                self._spare.pop(page, None)
         for tier in (0, 1, 2):
             for node in list(self._swa_lru):
                 if freed[1] >= needed:
@@ -125,6 +141,8 @@ class SWAEvictionMixin:
             node.swa[j] = None
         self.swa_pool.free(pages)
         self._swa_owned.difference_update(pages)
+        for p in pages:
+            self._spare.pop(p, None)
         node.live_swa -= len(pages)
         freed[1] += len(pages)
         if not node.live_swa:
@@ -170,6 +188,8 @@ class SWAEvictionMixin:
         self.swa_pool.free(swa)
         self._full_owned.difference_update(full)
         self._swa_owned.difference_update(swa)
+        for p in swa:
+            self._spare.pop(p, None)
         freed[0] += len(full)
         freed[1] += len(swa)
         node.live_swa -= len(swa)

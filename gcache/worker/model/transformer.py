@@ -14,6 +14,7 @@ from gcache.worker import backend
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.base import BatchModel
+from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.weights import init_weights, validate
 
 
@@ -42,8 +43,9 @@ class Model(BatchModel):
         x1, x2 = x[..., :half], x[..., half:]
         return self.xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _qkv(self, layer: int, x, positions: np.ndarray):
-        c, p = self.config, f"layers.{layer}."
+    def _qkv(self, layer, x, positions: np.ndarray):
+        """layer: an index of the main stack, or a weight-name prefix (an MTP block's)."""
+        c, p = self.config, layer if isinstance(layer, str) else f"layers.{layer}."
         h = self._rmsnorm(x, p + "attn_norm.weight")
         t = x.shape[0]
         q = (h @ self.w[p + "attn.wq"]).reshape(t, c.heads, c.head_dim)
@@ -66,8 +68,8 @@ class Model(BatchModel):
         out = probs @ v.transpose(1, 0, 2)[:, None]  # [KVH,g,T,D]
         return out.transpose(2, 0, 1, 3).reshape(t, c.heads * c.head_dim)
 
-    def _finish_layer(self, layer: int, x, attn):
-        p = f"layers.{layer}."
+    def _finish_layer(self, layer, x, attn):
+        p = layer if isinstance(layer, str) else f"layers.{layer}."
         x = x + attn @ self.w[p + "attn.wo"]
         h = self._rmsnorm(x, p + "mlp_norm.weight")
         gate, up = h @ self.w[p + "mlp.w_gate"], h @ self.w[p + "mlp.w_up"]
@@ -104,6 +106,30 @@ class Model(BatchModel):
     def forward_batch(self, chunks, kv: DualKVCache, all_logits: bool = False, layer_ready=None) -> list:
         """BatchModel.forward_batch: one embedding and one matmul per weight for all chunks,
         attention per request through its page tables."""
+        x, bounds = self._forward_x(chunks, kv, layer_ready)
+        xp = self.xp
+        rows = [slice(lo, hi) if all_logits else slice(hi - 1, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        logits = self._logits(x if all_logits else x[xp.asarray(bounds[1:] - 1)])
+        if all_logits:
+            return [logits[r] for r in rows]
+        return [logits[i : i + 1] for i in range(len(rows))]
+
+    def forward_hidden(self, chunks, kv: DualKVCache, layer_ready=None) -> list:
+        """forward_batch's work, returning each chunk's last hidden states [T, hidden] (before
+        the final norm) instead of logits: what MTP blocks and speculative verification need
+        (logits(h) gives the logits)."""
+        x, bounds = self._forward_x(chunks, kv, layer_ready)
+        return [x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def mtp_head(self, depths: int) -> MTPHead:
+        """The first `depths` MTP blocks of the weights, for speculative decoding."""
+        return MTPHead(self, depths)
+
+    def logits(self, hidden):
+        """Logits of hidden states from forward_hidden (or an MTP block: same head)."""
+        return self._logits(hidden)
+
+    def _forward_x(self, chunks, kv: DualKVCache, layer_ready=None):
         c, xp = self.config, self.xp
         if kv.xp is not xp or kv.config.layer_pattern != c.layer_pattern or kv.config.dtype != c.dtype:
             raise ValueError("the KV cache was built for another backend, layer pattern or dtype")
@@ -132,11 +158,7 @@ class Model(BatchModel):
             x = self._finish_layer(layer, x, xp.concatenate(outs) if len(outs) > 1 else outs[0])
         for _, pos, req, _ in plans:
             req.num_tokens = int(pos[-1]) + 1
-        rows = [slice(lo, hi) if all_logits else slice(hi - 1, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        logits = self._logits(x if all_logits else x[xp.asarray(bounds[1:] - 1)])
-        if all_logits:
-            return [logits[r] for r in rows]
-        return [logits[i : i + 1] for i in range(len(plans))]
+        return x, bounds
 
     def _plan(self, tokens, positions, req: RequestKV, kv: DualKVCache):
         """Validate one chunk (before anything is written) and precompute its page indices."""

@@ -23,26 +23,36 @@ _ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<f2"): "F
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model, in the canonical (and seeded-init) order."""
-    h, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    h = cfg.hidden
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h)}
     for i in range(cfg.layers):
-        p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "attn_norm.weight": (h,),
-                p + "attn.wq": (h, q),
-                p + "attn.wk": (h, kv),
-                p + "attn.wv": (h, kv),
-                p + "attn.wo": (q, h),
-                p + "mlp_norm.weight": (h,),
-                p + "mlp.w_gate": (h, cfg.intermediate),
-                p + "mlp.w_up": (h, cfg.intermediate),
-                p + "mlp.w_down": (cfg.intermediate, h),
-            }
-        )
+        shapes.update(block_shapes(cfg, f"layers.{i}."))
     shapes["final_norm.weight"] = (h,)
     shapes["lm_head.weight"] = (h, cfg.vocab_size)
+    for d in range(cfg.mtp_layers):  # after the main model's, so its seeded init is unchanged
+        p = f"mtp.{d}."
+        shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "proj": (2 * h, h)})
+        shapes.update(block_shapes(cfg, p))
+        shapes[p + "final_norm.weight"] = (h,)
     return shapes
+
+
+def block_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One transformer block's tensors under prefix p (a main layer or an MTP block)."""
+    h, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return dict(
+        {
+            p + "attn_norm.weight": (h,),
+            p + "attn.wq": (h, q),
+            p + "attn.wk": (h, kv),
+            p + "attn.wv": (h, kv),
+            p + "attn.wo": (q, h),
+            p + "mlp_norm.weight": (h,),
+            p + "mlp.w_gate": (h, cfg.intermediate),
+            p + "mlp.w_up": (h, cfg.intermediate),
+            p + "mlp.w_down": (cfg.intermediate, h),
+        }
+    )
 
 
 def init_weights(cfg: ModelConfig, seed: int | None = None) -> dict[str, np.ndarray]:

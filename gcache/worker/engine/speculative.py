@@ -1,0 +1,205 @@
+"""Speculative decoding with the model's MTP blocks (model/mtp.py), inside the engine's step.
+
+Per decoding request and step: the K drafts the MTP blocks proposed last step ride along
+with the request's last token, so the main model verifies them in the same forward
+(K + 1 positions). Greedy: keep the longest prefix of drafts that equal the main model's
+argmax, then the main model's own next token; the output is the one without MTP, token for
+token. temperature > 0: standard speculative rejection sampling (accept draft d with
+probability min(1, p(d) / q(d)), else draw from norm(max(p - q, 0)); all accepted: draw
+the bonus from p), so each token is distributed exactly as the main model's.
+
+Rollback: the KV of rejected positions is dropped in every pool: the request's page tables
+shrink back to its accepted length (its full and SWA pages past it go back to the pools)
+and the MTP depths never count provisional positions (MTPState.valid). Then the MTP blocks
+run over the accepted positions and draft the next K tokens.
+
+Stop tokens and max_tokens cut the accepted run; stop strings are cut from the text by the
+engine thread as before (it may see several new tokens per step).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from gcache.worker import backend
+from gcache.worker.engine.request import FINISH_LENGTH, FINISH_STOP, Request
+
+
+class MTPPrefix(enum.StrEnum):
+    """Where a request's MTP KV comes from (EngineConfig.mtp_prefix; the bench's configs)."""
+
+    NONE = "none"  # not built at prefill: the MTP blocks start at the first sampled token
+    PREFILL = "prefill"  # built for every token the request computes; none for a cached prefix
+    REBUILD = "rebuild"  # PREFILL, and for a cached prefix (any tier) the window before it is
+    #                      rebuilt at admission from the prefix's KV (a read-only forward of W tokens)
+
+
+MTP_PREFIX = tuple(m.value for m in MTPPrefix)
+
+OUT_BUCKETS = ((0, 128, "0_128"), (128, 256, "128_256"), (256, 512, "256_512"), (512, 1 << 62, "512_inf"))
+
+
+def out_bucket(position: int) -> str:
+    return next(name for lo, hi, name in OUT_BUCKETS if lo <= position < hi)
+
+
+def softmax(row: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.asarray(row, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), p.size - 1))
+
+
+def accept_greedy(rows: list, drafts: list[int]) -> tuple[list[int], int]:
+    """(tokens to emit, drafts accepted): the agreeing prefix, then the main model's token."""
+    j = 0
+    while j < len(drafts) and drafts[j] == int(np.argmax(rows[j])):
+        j += 1
+    return drafts[:j] + [int(np.argmax(rows[j]))], j
+
+
+def accept_sampled(rows: list, drafts: list[int], q_rows: list, temperature: float, rng) -> tuple[list[int], int]:
+    """Speculative rejection sampling: the emitted tokens are distributed as the target's."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        p, q = softmax(rows[j], temperature), softmax(q_rows[j], temperature)
+        if rng.random() * q[d] < p[d]:  # accept with probability min(1, p(d) / q(d))
+            out.append(d)
+            continue
+        resid = np.maximum(p - q, 0.0)
+        out.append(draw(resid if resid.sum() > 0 else p, rng))
+        return out, j
+    out.append(draw(softmax(rows[len(drafts)], temperature), rng))
+    return out, len(drafts)
+
+
+class Speculator:
+    """The engine's MTP drafting and verification (Engine.spec when --mtp-layers > 0)."""
+
+    def __init__(self, model, depths: int, prefix: str = MTPPrefix.REBUILD) -> None:
+        if not hasattr(model, "mtp_head"):
+            raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
+        if prefix not in MTP_PREFIX:
+            raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
+        self.model, self.depths, self.prefix = model, depths, MTPPrefix(prefix)
+        self.head = model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
+
+    # ---- before the forward ----------------------------------------------------------
+    def decode_tokens(self, r: Request) -> int:
+        """Positions a decoding request runs this step: its last token and its drafts."""
+        return 1 + len(r.draft)
+
+    @staticmethod
+    def chunk(r: Request, n: int) -> np.ndarray:
+        """The chunk's tokens: committed ones, then the drafts (positions past num_tokens)."""
+        real = min(n, r.num_tokens - r.num_computed)
+        toks = r.token_slice(r.num_computed, r.num_computed + real)
+        if real == n:
+            return toks
+        return np.concatenate([toks, np.asarray(r.draft[: n - real], dtype=np.int64)])
+
+    def forward(self, work, kv, layer_ready):
+        return self.model.forward_hidden(work, kv, layer_ready=layer_ready)
+
+    # ---- after the forward -----------------------------------------------------------
+    def after_forward(self, eng, r: Request, n: int, hidden, finished: list) -> None:
+        """The engine's _after_forward for one request of an MTP step."""
+        c_fwd = r.num_computed
+        c_old = c_fwd - n
+        k = n - min(n, r.num_tokens - c_old)  # drafts this chunk carried
+        drafts = list(r.draft[:k])
+        st = r.mtp
+        if st is not None and st.owner is not r.kv:
+            st = r.mtp = None  # admitted anew (preemption): its MTP KV went with its pages
+        if st is None and self.prefix is not MTPPrefix.NONE:
+            st = r.mtp = self._new_state(eng, r, c_old)
+        if not r.output or n - k > 1:
+            eng.metrics.inc("prefill_tokens_computed_total", n - k)
+        if c_fwd < r.num_tokens:  # mid-prefill: the MTP blocks follow, nothing to sample
+            if st is not None:
+                self.head.step(st, hidden, c_old, c_fwd, r.tokens(), 0)
+            eng.cache.trim_swa(r)
+            return
+        rows = list(np.asarray(backend.to_numpy(self.model.logits(hidden[n - k - 1 :])), dtype=np.float64))
+        t = float(r.params.temperature)
+        if t == 0.0:
+            toks, accepted = accept_greedy(rows, drafts)
+        else:
+            toks, accepted = accept_sampled(rows, drafts, r.draft_rows[:k], t, r.rng)
+        emitted: list[int] = []
+        for tok in toks:  # a stop token or max_tokens ends the run early
+            emitted.append(tok)
+            if tok in r.params.stop_token_ids or len(r.output) + len(emitted) >= r.params.max_tokens:
+                break
+        m = len(emitted)
+        self._rollback(eng, r, c_fwd - k + m - 1)
+        if r.output:  # a decode forward (not the prefill's first token)
+            b = out_bucket(len(r.output))
+            for name, v in (("drafted", k), ("accepted", accepted), ("forwards", 1), ("emitted", m)):
+                eng.metrics.inc(f"spec_{name}_out_{b}_total", v)
+        r.draft, r.draft_rows = [], []
+        for i, tok in enumerate(emitted):
+            if r.logits is not None:
+                r.logits.append(np.array(rows[i], dtype=np.float64))
+            r.output.append(tok)
+            eng.metrics.inc("generation_tokens_total")
+        if r.first_token_s is None:
+            r.first_token_s = eng.clock()
+            eng.metrics.observe_ttft(r.ttft_s)
+        ps = eng.page_size
+        if not r.prefix_cached or r.num_computed - r.kv.owned_from * ps >= eng.window + 2 * ps:
+            r.prefix_cached = True  # as Engine._after_forward: after prefill, then every ~W tokens
+            eng.cache.prepare_write(r, final=False)
+            eng.scheduler.tree_changed()
+        last = emitted[-1]
+        if last in r.params.stop_token_ids:
+            eng._finish(r, FINISH_STOP, finished)
+            return
+        if len(r.output) >= r.params.max_tokens:
+            eng._finish(r, FINISH_LENGTH, finished)
+            return
+        want = min(self.depths, r.params.max_tokens - len(r.output) - 1)
+        pick = None if t == 0.0 else (lambda row: draw(softmax(row, t), r.rng))
+        c_new = r.num_computed
+        if st is None:  # MTPPrefix.NONE: the MTP KV starts at the last computed position
+            st = r.mtp = self.head.new_state(c_new - 1, r.kv)
+        base = st.valid[0]
+        r.draft, r.draft_rows = self.head.step(
+            st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), want, pick
+        )
+        eng.cache.trim_swa(r)
+
+    def _new_state(self, eng, r: Request, c_old: int):
+        """A request's MTP KV from position c_old on; with REBUILD and a cached prefix, the
+        window before c_old too (from the prefix's KV, which the loads have brought by now)."""
+        if self.prefix is not MTPPrefix.REBUILD or c_old == 0:
+            return self.head.new_state(c_old, r.kv)
+        h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - eng.window), c_old)
+        st = self.head.new_state(lo, r.kv)
+        if h is not None:
+            self.head.step(st, h, lo, c_old, r.tokens(), 0)
+            eng.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
+        return st
+
+    @staticmethod
+    def _rollback(eng, r: Request, valid: int) -> None:
+        """Drop the KV of positions >= valid (rejected drafts) in every pool."""
+        kv = r.kv
+        kv.num_tokens = valid
+        keep = max(kv.pages_for(valid), kv.owned_from)
+        if kv.num_pages > keep:
+            eng.kv.full.free(kv.full_pages[keep:])
+            eng.kv.swa.free([p for p in kv.swa_pages[keep:] if p is not None])
+            del kv.full_pages[keep:]
+            del kv.swa_pages[keep:]
+
+    @staticmethod
+    def drop(r: Request) -> None:
+        """r leaves the running list: its MTP KV and drafts go with its pages."""
+        r.mtp, r.draft, r.draft_rows = None, [], []

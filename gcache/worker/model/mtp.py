@@ -1,0 +1,195 @@
+"""Multi-token prediction (DeepSeek-V3 / MiMo style): K small blocks that draft the next tokens.
+
+MTP block d (d = 1..K, weights "mtp.{d-1}.*") at position i takes the hidden state of the
+previous depth at i (depth 0 = the main model's last hidden state, before its final norm)
+and the embedding of token x[i+d], and predicts x[i+d+1] through the shared output head:
+
+    u = [RMSNorm_e(embed(x[i+d])) ; RMSNorm_h(h[d-1][i])] @ proj        (2H -> H)
+    h[d][i] = Block_d(u) (attention over depth d's own KV, sliding window W)
+    logits  = lm_head(RMSNorm_f(h[d][i]))
+
+So depth d's KV at position i exists once x[i+d] is known: with L committed tokens and the
+main model's KV computed for C of them, depth d holds committed KV for positions
+< V_d = min(C, L - d). After a sampled step (C = L - 1) the drafts come from the last
+position C - 1 of each depth: depth 1 needs only committed tokens, depth d > 1 also runs
+d - 1 provisional positions whose input tokens are the drafts of the depths before it;
+those are recomputed every step, never counted, so a rejected draft never leaves MTP KV
+behind (the rollback of the MTP KV is V_d itself).
+
+The MTP KV of one request lives in MTPState: a ring of W + K + 1 positions per depth,
+enough for the window of the next query plus the provisional positions (its SWA is O(W)
+like the main model's SWA layers). Positions before MTPState.first (a prefix that came
+from the cache without MTP KV) are masked out: drafting then sees less context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gcache.worker import backend
+from gcache.worker.config import ModelConfig
+
+
+class MTPState:
+    """One request's MTP KV (per depth: a ring of positions) and where each depth stands."""
+
+    def __init__(self, config: ModelConfig, depths: int, start: int, owner: object) -> None:
+        self.depths = depths
+        self.cap = config.window + depths + 1
+        shape = (depths, self.cap, config.kv_heads, config.head_dim)
+        self.k = np.zeros(shape, dtype=config.dtype)
+        self.v = np.zeros(shape, dtype=config.dtype)
+        self.first = start  # positions before it have no MTP KV (prefix from the cache)
+        self.valid = [start] * depths  # V_d: depth d's committed KV covers [first, V_d)
+        self.h_last: list = [None] * depths  # depth d's hidden at V_d - 1 (depth d+1's input)
+        self.owner = owner  # the RequestKV this state belongs to (a new admission = a new state)
+
+    def keys(self, d: int, lo: int, hi: int):
+        """Depth d's committed K and V for positions [lo, hi) (lo >= first)."""
+        idx = np.arange(lo, hi) % self.cap
+        return self.k[d, idx], self.v[d, idx]
+
+    def write(self, d: int, lo: int, k, v) -> None:
+        n = k.shape[0]
+        if n > self.cap:  # only the last cap positions can ever be read again
+            k, v, lo = k[-self.cap :], v[-self.cap :], lo + n - self.cap
+        idx = np.arange(lo, lo + k.shape[0]) % self.cap
+        self.k[d, idx] = k
+        self.v[d, idx] = v
+
+
+class MTPHead:
+    """The K MTP blocks of a model (transformer.Model) with MTP weights; numpy/cupy like it."""
+
+    def __init__(self, model, depths: int) -> None:
+        c = model.config
+        if not 0 < depths <= c.mtp_layers:
+            raise ValueError(f"{depths} MTP layers asked; the weights have {c.mtp_layers}")
+        self.model, self.config, self.depths = model, c, depths
+
+    def new_state(self, start: int, owner: object) -> MTPState:
+        return MTPState(self.config, self.depths, start, owner)
+
+    def step(self, st: MTPState, h0, c_old: int, c_new: int, tokens, drafts_max: int, pick=None):
+        """Advance every depth after the main model computed positions [c_old, c_new) (their
+        hidden states h0, [c_new - c_old, H]); `tokens`: the committed tokens (c_new + 1 of
+        them once sampling started, more while mid-prefill). Returns (drafts, rows): up to
+        drafts_max drafts for the tokens after tokens[-1] and each one's logits row (numpy).
+        pick(row) -> token chooses a draft (default argmax); no drafts mid-prefill."""
+        xp = self.model.xp
+        n_tok = len(tokens)
+        if st.valid[0] != c_old:
+            raise ValueError(f"MTP state stands at {st.valid[0]}, the main model computed from {c_old}")
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        prev, prev_lo = h0, c_old  # previous depth's hidden states and their first position
+        last = list(st.h_last)  # as the step found them: depth d reads depth d-1's old one
+        for d in range(self.depths):
+            depth = d + 1
+            lo = st.valid[d]
+            committed_hi = max(lo, min(c_new, n_tok - depth))
+            drafting = d < drafts_max and n_tok == c_new + 1
+            hi = c_new if drafting else committed_hi
+            if hi <= lo:
+                if drafting:
+                    break
+                prev, prev_lo = None, hi
+                continue
+            have = 0 if prev is None else prev.shape[0]
+            if lo < prev_lo:  # the previous depth's hidden at lo was stored by an earlier step
+                if d == 0 or last[d - 1] is None or prev_lo - lo != 1:
+                    raise ValueError("MTP: the previous depth's hidden state is missing")
+                parts = [last[d - 1][None, :]] + ([prev[: hi - prev_lo]] if have else [])
+                inp = xp.concatenate(parts) if len(parts) > 1 else parts[0]
+            else:
+                inp = prev[lo - prev_lo : hi - prev_lo]
+            if inp.shape[0] != hi - lo:
+                raise ValueError("MTP: hidden states do not cover the positions")
+            ids = [tokens[i + depth] if i + depth < n_tok else drafts[i + depth - n_tok] for i in range(lo, hi)]
+            out = self._block(st, d, inp, np.asarray(ids, dtype=np.int64), lo, hi)
+            if committed_hi > lo:
+                st.h_last[d] = out[committed_hi - 1 - lo]
+            st.valid[d] = committed_hi
+            if drafting:
+                row = np.asarray(backend.to_numpy(self.draft_logits(d, out[-1:])))[0]
+                rows.append(row)
+                drafts.append(int(np.argmax(row)) if pick is None else int(pick(row)))
+            prev, prev_lo = out, lo
+        return drafts, rows
+
+    def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int):
+        """window_hidden() below, with this head's model."""
+        return window_hidden(self.model, tokens, req_kv, kv, lo, hi)
+
+    def draft_logits(self, d: int, h):
+        m = self.model
+        return m._rmsnorm(h, f"mtp.{d}.final_norm.weight") @ m.w["lm_head.weight"]
+
+    def _block(self, st: MTPState, d: int, prev, ids: np.ndarray, lo: int, hi: int):
+        """Depth d's block over positions [lo, hi); writes their KV into the ring."""
+        m, c, xp = self.model, self.config, self.model.xp
+        p = f"mtp.{d}."
+        e = m._rmsnorm(m.w["embed.weight"][xp.asarray(ids)], p + "enorm.weight")
+        h = m._rmsnorm(prev, p + "hnorm.weight")
+        x = xp.concatenate([e, h], axis=-1) @ m.w[p + "proj"]
+        pos = np.arange(lo, hi)
+        q, k, v = m._qkv(p, x, pos)
+        k_np, v_np = np.asarray(backend.to_numpy(k)), np.asarray(backend.to_numpy(v))
+        old_lo = max(st.first, lo - c.window + 1)
+        ko, vo = st.keys(d, old_lo, lo)
+        keys = xp.asarray(np.concatenate([ko, k_np]))
+        vals = xp.asarray(np.concatenate([vo, v_np]))
+        kpos = np.arange(old_lo, hi)
+        attn = m._attend(q, keys, vals, pos, kpos, c.window)
+        st.write(d, lo, k_np, v_np)
+        return m._finish_layer(p, x, attn)
+
+    def reference_drafts(self, tokens, drafts_max: int) -> list[int]:
+        """Dense, cache-free drafts after the whole of `tokens` (for tests): the main model's
+        hidden states for every position, then each depth over every position it has."""
+        m, xp = self.model, self.model.xp
+        toks = np.asarray(tokens, dtype=np.int64)
+        st = self.new_state(0, None)
+        n = toks.size
+        x = m.w["embed.weight"][xp.asarray(toks[:-1])]
+        pos = np.arange(n - 1)
+        for layer, kind in enumerate(self.config.layer_pattern):
+            q, k, v = m._qkv(layer, x, pos)
+            x = m._finish_layer(layer, x, m._attend(q, k, v, pos, pos, None if kind == "full" else self.config.window))
+        return self.step(st, x, 0, n - 1, list(toks), drafts_max)[0]
+
+
+def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int):
+    """(hidden, lo'): the main model's last hidden states at positions [lo', hi) of a cached
+    prefix (lo' >= lo: where the request's live SWA KV starts), read from the request's pages
+    without writing any (they may be the prefix tree's, shared). `tokens`: the sequence's
+    tokens, at least hi of them. Full layers read every position; SWA layers only what is live
+    (a cached prefix keeps SWA KV for its last W tokens), so early positions see a shorter
+    window: good enough for drafts, which never decide the output."""
+    from gcache.worker.config import FULL
+
+    c, xp = model.config, model.xp
+    ps = c.page_size
+    swa_from = req_kv.pages_for(hi)
+    while swa_from > 0 and req_kv.swa_pages[swa_from - 1] is not None:
+        swa_from -= 1
+    lo = max(lo, swa_from * ps)
+    if lo >= hi:
+        return None, hi
+    toks = np.asarray(tokens[lo:hi], dtype=np.int64)
+    pos = np.arange(lo, hi)
+    x = model.w["embed.weight"][xp.asarray(toks)]
+    for layer in range(c.layers):
+        q, _, _ = model._qkv(layer, x, pos)
+        kind, j = kv.layer_slot[layer]
+        if kind == FULL:
+            first, pages, k_pool, v_pool = 0, req_kv.full_pages, kv.k_full, kv.v_full
+        else:
+            first, pages, k_pool, v_pool = swa_from, req_kv.swa_pages, kv.k_swa, kv.v_swa
+        read = xp.asarray(np.asarray(pages[first : req_kv.pages_for(hi)], dtype=np.int64))
+        n = hi - first * ps
+        keys = k_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
+        vals = v_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
+        attn = model._attend(q, keys, vals, pos, np.arange(first * ps, hi), None if kind == FULL else c.window)
+        x = model._finish_layer(layer, x, attn)
+    return x, lo
