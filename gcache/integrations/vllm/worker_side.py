@@ -1,0 +1,180 @@
+"""The connector's worker half: vLLM's KV tensors registered once, pages saved from them on
+the saver thread and loaded straight into the blocks vLLM allocated.
+
+vLLM's CPU KV tensor of a layer is [num_blocks, kv_heads, block_size, 2 * head_size]
+(contiguous; each (block, head) tile holds K then V): one block of one layer is one
+contiguous run of bytes, one store value. Layers of different KV cache groups may share one
+tensor (the hybrid allocator's pool); block ids are global, so a block's address is the same
+arithmetic either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gcache.integrations.vllm.loader import Loader, LoadJob, load_pages
+from gcache.integrations.vllm.saver import Saver, SaveJob
+from gcache.wire.keys import POOL_SWA
+
+log = logging.getLogger("gcache.integrations.vllm")
+FENCE_TIMEOUT_S = 120.0  # longest a step waits for saves of blocks vLLM will reuse
+CLOSE_TIMEOUT_S = 30.0
+
+
+class LayoutError(ValueError):
+    """A KV tensor the connector cannot address (the message says what it found)."""
+
+
+class LayerBlocks:
+    """Where block b of one layer lives: base + b * block_bytes."""
+
+    def __init__(self, name: str, tensor, page_bytes: int):
+        if tensor.device.type != "cpu":
+            raise LayoutError(f"layer {name}: GCacheConnector reads KV from CPU tensors, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise LayoutError(f"layer {name}: the KV tensor is not contiguous (shape {tuple(tensor.shape)})")
+        self.block_bytes = tensor.stride(0) * tensor.element_size()
+        if self.block_bytes != page_bytes:
+            raise LayoutError(
+                f"layer {name}: a block is {self.block_bytes} bytes but vLLM's spec says {page_bytes}; "
+                f"the KV layout {tuple(tensor.shape)} is not [num_blocks, heads, block_size, 2 * head_size]"
+            )
+        self.base = tensor.data_ptr()
+        self.num_blocks = tensor.shape[0]
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    def address(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise LayoutError(f"block {block_id} is outside the KV tensor ({self.num_blocks} blocks)")
+        return self.base + block_id * self.block_bytes
+
+
+class WorkerSide:
+    def __init__(self, settings, groups, keys, client, store, stats):
+        self.settings = settings
+        self.groups = groups
+        self.keys = keys  # this rank's PageKeys
+        self.client = client
+        self.store = store
+        self.stats = stats
+        self.layer_group = {name: g for g in groups for name in g.layer_names}
+        self.layer_id = {name: lid for g in groups for name, lid in zip(g.layer_names, g.layer_ids)}
+        self.layers: dict[str, LayerBlocks] = {}
+        self.saver = Saver(store, stats, settings.save_queue_jobs_max, settings.skip_existing)
+        self.loader = Loader(store, stats, settings.load_queue_jobs_max)
+        self.meta = None
+        self.saving: set[str] = set()  # requests whose saves the scheduler waits for
+        self.finished_saving: set[str] = set()  # ...that vLLM says finished: report when saved
+        self.load_errors: set[int] = set()
+        self.async_done: set[str] = set()
+        self.async_failed: set[str] = set()
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, kv_caches: dict) -> None:
+        seen = set()
+        for name, group in self.layer_group.items():
+            tensor = kv_caches.get(name)
+            if tensor is None:
+                raise LayoutError(f"vLLM registered no KV tensor for layer {name}")
+            blocks = LayerBlocks(name, tensor, group.page_bytes)
+            self.layers[name] = blocks
+            if blocks.base not in seen:  # the hybrid allocator's layers share tensors
+                self.client.register_buffer(blocks.base, blocks.nbytes)
+                seen.add(blocks.base)
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def _load_job(self, spec) -> LoadJob:
+        keys, addresses, sizes, blocks = [], [], [], []
+        for ref in spec.pages:
+            group = self.groups[ref.group]
+            for name, layer_id in zip(group.layer_names, group.layer_ids):
+                layer = self.layers[name]
+                keys.append(self.keys.key(ref.page_hash, group, layer_id))
+                addresses.append(layer.address(ref.block_id))
+                sizes.append(layer.block_bytes)
+                blocks.append(ref.block_id)
+        return LoadJob(spec.req_id, keys, addresses, sizes, blocks)
+
+    def start_load(self, meta) -> None:
+        self.meta = meta
+        for spec in meta.saves:
+            self.saving.add(spec.req_id)
+        for spec in meta.loads:
+            try:
+                job = self._load_job(spec)
+            except Exception as exc:  # a block outside the tensor: fail these pages, vLLM recomputes
+                log.error("GCache connector: load of %s refused: %s", spec.req_id, exc)
+                job = LoadJob(spec.req_id, [], [], [], [r.block_id for r in spec.pages])
+                self._failed(spec, set(job.blocks))
+                continue
+            if spec.asynchronous:
+                self.loader.submit(job)
+            else:
+                failed = load_pages(self.store, self.stats, job)
+                self.load_errors |= failed
+
+    def _failed(self, spec, blocks: set) -> None:
+        if spec.asynchronous:
+            self.async_done.add(spec.req_id)
+            if len(self.groups) > 1:
+                self.async_failed.add(spec.req_id)
+            else:
+                self.load_errors |= blocks
+        else:
+            self.load_errors |= blocks
+
+    def save_layer(self, layer_name: str) -> None:
+        meta = self.meta
+        group = self.layer_group.get(layer_name)
+        if meta is None or group is None or not meta.saves:
+            return
+        layer = self.layers[layer_name]
+        layer_id = self.layer_id[layer_name]
+        keys, addresses, req_ids = [], [], []
+        for spec in meta.saves:
+            for ref in spec.pages:
+                if ref.group == group.index:
+                    keys.append(self.keys.key(ref.page_hash, group, layer_id))
+                    addresses.append(layer.address(ref.block_id))
+                    req_ids.append(spec.req_id)
+        if keys:
+            swa = group.kind == POOL_SWA
+            # Sliding-window blocks leave the window and go back to vLLM's pool: the step waits.
+            self.saver.submit(SaveJob(keys, addresses, [layer.block_bytes] * len(keys), tuple(req_ids), swa, swa))
+
+    def wait_for_save(self) -> None:
+        self.saver.wait_volatile(FENCE_TIMEOUT_S)
+
+    def preempted(self, meta) -> None:
+        if meta.preempted:  # their blocks are freed and reused from this step on
+            self.saver.wait_all(FENCE_TIMEOUT_S)
+
+    # -- reports ------------------------------------------------------------------------
+
+    def transfer_results(self, finished_req_ids) -> tuple[set, set, set]:
+        """(finished sending, finished receiving, failed receiving)."""
+        self.finished_saving |= set(finished_req_ids) & self.saving
+        sent = {r for r in self.finished_saving if self.saver.pending(r) == 0}
+        self.finished_saving -= sent
+        self.saving -= sent
+        for req_id, failed in self.loader.take_done():
+            self.async_done.add(req_id)
+            if failed:
+                if len(self.groups) > 1:
+                    self.async_failed.add(req_id)
+                else:
+                    self.load_errors |= failed
+        recving, self.async_done = self.async_done, set()
+        failed_recving, self.async_failed = self.async_failed, set()
+        return sent, recving, failed_recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.saver.wait_all(CLOSE_TIMEOUT_S)
+        self.saver.close(CLOSE_TIMEOUT_S)
+        self.loader.close(CLOSE_TIMEOUT_S)
