@@ -98,6 +98,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # A cache miss is never a request error: vLLM reads the policy right after
+                # building this connector, so set it here.
+                log.info("GCacheConnector: kv_load_failure_policy=recompute (a failed load is recomputed)")
+                transfer.kv_load_failure_policy = "recompute"
             self.scheduler_side = SchedulerSide(
                 self.settings,
                 self.groups,
@@ -141,9 +146,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._safely(
-            "lookup", (0, False), self.scheduler_side.matched_tokens, request, num_computed_tokens
-        )
+        return self._safely("lookup", (0, False), self.scheduler_side.matched_tokens, request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         # A failure here would leave vLLM waiting for tokens nobody loads: plan no load, and

@@ -69,9 +69,7 @@ def groups_of(kv_cache_config) -> list[Group]:
                 block_size=spec.block_size,
                 tail=tail,
                 layout=layout,
-                page_bytes=spec.real_page_size_bytes
-                if hasattr(spec, "real_page_size_bytes")
-                else spec.page_size_bytes,
+                page_bytes=spec.real_page_size_bytes if hasattr(spec, "real_page_size_bytes") else spec.page_size_bytes,
             )
         )
     sizes = {g.block_size for g in groups}

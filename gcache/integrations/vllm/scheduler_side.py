@@ -128,7 +128,9 @@ class SchedulerSide:
         track.hit = None
         count = num_external_tokens // self.block_size
         if count != end - local:
-            log.warning("GCache connector: vLLM allocated %d external tokens, planned %d", num_external_tokens, end - local)
+            log.warning(
+                "GCache connector: vLLM allocated %d external tokens, planned %d", num_external_tokens, end - local
+            )
             end = min(end, local + count)
         pages = []
         for group in self.groups:

@@ -31,30 +31,31 @@ _COMMON = dict(
 )
 
 
-def model_config(kind: str, layers: int = 2):
+def model_config(kind: str, layers: int = 2, **overrides):
     import transformers
 
+    common = {**_COMMON, **overrides}
     if kind == "llama":
-        return transformers.LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **_COMMON)
+        return transformers.LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **common)
     if kind == "gemma2":
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         return transformers.Gemma2Config(
-            num_hidden_layers=layers, sliding_window=WINDOW, layer_types=layer_types, **_COMMON
+            num_hidden_layers=layers, sliding_window=WINDOW, layer_types=layer_types, **common
         )
     if kind == "mistral":
         return transformers.MistralConfig(
-            num_hidden_layers=layers, sliding_window=WINDOW, tie_word_embeddings=False, **_COMMON
+            num_hidden_layers=layers, sliding_window=WINDOW, tie_word_embeddings=False, **common
         )
     raise ValueError(f"unknown tiny model kind {kind!r} (llama, gemma2, mistral)")
 
 
-def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0) -> Path:
+def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0, **overrides) -> Path:
     """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`."""
     import torch
     import transformers
 
     path = Path(path)
-    cfg = model_config(kind, layers or (4 if kind == "gemma2" else 2))
+    cfg = model_config(kind, layers or (4 if kind == "gemma2" else 2), **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -63,6 +64,7 @@ def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0) ->
                 std = 0.05 if (kind == "gemma2" and "embed" in name) else 0.2
                 param.normal_(0.0, std)
     model.save_pretrained(path, safe_serialization=True)
+    (path / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
     return path
 
 
@@ -75,20 +77,24 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def engine_env(work: Path) -> dict:
-    """The environment of an engine process: single-process, loopback only, out of /tmp."""
+    """The environment of an engine process: single-process, loopback only, out of /tmp.
+
+    vLLM's cache root is shared by every run of this venv: it holds the model inspection
+    vLLM otherwise redoes in a subprocess per start (half a minute on a loaded machine)."""
     env = dict(os.environ)
+    cache_root = Path(os.environ.get("GCACHE_VLLM_CACHE_ROOT", Path(sys.prefix) / "gcache-vllm-cache"))
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_HOST_IP="127.0.0.1",
         VLLM_RPC_BASE_PATH=str(work / "rpc"),
-        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(cache_root),
         VLLM_CPU_OMP_THREADS_BIND="0",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TMPDIR=str(work / "tmp"),
         OMP_NUM_THREADS="1",
     )
-    for sub in ("rpc", "vllm-cache", "tmp"):
+    for sub in ("rpc", "tmp"):
         (work / sub).mkdir(parents=True, exist_ok=True)
     return env
 
@@ -115,6 +121,20 @@ def _connector_counters(llm) -> dict:
     except Exception as exc:
         out["scheduler_error"] = repr(exc)
     return out
+
+
+GATE_TIMEOUT_S = 300.0
+
+
+def _gate(gate_dir: Path, i: int) -> None:
+    """Says "ready-i", then waits (bounded) for the test's "go-i": the test changes the store
+    between two prompts of one engine (corrupts a page, kills the server)."""
+    (gate_dir / f"ready-{i}").write_text("")
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not (gate_dir / f"go-{i}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go-{i} in {gate_dir} after {GATE_TIMEOUT_S:.0f}s")
+        time.sleep(0.05)
 
 
 def run(spec: dict) -> dict:
@@ -151,7 +171,12 @@ def run(spec: dict) -> dict:
         temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=spec.get("logprobs", 3)
     )
     results = []
-    for prompt in spec["prompts"]:
+    gates = set(spec.get("gates", ()))
+    for i, prompt in enumerate(spec["prompts"]):
+        if i in gates:
+            _gate(Path(spec["gate_dir"]), i)
+        if i and spec.get("reset_between"):  # the next prompt cannot hit vLLM's own prefix cache
+            llm.reset_prefix_cache()
         t0 = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         seconds = time.perf_counter() - t0

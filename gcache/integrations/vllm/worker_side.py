@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from gcache.integrations.vllm.loader import Loader, LoadJob, load_pages
-from gcache.integrations.vllm.saver import Saver, SaveJob
+from gcache.integrations.vllm.saver import SaveJob, Saver
 from gcache.wire.keys import POOL_SWA
 
 log = logging.getLogger("gcache.integrations.vllm")
