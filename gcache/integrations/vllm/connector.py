@@ -177,7 +177,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._safely("load", None, self.worker_side.start_load, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads finish in start_load_kv, before the forward
+        self._safely("layer load", None, self.worker_side.wait_layer, layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         self._safely("save", None, self.worker_side.save_layer, layer_name)

@@ -11,6 +11,7 @@ arithmetic either way.
 from __future__ import annotations
 
 import logging
+import threading
 
 from gcache.integrations.vllm.loader import Loader, LoadJob, load_pages
 from gcache.integrations.vllm.saver import SaveJob, Saver
@@ -68,6 +69,11 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.async_done: set[str] = set()
         self.async_failed: set[str] = set()
+        # Synchronous loads, layer by layer on one thread per step: the forward waits for
+        # each layer just before its attention (wait_for_layer_load), not for all of them.
+        self.layer_loaded: dict[str, threading.Event] = {}
+        self.layer_thread: threading.Thread | None = None
+        self.errors_lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------------
 
@@ -98,22 +104,68 @@ class WorkerSide:
         return LoadJob(spec.req_id, keys, addresses, sizes, blocks)
 
     def start_load(self, meta) -> None:
+        self.finish_layer_loads()  # the last step's, if a layer was never waited for
         self.meta = meta
         for spec in meta.saves:
             self.saving.add(spec.req_id)
+        layered = []
         for spec in meta.loads:
             try:
                 job = self._load_job(spec)
             except Exception as exc:  # a block outside the tensor: fail these pages, vLLM recomputes
                 log.error("GCache connector: load of %s refused: %s", spec.req_id, exc)
-                job = LoadJob(spec.req_id, [], [], [], [r.block_id for r in spec.pages])
-                self._failed(spec, set(job.blocks))
+                self._failed(spec, {r.block_id for r in spec.pages})
                 continue
             if spec.asynchronous:
                 self.loader.submit(job)
             else:
-                failed = load_pages(self.store, self.stats, job)
-                self.load_errors |= failed
+                layered.append(spec)
+        if layered:
+            self._start_layer_loads(layered)
+
+    def _start_layer_loads(self, specs) -> None:
+        jobs = []  # (layer name, job) in the model's layer order
+        for name in sorted(self.layer_group, key=self.layer_id.get):
+            group, layer_id = self.layer_group[name], self.layer_id[name]
+            layer = self.layers[name]
+            keys, addresses, blocks = [], [], []
+            for spec in specs:
+                for ref in spec.pages:
+                    if ref.group == group.index:
+                        keys.append(self.keys.key(ref.page_hash, group, layer_id))
+                        addresses.append(layer.address(ref.block_id))
+                        blocks.append(ref.block_id)
+            if keys:
+                jobs.append((name, LoadJob("", keys, addresses, [layer.block_bytes] * len(keys), blocks)))
+        self.layer_loaded = {name: threading.Event() for name, _ in jobs}
+
+        def run():
+            for name, job in jobs:
+                try:
+                    failed = load_pages(self.store, self.stats, job)
+                except Exception:  # our bug: these blocks failed, vLLM recomputes them
+                    log.exception("GCache connector: a layer load failed")
+                    failed = set(job.blocks)
+                with self.errors_lock:
+                    self.load_errors |= failed
+                self.layer_loaded[name].set()
+
+        self.layer_thread = threading.Thread(target=run, name="gcache-vllm-layer-loads", daemon=True)
+        self.layer_thread.start()
+
+    def wait_layer(self, layer_name: str) -> None:
+        event = self.layer_loaded.get(layer_name)
+        if event is not None and not event.wait(FENCE_TIMEOUT_S):
+            log.error("GCache connector: layer %s not loaded in %.0fs", layer_name, FENCE_TIMEOUT_S)
+
+    def finish_layer_loads(self) -> None:
+        """Joins this step's layer loads (bounded: each store call is), so their errors are in."""
+        thread, self.layer_thread = self.layer_thread, None
+        if thread is not None:
+            thread.join(FENCE_TIMEOUT_S)
+            if thread.is_alive():  # cannot happen with bounded store calls; never serve its blocks
+                log.error("GCache connector: layer loads still running after %.0fs", FENCE_TIMEOUT_S)
+        self.layer_loaded = {}
 
     def _failed(self, spec, blocks: set) -> None:
         if spec.asynchronous:
@@ -145,6 +197,7 @@ class WorkerSide:
             self.saver.submit(SaveJob(keys, addresses, [layer.block_bytes] * len(keys), tuple(req_ids), swa, swa))
 
     def wait_for_save(self) -> None:
+        self.finish_layer_loads()  # before vLLM asks for this step's load errors
         self.saver.wait_volatile(FENCE_TIMEOUT_S)
 
     def preempted(self, meta) -> None:
@@ -171,10 +224,12 @@ class WorkerSide:
         return sent, recving, failed_recving
 
     def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
+        with self.errors_lock:
+            errors, self.load_errors = self.load_errors, set()
         return errors
 
     def close(self) -> None:
+        self.finish_layer_loads()
         self.saver.wait_all(CLOSE_TIMEOUT_S)
         self.saver.close(CLOSE_TIMEOUT_S)
         self.loader.close(CLOSE_TIMEOUT_S)
