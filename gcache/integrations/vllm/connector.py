@@ -156,6 +156,9 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> GCacheConnectorMetadata:
         return self._safely("meta", GCacheConnectorMetadata(), self.scheduler_side.build_meta, scheduler_output)
 
+    def update_connector_output(self, connector_output):
+        self._safely("worker output", None, self.scheduler_side.worker_output, connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._safely("finish", False, self.scheduler_side.finished, request), None
 

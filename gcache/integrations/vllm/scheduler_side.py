@@ -35,6 +35,8 @@ class Track:
     saved_upto: int = 0  # pages before this were saved (or came from a hit)
     swa_pages: set = field(default_factory=set)  # sliding-window pages worth saving
     hit: tuple | None = None  # (local pages, end pages) of the last lookup
+    loading: frozenset = frozenset()  # the blocks its load in flight fills
+    no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
 
 
 class SchedulerSide:
@@ -82,7 +84,7 @@ class SchedulerSide:
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._track(request)  # saving needs it too (a kv_producer never loads)
-        if track is None or not self.load:
+        if track is None or not self.load or track.no_load:
             return 0, False
         bs = self.block_size
         local = num_computed_tokens // bs
@@ -141,6 +143,7 @@ class SchedulerSide:
                     pages.append(PageRef(group.index, track.hashes[p], block.block_id))
         asynchronous = len(self.groups) > 1 or num_external_tokens >= self.settings.async_load_min_tokens
         self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous))
+        track.loading = frozenset(p.block_id for p in pages)
         self.stats.count("hit_tokens", num_external_tokens)
         self.stats.count("loads_async" if asynchronous else "loads_sync")
 
@@ -193,6 +196,18 @@ class SchedulerSide:
         return GCacheConnectorMetadata(
             loads=loads, saves=saves, preempted=frozenset(getattr(out, "preempted_req_ids", None) or ())
         )
+
+    def worker_output(self, output) -> None:
+        """The worker's report of a step: a request whose load failed is not loaded again (a
+        retry would find the same pages and fail the same way)."""
+        failed = set(getattr(output, "failed_recving", None) or ())
+        bad_blocks = set(getattr(output, "invalid_block_ids", None) or ())
+        if not failed and not bad_blocks:
+            return
+        for req_id, track in self.tracks.items():
+            if req_id in failed or (bad_blocks and track.loading & bad_blocks):
+                track.no_load = True
+                track.loading = frozenset()
 
     def finished(self, request) -> bool:
         """True when the request's blocks must wait for its saves (the worker reports them)."""

@@ -9,13 +9,15 @@ stored. Mistral-style (every layer sliding): one sliding-window group, the same 
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 import gcache
 from gcache.integrations.vllm.testing import BLOCK_SIZE, prompt_tokens
 from gcache.wire.keys import POOL_FULL, POOL_SWA
 from tests.support.servers import ServerProcess
-from tests.support.vllm_store import PAGE_BYTES, page_keys
+from tests.support.vllm_store import PAGE_BYTES, flip_byte, page_keys
 from tests.support.vllm_support import gcache_spec, run_engine, same_output
 
 # One module fixture runs several engine processes: its setup needs more than the default timeout.
@@ -31,7 +33,8 @@ CHECKPOINT_TAILS = [15, 17]  # the pages before the cuts 16 and 18 (a window of 
 @pytest.fixture(scope="module")
 def gemma(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("gemma2")
-    server = ServerProcess(work / "store", memory="128MiB").start()
+    sock = f"{tempfile.mkdtemp(prefix='gc-vllm-')}/node.sock"  # a socket path must stay short
+    server = ServerProcess(work / "store", memory="128MiB", extra_args=["--unix-socket", sock]).start()
     url, model = server.address, models["gemma2"]
     every = dict(gcache_swa_every_page=True, gcache_namespace="every-page")
     out = {"model": model}
@@ -46,6 +49,10 @@ def gemma(models, tmp_path_factory):
             out["swa_stored"] = [p for p, keys in enumerate(swa) if all(client.batch_is_exist(keys))]
             full = page_keys(model, P, POOL_FULL, FULL_LAYERS)
             out["full_stored"] = [p for p, keys in enumerate(full) if all(client.batch_is_exist(keys))]
+        # A flipped byte in a full-attention page: vLLM reports per-block load errors only for
+        # one KV group, so the hybrid load fails as a whole and vLLM recomputes the request.
+        flip_byte(sock, full[5][0])
+        out["b_flipped"] = run_engine(gcache_spec(model, url, [P + S]), work / "b-flipped")
         yield out
     finally:
         server.kill()
@@ -91,3 +98,10 @@ def test_all_sliding_mistral_hits_at_the_checkpoint_and_matches(models, server_f
     assert b["results"][0]["num_cached_tokens"] == PAGES * BLOCK_SIZE
     for got, want in zip(b["results"], base):
         assert same_output(got, want)
+
+
+def test_a_flipped_page_fails_the_hybrid_load_and_the_request_is_recomputed(gemma):
+    flipped = gemma["b_flipped"]
+    assert same_output(flipped["results"][0], gemma["base"]["results"][0])
+    assert flipped["counters"]["worker"]["load_failed_pages"] == 1
+    assert flipped["counters"]["scheduler"]["loads_async"] == 1

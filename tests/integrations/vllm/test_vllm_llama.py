@@ -112,3 +112,12 @@ def test_another_model_never_reads_these_pages(runs):
     assert other["results"][0]["num_cached_tokens"] == 0
     assert other["counters"]["scheduler"]["hit_tokens"] == 0
     assert other["counters"]["worker"]["pages_saved"] == PAGES * LAYERS  # its own pages, its own keys
+
+
+def test_an_unreachable_store_stops_the_engine_start_with_a_clear_error(models, tmp_path):
+    from gcache.common.processes import free_port
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    run = EngineRun(gcache_spec(models["llama"], url, [P1]), tmp_path / "unreachable")
+    with pytest.raises(AssertionError, match=f"GCacheConnector: cannot reach the store at {url}"):
+        run.result()
