@@ -143,6 +143,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def counters(self) -> dict:
         return self.stats.snapshot()
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Worker side: waits (bounded) for every queued save; True when all were written.
+        vLLM's shutdown() does it too; a process that exits without it loses queued saves."""
+        return self.worker_side is None or self.worker_side.flush(timeout_s)
+
     # -- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -99,6 +99,14 @@ def engine_env(work: Path) -> dict:
     return env
 
 
+def _flush_saves() -> None:
+    """Waits for the connector's queued saves: main() exits without vLLM's shutdown."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "flush"):
+        get_kv_transfer_group().flush()
+
+
 def _connector_counters(llm) -> dict:
     """The GCache connector's counters on both sides (single-process engine only)."""
     out = {}
@@ -191,6 +199,7 @@ def run(spec: dict) -> dict:
                 seconds=seconds,
             )
         )
+    _flush_saves()
     counters = _connector_counters(llm)
     return dict(results=results, init_s=init_s, counters=counters)
 

@@ -228,6 +228,10 @@ class WorkerSide:
             errors, self.load_errors = self.load_errors, set()
         return errors
 
+    def flush(self, timeout_s: float) -> bool:
+        """Waits (bounded) until every queued save is written: before a process exits."""
+        return self.saver.wait_all(timeout_s)
+
     def close(self) -> None:
         self.finish_layer_loads()
         self.saver.wait_all(CLOSE_TIMEOUT_S)
