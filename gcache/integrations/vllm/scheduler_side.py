@@ -208,6 +208,12 @@ class SchedulerSide:
             if req_id in failed or (bad_blocks and track.loading & bad_blocks):
                 track.no_load = True
                 track.loading = frozenset()
+                # vLLM recomputes from the first failed page on: save those pages again.
+                first = min(
+                    (p for row in track.block_ids for p, b in enumerate(row) if b in bad_blocks),
+                    default=0 if req_id in failed else track.saved_upto,
+                )
+                track.saved_upto = min(track.saved_upto, first)
 
     def finished(self, request) -> bool:
         """True when the request's blocks must wait for its saves (the worker reports them)."""

@@ -24,6 +24,7 @@ COUNTERS = (
     "swa_pages_saved",
     "store_errors",
     "calls_while_suspect",
+    "corrupt_values_removed",  # values that failed their checksum, removed from the store
 )
 SECONDS = ("load_s", "save_s", "lookup_s")
 

@@ -47,6 +47,8 @@ class GuardedStore:
         except _PARTIAL as exc:
             log.warning("GCache %s: %s", what, exc)
             answer = exc.results if exc.results is not None else failed
+            if isinstance(exc, errors.ChecksumMismatchError) and exc.keys:
+                self._drop(exc.keys)
         except _OUTAGE as exc:
             self.stats.count("store_errors")
             if self._breaker.fail():
@@ -64,6 +66,15 @@ class GuardedStore:
         if self._breaker.succeed():
             log.warning("GCache store at %s answers again", getattr(self.client, "address", "?"))
         return answer
+
+    def _drop(self, keys: list) -> None:
+        # A value that fails its checksum is corrupt: remove it, so the next save of that
+        # page (its key names its content) stores good bytes instead of finding it "there".
+        try:
+            self.client.batch_remove(keys)
+            self.stats.count("corrupt_values_removed", len(keys))
+        except errors.GCacheError as exc:
+            log.warning("GCache: could not remove %d corrupt value(s): %s", len(keys), exc)
 
     def exists_prefix(self, keys: list) -> int:
         return self._call("exists", self.client.batch_exists_prefix, 0, keys) if keys else 0

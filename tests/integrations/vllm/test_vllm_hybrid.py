@@ -104,4 +104,5 @@ def test_a_flipped_page_fails_the_hybrid_load_and_the_request_is_recomputed(gemm
     flipped = gemma["b_flipped"]
     assert same_output(flipped["results"][0], gemma["base"]["results"][0])
     assert flipped["counters"]["worker"]["load_failed_pages"] == 1
+    assert flipped["counters"]["worker"]["corrupt_values_removed"] == 1
     assert flipped["counters"]["scheduler"]["loads_async"] == 1
