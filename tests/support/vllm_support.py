@@ -105,3 +105,8 @@ def run_engine(spec: dict, work: Path) -> dict:
 def same_output(a: dict, b: dict) -> bool:
     """Exactly the same tokens and logprobs (top-k ids and values)."""
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def same_first_token(a: dict, b: dict) -> bool:
+    """a ran with max_tokens=1: its token and logprobs equal b's first."""
+    return a["tokens"] == b["tokens"][:1] and a["logprobs"] == b["logprobs"][:1]

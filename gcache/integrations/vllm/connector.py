@@ -188,7 +188,12 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._safely("layer load", None, self.worker_side.wait_layer, layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        self._safely("save", None, self.worker_side.save_layer, layer_name)
+        # The bound metadata, not start_load_kv's: without synchronous loads vLLM calls
+        # start_load_kv after the forward, and this step's pages must be saved this step (a
+        # sliding-window block can belong to another request in the next one).
+        meta = self._connector_metadata
+        if isinstance(meta, GCacheConnectorMetadata):
+            self._safely("save", None, self.worker_side.save_layer, layer_name, meta)
 
     def wait_for_save(self):
         self._safely("save fence", None, self.worker_side.wait_for_save)

@@ -63,7 +63,6 @@ class WorkerSide:
         self.layers: dict[str, LayerBlocks] = {}
         self.saver = Saver(store, stats, settings.save_queue_jobs_max, settings.skip_existing)
         self.loader = Loader(store, stats, settings.load_queue_jobs_max)
-        self.meta = None
         self.saving: set[str] = set()  # requests whose saves the scheduler waits for
         self.finished_saving: set[str] = set()  # ...that vLLM says finished: report when saved
         self.load_errors: set[int] = set()
@@ -105,7 +104,6 @@ class WorkerSide:
 
     def start_load(self, meta) -> None:
         self.finish_layer_loads()  # the last step's, if a layer was never waited for
-        self.meta = meta
         for spec in meta.saves:
             self.saving.add(spec.req_id)
         layered = []
@@ -177,11 +175,13 @@ class WorkerSide:
         else:
             self.load_errors |= blocks
 
-    def save_layer(self, layer_name: str) -> None:
-        meta = self.meta
+    def save_layer(self, layer_name: str, meta) -> None:
+        """meta: this step's (vLLM binds it before the forward; start_load_kv may run after it)."""
         group = self.layer_group.get(layer_name)
-        if meta is None or group is None or not meta.saves:
+        if group is None or not meta.saves:
             return
+        for spec in meta.saves:
+            self.saving.add(spec.req_id)
         layer = self.layers[layer_name]
         layer_id = self.layer_id[layer_name]
         keys, addresses, req_ids = [], [], []
