@@ -120,6 +120,11 @@ class Saver:
         log.error("GCache connector: %s did not finish in %.0fs; queued volatile saves dropped", what, timeout_s)
         return False
 
+    def wait_for(self, req_ids: set, timeout_s: float) -> bool:
+        """Waits (bounded) until these requests have no save left; drops nothing."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(r in self._pending for r in req_ids), timeout_s)
+
     def wait_volatile(self, timeout_s: float) -> bool:
         return self._wait(lambda: self._volatile <= 0, timeout_s, "sliding-window saves")
 

@@ -132,6 +132,18 @@ def _connector_counters(llm) -> dict:
 
 
 GATE_TIMEOUT_S = 300.0
+RESET_STEPS_MAX = 50
+
+
+def _reset_prefix_cache(llm) -> None:
+    """Empties vLLM's prefix cache. A finished request whose saves a connector waits for
+    holds its blocks until the engine's next step reports them saved, so step (bounded)."""
+    for _ in range(RESET_STEPS_MAX):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    raise RuntimeError(f"vLLM's prefix cache still in use after {RESET_STEPS_MAX} steps")
 
 
 def _gate(gate_dir: Path, i: int) -> None:
@@ -184,7 +196,7 @@ def run(spec: dict) -> dict:
         if i in gates:
             _gate(Path(spec["gate_dir"]), i)
         if i and spec.get("reset_between"):  # the next prompt cannot hit vLLM's own prefix cache
-            llm.reset_prefix_cache()
+            _reset_prefix_cache(llm)
         t0 = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         seconds = time.perf_counter() - t0

@@ -20,6 +20,10 @@ from gcache.wire.keys import POOL_SWA
 log = logging.getLogger("gcache.integrations.vllm")
 FENCE_TIMEOUT_S = 120.0  # longest a step waits for saves of blocks vLLM will reuse
 CLOSE_TIMEOUT_S = 30.0
+# A request vLLM says finished keeps its blocks until its saves are written; the step that
+# learns it waits this long for them, so an idle engine (which takes no further steps) frees
+# them now rather than at the next request. Its saves usually ended steps ago.
+FINISH_WAIT_S = 0.5
 
 
 class LayoutError(ValueError):
@@ -208,7 +212,10 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids) -> tuple[set, set, set]:
         """(finished sending, finished receiving, failed receiving)."""
-        self.finished_saving |= set(finished_req_ids) & self.saving
+        just_finished = set(finished_req_ids) & self.saving
+        if just_finished:
+            self.saver.wait_for(just_finished, FINISH_WAIT_S)
+        self.finished_saving |= just_finished
         sent = {r for r in self.finished_saving if self.saver.pending(r) == 0}
         self.finished_saving -= sent
         self.saving -= sent
