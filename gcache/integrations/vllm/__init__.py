@@ -1,0 +1,25 @@
+"""GCache as vLLM's KV connector (vLLM 0.32, `KVConnectorBase_V1` + `SupportsHMA`):
+
+    KVTransferConfig(kv_connector="GCacheConnector",
+                     kv_connector_module_path="gcache.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"gcache_url": "127.0.0.1:7600"})
+
+connector (the class vLLM loads), settings (extra_config), groups (vLLM's KV cache groups as
+full / sliding-window pools), keys (page keys), plan (which pages to load and save: pure
+functions), scheduler_side / worker_side (the two halves), saver (the bounded save queue),
+loader (async loads), store (store failures become misses), stats, testing (tiny models and
+an engine run for the tests and benches; not used by the connector).
+"""
+
+__all__ = ["GCacheConnector"]
+
+
+def __getattr__(name):
+    # Lazy: the connector imports vllm and torch; settings, keys and plan do not, so they stay
+    # importable (and testable) without vLLM installed.
+    if name == "GCacheConnector":
+        from gcache.integrations.vllm.connector import GCacheConnector
+
+        return GCacheConnector
+    raise AttributeError(f"module 'gcache.integrations.vllm' has no attribute {name!r}")

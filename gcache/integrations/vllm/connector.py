@@ -1,0 +1,225 @@
+"""GCacheConnector: GCache as vLLM's KV connector (vLLM 0.32), hybrid models included.
+
+    LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="GCacheConnector", kv_connector_module_path="gcache.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config={"gcache_url": "127.0.0.1:7600"}))
+
+vLLM builds one instance in the scheduler (role SCHEDULER: scheduler_side.SchedulerSide)
+and one per worker (role WORKER: worker_side.WorkerSide). Both reach the store in the
+constructor, so an unreachable store or a bad setting is a clear error when the engine
+starts. From then on no hook raises into vLLM: a store failure is a miss or a failed load
+(vLLM recomputes), never wrong KV. `kv_producer` only saves, `kv_consumer` only loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+import gcache
+from gcache import errors
+from gcache.integrations.vllm.groups import groups_of
+from gcache.integrations.vllm.keys import PageKeys, rank_keys
+from gcache.integrations.vllm.meta import GCacheConnectorMetadata
+from gcache.integrations.vllm.scheduler_side import SchedulerSide
+from gcache.integrations.vllm.settings import ConnectorSettings
+from gcache.integrations.vllm.stats import ConnectorStats
+from gcache.integrations.vllm.store import GuardedStore
+from gcache.integrations.vllm.worker_side import WorkerSide
+
+log = logging.getLogger("gcache.integrations.vllm")
+
+
+def connect(settings: ConnectorSettings):
+    """A client that has just reached the store; a clear error if it cannot."""
+    client = None
+    try:
+        client = gcache.Client(
+            settings.url,
+            timeout_s=settings.timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            retries=settings.retries,
+            transport=settings.transport,
+            verify_checksums=settings.verify_checksums,
+        )
+        client.ping()
+    except errors.GCacheError as exc:
+        if client is not None:
+            client.close()
+        raise ConnectionError(
+            f"GCacheConnector: cannot reach the store at {settings.url}: {exc}. "
+            "Start gcache-server (or fix gcache_url / GCACHE_URL)"
+        ) from exc
+    return client
+
+
+@dataclass
+class GCacheConnectorStats(KVConnectorStats):
+    """Counter changes over an interval (sums when vLLM aggregates workers or intervals)."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in (other.data or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.groups = groups_of(kv_cache_config)
+        model_config = vllm_config.model_config
+        model = self.settings.model or model_config.served_model_name or model_config.model
+        if isinstance(model, (list, tuple)):
+            model = model[0]
+        is_mla = bool(getattr(model_config, "use_mla", False))
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.stats = ConnectorStats()
+        self.client = connect(self.settings)
+        self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
+        self.scheduler_side = self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # A cache miss is never a request error: vLLM reads the policy right after
+                # building this connector, so set it here.
+                log.info("GCacheConnector: kv_load_failure_policy=recompute (a failed load is recomputed)")
+                transfer.kv_load_failure_policy = "recompute"
+            self.scheduler_side = SchedulerSide(
+                self.settings,
+                self.groups,
+                rank_keys(model, self.settings.namespace, tp_size, is_mla),
+                self.store,
+                self.stats,
+                load=transfer.is_kv_consumer,
+                save=transfer.is_kv_producer,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
+            keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
+            self.worker_side = WorkerSide(self.settings, self.groups, keys, self.client, self.store, self.stats)
+        log.info(
+            "GCacheConnector (%s): store %s, groups %s, keys ...%s",
+            role.name,
+            self.settings.url,
+            [f"{g.kind}:{len(g.layer_names)}" for g in self.groups],
+            rank_keys(model, self.settings.namespace, 1, is_mla)[0].builder.suffix,
+        )
+
+    # -- the boundary: nothing raises into vLLM ---------------------------------------------
+
+    def _safely(self, what: str, failed, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # our bug or bad input: vLLM's engine must live on
+            self.stats.count("store_errors")
+            log.error("GCacheConnector %s failed: %s", what, exc, exc_info=True)
+            return failed
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    def counters(self) -> dict:
+        return self.stats.snapshot()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Worker side: waits (bounded) for every queued save; True when all were written.
+        vLLM's shutdown() does it too; a process that exits without it loses queued saves."""
+        return self.worker_side is None or self.worker_side.flush(timeout_s)
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._safely("lookup", (0, False), self.scheduler_side.matched_tokens, request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        # A failure here would leave vLLM waiting for tokens nobody loads: plan no load, and
+        # the worker reports nothing for it... so this must not fail; _safely logs if it does.
+        self._safely("alloc", None, self.scheduler_side.after_alloc, request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> GCacheConnectorMetadata:
+        return self._safely("meta", GCacheConnectorMetadata(), self.scheduler_side.build_meta, scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        self._safely("worker output", None, self.scheduler_side.worker_output, connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._safely("finish", False, self.scheduler_side.finished, request), None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._safely("finish", False, self.scheduler_side.finished, request), None
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict):
+        self.worker_side.register(kv_caches)  # a layout we cannot address fails the start
+
+    def handle_preemptions(self, kv_connector_metadata):
+        if isinstance(kv_connector_metadata, GCacheConnectorMetadata):
+            self._safely("preemption", None, self.worker_side.preempted, kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, GCacheConnectorMetadata):
+            self._safely("load", None, self.worker_side.start_load, meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._safely("layer load", None, self.worker_side.wait_layer, layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        # The bound metadata, not start_load_kv's: without synchronous loads vLLM calls
+        # start_load_kv after the forward, and this step's pages must be saved this step (a
+        # sliding-window block can belong to another request in the next one).
+        meta = self._connector_metadata
+        if isinstance(meta, GCacheConnectorMetadata):
+            self._safely("save", None, self.worker_side.save_layer, layer_name, meta)
+
+    def wait_for_save(self):
+        self._safely("save fence", None, self.worker_side.wait_for_save)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, recving, failed = self._safely(
+            "results", (set(), set(), set()), self.worker_side.transfer_results, finished_req_ids
+        )
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._safely("load errors", set(), self.worker_side.take_load_errors)
+
+    def get_kv_connector_stats(self):
+        delta = self.stats.delta()
+        return GCacheConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return GCacheConnectorStats(data=dict(data or {}))
+
+    def shutdown(self):
+        if self.worker_side is not None:
+            self._safely("shutdown", None, self.worker_side.close)
+        self.client.close()

@@ -1,0 +1,78 @@
+"""vLLM's KV cache groups as the connector sees them: a pool kind ("full" or "swa"), the
+layers, and for a sliding-window group the pages it needs before a cut.
+
+vLLM gives each group its own block table; with the hybrid allocator (HMA) a Gemma2-style
+model has a SlidingWindowSpec group and a FullAttentionSpec group whose layers share one
+tensor pool. A group of any other kind (Mamba, chunked-local, cross-attention, ...) is an
+error at startup: the connector cannot say which of its pages resume a request.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from gcache.integrations.vllm.plan import tail_pages
+from gcache.wire.keys import POOL_FULL, POOL_SWA
+
+
+class GroupError(ValueError):
+    """A KV cache layout the connector cannot serve (the message says what to change)."""
+
+
+class Group(NamedTuple):
+    index: int
+    kind: str  # POOL_FULL or POOL_SWA
+    layer_names: tuple[str, ...]
+    layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part
+    block_size: int
+    tail: int  # sliding-window groups: pages needed before a cut; 0 for full attention
+    layout: str  # the page's byte layout in the key: heads, block size, head size, dtype
+    page_bytes: int  # bytes of one page of one layer
+
+
+def _layer_id(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+def _dtype_code(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def groups_of(kv_cache_config) -> list[Group]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        raise GroupError("GCacheConnector needs vLLM's kv_cache_config (vLLM 0.32 or newer)")
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            kind, tail = POOL_SWA, tail_pages(spec.sliding_window, spec.block_size)
+        elif isinstance(spec, FullAttentionSpec):  # MLA too; a windowed spec without HMA keeps all KV
+            kind, tail = POOL_FULL, 0
+        else:
+            raise GroupError(
+                f"KV cache group {index} is {type(spec).__name__}; GCacheConnector serves full-attention "
+                "and sliding-window attention groups only"
+            )
+        heads = getattr(spec, "num_kv_heads", 1)
+        layout = f"h{heads}b{spec.block_size}d{spec.head_size}{_dtype_code(spec.dtype)}"
+        names = tuple(group.layer_names)
+        groups.append(
+            Group(
+                index=index,
+                kind=kind,
+                layer_names=names,
+                layer_ids=tuple(_layer_id(n) for n in names),
+                block_size=spec.block_size,
+                tail=tail,
+                layout=layout,
+                page_bytes=spec.real_page_size_bytes if hasattr(spec, "real_page_size_bytes") else spec.page_size_bytes,
+            )
+        )
+    sizes = {g.block_size for g in groups}
+    if len(sizes) != 1:
+        raise GroupError(f"KV cache groups with different block sizes {sorted(sizes)} are not supported")
+    return groups

@@ -1,0 +1,32 @@
+"""What the scheduler side tells the worker side each step (vLLM pickles it across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+class PageRef(NamedTuple):
+    group: int  # the KV cache group's index
+    page_hash: str
+    block_id: int  # the vLLM block the page lives in (or is loaded into)
+
+
+class LoadSpec(NamedTuple):
+    req_id: str
+    pages: tuple  # PageRef...
+    asynchronous: bool  # loaded between steps (the request waits in WAITING_FOR_REMOTE_KVS)
+
+
+class SaveSpec(NamedTuple):
+    req_id: str
+    pages: tuple  # PageRef... computed by this step's forward
+
+
+@dataclass
+class GCacheConnectorMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+    preempted: frozenset = frozenset()

@@ -1,0 +1,51 @@
+"""Which pages a request loads and saves: pure functions over page counts (no vLLM, no store).
+
+A page is one vLLM block of one KV cache group. Full-attention groups keep every page.
+Sliding-window groups keep only the window tails of *checkpoints*: the cuts at every C pages
+and at the prompt's end (the cut a repeat of the prompt resumes at, (len - 1) // block_size,
+and the one a longer prompt resumes at, len // block_size). Resuming at cut n needs, per
+sliding-window group, the `tail` pages before n (vLLM's cdiv(window - 1, block_size)); a hit
+is the longest cut every group can serve.
+"""
+
+from __future__ import annotations
+
+
+def tail_pages(window: int, block_size: int) -> int:
+    """Pages a sliding-window group needs before a cut (vLLM's SlidingWindowManager)."""
+    return max(1, -(-(window - 1) // block_size))
+
+
+def prompt_cuts(prompt_len: int, block_size: int, every: int) -> set[int]:
+    """The checkpoint cuts of a prompt, in pages."""
+    full = prompt_len // block_size
+    cuts = set(range(every, full + 1, every))
+    cuts.update(c for c in (full, (prompt_len - 1) // block_size) if c > 0)
+    return cuts
+
+
+def tail_page_set(cuts: set[int], tail: int) -> set[int]:
+    """Every page some cut's window tail covers."""
+    return {p for c in cuts for p in range(max(0, c - tail), c)}
+
+
+def best_cut(local: int, full_end: int, swa: list[tuple[int, list[bool]]]) -> int:
+    """The longest cut n in (local, full_end] that every sliding-window group can serve, or local.
+
+    swa: per sliding-window group (tail, present) where present[i] says page local + i is
+    stored. Pages before `local` are vLLM's own (its local prefix hit), so they count as there.
+    """
+    for n in range(full_end, local, -1):
+        if all(all(present[p - local] for p in range(max(local, n - tail), n)) for tail, present in swa):
+            return n
+    return local
+
+
+def leading(flags: list[bool], per_page: int) -> int:
+    """Leading pages whose `per_page` consecutive flags are all true."""
+    pages = 0
+    for i in range(0, len(flags) - per_page + 1, per_page):
+        if not all(flags[i : i + per_page]):
+            break
+        pages += 1
+    return pages

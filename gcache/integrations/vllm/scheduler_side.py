@@ -1,0 +1,224 @@
+"""The connector's scheduler half: how long a prefix the store holds, which blocks to load
+it into, and which freshly computed pages to save.
+
+A hit is counted from vLLM's own (block-aligned) local hit on: full-attention pages must all
+be stored (one batch_exists_prefix over every layer and rank of them), and each
+sliding-window group must hold the window tail before the cut (plan.best_cut). Saves cover
+the prompt's pages as the forward computes them (chunk by chunk under chunked prefill);
+sliding-window groups save only checkpoint tails (plan.prompt_cuts), in the step that
+computes them, before vLLM frees out-of-window blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from gcache.integrations.vllm import plan
+from gcache.integrations.vllm.keys import prompt_page_hashes
+from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.wire.keys import POOL_SWA
+
+log = logging.getLogger("gcache.integrations.vllm")
+NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
+TRACKED_MAX = 65536  # requests tracked at once; beyond that new ones are neither loaded nor saved
+
+
+@dataclass
+class Track:
+    """What the scheduler side remembers of one live request."""
+
+    prompt_len: int
+    hashes: list  # page hashes of the prompt's full pages
+    block_ids: list = field(default_factory=list)  # per group, block id per page
+    saved_upto: int = 0  # pages before this were saved (or came from a hit)
+    swa_pages: set = field(default_factory=set)  # sliding-window pages worth saving
+    hit: tuple | None = None  # (local pages, end pages) of the last lookup
+    loading: frozenset = frozenset()  # the blocks its load in flight fills
+    no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
+
+
+class SchedulerSide:
+    def __init__(self, settings, groups, rank_keys, store, stats, *, load: bool, save: bool):
+        self.settings = settings
+        self.groups = groups
+        self.full = [g for g in groups if g.kind != POOL_SWA]
+        self.swa = [g for g in groups if g.kind == POOL_SWA]
+        self.block_size = groups[0].block_size
+        self.rank_keys = rank_keys
+        self.store = store
+        self.stats = stats
+        self.load = load
+        self.save = save
+        self.tracks: dict[str, Track] = {}
+        self.pending_loads: list[LoadSpec] = []
+        self.saving: set[str] = set()  # requests with saves planned: their blocks wait for them
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _cacheable(self, request) -> bool:
+        # Multimodal inputs and LoRA adapters change the KV of the same token ids: not keyed yet.
+        return (
+            request.prompt_token_ids is not None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "lora_request", None) is None
+        )
+
+    def _track(self, request) -> Track | None:
+        track = self.tracks.get(request.request_id)
+        if track is None and self._cacheable(request) and len(self.tracks) < TRACKED_MAX:
+            prompt = request.prompt_token_ids
+            hashes = prompt_page_hashes(prompt, self.block_size, getattr(request, "cache_salt", None))
+            track = Track(prompt_len=len(prompt), hashes=hashes)
+            every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
+            cuts = plan.prompt_cuts(len(prompt), self.block_size, every)
+            track.swa_pages = {g.index: plan.tail_page_set(cuts, g.tail) for g in self.swa}
+            self.tracks[request.request_id] = track
+        return track
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def _keys(self, hashes, group) -> list:
+        return [k for h in hashes for keys in self.rank_keys for k in keys.page(h, group)]
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        track = self._track(request)  # saving needs it too (a kv_producer never loads)
+        if track is None or not self.load or track.no_load:
+            return 0, False
+        bs = self.block_size
+        local = num_computed_tokens // bs
+        most = (track.prompt_len - 1) // bs  # vLLM computes at least the prompt's last token
+        if most <= local:
+            return 0, False
+        start = time.perf_counter()
+        self.stats.count("lookups")
+        full_end = most
+        for group in self.full:  # every layer and rank of each page: the prefix they all hold
+            per_page = len(group.layer_ids) * len(self.rank_keys)
+            found = self.store.exists_prefix(self._keys(track.hashes[local:full_end], group))
+            full_end = local + found // per_page
+        swa = []
+        if self.swa and full_end > local:
+            asks, spans = [], []
+            for group in self.swa:
+                keys = self._keys(track.hashes[local:full_end], group)
+                spans.append((group, len(asks), len(keys), len(group.layer_ids) * len(self.rank_keys)))
+                asks += keys
+            flags = self.store.exists_flags(asks)  # one round trip for every group
+            for group, at, n, per_page in spans:
+                page_flags = flags[at : at + n]
+                present = [all(page_flags[i : i + per_page]) for i in range(0, n, per_page)]
+                swa.append((group.tail, present))
+        end = plan.best_cut(local, full_end, swa)
+        self.stats.count("lookup_s", time.perf_counter() - start)
+        if end <= local:
+            track.hit = None
+            return 0, False
+        track.hit = (local, end)
+        tokens = end * bs - num_computed_tokens
+        # vLLM reports per-block load errors only for one KV cache group; hybrid models load
+        # between steps, where a failure recomputes the request.
+        asynchronous = len(self.groups) > 1 or tokens >= self.settings.async_load_min_tokens
+        return tokens, asynchronous
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        track = self.tracks.get(request.request_id)
+        if track is None or num_external_tokens <= 0 or track.hit is None:
+            return
+        local, end = track.hit
+        track.hit = None
+        count = num_external_tokens // self.block_size
+        if count != end - local:
+            log.warning(
+                "GCache connector: vLLM allocated %d external tokens, planned %d", num_external_tokens, end - local
+            )
+            end = min(end, local + count)
+        pages = []
+        for group in self.groups:
+            row = blocks.blocks[group.index]
+            for p in range(local, end):
+                block = row[p]
+                if not block.is_null:  # a sliding-window group gets only the window tail
+                    pages.append(PageRef(group.index, track.hashes[p], block.block_id))
+        asynchronous = len(self.groups) > 1 or num_external_tokens >= self.settings.async_load_min_tokens
+        self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous))
+        track.loading = frozenset(p.block_id for p in pages)
+        self.stats.count("hit_tokens", num_external_tokens)
+        self.stats.count("loads_async" if asynchronous else "loads_sync")
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _plan_saves(self, req_id: str, track: Track, computed_after: int) -> SaveSpec | None:
+        done = min(computed_after, track.prompt_len) // self.block_size
+        if not self.save or done <= track.saved_upto:
+            return None
+        pages = []
+        for group in self.groups:
+            row = track.block_ids[group.index] if group.index < len(track.block_ids) else []
+            wanted = None if group.kind != POOL_SWA else track.swa_pages[group.index]
+            for p in range(track.saved_upto, min(done, len(row))):
+                if (wanted is None or p in wanted) and row[p] != NULL_BLOCK:
+                    pages.append(PageRef(group.index, track.hashes[p], row[p]))
+        track.saved_upto = done
+        if not pages:
+            return None
+        self.saving.add(req_id)
+        return SaveSpec(req_id, tuple(pages))
+
+    def build_meta(self, out) -> GCacheConnectorMetadata:
+        saves = []
+        for new in out.scheduled_new_reqs:
+            track = self.tracks.get(new.req_id)
+            if track is None:
+                continue
+            track.block_ids = [list(ids) for ids in new.block_ids]
+            track.saved_upto = new.num_computed_tokens // self.block_size  # hits are stored already
+            spec = self._plan_saves(new.req_id, track, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+            if spec:
+                saves.append(spec)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            track = self.tracks.get(req_id)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after a preemption: new blocks, from its hit on
+                track.block_ids = [list(ids) for ids in (new_ids or ())]
+                track.saved_upto = cached.num_computed_tokens[i] // self.block_size
+            elif new_ids is not None:
+                for group, ids in enumerate(new_ids):
+                    track.block_ids[group].extend(ids)
+            spec = self._plan_saves(req_id, track, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+            if spec:
+                saves.append(spec)
+        loads, self.pending_loads = self.pending_loads, []
+        return GCacheConnectorMetadata(
+            loads=loads, saves=saves, preempted=frozenset(getattr(out, "preempted_req_ids", None) or ())
+        )
+
+    def worker_output(self, output) -> None:
+        """The worker's report of a step: a request whose load failed is not loaded again (a
+        retry would find the same pages and fail the same way)."""
+        failed = set(getattr(output, "failed_recving", None) or ())
+        bad_blocks = set(getattr(output, "invalid_block_ids", None) or ())
+        if not failed and not bad_blocks:
+            return
+        for req_id, track in self.tracks.items():
+            if req_id in failed or (bad_blocks and track.loading & bad_blocks):
+                track.no_load = True
+                track.loading = frozenset()
+                # vLLM recomputes from the first failed page on: save those pages again.
+                first = min(
+                    (p for row in track.block_ids for p, b in enumerate(row) if b in bad_blocks),
+                    default=0 if req_id in failed else track.saved_upto,
+                )
+                track.saved_upto = min(track.saved_upto, first)
+
+    def finished(self, request) -> bool:
+        """True when the request's blocks must wait for its saves (the worker reports them)."""
+        self.tracks.pop(request.request_id, None)
+        if request.request_id in self.saving:
+            self.saving.discard(request.request_id)
+            return True
+        return False

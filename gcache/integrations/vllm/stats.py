@@ -1,0 +1,53 @@
+"""What the connector counts: hits, pages and bytes moved, seconds spent, drops, store errors.
+
+Thread-safe counters, always on. `counters()` on the connector returns them; vLLM's
+`get_kv_connector_stats` gets the change since its last call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+COUNTERS = (
+    "lookups",  # get_num_new_matched_tokens calls that asked the store
+    "hit_tokens",  # external tokens reported to vLLM
+    "pages_loaded",  # (page, layer) values read into vLLM's blocks
+    "bytes_loaded",
+    "load_failed_pages",  # pages reported failed (vLLM recomputes them)
+    "loads_async",
+    "loads_sync",
+    "pages_saved",  # (page, layer) values written
+    "bytes_saved",
+    "pages_skipped_existing",
+    "pages_save_failed",
+    "save_jobs_dropped",  # the save queue was full
+    "swa_pages_saved",
+    "store_errors",
+    "calls_while_suspect",
+    "corrupt_values_removed",  # values that failed their checksum, removed from the store
+)
+SECONDS = ("load_s", "save_s", "lookup_s")
+
+
+class ConnectorStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTERS, 0)
+        self._values.update(dict.fromkeys(SECONDS, 0.0))
+        self._reported = dict(self._values)
+
+    def count(self, name: str, k: float = 1) -> None:
+        with self._lock:
+            self._values[name] += k
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._values)
+
+    def delta(self) -> dict:
+        """The change since the last delta() (what vLLM's stats interval wants); {} when none."""
+        with self._lock:
+            now = dict(self._values)
+            changed = {k: now[k] - self._reported[k] for k in now if now[k] != self._reported[k]}
+            self._reported = now
+        return changed

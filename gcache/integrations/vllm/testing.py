@@ -1,0 +1,230 @@
+"""Tiny local models and a one-shot engine run, for the vLLM group's tests and benches (not
+used by the connector itself).
+
+`write_model(kind, dir)` writes a config.json plus seeded random safetensors weights (not
+vLLM's load_format="dummy", whose near-zero weights make the output ignore the KV):
+"llama" (full attention), "gemma2" (alternating sliding/full, window 32), "mistral" (every
+layer sliding, window 32). `python -m gcache.integrations.vllm.testing SPEC.json OUT.json`
+runs one engine process (single-process mode, loopback only) over the spec's prompts and
+writes tokens, logprobs, cached-token counts and the connector's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+WINDOW = 32  # the sliding window of the hybrid and all-sliding models (one block of 32)
+BLOCK_SIZE = 32  # vLLM's CPU attention wants block_size % 32 == 0
+VOCAB = 512
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # CPU attention takes 32, 64, 80, ...; not 16
+    max_position_embeddings=8192,
+)
+
+
+def model_config(kind: str, layers: int = 2, **overrides):
+    import transformers
+
+    common = {**_COMMON, **overrides}
+    if kind == "llama":
+        return transformers.LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **common)
+    if kind == "gemma2":
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return transformers.Gemma2Config(
+            num_hidden_layers=layers, sliding_window=WINDOW, layer_types=layer_types, **common
+        )
+    if kind == "mistral":
+        return transformers.MistralConfig(
+            num_hidden_layers=layers, sliding_window=WINDOW, tie_word_embeddings=False, **common
+        )
+    raise ValueError(f"unknown tiny model kind {kind!r} (llama, gemma2, mistral)")
+
+
+def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0, **overrides) -> Path:
+    """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    cfg = model_config(kind, layers or (4 if kind == "gemma2" else 2), **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                std = 0.05 if (kind == "gemma2" and "embed" in name) else 0.2
+                param.normal_(0.0, std)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
+    return path
+
+
+def prompt_tokens(n: int, seed: int = 0) -> list[int]:
+    """A reproducible prompt of n token ids in [1, VOCAB)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def engine_env(work: Path) -> dict:
+    """The environment of an engine process: single-process, loopback only, out of /tmp.
+
+    vLLM's cache root is shared by every run of this venv: it holds the model inspection
+    vLLM otherwise redoes in a subprocess per start (half a minute on a loaded machine)."""
+    env = dict(os.environ)
+    cache_root = Path(os.environ.get("GCACHE_VLLM_CACHE_ROOT", Path(sys.prefix) / "gcache-vllm-cache"))
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_RPC_BASE_PATH=str(work / "rpc"),
+        VLLM_CACHE_ROOT=str(cache_root),
+        VLLM_CPU_OMP_THREADS_BIND="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TMPDIR=str(work / "tmp"),
+        OMP_NUM_THREADS="1",
+    )
+    for sub in ("rpc", "tmp"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def _flush_saves() -> None:
+    """Waits for the connector's queued saves: main() exits without vLLM's shutdown."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "flush"):
+        get_kv_transfer_group().flush()
+
+
+def _connector_counters(llm) -> dict:
+    """The GCache connector's counters on both sides (single-process engine only)."""
+    out = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            worker = get_kv_transfer_group()
+            if hasattr(worker, "counters"):
+                out["worker"] = worker.counters()
+    except Exception as exc:  # the counters are a report, not the test's subject
+        out["worker_error"] = repr(exc)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        conn = scheduler.connector
+        if conn is not None and hasattr(conn, "counters"):
+            out["scheduler"] = conn.counters()
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
+    except Exception as exc:
+        out["scheduler_error"] = repr(exc)
+    return out
+
+
+GATE_TIMEOUT_S = 300.0
+RESET_STEPS_MAX = 50
+
+
+def _reset_prefix_cache(llm) -> None:
+    """Empties vLLM's prefix cache. A finished request whose saves a connector waits for
+    holds its blocks until the engine's next step reports them saved, so step (bounded)."""
+    for _ in range(RESET_STEPS_MAX):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    raise RuntimeError(f"vLLM's prefix cache still in use after {RESET_STEPS_MAX} steps")
+
+
+def _gate(gate_dir: Path, i: int) -> None:
+    """Says "ready-i", then waits (bounded) for the test's "go-i": the test changes the store
+    between two prompts of one engine (corrupts a page, kills the server)."""
+    (gate_dir / f"ready-{i}").write_text("")
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not (gate_dir / f"go-{i}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go-{i} in {gate_dir} after {GATE_TIMEOUT_S:.0f}s")
+        time.sleep(0.05)
+
+
+def run(spec: dict) -> dict:
+    """One engine over spec["prompts"] (one generate call each, in order)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if spec.get("connector"):
+        kv = KVTransferConfig(
+            kv_connector=spec["connector"],
+            kv_connector_module_path=spec.get("module_path"),
+            kv_role=spec.get("kv_role", "kv_both"),
+            kv_connector_extra_config=spec.get("extra_config", {}),
+        )
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        load_format="auto",
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 2048),
+        block_size=BLOCK_SIZE,
+        seed=0,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+        distributed_executor_backend="uni",
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_transfer_config=kv,
+    )
+    init_s = time.perf_counter() - started
+    params = SamplingParams(
+        temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=spec.get("logprobs", 3)
+    )
+    results = []
+    gates = set(spec.get("gates", ()))
+    for i, prompt in enumerate(spec["prompts"]):
+        if i in gates:
+            _gate(Path(spec["gate_dir"]), i)
+        if i and spec.get("reset_between"):  # the next prompt cannot hit vLLM's own prefix cache
+            _reset_prefix_cache(llm)
+        t0 = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        comp = out.outputs[0]
+        results.append(
+            dict(
+                tokens=list(comp.token_ids),
+                logprobs=[
+                    sorted([[int(t), float(lp.logprob)] for t, lp in step.items()]) for step in (comp.logprobs or [])
+                ],
+                num_cached_tokens=int(out.num_cached_tokens or 0),
+                seconds=seconds,
+            )
+        )
+    _flush_saves()
+    counters = _connector_counters(llm)
+    return dict(results=results, init_s=init_s, counters=counters)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run(spec)
+    Path(argv[1]).write_text(json.dumps(result))
+    # Skip vLLM's slow teardown of a single-process engine: the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""GCacheConnector's pure parts (no vLLM needed): checkpoint cuts, the hit fold, page keys
+per model / layout / rank, and the settings' errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gcache.integrations.vllm import plan
+from gcache.integrations.vllm.groups import Group
+from gcache.integrations.vllm.keys import PageKeys, model_tag, prompt_page_hashes, rank_keys
+from gcache.integrations.vllm.settings import ConnectorSettings, SettingsError
+from gcache.wire.keys import page_hashes
+
+
+def test_tail_pages_follow_vllms_sliding_window_manager():
+    assert plan.tail_pages(32, 32) == 1  # cdiv(31, 32)
+    assert plan.tail_pages(33, 32) == 1
+    assert plan.tail_pages(34, 32) == 2
+    assert plan.tail_pages(4096, 16) == 256
+
+
+def test_prompt_cuts_are_every_c_pages_and_the_prompt_end():
+    assert plan.prompt_cuts(600, 32, 16) == {16, 18}  # 600 // 32 == 599 // 32 == 18
+    assert plan.prompt_cuts(576, 32, 16) == {16, 18, 17}  # 576 = 18 pages: a repeat resumes at 17
+    assert plan.prompt_cuts(20, 32, 16) == set()  # no full page
+    assert plan.tail_page_set({16, 18}, 1) == {15, 17}
+    assert plan.tail_page_set({2}, 4) == {0, 1}
+
+
+def test_best_cut_needs_every_sliding_group_tail():
+    # Local hit 2 pages, full pages stored up to 8; one SWA group with a 2-page tail.
+    present = [False, False, True, True, False, False]  # pages 2..7: 4 and 5 stored
+    assert plan.best_cut(2, 8, [(2, present)]) == 6
+    assert plan.best_cut(2, 5, [(2, present)]) == 2  # cut 5 needs pages 3, 4: 3 missing
+    assert plan.best_cut(2, 8, []) == 8  # no SWA group: the full-attention prefix
+    # Pages before the local hit are vLLM's own: cut 3 needs pages 1 (local) and 2.
+    assert plan.best_cut(2, 3, [(2, [True])]) == 3
+    # Two groups: both must serve the cut.
+    assert plan.best_cut(0, 4, [(1, [True, True, True, True]), (1, [True, False, True, False])]) == 3
+
+
+def test_leading_counts_pages_whose_every_entry_is_there():
+    assert plan.leading([True, True, True, False, True, True], 2) == 1
+    assert plan.leading([True] * 6, 3) == 2
+    assert plan.leading([], 2) == 0
+
+
+def _group(kind="full", layout="h2b32d32float32"):
+    return Group(0, kind, ("l0",), (0,), 32, 0, layout, 16384)
+
+
+def test_page_hashes_are_the_shared_chain_and_a_salt_starts_another():
+    tokens = list(range(100))
+    assert prompt_page_hashes(tokens, 32) == page_hashes(tokens, 32)
+    assert len(prompt_page_hashes(tokens, 32)) == 3
+    salted = prompt_page_hashes(tokens, 32, cache_salt="tenant-a")
+    assert salted != prompt_page_hashes(tokens, 32) and len(set(salted) & set(page_hashes(tokens, 32))) == 0
+
+
+def test_keys_differ_by_model_layout_pool_layer_and_rank():
+    h = page_hashes(list(range(32)), 32)[0]
+    base = PageKeys("org/model", None, 0, 1, False)
+    key = base.key(h, _group(), 0)
+    assert key == f"{h}.full-h2b32d32float32@g0_org-model_0_1".encode()
+    others = {
+        PageKeys("org/other", None, 0, 1, False).key(h, _group(), 0),
+        base.key(h, _group(layout="h2b32d32bfloat16"), 0),
+        base.key(h, _group(kind="swa"), 0),
+        base.key(h, _group(), 1),
+        PageKeys("org/model", None, 0, 2, False).key(h, _group(), 0),
+        PageKeys("org/model", None, 1, 2, False).key(h, _group(), 0),
+        PageKeys("org/model", "tenant", 0, 1, False).key(h, _group(), 0),
+    }
+    assert key not in others and len(others) == 7
+
+
+def test_the_scheduler_asks_for_every_rank_but_mla_shares_one():
+    assert [k.builder.tp_rank for k in rank_keys("m", None, 4, False)] == [0, 1, 2, 3]
+    mla = rank_keys("m", None, 4, True)
+    assert len(mla) == 1 and mla[0].builder.suffix == "_m"
+
+
+def test_model_tags_are_key_safe():
+    assert model_tag("/tmp/models/llama 3") == "tmp-models-llama-3"
+    long = model_tag("x" * 500)
+    assert len(long) == 96 and long != model_tag("x" * 499)
+
+
+def test_settings_read_the_url_and_refuse_bad_input():
+    s = ConnectorSettings.from_extra_config({"gcache_url": "127.0.0.1:7600", "gcache_checkpoint_pages": 8}, environ={})
+    assert (s.url, s.checkpoint_pages, s.verify_checksums) == ("127.0.0.1:7600", 8, True)
+    assert ConnectorSettings.from_extra_config({}, environ={"GCACHE_URL": "h:1"}).url == "h:1"
+    with pytest.raises(SettingsError, match="no GCache address"):
+        ConnectorSettings.from_extra_config({}, environ={})
+    with pytest.raises(SettingsError, match="unknown kv_connector_extra_config key"):
+        ConnectorSettings.from_extra_config({"gcache_url": "h:1", "gcache_urll": "x"}, environ={})
+    with pytest.raises(SettingsError, match="bad GCache address"):
+        ConnectorSettings.from_extra_config({"gcache_url": "nohost"}, environ={})
+    with pytest.raises(SettingsError, match="gcache_checkpoint_pages"):
+        ConnectorSettings.from_extra_config({"gcache_url": "h:1", "gcache_checkpoint_pages": 0}, environ={})
+    with pytest.raises(SettingsError, match="true or false"):
+        ConnectorSettings.from_extra_config({"gcache_url": "h:1", "gcache_verify_checksums": "yes"}, environ={})
