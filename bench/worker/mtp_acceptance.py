@@ -118,20 +118,23 @@ def main(argv=None) -> None:
     t0 = time.monotonic()
     try:
         name = "mtp-bench"
-        a = engine(model, cfg, srv.address, name, K, "tiers")
-        for p in ps:
-            serve(a, p, 1)
-        assert a.cache.l3.drain(timeout_s=60.0), "L3 writes still queued"
-        tails = list(a.cache.mtp.l1.blobs.values())
-        assert tails, "worker A wrote no MTP tails"
-        a.close()
+        tails: list = []
         plain = [
             serve(engine(model, cfg, "", name + "-plain", 0, "prefill"), p + question, args.tokens).output for p in ps
         ]
         res: dict = {m: {b: [] for b in BUCKETS} for m in MODES}
         for mode in MODES:
+            # worker A per mode, under its own model name: every mode's hit is at A's checkpoint
+            # (B workers of an earlier mode would leave longer prefixes, without tails, in L3)
+            a = engine(model, cfg, srv.address, f"{name}-{mode}", K, "tiers")
+            for p in ps:
+                serve(a, p, 1)
+            assert a.cache.l3.drain(timeout_s=60.0), "L3 writes still queued"
+            tails = list(a.cache.mtp.l1.blobs.values())
+            assert tails, "worker A wrote no MTP tails"
+            a.close()
             for i, p in enumerate(ps):
-                b = engine(model, cfg, srv.address, name, K, mode)
+                b = engine(model, cfg, srv.address, f"{name}-{mode}", K, mode)
                 r = serve(b, p + question, args.tokens, args.temperature, seed=i)
                 s = b.metrics.snapshot()  # before the greedy check below adds to the counters
                 if args.temperature == 0:
