@@ -1,5 +1,5 @@
 """MTP draft acceptance and tokens per forward by output position, after an L3 hit on a second
-worker, for the three places a request's MTP KV can come from (EngineConfig.mtp_prefix):
+worker, for the four places a request's MTP KV can come from (EngineConfig.mtp_prefix):
 
   none     no MTP KV at prefill: the MTP blocks start at the first sampled token (what the
            production report's prefill did);
@@ -7,9 +7,11 @@ worker, for the three places a request's MTP KV can come from (EngineConfig.mtp_
            prefix (MTP KV not kept in L2/L3: the prefix came from L3 without it);
   rebuild  the cached prefix's MTP window rebuilt at admission from its KV (which came from
            L3): the MTP blocks see the same window as if the prefix had been computed here.
+  tiers    MTP KV kept through every tier: the checkpoint's MTP tail (the `mtp` pool) came
+           from L3 with the prefix and is restored exactly (no rebuild forward).
 
-Setup: a real gcache-server is L3; worker A (L1 + L2 + L3) computes every prompt and its L3
-writes finish; for each mode a fresh worker B (same model name, empty L1/L2) gets each
+Setup: a real gcache-server is L3; worker A (L1 + L2 + L3, MTP on, mode tiers) computes
+every prompt and its L3 writes (pages and MTP tails) finish; for each mode a fresh worker B (same model name, empty L1/L2) gets each
 prompt + a new question: its prefix comes from L3; it decodes --tokens greedy tokens with K
 MTP drafts per step. Greedy output is checked equal across modes and to decoding without
 MTP. Prompts: held-out files of the standard library (every 20th .py in sorted order, the
@@ -19,7 +21,8 @@ Acceptance = drafts accepted / drafts proposed, tokens per forward = tokens emit
 forwards, both per output-position bucket, measured for real (engine counters). Speedup is on a
 compute clock, not measured: a decode forward of K + 1 tokens per request costs what one of 1
 token costs (small batches are memory-bound on a GPU), an MTP block costs 1/L of a main
-forward (L = the model's layers), a rebuild costs one forward at admission; speedup = tokens
+forward (L = the model's layers), a rebuild costs one forward at admission (not in the
+ratio: once per request), tiers reads one tail per hit (bytes printed); speedup = tokens
 per forward / (1 + K / L), against 1 token per forward without MTP. min / median / max over
 the prompts; ratios against `none` in the same run.
 
@@ -52,7 +55,7 @@ from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
 
 PRESET = Path(__file__).resolve().parents[2] / "gcache/worker/model/presets/tiny_mtp_stdlib.npz"
-MODES = ("none", "prefill", "rebuild")
+MODES = ("none", "prefill", "rebuild", "tiers")
 BUCKETS = ("0_128", "128_256")
 
 
@@ -115,18 +118,23 @@ def main(argv=None) -> None:
     t0 = time.monotonic()
     try:
         name = "mtp-bench"
-        a = engine(model, cfg, srv.address, name, 0, "prefill")
-        for p in ps:
-            serve(a, p, 1)
-        assert a.cache.l3.drain(timeout_s=60.0), "L3 writes still queued"
-        a.close()
+        tails: list = []
         plain = [
             serve(engine(model, cfg, "", name + "-plain", 0, "prefill"), p + question, args.tokens).output for p in ps
         ]
         res: dict = {m: {b: [] for b in BUCKETS} for m in MODES}
         for mode in MODES:
+            # worker A per mode, under its own model name: every mode's hit is at A's checkpoint
+            # (B workers of an earlier mode would leave longer prefixes, without tails, in L3)
+            a = engine(model, cfg, srv.address, f"{name}-{mode}", K, "tiers")
+            for p in ps:
+                serve(a, p, 1)
+            assert a.cache.l3.drain(timeout_s=60.0), "L3 writes still queued"
+            tails = list(a.cache.mtp.l1.blobs.values())
+            assert tails, "worker A wrote no MTP tails"
+            a.close()
             for i, p in enumerate(ps):
-                b = engine(model, cfg, srv.address, name, K, mode)
+                b = engine(model, cfg, srv.address, f"{name}-{mode}", K, mode)
                 r = serve(b, p + question, args.tokens, args.temperature, seed=i)
                 s = b.metrics.snapshot()  # before the greedy check below adds to the counters
                 if args.temperature == 0:
@@ -135,6 +143,9 @@ def main(argv=None) -> None:
                     g = serve(b, p + question, 32)
                     assert g.output == plain[i][:32], f"{mode}: greedy output with MTP differs from without"
                 assert r.cached_by_tier["l3"] > 0, f"{mode}: no L3 hit ({r.cached_by_tier})"
+                if mode == "tiers":
+                    assert s["mtp_tail_hits_l3_total"] == 1, f"tiers: the MTP tail did not come from L3 ({s})"
+                    assert s["mtp_rebuilt_tokens_total"] == 0
                 for bk in BUCKETS:
                     d, acc = s[f"spec_drafted_out_{bk}_total"], s[f"spec_accepted_out_{bk}_total"]
                     f, em = s[f"spec_forwards_out_{bk}_total"], s[f"spec_emitted_out_{bk}_total"]
@@ -150,6 +161,7 @@ def main(argv=None) -> None:
         "MTP checked for every request and mode"
     )
     print(f"clock: speedup = tokens per forward / (1 + K/L) = tpf / {1 + K / L:.2f}; ran {time.monotonic() - t0:.0f} s")
+    print(f"mtp pool: {len(tails)} checkpoint tails of {min(map(len, tails))}-{max(map(len, tails))} bytes each")
     print(
         f"  {'mode':<8} {'outputs':<8} {'acceptance min/med/max':>24} {'tokens/forward min/med/max':>28} {'speedup (med)':>14} {'tpf vs none':>12}"
     )

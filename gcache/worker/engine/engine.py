@@ -61,7 +61,7 @@ class EngineConfig:
     preemptions_per_step_max: int = 8
     tree_nodes_max: int = 1_000_000
     mtp_layers: int = 0  # speculative decoding with this many MTP drafts per step (0 = off)
-    mtp_prefix: str = "rebuild"  # a speculative.MTPPrefix: where a request's MTP KV comes from
+    mtp_prefix: str = "tiers"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 

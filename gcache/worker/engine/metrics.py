@@ -88,6 +88,11 @@ class EngineMetrics:
         "preemptions_total": "running requests sent back to the waiting queue",
         "steps_total": "engine steps that ran the model",
         "mtp_rebuilt_tokens_total": "positions of cached prefixes whose MTP KV was rebuilt at admission",
+        "mtp_tail_hits_l1_total": "cached prefixes whose MTP tail came from L1 (the mtp pool)",
+        "mtp_tail_hits_l2_total": "cached prefixes whose MTP tail came from L2 (the mtp pool)",
+        "mtp_tail_hits_l3_total": "cached prefixes whose MTP tail came from L3 (the mtp pool)",
+        "mtp_tail_misses_total": "cached prefixes without a usable MTP tail (rebuilt instead)",
+        "mtp_tail_writes_total": "MTP checkpoint tails written to the mtp pool",
         **{
             f"spec_{what}_out_{b}_total": f"{text}, output positions {b.replace('_', '-')}"
             for b in ("0_128", "128_256", "256_512", "512_inf")

@@ -34,6 +34,8 @@ class MTPPrefix(enum.StrEnum):
     PREFILL = "prefill"  # built for every token the request computes; none for a cached prefix
     REBUILD = "rebuild"  # PREFILL, and for a cached prefix (any tier) the window before it is
     #                      rebuilt at admission from the prefix's KV (a read-only forward of W tokens)
+    TIERS = "tiers"  # PREFILL, checkpoint tails written to the cache's mtp pool (L1/L2/L3) and
+    #                  restored exactly on a hit; REBUILD where the tail is missing or bad
 
 
 MTP_PREFIX = tuple(m.value for m in MTPPrefix)
@@ -82,7 +84,7 @@ def accept_sampled(rows: list, drafts: list[int], q_rows: list, temperature: flo
 class Speculator:
     """The engine's MTP drafting and verification (Engine.spec when --mtp-layers > 0)."""
 
-    def __init__(self, model, depths: int, prefix: str = MTPPrefix.REBUILD) -> None:
+    def __init__(self, model, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
         if not hasattr(model, "mtp_head"):
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
         if prefix not in MTP_PREFIX:
@@ -153,39 +155,92 @@ class Speculator:
             r.first_token_s = eng.clock()
             eng.metrics.observe_ttft(r.ttft_s)
         ps = eng.page_size
+        wrote = False
         if not r.prefix_cached or r.num_computed - r.kv.owned_from * ps >= eng.window + 2 * ps:
             r.prefix_cached = True  # as Engine._after_forward: after prefill, then every ~W tokens
             eng.cache.prepare_write(r, final=False)
             eng.scheduler.tree_changed()
+            wrote = True
         last = emitted[-1]
+        reason = None
         if last in r.params.stop_token_ids:
-            eng._finish(r, FINISH_STOP, finished)
-            return
-        if len(r.output) >= r.params.max_tokens:
-            eng._finish(r, FINISH_LENGTH, finished)
+            reason = FINISH_STOP
+        elif len(r.output) >= r.params.max_tokens:
+            reason = FINISH_LENGTH
+        c_new = r.num_computed
+        if reason is not None:
+            if st is not None and self._tails(eng) is not None and st.exact:
+                # the end is a checkpoint: catch the MTP depths up, write its tail down
+                base = st.valid[0]
+                self.head.step(st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), 0)
+                self._snapshot(eng, r, st)
+            eng._finish(r, reason, finished)
             return
         want = min(self.depths, r.params.max_tokens - len(r.output) - 1)
         pick = None if t == 0.0 else (lambda row: draw(softmax(row, t), r.rng))
-        c_new = r.num_computed
         if st is None:  # MTPPrefix.NONE: the MTP KV starts at the last computed position
             st = r.mtp = self.head.new_state(c_new - 1, r.kv)
         base = st.valid[0]
         r.draft, r.draft_rows = self.head.step(
             st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), want, pick
         )
+        if wrote:
+            self._snapshot(eng, r, st)
         eng.cache.trim_swa(r)
 
     def _new_state(self, eng, r: Request, c_old: int):
-        """A request's MTP KV from position c_old on; with REBUILD and a cached prefix, the
-        window before c_old too (from the prefix's KV, which the loads have brought by now)."""
-        if self.prefix is not MTPPrefix.REBUILD or c_old == 0:
+        """A request's MTP KV from position c_old on; with a cached prefix: TIERS restores its
+        checkpoint tail from the mtp pool, else (or where the tail is missing) REBUILD
+        rebuilds the window before c_old from the prefix's KV (the loads brought it by now)."""
+        if c_old == 0 or self.prefix in (MTPPrefix.NONE, MTPPrefix.PREFILL):
             return self.head.new_state(c_old, r.kv)
+        if self.prefix is MTPPrefix.TIERS:
+            st = self._restore(eng, r, c_old)
+            if st is not None:
+                return st
         h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - eng.window), c_old)
         st = self.head.new_state(lo, r.kv)
         if h is not None:
             self.head.step(st, h, lo, c_old, r.tokens(), 0)
             eng.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
         return st
+
+    # ---- the mtp pool (kvcache/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
+    def _tails(self, eng):
+        return eng.cache.mtp if self.prefix is MTPPrefix.TIERS else None
+
+    def _restore(self, eng, r: Request, p: int):
+        """The state at p from the tail of the checkpoint at p, None where there is none."""
+        tails, ps = self._tails(eng), eng.page_size
+        if tails is None or p % ps or p <= self.depths:
+            return None
+        got = tails.get(r.page_keys(p // ps)[-1])
+        dec = self.head.decode_tail(got[0], p, r.kv) if got is not None else None
+        if dec is None:
+            eng.metrics.inc("mtp_tail_misses_total")
+            return None
+        st, h0 = dec
+        lo = p - self.depths  # the K positions a tail leaves to the request (they need x[p], ...)
+        self.head.step(st, self.model.xp.asarray(h0), lo, p, r.tokens(), 0)
+        eng.metrics.inc(f"mtp_tail_hits_{got[1].value}_total")
+        return st
+
+    def _snapshot(self, eng, r: Request, st) -> None:
+        """Write the tails of r's end checkpoints (as HiCache._end_points: its whole pages, and
+        where a resend of the same tokens resumes) to the mtp pool."""
+        tails, ps, c = self._tails(eng), eng.page_size, r.num_computed
+        if tails is None or not st.exact:
+            return
+        for npages in {c // ps, (c - 1) // ps}:
+            p = npages * ps
+            if p in st.snapped or npages < 1:
+                continue
+            body = self.head.encode_tail(st, p)
+            if body is None:
+                continue
+            tails.put(r.page_keys(npages)[-1], body)
+            st.snapped.add(p)
+            eng.metrics.inc("mtp_tail_writes_total")
 
     @staticmethod
     def _rollback(eng, r: Request, valid: int) -> None:

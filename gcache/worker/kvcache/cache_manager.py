@@ -64,6 +64,8 @@ class NoLoads:
 class CacheManager(ABC):
     """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
+    mtp = None  # the `mtp` pool (kvcache.mtp_tails.MTPTails) where the cache has one
+
     @abstractmethod
     def match(self, req: Request) -> MatchResult:
         """How much of req's tokens (always leaving >= 1 to compute) is loadable, per tier,

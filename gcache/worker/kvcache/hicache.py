@@ -37,6 +37,7 @@ from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.kvcache.l3_store import L3Config, L3Store
 from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
+from gcache.worker.kvcache.mtp_tails import MTPTails
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
 
@@ -78,6 +79,11 @@ class HiCache(CacheManager):
                 self.l3 = L3Store(l3c, self.host, self.window, self.ps, client=l3_client)
             if self.write_rule.writes_at_evict:
                 self.tree.on_evict = self._demote
+        # the `mtp` pool: MTP tails of checkpoints, down the same tiers (mtp_tails.py)
+        l2_tails = config.mtp_tail_bytes if self.host is not None else 0
+        self.mtp = MTPTails(config.mtp_tail_bytes, l2_tails, self.l3) if config.mtp_tail_bytes else None
+        if self.mtp is not None:
+            self.tree.observers.append(self.mtp)
         self._running: dict[int, object] = {}  # rid -> request holding pages (for evict's trim)
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
@@ -468,6 +474,8 @@ class HiCache(CacheManager):
             owned_full += kv.full_pages[kv.owned_from :]
             owned_swa += [p for p in kv.swa_pages[kv.owned_from :] if p is not None]
         self.tree.check_integrity(owned_full, owned_swa)
+        if self.mtp is not None:
+            self.mtp.check_integrity()
         tree_full, tree_swa = self.tree.cached_pages()
         require(len(set(owned_full)) == len(owned_full), "a full page is owned by two requests")
         require(len(set(owned_swa)) == len(owned_swa), "an SWA page is owned by two requests")

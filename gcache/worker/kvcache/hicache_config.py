@@ -40,6 +40,7 @@ class HiCacheConfig:
     swa_checkpoint_pages: int = 0  # keep SWA for the window before every C pages (0 = ends only)
     swa_checkpoint_ends: bool = True  # checkpoint every request end and branch point (failure
     #                                   mode 4 fix: short chats keep their SWA in every tier)
+    mtp_tail_bytes: int = 32 << 20  # the `mtp` pool (MTP window tails of checkpoints) per tier, L1 and L2
     swa_keep_spare: bool = True  # first-reuse fix: out-of-window SWA no checkpoint needs stays
     #                              (request, then tree) until the pool needs it, evicted first
     layerwise_load: bool = True  # layer i computes while layer i+1 is loading
@@ -63,6 +64,8 @@ class HiCacheConfig:
             raise ValueError("write_threshold must be in [1, 1000000]")
         if not 0 < self.prefetch_timeout_s <= 600:
             raise ValueError("prefetch_timeout_s must be in (0, 600]")
+        if self.mtp_tail_bytes < 0:
+            raise ValueError("mtp_tail_bytes must be >= 0")
         if self.swa_checkpoint_pages < 0:
             raise ValueError("swa_checkpoint_pages must be >= 0")
         if not 0 < self.l2_swa_full_ratio <= 64:

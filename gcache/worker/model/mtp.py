@@ -28,6 +28,11 @@ import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.config import ModelConfig
+from gcache.worker.model import mtp_tail
+
+# Ring positions beyond W + K + 1: room for a checkpoint a few pages behind the request's
+# end to still be in the ring when its tail is written down (model/mtp_tail.py).
+SNAPSHOT_SLACK_PAGES = 2
 
 
 class MTPState:
@@ -35,10 +40,17 @@ class MTPState:
 
     def __init__(self, config: ModelConfig, depths: int, start: int, owner: object) -> None:
         self.depths = depths
-        self.cap = config.window + depths + 1
+        self.cap = config.window + 2 * depths + 1 + SNAPSHOT_SLACK_PAGES * config.page_size
         shape = (depths, self.cap, config.kv_heads, config.head_dim)
         self.k = np.zeros(shape, dtype=config.dtype)
         self.v = np.zeros(shape, dtype=config.dtype)
+        # the main model's last hidden per committed position (a checkpoint tail needs its last K)
+        self.h0 = np.zeros((self.cap, config.hidden), dtype=config.dtype)
+        self.h0_valid = start  # h0 holds committed positions < h0_valid
+        # exact: every MTP KV is what a from-scratch prefill computes (built from position 0,
+        # or restored from a tail); a rebuilt or blind state is never written down
+        self.exact = start == 0
+        self.snapped: set[int] = set()  # checkpoint lengths whose tail this state wrote
         self.first = start  # positions before it have no MTP KV (prefix from the cache)
         self.valid = [start] * depths  # V_d: depth d's committed KV covers [first, V_d)
         self.h_last: list = [None] * depths  # depth d's hidden at V_d - 1 (depth d+1's input)
@@ -82,6 +94,11 @@ class MTPHead:
             raise ValueError(f"MTP state stands at {st.valid[0]}, the main model computed from {c_old}")
         drafts: list[int] = []
         rows: list[np.ndarray] = []
+        if c_new > c_old:
+            h_np = np.asarray(backend.to_numpy(h0))
+            keep = min(c_new - c_old, st.cap)
+            st.h0[np.arange(c_new - keep, c_new) % st.cap] = h_np[-keep:]
+            st.h0_valid = c_new
         prev, prev_lo = h0, c_old  # previous depth's hidden states and their first position
         last = list(st.h_last)  # as the step found them: depth d reads depth d-1's old one
         for d in range(self.depths):
@@ -117,6 +134,14 @@ class MTPHead:
             prev, prev_lo = out, lo
         return drafts, rows
 
+    def encode_tail(self, st: MTPState, p: int) -> bytes | None:
+        """st's checkpoint tail at prefix length p (model/mtp_tail.py), None if not exact."""
+        return mtp_tail.encode(st, p, self.config)
+
+    def decode_tail(self, body: bytes, p: int, owner: object):
+        """(state at p - K, hidden rows for [p - K, p)) from a tail body, None if it does not fit."""
+        return mtp_tail.decode(body, self, p, owner)
+
     def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int):
         """window_hidden() below, with this head's model."""
         return window_hidden(self.model, tokens, req_kv, kv, lo, hi)
@@ -147,16 +172,27 @@ class MTPHead:
     def reference_drafts(self, tokens, drafts_max: int) -> list[int]:
         """Dense, cache-free drafts after the whole of `tokens` (for tests): the main model's
         hidden states for every position, then each depth over every position it has."""
-        m, xp = self.model, self.model.xp
         toks = np.asarray(tokens, dtype=np.int64)
         st = self.new_state(0, None)
         n = toks.size
-        x = m.w["embed.weight"][xp.asarray(toks[:-1])]
-        pos = np.arange(n - 1)
+        return self.step(st, self._dense_hidden(toks[:-1]), 0, n - 1, list(toks), drafts_max)[0]
+
+    def reference_state(self, tokens, upto: int) -> MTPState:
+        """Dense, cache-free MTP state after the main model computed positions [0, upto) of
+        `tokens` (for tests: what a from-scratch prefill of a prefix leaves)."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        st = self.new_state(0, None)
+        self.step(st, self._dense_hidden(toks[:upto]), 0, upto, list(toks), 0)
+        return st
+
+    def _dense_hidden(self, toks: np.ndarray):
+        m, xp = self.model, self.model.xp
+        x = m.w["embed.weight"][xp.asarray(toks)]
+        pos = np.arange(toks.size)
         for layer, kind in enumerate(self.config.layer_pattern):
             q, k, v = m._qkv(layer, x, pos)
             x = m._finish_layer(layer, x, m._attend(q, k, v, pos, pos, None if kind == "full" else self.config.window))
-        return self.step(st, x, 0, n - 1, list(toks), drafts_max)[0]
+        return x
 
 
 def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int):
