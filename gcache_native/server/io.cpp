@@ -12,6 +12,8 @@
 #include <cmath>
 #include <fstream>
 
+#include "common/checksum.h"
+
 namespace gcache {
 namespace {
 
@@ -112,14 +114,16 @@ static void arm(SocketTimer& t, int option, double* current, int64_t deadline_us
 
 // Reads exactly n bytes; a peer silent for the stall timeout, past
 // deadline_us (0 = none), or closing mid-way throws.
-void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed) {
   auto* p = static_cast<uint8_t*>(buf);
   int64_t last_progress = now_us();
   while (n > 0) {
     arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, last_progress);
     const int64_t call_start = now_us();
-    const ssize_t r = recv(t.fd, p, n, MSG_WAITALL);
+    const size_t want = landed != nullptr ? std::min(n, kLandedChunkBytes) : n;
+    const ssize_t r = recv(t.fd, p, want, MSG_WAITALL);
     if (r > 0) {
+      if (landed != nullptr) landed->update(p, size_t(r));  // just landed: still in cache
       p += r;
       n -= size_t(r);
       last_progress = n > 0 ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
