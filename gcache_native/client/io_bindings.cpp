@@ -137,7 +137,7 @@ void raise_unless_done(IoResult r, int err, bool sending, int64_t timeout_ms) {
 // little-endian). Values are hashed group by group just before the group is
 // sent, so the kernel's copy reads bytes the hash has just brought into
 // cache: one pass over memory per byte, not a hashing pass and a sending pass.
-constexpr size_t kHashedGroupBytes = 512 << 10;  // well inside L2
+constexpr size_t kHashedGroupBytes = 1 << 20;  // inside L2 (2 MiB a core here)
 
 IoResult send_hashed(int fd, const iovec& head, std::vector<py::buffer_info>& infos, gcache::ChecksumKind kind,
                      int64_t timeout_ms, int* err) {

@@ -38,8 +38,11 @@ struct SocketTimer {
 // deadline_us (0 = none), or closing mid-way throws ConnectionLost.
 // With `landed`, every piece is hashed into it right after it arrives, while
 // it is still in cache (pieces of at most kLandedChunkBytes): the bytes are
-// verified as they land, with no second pass over the value.
-void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed = nullptr);
+// verified as they land, with no second pass over the value. `tail` (tail_n
+// bytes, not hashed) is filled after buf, in the same recvmsg as buf's last
+// piece: a value and the checksum that trails it cost one system call.
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed = nullptr,
+                void* tail = nullptr, size_t tail_n = 0);
 constexpr size_t kLandedChunkBytes = 256 << 10;
 // Writes every byte of iov[0..count) before deadline_us (0 = none); the
 // iovecs are consumed in place.

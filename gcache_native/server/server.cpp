@@ -881,7 +881,9 @@ PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consu
   // Hashed as the bytes land (one pass, while each piece is in cache): COMMIT
   // then only compares.
   ChecksumStream landed(b.checksum_kind);
-  if (begun == PutStatus::Stored) recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed);
+  uint8_t sum_bytes[8];  // with "trail": the value's sum, read with the value's last piece
+  if (begun == PutStatus::Stored)
+    recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
   budget.release();  // the bytes have arrived
   if (begun != PutStatus::Stored) {
     discard(c, len + trail);
@@ -891,8 +893,6 @@ PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consu
   *consumed += len;
   ValueChecksum declared{0, b.checksum_kind};
   if (b.sums_trail) {
-    uint8_t sum_bytes[8];
-    recv_exact(c->timer, sum_bytes, sizeof sum_bytes, c->deadline_us);
     *consumed += 8;
     std::memcpy(&declared.sum, sum_bytes, 8);  // little-endian, as every integer of the protocol
   } else {
