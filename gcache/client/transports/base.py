@@ -8,7 +8,7 @@ Contract every transport keeps (the Client's methods behave the same on each):
 - `get_ops` / `put_ops` build the operations for slices of one batch. Run on a
   connection from `connect()`, they fill the shared BatchResult exactly as
   GET_BATCH / PUT_BATCH would: a value is a hit only with every byte verified
-  against its xxh64 where the transport copies it itself (shm, rdma), misses
+  against its checksum where the transport copies it itself (shm, rdma), misses
   are None, puts answer True / False, per-key problems go into the result.
 - Every operation is idempotent, so the Client may re-run all of a call's
   operations on a fresh connection after a connection failure; anything a

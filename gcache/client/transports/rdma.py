@@ -7,7 +7,7 @@ Reads and writes are LOOKUP / RESERVE + COMMIT exactly as over shared memory
 READs from the server's registered arena into a registered staging buffer
 (WRITEs the other way), then the native copy loop of the shm transport moves
 the bytes between staging and the caller's buffers and verifies every value's
-xxh64 in the same pass. A value is never returned unless its bytes match.
+checksum in the same pass. A value is never returned unless its bytes match.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _Staging:
 class RdmaArena:
     """A server's registered arena through one queue pair, with the MappedArena interface.
 
-    Every value read is checked against its xxh64 while it is copied out of staging
+    Every value read is checked against its checksum while it is copied out of staging
     (the `verify` argument notwithstanding): the lease proof the shm transport may use
     instead is not taken over a network, so `lease_s` is infinite (no second check)."""
 

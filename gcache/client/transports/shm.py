@@ -6,7 +6,7 @@ mapping is shared by every connection to that server instance, and a
 connection to a restarted server (another instance) maps the new arena.
 Reads and writes copy between the mapping and the caller's buffers natively
 (gcache._native.shm_*: GIL released, several threads for large batches,
-each value's xxh64 computed in the same pass).
+each value's checksum computed in the same pass).
 """
 
 from __future__ import annotations

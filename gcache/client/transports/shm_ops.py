@@ -7,7 +7,7 @@ bytes copied while the lease provably held are the value's bytes: the lease
 began after the LOOKUP was sent, so a copy over before `sent + lease` (this
 process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
 none. A later copy, or a client with verify_checksums, checks every value's
-xxh64 (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
+checksum (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
 written bytes), then a COMMIT that publishes the blocks; the server checks the
 checksums again. How bytes move is the connection's `arena` (an ArenaCopier):
 memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
