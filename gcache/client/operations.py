@@ -187,11 +187,23 @@ class Operation(ABC):
         return None
 
 
+# Values at least this large (on average over a frame) carry their sums after them
+# ("trail"), hashed while sent; smaller ones carry them in the map: hashing a small
+# value first costs nothing (it stays in cache), and a trailing sum per tiny value
+# would cost the node a receive each.
+TRAIL_VALUE_BYTES_MIN = 16 << 10
+_OLD_NODE_HINT = (
+    "it is a node from before XXH3 checksums and does not speak them; nothing was stored. "
+    "Upgrade the node, or set GCACHE_CHECKSUM=xxh64 in this client to write with the old checksum"
+)
+
+
 class PutOp(Operation):
-    """PUT_BATCH. With XXH3 (every node since XXH3) the sums trail their values in
+    """PUT_BATCH. With XXH3 (every node since XXH3) large values' sums trail them in
     the payload ("trail"): the client hashes each group of values just before it
-    sends it, the node hashes each piece as it lands. With XXH64 (a node from
-    before XXH3, or GCACHE_CHECKSUM=xxh64) the sums go in the request map."""
+    sends it, the node hashes each piece as it lands; small values' XXH3 sums go in
+    the map with "ck". With XXH64 (a node from before XXH3, or GCACHE_CHECKSUM=xxh64)
+    the sums go in the map, as before."""
 
     opcode = Opcode.PUT_BATCH
 
@@ -199,46 +211,52 @@ class PutOp(Operation):
         super().__init__(result, lo, hi)
         self.values = values  # views for keys lo..hi-1
         self.kind = kind
+        size = sum(len(v) for v in values)
+        self.trail = kind != ChecksumKind.XXH64 and bool(values) and size >= TRAIL_VALUE_BYTES_MIN * len(values)
+        self.size = size
 
     def request_meta_bytes(self, epoch: int | None) -> bytes:
         meta = {"keys": self.keys, "lens": [len(v) for v in self.values]}
-        if self.kind == ChecksumKind.XXH64:
+        if self.kind != ChecksumKind.XXH64:
+            meta["ck"] = int(self.kind)
+        if self.trail:
+            meta["trail"] = True
+        else:
             # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
             # overlaps the server storing frame k.
-            meta["sums"] = [xxh64(v) for v in self.values]
-        else:
-            meta["ck"] = int(self.kind)
-            meta["trail"] = True
+            kind = int(self.kind)
+            meta["sums"] = [xxh64(v) for v in self.values] if kind == 0 else [checksum(v, kind) for v in self.values]
         return encode_request_meta(meta, epoch)
 
     def payload(self) -> list:
-        if self.kind == ChecksumKind.XXH64:
-            return self.values
-        return [HashedValues(self.values, int(self.kind))]
+        return [HashedValues(self.values, int(self.kind))] if self.trail else self.values
 
     def payload_bytes(self) -> int:
-        size = sum(len(v) for v in self.values)
-        return size if self.kind == ChecksumKind.XXH64 else size + 8 * len(self.values)
+        return self.size + 8 * len(self.values) if self.trail else self.size
 
     def explain_error(self, exc, status, meta):
         message = meta.get("error") if isinstance(meta, dict) else None
         if (
-            self.kind != ChecksumKind.XXH64
+            self.trail
             and status == FrameStatus.BAD_FRAME
             and isinstance(message, str)
             and '"sums"' in message
             and "trail" not in message
         ):
-            return errors.ProtocolError(
-                f"the gcache-server refused this PUT ({message}): it is a node from before XXH3 "
-                "checksums and does not speak them; nothing was stored. Upgrade the node, or set "
-                "GCACHE_CHECKSUM=xxh64 in this client to write with the old checksum"
-            )
+            return errors.ProtocolError(f"the gcache-server refused this PUT ({message}): {_OLD_NODE_HINT}")
         return exc
 
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
+        if (
+            self.kind != ChecksumKind.XXH64
+            and statuses
+            and all(st == PutStatus.CHECKSUM_MISMATCH for st in statuses)
+            and "ck" not in meta  # a node that speaks XXH3 names the kind it checked
+        ):
+            # Every XXH3 sum refused: a node from before XXH3 checked them as xxh64.
+            raise errors.ProtocolError(f"every value of this PUT failed its checksum: {_OLD_NODE_HINT}")
         for i, st in enumerate(statuses, self.lo):
             record_put_status(self.result, i, st)
 

@@ -850,10 +850,14 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   admission->release();  // every value is stored: the response may take its time
   metrics_->bytes_in += h.payload_len;
   c->out.clear();
-  c->out.map(1);
+  c->out.map(b.has_ck ? 2 : 1);
   c->out.str("st");
   c->out.array(uint32_t(n));
   for (uint8_t s : statuses) c->out.uint(s);
+  if (b.has_ck) {  // the kind the sums were checked as: a node from before XXH3 never says it
+    c->out.str("ck");
+    c->out.uint(uint8_t(b.checksum_kind));
+  }
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
 }

@@ -319,4 +319,17 @@ def test_a_node_from_before_xxh3_refusing_a_trailing_put_is_a_clear_error():
 
     peer = ScriptedPeer(script)
     with pytest.raises(errors.ProtocolError, match="before XXH3.*GCACHE_CHECKSUM=xxh64"):
-        Client(peer.address, transport="tcp", retries=0).put_batch([b"k"], [b"value"])
+        Client(peer.address, transport="tcp", retries=0).put_batch([b"k"], [b"v" * (64 << 10)])  # trailed
+
+
+@pytest.mark.process
+def test_a_node_from_before_xxh3_failing_every_sum_in_the_map_is_a_clear_error():
+    """Small values carry XXH3 sums in the map; a pre-XXH3 node checks them as xxh64 and
+    refuses them all, without the "ck" a new node echoes: the client names the cause."""
+
+    def script(conn, header):
+        conn.sendall(reply(header, {"st": [3, 3]}))
+
+    peer = ScriptedPeer(script)
+    with pytest.raises(errors.ProtocolError, match="before XXH3.*GCACHE_CHECKSUM=xxh64"):
+        Client(peer.address, transport="tcp", retries=0).put_batch([b"a", b"b"], [b"x", b"y"])

@@ -114,3 +114,17 @@ def test_the_client_writes_xxh3_unless_told_xxh64(node, monkeypatch, env):
     with RawConnection(node.port) as c:
         frame = raw_get(c, keys, ck=True)
         assert frame.meta["cks"] == [XXH64 if env else XXH3] * 6
+
+
+def test_small_values_carry_xxh3_sums_in_the_map(node):
+    """Frames of small values: XXH3 sums in the map (no trailing sum per value), checked all the same."""
+    client = gcache.Client(f"127.0.0.1:{node.port}", transport="tcp", verify_checksums=True)
+    keys = [b"small-%d" % i for i in range(500)]
+    values = [bytes([i % 251]) * (i % 97) for i in range(500)]
+    assert client.put_batch(keys, values) == [True] * 500
+    assert client.get_batch(keys) == values
+    with RawConnection(node.port) as c:
+        assert raw_get(c, keys[:50], ck=True).meta["cks"] == [XXH3] * 50
+        # The node echoes the kind it checked: how a client tells it from a node before XXH3.
+        frame = c.request(PUT_BATCH, {"keys": [b"e"], "lens": [1], "sums": [xxh3(b"e")], "ck": XXH3}, b"e")
+        assert frame.meta == {"st": [STORED], "ck": XXH3}
