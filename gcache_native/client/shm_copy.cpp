@@ -104,8 +104,9 @@ uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash, 
 // The copy threads: started once (at most kThreadsMax - 1 helpers, the
 // caller's thread is the last one), then reused by every large copy, instead
 // of a thread started and joined per call. run() hands each helper one job
-// and waits for them all; calls from several Python threads take turns (one
-// batch at a time uses every core anyway). A forked child starts a pool of
+// and waits for them all; while one batch has the helpers, a batch from
+// another Python thread is copied on its own thread (no waiting, no more
+// threads than the pool's). A forked child starts a pool of
 // its own (the parent's threads do not exist there).
 class CopyPool {
  public:
@@ -126,7 +127,11 @@ class CopyPool {
 
   // Runs jobs[0] on the calling thread and the others on helpers; returns once all are done.
   void run(std::vector<std::function<void()>>& jobs) {
-    std::unique_lock<std::mutex> turn(turn_mu_);
+    std::unique_lock<std::mutex> turn(turn_mu_, std::try_to_lock);
+    if (!turn.owns_lock()) {  // another batch has the helpers: copy this one on the caller's thread
+      for (std::function<void()>& job : jobs) job();
+      return;
+    }
     const size_t helpers_needed = jobs.size() - 1;
     GCACHE_ASSERT(helpers_needed <= size_t(kThreadsMax - 1));
     {

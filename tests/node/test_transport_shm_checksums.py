@@ -76,3 +76,25 @@ def test_commit_with_xxh3_sums_verifies_them(node_and_sock):
         assert lookup(raw, [b"old"], ck=True).meta["cks"] == [XXH64]
     client = gcache.Client(f"127.0.0.1:{node.port}", transport="shm", verify_checksums=True)
     assert client.get_batch([b"old", b"good"]) == [b"old", b"hello"]
+
+
+def test_copies_from_several_threads_at_once_stay_exact(node_and_sock):
+    """The copy pool serves one batch at a time; batches of other threads meanwhile copy on their own thread."""
+    import threading
+
+    node, _sock = node_and_sock
+    client = gcache.Client(f"127.0.0.1:{node.port}", transport="shm", verify_checksums=True)
+    failures = []
+
+    def worker(t: int) -> None:
+        values = [bytes([t, i]) * (600 << 10) for i in range(6)]  # 7 MiB a batch: the pool's size
+        keys = [b"mt-%d-%d" % (t, i) for i in range(6)]
+        if client.put_batch(keys, values) != [True] * 6 or client.get_batch(keys) != values:
+            failures.append(t)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert failures == []
