@@ -26,6 +26,8 @@ native = Pybind11Extension(
     include_dirs=["gcache_native"],
     cxx_std=17,
     extra_compile_args=optimize + ["-Wall", "-Wno-unused-function", "-pthread"],
+    # libxxhash (Debian libxxhash-dev, setup.sh): XXH3 / XXH64, the value checksums.
+    libraries=["xxhash"],
     extra_link_args=["-pthread"],
 )
 

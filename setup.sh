@@ -11,12 +11,13 @@ PYTHON="${PYTHON:-python3}"
 # libibverbs1 + libnuma1 (what the Mooncake wheel links against); openssl (the
 # throwaway CA of the TLS tests and `gcache-cluster up --tls`); python3-pyverbs
 # (rdma-core's verbs bindings: the RDMA transport, where a device exists);
-# clang-format (the C++ style check, gcache_native/format_check.sh).
+# clang-format (the C++ style check, gcache_native/format_check.sh);
+# libxxhash-dev (XXH3 / XXH64, the value checksums the native core links).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 command -v clang-format >/dev/null 2>&1 || missing+=(clang-format)
-for pkg in libibverbs1 libnuma1 python3-pyverbs; do
+for pkg in libibverbs1 libnuma1 python3-pyverbs libxxhash-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

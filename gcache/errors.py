@@ -54,7 +54,7 @@ class BufferTooSmallError(GCacheError):
 
 
 class ChecksumMismatchError(GCacheError):
-    """Bytes did not match their xxh64: corrupted in transit or changed while sent.
+    """Bytes did not match their checksum (XXH3, or xxh64 for older values): corrupted in transit or changed while sent.
 
     `keys` lists the affected keys; `results` holds the batch's per-key answers.
     """

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,7 @@ def parse_args(argv):
     ap.add_argument("--long-conversations", type=int, default=3, help="8-16K-token conversations (density)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     ap.add_argument("--check-every", type=int, default=0, help="engine.check_integrity() every N steps")
+    ap.add_argument("--plot", default="", help="also draw the token hit rate per tier per configuration (PNG)")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.conversations, args.trace_requests = "0", 16, 100
@@ -288,8 +290,39 @@ def main(argv=None) -> dict:
         print_density(d, cfg)
         out["density"] = d
     out["targets"] = print_targets(out, names, seeds, workers, setups)
+    if args.plot:
+        plot_tiers(results, names, seeds, workers, setups, args.plot)
     print(f"\nwall time {time.perf_counter() - t_start:.0f}s")
     return out
+
+
+def plot_tiers(results, names, seeds, workers, setups, path: str) -> None:
+    """One panel per workload and worker count: a stacked bar per configuration, the
+    median token hit rate of each tier (L1, L2, L3) over the seeds."""
+    from gcache.tools.plotting import charts
+
+    plt = charts.pyplot()
+    panels = [(n, w) for n in names for w in workers]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(max(4.5, 0.8 * len(setups) + 1.5) * len(panels), 4), squeeze=False
+    )
+    colors = {"l1": "#2b6cb0", "l2": "#63b3ed", "l3": "#dd6b20"}
+    for ax, (name, w) in zip(axes[0], panels):
+        bottom = [0.0] * len(setups)
+        for tier in ("l1", "l2", "l3"):
+            heights = [
+                float(statistics.median([results[(name, s, su.name, w)].tier_hit(tier) for s in seeds]))
+                for su in setups
+            ]
+            ax.bar(range(len(setups)), heights, bottom=bottom, color=colors[tier], label=tier.upper())
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(range(len(setups)))
+        ax.set_xticklabels([su.name for su in setups], rotation=25, ha="right", fontsize=8)
+        ax.set_title(f"{name}, {w} worker{'s' if w > 1 else ''}", fontsize=10)
+        ax.set_ylabel("token hit rate")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    charts.save(fig, path)
 
 
 if __name__ == "__main__":

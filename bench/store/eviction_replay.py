@@ -204,6 +204,9 @@ def parse_args(argv=None):
         help="extra gcache-server argument, repeatable (e.g. --server-arg=--eviction-fresh-weight=2)",
     )
     p.add_argument("--json", type=Path, help="also write every run as JSON here")
+    p.add_argument(
+        "--plot", type=Path, help="also draw hit rate vs memory fraction per policy beside clairvoyant (PNG)"
+    )
     args = p.parse_args(argv)
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     args.disk_modes = {"off": [False], "on": [True], "both": [False, True]}[args.disk]
@@ -226,6 +229,43 @@ def parse_args(argv=None):
     return args
 
 
+def plot_runs(traces: list[Trace], args, runs: list[Run], path: Path) -> None:
+    """One panel per trace and disk mode: median hit rate vs memory fraction for each
+    policy, with the clairvoyant (Belady) bound at the same capacity."""
+    from gcache.tools.plotting import charts
+
+    plt = charts.pyplot()
+    panels = [(t, disk) for t in traces for disk in args.disk_modes]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4), squeeze=False)
+    fractions = sorted(args.fractions)
+    for ax, (trace, disk) in zip(axes[0], panels):
+        series = {}
+        for policy in args.policies:
+            rates = [r.hit_rate for r in runs if r.trace == trace.name and r.disk == disk and r.policy == policy]
+            if rates:
+                by_fraction = [
+                    statistics.median(
+                        r.hit_rate
+                        for r in runs
+                        if r.trace == trace.name and r.disk == disk and r.policy == policy and r.fraction == f
+                    )
+                    for f in fractions
+                ]
+                series[policy] = (fractions, by_fraction)
+        factor = 1 + args.disk_ratio if disk else 1
+        series["clairvoyant"] = (
+            fractions,
+            [
+                clairvoyant_hit_rate(trace, int(memory_bytes(trace, f, args.value_bytes) // args.value_bytes * factor))
+                for f in fractions
+            ],
+        )
+        charts.line_panel(
+            ax, f"{trace.name}, disk {'on' if disk else 'off'}", "memory / unique blocks", "hit rate", series
+        )
+    charts.save(fig, str(path))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command:", " ".join([Path(sys.executable).name, "-m", "bench.store.eviction_replay", *sys.argv[1:]]))
@@ -234,11 +274,13 @@ def main(argv=None) -> int:
         f"disk = {args.disk_ratio:g} x memory; policies {', '.join(args.policies)}; repeat {args.repeat}"
     )
     runs: list[Run] = []
+    traces: list[Trace] = []
     with tempfile.TemporaryDirectory(prefix="eviction-replay-") as tmp:
-        traces = [lambda path=path: load_trace(path, args.limit) for path in args.traces]
-        traces += [lambda s=s, n=n: agent_trace(s, n, args.agent_requests) for s, n in args.agent_traces]
-        for make_trace in traces:
+        makers = [lambda path=path: load_trace(path, args.limit) for path in args.traces]
+        makers += [lambda s=s, n=n: agent_trace(s, n, args.agent_requests) for s, n in args.agent_traces]
+        for make_trace in makers:
             trace = make_trace()
+            traces.append(trace)
             for fraction in args.fractions:
                 for disk in args.disk_modes:
                     for _ in range(args.repeat):
@@ -247,6 +289,8 @@ def main(argv=None) -> int:
             print_table(trace, args, [r for r in runs if r.trace == trace.name])
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    if args.plot:
+        plot_runs(traces, args, runs, args.plot)
     return 0
 
 

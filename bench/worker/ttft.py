@@ -339,6 +339,7 @@ def parse_args(argv):
     )
     ap.add_argument("--recalibrate", action="store_true", help="refit the cost model even if a fit is saved")
     ap.add_argument("--json", default="", help="also write every figure to this JSON file")
+    ap.add_argument("--plot", default="", help="also draw TTFT percentiles vs load per policy (PNG)")
     args = ap.parse_args(argv)
     real = args.mode == "real"
     for name, sim_default, real_default in (
@@ -355,6 +356,25 @@ def parse_args(argv):
     if args.requests < 1:
         ap.error("--requests must be >= 1")
     return args
+
+
+def plot_sweep(sweep: list[dict], path: str) -> None:
+    """One panel per TTFT percentile: the median over seeds vs load, a curve per policy."""
+    import statistics
+
+    from gcache.tools.plotting import charts
+
+    plt = charts.pyplot()
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.6), squeeze=False)
+    xs = [pt["load"] if pt["load"] is not None else pt["rate"] for pt in sweep]
+    xlabel = "load (x capacity)" if sweep and sweep[0]["load"] is not None else "arrivals / s"
+    for ax, metric in zip(axes[0], METRICS):
+        series = {
+            policy: (xs, [statistics.median(r[metric] for r in pt["runs"][policy]) for pt in sweep])
+            for policy in POLICIES
+        }
+        charts.line_panel(ax, f"TTFT {metric.replace('_', ' ')}", xlabel, "seconds", series)
+    charts.save(fig, path)
 
 
 def main(argv=None) -> dict:
@@ -393,6 +413,8 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=float)
+    if args.plot:
+        plot_sweep(sweep, args.plot)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return result
 

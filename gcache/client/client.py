@@ -45,7 +45,7 @@ class ServerClient(Client):
         progress for timeout_s, and retrying would only multiply the wait.
     retry_backoff_s: sleep before the first retry, doubling per retry, each
         sleep capped at min(RETRY_BACKOFF_MAX_S, timeout_s).
-    verify_checksums: check every value read against its xxh64.
+    verify_checksums: check every value read against its checksum (XXH3; xxh64 for older values).
     batch_keys_max / frame_payload_bytes_max: a batch is split into frames of
         at most this many keys / payload bytes (must not exceed the server's).
         A GET frame whose found values exceed the server's frame limit is split

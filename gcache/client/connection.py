@@ -19,6 +19,9 @@ from gcache import errors
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
 from gcache._native import recv_into_buffers as _native_recv_into_buffers
 from gcache.client import deadline as call_deadline
+
+# A PUT_BATCH payload with "trail": each group of values hashed just before it is sent.
+from gcache._native import send_put_hashed as _native_send_put_hashed
 from gcache.common.address import parse_host_port
 from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
@@ -30,6 +33,21 @@ IOV_PER_SENDMSG_MAX = 512  # well under Linux IOV_MAX (1024)
 # A bulk read gets timeout_s plus one second per this many bytes (the native
 # reader takes one deadline for the whole transfer, not one per wait).
 BULK_READ_BYTES_PER_S_MIN = 64 * 1024 * 1024
+
+
+class HashedValues:
+    """A PUT_BATCH payload with "trail": each value followed by its checksum of
+    `kind` (8 bytes, little-endian), computed natively while the values are sent
+    (Connection.send), so no pass over the values happens before the send."""
+
+    __slots__ = ("values", "kind")
+
+    def __init__(self, values: list, kind: int):
+        self.values = values
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.values) + 8 * len(self.values)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -192,7 +210,11 @@ class Connection:
     # -- sending ------------------------------------------------------------
 
     def send(self, parts: list) -> None:
-        """Sends byte buffers back to back with sendmsg (gather write, no joining)."""
+        """Sends byte buffers back to back with sendmsg (gather write, no joining);
+        a last part that is HashedValues goes through the native hashing sender."""
+        if parts and isinstance(parts[-1], HashedValues):
+            self._send_hashed(parts[:-1], parts[-1])
+            return
         pending = [p for p in parts if len(p)]
         i = 0
         self._cap_wait("sending a request")
@@ -208,6 +230,15 @@ class Connection:
                         pending[i] = memoryview(pending[i])[sent:]
                         sent = 0
         except OSError as exc:
+            raise self._fail(exc, "sending a request") from exc
+
+    def _send_hashed(self, head_parts: list, hashed: HashedValues) -> None:
+        head = head_parts[0] if len(head_parts) == 1 else b"".join(head_parts)
+        size = len(head) + len(hashed)
+        timeout_ms = int((self.timeout_s + size / BULK_READ_BYTES_PER_S_MIN) * 1000)
+        try:
+            _native_send_put_hashed(self.sock.fileno(), head, hashed.values, hashed.kind, timeout_ms)
+        except OSError as exc:  # TimeoutError and ConnectionError are OSErrors too
             raise self._fail(exc, "sending a request") from exc
 
     # -- receiving ----------------------------------------------------------

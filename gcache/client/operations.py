@@ -12,9 +12,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from gcache import errors
-from gcache._native import xxh64
+from gcache._native import checksum, xxh64
+from gcache.client.connection import HashedValues
 from gcache.wire.protocol import (
     HEADER_BYTES,
+    ChecksumKind,
+    FrameStatus,
     Opcode,
     PutStatus,
     RemoveStatus,
@@ -69,7 +72,7 @@ class BatchResult:
         if self.bad_checksum:
             keys = [self.keys[i] for i in self.bad_checksum]
             exc = errors.ChecksumMismatchError(
-                f"{len(keys)} value(s) failed their xxh64 check (first key {keys[0]!r}): the "
+                f"{len(keys)} value(s) failed their checksum check (first key {keys[0]!r}): the "
                 "bytes were corrupted or the buffer changed while being sent; retry the call",
                 keys,
             )
@@ -169,6 +172,10 @@ class Operation(ABC):
         connection in sync. Writes answers for keys lo..hi-1 into result; raises
         ProtocolError for an answer that breaks the protocol (the connection is dropped)."""
 
+    def explain_error(self, exc: Exception, status: int, meta: dict) -> Exception:
+        """The exception to raise for a refused frame (default: `exc` as it is)."""
+        return exc
+
     def follow_ups(self) -> list[Operation] | None:
         """Operations to send next on the same connection, once this one's answer was
         read (a RESERVE's COMMIT); None when there are none."""
@@ -180,28 +187,76 @@ class Operation(ABC):
         return None
 
 
+# Values at least this large (on average over a frame) carry their sums after them
+# ("trail"), hashed while sent; smaller ones carry them in the map: hashing a small
+# value first costs nothing (it stays in cache), and a trailing sum per tiny value
+# would cost the node a receive each.
+TRAIL_VALUE_BYTES_MIN = 16 << 10
+_OLD_NODE_HINT = (
+    "it is a node from before XXH3 checksums and does not speak them; nothing was stored. "
+    "Upgrade the node, or set GCACHE_CHECKSUM=xxh64 in this client to write with the old checksum"
+)
+
+
 class PutOp(Operation):
+    """PUT_BATCH. With XXH3 (every node since XXH3) large values' sums trail them in
+    the payload ("trail"): the client hashes each group of values just before it
+    sends it, the node hashes each piece as it lands; small values' XXH3 sums go in
+    the map with "ck". With XXH64 (a node from before XXH3, or GCACHE_CHECKSUM=xxh64)
+    the sums go in the map, as before."""
+
     opcode = Opcode.PUT_BATCH
 
-    def __init__(self, result: BatchResult, lo: int, hi: int, values: list[memoryview]):
+    def __init__(self, result: BatchResult, lo: int, hi: int, values: list[memoryview], kind: int = ChecksumKind.XXH3):
         super().__init__(result, lo, hi)
         self.values = values  # views for keys lo..hi-1
+        self.kind = kind
+        size = sum(len(v) for v in values)
+        self.trail = kind != ChecksumKind.XXH64 and bool(values) and size >= TRAIL_VALUE_BYTES_MIN * len(values)
+        self.size = size
 
     def request_meta_bytes(self, epoch: int | None) -> bytes:
-        # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
-        # overlaps the server storing frame k.
-        sums = [xxh64(v) for v in self.values]
-        return encode_request_meta({"keys": self.keys, "lens": [len(v) for v in self.values], "sums": sums}, epoch)
+        meta = {"keys": self.keys, "lens": [len(v) for v in self.values]}
+        if self.kind != ChecksumKind.XXH64:
+            meta["ck"] = int(self.kind)
+        if self.trail:
+            meta["trail"] = True
+        else:
+            # Hashed when the frame is sent, so hashing frame k+1 (GIL released)
+            # overlaps the server storing frame k.
+            kind = int(self.kind)
+            meta["sums"] = [xxh64(v) for v in self.values] if kind == 0 else [checksum(v, kind) for v in self.values]
+        return encode_request_meta(meta, epoch)
 
     def payload(self) -> list:
-        return self.values
+        return [HashedValues(self.values, int(self.kind))] if self.trail else self.values
 
     def payload_bytes(self) -> int:
-        return sum(len(v) for v in self.values)
+        return self.size + 8 * len(self.values) if self.trail else self.size
+
+    def explain_error(self, exc, status, meta):
+        message = meta.get("error") if isinstance(meta, dict) else None
+        if (
+            self.trail
+            and status == FrameStatus.BAD_FRAME
+            and isinstance(message, str)
+            and '"sums"' in message
+            and "trail" not in message
+        ):
+            return errors.ProtocolError(f"the gcache-server refused this PUT ({message}): {_OLD_NODE_HINT}")
+        return exc
 
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
+        if (
+            self.kind != ChecksumKind.XXH64
+            and statuses
+            and all(st == PutStatus.CHECKSUM_MISMATCH for st in statuses)
+            and "ck" not in meta  # a node that speaks XXH3 names the kind it checked
+        ):
+            # Every XXH3 sum refused: a node from before XXH3 checked them as xxh64.
+            raise errors.ProtocolError(f"every value of this PUT failed its checksum: {_OLD_NODE_HINT}")
         for i, st in enumerate(statuses, self.lo):
             record_put_status(self.result, i, st)
 
@@ -214,14 +269,24 @@ class _ValuesOp(Operation):
     def __init__(self, result, lo, hi, verify_checksums: bool):
         super().__init__(result, lo, hi)
         self.verify = verify_checksums
+        self.kinds: list | None = None  # per value ("cks"); None: all xxh64 (a node from before XXH3)
+
+    def request_meta_bytes(self, epoch: int | None) -> bytes:
+        return encode_keys_meta(self.keys, epoch, ck=True)  # this client reads "cks"
 
     def response_bytes_max(self) -> int:
         return RESPONSE_BYTES_UNBOUNDED
+
+    def checksum_of(self, j: int, value) -> int:
+        """The checksum of value j of this answer, by the kind the node named."""
+        kind = self.kinds[j] if self.kinds is not None else ChecksumKind.XXH64
+        return checksum(value, kind)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
         lens = _expect_list(meta, "lens", n)
         sums = _expect_list(meta, "sums", n) if self.verify else None
+        self.kinds = _expect_list(meta, "cks", n) if self.verify and "cks" in meta else None
         if sum(size for size in lens if size > 0) != payload_len:
             raise errors.ProtocolError(
                 f"GET response payload is {payload_len} bytes but its lengths add up to "
@@ -269,7 +334,7 @@ class GetOp(_ValuesOp):
         if sums is not None:
             for j, size in enumerate(lens):
                 value = out[self.lo + j]
-                if value is not None and xxh64(value) != sums[j]:
+                if value is not None and self.checksum_of(j, value) != sums[j]:
                     self.result.bad_checksum.append(self.lo + j)
                     out[self.lo + j] = None
 
@@ -308,7 +373,7 @@ class GetIntoOp(_ValuesOp):
                     conn.read_into(dest)
         if sums is not None:
             for j, size in enumerate(lens):
-                if out[self.lo + j] is not None and xxh64(self.targets[j][:size]) != sums[j]:
+                if out[self.lo + j] is not None and self.checksum_of(j, self.targets[j][:size]) != sums[j]:
                     self.result.bad_checksum.append(self.lo + j)
                     out[self.lo + j] = None  # those bytes are not the value: a miss, as in GetOp
 

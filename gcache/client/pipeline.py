@@ -99,7 +99,7 @@ def _receive(conn: Connection, request_id: int, op: Operation) -> list[Operation
                     status,
                 )
         conn.broken = True  # the rest of the stream is not worth resynchronising
-        raise status_error(status, meta, conn.address)
+        raise op.explain_error(status_error(status, meta, conn.address), status, meta)
     if rid != request_id or opcode != op.opcode or not flags & FLAG_RESPONSE:
         conn.broken = True
         raise errors.ProtocolError(

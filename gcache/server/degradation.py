@@ -7,7 +7,7 @@ node that reports one. Triggers, in order:
   operator    POST /drain on the admin port (`request`), or the file DATA_DIR/DRAIN.
   disk        the native counter `disk_errors` (failed segment write / read /
               fsync / unlink, warm-list write) rises, or `checksum_failures`
-              (records read back from disk whose xxh64 does not match) rises by
+              (records read back from disk whose checksum does not match) rises by
               CHECKSUM_FAILURES_DRAIN_MIN since the process started.
   memory      with --memory-pressure-drain F > 0: more than F of the puts in the
               last MEMORY_PRESSURE_WINDOW_S were refused NO_SPACE (at least

@@ -76,6 +76,7 @@ class RdmaRegion:
                 "rkey": self.mr.rkey,
                 "arena_bytes": self._native.arena_bytes,
                 "reserve_bytes_max": self._native.reserve_bytes_per_connection,
+                "cks": [0, 1],  # the checksum kinds COMMIT may use (docs/protocol.md)
             }
         )
 

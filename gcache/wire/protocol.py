@@ -41,7 +41,7 @@ class Opcode(IntEnum):
     AUTH = 7  # challenge-response handshake (docs/protocol.md, "Authentication")
     # One-sided access (docs/protocol.md, "Shared memory and RDMA").
     SHM_ATTACH = 8  # the arena's memfd over the Unix socket (SCM_RIGHTS)
-    LOOKUP = 9  # per key: offset, length, xxh64, under one lease
+    LOOKUP = 9  # per key: offset, length, checksum, under one lease
     RELEASE = 10  # drops leases and reservations
     RESERVE = 11  # arena blocks to write new values into
     COMMIT = 12  # publishes reserved blocks (checksums verified)
@@ -69,6 +69,23 @@ class PutStatus(IntEnum):
     CHECKSUM_MISMATCH = 3
     VALUE_TOO_LARGE = 4
     KEY_INVALID = 5
+
+
+class ChecksumKind(IntEnum):
+    """Which algorithm a value's checksum is ("ck" / "cks" on the wire; per value in
+    the node and on disk). The numbers are the contract: never renumber."""
+
+    XXH64 = 0  # XXH64 seed 0: peers from before XXH3 ("ck" absent means this)
+    XXH3 = 1  # XXH3-64, no seed: every new value
+
+
+def checksum_kinds_of(meta: dict) -> list[int]:
+    """The checksum kinds a node speaks, from its PING or SHM_ATTACH answer ("cks");
+    a node from before XXH3 sends none and speaks xxh64 only."""
+    kinds = meta.get("cks")
+    if not isinstance(kinds, list):
+        return [ChecksumKind.XXH64]
+    return [k for k in kinds if isinstance(k, int)]
 
 
 class RemoveStatus(IntEnum):
@@ -132,21 +149,30 @@ def decode_meta(buf) -> dict:
 _KEYS_MAP_ONE = b"\x81\xa4keys\x91"  # msgpack: {"keys": [ <one element> ]}
 _KEYS_EPOCH_MAP_ONE = b"\x82\xa4keys\x91"  # msgpack: {"keys": [ <one element> ], "epoch": ...}
 _EPOCH_FIELD = b"\xa5epoch"
+_CK_XXH3_FIELD = b"\xa2ck\x01"  # "ck": 1 (ChecksumKind.XXH3)
 
 
-def encode_keys_meta(keys: list[bytes], epoch: int | None = None) -> bytes:
-    """msgpack of {"keys": keys} (keys as bin), plus "epoch" when given; the
-    one-key case skips msgpack's overhead."""
+def encode_keys_meta(keys: list[bytes], epoch: int | None = None, ck: bool = False) -> bytes:
+    """msgpack of {"keys": keys} (keys as bin), plus "epoch" when given, plus
+    "ck": 1 with `ck` (a read that understands "cks"); the one-key case skips
+    msgpack's overhead."""
     if len(keys) == 1:
         key = keys[0]
         size = len(key)
         length = bytes((0xC4, size)) if size < 256 else b"\xc5" + size.to_bytes(2, "big")
-        if epoch is None:
-            return _KEYS_MAP_ONE + length + key
-        return _KEYS_EPOCH_MAP_ONE + length + key + _EPOCH_FIELD + msgpack.packb(epoch)
-    if epoch is None:
-        return msgpack.packb({"keys": keys}, use_bin_type=True)
-    return msgpack.packb({"keys": keys, "epoch": epoch}, use_bin_type=True)
+        head = _KEYS_MAP_ONE if epoch is None else _KEYS_EPOCH_MAP_ONE
+        if ck:
+            head = bytes((head[0] + 1,)) + head[1:]  # one more map entry
+        out = head + length + key
+        if epoch is not None:
+            out += _EPOCH_FIELD + msgpack.packb(epoch)
+        return out + _CK_XXH3_FIELD if ck else out
+    meta: dict = {"keys": keys}
+    if epoch is not None:
+        meta["epoch"] = epoch
+    if ck:
+        meta["ck"] = int(ChecksumKind.XXH3)
+    return msgpack.packb(meta, use_bin_type=True)
 
 
 def encode_frame_head(

@@ -90,7 +90,8 @@ struct PyStore {
     PutStatus status = store.begin_put(k, length, &r, hint.owner);
     if (status != PutStatus::Stored) return static_cast<int>(status);
     if (length > 0) memcpy(r.data, data, length);
-    return static_cast<int>(store.commit_put(k, r, xxh64(data, length), hint));
+    const ValueChecksum sum{checksum_of(kChecksumKindNew, data, length), kChecksumKindNew};
+    return static_cast<int>(store.commit_put(k, r, sum, hint));
   }
 
   static py::buffer_info contiguous(const py::buffer& value, const char* what) {
@@ -100,16 +101,19 @@ struct PyStore {
     return info;
   }
 
-  int put(const py::bytes& key, const py::buffer& value, py::object checksum, OwnerId owner) {
+  // An explicit checksum is of kind checksum_kind (0 xxh64, 1 xxh3); without one, XXH3 of the value.
+  int put(const py::bytes& key, const py::buffer& value, py::object checksum, OwnerId owner, int checksum_kind) {
+    if (!checksum_kind_valid(uint64_t(checksum_kind))) throw std::invalid_argument("put: unknown checksum_kind");
     std::string k = key;
     py::buffer_info info = contiguous(value, "put");
     const uint8_t* data = static_cast<const uint8_t*>(info.ptr);
     uint64_t length = static_cast<uint64_t>(info.size * info.itemsize);
     bool explicit_checksum = !checksum.is_none();
-    uint64_t sum = explicit_checksum ? checksum.cast<uint64_t>() : 0;
+    ValueChecksum sum{explicit_checksum ? checksum.cast<uint64_t>() : 0,
+                      explicit_checksum ? ChecksumKind(checksum_kind) : kChecksumKindNew};
     Store& store = handle->get();
     py::gil_scoped_release nogil;
-    if (!explicit_checksum) sum = xxh64(data, length);
+    if (!explicit_checksum) sum.sum = checksum_of(sum.kind, data, length);
     Reservation r;
     PutStatus status = store.begin_put(k, length, &r, owner);
     if (status != PutStatus::Stored) return static_cast<int>(status);
@@ -257,6 +261,7 @@ void bind_store(py::module_& m) {
           "read-only memoryview into the arena, valid until release()")
       .def_property_readonly("length", [](PyLease& self) { return self.lease.length; })
       .def_property_readonly("checksum", [](PyLease& self) { return self.lease.checksum; })
+      .def_property_readonly("checksum_kind", [](PyLease& self) { return int(self.lease.checksum_kind); })
       .def_property_readonly("held", [](PyLease& self) { return self.held; })
       .def("release", &PyLease::release)
       .def("__enter__", [](py::object self) { return self; })
@@ -272,7 +277,9 @@ void bind_store(py::module_& m) {
            py::arg("eviction_fresh_weight") = 0.0, py::arg("eviction_tail_hint") = true,
            py::arg("disk_exclusive") = true, py::arg("index_bytes_max") = 0)
       .def("put", &PyStore::put, py::arg("key"), py::arg("value"), py::arg("checksum") = py::none(),
-           py::arg("owner") = 0, "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...).")
+           py::arg("owner") = 0, py::arg("checksum_kind") = 0,
+           "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...). An explicit checksum "
+           "is of checksum_kind (0 xxh64, 1 xxh3); none: the store takes the value's XXH3.")
       .def("put_batch", &PyStore::put_batch, py::arg("keys"), py::arg("values"), py::arg("owner") = 0,
            "Stores the values as one put batch (one prefix chain, in order), as PUT_BATCH does; "
            "a PutStatus code per key.")

@@ -1,18 +1,25 @@
 // Client side of the one-sided transports: copies between a mapped arena and
-// the caller's buffers with the GIL released, each value's xxh64 computed in
-// the same pass (chunk by chunk, while the chunk is still in cache), across
-// several threads for large batches. A value whose bytes do not match the
-// checksum the server gave is reported, never returned as a hit.
+// the caller's buffers with the GIL released, each value's checksum (XXH3 for
+// new values, xxh64 for old ones: ChecksumKind) computed in the same pass
+// (chunk by chunk, while the chunk is still in cache), across the threads of
+// one persistent, bounded copy pool for large batches. A value whose bytes do
+// not match the checksum the server gave is reported, never returned as a hit.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/assert.h"
 #include "common/checksum.h"
 
 #if defined(__SSE2__)
@@ -32,7 +39,8 @@ struct CopyItem {
   uint8_t* dst;
   uint64_t length;
   uint64_t expected;  // checksum to compare (reads)
-  uint64_t sum = 0;   // checksum of the bytes copied
+  gcache::ChecksumKind kind = gcache::kChecksumKindNew;
+  uint64_t sum = 0;  // checksum of the bytes copied
 };
 
 enum class Hash { None, Source, Destination };
@@ -73,13 +81,13 @@ void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
 // hashes what it copied out (what the caller gets); a write hashes the
 // caller's bytes just before copying them, so a source changed mid-copy makes
 // the stored block differ from its sum, which COMMIT then refuses.
-uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash) {
+uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash, gcache::ChecksumKind kind) {
   const bool stream = n >= kStreamingBytesMin;
   if (hash == Hash::None) {
     copy_streaming(dst, src, n, stream);
     return 0;
   }
-  gcache::Xxh64Stream h;
+  gcache::ChecksumStream h(kind);
   for (uint64_t at = 0; at < n; at += kChunkBytes) {
     const size_t c = size_t(std::min<uint64_t>(kChunkBytes, n - at));
     if (hash == Hash::Source) {
@@ -93,6 +101,81 @@ uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash) 
   return h.digest();
 }
 
+// The copy threads: started once (at most kThreadsMax - 1 helpers, the
+// caller's thread is the last one), then reused by every large copy, instead
+// of a thread started and joined per call. run() hands each helper one job
+// and waits for them all; while one batch has the helpers, a batch from
+// another Python thread is copied on its own thread (no waiting, no more
+// threads than the pool's). A forked child starts a pool of
+// its own (the parent's threads do not exist there).
+class CopyPool {
+ public:
+  static CopyPool& get() {
+    static const bool registered = [] {
+      // The child leaks the parent's pool (its threads do not exist there) and makes its own.
+      pthread_atfork(nullptr, nullptr, [] {
+        instance_ = nullptr;
+        create_mu_ = new std::mutex;
+      });
+      return true;
+    }();
+    (void)registered;
+    std::lock_guard<std::mutex> lock(*create_mu_);
+    if (instance_ == nullptr) instance_ = new CopyPool();  // never freed: helper threads outlive statics
+    return *instance_;
+  }
+
+  // Runs jobs[0] on the calling thread and the others on helpers; returns once all are done.
+  void run(std::vector<std::function<void()>>& jobs) {
+    std::unique_lock<std::mutex> turn(turn_mu_, std::try_to_lock);
+    if (!turn.owns_lock()) {  // another batch has the helpers: copy this one on the caller's thread
+      for (std::function<void()>& job : jobs) job();
+      return;
+    }
+    const size_t helpers_needed = jobs.size() - 1;
+    GCACHE_ASSERT(helpers_needed <= size_t(kThreadsMax - 1));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (threads_.size() < helpers_needed) threads_.emplace_back([this] { serve(); });
+      for (size_t k = 1; k < jobs.size(); ++k) queue_.push_back(&jobs[k]);
+      pending_ = helpers_needed;
+    }
+    work_cv_.notify_all();
+    jobs[0]();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+  size_t threads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return threads_.size();
+  }
+
+ private:
+  CopyPool() = default;
+  void serve() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [this] { return !queue_.empty(); });
+      std::function<void()>* job = queue_.back();
+      queue_.pop_back();
+      lock.unlock();
+      (*job)();  // never throws: copies and hashes only
+      lock.lock();
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  static inline CopyPool* instance_ = nullptr;
+  static inline std::mutex* create_mu_ = new std::mutex;
+  std::mutex turn_mu_;  // one batch at a time
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<std::function<void()>*> queue_;
+  size_t pending_ = 0;
+  std::vector<std::thread> threads_;  // detached at exit with the process
+};
+
 // Splits items into contiguous runs of about equal bytes, one per thread.
 // With Hash::None, only copies (every sum stays 0).
 void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
@@ -104,7 +187,8 @@ void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
   t = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(t), total / kBytesPerThreadMin)));
   t = std::min<int>(t, int(items.size()));
   auto work = [&items, hash](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash);
+    for (size_t i = lo; i < hi; ++i)
+      items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash, items[i].kind);
   };
   if (t <= 1) {
     work(0, items.size());
@@ -118,10 +202,22 @@ void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
     if (acc >= share * bounds.size()) bounds.push_back(i + 1);
   }
   if (bounds.back() != items.size()) bounds.push_back(items.size());
-  std::vector<std::thread> helpers;
-  for (size_t k = 1; k + 1 < bounds.size(); ++k) helpers.emplace_back(work, bounds[k], bounds[k + 1]);
-  work(bounds[0], bounds[1]);
-  for (std::thread& h : helpers) h.join();
+  std::vector<std::function<void()>> jobs;
+  for (size_t k = 0; k + 1 < bounds.size(); ++k)
+    jobs.emplace_back([&work, &bounds, k] { work(bounds[k], bounds[k + 1]); });
+  if (jobs.size() == 1) {
+    jobs[0]();
+    return;
+  }
+  CopyPool::get().run(jobs);
+}
+
+// The kind of each value's sum: "cks" of a LOOKUP answer, or empty (a node
+// from before XXH3: every sum is xxh64).
+gcache::ChecksumKind kind_at(const std::vector<uint8_t>& kinds, size_t i) {
+  if (kinds.empty()) return gcache::ChecksumKind::Xxh64;
+  if (!gcache::checksum_kind_valid(kinds[i])) throw py::value_error("unknown checksum kind in \"cks\"");
+  return gcache::ChecksumKind(kinds[i]);
 }
 
 // Runs f without the GIL (not gil_scoped_release: see client/io_bindings.cpp).
@@ -152,9 +248,11 @@ void check_lengths(size_t n, const std::vector<uint64_t>& offsets, const std::ve
 // Reads: found values (len >= 0) into targets; returns the indices whose bytes
 // failed their checksum or lie outside the arena (not hits).
 py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
-                   const std::vector<uint64_t>& sums, py::list targets, int threads, bool verify) {
+                   const std::vector<uint64_t>& sums, py::list targets, int threads, bool verify,
+                   const std::vector<uint8_t>& kinds) {
   const size_t n = targets.size();
   check_lengths(n, offsets, lens, sums);
+  if (!kinds.empty() && kinds.size() != n) throw py::value_error("kinds must be empty or have one entry per key");
   Arena arena(arena_buf);
   std::vector<py::buffer_info> infos;  // keeps each target's export alive
   infos.reserve(n);
@@ -171,7 +269,7 @@ py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, c
       bad.append(i);
       continue;
     }
-    items.push_back(CopyItem{arena.base + offsets[i], static_cast<uint8_t*>(t.ptr), len, sums[i]});
+    items.push_back(CopyItem{arena.base + offsets[i], static_cast<uint8_t*>(t.ptr), len, sums[i], kind_at(kinds, i)});
     index.push_back(i);
   }
   without_gil([&] { run_items(items, threads, verify ? Hash::Destination : Hash::None); });
@@ -184,9 +282,10 @@ py::list read_into(py::buffer arena_buf, const std::vector<uint64_t>& offsets, c
 // Reads into new bytes objects: a list with bytes per verified value, None
 // for a miss or a value that failed its checksum (its index is in the second list).
 py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
-                      const std::vector<uint64_t>& sums, int threads, bool verify) {
+                      const std::vector<uint64_t>& sums, int threads, bool verify, const std::vector<uint8_t>& kinds) {
   const size_t n = lens.size();
   check_lengths(n, offsets, lens, sums);
+  if (!kinds.empty() && kinds.size() != n) throw py::value_error("kinds must be empty or have one entry per key");
   Arena arena(arena_buf);
   py::list values(n), bad;
   std::vector<CopyItem> items;
@@ -203,8 +302,8 @@ py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(len));
     if (raw == nullptr) throw py::error_already_set();
     py::object value = py::reinterpret_steal<py::object>(raw);
-    items.push_back(
-        CopyItem{arena.base + offsets[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), len, sums[i]});
+    items.push_back(CopyItem{arena.base + offsets[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), len, sums[i],
+                             kind_at(kinds, i)});
     index.push_back(i);
     values[i] = value;
   }
@@ -219,10 +318,11 @@ py::tuple read_values(py::buffer arena_buf, const std::vector<uint64_t>& offsets
 }
 
 // Writes: each source into the arena at its offset (offset < 0: skipped);
-// returns the xxh64 of the bytes written (0 for skipped ones), for COMMIT.
+// returns the checksum of kind `kind` of the bytes written (0 for skipped ones), for COMMIT.
 std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t>& offsets, py::list sources,
-                                 int threads) {
+                                 int threads, int kind) {
   const size_t n = sources.size();
+  if (!gcache::checksum_kind_valid(uint64_t(kind))) throw py::value_error("unknown checksum kind");
   if (offsets.size() != n) throw py::value_error("offsets and sources must have one entry per value");
   Arena arena(arena_buf);
   std::vector<py::buffer_info> infos;
@@ -235,7 +335,8 @@ std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t
     const py::buffer_info& s = infos.back();
     const uint64_t len = uint64_t(s.size) * uint64_t(s.itemsize);
     if (!arena.holds(uint64_t(offsets[i]), len)) throw py::value_error("a reserved block lies outside the arena");
-    items.push_back(CopyItem{static_cast<const uint8_t*>(s.ptr), arena.base + offsets[i], len, 0});
+    items.push_back(
+        CopyItem{static_cast<const uint8_t*>(s.ptr), arena.base + offsets[i], len, 0, gcache::ChecksumKind(kind)});
     index.push_back(i);
   }
   without_gil([&] { run_items(items, threads, Hash::Source); });
@@ -247,8 +348,10 @@ std::vector<uint64_t> write_from(py::buffer arena_buf, const std::vector<int64_t
 }  // namespace
 
 // The indices of views whose bytes do not hash to their sum (None views skipped).
-py::list verify_views(py::list views, const std::vector<uint64_t>& sums) {
+py::list verify_views(py::list views, const std::vector<uint64_t>& sums, const std::vector<uint8_t>& kinds) {
   if (sums.size() != views.size()) throw py::value_error("one sum per view");
+  if (!kinds.empty() && kinds.size() != views.size()) throw py::value_error("kinds: empty or one per view");
+  std::vector<gcache::ChecksumKind> kind;
   std::vector<py::buffer_info> infos;
   std::vector<std::pair<size_t, uint64_t>> got;
   infos.reserve(views.size());
@@ -256,10 +359,11 @@ py::list verify_views(py::list views, const std::vector<uint64_t>& sums) {
     if (views[i].is_none()) continue;
     infos.push_back(py::reinterpret_borrow<py::buffer>(views[i]).request());
     got.emplace_back(i, 0);
+    kind.push_back(kind_at(kinds, i));
   }
   without_gil([&] {
     for (size_t k = 0; k < got.size(); ++k)
-      got[k].second = gcache::xxh64(infos[k].ptr, size_t(infos[k].size) * size_t(infos[k].itemsize));
+      got[k].second = gcache::checksum_of(kind[k], infos[k].ptr, size_t(infos[k].size) * size_t(infos[k].itemsize));
   });
   py::list bad;
   for (const auto& [i, sum] : got)
@@ -268,17 +372,24 @@ py::list verify_views(py::list views, const std::vector<uint64_t>& sums) {
 }
 
 void bind_shm_copy(py::module_& m) {
-  m.def("verify_views", &verify_views, py::arg("views"), py::arg("sums"),
-        "Indices of the views (None: skipped) whose xxh64 differs from its sum (GIL released).");
+  const std::vector<uint8_t> none;
+  m.def("verify_views", &verify_views, py::arg("views"), py::arg("sums"), py::arg("kinds") = none,
+        "Indices of the views (None: skipped) whose checksum (kinds[i]; empty: all xxh64) differs from its "
+        "sum (GIL released).");
   m.def("shm_read_into", &read_into, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
-        py::arg("targets"), py::arg("threads") = 0, py::arg("verify") = true,
-        "Copies each found value (len >= 0) from the mapped arena into its target, verifying its xxh64 in "
-        "the same pass unless verify is False (GIL released; threads 0 = automatic). Returns the indices "
-        "that are not hits: bytes that failed the checksum, or a block outside the arena.");
+        py::arg("targets"), py::arg("threads") = 0, py::arg("verify") = true, py::arg("kinds") = none,
+        "Copies each found value (len >= 0) from the mapped arena into its target, verifying its checksum "
+        "(of kind kinds[i]: a LOOKUP's \"cks\"; empty: all xxh64) in the same pass unless verify is False "
+        "(GIL released; threads 0 = automatic). Returns the indices that are not hits: bytes that failed the "
+        "checksum, or a block outside the arena.");
   m.def("shm_read_values", &read_values, py::arg("arena"), py::arg("offsets"), py::arg("lens"), py::arg("sums"),
-        py::arg("threads") = 0, py::arg("verify") = true,
+        py::arg("threads") = 0, py::arg("verify") = true, py::arg("kinds") = none,
         "As shm_read_into, into new bytes objects: returns (values, bad) with None for misses and bad values.");
   m.def("shm_write_from", &write_from, py::arg("arena"), py::arg("offsets"), py::arg("sources"), py::arg("threads") = 0,
+        py::arg("kind") = int(gcache::kChecksumKindNew),
         "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing each source "
-        "chunk just before it is copied; returns their xxh64s (0 for skipped).");
+        "chunk just before it is copied; returns their checksums of `kind` (default XXH3; 0 for skipped).");
+  m.def(
+      "copy_pool_threads", [] { return CopyPool::get().threads(); },
+      "Helper threads the persistent copy pool has started so far (at most 7).");
 }

@@ -7,20 +7,22 @@ namespace gcache {
 
 namespace {
 uint64_t header_checksum_of(const RecordHeader& header, std::string_view key) {
-  Xxh64Stream stream;
+  ChecksumStream stream(ChecksumKind::Xxh64);  // headers stay xxh64: old and new records alike
   stream.update(&header, offsetof(RecordHeader, header_checksum));
   stream.update(key.data(), key.size());
   return stream.digest();
 }
 }  // namespace
 
-RecordHeader make_record_header(uint8_t kind, std::string_view key, uint64_t value_len, uint64_t value_checksum) {
+RecordHeader make_record_header(uint8_t kind, std::string_view key, uint64_t value_len,
+                                const ValueChecksum& value_sum) {
   RecordHeader header{};
   header.magic = kRecordMagic;
   header.kind = kind;
   header.key_len = static_cast<uint16_t>(key.size());
   header.value_len = value_len;
-  header.value_checksum = value_checksum;
+  header.checksum_kind = uint8_t(value_sum.kind);
+  header.value_checksum = value_sum.sum;
   header.header_checksum = header_checksum_of(header, key);
   return header;
 }

@@ -163,9 +163,9 @@ bool DiskSegments::reserve(std::string_view key, uint64_t value_len, RecordLocat
 }
 
 bool DiskSegments::write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind, std::string_view key,
-                                const void* value, uint64_t value_len, uint64_t value_checksum) {
+                                const void* value, uint64_t value_len, const ValueChecksum& value_sum) {
   uint64_t bytes = record_bytes(key.size(), value_len);
-  RecordHeader header = make_record_header(kind, key, value_len, value_checksum);
+  RecordHeader header = make_record_header(kind, key, value_len, value_sum);
   static const uint8_t kZeros[8] = {};
   uint64_t pad = bytes - sizeof(header) - key.size() - value_len;
   iovec parts[4] = {{&header, sizeof(header)},
@@ -201,10 +201,10 @@ void DiskSegments::cancel(const RecordLocation& at, uint64_t bytes) {
 }
 
 bool DiskSegments::append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len,
-                          uint64_t value_checksum, RecordLocation* out) {
+                          const ValueChecksum& value_sum, RecordLocation* out) {
   SegmentFileRef file;
   if (!reserve(key, value_len, out, &file)) return false;
-  if (write_record(*file, *out, kind, key, value, value_len, value_checksum)) return true;
+  if (write_record(*file, *out, kind, key, value, value_len, value_sum)) return true;
   cancel(*out, record_bytes(key.size(), value_len));
   return false;
 }

@@ -51,7 +51,7 @@ class DiskSegments {
   // Appends one record at the head, rolling to a new segment when the head
   // would pass segment_bytes. The caller must have made room first
   // (used_bytes() + record_bytes(...) <= disk_bytes()). False on IO error.
-  bool append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len, uint64_t value_checksum,
+  bool append(uint8_t kind, std::string_view key, const void* value, uint64_t value_len, const ValueChecksum& value_sum,
               RecordLocation* out);
 
   // The same in three steps, so the bytes can be written without the Store's
@@ -61,7 +61,7 @@ class DiskSegments {
   // reserved record is always the last one and a crash can only tear the tail.
   bool reserve(std::string_view key, uint64_t value_len, RecordLocation* out, SegmentFileRef* file);
   static bool write_record(const SegmentFile& file, const RecordLocation& at, uint8_t kind, std::string_view key,
-                           const void* value, uint64_t value_len, uint64_t value_checksum);
+                           const void* value, uint64_t value_len, const ValueChecksum& value_sum);
   void cancel(const RecordLocation& at, uint64_t bytes);
 
   // Unlinks a segment; the returned file stays readable until released.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/assert.h"
+#include "common/checksum.h"
 #include "common/frame.h"
 #include "common/metrics.h"
 #include "common/msgpack_lite.h"
@@ -39,6 +40,11 @@ struct BatchMeta {
   uint64_t inline_max = 0;             // LOOKUP: values up to this size come in the payload, unleased
   bool chain_continues = false;        // RESERVE "cont": same put batch (chain) as the previous RESERVE
   bool chain_ends = true;              // RESERVE "last": holds the batch's last value
+  // "ck": the kind of "sums" (PUT_BATCH, COMMIT), or on a read (GET_BATCH,
+  // LOOKUP) that the client reads "cks"; absent: xxh64, a peer from before XXH3.
+  ChecksumKind checksum_kind = ChecksumKind::Xxh64;
+  bool has_ck = false;
+  bool sums_trail = false;  // PUT_BATCH "trail": each value is followed by its 8-byte sum in the payload
   bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false, has_res = false;
   void clear() {
     keys.clear();
@@ -49,6 +55,8 @@ struct BatchMeta {
     inline_max = 0;
     chain_continues = false;
     chain_ends = true;
+    checksum_kind = ChecksumKind::Xxh64;
+    has_ck = sums_trail = false;
     has_keys = has_lens = has_sums = has_epoch = has_res = false;
   }
 };
@@ -192,9 +200,9 @@ class PutGuard {
     held_ = s == PutStatus::Stored;
     return s;
   }
-  PutStatus commit(std::string_view key, uint64_t checksum, const PutHint& hint) {
+  PutStatus commit(std::string_view key, const ValueChecksum& declared, const PutHint& hint, const uint64_t* landed) {
     held_ = false;  // commit_put owns the reservation from here, also when it throws
-    return store_->commit_put(key, r_, checksum, hint);
+    return store_->commit_put(key, r_, declared, hint, landed);
   }
   const Reservation& reservation() const { return r_; }
 
@@ -217,6 +225,25 @@ void linger_close(Server::Connection* c);
 // Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
 // keys are skipped. An empty metadata section means {}.
 Server::Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b);
+// The checksum a reader gets for a leased value: its own, or for a reader
+// that speaks only xxh64 (no "ck" in its request) the value's xxh64, taken
+// from the leased bytes now (a pass a legacy peer costs; new peers never).
+inline uint64_t sum_for_reader(const Lease& l, const BatchMeta& b) {
+  if (b.has_ck || l.checksum_kind == ChecksumKind::Xxh64) return l.checksum;
+  return xxh64(l.data, l.length);
+}
+// Writes "cks": the kind of each value's sum (misses 0), for a reader that speaks them.
+inline void write_checksum_kinds(MsgpackWriter& out, const std::vector<uint8_t>& kinds) {
+  out.str("cks");
+  out.array(uint32_t(kinds.size()));
+  for (uint8_t k : kinds) out.uint(k);
+}
+// Writes "cks": every checksum kind this node speaks (PING, SHM_ATTACH).
+inline void write_kinds_spoken(MsgpackWriter& out) {
+  out.str("cks");
+  out.array(kChecksumKindsSpoken);
+  for (uint8_t k = 0; k < kChecksumKindsSpoken; ++k) out.uint(k);
+}
 // Gives every key of the request its store name (the tenant prefix, auth on).
 void namespace_keys(Server::Connection* c);
 // Whose quota a stored value counts against.

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <fstream>
 
+#include "common/checksum.h"
+
 namespace gcache {
 namespace {
 
@@ -112,18 +114,36 @@ static void arm(SocketTimer& t, int option, double* current, int64_t deadline_us
 
 // Reads exactly n bytes; a peer silent for the stall timeout, past
 // deadline_us (0 = none), or closing mid-way throws.
-void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed, void* tail,
+                size_t tail_n) {
   auto* p = static_cast<uint8_t*>(buf);
+  auto* q = static_cast<uint8_t*>(tail);
   int64_t last_progress = now_us();
-  while (n > 0) {
+  while (n > 0 || tail_n > 0) {
     arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, last_progress);
     const int64_t call_start = now_us();
-    const ssize_t r = recv(t.fd, p, n, MSG_WAITALL);
+    // The value's next piece, and the tail with it once the piece is the value's
+    // last: one recvmsg brings a value and the sum that follows it.
+    const size_t want = landed != nullptr ? std::min(n, kLandedChunkBytes) : n;
+    iovec iov[2];
+    size_t count = 0;
+    if (want > 0) iov[count++] = iovec{p, want};
+    if (want == n && tail_n > 0) iov[count++] = iovec{q, tail_n};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = count;
+    const ssize_t r = recvmsg(t.fd, &msg, MSG_WAITALL);
     if (r > 0) {
-      p += r;
-      n -= size_t(r);
-      last_progress = n > 0 ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
-      if (n > 0) check_deadline(deadline_us);
+      const size_t into_value = std::min(size_t(r), want);
+      if (landed != nullptr && into_value > 0) landed->update(p, into_value);  // just landed: still in cache
+      p += into_value;
+      n -= into_value;
+      const size_t into_tail = size_t(r) - into_value;
+      q += into_tail;
+      tail_n -= into_tail;
+      const bool more = n > 0 || tail_n > 0;
+      last_progress = more ? call_start : now_us();  // short: the slice ran out (see SocketTimer)
+      if (more) check_deadline(deadline_us);
     } else if (r == 0) {
       throw ConnectionLost{false};
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {

@@ -9,6 +9,8 @@
 
 namespace gcache {
 
+class ChecksumStream;  // common/checksum.h
+
 int64_t now_us();              // steady clock
 int clamp_ms(double seconds);  // for poll(): rounded up, clamped to [0, INT_MAX]
 
@@ -34,7 +36,14 @@ struct SocketTimer {
 
 // Reads exactly n bytes; a peer silent for the stall timeout, past
 // deadline_us (0 = none), or closing mid-way throws ConnectionLost.
-void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us);
+// With `landed`, every piece is hashed into it right after it arrives, while
+// it is still in cache (pieces of at most kLandedChunkBytes): the bytes are
+// verified as they land, with no second pass over the value. `tail` (tail_n
+// bytes, not hashed) is filled after buf, in the same recvmsg as buf's last
+// piece: a value and the checksum that trails it cost one system call.
+void recv_exact(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed = nullptr,
+                void* tail = nullptr, size_t tail_n = 0);
+constexpr size_t kLandedChunkBytes = 256 << 10;
 // Writes every byte of iov[0..count) before deadline_us (0 = none); the
 // iovecs are consumed in place.
 void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us);

@@ -204,6 +204,21 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
         return bad("\"cont\" and \"last\" must be booleans");
       continue;
     }
+    if (name == "ck") {
+      uint64_t kind;
+      if (!r.read_uint(&kind)) return bad("\"ck\" must be an unsigned integer");
+      if (!checksum_kind_valid(kind)) {
+        return Reply::fail(FrameStatus::BadFrame, "unknown checksum kind \"ck\": " + std::to_string(kind) +
+                                                      "; this node speaks 0 (xxh64) and 1 (xxh3)");
+      }
+      b->checksum_kind = ChecksumKind(kind);
+      b->has_ck = true;
+      continue;
+    }
+    if (name == "trail") {
+      if (!r.read_bool(&b->sums_trail)) return bad("\"trail\" must be a boolean");
+      continue;
+    }
     if (name == "inline_max") {
       if (!r.read_uint(&b->inline_max)) return bad("\"inline_max\" must be an unsigned integer");
       continue;
@@ -808,11 +823,15 @@ void Server::run_handler(Connection* c, const FrameHeader& h, PutAdmission* admi
 Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission) {
   const BatchMeta& b = c->batch;
   const size_t n = b.keys.size();
-  if (!b.has_lens || !b.has_sums || b.lens.size() != n || b.sums.size() != n) {
+  const bool sums_in_meta = !b.sums_trail;
+  if (!b.has_lens || b.lens.size() != n || (sums_in_meta && (!b.has_sums || b.sums.size() != n))) {
     discard(c, h.payload_len);
-    return Reply::fail(FrameStatus::BadFrame, "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length");
+    return Reply::fail(FrameStatus::BadFrame,
+                       "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length (or \"trail\": true "
+                       "with a sum after each value)");
   }
-  uint64_t total = 0;
+  // With "trail" each value is followed by its 8-byte sum in the payload.
+  uint64_t total = b.sums_trail ? uint64_t(n) * 8 : 0;
   for (uint64_t len : b.lens) {
     if (len > h.payload_len - total) {  // also catches overflow
       total = UINT64_MAX;
@@ -822,9 +841,10 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   }
   if (total != h.payload_len) {
     discard(c, h.payload_len);
-    return Reply::fail(FrameStatus::BadFrame,
-                       "sum of \"lens\" does not equal payload_len=" + std::to_string(h.payload_len) +
-                           "; send every value's length, values concatenated in key order");
+    return Reply::fail(
+        FrameStatus::BadFrame,
+        "sum of \"lens\" (and 8 per key with \"trail\") does not equal payload_len=" + std::to_string(h.payload_len) +
+            "; send every value's length, values concatenated in key order");
   }
   std::vector<uint8_t> statuses(n);
   uint64_t consumed = 0;                           // payload bytes read so far
@@ -842,10 +862,14 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   admission->release();  // every value is stored: the response may take its time
   metrics_->bytes_in += h.payload_len;
   c->out.clear();
-  c->out.map(1);
+  c->out.map(b.has_ck ? 2 : 1);
   c->out.str("st");
   c->out.array(uint32_t(n));
   for (uint8_t s : statuses) c->out.uint(s);
+  if (b.has_ck) {  // the kind the sums were checked as: a node from before XXH3 never says it
+    c->out.str("ck");
+    c->out.uint(uint8_t(b.checksum_kind));
+  }
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
 }
@@ -857,28 +881,42 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
 PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consumed) {
   const BatchMeta& b = c->batch;
   const uint64_t len = b.lens[i];
+  const uint64_t trail = b.sums_trail ? 8 : 0;  // the value's sum, after its bytes
   // Arena is reserved only against a budget of bytes not yet received:
   // declaring a large value without sending it cannot evict hot data.
   if (!reservations_.acquire(c->owner, len, budget_wait_deadline(c))) {
     metrics_->puts_reserve_refused++;
     metrics_->puts_no_space++;
-    discard(c, len);
-    *consumed += len;
+    discard(c, len + trail);
+    *consumed += len + trail;
     return PutStatus::NoSpace;
   }
   BudgetHold budget(&reservations_, c->owner, len);
   PutGuard put(store_);
   const PutStatus begun = put.begin(b.keys[i], len, owner_of(c, config_.tenants.get(), b.keys[i]));
-  if (begun == PutStatus::Stored) recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us);
+  // Hashed as the bytes land (one pass, while each piece is in cache): COMMIT
+  // then only compares.
+  ChecksumStream landed(b.checksum_kind);
+  uint8_t sum_bytes[8];  // with "trail": the value's sum, read with the value's last piece
+  if (begun == PutStatus::Stored)
+    recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
   budget.release();  // the bytes have arrived
   if (begun != PutStatus::Stored) {
-    discard(c, len);
-    *consumed += len;
+    discard(c, len + trail);
+    *consumed += len + trail;
     return begun;
   }
   *consumed += len;
+  ValueChecksum declared{0, b.checksum_kind};
+  if (b.sums_trail) {
+    *consumed += 8;
+    std::memcpy(&declared.sum, sum_bytes, 8);  // little-endian, as every integer of the protocol
+  } else {
+    declared.sum = b.sums[i];
+  }
   hint.owner = put.reservation().owner;
-  return put.commit(b.keys[i], b.sums[i], hint);
+  const uint64_t sum = landed.digest();
+  return put.commit(b.keys[i], declared, hint, &sum);
 }
 
 Reply Server::handle_get(Connection* c, const FrameHeader& h) {
@@ -888,10 +926,11 @@ Reply Server::handle_get(Connection* c, const FrameHeader& h) {
   c->leases.reserve(n);
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(2);
+  out.map(b.has_ck ? 3 : 2);
   out.str("lens");
   out.array(uint32_t(n));
   std::vector<uint64_t> sums(n, 0);
+  std::vector<uint8_t> kinds(b.has_ck ? n : 0, 0);
   uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
@@ -907,11 +946,13 @@ Reply Server::handle_get(Connection* c, const FrameHeader& h) {
                                                          " bytes; split the batch");
     }
     out.uint(lease.length);
-    sums[i] = lease.checksum;
+    sums[i] = sum_for_reader(lease, b);
+    if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
   }
   out.str("sums");
   out.array(uint32_t(n));
   for (uint64_t s : sums) out.uint(s);
+  if (b.has_ck) write_checksum_kinds(out, kinds);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, total);  // arena -> socket
   metrics_->bytes_out += total;
   return {};
@@ -992,7 +1033,8 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   // How a same-host client reaches this node one-sided: "instance" names it, so
   // a client can check that the Unix socket leads to the node it pinged.
   const bool shm = !config_.unix_socket_path.empty() && !auth_on();
-  out.map(shm ? 5 : 4);
+  out.map(shm ? 6 : 5);
+  write_kinds_spoken(out);  // "cks": the checksum kinds a PUT may use
   out.str("version");
   out.str(config_.version);
   out.str("epoch");

@@ -120,7 +120,8 @@ Reply Server::handle_shm_attach(Connection* c, const FrameHeader& h) {
   metrics_->shm_attaches++;
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(4);
+  out.map(5);
+  write_kinds_spoken(out);       // "cks": the checksum kinds COMMIT may use
   out.str("reserve_bytes_max");  // what one connection's RESERVEs may hold at once
   out.uint(reserve_bytes_per_connection());
   out.str("arena_bytes");
@@ -164,6 +165,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   kept.reserve(n);
   const uint8_t* base = store_->arena_base();
   std::vector<uint64_t> offsets(n, 0), sums(n, 0);
+  std::vector<uint8_t> kinds(b.has_ck ? n : 0, 0);
   std::vector<int64_t> lens(n, -1);
   std::vector<uint8_t> inlined(n, 0);
   uint64_t total = 0, inline_total = 0;
@@ -172,7 +174,8 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
     if (!store_->acquire(b.keys[i], &lease)) continue;
     total += lease.length;
     lens[i] = int64_t(lease.length);
-    sums[i] = lease.checksum;
+    sums[i] = sum_for_reader(lease, b);
+    if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
     if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
       inline_total += lease.length;
       inlined[i] = 1;
@@ -196,7 +199,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   const uint32_t rkey = rdma_rkey_.load();
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0));
+  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0) + (b.has_ck ? 1 : 0));
   out.str("offs");
   out.array(uint32_t(n));
   for (uint64_t o : offsets) out.uint(o);
@@ -206,6 +209,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   out.str("sums");
   out.array(uint32_t(n));
   for (uint64_t s : sums) out.uint(s);
+  if (b.has_ck) write_checksum_kinds(out, kinds);
   out.str("lease");
   out.uint(lease_id);
   if (b.inline_max > 0) {
@@ -349,8 +353,8 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     const Reservation& r = group.reservations[i];
     if (r.data == nullptr) continue;
-    const PutStatus s =
-        store_->commit_put(group.keys[i], r, b.sums[i], PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
+    const PutStatus s = store_->commit_put(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
+                                           PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) stored_bytes += r.length;
   }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/assert.h"
+#include "common/checksum.h"
 #include "disk/segments.h"
 #include "eviction/config.h"
 
@@ -35,7 +36,8 @@ struct Entry {
   uint64_t key_hash = 0;  // key_hash_of(key): ghosts and sampling
   OwnerId owner = 0;
   uint64_t length = 0;
-  uint64_t checksum = 0;  // xxh64 of the value
+  uint64_t checksum = 0;  // of the value, by checksum_kind
+  ChecksumKind checksum_kind = ChecksumKind::Xxh64;
 
   // The two tiers are independent: a value is in memory, on disk, or both
   // (in neither only while a load from disk is in flight, pinned). Both flags
@@ -97,5 +99,7 @@ struct Entry {
   EntryLife life_ = EntryLife::Indexed;
   SecondChance chance_ = SecondChance::None;
 };
+
+inline ValueChecksum sum_of(const Entry* e) { return ValueChecksum{e->checksum, e->checksum_kind}; }
 
 }  // namespace gcache

@@ -219,14 +219,14 @@ struct Store::Impl {
       bounce->resize(e->length);
       if (!read_segment(file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, bounce->data()))
         return false;
-      if (xxh64(bounce->data(), e->length) != e->checksum) {
+      if (checksum_of(e->checksum_kind, bounce->data(), e->length) != e->checksum) {
         bump(metrics->checksum_failures);
         return false;
       }
       value = bounce->data();
     }
     RecordLocation location;
-    if (!disk->append(kRecordValue, e->key, value, e->length, e->checksum, &location)) return false;
+    if (!disk->append(kRecordValue, e->key, value, e->length, sum_of(e), &location)) return false;
     attach_disk(e, location);
     e->copied_forward();
     return true;
@@ -234,7 +234,8 @@ struct Store::Impl {
 
   void write_tombstone(const std::string& key) {
     RecordLocation location;
-    if (disk && make_room(record_bytes(key.size(), 0))) disk->append(kRecordTombstone, key, nullptr, 0, 0, &location);
+    if (disk && make_room(record_bytes(key.size(), 0)))
+      disk->append(kRecordTombstone, key, nullptr, 0, ValueChecksum{0, ChecksumKind::Xxh64}, &location);
   }
 
   // Writes a memory value's disk record without mu (the value is pinned, so
@@ -257,7 +258,7 @@ struct Store::Impl {
       GCACHE_ASSERT(e->pins > 0 && e->in_memory && l.disk.owns_lock());
       l.store.unlock();
       written = DiskSegments::write_record(*file, location, kRecordValue, e->key, memory.base() + e->mem_offset,
-                                           e->length, e->checksum);
+                                           e->length, sum_of(e));
       l.store.lock();
       GCACHE_ASSERT(e->pins > 0 && e->in_memory && !e->on_disk);
       if (!written) disk->cancel(location, bytes);
@@ -351,6 +352,7 @@ struct Store::Impl {
     out->data = memory.base() + e->mem_offset;
     out->length = e->length;
     out->checksum = e->checksum;
+    out->checksum_kind = e->checksum_kind;
   }
 
   // ---- loads from disk (the get path of a disk-only value) ----
@@ -360,6 +362,7 @@ struct Store::Impl {
     RecordLocation location;
     SegmentFileRef file;  // stays readable even if the segment is dropped meanwhile
     uint64_t length = 0, checksum = 0, value_offset = 0;
+    ChecksumKind checksum_kind = ChecksumKind::Xxh64;
     uint64_t block = 0, offset = 0;
   };
   enum class LoadStart { Ready, LoadedMeanwhile, Gone };
@@ -408,6 +411,7 @@ struct Store::Impl {
     load->file = disk->file(load->location.segment);
     load->length = e->length;
     load->checksum = e->checksum;
+    load->checksum_kind = e->checksum_kind;
     load->value_offset = load->location.offset + sizeof(RecordHeader) + e->key.size();
     load->block = block_bytes_for(load->length);
     const bool allocated = allocate(load->block, &load->offset, &l);  // may drop mu while evicting
@@ -428,7 +432,7 @@ struct Store::Impl {
     GCACHE_ASSERT(l.store.owns_lock() && e->pins > 0 && !e->in_memory);
     l.store.unlock();
     const bool read_ok = load.file && read_segment(*load.file, load.value_offset, load.length, dest);
-    const bool sound = read_ok && xxh64(dest, load.length) == load.checksum;
+    const bool sound = read_ok && checksum_of(load.checksum_kind, dest, load.length) == load.checksum;
     l.store.lock();
     GCACHE_ASSERT(e->pins > 0);
     return !read_ok ? LoadRead::Failed : sound ? LoadRead::Sound : LoadRead::Corrupt;
@@ -566,6 +570,12 @@ struct Store::Impl {
         if (e) unlink(e);
         return;
       }
+      if (!checksum_kind_valid(record.header.checksum_kind)) {
+        // A checksum this node cannot compute (a newer node's record): never
+        // served unverified. An older record of the key stays as it was.
+        bump(metrics->checksum_failures);
+        return;
+      }
       if (!e) {
         e = new Entry;
         e->key = record.key;
@@ -577,6 +587,7 @@ struct Store::Impl {
       }
       e->length = record.header.value_len;
       e->checksum = record.header.value_checksum;
+      e->checksum_kind = ChecksumKind(record.header.checksum_kind);
       attach_disk(e, record.location);
     });
     make_room(0);  // the operator may have lowered disk_bytes
@@ -595,7 +606,7 @@ struct Store::Impl {
       SegmentFileRef file = disk->file(e->disk.segment);
       uint8_t* dest = memory.base() + offset;
       if (!file || !read_segment(*file, e->disk.offset + sizeof(RecordHeader) + e->key.size(), e->length, dest) ||
-          xxh64(dest, e->length) != e->checksum) {
+          checksum_of(e->checksum_kind, dest, e->length) != e->checksum) {
         memory.free(offset, block);
         continue;  // a bad record is found (and dropped) by its first read
       }
@@ -668,10 +679,14 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
 
 uint64_t Store::new_put_batch() { return impl_->put_batches.fetch_add(1, std::memory_order_relaxed) + 1; }
 
-PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t checksum, const PutHint& hint) {
+PutStatus Store::commit_put(std::string_view key, const Reservation& r, const ValueChecksum& declared,
+                            const PutHint& hint, const uint64_t* landed) {
   GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
-  bool sound = xxh64(r.data, r.length) == checksum;  // outside the lock: the big read
+  GCACHE_ASSERT(landed == nullptr || *landed == checksum_of(declared.kind, r.data, r.length));
+  // Outside the lock: the big read, unless the caller hashed the bytes as they landed.
+  const bool known_kind = checksum_kind_valid(uint8_t(declared.kind));
+  const bool sound = known_kind && (landed ? *landed : checksum_of(declared.kind, r.data, r.length)) == declared.sum;
   const uint64_t key_hash = key_hash_of(key);
   std::lock_guard<std::mutex> guard(s.mu);
   if (!s.memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("commit_put: unknown reservation");
@@ -692,7 +707,8 @@ PutStatus Store::commit_put(std::string_view key, const Reservation& r, uint64_t
   e->key_hash = key_hash;
   e->owner = r.owner != 0 ? r.owner : hint.owner;
   e->length = r.length;
-  e->checksum = checksum;
+  e->checksum = declared.sum;
+  e->checksum_kind = declared.kind;
   s.index.insert(e);
   s.attach_memory(e, r.offset, r.block_bytes);
   s.policy->insert(e, hint);

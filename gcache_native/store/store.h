@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/metrics.h"
 #include "eviction/config.h"
 
@@ -90,7 +91,8 @@ struct Lease {
   Entry* entry = nullptr;
   const uint8_t* data = nullptr;
   uint64_t length = 0;
-  uint64_t checksum = 0;  // xxh64 of the value
+  uint64_t checksum = 0;  // of the value, by checksum_kind
+  ChecksumKind checksum_kind = ChecksumKind::Xxh64;
 };
 
 class Store {
@@ -107,11 +109,16 @@ class Store {
   // `owner` over its memory quota first evicts its own coldest values
   // (never others'); NoSpace if the value cannot fit in the quota even then.
   PutStatus begin_put(std::string_view key, uint64_t length, Reservation* out, OwnerId owner = 0);
-  // Verifies xxh64(data) == checksum (else frees: ChecksumMismatch), then
-  // publishes the value. If another put of the same key committed first, the
-  // reservation is freed and Exists returned: exactly one value remains.
-  // `hint` tells the eviction policy which put batch (chain) the value belongs to.
-  PutStatus commit_put(std::string_view key, const Reservation& r, uint64_t checksum, const PutHint& hint = {});
+  // Verifies that the block's bytes hash to `declared` (else frees:
+  // ChecksumMismatch), then publishes the value with that checksum. With
+  // `landed` (the checksum of the same kind the caller computed as the bytes
+  // landed in the block, e.g. while receiving them) the bytes are not read
+  // again: landed must equal declared.sum. If another put of the same key
+  // committed first, the reservation is freed and Exists returned: exactly
+  // one value remains. `hint` tells the eviction policy which put batch
+  // (chain) the value belongs to.
+  PutStatus commit_put(std::string_view key, const Reservation& r, const ValueChecksum& declared,
+                       const PutHint& hint = {}, const uint64_t* landed = nullptr);
   void abort_put(const Reservation& r);
   // A fresh id for one put batch: the values committed with it are one prefix
   // chain, in order (PutHint).

@@ -92,3 +92,14 @@ def test_replay_runs_real_servers_and_reports_against_lru(tmp_path, capsys):
         assert r["counters"]["puts_stored"] > 0
     lru_line = next(line for line in printed.splitlines() if " lru " in line and " off " in line)
     assert " 1.000 " in lru_line
+
+
+@pytest.mark.process
+def test_replay_plot_draws_hit_rate_per_policy(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace_path = tmp_path / "tiny_trace.jsonl"
+    write_trace(trace_path, 200)
+    png = tmp_path / "replay.png"
+    args = ["--traces", str(trace_path), "--fractions", "0.1", "0.5", "--disk", "off", "--policies", "lru"]
+    assert eviction_replay.main([*args, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,7 @@ preempted. Plus the SGLang-style baseline tree's one rule, on a hand-built tree.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 
 import numpy as np
@@ -43,8 +44,11 @@ def test_hicache_bench_tables_and_accounting(tmp_path, capsys):
     bench = load_bench()
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, 10)
+    png = tmp_path / "tiers.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []  # the bench extra
     out = bench.main(
         [
+            *plot,
             "--cost",
             "default",
             "--seeds",
@@ -68,6 +72,8 @@ def test_hicache_bench_tables_and_accounting(tmp_path, capsys):
         ]
     )
     text = capsys.readouterr().out
+    assert not plot or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = text.replace(" ".join(plot) + " ", "")
     assert text.startswith("command: .venv/bin/python -m bench.hicache.hierarchy --cost default")
     for line in (
         "=== chat",

@@ -38,6 +38,14 @@ def test_tiny_sweep_adds_up_and_repeats_exactly(tmp_path, capsys):
     assert again["sweep"][0]["runs"] == point["runs"] and again["floor"] == result["floor"]
 
 
+@pytest.mark.process  # matplotlib may run fc-list for its font cache
+def test_plot_draws_the_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ttft.png"
+    ttft.main(["--cost", "default", "--requests", "20", "--seeds", "0", "--rates", "10,20", "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_workload_prompts_do_not_depend_on_the_rate():
     args = ttft.parse_args(["--requests", "40"])
     slow, fast, burst = (ttft.make_workload(args, 3, rate) for rate in (1.0, 9.0, None))

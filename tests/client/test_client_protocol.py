@@ -307,3 +307,29 @@ def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
             client.get_batch([b"a", b"b"])
     assert caught.value.keys == [b"b"]
     assert caught.value.results == ([len(good), None] if into else [good, None])
+
+
+@pytest.mark.process
+def test_a_node_from_before_xxh3_refusing_a_trailing_put_is_a_clear_error():
+    """The refusal a pre-XXH3 node gives a PUT without "sums" names the cause and the way out."""
+
+    def script(conn, header):
+        error = {"error": 'PUT_BATCH needs "keys", "lens" and "sums" of equal length', "kind": "BAD_FRAME"}
+        conn.sendall(reply(header, error, status=1))
+
+    peer = ScriptedPeer(script)
+    with pytest.raises(errors.ProtocolError, match="before XXH3.*GCACHE_CHECKSUM=xxh64"):
+        Client(peer.address, transport="tcp", retries=0).put_batch([b"k"], [b"v" * (64 << 10)])  # trailed
+
+
+@pytest.mark.process
+def test_a_node_from_before_xxh3_failing_every_sum_in_the_map_is_a_clear_error():
+    """Small values carry XXH3 sums in the map; a pre-XXH3 node checks them as xxh64 and
+    refuses them all, without the "ck" a new node echoes: the client names the cause."""
+
+    def script(conn, header):
+        conn.sendall(reply(header, {"st": [3, 3]}))
+
+    peer = ScriptedPeer(script)
+    with pytest.raises(errors.ProtocolError, match="before XXH3.*GCACHE_CHECKSUM=xxh64"):
+        Client(peer.address, transport="tcp", retries=0).put_batch([b"a", b"b"], [b"x", b"y"])

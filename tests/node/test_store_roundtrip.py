@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gcache._native import Store, xxh64
+from gcache._native import CHECKSUM_XXH3, CHECKSUM_XXH64, Store, xxh3, xxh64
 
 MIB = 1 << 20
 VALUE_MAX = 1 * MIB
@@ -24,7 +24,7 @@ def test_round_trip_exact_bytes(store, size):
     assert store.get(b"k") == value
     with store.acquire(b"k") as lease:
         assert lease.length == size
-        assert lease.checksum == xxh64(value)
+        assert (lease.checksum, lease.checksum_kind) == (xxh3(value), CHECKSUM_XXH3)
         assert bytes(lease.data) == value
         assert lease.data.readonly
     store.check_integrity()
@@ -59,13 +59,29 @@ def test_key_of_512_bytes_is_fine(store):
     assert store.get(key) == b"v"
 
 
-def test_bad_checksum_is_refused_and_stores_nothing(store):
-    assert store.put(b"k", b"payload", checksum=xxh64(b"payload") ^ 1) == Store.CHECKSUM_MISMATCH
+@pytest.mark.parametrize("kind, hash_of", [(CHECKSUM_XXH64, xxh64), (CHECKSUM_XXH3, xxh3)])
+def test_bad_checksum_is_refused_and_stores_nothing(store, kind, hash_of):
+    assert store.put(b"k", b"payload", checksum=hash_of(b"payload") ^ 1, checksum_kind=kind) == Store.CHECKSUM_MISMATCH
     assert not store.contains(b"k")
     stats = store.stats()
     assert stats["checksum_failures_put"] == 1
     assert stats["arena_free_bytes"] == store.arena_bytes
     store.check_integrity()
+
+
+def test_a_sum_of_the_other_kind_is_refused(store):
+    # The kind is part of the sum: an xxh64 declared as XXH3 (or the reverse) never passes.
+    assert store.put(b"a", b"payload", checksum=xxh64(b"payload"), checksum_kind=CHECKSUM_XXH3) == 3
+    assert store.put(b"b", b"payload", checksum=xxh3(b"payload"), checksum_kind=CHECKSUM_XXH64) == 3
+    assert not store.contains(b"a") and not store.contains(b"b")
+
+
+def test_each_value_keeps_the_kind_it_was_written_with(store):
+    assert store.put(b"old", b"v1", checksum=xxh64(b"v1"), checksum_kind=CHECKSUM_XXH64) == Store.STORED
+    assert store.put(b"new", b"v2") == Store.STORED
+    with store.acquire(b"old") as old, store.acquire(b"new") as new:
+        assert (old.checksum, old.checksum_kind) == (xxh64(b"v1"), CHECKSUM_XXH64)
+        assert (new.checksum, new.checksum_kind) == (xxh3(b"v2"), CHECKSUM_XXH3)
 
 
 def test_remove_is_idempotent(store):

@@ -28,6 +28,7 @@ LAYERS = [
     ["gcache.worker.model", "gcache.worker.engine"],
     ["gcache.worker.http"],
     ["gcache.integrations"],  # engine adapters
+    ["gcache.tools.plotting"],  # the benches' charts (matplotlib, optional)
     ["gcache.tools.devcluster"],  # launchers, local clusters
     ["gcache.tools.storebench"],  # the gcache-bench harness
     ["gcache.tools"],  # gcache-demo

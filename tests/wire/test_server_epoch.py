@@ -106,12 +106,18 @@ def test_ping_answers_epoch_and_map_whatever_the_request_epoch(node):
     with RawConnection(node.port) as c:
         answer = c.ping()
         assert len(answer["instance"]) == 16  # random per server start (hex)
-        assert answer == {"version": "0.1.0", "epoch": 5, "map": MAP, "instance": answer["instance"]}
+        assert answer == {"version": "0.1.0", "epoch": 5, "map": MAP, "instance": answer["instance"], "cks": [0, 1]}
         frame = c.request(PING, {"epoch": 1})
         assert frame.status == OK and frame.meta["map"] == MAP
     node.set_cluster_map(6, b"")
     with gcache.Client(f"127.0.0.1:{node.port}", epoch=1) as client:
-        assert client.ping() == {"version": "0.1.0", "epoch": 6, "map": b"", "instance": answer["instance"]}
+        assert client.ping() == {
+            "version": "0.1.0",
+            "epoch": 6,
+            "map": b"",
+            "instance": answer["instance"],
+            "cks": [0, 1],
+        }
 
 
 @pytest.mark.parametrize("opcode", [GET_BATCH, EXISTS_BATCH, REMOVE_BATCH])

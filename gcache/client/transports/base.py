@@ -8,7 +8,7 @@ Contract every transport keeps (the Client's methods behave the same on each):
 - `get_ops` / `put_ops` build the operations for slices of one batch. Run on a
   connection from `connect()`, they fill the shared BatchResult exactly as
   GET_BATCH / PUT_BATCH would: a value is a hit only with every byte verified
-  against its xxh64 where the transport copies it itself (shm, rdma), misses
+  against its checksum where the transport copies it itself (shm, rdma), misses
   are None, puts answer True / False, per-key problems go into the result.
 - Every operation is idempotent, so the Client may re-run all of a call's
   operations on a fresh connection after a connection failure; anything a
@@ -25,10 +25,26 @@ RdmaTransport (gcache.client.transports.rdma); `open_transport`
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, GetIntoOp, GetOp, Operation, PutOp
+from gcache.wire.protocol import ChecksumKind, checksum_kinds_of
+
+CHECKSUM_ENV = "GCACHE_CHECKSUM"  # "xxh64": write with the old checksum (nodes from before XXH3)
+
+
+def put_checksum_kind(node_meta: dict | None = None) -> ChecksumKind:
+    """The checksum new values are written with: XXH3, unless $GCACHE_CHECKSUM is
+    "xxh64" or the node's PING / SHM_ATTACH / RDMA_CONNECT answer (`node_meta`) says
+    it speaks only xxh64."""
+    if os.environ.get(CHECKSUM_ENV, "").strip().lower() == "xxh64":
+        return ChecksumKind.XXH64
+    if node_meta is not None and ChecksumKind.XXH3 not in checksum_kinds_of(node_meta):
+        return ChecksumKind.XXH64
+    return ChecksumKind.XXH3
+
 
 PUT_CHUNK_BYTES_MAX = 8 << 20
 PUT_CHUNK_BYTES_MIN = 64 << 10
@@ -80,6 +96,9 @@ class TcpTransport(Transport):
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._token = token
+        # Over TCP nothing is asked first: a node from before XXH3 refuses the first
+        # PUT with a clear error (PutOp.explain_error); GCACHE_CHECKSUM=xxh64 talks to it.
+        self.put_kind = put_checksum_kind()
 
     def connect(self) -> Connection:
         return Connection(self.address, self._timeout_s, self._connect_timeout_s, self._token)
@@ -90,4 +109,4 @@ class TcpTransport(Transport):
         return [GetIntoOp(result, lo, hi, verify, targets[lo:hi]) for lo, hi in slices]
 
     def put_ops(self, result, slices, views):
-        return [PutOp(result, lo, hi, views[lo:hi]) for lo, hi in slices]
+        return [PutOp(result, lo, hi, views[lo:hi], self.put_kind) for lo, hi in slices]

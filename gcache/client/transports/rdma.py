@@ -7,7 +7,7 @@ Reads and writes are LOOKUP / RESERVE + COMMIT exactly as over shared memory
 READs from the server's registered arena into a registered staging buffer
 (WRITEs the other way), then the native copy loop of the shm transport moves
 the bytes between staging and the caller's buffers and verifies every value's
-xxh64 in the same pass. A value is never returned unless its bytes match.
+checksum in the same pass. A value is never returned unless its bytes match.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gcache import errors
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import BULK_READ_BYTES_PER_S_MIN, Connection
-from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
+from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_checksum_kind, put_chunk_for
 from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
 from gcache.wire import rdma_verbs
 from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header, encode_meta
@@ -61,7 +61,7 @@ class _Staging:
 class RdmaArena:
     """A server's registered arena through one queue pair, with the MappedArena interface.
 
-    Every value read is checked against its xxh64 while it is copied out of staging
+    Every value read is checked against its checksum while it is copied out of staging
     (the `verify` argument notwithstanding): the lease proof the shm transport may use
     instead is not taken over a network, so `lease_s` is infinite (no second check)."""
 
@@ -77,6 +77,7 @@ class RdmaArena:
         size: int,
         timeout_s: float,
         staging_bytes: int = STAGING_BYTES,
+        put_kind: int = 0,
     ):
         self.address = address  # the server's, for messages
         self.size = size
@@ -85,6 +86,7 @@ class RdmaArena:
         self._remote = (addr, rkey)
         self._timeout_s = timeout_s
         self._staging = _Staging(device, staging_bytes)
+        self.put_kind = put_kind  # the checksum written values get (what the node speaks)
 
     # -- the MappedArena interface (gcache.client.transports.shm_ops) ---------------------
 
@@ -98,7 +100,7 @@ class RdmaArena:
             )
         self._remote = (addr, rkey)
 
-    def read_into(self, offsets, lens, sums, dests, verify: bool = True) -> list[int]:
+    def read_into(self, offsets, lens, sums, dests, verify: bool = True, kinds=()) -> list[int]:
         wanted = [i for i, d in enumerate(dests) if d is not None and lens[i] >= 0]
         bad = []
         for batch, local in self._read_rounds(offsets, lens, wanted, bad):
@@ -110,15 +112,22 @@ class RdmaArena:
                     [lens[i] for i in batch],
                     [sums[i] for i in batch],
                     [dests[i] for i in batch],
+                    kinds=[kinds[i] for i in batch] if kinds else [],
                 )
             )
         return sorted(bad)
 
-    def read_values(self, offsets, lens, sums, verify: bool = True):
+    def read_values(self, offsets, lens, sums, verify: bool = True, kinds=()):
         values = [None] * len(lens)
         bad = []
         for batch, local in self._read_rounds(offsets, lens, [i for i, n in enumerate(lens) if n >= 0], bad):
-            got, failed = shm_read_values(self._staging.map, local, [lens[i] for i in batch], [sums[i] for i in batch])
+            got, failed = shm_read_values(
+                self._staging.map,
+                local,
+                [lens[i] for i in batch],
+                [sums[i] for i in batch],
+                kinds=[kinds[i] for i in batch] if kinds else [],
+            )
             for j, i in enumerate(batch):
                 values[i] = got[j]
             bad.extend(batch[j] for j in failed)
@@ -137,7 +146,7 @@ class RdmaArena:
                 )
             wanted.append(i)
         for batch, local in self._rounds(wanted, [len(v) for v in views]):
-            written = shm_write_from(self._staging.map, local, [views[i] for i in batch])
+            written = shm_write_from(self._staging.map, local, [views[i] for i in batch], kind=int(self.put_kind))
             self._transfer(True, [(local[j], offsets[i], len(views[i])) for j, i in enumerate(batch)])
             for j, i in enumerate(batch):
                 sums[i] = written[j]
@@ -329,6 +338,7 @@ class RdmaTransport(Transport):
                     answer["arena_bytes"],
                     self._timeout_s,
                     self._staging_bytes,
+                    put_checksum_kind(answer),
                 )
                 self.put_chunk_bytes = put_chunk_for(answer["reserve_bytes_max"])
             except BaseException:

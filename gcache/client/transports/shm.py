@@ -6,7 +6,7 @@ mapping is shared by every connection to that server instance, and a
 connection to a restarted server (another instance) maps the new arena.
 Reads and writes copy between the mapping and the caller's buffers natively
 (gcache._native.shm_*: GIL released, several threads for large batches,
-each value's xxh64 computed in the same pass).
+each value's checksum computed in the same pass).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, MetaOp
-from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_chunk_for
+from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_checksum_kind, put_chunk_for
 from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
-from gcache.wire.protocol import FLAG_RESPONSE, FrameStatus, Opcode, encode_header
+from gcache.wire.protocol import FLAG_RESPONSE, ChecksumKind, FrameStatus, Opcode, encode_header
 
 _EMPTY_MAP = b"\x80"  # msgpack {}
 # Asking the TCP port where the Unix socket is must not hold a caller up for long.
@@ -53,7 +53,9 @@ class MappedArena:
     cluster client retries the keys by its newer map), never mmap's ValueError.
     """
 
-    def __init__(self, fd: int, size: int, instance: str, lease_s: float, threads: int = 0):
+    def __init__(
+        self, fd: int, size: int, instance: str, lease_s: float, threads: int = 0, put_kind: int = ChecksumKind.XXH3
+    ):
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
         self.instance = instance
@@ -62,6 +64,7 @@ class MappedArena:
         self._lock = threading.Lock()
         self._users = 0  # copies running on the mapping
         self._closing = False
+        self.put_kind = put_kind  # the checksum written values get (what the node speaks)
 
     def check_answer(self, meta: dict) -> None:
         """Where an answer's offsets point is this mapping: nothing to check."""
@@ -86,17 +89,17 @@ class MappedArena:
             if last:
                 self._unmap()
 
-    def read_into(self, offsets, lens, sums, dests, verify: bool) -> list[int]:
+    def read_into(self, offsets, lens, sums, dests, verify: bool, kinds=()) -> list[int]:
         with self._use() as arena:
-            return shm_read_into(arena, offsets, lens, sums, dests, self.threads, verify)
+            return shm_read_into(arena, offsets, lens, sums, dests, self.threads, verify, list(kinds))
 
-    def read_values(self, offsets, lens, sums, verify: bool):
+    def read_values(self, offsets, lens, sums, verify: bool, kinds=()):
         with self._use() as arena:
-            return shm_read_values(arena, offsets, lens, sums, self.threads, verify)
+            return shm_read_values(arena, offsets, lens, sums, self.threads, verify, list(kinds))
 
     def write_from(self, offsets, views) -> list[int]:
         with self._use() as arena:
-            return shm_write_from(arena, offsets, views, self.threads)
+            return shm_write_from(arena, offsets, views, self.threads, int(self.put_kind))
 
     def close(self) -> None:
         """Unmaps now if no copy runs, else when the last one ends."""
@@ -191,7 +194,9 @@ class ShmTransport(Transport):
         try:
             fd, meta = attach(conn)
             try:
-                conn.arena = self._arena_for(fd, meta["arena_bytes"], meta["instance"], meta["lease_ms"] / 1000)
+                conn.arena = self._arena_for(
+                    fd, meta["arena_bytes"], meta["instance"], meta["lease_ms"] / 1000, put_checksum_kind(meta)
+                )
             finally:
                 os.close(fd)
             self.put_chunk_bytes = put_chunk_for(meta["reserve_bytes_max"])
@@ -200,7 +205,7 @@ class ShmTransport(Transport):
             raise
         return conn
 
-    def _arena_for(self, fd: int, size: int, instance: str, lease_s: float) -> MappedArena:
+    def _arena_for(self, fd: int, size: int, instance: str, lease_s: float, put_kind: int) -> MappedArena:
         with self._lock:
             if self._expected_instance is not None and instance != self._expected_instance:
                 raise errors.TransportUnavailableError(
@@ -210,7 +215,7 @@ class ShmTransport(Transport):
             self._expected_instance = None  # checked once: later a restarted server may answer
             if self._arena is None or self._arena.instance != instance:
                 # Connections to an older instance keep its mapping until they die.
-                self._arena = MappedArena(fd, size, instance, lease_s, self._copy_threads)
+                self._arena = MappedArena(fd, size, instance, lease_s, self._copy_threads, put_kind)
             return self._arena
 
     def get_ops(self, result, slices, verify, targets):

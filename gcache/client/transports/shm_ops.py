@@ -7,7 +7,7 @@ bytes copied while the lease provably held are the value's bytes: the lease
 began after the LOOKUP was sent, so a copy over before `sent + lease` (this
 process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
 none. A later copy, or a client with verify_checksums, checks every value's
-xxh64 (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
+checksum (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
 written bytes), then a COMMIT that publishes the blocks; the server checks the
 checksums again. How bytes move is the connection's `arena` (an ArenaCopier):
 memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
@@ -27,7 +27,7 @@ from gcache.client.operations import (
     encode_request_meta,
     record_put_status,
 )
-from gcache.wire.protocol import FLAG_NO_REPLY, Opcode, PutStatus, encode_header, encode_meta
+from gcache.wire.protocol import FLAG_NO_REPLY, ChecksumKind, Opcode, PutStatus, encode_header, encode_meta
 
 
 def release_frame(lease: int) -> bytes:
@@ -71,13 +71,15 @@ class LookupOp(_ValuesOp):
         return super().frame(request_id, epoch)
 
     def request_meta_bytes(self, epoch):
-        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX}, epoch)
+        # "ck": this client reads "cks" (the kind of each value's sum).
+        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1}, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
         offsets = _expect_list(meta, "offs", n)
         lens = _expect_list(meta, "lens", n)
         sums = _expect_list(meta, "sums", n)
+        kinds = _expect_list(meta, "cks", n) if "cks" in meta else []  # none: all xxh64 (an older node)
         lease = meta.get("lease")
         inlined = meta.get("inl") or [False] * n
         if not isinstance(lease, int) or len(inlined) != n:
@@ -88,12 +90,12 @@ class LookupOp(_ValuesOp):
             if size < 0:
                 self.result.values[self.lo + j] = None  # also over an earlier attempt's answer
         try:
-            bad = self._read_inline(conn, lens, sums, inlined) if any(inlined) else []
+            bad = self._read_inline(conn, lens, sums, kinds, inlined) if any(inlined) else []
             leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
             if lease:
                 arena = _arena(conn)
                 arena.check_answer(meta)
-                bad += self._read_leased(arena, offsets, leased, sums)
+                bad += self._read_leased(arena, offsets, leased, sums, kinds)
         finally:
             if lease:
                 conn.send([release_frame(lease)])
@@ -116,7 +118,7 @@ class LookupOp(_ValuesOp):
         out[self.lo + j] = size
         return target
 
-    def _read_inline(self, conn, lens, sums, inlined) -> list[int]:
+    def _read_inline(self, conn, lens, sums, kinds, inlined) -> list[int]:
         """The values that came in the payload, in key order (as GET_BATCH sends them)."""
         out = self.result.values
         checked = []
@@ -135,24 +137,26 @@ class LookupOp(_ValuesOp):
                 checked.append((j, dest[:size]))
         if not self.verify:
             return []  # sent under a lease, as GET_BATCH's values are
-        bad = verify_views([v for _, v in checked], [sums[j] for j, _ in checked])
+        bad = verify_views(
+            [v for _, v in checked], [sums[j] for j, _ in checked], [kinds[j] for j, _ in checked] if kinds else []
+        )
         return [checked[k][0] for k in bad]
 
-    def _read_leased(self, arena, offsets, leased, sums) -> list[int]:
+    def _read_leased(self, arena, offsets, leased, sums, kinds) -> list[int]:
         """The leased values (size >= 0 in `leased`), copied out of the arena."""
         trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
         if self.targets is None:
-            values, bad = arena.read_values(offsets, leased, sums, self.verify)
+            values, bad = arena.read_values(offsets, leased, sums, self.verify, kinds)
             for j, value in enumerate(values):
                 if leased[j] >= 0:
                     self.result.values[self.lo + j] = value
         else:
             dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
-            bad = arena.read_into(offsets, leased, sums, dests, self.verify)
+            bad = arena.read_into(offsets, leased, sums, dests, self.verify, kinds)
             values = [d if d is None else d[:n] for d, n in zip(dests, leased)]
         if not self.verify and time.monotonic() > trusted_until:
             # The lease may have ended mid-copy: those bytes must prove themselves.
-            bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums)
+            bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums, kinds)
         return bad
 
     def read_values(self, conn, lens, sums, payload_len):  # not used: on_response reads
@@ -194,8 +198,8 @@ class ReserveOp(Operation):
             return
         arena = _arena(conn)
         arena.check_answer(meta)
-        sums = arena.write_from(write_at, self.values)
-        self.commit = CommitOp(self.result, self.lo, self.hi, res, sums, write_at)
+        sums = arena.write_from(write_at, self.values)  # hashed with arena.put_kind while copied
+        self.commit = CommitOp(self.result, self.lo, self.hi, res, sums, write_at, arena.put_kind)
 
     def follow_ups(self):
         return [self.commit] if self.commit is not None else None
@@ -207,14 +211,17 @@ class CommitOp(Operation):
 
     opcode = Opcode.COMMIT
 
-    def __init__(self, result, lo, hi, res: int, sums: list[int], written: list[int]):
+    def __init__(self, result, lo, hi, res: int, sums: list[int], written: list[int], kind: int = 0):
         super().__init__(result, lo, hi)
         self.res = res
         self.sums = sums
+        self.kind = kind  # of the sums (ChecksumKind); 0 (xxh64) goes without "ck", as older clients send it
         self.written = written  # offset per key, -1 where nothing was reserved
 
     def request_meta_bytes(self, epoch):
-        return encode_meta({"res": self.res, "sums": self.sums})
+        if self.kind == ChecksumKind.XXH64:
+            return encode_meta({"res": self.res, "sums": self.sums})
+        return encode_meta({"res": self.res, "sums": self.sums, "ck": int(self.kind)})
 
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)

@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object (fields: bench/README.md) instead of the table"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the results: each measure per transport beside the peers and the machine's "
+        "limits, bars with the min..max spread (needs matplotlib: the bench extra)",
+    )
+    p.add_argument(
+        "--from-json", metavar="FILE", help="draw --plot from a saved --json report instead of running the bench"
+    )
     return p
 
 
@@ -336,7 +345,19 @@ def _run_mooncake(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from-json needs --plot FILE.png")
+        from gcache.tools.storebench.plot import plot_report
+
+        with open(args.from_json) as f:
+            plot_report(json.load(f), args.plot)
+        return 0
     report = execute(args)
+    if args.plot:
+        from gcache.tools.storebench.plot import plot_report
+
+        plot_report(report, args.plot)
     if args.json:
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")
