@@ -18,10 +18,10 @@ from gcache import errors
 
 # One recvmsg over many buffers with the GIL released: ~2x Python's recv_into loop.
 from gcache._native import recv_into_buffers as _native_recv_into_buffers
-from gcache.client import deadline as call_deadline
 
 # A PUT_BATCH payload with "trail": each group of values hashed just before it is sent.
 from gcache._native import send_put_hashed as _native_send_put_hashed
+from gcache.client import deadline as call_deadline
 from gcache.common.address import parse_host_port
 from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
 
