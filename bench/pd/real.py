@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.processes import Proc
 from bench.common.stats import median_range
-from gcache.common.processes import free_port, stop_process, wait_listening
+from gcache.common.processes import free_port
 from gcache.tools.devcluster.local_server import LocalServer
 
 START_TIMEOUT_S = 90.0
@@ -32,39 +33,17 @@ DTYPE: list[str] = []  # --dtype for every worker (main sets it)
 REQUEST_TIMEOUT_S = 300.0
 
 
-class Proc:
-    def __init__(self, name: str, argv: list[str], port: int, logdir: Path) -> None:
-        import subprocess
-
-        self.name, self.port = name, port
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait(self) -> Proc:
-        tail = lambda: self.log_path.read_text(errors="replace")[-2000:]  # noqa: E731
-        wait_listening(self.proc, self.port, START_TIMEOUT_S, self.name, tail)
-        return self
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self._log.close()
-
-
 def worker(name: str, logdir: Path, extra: list[str]) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "gcache.worker.http.server", "--port", str(port), "--model-name", "bench-pd"]
     argv += ["--max-prompt-tokens", "8192", "--max-new-tokens", "512", "--kv-budget-mib", "96", *DTYPE, *extra]
-    return Proc(name, argv, port, logdir)
+    return Proc(name, argv, port, logdir, START_TIMEOUT_S)
 
 
 def router(name: str, logdir: Path, extra: list[str]) -> Proc:
     port = free_port()
-    return Proc(name, [sys.executable, "-m", "gcache.router.main", "--port", str(port), *extra], port, logdir)
+    argv = [sys.executable, "-m", "gcache.router.main", "--port", str(port), *extra]
+    return Proc(name, argv, port, logdir, START_TIMEOUT_S)
 
 
 def requests_for(seed: int, n: int, long_tokens: int) -> list[dict]:
@@ -135,7 +114,7 @@ def run_setup(kind: str, reqs: list[dict], args, logdir: Path) -> list[dict]:
             d = worker("decode", logdir, ["--role", "decode", *l3])
             procs += [p, d]
             for x in procs:
-                x.wait()
+                x.wait_listening()
             r = router(
                 "router-pd",
                 logdir,
@@ -145,10 +124,10 @@ def run_setup(kind: str, reqs: list[dict], args, logdir: Path) -> list[dict]:
             ms = [worker(f"mixed{i}", logdir, []) for i in range(2)]
             procs += ms
             for x in procs:
-                x.wait()
+                x.wait_listening()
             r = router("router-mixed", logdir, ["--workers", ",".join(m.url for m in ms), "--policy", "least_load"])
         procs.append(r)
-        r.wait()
+        r.wait_listening()
         return asyncio.run(client(r.url, reqs, args.concurrency))
     finally:
         for x in reversed(procs):

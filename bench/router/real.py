@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,35 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gcache.common.processes import free_port, stop_process, wait_listening
+from bench.common.processes import Proc
+from gcache.common.processes import free_port
 from gcache.tools.storebench.peers.redis_peer import LocalRedis
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
 WORKERS, ROUTERS = 3, 2
-
-
-class Proc:
-    """One child process with its output in a log file; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self, name: str, argv: list[str], port: int, logdir: Path) -> None:
-        self.name, self.port = name, port
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def wait_listening(self) -> None:
-        wait_listening(self.proc, self.port, START_TIMEOUT_S, self.name, self.tail)
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self._log.close()
 
 
 def entry_points_missing() -> str:

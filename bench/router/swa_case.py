@@ -1,8 +1,9 @@
 """The SWA mis-routing case of bench/router/policies.py, built step by step on two real engines.
 
 Worker A computed a document D, a question q0 and a long continuation s in one request; as
-the request moved on, the SWA KV of every page that left the window was evicted (only the
-window tail of the request's end is kept, as SWA-aware servers do), while the full-attention
+the request moved on, the SWA KV of every page that left the window was evicted under memory
+pressure (the spare out-of-window pages go first; only the window tail of the request's end is
+kept, as SWA-aware servers do), while the full-attention
 KV of every page stayed in A's tree. Worker B computed D alone (its end is a checkpoint).
 A new request D + q0 + q2 arrives:
   * A holds D+q0 in full KV but can resume nowhere in it (no live SWA window tail before
@@ -83,6 +84,13 @@ def _case_for(policy: str, st: dict, redis_url: str) -> dict:
         doc, q0, q2 = _tokens(rng, DOC_TOKENS), _tokens(rng, Q_TOKENS), _tokens(rng, Q_TOKENS)
         cont = _tokens(rng, CONTINUATION_TOKENS)
         _run(cluster, router, 0, np.concatenate([doc, q0, cont]), 1, forced=True)  # A: D + q0 + s
+        # A's pool is needed elsewhere: the out-of-window SWA pages it kept as spare go (they
+        # are evicted first under pressure); only the checkpoints' window tails stay.
+        tree = workers[0].engine.tree
+        tree.evict(0, tree.spare_pages())
+        cluster.publishers[0].on_step(workers[0].engine)
+        cluster.flush()
+        cluster.refresh()
         _run(cluster, router, 1, doc, 1, forced=True)  # B: D
         probe = np.concatenate([doc, q0, q2])
         keys = page_hashes_array(probe[: len(probe) // cfg.page_size * cfg.page_size], cfg.page_size)

@@ -12,7 +12,7 @@ then `register_mem_pool_host(host_pool)` (and `register_mem_host_pool_v2` per po
 for hybrid models), then `on_host_pools_registered()`. The store is contacted in
 the constructor: a missing or unreachable store fails the attach with a clear
 error. From then on no call raises: a store failure is a miss, a False, or a
-shorter prefix (store.GuardedStore). Keys: keys.py.
+shorter prefix (store.SGLangStore, over integrations.common.GuardedStore). Keys: keys.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors
 from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present
 from gcache.integrations.sglang.settings import BackendSettings
 from gcache.integrations.sglang.stats import BackendStats
-from gcache.integrations.sglang.store import GuardedStore
+from gcache.integrations.sglang.store import SGLangStore
 
 log = logging.getLogger("gcache.integrations.sglang")
 
@@ -77,7 +77,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.builder = key_builder(storage_config, self.settings.namespace)
         self.stats = BackendStats(bool(storage_config.enable_storage_metrics))
         self.client = connect(self.settings)
-        self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
+        self.store = SGLangStore(self.client, self.settings.suspect_s, self.stats)
         self.mem_pool_host = None
         self.registered_pools = {}
         self._pages: dict = {}  # pool name -> PoolPages (v1 KV under "kv")

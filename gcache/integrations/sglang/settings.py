@@ -7,31 +7,12 @@ attach time rather than a setting silently ignored. SGLang's own keys
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
-from gcache.client.connection import parse_address
-from gcache.client.transports.choose import TRANSPORTS
+from gcache.integrations.common.extra_config import URL_ENV, ExtraConfig, SettingsError
 
-URL_ENV = "GCACHE_URL"
-
-
-class SettingsError(ValueError):
-    """The extra_config (or GCACHE_URL) cannot configure the backend; the message says why."""
-
-
-def _number(extra: dict, key: str, default: float, lo: float, hi: float, kind=float):
-    value = extra.get(key, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (kind is int and not float(value).is_integer())
-        or not math.isfinite(value)
-        or not lo <= value <= hi
-    ):
-        raise SettingsError(f"extra_config[{key!r}] must be a number in [{lo}, {hi}], got {value!r}")
-    return kind(value)
+__all__ = ["URL_ENV", "BackendSettings", "SettingsError"]
 
 
 @dataclass(frozen=True)
@@ -59,42 +40,17 @@ class BackendSettings:
 
     @classmethod
     def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> BackendSettings:
-        extra = dict(extra_config or {})
-        unknown = sorted(k for k in extra if k.startswith("gcache_") and k not in cls.KNOWN)
-        if unknown:
-            raise SettingsError(f"unknown extra_config key(s) {unknown}; the GCache backend reads {list(cls.KNOWN)}")
-        url = extra.get("gcache_url") or environ.get(URL_ENV, "")
-        if not isinstance(url, str) or not url.strip():
-            raise SettingsError(
-                "no GCache address: set extra_config['gcache_url'] (\"host:port\" or "
-                f'"gcache://master:port") or the {URL_ENV} environment variable'
-            )
-        url = url.strip()
-        if not url.startswith("gcache://"):
-            try:
-                parse_address(url)
-            except ValueError as exc:
-                raise SettingsError(f"bad GCache address {url!r}: {exc}") from None
-        namespace = extra.get("gcache_namespace")
-        if namespace is not None and (not isinstance(namespace, str) or not namespace):
-            raise SettingsError(f"extra_config['gcache_namespace'] must be a non-empty string, got {namespace!r}")
-        transport = extra.get("gcache_transport", "auto")
-        if transport not in TRANSPORTS:
-            raise SettingsError(
-                f"extra_config['gcache_transport'] must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
-            )
-        skip_existing = extra.get("gcache_skip_existing", True)
-        if not isinstance(skip_existing, bool):
-            raise SettingsError("extra_config['gcache_skip_existing'] must be true or false")
+        extra = ExtraConfig(extra_config, "extra_config")
+        extra.check_known(cls.KNOWN, "the GCache backend")
         return cls(
-            url=url,
-            namespace=namespace,
-            timeout_s=_number(extra, "gcache_timeout_s", cls.timeout_s, 0.01, 600),
-            connect_timeout_s=_number(extra, "gcache_connect_timeout_s", cls.connect_timeout_s, 0.01, 600),
-            retries=_number(extra, "gcache_retries", cls.retries, 0, 10, int),
-            suspect_s=_number(extra, "gcache_suspect_s", cls.suspect_s, 0, 600),
-            skip_existing=skip_existing,
+            url=extra.url(environ),
+            namespace=extra.name("gcache_namespace"),
+            timeout_s=extra.number("gcache_timeout_s", cls.timeout_s, 0.01, 600),
+            connect_timeout_s=extra.number("gcache_connect_timeout_s", cls.connect_timeout_s, 0.01, 600),
+            retries=extra.number("gcache_retries", cls.retries, 0, 10, int),
+            suspect_s=extra.number("gcache_suspect_s", cls.suspect_s, 0, 600),
+            skip_existing=extra.flag("gcache_skip_existing", cls.skip_existing),
             # SGLang reads it as bool(extra_config.get("interface_v1", 0)); so do we.
-            interface_v1=bool(extra.get("interface_v1", 0)),
-            transport=transport,
+            interface_v1=bool(extra.extra.get("interface_v1", 0)),
+            transport=extra.transport(),
         )

@@ -27,13 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 import gcache
 from gcache import errors
+from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.vllm.groups import groups_of
 from gcache.integrations.vllm.keys import PageKeys, rank_keys
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata
 from gcache.integrations.vllm.scheduler_side import SchedulerSide
 from gcache.integrations.vllm.settings import ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.integrations.vllm.store import GuardedStore
 from gcache.integrations.vllm.worker_side import WorkerSide
 
 log = logging.getLogger("gcache.integrations.vllm")
@@ -95,7 +95,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.stats = ConnectorStats()
         self.client = connect(self.settings)
-        self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats)
+        self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":

@@ -1,0 +1,114 @@
+"""An adapter's calls to GCache, made safe for an engine's threads.
+
+An exception in an engine's storage hook can end the thread or the engine (SGLang's prefetch
+and backup threads, vLLM's scheduler and worker), so every failure of the store becomes an
+answer the adapter already handles: 0 leading pages, False flags, a failed read (recomputed).
+After a connection failure the store is "suspect" for `suspect_s`: calls answer at once
+instead of each waiting out a timeout (gcache.common.breaker); the first call after that
+window tries the store again (that is how an adapter recovers).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gcache import errors
+from gcache.common.breaker import Breaker
+
+# Failures of the store or the path to it: the store goes suspect.
+OUTAGE = (
+    errors.ConnectionError,
+    errors.TimeoutError,
+    errors.ProtocolError,
+    errors.PoolExhaustedError,
+    errors.ServerError,
+    OSError,
+)
+# Per-key problems reported after the rest of the batch was served (a bad checksum, a value
+# of the wrong size): keep the other keys' answers.
+PARTIAL = (errors.BufferTooSmallError, errors.ValueTooLargeError, errors.ChecksumMismatchError)
+
+
+class GuardedStore:
+    """A gcache Client (or ClusterClient) whose calls never raise.
+
+    stats: anything with count(name, k=1) that knows "store_errors" and
+    "calls_while_suspect" (and "corrupt_values_removed" with remove_corrupt).
+    remove_corrupt: a value that fails its checksum is removed from the store, so the next
+    save of that page (its key names its content) stores good bytes instead of finding it
+    "there".
+    """
+
+    def __init__(self, client, suspect_s: float, stats, log: logging.Logger, remove_corrupt: bool = False):
+        self.client = client
+        self.suspect_s = suspect_s
+        self.stats = stats
+        self.log = log
+        self.remove_corrupt = remove_corrupt
+        self._breaker = Breaker(suspect_s)
+
+    # -- the guard -------------------------------------------------------------
+
+    def _call(self, what: str, fn, failed, *args):
+        if self._breaker.is_suspect():
+            self.stats.count("calls_while_suspect")
+            return failed
+        try:
+            answer = fn(*args)
+        except PARTIAL as exc:
+            self.log.warning("GCache %s: %s", what, exc)
+            answer = exc.results if exc.results is not None else failed
+            if self.remove_corrupt and isinstance(exc, errors.ChecksumMismatchError) and exc.keys:
+                self._drop(exc.keys)
+        except OUTAGE as exc:
+            self.stats.count("store_errors")
+            if self._breaker.fail():  # the first failure since the store last answered
+                self.log.warning(
+                    "GCache %s failed (%s); answering misses for %.1fs at a time until the store answers again",
+                    what,
+                    exc,
+                    self.suspect_s,
+                )
+            return failed
+        except errors.GCacheError as exc:  # bad arguments or a closed client: not an outage
+            self.stats.count("store_errors")
+            self.log.error("GCache %s failed: %s", what, exc)
+            return failed
+        if self._breaker.succeed():
+            self.log.warning("GCache store at %s answers again", getattr(self.client, "address", "?"))
+        return answer
+
+    def _drop(self, keys: list) -> None:
+        try:
+            self.client.batch_remove(keys)
+            self.stats.count("corrupt_values_removed", len(keys))
+        except errors.GCacheError as exc:
+            self.log.warning("GCache: could not remove %d corrupt value(s): %s", len(keys), exc)
+
+    # -- calls -----------------------------------------------------------------
+
+    def exists_prefix(self, keys: list) -> int:
+        return self._call("exists", self.client.batch_exists_prefix, 0, keys) if keys else 0
+
+    def exists_flags(self, keys: list) -> list:
+        if not keys:
+            return []
+        return self._call("exists", self.client.batch_is_exist, [False] * len(keys), keys)
+
+    def get_into(self, keys: list, buffers: list, sizes: list | None = None) -> list:
+        """Per key the value's length, or None (a miss, a bad checksum, a failure).
+        buffers: addresses or writable views."""
+        if not keys:
+            return []
+        return self._call("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
+
+    def put_from(self, keys: list, buffers: list, sizes: list | None = None) -> list:
+        if not keys:
+            return []
+        return self._call("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
+
+    def remove(self, keys: list) -> bool:
+        """True when every key is gone (removed now, or absent already)."""
+        if not keys:
+            return True
+        return self._call("remove", self.client.batch_remove, None, keys) is not None
