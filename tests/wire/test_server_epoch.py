@@ -429,8 +429,10 @@ def test_rebalance_lists_again_when_the_fence_times_out(node):
 
 
 def put_empty_values(server, keys) -> None:
-    """Empty values take no arena block, so tens of thousands of keys fit a small node."""
-    with gcache.Client(f"127.0.0.1:{server.port}") as client:
+    """Empty values take no arena block, so tens of thousands of keys fit a small node. One
+    batch of 70,000 puts is one reply: the native debug job (check_integrity after every store
+    operation) takes longer than the default 5 s before it, hence the generous bound."""
+    with gcache.Client(f"127.0.0.1:{server.port}", timeout_s=60.0) as client:
         assert all(client.put_batch(list(keys), [b""] * len(keys)))
 
 
