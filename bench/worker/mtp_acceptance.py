@@ -9,10 +9,18 @@ worker, for the four places a request's MTP KV can come from (EngineConfig.mtp_p
            L3): the MTP blocks see the same window as if the prefix had been computed here.
   tiers    MTP KV kept through every tier: the checkpoint's MTP tail (the `mtp` pool) came
            from L3 with the prefix and is restored exactly (no rebuild forward).
+  stale    none, as engines without MTP state really run it: the MTP blocks read their window's
+           KV slots as if valid, and the slots hold what the last request left (the production
+           report's prefill);
+  stale-prefix  prefill, the cached prefix's window read from stale slots (SGLang's draft pool
+           on a HiCache hit before sglang#21125, vLLM's offload connector).
+none and prefill mask the positions without MTP KV: stronger baselines than any engine
+runs (it would have to know which slots are stale), shown so no gain rests on the stale ones.
 
 Setup: a real gcache-server is L3; worker A (L1 + L2 + L3, MTP on, mode tiers) computes
 every prompt and its L3 writes (pages and MTP tails) finish; for each mode a fresh worker B (same model name, empty L1/L2) gets each
-prompt + a new question: its prefix comes from L3; it decodes --tokens greedy tokens with K
+prompt + a new question (after one unrelated warm-up request, the same for every mode, so
+its slots hold another request's KV as a worker in service does): its prefix comes from L3; it decodes --tokens greedy tokens with K
 MTP drafts per step. Greedy output is checked equal across modes and to decoding without
 MTP. Prompts: held-out files of the standard library (every 20th .py in sorted order, the
 ones gcache.tools.train_mtp does not train on), their first --prompt-bytes bytes.
@@ -55,7 +63,7 @@ from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
 
 PRESET = Path(__file__).resolve().parents[2] / "gcache/worker/model/presets/tiny_mtp_stdlib.npz"
-MODES = ("none", "prefill", "rebuild", "tiers")
+MODES = ("stale", "stale-prefix", "none", "prefill", "rebuild", "tiers")
 BUCKETS = ("0_128", "128_256")
 
 
@@ -111,7 +119,8 @@ def main(argv=None) -> None:
     print(
         f"model {args.weights}: {L} layers, hidden {cfg.hidden}, W {cfg.window}, {cfg.mtp_layers} MTP blocks; K = {K}"
     )
-    ps = prompts(args.prompts, args.prompt_bytes)
+    ps = prompts(args.prompts + 1, args.prompt_bytes)
+    warm, ps = ps[-1][:400], ps[:-1]  # another held-out file: shares no page with any prompt
     question = list(b"\n\n# Question: what does this module do?\n")
     root = Path(tempfile.mkdtemp(prefix="mtp-bench-"))
     srv = LocalServer(root / "data", memory=str(256 << 20), disk=str(64 << 20)).start()
@@ -135,8 +144,11 @@ def main(argv=None) -> None:
             a.close()
             for i, p in enumerate(ps):
                 b = engine(model, cfg, srv.address, f"{name}-{mode}", K, mode)
+                serve(b, warm, 64, args.temperature, seed=1000 + i)
+                s0 = b.metrics.snapshot()  # the figures below are the measured request's alone
                 r = serve(b, p + question, args.tokens, args.temperature, seed=i)
-                s = b.metrics.snapshot()  # before the greedy check below adds to the counters
+                s1 = b.metrics.snapshot()  # before the greedy check below adds to the counters
+                s = {k: v - s0.get(k, 0) for k, v in s1.items() if isinstance(v, (int, float))}
                 if args.temperature == 0:
                     assert r.output == plain[i], f"{mode}: greedy output with MTP differs from without"
                 else:  # the invariant on a short greedy run of the same worker (prefix in L1 now)

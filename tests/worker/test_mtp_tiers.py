@@ -48,7 +48,9 @@ def model() -> Model:
 def engines(model):
     made: list[Engine] = []
 
-    def make(l3: str = "", l2_bytes: int = 1 << 20, mtp: int = K, prefix: str = "tiers", cache: bool = True):
+    def make(
+        l3: str = "", l2_bytes: int = 1 << 20, mtp: int = K, prefix: str = "tiers", cache: bool = True, swa_pages=24
+    ):
         hc = HiCacheConfig(
             l2_bytes=l2_bytes if cache else 0,
             l3_url=l3 if cache else "",
@@ -65,7 +67,7 @@ def engines(model):
             mtp_layers=mtp,
             mtp_prefix=prefix,
         )
-        e = Engine(model, DualKVCache(CFG, 64, 24), ec)
+        e = Engine(model, DualKVCache(CFG, 64, swa_pages), ec)
         made.append(e)
         return e
 
@@ -178,6 +180,36 @@ def test_a_restored_state_writes_exact_tails_of_its_own(engines, model):
     assert third.cached_by_tier["l2"] == PAGES * PS and e.cache.mtp.stats["hits_l2"] == 1
     assert third.output == plain_output(engines, upto(PAGES, [7]))
     # the second request computed [96, 146) in other chunks than a prefill from 0: rounding only
+    assert_state_is_from_scratch(engines, model, seen, bitwise=False)
+
+
+def test_the_first_reuse_rebuilds_exactly_and_keeps_its_branch_point_tail(engines, model):
+    """B = S + q2 after A = S + q1 resumes at a spare point of A's path in L1 (page S), where A
+    wrote no tail (A's checkpoints are its ends). The prefix's SWA is live there all the way
+    back, so the rebuild reaches K * W back and is exact, and B writes the tail of its branch
+    point (a checkpoint). C = S + q3, after the tree let go of everything, gets prefix and
+    tail from L2 without a rebuild, in the state a prefill of S leaves."""
+    s_pages = 20
+    shared = SHARED[: s_pages * PS]
+    q1, q2, q3 = [11, 12, 13, 14] * 3, [21, 22, 23, 24] * 3, [31, 32, 33, 34] * 3
+    e = engines(swa_pages=64)  # room for A's spare SWA pages: the first reuse finds them
+    a = serve(e, shared + q1)
+    tails, branch_key = e.cache.mtp, a.page_keys(s_pages)[-1]
+    assert tails.stats["puts"] and branch_key not in tails.l1.blobs
+    b = serve(e, shared + q2, LONG)
+    snap = e.metrics.snapshot()
+    assert b.cached_by_tier["l1"] == s_pages * PS
+    assert snap["mtp_tail_misses_total"] == 1 and snap["mtp_rebuilt_tokens_total"] == K * W
+    assert branch_key in tails.l1.blobs  # the exact rebuild wrote the branch point's tail
+    assert b.output == plain_output(engines, shared + q2)
+    assert e.cache.evict(10**6, 10**6) != (0, 0) and e.tree.cached_pages() == (0, 0)
+    e.scheduler.tree_changed()
+    assert branch_key in tails.l2.blobs
+    seen = record_restores(e)
+    c = serve(e, shared + q3, LONG)
+    assert c.cached_by_tier["l2"] == s_pages * PS
+    assert tails.stats["hits_l2"] == 1 and e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == K * W
+    assert c.output == plain_output(engines, shared + q3)
     assert_state_is_from_scratch(engines, model, seen, bitwise=False)
 
 

@@ -91,7 +91,9 @@ def workload(seed: int, n: int = 6):
     return jobs
 
 
-@pytest.mark.parametrize("mtp,prefix", [(1, "rebuild"), (3, "rebuild"), (2, "prefill"), (2, "none")])
+@pytest.mark.parametrize(
+    "mtp,prefix", [(1, "rebuild"), (3, "rebuild"), (2, "prefill"), (2, "none"), (2, "stale"), (3, "stale-prefix")]
+)
 def test_greedy_with_mtp_equals_without(model, mtp, prefix):
     jobs = workload(1)
     plain = run(make_engine(model, 0), jobs)
@@ -215,6 +217,36 @@ def test_a_cached_prefix_brings_its_mtp_window_with_rebuild(model, prefix, exact
     assert (b.draft == ref) is exact
     e.run_until_idle(on_step=e.check_integrity)
     assert e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == (24 if exact else 0)
+
+
+@pytest.mark.parametrize("prefix", ["stale", "stale-prefix"])
+def test_the_stale_baselines_read_what_the_last_request_left_in_the_slots(model, prefix):
+    """The baselines of engines without MTP state for a prefix read the window's slots as if
+    valid (they cannot tell stale ones): B's window before its first MTP position holds A's
+    ring bytes, unmasked; stale-prefix builds MTP KV for B's own tokens, stale for none."""
+    rng = np.random.default_rng(6)
+    a = [int(t) for t in rng.integers(3, 500, size=40)]
+    e = make_engine(model, 3, prefix=prefix)
+    e.add_request(a, SamplingParams(max_tokens=4))
+    e.run_until_idle(on_step=e.check_integrity)
+    left_k, left_v = (x.copy() for x in e.spec._slots)
+    seen = []
+    real = e.spec._blind_state
+
+    def blind(r, start):
+        st = real(r, start)
+        seen.append((start, st.first, st.k.copy(), st.v.copy()))
+        return st
+
+    e.spec._blind_state = blind
+    b = e.add_request(a[:32] + [int(t) for t in rng.integers(3, 500, size=10)], SamplingParams(max_tokens=8))
+    e.run_until_idle(on_step=e.check_integrity)
+    assert b.cached_tokens == 32
+    start, first, k, v = seen[0]
+    assert start == (32 if prefix == "stale-prefix" else len(b.prompt) - 1)
+    assert first == start - CFG.window + 1  # unmasked: the whole window is read
+    np.testing.assert_array_equal(k, left_k)
+    np.testing.assert_array_equal(v, left_v)
 
 
 def test_worker_flags_build_an_mtp_engine(tmp_path):

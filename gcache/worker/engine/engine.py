@@ -335,7 +335,8 @@ class Engine:
 
     def _release(self, r: Request, preempted: bool) -> None:
         """Give back r's own pages and its lock; r goes back to the waiting queue."""
-        Speculator.drop(r)
+        if self.spec is not None:
+            self.spec.drop(r)
         self.cache.release(r)
         r.prefix_cached = False
         r.state = RequestState.WAITING
@@ -350,7 +351,8 @@ class Engine:
         if r.num_computed // self.page_size > r.kv.owned_from:
             self.scheduler.tree_changed()
         self.cache.prepare_write(r, final=True)
-        Speculator.drop(r)
+        if self.spec is not None:
+            self.spec.drop(r)
         self.cache.release(r)
         r.state, r.finish_reason, r.finished_s = RequestState.FINISHED, reason, self.clock()
         self.scheduler.running.remove(r)

@@ -36,6 +36,13 @@ class MTPPrefix(enum.StrEnum):
     #                      rebuilt at admission from the prefix's KV (a read-only forward of W tokens)
     TIERS = "tiers"  # PREFILL, checkpoint tails written to the cache's mtp pool (L1/L2/L3) and
     #                  restored exactly on a hit; REBUILD where the tail is missing or bad
+    # The two baselines of engines that keep no MTP state with the prefix: their MTP blocks
+    # read the window's KV slots as if valid, and the slots hold what the last request left
+    # there (another request's MTP KV; zeros on a fresh worker). Never masked: such an
+    # engine does not know which slots are stale.
+    STALE = "stale"  # NONE, window read from stale slots (the production report's prefill)
+    STALE_PREFIX = "stale-prefix"  # PREFILL, a cached prefix's window read from stale slots
+    #                                (SGLang's draft pool on a HiCache hit before #21125)
 
 
 MTP_PREFIX = tuple(m.value for m in MTPPrefix)
@@ -91,6 +98,7 @@ class Speculator:
             raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
         self.model, self.depths, self.prefix = model, depths, MTPPrefix(prefix)
         self.head = model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
+        self._slots = None  # (k, v) rings the last request left behind (the STALE baselines read them)
 
     # ---- before the forward ----------------------------------------------------------
     def decode_tokens(self, r: Request) -> int:
@@ -119,7 +127,7 @@ class Speculator:
         st = r.mtp
         if st is not None and st.owner is not r.kv:
             st = r.mtp = None  # admitted anew (preemption): its MTP KV went with its pages
-        if st is None and self.prefix is not MTPPrefix.NONE:
+        if st is None and self.prefix not in (MTPPrefix.NONE, MTPPrefix.STALE):
             st = r.mtp = self._new_state(eng, r, c_old)
         if not r.output or n - k > 1:
             eng.metrics.inc("prefill_tokens_computed_total", n - k)
@@ -178,8 +186,8 @@ class Speculator:
             return
         want = min(self.depths, r.params.max_tokens - len(r.output) - 1)
         pick = None if t == 0.0 else (lambda row: draw(softmax(row, t), r.rng))
-        if st is None:  # MTPPrefix.NONE: the MTP KV starts at the last computed position
-            st = r.mtp = self.head.new_state(c_new - 1, r.kv)
+        if st is None:  # NONE / STALE: the MTP KV starts at the last computed position
+            st = r.mtp = self._blind_state(r, c_new - 1)
         base = st.valid[0]
         r.draft, r.draft_rows = self.head.step(
             st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), want, pick
@@ -192,17 +200,40 @@ class Speculator:
         """A request's MTP KV from position c_old on; with a cached prefix: TIERS restores its
         checkpoint tail from the mtp pool, else (or where the tail is missing) REBUILD
         rebuilds the window before c_old from the prefix's KV (the loads brought it by now)."""
-        if c_old == 0 or self.prefix in (MTPPrefix.NONE, MTPPrefix.PREFILL):
+        if c_old == 0 or self.prefix is MTPPrefix.PREFILL:
             return self.head.new_state(c_old, r.kv)
+        if self.prefix is MTPPrefix.STALE_PREFIX:
+            return self._blind_state(r, c_old)
         if self.prefix is MTPPrefix.TIERS:
             st = self._restore(eng, r, c_old)
             if st is not None:
                 return st
-        h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - eng.window), c_old)
+        # Where the prefix's SWA KV is live far enough back (a spare point in L1: the first
+        # reuse) the rebuild starts early enough to be exact, and its tail is written down (the
+        # resume point is a checkpoint: the branch point). Else it rebuilds the window only.
+        reach = self.head.exact_reach()
+        swa = eng.cache.prefix_swa_pages(r)
+        h, lo, exact_from = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - reach), c_old, swa)
+        exact = exact_from == 0 or exact_from <= c_old - reach
+        if not exact and lo < c_old - eng.window:
+            h, lo = h[c_old - eng.window - lo :], c_old - eng.window
         st = self.head.new_state(lo, r.kv)
         if h is not None:
             self.head.step(st, h, lo, c_old, r.tokens(), 0)
             eng.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
+        st.exact = exact
+        if exact:
+            self._snapshot_at(eng, r, st, c_old // eng.page_size)
+        return st
+
+    def _blind_state(self, r: Request, start: int):
+        """A state from `start` on with no MTP KV before it: masked (NONE, PREFILL), or for the
+        STALE baselines the window before it read from the slots as the last request left them."""
+        st = self.head.new_state(start, r.kv)
+        if self.prefix in (MTPPrefix.STALE, MTPPrefix.STALE_PREFIX) and start > 0:
+            if self._slots is not None:
+                st.k[...], st.v[...] = self._slots
+            st.first = max(0, start - self.head.config.window + 1)
         return st
 
     # ---- the mtp pool (kvcache/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
@@ -232,15 +263,19 @@ class Speculator:
         if tails is None or not st.exact:
             return
         for npages in {c // ps, (c - 1) // ps}:
-            p = npages * ps
-            if p in st.snapped or npages < 1:
-                continue
-            body = self.head.encode_tail(st, p)
-            if body is None:
-                continue
-            tails.put(r.page_keys(npages)[-1], body)
-            st.snapped.add(p)
-            eng.metrics.inc("mtp_tail_writes_total")
+            self._snapshot_at(eng, r, st, npages)
+
+    def _snapshot_at(self, eng, r: Request, st, npages: int) -> None:
+        """Write the tail of r's checkpoint after npages whole pages (once per state)."""
+        tails, p = self._tails(eng), npages * eng.page_size
+        if tails is None or not st.exact or p in st.snapped or npages < 1:
+            return
+        body = self.head.encode_tail(st, p)
+        if body is None:
+            return
+        tails.put(r.page_keys(npages)[-1], body)
+        st.snapped.add(p)
+        eng.metrics.inc("mtp_tail_writes_total")
 
     @staticmethod
     def _rollback(eng, r: Request, valid: int) -> None:
@@ -254,7 +289,9 @@ class Speculator:
             del kv.full_pages[keep:]
             del kv.swa_pages[keep:]
 
-    @staticmethod
-    def drop(r: Request) -> None:
-        """r leaves the running list: its MTP KV and drafts go with its pages."""
+    def drop(self, r: Request) -> None:
+        """r leaves the running list: its MTP KV and drafts go with its pages (the slots keep
+        their bytes, which the STALE baselines read)."""
+        if r.mtp is not None:
+            self._slots = (r.mtp.k, r.mtp.v)
         r.mtp, r.draft, r.draft_rows = None, [], []

@@ -139,6 +139,12 @@ class CacheManager(ABC):
         """(full, swa) device pages the cache owns (not counting requests' own)."""
         return 0, 0
 
+    def prefix_swa_pages(self, req: Request) -> list:
+        """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's
+        live ones before its window (spare pages in L1): valid until the next call into the
+        cache. The MTP rebuild reads them (Speculator._new_state)."""
+        return list(req.kv.swa_pages)
+
     def stats(self) -> dict:
         """Counters and gauges for /metrics (names without prefix)."""
         return {}

@@ -116,6 +116,10 @@ class HiCache(CacheManager):
             present_len=m.present_len,
         )
 
+    def prefix_swa_pages(self, req) -> list:
+        own, tree = req.kv.swa_pages, self.tree.path_swa_pages(req.lock_node)
+        return [p if p is not None or i >= len(tree) else tree[i] for i, p in enumerate(own)]
+
     def estimate_uncached(self, req) -> int:
         return req.num_tokens - self.match(req).total
 

@@ -134,6 +134,15 @@ class SWARadixTree(SWAEvictionMixin):
         self._touch(handle)
         return MatchResult(best_i * self.page_size, tuple(full), tuple(swa), handle, i * self.page_size)
 
+    def path_swa_pages(self, node) -> list:
+        """SWA page ids (None: not live) of the path root..node, spare pages included: read-only
+        and valid only until the next call that may evict (match() hides what lies before the
+        window tail, for a request must never hold those ids)."""
+        if node is None or node is self.root:
+            return []
+        self._check_handle(node)
+        return self._path_pages(node)[1]
+
     def lock(self, node: TreeNode) -> None:
         """Full lock on root..node, SWA lock on the pages of node's window tail. Call it
         right after match() with that match's node."""

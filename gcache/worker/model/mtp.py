@@ -49,7 +49,7 @@ class MTPState:
         self.h0_valid = start  # h0 holds committed positions < h0_valid
         # exact: every MTP KV is what a from-scratch prefill computes (built from position 0,
         # or restored from a tail); a rebuilt or blind state is never written down
-        self.exact = start == 0
+        self.exact = start == 0  # (an exact rebuild sets it too: Speculator._new_state)
         self.snapped: set[int] = set()  # checkpoint lengths whose tail this state wrote
         self.first = start  # positions before it have no MTP KV (prefix from the cache)
         self.valid = [start] * depths  # V_d: depth d's committed KV covers [first, V_d)
@@ -142,9 +142,16 @@ class MTPHead:
         """(state at p - K, hidden rows for [p - K, p)) from a tail body, None if it does not fit."""
         return mtp_tail.decode(body, self, p, owner)
 
-    def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int):
+    def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
         """window_hidden() below, with this head's model."""
-        return window_hidden(self.model, tokens, req_kv, kv, lo, hi)
+        return window_hidden(self.model, tokens, req_kv, kv, lo, hi, swa_pages)
+
+    def exact_reach(self) -> int:
+        """How far before a cached prefix's end P a rebuild must start to be exact: depth d's
+        KV at i needs depth d-1's hidden at i, which reads depth d-1's window [i - W + 1, i];
+        so every depth is a prefill's from P - K - W + 1 on (what later windows and a tail
+        read) when the main model's hidden states are exact from P - K * W on."""
+        return self.depths * self.config.window
 
     def draft_logits(self, d: int, h):
         m = self.model
@@ -195,23 +202,28 @@ class MTPHead:
         return x
 
 
-def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int):
-    """(hidden, lo'): the main model's last hidden states at positions [lo', hi) of a cached
-    prefix (lo' >= lo: where the request's live SWA KV starts), read from the request's pages
-    without writing any (they may be the prefix tree's, shared). `tokens`: the sequence's
-    tokens, at least hi of them. Full layers read every position; SWA layers only what is live
-    (a cached prefix keeps SWA KV for its last W tokens), so early positions see a shorter
-    window: good enough for drafts, which never decide the output."""
+def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
+    """(hidden, lo2, exact_from): the main model's last hidden states at positions [lo2, hi)
+    of a cached prefix (lo2 >= lo: where the request's live SWA KV starts), read from the
+    request's pages without writing any (they may be the prefix tree's, shared). `tokens`:
+    the sequence's tokens, at least hi of them. Full layers read every position; SWA layers
+    only what is live (a checkpoint keeps SWA KV for its last W tokens), so positions before
+    exact_from see a shorter window than a prefill did (good enough for drafts, which never
+    decide the output); from exact_from on the hidden states are those of a prefill.
+    swa_pages: the SWA page table to read (default req_kv's; CacheManager.prefix_swa_pages
+    adds the cache's live pages before the request's window)."""
     from gcache.worker.config import FULL
 
     c, xp = model.config, model.xp
     ps = c.page_size
     swa_from = req_kv.pages_for(hi)
-    while swa_from > 0 and req_kv.swa_pages[swa_from - 1] is not None:
+    swa = req_kv.swa_pages if swa_pages is None else swa_pages
+    while swa_from > 0 and swa[swa_from - 1] is not None:
         swa_from -= 1
     lo = max(lo, swa_from * ps)
+    exact_from = 0 if swa_from == 0 else swa_from * ps + c.window - 1
     if lo >= hi:
-        return None, hi
+        return None, hi, exact_from
     toks = np.asarray(tokens[lo:hi], dtype=np.int64)
     pos = np.arange(lo, hi)
     x = model.w["embed.weight"][xp.asarray(toks)]
@@ -221,11 +233,11 @@ def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int):
         if kind == FULL:
             first, pages, k_pool, v_pool = 0, req_kv.full_pages, kv.k_full, kv.v_full
         else:
-            first, pages, k_pool, v_pool = swa_from, req_kv.swa_pages, kv.k_swa, kv.v_swa
+            first, pages, k_pool, v_pool = swa_from, swa, kv.k_swa, kv.v_swa
         read = xp.asarray(np.asarray(pages[first : req_kv.pages_for(hi)], dtype=np.int64))
         n = hi - first * ps
         keys = k_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
         vals = v_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
         attn = model._attend(q, keys, vals, pos, np.arange(first * ps, hi), None if kind == FULL else c.window)
         x = model._finish_layer(layer, x, attn)
-    return x, lo
+    return x, lo, exact_from
