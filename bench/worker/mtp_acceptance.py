@@ -32,7 +32,10 @@ token costs (small batches are memory-bound on a GPU), an MTP block costs 1/L of
 forward (L = the model's layers), a rebuild costs one forward at admission (not in the
 ratio: once per request), tiers reads one tail per hit (bytes printed); speedup = tokens
 per forward / (1 + K / L), against 1 token per forward without MTP. min / median / max over
-the prompts; ratios against `none` in the same run.
+the prompts, ratios against `none` in the same run, then each bucket pooled over the prompts
+(all its drafts together: the steadier figure for 0-128 against 128-256). --seed moves every
+sampling seed (a second run); --ablate-mtp-window zeroes the MTP blocks' attention output: a
+model whose acceptance does not drop then gains nothing from MTP KV, whatever its source.
 
   .venv/bin/python -m bench.worker.mtp_acceptance        # shipped weights; ~2-4 min on 2 cores
 """
@@ -91,6 +94,24 @@ def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
     return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec)
 
 
+def ablate_mtp_window() -> None:
+    """The MTP blocks' attention output times 0 (the diagnostic of --ablate-mtp-window)."""
+    from gcache.worker.model import mtp
+
+    block = mtp.MTPHead._block
+
+    def no_window(self, st, d, prev, ids, lo, hi):
+        m = self.model
+        attend = m._attend
+        m._attend = lambda *a, **k: attend(*a, **k) * 0.0
+        try:
+            return block(self, st, d, prev, ids, lo, hi)
+        finally:
+            m._attend = attend
+
+    mtp.MTPHead._block = no_window
+
+
 def serve(e: Engine, prompt, max_tokens: int, temperature: float = 0.0, seed: int = 0):
     r = e.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
     e.run_until_idle()
@@ -111,7 +132,16 @@ def main(argv=None) -> None:
         help="0: greedy (the tiny model falls into loops its MTP blocks predict perfectly); > 0: "
         "rejection sampling, seeded per prompt (then the greedy equality is checked on a short run)",
     )
+    ap.add_argument("--seed", type=int, default=0, help="offset of the per-prompt sampling seeds (one run per seed)")
+    ap.add_argument(
+        "--ablate-mtp-window",
+        action="store_true",
+        help="diagnostic: zero the MTP blocks' attention output (they then read no window at all); "
+        "where acceptance stays the same, the model's drafts do not depend on MTP KV, whatever its source",
+    )
     args = ap.parse_args(argv)
+    if args.ablate_mtp_window:
+        ablate_mtp_window()
     print("command:", " ".join([".venv/bin/python", "-m", "bench.worker.mtp_acceptance", *sys.argv[1:]]))
     cfg, weights = load(args.weights)
     model = Model(cfg, weights)
@@ -132,6 +162,7 @@ def main(argv=None) -> None:
             serve(engine(model, cfg, "", name + "-plain", 0, "prefill"), p + question, args.tokens).output for p in ps
         ]
         res: dict = {m: {b: [] for b in BUCKETS} for m in MODES}
+        pooled: dict = {m: {b: [0, 0, 0, 0] for b in BUCKETS} for m in MODES}  # accepted, drafted, emitted, forwards
         for mode in MODES:
             # worker A per mode, under its own model name: every mode's hit is at A's checkpoint
             # (B workers of an earlier mode would leave longer prefixes, without tails, in L3)
@@ -144,9 +175,9 @@ def main(argv=None) -> None:
             a.close()
             for i, p in enumerate(ps):
                 b = engine(model, cfg, srv.address, f"{name}-{mode}", K, mode)
-                serve(b, warm, 64, args.temperature, seed=1000 + i)
+                serve(b, warm, 64, args.temperature, seed=1000 + args.seed + i)
                 s0 = b.metrics.snapshot()  # the figures below are the measured request's alone
-                r = serve(b, p + question, args.tokens, args.temperature, seed=i)
+                r = serve(b, p + question, args.tokens, args.temperature, seed=args.seed + i)
                 s1 = b.metrics.snapshot()  # before the greedy check below adds to the counters
                 s = {k: v - s0.get(k, 0) for k, v in s1.items() if isinstance(v, (int, float))}
                 if args.temperature == 0:
@@ -163,6 +194,7 @@ def main(argv=None) -> None:
                     f, em = s[f"spec_forwards_out_{bk}_total"], s[f"spec_emitted_out_{bk}_total"]
                     if f:
                         res[mode][bk].append((acc / max(d, 1), em / f))
+                        pooled[mode][bk] = [x + y for x, y in zip(pooled[mode][bk], (acc, d, em, f))]
                 b.close()
     finally:
         srv.kill()
@@ -175,7 +207,7 @@ def main(argv=None) -> None:
     print(f"clock: speedup = tokens per forward / (1 + K/L) = tpf / {1 + K / L:.2f}; ran {time.monotonic() - t0:.0f} s")
     print(f"mtp pool: {len(tails)} checkpoint tails of {min(map(len, tails))}-{max(map(len, tails))} bytes each")
     print(
-        f"  {'mode':<8} {'outputs':<8} {'acceptance min/med/max':>24} {'tokens/forward min/med/max':>28} {'speedup (med)':>14} {'tpf vs none':>12}"
+        f"  {'mode':<13} {'outputs':<8} {'acceptance min/med/max':>24} {'tokens/forward min/med/max':>28} {'speedup (med)':>14} {'tpf vs none':>12}"
     )
     for bk in BUCKETS:
         base = np.median([t for _, t in res["none"][bk]]) if res["none"][bk] else float("nan")
@@ -187,13 +219,17 @@ def main(argv=None) -> None:
             tpf = [t for _, t in rows]
             med = float(np.median(tpf))
             print(
-                f"  {mode:<8} {bk.replace('_', '-'):<8} {columns(acc, '{:7.3f}'):>24} {columns(tpf, '{:8.2f}'):>28} "
+                f"  {mode:<13} {bk.replace('_', '-'):<8} {columns(acc, '{:7.3f}'):>24} {columns(tpf, '{:8.2f}'):>28} "
                 f"{med / (1 + K / L):>13.2f}x {med / base:>11.2f}x"
             )
+    print("pooled over the prompts (all drafts of a bucket together): acceptance, tokens/forward")
     for mode in MODES:
-        a0 = np.median([x for x, _ in res[mode]["0_128"]])
-        a1 = np.median([x for x, _ in res[mode]["128_256"]]) if res[mode]["128_256"] else float("nan")
-        print(f"  {mode}: acceptance 0-128 / 128-256 = {a0 / a1:.2f}")
+        (a0, d0, e0, f0), (a1, d1, e1, f1) = (pooled[mode][bk] for bk in BUCKETS)
+        acc0, acc1 = a0 / max(d0, 1), a1 / max(d1, 1)
+        print(
+            f"  {mode:<13} 0-128 {acc0:.3f} {e0 / max(f0, 1):.2f}   128-256 {acc1:.3f} {e1 / max(f1, 1):.2f}   "
+            f"acceptance 0-128 / 128-256 = {acc0 / max(acc1, 1e-9):.2f}"
+        )
 
 
 if __name__ == "__main__":
