@@ -49,13 +49,20 @@ def engines(model):
     made: list[Engine] = []
 
     def make(
-        l3: str = "", l2_bytes: int = 1 << 20, mtp: int = K, prefix: str = "tiers", cache: bool = True, swa_pages=24
+        l3: str = "",
+        l2_bytes: int = 1 << 20,
+        mtp: int = K,
+        prefix: str = "tiers",
+        cache: bool = True,
+        swa_pages: int = 24,
+        checkpoint_pages: int = 0,
     ):
         hc = HiCacheConfig(
             l2_bytes=l2_bytes if cache else 0,
             l3_url=l3 if cache else "",
             model_name=MODEL_NAME,
             prefetch_policy="wait_complete",
+            swa_checkpoint_pages=checkpoint_pages,
         )
         sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4, dedup_min_tokens=16)
         ec = EngineConfig(
@@ -210,6 +217,25 @@ def test_the_first_reuse_rebuilds_exactly_and_keeps_its_branch_point_tail(engine
     assert c.cached_by_tier["l2"] == s_pages * PS
     assert tails.stats["hits_l2"] == 1 and e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == K * W
     assert c.output == plain_output(engines, shared + q3)
+    assert_state_is_from_scratch(engines, model, seen, bitwise=False)
+
+
+def test_periodic_checkpoints_get_their_tails_at_prefill(engines, model):
+    """With a checkpoint every 4 pages the prefill writes a tail at each one it passes, though
+    its chunks (24 tokens) cross them mid-chunk; a later prefix that ends at one of them (from
+    L2, after the tree let go of everything) restores it without a rebuild."""
+    e = engines(checkpoint_pages=4, swa_pages=64)
+    a = serve(e, SHARED[:190])
+    keys = a.page_keys(23)
+    assert all(keys[n - 1] in e.cache.mtp.l1.blobs for n in (4, 8, 12, 16, 20))
+    assert e.cache.evict(10**6, 10**6) != (0, 0) and e.tree.cached_pages() == (0, 0)
+    e.scheduler.tree_changed()
+    seen = record_restores(e)
+    prompt = SHARED[: 12 * PS] + [7, 8, 9, 10, 11]
+    b = serve(e, prompt, LONG)
+    assert b.cached_by_tier["l2"] == 12 * PS
+    assert e.cache.mtp.stats["hits_l2"] == 1 and e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == 0
+    assert b.output == plain_output(engines, prompt)
     assert_state_is_from_scratch(engines, model, seen, bitwise=False)
 
 

@@ -131,9 +131,12 @@ class Speculator:
             st = r.mtp = self._new_state(eng, r, c_old)
         if not r.output or n - k > 1:
             eng.metrics.inc("prefill_tokens_computed_total", n - k)
+        if st is not None and not r.output:  # prefill: tails at the periodic checkpoints it crosses
+            self._through_checkpoints(eng, r, st, hidden, c_old, c_fwd)
         if c_fwd < r.num_tokens:  # mid-prefill: the MTP blocks follow, nothing to sample
             if st is not None:
-                self.head.step(st, hidden, c_old, c_fwd, r.tokens(), 0)
+                base = st.valid[0]
+                self.head.step(st, hidden[base - c_old :], base, c_fwd, r.tokens(), 0)
             eng.cache.trim_swa(r)
             return
         rows = list(np.asarray(backend.to_numpy(self.model.logits(hidden[n - k - 1 :])), dtype=np.float64))
@@ -225,6 +228,21 @@ class Speculator:
         if exact:
             self._snapshot_at(eng, r, st, c_old // eng.page_size)
         return st
+
+    def _through_checkpoints(self, eng, r: Request, st, hidden, c_old: int, c_new: int) -> None:
+        """Step the MTP depths to each periodic checkpoint in (c_old, c_new) and write its tail
+        there (after a long chunk the ring no longer holds its window). Only where every depth
+        reaches the checkpoint (its next K tokens are known): a tail never waits for tokens."""
+        if self._tails(eng) is None or not st.exact:
+            return
+        ps, n_tok = eng.page_size, r.num_tokens
+        for npages in eng.cache.periodic_checkpoints(c_old // ps, c_new // ps):
+            p = npages * ps
+            base = st.valid[0]
+            if not base < p <= c_new or p + self.depths >= n_tok:
+                continue
+            self.head.step(st, hidden[base - c_old : p - c_old], base, p, r.tokens(), 0)
+            self._snapshot_at(eng, r, st, npages)
 
     def _blind_state(self, r: Request, start: int):
         """A state from `start` on with no MTP KV before it: masked (NONE, PREFILL), or for the

@@ -139,6 +139,11 @@ class CacheManager(ABC):
         """(full, swa) device pages the cache owns (not counting requests' own)."""
         return 0, 0
 
+    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
+        """The page counts n, lo_page < n <= hi_page, that are checkpoints of every sequence
+        (every C pages; not ends or branch points): the MTP tails are written there too."""
+        return []
+
     def prefix_swa_pages(self, req: Request) -> list:
         """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's
         live ones before its window (spare pages in L1): valid until the next call into the

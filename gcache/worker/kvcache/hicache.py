@@ -116,6 +116,10 @@ class HiCache(CacheManager):
             present_len=m.present_len,
         )
 
+    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
+        c = self.config.swa_checkpoint_pages
+        return list(range((lo_page // c + 1) * c, hi_page + 1, c)) if c else []
+
     def prefix_swa_pages(self, req) -> list:
         own, tree = req.kv.swa_pages, self.tree.path_swa_pages(req.lock_node)
         return [p if p is not None or i >= len(tree) else tree[i] for i, p in enumerate(own)]
