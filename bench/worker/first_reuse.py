@@ -5,7 +5,8 @@ before the fix A frees its SWA KV as it leaves the window (except at checkpoints
 finds no window-safe point at S's end and reports cached_tokens 0; after it, the pages A
 left behind stay in the tree as spare pages until the pool needs them, and B hits S's last
 whole page. Then the same with an unrelated request C of the same length between A and B,
-on SWA pools from roomy down to the smallest the engine accepts: where C needs the pages,
+on SWA pools from roomy down to the smallest the engine accepts (where the pool cannot hold
+S's pages while A runs, B misses: the pressure case); where C needs the pages,
 B misses again (the behaviour before the fix). Real engine (scheduler, tree, pools) over
 SimulatedModel (only the arithmetic is simulated), default model geometry (W = 128, page 16).
 Deterministic: one run per cell. Hit rate at a fixed budget: bench.hicache.hit_rate.
@@ -62,16 +63,12 @@ def main(argv=None) -> None:
     print("command:", " ".join([".venv/bin/python", "-m", "bench.worker.first_reuse", *sys.argv[1:]]))
     cfg = ModelConfig()
     ps = cfg.page_size
-    swa_min = -(-(cfg.window + 256) // ps) + 4  # the least the engine accepts (+ 8 below: near the
-    # minimum the engine can stall on long prompts, with or without the fix: see the closing note)
+    swa_min = -(-(cfg.window + 256) // ps) + 4  # the least the engine accepts
     print(f"page {ps}, W {cfg.window}; cached_tokens of B (the first reuse); '+C': an unrelated request between")
     print(f"  {'S':>6} {'SWA pages':>10} {'before':>8} {'after':>8} {'before+C':>9} {'after+C':>8}  window-safe S")
     for s_len in (int(x) for x in args.lengths.split(",")):
         roomy = 3 * (s_len + Q1 + 100) // ps
-        for swa in (
-            roomy,
-            max(swa_min + 8, s_len // ps // 2),
-        ):  # nearer the minimum the engine can stall (before the fix too)
+        for swa in sorted({roomy, max(swa_min, s_len // ps // 2), swa_min}, reverse=True):
             cells = [cached_of_b(cfg, s_len, swa, keep, between) for between in (False, True) for keep in (False, True)]
             c = ["stall" if x < 0 else str(x) for x in cells]
             print(f"  {s_len:>6} {swa:>10} {c[0]:>8} {c[1]:>8} {c[2]:>9} {c[3]:>8}  {s_len // ps * ps}", flush=True)

@@ -358,3 +358,20 @@ def test_cost_model_features_and_the_dense_swa_band():
     assert c.cost_s((1, 10, 100, 1000, 10000)) == 1 + 20 + 300 + 4000 + 50000
     # The defaults keep the original formula: no per-sequence or key-read term.
     assert CostModel().cost_s(banded) == pytest.approx(0.004 + 40e-6 * 257 + 4e-9 * banded[3])
+
+
+@pytest.mark.parametrize("prompt_len", [1750, 4000])
+def test_a_long_prompt_on_the_smallest_swa_pool_runs_without_preempting_itself(prompt_len):
+    """The plan's second pass grants a lone prefill the whole step (512 tokens) though the SWA
+    pool is sized for a chunk_tokens chunk (256): the chunk shrinks to what the pool holds.
+    Preempting the request for the rest threw its progress away every step: a livelock."""
+    cfg, clock = ModelConfig(), VirtualClock()
+    sc = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256)
+    swa_min = -(-(cfg.window + sc.chunk_tokens) // cfg.page_size) + 4  # the least the engine takes
+    ec = EngineConfig(max_prompt_tokens=8192, max_new_tokens=16, scheduler=sc)
+    e = Engine(SimulatedModel(cfg, clock), DualKVCache(cfg, 2 * prompt_len // cfg.page_size, swa_min), ec, clock=clock)
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, 256, prompt_len)]
+    r = e.add_request(prompt, SamplingParams(max_tokens=4))
+    e.run_until_idle(steps_max=200, on_step=e.check_integrity)
+    assert len(r.output) == 4 and r.preemptions == 0
+    assert e.metrics.snapshot()["prefill_tokens_computed_total"] == prompt_len

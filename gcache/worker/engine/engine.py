@@ -203,16 +203,19 @@ class Engine:
                     admitting = False  # admit in order: nobody jumps a request that does not fit
                     continue
                 self._admit(r)
-                if not self._reserve(r, min(chunk.tokens, r.to_compute), may_preempt=False):
+                n = self._reserve_prefill(r, min(chunk.tokens, r.to_compute), may_preempt=False)
+                if not n:
                     self._release(r, preempted=False)  # pools full: no new admissions this step
                     admitting = False
                     continue
-            elif r.state is not RequestState.RUNNING or not self._reserve(
-                r, min(chunk.tokens, r.to_compute), may_preempt=True
-            ):
+            elif r.state is not RequestState.RUNNING:
                 continue
-            batch.append((r, min(chunk.tokens, r.to_compute)))
-            budget -= min(chunk.tokens, r.to_compute)
+            else:
+                n = self._reserve_prefill(r, min(chunk.tokens, r.to_compute), may_preempt=True)
+                if not n:
+                    continue
+            batch.append((r, n))
+            budget -= n
         # Budget planned for a waiting request that could not be admitted goes to running
         # prefills the plan left out: otherwise one holding the pages that request waits
         # for gets nothing either, and no step runs until max_wait_s reorders the plan.
@@ -304,6 +307,18 @@ class Engine:
         r.state = RequestState.RUNNING
         self.scheduler.waiting.remove(r)
         self.scheduler.running.append(r)
+
+    def _reserve_prefill(self, r: Request, n: int, may_preempt: bool) -> int:
+        """Pages for a prefill chunk of up to n tokens; returns the tokens reserved (0: none).
+        Beyond chunk_tokens (the plan's uncapped second pass) the chunk takes only what the
+        pools have: admission sized the SWA pool for chunk_tokens, and preempting r for more
+        would throw its progress away, step after step (a livelock on a small SWA pool)."""
+        cap = self.scheduler.config.chunk_tokens
+        if n > cap:
+            if self._reserve(r, n, may_preempt=False):
+                return n
+            n = cap
+        return n if self._reserve(r, n, may_preempt) else 0
 
     def _reserve(self, r: Request, n: int, may_preempt: bool) -> bool:
         """Pages for r's next n tokens. False if it cannot have them now (r may be preempted)."""
