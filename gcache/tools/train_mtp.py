@@ -132,6 +132,10 @@ def main(argv=None) -> None:
     ap.add_argument("--corpus-mib", type=float, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--init", help="start from these weights (an .npz of the same geometry) instead of the seeded init")
+    ap.add_argument(
+        "--mtp-only", action="store_true", help="train the MTP blocks only (the main model frozen, e.g. with --init)"
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -142,7 +146,19 @@ def main(argv=None) -> None:
     train, held = corpus(int(args.corpus_mib * (1 << 20)))
     print(f"corpus: {train.size} train bytes, {held.size} held-out bytes (stdlib of Python {sys.version.split()[0]})")
     params, forward = build(torch, cfg)
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    if args.init:
+        from gcache.worker.model.weights import load
+
+        init_cfg, init_w = load(args.init)
+        if init_cfg != cfg:
+            raise SystemExit(f"--init {args.init}: another geometry than the one this script trains")
+        with torch.no_grad():
+            for k, v in init_w.items():
+                params[k].copy_(torch.tensor(v, dtype=torch.float32))
+    trained = {k: p for k, p in params.items() if not args.mtp_only or k.startswith("mtp.")}
+    for k, p in params.items():
+        p.requires_grad_(k in trained)
+    opt = torch.optim.AdamW(trained.values(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
     t0 = time.monotonic()
     for step in range(args.steps):
@@ -155,7 +171,7 @@ def main(argv=None) -> None:
         loss = ls[0] + args.mtp_weight * sum(ls[1:])
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained.values(), 1.0)
         opt.step()
         if step % 25 == 0 or step == args.steps - 1:
             print(
