@@ -4,9 +4,9 @@
 Off the engine's critical path: writes are queued (bounded; a full queue drops the write
 and counts it) and run on writer threads; prefetches run on prefetch threads. The same
 queue and threads carry small opaque blobs (`submit_blob`: the `mtp` pool's MTP tails),
-so `drain()` and `idle()` cover them too. Every call
-has the client's timeout, and after a failure the store is skipped for `suspect_s`, so a
-dead, slow or restarting gcache-server costs misses, never a stalled decode.
+so `drain()` and `idle()` cover them too. Every call has the client's timeout, and after
+a failure the store is skipped for `suspect_s`, so a dead, slow or restarting
+gcache-server costs misses, never a stalled decode.
 
 Keys: one per page per pool, `KeyBuilder(model, ...).key(page_hash, "full" | "swa")`, so a
 worker restarted with the same model name finds its pages and another model never does.
