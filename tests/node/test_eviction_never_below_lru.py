@@ -98,7 +98,8 @@ def test_on_a_trace_adversarial_for_chain_the_tuner_stays_lru_and_matches_it():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_where_chain_wins_the_tuner_keeps_chain(seed):
-    chains = shared_prompt_sessions(1500, seed)
+    # 800 requests: chain wins by 1.13-1.22x on seeds 0-3 (1500: 1.02-1.14x, 3x the time)
+    chains = shared_prompt_sessions(800, seed)
     memory = unique(chains) // 10
     chain_rate, stats = replay(chains, memory, "chain")
     lru_rate, _ = replay(chains, memory, "lru")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from gcache.cluster.master_api import parse_master_url
 from gcache.common.address import join_host_port, parse_host_port
 from gcache.master import main as master_main
 from gcache.server.config import _is_host_port
+from tests.support.package_source import PACKAGE, parsed
 
 GOOD = [
     ("127.0.0.1:7600", ("127.0.0.1", 7600)),
@@ -89,10 +89,9 @@ def test_each_caller_keeps_its_own_error_type():
 
 def test_no_other_module_splits_host_port_itself():
     """The parser has one home: product code never rpartitions / rsplits an address on ':'."""
-    root = Path(__file__).resolve().parents[2] / "gcache"
     offenders = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path, tree in parsed().items():
+        for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -101,5 +100,5 @@ def test_no_other_module_splits_host_port_itself():
                 and isinstance(node.args[0], ast.Constant)
                 and node.args[0].value == ":"
             ):
-                offenders.append(str(path.relative_to(root.parent)))
+                offenders.append(str(path.relative_to(PACKAGE.parent)))
     assert offenders == ["gcache/common/address.py"]

@@ -12,7 +12,7 @@ import ast
 import functools
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "gcache"
+from tests.support.package_source import PACKAGE, parsed
 
 LAYERS = [
     ["gcache.errors", "gcache._native"],  # leaves
@@ -58,7 +58,7 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = parsed()[path]
     skip = _type_checking_nodes(tree)
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
@@ -84,7 +84,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 @functools.cache  # one parse of the package for the three tests
 def graph() -> dict[str, set[str]]:
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    paths = {module_name(p): p for p in parsed()}
     modules = set(paths) | {"gcache._native"}
     return {m: imports_of(p, modules) for m, p in paths.items()}
 

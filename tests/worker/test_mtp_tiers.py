@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -20,8 +21,11 @@ from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.host_cache import HostCache
+from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.kvcache.mtp_tails import POOL_MTP
+from gcache.worker.kvcache.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.mtp_tails import POOL_MTP, MTPTails, seal
 from gcache.worker.model import mtp_tail
 from gcache.worker.model.transformer import Model
 from tests.support.tiny_model import ONE_FULL_LAYER, tiny_config
@@ -302,3 +306,82 @@ def test_a_tail_of_another_geometry_is_never_used(model):
     assert mtp_tail.decode(body, head2, 80, None) is None  # other depths
     assert mtp_tail.decode(body, head3, 72, None) is None  # another length under a wrong key
     assert mtp_tail.decode(body[:-8], head3, 80, None) is None  # truncated
+
+
+class RecordingClient:
+    """A client that records the thread of every put and can hold puts at a gate (to fill
+    the write queue without timing: the writer thread is parked inside a put)."""
+
+    def __init__(self, inner=None, gated: bool = False) -> None:
+        self.inner, self.put_threads, self.stored = inner, [], {}
+        self.gate, self.entered = threading.Event(), threading.Event()
+        if not gated:
+            self.gate.set()
+        self.fail_keys: set = set()
+
+    def put(self, key, value) -> bool:
+        self.put_threads.append(threading.current_thread())
+        self.entered.set()
+        assert self.gate.wait(timeout=60.0), "test gate never opened"
+        if key in self.fail_keys:
+            raise gcache.errors.GCacheError("injected put failure")
+        self.stored[key] = bytes(value)
+        return self.inner.put(key, value) if self.inner is not None else True
+
+    def __getattr__(self, name):
+        if self.inner is None:
+            if name in ("register_buffer", "close"):
+                return lambda *a, **k: None
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def l3_store(client, url: str = "gcache://127.0.0.1:1", write_queue_max: int = 256) -> L3Store:
+    host = HostCache(HostKVPool(CFG, 4, 2, xp=np))
+    return L3Store(L3Config(url=url, model=MODEL_NAME, write_queue_max=write_queue_max), host, W, PS, client=client)
+
+
+@pytest.mark.process
+def test_an_l3_tail_is_written_off_the_callers_thread_and_readable_after_drain(server):
+    rec = RecordingClient(gcache.Client(server.address))
+    l3 = l3_store(rec, server.address)
+    try:
+        tails = MTPTails(1 << 20, 1 << 20, l3)
+        body = bytes(range(256)) * 300  # ~77 KB, the size of a real tail
+        tails.put("page-hash-a", body)
+        assert tails.l1.get("page-hash-a") == seal(body)  # the upper tiers have it at once
+        assert l3.drain(timeout_s=20.0)
+        assert rec.put_threads and all(t is not threading.current_thread() for t in rec.put_threads)
+        assert all(t.name.startswith("l3-writer") for t in rec.put_threads)
+        other = gcache.Client(server.address)  # a second worker's client
+        try:
+            assert bytes(other.get(KeyBuilder(model=MODEL_NAME).key("page-hash-a", POOL_MTP))) == seal(body)
+        finally:
+            other.close()
+        assert tails.stats["l3_put_dropped"] == 0 and tails.stats["l3_put_errors"] == 0
+        assert l3.stats["blob_writes_queued"] == 1 and l3.stats["blob_write_bytes"] == len(seal(body))
+    finally:
+        l3.close()
+
+
+def test_a_full_l3_queue_drops_the_tail_and_counts_it_without_blocking():
+    rec = RecordingClient(gated=True)
+    l3 = l3_store(rec, write_queue_max=1)
+    try:
+        tails = MTPTails(1 << 20, 1 << 20, l3)
+        tails.put("a", b"A" * 1000)
+        assert rec.entered.wait(timeout=60.0)  # the writer thread holds "a" inside its put
+        tails.put("b", b"B" * 1000)  # fills the one-slot queue
+        tails.put("c", b"C" * 1000)  # returns at once: dropped, counted
+        assert tails.stats["l3_put_dropped"] == 1 and l3.stats["blob_writes_dropped"] == 1
+        assert not l3.idle() and not l3.drain(timeout_s=0.05)  # drain waits for queued tails
+        rec.fail_keys.add(tails._l3_key("b"))
+        rec.gate.set()
+        assert l3.drain(timeout_s=20.0)
+        assert set(rec.stored) == {tails._l3_key("a")}  # "b" failed, "c" never went
+        assert tails.stats["l3_put_errors"] == 1 and l3.stats["blob_write_errors"] == 1
+        for k in "abc":  # every tail is still served from L1
+            assert tails.get(k) is not None
+        assert all(t.name.startswith("l3-writer") for t in rec.put_threads)
+    finally:
+        l3.close()

@@ -37,6 +37,20 @@ def model() -> Model:
     return Model(CFG)
 
 
+@pytest.fixture(scope="module")
+def plain_run(model):
+    """run(make_engine(model, 0), workload(seed)) once per module and seed: the reference
+    outputs are deterministic (greedy), and only read."""
+    done: dict[int, list] = {}
+
+    def get(seed: int) -> list:
+        if seed not in done:
+            done[seed] = run(make_engine(model, 0), workload(seed))
+        return done[seed]
+
+    return get
+
+
 def make_engine(
     model, mtp: int, full_pages: int = 200, swa_pages: int = 40, max_running: int = 4, prefix: str = "rebuild"
 ) -> Engine:
@@ -94,9 +108,9 @@ def workload(seed: int, n: int = 6):
 @pytest.mark.parametrize(
     "mtp,prefix", [(1, "rebuild"), (3, "rebuild"), (2, "prefill"), (2, "none"), (2, "stale"), (3, "stale-prefix")]
 )
-def test_greedy_with_mtp_equals_without(model, mtp, prefix):
+def test_greedy_with_mtp_equals_without(model, plain_run, mtp, prefix):
     jobs = workload(1)
-    plain = run(make_engine(model, 0), jobs)
+    plain = plain_run(1)
     e = make_engine(model, mtp, prefix=prefix)
     got = run(e, jobs)
     assert any(r.cached_tokens for r in got)
@@ -109,10 +123,10 @@ def test_greedy_with_mtp_equals_without(model, mtp, prefix):
 
 
 @pytest.mark.parametrize("wrong", [2, 1000])
-def test_accepted_runs_roll_back_and_equal_plain_decoding(model, wrong):
+def test_accepted_runs_roll_back_and_equal_plain_decoding(model, plain_run, wrong):
     """Oracle drafts: long accepted runs (wrong=1000) and frequent rejections (wrong=2)."""
     jobs = workload(2)
-    plain = run(make_engine(model, 0), jobs)
+    plain = plain_run(2)
     truth = {tuple(r.prompt): list(r.output) for r in plain}
     e = make_engine(model, 3)
     Oracle(e, truth, wrong)
@@ -127,8 +141,7 @@ def test_accepted_runs_roll_back_and_equal_plain_decoding(model, wrong):
     assert emitted <= fwd + snap["spec_accepted_out_0_128_total"]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+RANDOM_WORKLOADS = given(
     seed=st.integers(0, 10_000),
     mtp=st.integers(1, 3),
     wrong=st.sampled_from([1, 2, 5, 1000]),
@@ -136,7 +149,9 @@ def test_accepted_runs_roll_back_and_equal_plain_decoding(model, wrong):
     swa_pages=st.integers(14, 24),
     prefix=st.sampled_from(MTP_PREFIX),
 )
-def test_random_workloads_on_tiny_pools_with_rollbacks(model, seed, mtp, wrong, full_pages, swa_pages, prefix):
+
+
+def random_workload_equals_plain(model, seed, mtp, wrong, full_pages, swa_pages, prefix):
     jobs = workload(seed, n=5)
     plain = run(make_engine(model, 0, full_pages, swa_pages), jobs)
     truth = {tuple(r.prompt): list(r.output) for r in plain}
@@ -144,6 +159,21 @@ def test_random_workloads_on_tiny_pools_with_rollbacks(model, seed, mtp, wrong, 
     Oracle(e, truth, wrong, seed)
     got = run(e, jobs)
     assert [r.output for r in got] == [r.output for r in plain]
+
+
+# The unit lane draws 3 random workloads (each one two engine runs, ~0.6 s); the full suite
+# (.ci/run runs slow tests) draws 8 more below.
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_WORKLOADS
+def test_random_workloads_on_tiny_pools_with_rollbacks(model, seed, mtp, wrong, full_pages, swa_pages, prefix):
+    random_workload_equals_plain(model, seed, mtp, wrong, full_pages, swa_pages, prefix)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_WORKLOADS
+def test_random_workloads_on_tiny_pools_with_rollbacks_more(model, seed, mtp, wrong, full_pages, swa_pages, prefix):
+    random_workload_equals_plain(model, seed, mtp, wrong, full_pages, swa_pages, prefix)
 
 
 def test_mtp_kv_built_step_by_step_drafts_what_the_dense_reference_drafts(model):

@@ -69,6 +69,10 @@ CACHE_HELP = {
     "l3_read_seconds": "seconds spent reading from GCache",
     "l3_read_bad_pages": "pages GCache did not return whole (missing or failed checksum): the chain ends there",
     "l3_touch_probes": "prefix probes that keep hot chains warm on the node",
+    "l3_blob_writes_queued": "L3 blob writes queued (MTP tails, on the page writers' queue)",
+    "l3_blob_writes_dropped": "L3 blob writes dropped (queue full or store down; the tail stays in L1/L2)",
+    "l3_blob_write_errors": "L3 blob writes that failed",
+    "l3_blob_write_bytes": "bytes of blobs (MTP tails) written to GCache",
 }
 
 

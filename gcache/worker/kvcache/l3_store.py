@@ -2,9 +2,11 @@
 `gcache.Client`, straight from and into the host pool's buffers (registered once).
 
 Off the engine's critical path: writes are queued (bounded; a full queue drops the write
-and counts it) and run on writer threads; prefetches run on prefetch threads. Every call
-has the client's timeout, and after a failure the store is skipped for `suspect_s`, so a
-dead, slow or restarting gcache-server costs misses, never a stalled decode.
+and counts it) and run on writer threads; prefetches run on prefetch threads. The same
+queue and threads carry small opaque blobs (`submit_blob`: the `mtp` pool's MTP tails),
+so `drain()` and `idle()` cover them too. Every call has the client's timeout, and after
+a failure the store is skipped for `suspect_s`, so a dead, slow or restarting
+gcache-server costs misses, never a stalled decode.
 
 Keys: one per page per pool, `KeyBuilder(model, ...).key(page_hash, "full" | "swa")`, so a
 worker restarted with the same model name finds its pages and another model never does.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gcache import errors
@@ -69,6 +72,15 @@ class WriteJob:
 
 
 @dataclass
+class BlobJob:
+    """One opaque value for L3 (an MTP tail): stored with a plain put, nothing pinned."""
+
+    key: bytes
+    blob: bytes
+    on_error: Callable[[], None] | None = None  # called on the writer thread if the put fails
+
+
+@dataclass
 class Prefetch:
     """One waiting request's L3 read: pages [start, ready_end) land in L2, pinned for it."""
 
@@ -113,6 +125,10 @@ class L3Store:
             (
                 "writes_queued",
                 "writes_dropped",
+                "blob_writes_queued",
+                "blob_writes_dropped",
+                "blob_write_errors",
+                "blob_write_bytes",
                 "write_pages",
                 "write_bytes",
                 "write_errors",
@@ -182,11 +198,32 @@ class L3Store:
         self._count(writes_queued=1)
         return True
 
+    def submit_blob(self, key: bytes, blob: bytes, on_error: Callable[[], None] | None = None) -> bool:
+        """Queue one opaque value for L3 on the writer threads (never blocks). False:
+        dropped (queue full or store down). `on_error` runs on the writer thread if the
+        put raises. The value is stored as given (no copy); the caller must not mutate it."""
+        if not self.available():
+            self._count(blob_writes_dropped=1)
+            return False
+        try:
+            self._writes.put_nowait(BlobJob(key, blob, on_error))
+        except queue.Full:
+            self._count(blob_writes_dropped=1)
+            return False
+        self._count(blob_writes_queued=1)
+        return True
+
     def _write_loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 job = self._writes.get(timeout=0.1)
             except queue.Empty:
+                continue
+            if isinstance(job, BlobJob):
+                try:
+                    self._write_blob(job)
+                finally:
+                    self._writes.task_done()
                 continue
             stored = False
             try:
@@ -194,6 +231,21 @@ class L3Store:
             finally:
                 self.host.finish_l3(job.keys, stored)
                 self._writes.task_done()
+
+    def _write_blob(self, job: BlobJob) -> None:
+        if not self.available():
+            self._count(blob_writes_dropped=1)
+            return
+        try:
+            self.client.put(job.key, job.blob)  # values are write-once on the server
+        except Exception as exc:  # noqa: BLE001 - best effort: the blob stays in the tiers above
+            if isinstance(exc, (errors.GCacheError, OSError)):
+                self._failed()
+            self._count(blob_write_errors=1)
+            if job.on_error is not None:
+                job.on_error()
+            return
+        self._count(blob_write_bytes=len(job.blob))
 
     def _write(self, job: WriteJob) -> bool:
         """Store the job's pages; True if every value is in L3 afterwards."""
@@ -389,7 +441,7 @@ class L3Store:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait (bounded) until queued writes and prefetches are done."""
+        """Wait (bounded) until queued writes (pages and blobs) and prefetches are done."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.idle():
@@ -409,6 +461,7 @@ class L3Store:
                     break
                 if isinstance(job, WriteJob):
                     self.host.finish_l3(job.keys, False)
-                else:
+                elif isinstance(job, Prefetch):
                     job.done.set()
+                # a BlobJob holds nothing: dropping it is enough
         self.client.close()

@@ -8,8 +8,13 @@ SWA KV: only checkpoint tails, O(W) per checkpoint, each tier bounded (oldest fi
   * L1: a dict beside the tree; when the tree evicts the page a tail is keyed on, the tail
     goes down to L2 (like write_back demotion of the page itself).
   * L2: a host dict; written through at put() when the cache has L2.
-  * L3: gcache-server, written through at put() and read on an L1/L2 miss (synchronously:
-    one small blob per admission, on the request's first forward).
+  * L3: gcache-server. Written through at put(), off the engine's thread: the blob goes on
+    the L3 store's bounded write queue (L3Store.submit_blob, the writer threads that carry
+    KV pages); a full queue or a store marked down drops it (`l3_put_dropped`), a failed
+    put is counted (`l3_put_errors`), and the tail stays in L1/L2 either way. So a tail is
+    in L3 only once the queue has run it: a second worker reads it after L3Store.drain().
+    Read on an L1/L2 miss synchronously: one small blob per admission, on the request's
+    first forward.
 
 Every blob carries a sha256 of its body, checked on every get in every tier: a corrupt or
 missing tail is a miss (the engine then rebuilds or drafts blind), never wrong state.
@@ -18,6 +23,7 @@ missing tail is a miss (the engine then rebuilds or drafts blind), never wrong s
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 
 from gcache.serving.tiers import Tier
@@ -81,7 +87,8 @@ class MTPTails:
         self.l1 = _Tier(l1_bytes)
         self.l2 = _Tier(l2_bytes) if l2_bytes else None
         self.l3 = l3  # kvcache.l3_store.L3Store or None
-        self.stats = dict.fromkeys(("puts", "bad", "l3_put_errors", "l3_get_errors"), 0)
+        self.stats = dict.fromkeys(("puts", "bad", "l3_put_dropped", "l3_put_errors", "l3_get_errors"), 0)
+        self._error_lock = threading.Lock()  # l3_put_errors is counted on the L3 writer threads
         self.stats.update({f"hits_{t.value}": 0 for t in (Tier.L1, Tier.L2, Tier.L3)})
         self.stats["misses"] = 0
 
@@ -93,10 +100,13 @@ class MTPTails:
         if self.l2 is not None:
             self.l2.put(key, blob)
         if self.l3 is not None and self.l3.available():
-            try:
-                self.l3.client.put(self._l3_key(key), blob)
-            except Exception:  # noqa: BLE001 - L3 is best effort: the tail stays in L1/L2
-                self.stats["l3_put_errors"] += 1
+            # queued, never blocking: L3 is best effort (the tail stays in L1/L2)
+            if not self.l3.submit_blob(self._l3_key(key), blob, self._l3_put_failed):
+                self.stats["l3_put_dropped"] += 1
+
+    def _l3_put_failed(self) -> None:
+        with self._error_lock:
+            self.stats["l3_put_errors"] += 1
 
     def get(self, key: str) -> tuple[bytes, Tier] | None:
         """(body, tier it came from) or None: absent or failing its checksum everywhere."""
