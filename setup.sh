@@ -31,7 +31,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+# setuptools>=77 in the venv too: tests/native_debug.sh builds without isolation, and
+# pyproject's SPDX `license` string needs it
+.venv/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 echo "setup: building and installing gcache (compiles gcache_native/, about a minute)"
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 

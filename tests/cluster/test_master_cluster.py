@@ -116,7 +116,8 @@ def test_follower_forwards_registers_and_heartbeats_make_nodes_active(cluster):
         assert answer["state"] == "joining"
         epochs.append(answer["map"]["epoch"])
         beats.modes[node_id] = ECHO
-    assert epochs == [epochs[0], epochs[0] + 1, epochs[0] + 2]
+    # each register changes the map; a heartbeat that activates a node in between may too
+    assert all(later > earlier for earlier, later in zip(epochs, epochs[1:])), epochs
     assert register(via_follower, "a", 9000)["map"]["epoch"] >= epochs[-1]  # idempotent
     wait_until(lambda: states(leader) == {"a": "active", "b": "active", "c": "active"}, "a, b, c active")
     final = wait_until(lambda: converged(masters), "replicas to agree")
@@ -318,17 +319,30 @@ def test_ports_in_use_exit_3_and_a_shared_data_dir_exits_2(tmp_path):
 
 def test_log_compaction_writes_a_dump_that_a_restart_loads(tmp_path):
     """In-process single replica: force a compaction, restart on the same data dir, same state."""
+    from pysyncobj import SyncObjException
+
     from gcache.master.raft_state import DUMP_FILE, MasterRaft, ReplicatedMap
 
-    address = f"127.0.0.25:{free_port('127.0.0.25')}"
+    host = "127.0.0.97"  # no other test's replicas live there (start_masters uses .21 on)
 
-    def start():
+    def start(address):
         raft = MasterRaft(address, [], str(tmp_path), ReplicatedMap())
-        raft.waitBinded()
+        try:
+            raft.waitBinded()
+        except SyncObjException:
+            raft.close()
+            raise
         wait_until(raft.is_leader, "a leader")
         return raft
 
-    raft = start()
+    for attempt in range(3):  # free_port is a probe: the port can be taken before the bind
+        address = f"{host}:{free_port(host)}"
+        try:
+            raft = start(address)
+            break
+        except SyncObjException:
+            if attempt == 2:
+                raise
     try:
         raft.apply("register", "n1", "10.0.0.1:7600", 4, "", timeout_s=5)
         raft.apply("activate", "n1", 1, True, timeout_s=5)
@@ -339,7 +353,7 @@ def test_log_compaction_writes_a_dump_that_a_restart_loads(tmp_path):
         wait_until(lambda: (tmp_path / DUMP_FILE).exists() and raft._getRaftLogSize() <= 2, "the dump")
     finally:
         raft.close()
-    raft = start()
+    raft = start(address)
     try:
         after = raft.snapshot()
         assert (after.map, after.rebalanced) == (before.map, before.rebalanced)
