@@ -214,12 +214,9 @@ class Speculator:
         # Where the prefix's SWA KV is live far enough back (a spare point in L1: the first
         # reuse) the rebuild starts early enough to be exact, and its tail is written down (the
         # resume point is a checkpoint: the branch point). Else it rebuilds the window only.
-        reach = self.head.exact_reach()
         swa = eng.cache.prefix_swa_pages(r)
-        h, lo, exact_from = self.head.window_hidden(r.tokens(), r.kv, eng.kv, max(0, c_old - reach), c_old, swa)
-        exact = exact_from == 0 or exact_from <= c_old - reach
-        if not exact and lo < c_old - eng.window:
-            h, lo = h[c_old - eng.window - lo :], c_old - eng.window
+        lo, exact = self.head.rebuild_start(r.kv, c_old, swa)
+        h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, lo, c_old, swa)
         st = self.head.new_state(lo, r.kv)
         if h is not None:
             self.head.step(st, h, lo, c_old, r.tokens(), 0)

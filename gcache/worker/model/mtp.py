@@ -146,12 +146,17 @@ class MTPHead:
         """window_hidden() below, with this head's model."""
         return window_hidden(self.model, tokens, req_kv, kv, lo, hi, swa_pages)
 
-    def exact_reach(self) -> int:
-        """How far before a cached prefix's end P a rebuild must start to be exact: depth d's
-        KV at i needs depth d-1's hidden at i, which reads depth d-1's window [i - W + 1, i];
-        so every depth is a prefill's from P - K - W + 1 on (what later windows and a tail
-        read) when the main model's hidden states are exact from P - K * W on."""
-        return self.depths * self.config.window
+    def rebuild_start(self, req_kv, p: int, swa_pages=None) -> tuple[int, bool]:
+        """(lo, exact): where a rebuild of the MTP window before a cached prefix's end p
+        starts, and whether it is exact. Depth d's KV at i needs depth d-1's hidden at i,
+        which reads depth d-1's window [i - W + 1, i]; so every depth is a prefill's from
+        p - K - W + 1 on (what later windows and a tail read) when the main model's hidden
+        states are exact from p - K * W on, i.e. when the SWA KV is live W - 1 before that
+        (window_hidden). Where it is not, the rebuild covers the window only."""
+        w, reach = self.config.window, self.depths * self.config.window
+        live = live_swa_page(req_kv, p, swa_pages) * self.config.page_size
+        exact = live == 0 or live + w - 1 <= p - reach
+        return max(0, p - (reach if exact else w)), exact
 
     def draft_logits(self, d: int, h):
         m = self.model
@@ -202,28 +207,34 @@ class MTPHead:
         return x
 
 
+def live_swa_page(req_kv, hi: int, swa_pages=None) -> int:
+    """The first page of the run of live SWA pages that ends at position hi's page."""
+    swa = req_kv.swa_pages if swa_pages is None else swa_pages
+    page = req_kv.pages_for(hi)
+    while page > 0 and swa[page - 1] is not None:
+        page -= 1
+    return page
+
+
 def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
-    """(hidden, lo2, exact_from): the main model's last hidden states at positions [lo2, hi)
-    of a cached prefix (lo2 >= lo: where the request's live SWA KV starts), read from the
-    request's pages without writing any (they may be the prefix tree's, shared). `tokens`:
-    the sequence's tokens, at least hi of them. Full layers read every position; SWA layers
-    only what is live (a checkpoint keeps SWA KV for its last W tokens), so positions before
-    exact_from see a shorter window than a prefill did (good enough for drafts, which never
-    decide the output); from exact_from on the hidden states are those of a prefill.
+    """(hidden, lo2): the main model's last hidden states at positions [lo2, hi) of a cached
+    prefix (lo2 >= lo: where the request's live SWA KV starts), read from the request's pages
+    without writing any (they may be the prefix tree's, shared). `tokens`: the sequence's
+    tokens, at least hi of them. Full layers read every position; SWA layers only what is
+    live (a checkpoint keeps SWA KV for its last W tokens), so positions less than W - 1
+    after the live run's start see a shorter window than a prefill did (good enough for
+    drafts, which never decide the output); later ones are a prefill's.
     swa_pages: the SWA page table to read (default req_kv's; CacheManager.prefix_swa_pages
     adds the cache's live pages before the request's window)."""
     from gcache.worker.config import FULL
 
     c, xp = model.config, model.xp
     ps = c.page_size
-    swa_from = req_kv.pages_for(hi)
     swa = req_kv.swa_pages if swa_pages is None else swa_pages
-    while swa_from > 0 and swa[swa_from - 1] is not None:
-        swa_from -= 1
+    swa_from = live_swa_page(req_kv, hi, swa)
     lo = max(lo, swa_from * ps)
-    exact_from = 0 if swa_from == 0 else swa_from * ps + c.window - 1
     if lo >= hi:
-        return None, hi, exact_from
+        return None, hi
     toks = np.asarray(tokens[lo:hi], dtype=np.int64)
     pos = np.arange(lo, hi)
     x = model.w["embed.weight"][xp.asarray(toks)]
@@ -240,4 +251,4 @@ def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
         vals = v_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
         attn = model._attend(q, keys, vals, pos, np.arange(first * ps, hi), None if kind == FULL else c.window)
         x = model._finish_layer(layer, x, attn)
-    return x, lo, exact_from
+    return x, lo
