@@ -93,8 +93,9 @@ void random_bytes(uint8_t* out, size_t n) {
 // AUTH {} answers a fresh nonce; AUTH {"id", "mac"} checks the answer to it.
 // A node without --auth-file answers {"auth": false} to both.
 bool Server::handle_auth(Connection* c, const FrameHeader& h) {
-  c->meta.resize(h.meta_len);
-  if (h.meta_len > 0) recv_exact(c->timer, c->meta.data(), h.meta_len, c->deadline_us);
+  // The budgeted, grow-as-bytes-arrive path of every frame (check_frame
+  // already refused an AUTH claiming more than kAuthMetaBytesMax).
+  read_meta(c, h);
   if (h.payload_len > 0) {
     discard(c, h.payload_len);
     send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::BadFrame,

@@ -645,6 +645,14 @@ bool Server::check_frame(Connection* c, const FrameHeader& h) {
                    std::to_string(config_.frame_payload_bytes_max) + "); split the batch; the connection is closed");
     return false;
   }
+  if (Opcode(h.opcode) == Opcode::Auth && h.meta_len > kUnauthenticatedMetaBytesMax) {
+    // An AUTH's metadata is two short fields: a claim of more is refused
+    // before a byte of it is buffered, on any connection (issue 31, finding 1).
+    send_error(c, metrics_, h.opcode, h.request_id, FrameStatus::LimitExceeded,
+               "AUTH metadata is at most " + std::to_string(kUnauthenticatedMetaBytesMax) +
+                   " bytes (meta_len=" + std::to_string(h.meta_len) + "); the connection is closed");
+    return false;
+  }
   if (unauthenticated(c)) {
     // Before AUTH: only PING and AUTH, with small metadata and no payload;
     // anything else is answered once and the connection closed.
