@@ -14,7 +14,7 @@ PYTHON_LAYERS: list[tuple[list[str], str]] = [
     (["gcache.wire"], "frames, keys, tokens"),
     (["gcache.cluster"], "the map, placement, the master's API"),
     (["gcache.client"], "the client"),
-    (["gcache"], "the facade: gcache.Client, __version__"),
+    (["gcache"], "the facade: `gcache.Client`, `__version__`"),
     (["gcache.server", "gcache.master", "gcache.cli"], "the daemons and the operators' CLI"),
     (["gcache.serving"], "the worker <-> router contract, HTTP pieces"),
     (["gcache.worker", "gcache.router"], "worker foundation (config, backend, integrity); the router"),
