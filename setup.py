@@ -1,7 +1,7 @@
 """Builds gcache._native from the C++ sources under gcache_native/ during install.
 
-The sources sit in folders by job (store/, eviction/, disk/, server/, client/,
-common/, bindings/); includes are spelled from gcache_native/, e.g.
+The sources sit in folders by job (store/, eviction/, core/, disk/, server/, client/,
+common/, bindings/; their include layers: tests/support/layers.py); includes are spelled from gcache_native/, e.g.
 `#include "store/store.h"`.
 
 GCACHE_NATIVE_DEBUG=1 at build time builds the debug flavour: -DGCACHE_DEBUG

@@ -1,7 +1,7 @@
 #include "disk/record.h"
 
 #include "common/checksum.h"
-#include "store/store.h"
+#include "common/key_limits.h"
 
 namespace gcache {
 

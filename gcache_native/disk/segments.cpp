@@ -12,7 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "store/store.h"
+#include "common/key_limits.h"
 
 namespace gcache {
 

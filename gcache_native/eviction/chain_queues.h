@@ -23,7 +23,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "store/entry.h"
+#include "core/entry.h"
 
 namespace gcache {
 

@@ -6,10 +6,9 @@
 #include <string>
 #include <string_view>
 
-namespace gcache {
+#include "core/owner.h"
 
-using OwnerId = uint32_t;  // who a value belongs to (tenants); 0 = the default owner
-constexpr OwnerId kAnyOwner = UINT32_MAX;
+namespace gcache {
 
 enum class PolicyKind : uint8_t { Chain = 0, S3Fifo = 1, Lru = 2 };
 

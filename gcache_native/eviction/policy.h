@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "core/entry.h"
 #include "eviction/config.h"
-#include "store/entry.h"
 
 namespace gcache {
 

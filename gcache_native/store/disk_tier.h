@@ -10,8 +10,8 @@
 #include <memory>
 #include <unordered_map>
 
+#include "core/entry.h"
 #include "disk/segments.h"
-#include "store/entry.h"
 
 namespace gcache {
 

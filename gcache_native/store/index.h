@@ -11,7 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "store/entry.h"
+#include "core/entry.h"
 
 namespace gcache {
 

@@ -12,7 +12,7 @@
 
 #include "common/arena_allocator.h"
 #include "common/arena_shared_memory.h"
-#include "store/entry.h"
+#include "core/entry.h"
 
 namespace gcache {
 

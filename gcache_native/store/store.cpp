@@ -19,10 +19,10 @@
 
 #include "common/assert.h"
 #include "common/checksum.h"
+#include "core/entry.h"
 #include "disk/segments.h"
 #include "eviction/policy.h"
 #include "store/disk_tier.h"
-#include "store/entry.h"
 #include "store/index.h"
 #include "store/memory_tier.h"
 #include "store/owner_accounts.h"

@@ -12,16 +12,11 @@
 #include <vector>
 
 #include "common/checksum.h"
+#include "common/key_limits.h"
 #include "common/metrics.h"
 #include "eviction/config.h"
 
 namespace gcache {
-
-// A client key is 1..512 bytes (docs/protocol.md); an authenticated node
-// stores it behind its tenant's prefix (name + NUL, at most 33 bytes).
-constexpr uint32_t kUserKeyBytesMax = 512;
-constexpr uint32_t kTenantPrefixBytesMax = 33;
-constexpr uint32_t kKeyBytesMax = kUserKeyBytesMax + kTenantPrefixBytesMax;
 
 // One tenant's bounds in the store (docs/security.md, "Quotas"). Values carry
 // their owner (PutHint::owner); keys stored as name + NUL + key let a restart

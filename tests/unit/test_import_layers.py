@@ -1,5 +1,6 @@
-"""The package's shape, checked: no import circle between gcache modules, and no module
-importing from a room on its own row or above it (LAYERS, lowest first).
+"""The package's shape, checked: no import circle between gcache modules, no module
+importing from a room on its own row or above it (LAYERS, lowest first), and no gcache module
+importing the repository's `bench` or `tests`.
 
 A room is the longest prefix in LAYERS that names a module; a module may import its own room
 and rooms on lower rows only. Imports under `if TYPE_CHECKING:` are for annotations and do not
@@ -12,28 +13,11 @@ import ast
 import functools
 from pathlib import Path
 
+from tests.support.layers import NEVER_IMPORTED_BY_GCACHE, PYTHON_LAYERS, rooms, rows
 from tests.support.package_source import PACKAGE, parsed
 
-LAYERS = [
-    ["gcache.errors", "gcache._native"],  # leaves
-    ["gcache.common"],  # sizes, addresses, breaker, processes
-    ["gcache.wire"],  # frames, keys, tokens
-    ["gcache.cluster"],  # the map, placement, the master's API
-    ["gcache.client"],  # the client
-    ["gcache"],  # the facade: gcache.Client, __version__
-    ["gcache.server", "gcache.master", "gcache.cli"],  # the daemons and the operators' CLI
-    ["gcache.serving"],  # the worker <-> router contract, HTTP pieces
-    ["gcache.worker", "gcache.router"],  # worker foundation (config, backend, integrity)
-    ["gcache.worker.kvcache"],
-    ["gcache.worker.model", "gcache.worker.engine"],
-    ["gcache.worker.http"],
-    ["gcache.integrations"],  # engine adapters
-    ["gcache.tools.plotting"],  # the benches' charts (matplotlib, optional)
-    ["gcache.tools.devcluster"],  # launchers, local clusters
-    ["gcache.tools.storebench"],  # the gcache-bench harness
-    ["gcache.tools"],  # gcache-demo
-]
-ROW = {room: row for row, rooms in enumerate(LAYERS) for room in rooms}
+LAYERS = rooms(PYTHON_LAYERS)  # lowest first (tests/support/layers.py)
+ROW = rows(PYTHON_LAYERS)
 
 
 def module_name(path: Path) -> str:
@@ -82,7 +66,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-@functools.cache  # one parse of the package for the three tests
+@functools.cache  # one parse of the package for the tests
 def graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in parsed()}
     modules = set(paths) | {"gcache._native"}
@@ -136,3 +120,19 @@ def test_no_import_circle():
         if node not in index:
             visit(node)
     assert not circles, f"import circles: {circles}"
+
+
+def test_gcache_never_imports_bench_or_tests():
+    wrong = []
+    for path, tree in parsed().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in NEVER_IMPORTED_BY_GCACHE:
+                    wrong.append(f"{module_name(path)} -> {name} (line {node.lineno})")
+    assert not wrong, "gcache imports what it does not ship:\n" + "\n".join(sorted(wrong))

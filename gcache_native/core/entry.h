@@ -8,8 +8,8 @@
 
 #include "common/assert.h"
 #include "common/checksum.h"
+#include "core/owner.h"
 #include "disk/segments.h"
-#include "eviction/config.h"
 
 namespace gcache {
 
