@@ -3,12 +3,13 @@
 
 namespace py = pybind11;
 
-void bind_checksum(py::module_& m);  // common/checksum.cpp
-void bind_store(py::module_& m);     // bindings/store_bindings.cpp
-void bind_server(py::module_& m);    // bindings/server_bindings.cpp
-void bind_io(py::module_& m);        // client/io_bindings.cpp (client-side socket helpers)
-void bind_ketama(py::module_& m);    // client/ketama.cpp (batch placement hashes)
-void bind_shm_copy(py::module_& m);  // client/shm_copy.cpp (one-sided copies, client side)
+void bind_checksum(py::module_& m);     // common/checksum.cpp
+void bind_store(py::module_& m);        // bindings/store_bindings.cpp
+void bind_server(py::module_& m);       // bindings/server_bindings.cpp
+void bind_io(py::module_& m);           // client/io_bindings.cpp (client-side socket helpers)
+void bind_ketama(py::module_& m);       // client/ketama.cpp (batch placement hashes)
+void bind_shm_copy(py::module_& m);     // client/shm_copy.cpp (one-sided copies, client side)
+void bind_copy_ranges(py::module_& m);  // client/copy_ranges.cpp (batched memcpys: the host mover)
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "GCache native core: arena, index, disk segments, data server";
@@ -25,4 +26,5 @@ PYBIND11_MODULE(_native, m) {
   bind_io(m);
   bind_ketama(m);
   bind_shm_copy(m);
+  bind_copy_ranges(m);
 }

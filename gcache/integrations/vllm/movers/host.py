@@ -1,0 +1,42 @@
+"""KV in CPU tensors: copies are memcpys run at once (native, GIL released), events are done."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from gcache._native import copy_ranges
+from gcache.integrations.vllm.movers.base import BlockMover
+
+
+class HostMover(BlockMover):
+    name = "host"
+
+    def alloc_host(self, nbytes: int) -> memoryview:
+        return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]  # page-aligned, zero-filled
+
+    def new_stream(self, purpose: str):
+        return purpose
+
+    def compute_stream(self):
+        return "compute"
+
+    def copy(self, stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
+        copy_ranges(_u64(dst), _u64(src), _u64(sizes))
+
+    def record(self, stream):
+        return None
+
+    def wait_event(self, stream, event) -> None:
+        pass
+
+    def query(self, event) -> bool:
+        return True
+
+    def synchronize(self, event) -> None:
+        pass
+
+
+def _u64(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.uint64)
