@@ -61,3 +61,11 @@ def rank_keys(model: str, namespace: str | None, tp_size: int, is_mla: bool) -> 
     """The keys of every TP rank (the scheduler asks for all of them: a hit needs each rank's heads)."""
     ranks = 1 if is_mla else tp_size
     return [PageKeys(model, namespace, r, tp_size, is_mla) for r in range(ranks)]
+
+
+def segment_keys(value_key: bytes, segments: int) -> list[bytes]:
+    """The keys of a value stored in `segments` pieces: the key itself when one, else `@s{i}`
+    appended (a value over the node's value limit; values.GroupValues.segment_spans)."""
+    if segments == 1:
+        return [value_key]
+    return [value_key + b"@s%d" % i for i in range(segments)]
