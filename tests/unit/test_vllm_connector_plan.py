@@ -1,5 +1,5 @@
-"""GCacheConnector's pure parts (no vLLM needed): checkpoint cuts, the hit fold, page keys
-per model / layout / rank, and the settings' errors."""
+"""GCacheConnector's pure parts (no vLLM needed): checkpoint cuts, the hit fold, value keys
+per model / layout tag / group / rank and their segments, and the settings' errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import pytest
 
 from gcache.integrations.vllm import plan
 from gcache.integrations.vllm.groups import Group
-from gcache.integrations.vllm.keys import PageKeys, model_tag, prompt_page_hashes, rank_keys
+from gcache.integrations.vllm.keys import (
+    GroupTag,
+    PageKeys,
+    mla_writer,
+    model_tag,
+    rank_keys,
+    segment_keys,
+    value_tag,
+)
 from gcache.integrations.vllm.settings import ConnectorSettings, SettingsError
 from gcache.wire.keys import page_hashes
 
@@ -45,33 +53,54 @@ def test_leading_counts_pages_whose_every_entry_is_there():
     assert plan.leading([], 2) == 0
 
 
-def _group(kind="full", layout="h2b32d32float32"):
-    return Group(0, kind, ("l0",), (0,), 32, 0, layout, 16384)
+def _group(kind="full", index=0):
+    return Group(index, kind, ("l0",), (0,), 32, 0)
 
 
-def test_page_hashes_are_the_shared_chain_and_a_salt_starts_another():
-    tokens = list(range(100))
-    assert prompt_page_hashes(tokens, 32) == page_hashes(tokens, 32)
-    assert len(prompt_page_hashes(tokens, 32)) == 3
-    salted = prompt_page_hashes(tokens, 32, cache_salt="tenant-a")
-    assert salted != prompt_page_hashes(tokens, 32) and len(set(salted) & set(page_hashes(tokens, 32))) == 0
+TAG = GroupTag(value_tag("HNC", 32, 2, 256, "float32", [(0, [(0, 16384)])], 1), 1)
 
 
-def test_keys_differ_by_model_layout_pool_layer_and_rank():
+def test_value_keys_differ_by_model_tag_pool_group_and_rank():
     h = page_hashes(list(range(32)), 32)[0]
     base = PageKeys("org/model", None, 0, 1, False)
-    key = base.key(h, _group(), 0)
-    assert key == f"{h}.full-h2b32d32float32@g0_org-model_0_1".encode()
+    (key,) = base.value_keys(h, _group(), TAG)
+    assert key == f"{h}.full-{TAG.tag}@g0_org-model_0_1".encode()
+    assert TAG.tag.startswith("HNCk32h2c256float32n1-") and TAG.tag.endswith("s1")
+
+    def tag(**change):
+        args = dict(order="HNC", kernel_block=32, heads=2, content_bytes=256, dtype="float32")
+        args["layers"] = [(0, [(0, 16384)])]
+        args.update(change)
+        return GroupTag(value_tag(**args, segments=1), 1)
+
     others = {
-        PageKeys("org/other", None, 0, 1, False).key(h, _group(), 0),
-        base.key(h, _group(layout="h2b32d32bfloat16"), 0),
-        base.key(h, _group(kind="swa"), 0),
-        base.key(h, _group(), 1),
-        PageKeys("org/model", None, 0, 2, False).key(h, _group(), 0),
-        PageKeys("org/model", None, 1, 2, False).key(h, _group(), 0),
-        PageKeys("org/model", "tenant", 0, 1, False).key(h, _group(), 0),
+        PageKeys("org/other", None, 0, 1, False).value_keys(h, _group(), TAG)[0],
+        base.value_keys(h, _group(), tag(order="NHC"))[0],
+        base.value_keys(h, _group(), tag(kernel_block=16))[0],
+        base.value_keys(h, _group(), tag(dtype="bfloat16"))[0],
+        base.value_keys(h, _group(), tag(heads=4))[0],
+        base.value_keys(h, _group(), tag(layers=[(1, [(0, 16384)])]))[0],  # another layer set
+        base.value_keys(h, _group(kind="swa"), TAG)[0],
+        base.value_keys(h, _group(index=1), TAG)[0],
+        PageKeys("org/model", None, 0, 2, False).value_keys(h, _group(), TAG)[0],
+        PageKeys("org/model", None, 1, 2, False).value_keys(h, _group(), TAG)[0],
+        PageKeys("org/model", "tenant", 0, 1, False).value_keys(h, _group(), TAG)[0],
     }
-    assert key not in others and len(others) == 7
+    assert key not in others and len(others) == 11
+
+
+def test_a_value_in_segments_has_one_key_per_segment():
+    h = page_hashes(list(range(32)), 32)[0]
+    tag = GroupTag(value_tag("HNC", 32, 2, 256, "float32", [(0, [(0, 16384)])], 3), 3)
+    keys = PageKeys("m", None, 0, 1, False).value_keys(h, _group(), tag)
+    assert [k[-3:] for k in keys] == [b"@s0", b"@s1", b"@s2"] and len(set(k[:-3] for k in keys)) == 1
+    assert segment_keys(b"k", 1) == [b"k"]
+
+
+def test_one_rank_writes_each_mla_page_and_the_writers_spread():
+    hashes = page_hashes(list(range(32 * 64)), 32)
+    writers = [mla_writer(h, 4) for h in hashes]
+    assert set(writers) == {0, 1, 2, 3} and writers == [mla_writer(h, 4) for h in hashes]
 
 
 def test_the_scheduler_asks_for_every_rank_but_mla_shares_one():

@@ -24,8 +24,7 @@ from collections import OrderedDict
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
-import gcache
-from gcache import errors
+from gcache.integrations.common.connect import connect
 from gcache.integrations.sglang.keys import flat_page_keys, key_builder, pool_tag
 from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors, tensor_bytes
 from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present
@@ -38,34 +37,6 @@ log = logging.getLogger("gcache.integrations.sglang")
 WRITTEN_KEYS_MAX = 65536  # keys clear() can remove: the newest this process stored
 
 
-def connect(settings: BackendSettings):
-    """A client that has just reached the store; a clear error if it cannot."""
-    client = None
-    try:
-        client = gcache.Client(
-            settings.url,
-            timeout_s=settings.timeout_s,
-            connect_timeout_s=settings.connect_timeout_s,
-            retries=settings.retries,
-            transport=settings.transport,
-        )
-        answer = client.ping()
-    except errors.GCacheError as exc:
-        if client is not None:
-            client.close()
-        raise ConnectionError(
-            f"GCache backend: cannot reach the store at {settings.url}: {exc}. "
-            "Start gcache-server (or fix gcache_url / GCACHE_URL)"
-        ) from exc
-    if settings.url.startswith("gcache://") and not any(isinstance(a, dict) for a in answer.values()):
-        client.close()
-        raise ConnectionError(
-            f"GCache backend: no node of the cluster at {settings.url} "
-            f"answered: {answer or 'the cluster map lists no nodes'}"
-        )
-    return client
-
-
 class GCacheHiCacheStorage(HiCacheStorage):
     """SGLang's HiCacheStorage over GCache, every interface SGLang calls in one class:
     zero-copy v1 (batch_*_v1), per-pool v2 for hybrid models (batch_*_v2), and the
@@ -76,7 +47,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.builder = key_builder(storage_config, self.settings.namespace)
         self.stats = BackendStats(bool(storage_config.enable_storage_metrics))
-        self.client = connect(self.settings)
+        self.client = connect(self.settings, "GCache backend")
         self.store = SGLangStore(self.client, self.settings.suspect_s, self.stats)
         self.mem_pool_host = None
         self.registered_pools = {}

@@ -6,10 +6,12 @@
                      kv_connector_extra_config={"gcache_url": "127.0.0.1:7600"})
 
 connector (the class vLLM loads), settings (extra_config), groups (vLLM's KV cache groups as
-full / sliding-window pools), keys (page keys), plan (which pages to load and save: pure
-functions), scheduler_side / worker_side (the two halves), saver (the bounded save queue),
-loader (async loads), store (store failures become misses), stats, testing (tiny models and
-an engine run for the tests and benches; not used by the connector).
+full / sliding-window pools), keys (value keys and their layout tag), plan (which pages to
+load and save: pure functions), scheduler_side / worker_side (the two halves), page_runs
+(where a block lies in vLLM's layouts), values (a group's layers per block as one value),
+staging (host slots), transfers (the save and load state machines), movers/ (host, stand-in
+and CUDA copies), stats, testing (tiny models and an engine run for the tests and benches;
+not used by the connector).
 """
 
 __all__ = ["GCacheConnector"]

@@ -25,41 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-import gcache
-from gcache import errors
+from gcache.integrations.common.connect import connect
 from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.vllm.groups import groups_of
 from gcache.integrations.vllm.keys import PageKeys, rank_keys
-from gcache.integrations.vllm.meta import GCacheConnectorMetadata
+from gcache.integrations.vllm.meta import GCacheConnectorMetadata, GCacheHandshake
 from gcache.integrations.vllm.scheduler_side import SchedulerSide
-from gcache.integrations.vllm.settings import ConnectorSettings
+from gcache.integrations.vllm.settings import LAYOUTS, ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
 from gcache.integrations.vllm.worker_side import WorkerSide
 
 log = logging.getLogger("gcache.integrations.vllm")
-
-
-def connect(settings: ConnectorSettings):
-    """A client that has just reached the store; a clear error if it cannot."""
-    client = None
-    try:
-        client = gcache.Client(
-            settings.url,
-            timeout_s=settings.timeout_s,
-            connect_timeout_s=settings.connect_timeout_s,
-            retries=settings.retries,
-            transport=settings.transport,
-            verify_checksums=settings.verify_checksums,
-        )
-        client.ping()
-    except errors.GCacheError as exc:
-        if client is not None:
-            client.close()
-        raise ConnectionError(
-            f"GCacheConnector: cannot reach the store at {settings.url}: {exc}. "
-            "Start gcache-server (or fix gcache_url / GCACHE_URL)"
-        ) from exc
-    return client
 
 
 @dataclass
@@ -94,7 +70,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         is_mla = bool(getattr(model_config, "use_mla", False))
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.stats = ConnectorStats()
-        self.client = connect(self.settings)
+        self.client = connect(self.settings, "GCacheConnector")
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
@@ -117,7 +93,9 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
             rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
             keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
-            self.worker_side = WorkerSide(self.settings, self.groups, keys, self.client, self.store, self.stats)
+            self.worker_side = WorkerSide(
+                self.settings, self.groups, keys, self.client, self.store, self.stats, kv_cache_config.num_blocks
+            )
         log.info(
             "GCacheConnector (%s): store %s, groups %s, keys ...%s",
             role.name,
@@ -135,6 +113,14 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats.count("store_errors")
             log.error("GCacheConnector %s failed: %s", what, exc, exc_info=True)
             return failed
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """The layout GCache asks of vLLM (gcache_layout, default LBHNC); the engine's own
+        setting wins, and the connector moves whatever vLLM resolved."""
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        layout = extra.get("gcache_layout", ConnectorSettings.layout)
+        return layout if layout in LAYOUTS else None  # a bad value fails at the connector's start
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -175,6 +161,14 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict):
         self.worker_side.register(kv_caches)  # a layout we cannot address fails the start
 
+    def get_handshake_metadata(self) -> GCacheHandshake | None:
+        return GCacheHandshake(self.worker_side.handshake()) if self.worker_side is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        if self.scheduler_side is not None:
+            tags = {rank: m.tags for rank, m in metadata.items() if isinstance(m, GCacheHandshake)}
+            self.scheduler_side.set_tags(tags)
+
     def handle_preemptions(self, kv_connector_metadata):
         if isinstance(kv_connector_metadata, GCacheConnectorMetadata):
             self._safely("preemption", None, self.worker_side.preempted, kv_connector_metadata)
@@ -185,18 +179,18 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._safely("load", None, self.worker_side.start_load, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._safely("layer load", None, self.worker_side.wait_layer, layer_name)
+        """Nothing to wait for: a synchronous load's copy is ordered before the forward on the
+        compute stream (start_load_kv), so no layer hook and no cudagraph restriction."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        # The bound metadata, not start_load_kv's: without synchronous loads vLLM calls
-        # start_load_kv after the forward, and this step's pages must be saved this step (a
-        # sliding-window block can belong to another request in the next one).
-        meta = self._connector_metadata
-        if isinstance(meta, GCacheConnectorMetadata):
-            self._safely("save", None, self.worker_side.save_layer, layer_name, meta)
+        """Nothing per layer: a value holds all of a group's layers, saved in wait_for_save."""
 
     def wait_for_save(self):
-        self._safely("save fence", None, self.worker_side.wait_for_save)
+        # The step's forward is queued: its pages are saved from this step's metadata, before
+        # a sliding-window block can belong to another request (the next step).
+        meta = self._connector_metadata
+        if isinstance(meta, GCacheConnectorMetadata):
+            self._safely("save", None, self.worker_side.save_step, meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recving, failed = self._safely(

@@ -26,18 +26,12 @@ class Group(NamedTuple):
     layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part
     block_size: int
     tail: int  # sliding-window groups: pages needed before a cut; 0 for full attention
-    layout: str  # the page's byte layout in the key: heads, block size, head size, dtype
-    page_bytes: int  # bytes of one page of one layer
 
 
 def _layer_id(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
     return extract_layer_index(name)
-
-
-def _dtype_code(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def groups_of(kv_cache_config) -> list[Group]:
@@ -57,8 +51,6 @@ def groups_of(kv_cache_config) -> list[Group]:
                 f"KV cache group {index} is {type(spec).__name__}; GCacheConnector serves full-attention "
                 "and sliding-window attention groups only"
             )
-        heads = getattr(spec, "num_kv_heads", 1)
-        layout = f"h{heads}b{spec.block_size}d{spec.head_size}{_dtype_code(spec.dtype)}"
         names = tuple(group.layer_names)
         groups.append(
             Group(
@@ -68,8 +60,6 @@ def groups_of(kv_cache_config) -> list[Group]:
                 layer_ids=tuple(_layer_id(n) for n in names),
                 block_size=spec.block_size,
                 tail=tail,
-                layout=layout,
-                page_bytes=spec.real_page_size_bytes if hasattr(spec, "real_page_size_bytes") else spec.page_size_bytes,
             )
         )
     sizes = {g.block_size for g in groups}

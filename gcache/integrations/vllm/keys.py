@@ -1,16 +1,21 @@
-"""Store keys of vLLM's pages: one value per (page, layer).
+"""Store keys of vLLM's pages: one value per (page, KV cache group, TP rank) holding all of the
+group's layers for one vLLM block (values.GroupValues), in segments when it is larger than the
+node's value limit.
 
-    [namespace "/"] page_hash "." pool "-" layout "@g" layer "_" model "_" tp_rank "_" tp_size
+    [namespace "/"] page_hash "." pool "-" tag "@g" group "_" model "_" tp_rank "_" tp_size ["@s" i]
 
 - page_hash: the content-addressed chain of gcache.wire.keys (SGLang's HiCache chain) over
   the prompt's token ids, one hash per vLLM block; a request's cache_salt seeds the chain;
-- pool: "full" or "swa" (the KV cache group's kind);
-- layout: kv heads, block size, head size and dtype ("h2b32d32float32"): the same tokens in
-  another layout are other bytes and must never be read back under it;
-- layer: the model's layer number;
+- pool: "full" or "swa" (the KV cache group's kind); group: its index in vLLM's config;
+- tag: everything that changes the value's bytes (`value_tag`): the page's byte order (heads or
+  tokens outer), the kernel block size, heads, bytes per head and token, dtype, the number of
+  layers and a digest of their ids and runs, and the segment count. The worker learns it from
+  the KV views vLLM gives it and hands it to the scheduler (vLLM's connector handshake), so
+  engines with other layouts or versions never read each other's values;
 - model: kv_connector_extra_config["gcache_model"], else vLLM's served model name, with
   characters outside [A-Za-z0-9._-] as '-';
-- tp suffix: each TP rank holds its own heads; MLA (rank-replicated) keys omit it.
+- tp suffix: each TP rank holds its own heads; MLA (rank-replicated) keys omit it;
+- "@s" i: the segments of a value over the segment limit (none when it fits).
 Two vLLM instances of one model and layout share pages; other models, layouts or ranks never do.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import NamedTuple
 
 from gcache.wire.keys import KeyBuilder, page_hashes_array
 
@@ -41,20 +47,32 @@ def prompt_page_hashes(token_ids, block_size: int, cache_salt: str | None = None
     return page_hashes_array(list(token_ids), block_size, salt_hash(cache_salt))
 
 
+class GroupTag(NamedTuple):
+    """How one group's values are named: the worker computes it, the scheduler receives it."""
+
+    tag: str  # key-safe
+    segments: int  # pieces of one value (1: the value is one store value)
+
+
+def value_tag(
+    order: str, kernel_block: int, heads: int, content_bytes: int, dtype: str, layers: list, segments: int
+) -> str:
+    """The key's tag of a group's values. `layers`: per stored layer (id, its runs as (offset,
+    length) pairs): a different layer set or page split is a different digest."""
+    digest = hashlib.sha256(repr(layers).encode()).hexdigest()[:8]
+    return f"{order}k{kernel_block}h{heads}c{content_bytes}{_BAD.sub('', dtype)}n{len(layers)}-{digest}s{segments}"
+
+
 class PageKeys:
-    """Keys of one rank's pages: key(hash, group, layer_id)."""
+    """Keys of one rank's values: value_keys(hash, group, tag) -> the keys of its segments."""
 
     def __init__(self, model: str, namespace: str | None, tp_rank: int, tp_size: int, is_mla: bool):
         self.builder = KeyBuilder(
             model=model_tag(model), namespace=namespace, tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla
         )
 
-    def key(self, page_hash: str, group, layer_id: int) -> bytes:
-        return self.builder.key(page_hash, f"{group.kind}-{group.layout}", layer_id)
-
-    def page(self, page_hash: str, group) -> list[bytes]:
-        """Every layer's key of one page of one group, in the group's layer order."""
-        return [self.key(page_hash, group, layer) for layer in group.layer_ids]
+    def value_keys(self, page_hash: str, group, tag: GroupTag) -> list[bytes]:
+        return segment_keys(self.builder.key(page_hash, f"{group.kind}-{tag.tag}", group.index), tag.segments)
 
 
 def rank_keys(model: str, namespace: str | None, tp_size: int, is_mla: bool) -> list[PageKeys]:
@@ -69,3 +87,8 @@ def segment_keys(value_key: bytes, segments: int) -> list[bytes]:
     if segments == 1:
         return [value_key]
     return [value_key + b"@s%d" % i for i in range(segments)]
+
+
+def mla_writer(page_hash: str, tp_size: int) -> int:
+    """The one TP rank that writes an MLA page (every rank holds the same bytes; all read)."""
+    return int(page_hash[:8], 16) % tp_size

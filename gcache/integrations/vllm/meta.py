@@ -1,11 +1,12 @@
-"""What the scheduler side tells the worker side each step (vLLM pickles it across processes)."""
+"""What the scheduler side tells the worker side each step, and what the workers tell the
+scheduler once at start (vLLM pickles both across processes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 
 class PageRef(NamedTuple):
@@ -30,3 +31,11 @@ class GCacheConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
     preempted: frozenset = frozenset()
+
+
+@dataclass
+class GCacheHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once its KV is registered: each group's key tag
+    (keys.GroupTag), which only the worker can know (layout, kernel block size, segments)."""
+
+    tags: dict = field(default_factory=dict)  # group index -> GroupTag

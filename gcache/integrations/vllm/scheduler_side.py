@@ -2,7 +2,7 @@
 it into, and which freshly computed pages to save.
 
 A hit is counted from vLLM's own (block-aligned) local hit on: full-attention pages must all
-be stored (one batch_exists_prefix over every layer and rank of them), and each
+be stored (one batch_exists_prefix over every rank and segment of their values), and each
 sliding-window group must hold the window tail before the cut (plan.best_cut). Saves cover
 the prompt's pages as the forward computes them (chunk by chunk under chunked prefill);
 sliding-window groups save only checkpoint tails (plan.prompt_cuts), in the step that
@@ -47,6 +47,7 @@ class SchedulerSide:
         self.swa = [g for g in groups if g.kind == POOL_SWA]
         self.block_size = groups[0].block_size
         self.rank_keys = rank_keys
+        self.tags: dict | None = None  # group index -> GroupTag, from the workers' handshake
         self.store = store
         self.stats = stats
         self.load = load
@@ -79,12 +80,26 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------------------
 
+    def set_tags(self, per_rank: dict) -> None:
+        """The workers' handshake: every rank must name its values alike, or nothing is cached."""
+        tags = list(per_rank.values())
+        if not tags or any(t != tags[0] for t in tags):
+            log.error("GCacheConnector: the workers' KV layouts differ (%s); nothing is loaded or saved", per_rank)
+            self.tags = None
+            return
+        self.tags = dict(tags[0])
+        log.info("GCacheConnector scheduler: value tags %s", self.tags)
+
     def _keys(self, hashes, group) -> list:
-        return [k for h in hashes for keys in self.rank_keys for k in keys.page(h, group)]
+        tag = self.tags[group.index]
+        return [k for h in hashes for keys in self.rank_keys for k in keys.value_keys(h, group, tag)]
+
+    def _per_page(self, group) -> int:
+        return self.tags[group.index].segments * len(self.rank_keys)
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._track(request)  # saving needs it too (a kv_producer never loads)
-        if track is None or not self.load or track.no_load:
+        if track is None or not self.load or track.no_load or self.tags is None:
             return 0, False
         bs = self.block_size
         local = num_computed_tokens // bs
@@ -95,7 +110,7 @@ class SchedulerSide:
         self.stats.count("lookups")
         full_end = most
         for group in self.full:  # every layer and rank of each page: the prefix they all hold
-            per_page = len(group.layer_ids) * len(self.rank_keys)
+            per_page = self._per_page(group)
             found = self.store.exists_prefix(self._keys(track.hashes[local:full_end], group))
             full_end = local + found // per_page
         swa = []
@@ -103,7 +118,7 @@ class SchedulerSide:
             asks, spans = [], []
             for group in self.swa:
                 keys = self._keys(track.hashes[local:full_end], group)
-                spans.append((group, len(asks), len(keys), len(group.layer_ids) * len(self.rank_keys)))
+                spans.append((group, len(asks), len(keys), self._per_page(group)))
                 asks += keys
             flags = self.store.exists_flags(asks)  # one round trip for every group
             for group, at, n, per_page in spans:
@@ -151,7 +166,7 @@ class SchedulerSide:
 
     def _plan_saves(self, req_id: str, track: Track, computed_after: int) -> SaveSpec | None:
         done = min(computed_after, track.prompt_len) // self.block_size
-        if not self.save or done <= track.saved_upto:
+        if not self.save or self.tags is None or done <= track.saved_upto:
             return None
         pages = []
         for group in self.groups:

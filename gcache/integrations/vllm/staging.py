@@ -2,8 +2,9 @@
 registered once with the GCache client, so `batch_put_from` / `batch_get_into` on slot
 addresses move the bytes with no further copy in Python.
 
-Bounded: a batch that finds too few free slots gets none (`take` returns None): the caller
-drops the save (counted) or fails the load (vLLM recomputes), never waits in the forward.
+Bounded, and never waited for in the forward: a save takes what is free (`take_up_to`) and drops
+the rest of its pages (counted); a load that finds too few slots (`take` is all or nothing)
+fails, and vLLM recomputes those pages.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class StagingPool:
                 return None
             taken = [self._free.pop() for _ in range(count)]
         return taken
+
+    def take_up_to(self, count: int) -> list[int]:
+        """As many of `count` slots as are free (maybe none)."""
+        with self._lock:
+            n = min(count, len(self._free))
+            return [self._free.pop() for _ in range(n)]
 
     def give_back(self, slots: list[int]) -> None:
         with self._lock:

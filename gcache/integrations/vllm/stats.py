@@ -1,4 +1,4 @@
-"""What the connector counts: hits, pages and bytes moved, seconds spent, drops, store errors.
+"""What the connector counts: hits, values and bytes moved, seconds spent, drops, store errors.
 
 Thread-safe counters, always on. `counters()` on the connector returns them; vLLM's
 `get_kv_connector_stats` gets the change since its last call.
@@ -11,17 +11,20 @@ import threading
 COUNTERS = (
     "lookups",  # get_num_new_matched_tokens calls that asked the store
     "hit_tokens",  # external tokens reported to vLLM
-    "pages_loaded",  # (page, layer) values read into vLLM's blocks
+    "values_loaded",  # (page, group) values read whole and copied into vLLM's blocks
     "bytes_loaded",
-    "load_failed_pages",  # pages reported failed (vLLM recomputes them)
+    "load_failed_values",  # values missing, short or corrupt: their blocks are recomputed
+    "load_values_no_staging",  # values not loaded: no free load slots
+    "loads_refused_queue_full",
     "loads_async",
     "loads_sync",
-    "pages_saved",  # (page, layer) values written
+    "values_saved",  # (page, group) values written
     "bytes_saved",
-    "pages_skipped_existing",
-    "pages_save_failed",
-    "save_jobs_dropped",  # the save queue was full
-    "swa_pages_saved",
+    "values_skipped_existing",
+    "values_save_failed",
+    "save_pages_dropped",  # the put queue was full
+    "save_pages_dropped_staging",  # no free save slots
+    "swa_values_saved",
     "store_errors",
     "calls_while_suspect",
     "corrupt_values_removed",  # values that failed their checksum, removed from the store

@@ -124,6 +124,9 @@ def _connector_counters(llm) -> dict:
         conn = scheduler.connector
         if conn is not None and hasattr(conn, "counters"):
             out["scheduler"] = conn.counters()
+        side = getattr(conn, "scheduler_side", None)
+        if side is not None and side.tags is not None:  # what the workers' handshake named
+            out["value_tags"] = {str(g): [side.groups[g].kind, t.tag, t.segments] for g, t in side.tags.items()}
         groups = scheduler.kv_cache_config.kv_cache_groups
         out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
     except Exception as exc:

@@ -32,11 +32,13 @@ class GroupValues:
         if segment_bytes_max < 1:
             raise ValueError("segment_bytes_max must be >= 1")
         unique, seen = [], set()
-        for runs in layer_runs:
+        self.kept: list[int] = []  # indices into layer_runs of the layers stored
+        for i, runs in enumerate(layer_runs):
             ident = (runs.base, runs.block_stride, runs.offsets.tobytes(), runs.lengths.tobytes())
             if ident not in seen:  # a KV-sharing layer: the same bytes as a layer already in
                 seen.add(ident)
                 unique.append(runs)
+                self.kept.append(i)
         if not unique:
             raise ValueError("a KV cache group without layers")
         self.layers = unique

@@ -46,9 +46,10 @@ def gemma(models, tmp_path_factory):
         out["a_every"] = run_engine(gcache_spec(model, url, [P], **every), work / "a-every")
         out["b_every"] = run_engine(gcache_spec(model, url, [P + S, P], **every), work / "b-every")
         with gcache.Client(url, transport="tcp") as client:
-            swa = page_keys(model, P, POOL_SWA, SWA_LAYERS)
+            tags = out["a"]["counters"]["value_tags"]
+            swa = page_keys(model, P, tags, POOL_SWA)
             out["swa_stored"] = [p for p, keys in enumerate(swa) if all(client.batch_is_exist(keys))]
-            full = page_keys(model, P, POOL_FULL, FULL_LAYERS)
+            full = page_keys(model, P, tags, POOL_FULL)
             out["full_stored"] = [p for p, keys in enumerate(full) if all(client.batch_is_exist(keys))]
         # A flipped byte in a full-attention page: vLLM reports per-block load errors only for
         # one KV group, so the hybrid load fails as a whole and vLLM recomputes the request.
@@ -69,11 +70,13 @@ def test_sliding_window_kv_is_stored_only_at_checkpoints(gemma):
     assert gemma["full_stored"] == list(range(PAGES))
     assert gemma["swa_stored"] == CHECKPOINT_TAILS
     a, every = gemma["a"]["counters"]["worker"], gemma["a_every"]["counters"]["worker"]
-    assert a["swa_pages_saved"] == len(CHECKPOINT_TAILS) * len(SWA_LAYERS)
-    assert every["swa_pages_saved"] == PAGES * len(SWA_LAYERS)
-    full_values = PAGES * len(FULL_LAYERS)
-    assert a["bytes_saved"] == (full_values + len(CHECKPOINT_TAILS) * len(SWA_LAYERS)) * PAGE_BYTES
-    assert every["bytes_saved"] == (full_values + PAGES * len(SWA_LAYERS)) * PAGE_BYTES
+    # One value per (page, group) holds the group's layers.
+    assert a["swa_values_saved"] == len(CHECKPOINT_TAILS)
+    assert every["swa_values_saved"] == PAGES
+    assert a["values_saved"] == PAGES + len(CHECKPOINT_TAILS)
+    full_bytes = PAGES * len(FULL_LAYERS) * PAGE_BYTES
+    assert a["bytes_saved"] == full_bytes + len(CHECKPOINT_TAILS) * len(SWA_LAYERS) * PAGE_BYTES
+    assert every["bytes_saved"] == full_bytes + PAGES * len(SWA_LAYERS) * PAGE_BYTES
 
 
 def test_a_fresh_process_hits_as_far_as_with_every_page_and_matches_exactly(gemma):
@@ -95,7 +98,8 @@ def test_all_sliding_mistral_hits_at_the_checkpoint_and_matches(models, server_f
     a = run_engine(gcache_spec(model, server.address, [P]), tmp_path / "a")
     b = run_engine(gcache_spec(model, server.address, [P + S, P]), tmp_path / "b")
     assert a["counters"]["kv_cache_groups"] == ["SlidingWindowSpec"]
-    assert a["counters"]["worker"]["swa_pages_saved"] == len(CHECKPOINT_TAILS) * 2  # 2 layers
+    assert a["counters"]["worker"]["swa_values_saved"] == len(CHECKPOINT_TAILS)
+    assert a["counters"]["worker"]["bytes_saved"] == len(CHECKPOINT_TAILS) * 2 * PAGE_BYTES  # 2 layers each
     assert b["results"][0]["num_cached_tokens"] == PAGES * BLOCK_SIZE
     for got, want in zip(b["results"], base):
         assert same_output(got, want)
@@ -104,6 +108,6 @@ def test_all_sliding_mistral_hits_at_the_checkpoint_and_matches(models, server_f
 def test_a_flipped_page_fails_the_hybrid_load_and_the_request_is_recomputed(gemma):
     flipped = gemma["b_flipped"]
     assert same_output(flipped["results"][0], gemma["base"]["results"][0])
-    assert flipped["counters"]["worker"]["load_failed_pages"] == 1
+    assert flipped["counters"]["worker"]["load_failed_values"] == 1
     assert flipped["counters"]["worker"]["corrupt_values_removed"] == 1
     assert flipped["counters"]["scheduler"]["loads_async"] == 1

@@ -40,19 +40,20 @@ def runs(models, tmp_path_factory):
         # One token per prompt: each prompt's pages must be saved by its own (only) step.
         out["a"] = run_engine(dict(gcache_spec(model, url, [P1, P2, P3, P4]), max_tokens=1), work / "a")
         out["other"] = run_engine(gcache_spec(models["llama_other"], url, [P1]), work / "other")
+        tags = out["a"]["counters"]["value_tags"]
         with gcache.Client(url, transport="tcp") as client:
             out["stored"] = client.batch_is_exist(
-                [k for p in (P1, P2, P3, P4) for ks in page_keys(model, p) for k in ks]
+                [k for p in (P1, P2, P3, P4) for ks in page_keys(model, p, tags) for k in ks]
             )
         spec = dict(gcache_spec(model, url, [P1 + S1, P2, P3, P4], gcache_suspect_s=600), gates=[1, 2, 3])
         b = EngineRun(spec, work / "b")
         try:
             b.wait_gate(1)
-            flip_byte(out["socket"], page_keys(model, P2, pages=[2])[0][0])  # page 2, layer 0
+            flip_byte(out["socket"], page_keys(model, P2, tags, pages=[2])[0][0])  # page 2's value
             b.open_gate(1)
             b.wait_gate(2)
             with gcache.Client(url, transport="tcp") as client:
-                assert client.batch_remove(page_keys(model, P3, pages=[2])[0]) == [True] * LAYERS
+                assert client.batch_remove(page_keys(model, P3, tags, pages=[2])[0]) == [True]
             b.open_gate(2)
             b.wait_gate(3)
             server.kill()
@@ -69,10 +70,10 @@ def test_cold_process_saves_every_page_of_every_prompt(runs):
     a = runs["a"]
     assert [r["num_cached_tokens"] for r in a["results"]] == [0, 0, 0, 0]
     worker = a["counters"]["worker"]
-    assert worker["pages_saved"] == 4 * PAGES * LAYERS
+    assert worker["values_saved"] == 4 * PAGES  # one value per page holds both layers
     assert worker["bytes_saved"] == 4 * PAGES * LAYERS * PAGE_BYTES
-    assert worker["save_jobs_dropped"] == 0 and worker["store_errors"] == 0
-    assert runs["stored"] == [True] * (4 * PAGES * LAYERS)
+    assert worker["save_pages_dropped"] == worker["save_pages_dropped_staging"] == worker["store_errors"] == 0
+    assert runs["stored"] == [True] * (4 * PAGES)
     base = runs["base"]["results"]
     assert same_first_token(a["results"][0], base[4])  # P1
     for i in (1, 2, 3):
@@ -90,7 +91,7 @@ def test_a_page_with_flipped_bytes_is_recomputed_not_served(runs):
     b, base = runs["b"]["results"], runs["base"]["results"]
     assert same_output(b[1], base[1])  # P2: its page 2 failed its checksum
     worker = runs["b"]["counters"]["worker"]
-    assert worker["load_failed_pages"] == 1
+    assert worker["load_failed_values"] == 1
     assert worker["corrupt_values_removed"] == 1  # so a later save stores good bytes again
 
 
@@ -114,7 +115,7 @@ def test_another_model_never_reads_these_pages(runs):
     other = runs["other"]
     assert other["results"][0]["num_cached_tokens"] == 0
     assert other["counters"]["scheduler"]["hit_tokens"] == 0
-    assert other["counters"]["worker"]["pages_saved"] == PAGES * LAYERS  # its own pages, its own keys
+    assert other["counters"]["worker"]["values_saved"] == PAGES  # its own pages, its own keys
 
 
 def test_an_unreachable_store_stops_the_engine_start_with_a_clear_error(models, tmp_path):

@@ -1,0 +1,290 @@
+"""The connector's save and load state machines, written against the BlockMover contract only, so
+the same code runs on CPU KV (HostMover), on the tests' StandInDevice and on a GPU (CudaMover).
+
+Save (wait_for_save, once per step, after vLLM queued the step's forward): the pages this step
+completed take staging slots (as many as are free, in order: the rest is dropped and counted),
+the save stream waits for an event on the compute stream, one batched copy gathers each page's
+layers into its slot, and an event marks the copy. The GPU blocks are free from that event on,
+not after the put: a finished request is reported sent once its copies completed, and when
+sliding-window blocks (which vLLM reuses next step) or preempted requests' blocks were saved,
+the compute stream itself waits for the copy. The put runs on the saver thread: it waits for the
+copy's event, probes which values the store lacks, writes them from the slots, frees the slots.
+
+Load (asynchronous, the default): start_load records an event on the compute stream (vLLM's
+work on the allocated blocks so far); the loader thread reads the values into load slots in
+chunks, and for each chunk the load stream waits for that event, one batched copy scatters the
+values into the blocks, and the thread waits for the copy before reusing the slots. A value that
+is missing, short, or fails its checksum (the client verifies XXH3 on the slot's bytes before
+anything reaches the device) is never copied: its blocks are reported failed and vLLM
+recomputes them. Synchronous loads (short hits of one-group models) run the same way inside
+start_load, with the compute stream waiting for the copy before the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from gcache.integrations.common.job_queue import JobQueue
+from gcache.integrations.vllm.values import Copies
+
+log = logging.getLogger("gcache.integrations.vllm")
+LOAD_SLOT_WAIT_S = 30.0  # longest the loader waits for load slots held by synchronous loads
+
+
+class Page(NamedTuple):
+    group: int  # KV cache group index
+    keys: list  # the value's segment keys
+    block_id: int
+
+
+class PutJob(NamedTuple):
+    keys: list
+    addresses: list
+    sizes: list
+    slots: list
+    copied: object  # the mover's event: the slots hold the bytes once it completed
+    swa_values: int  # values of sliding-window groups, for the counters
+
+
+class LoadJob(NamedTuple):
+    req_id: str
+    pages: list  # Page...
+    after: object  # event on the compute stream when the load was planned
+
+
+def _concat(parts: list[Copies]) -> Copies:
+    if len(parts) == 1:
+        return parts[0]
+    return Copies(*(np.concatenate([getattr(p, f) for p in parts]) for f in Copies._fields))
+
+
+class Transfers:
+    """Both directions for one worker: `values` per group index (values.GroupValues)."""
+
+    def __init__(self, mover, values: dict, swa_groups: set, save_pool, load_pool, store, stats, settings):
+        self.mover = mover
+        self.values = values
+        self.swa_groups = swa_groups
+        self.save_pool = save_pool
+        self.load_pool = load_pool
+        self.store = store
+        self.stats = stats
+        self.skip_existing = settings.skip_existing
+        self.save_stream = mover.new_stream("save")
+        self.load_stream = mover.new_stream("load")
+        self.saver = JobQueue("gcache-vllm-saver", self._put, settings.save_queue_jobs_max, log)
+        self.loader = JobQueue("gcache-vllm-loader", self._load_async, settings.load_queue_jobs_max, log)
+        self._lock = threading.Lock()
+        self._copies: list[tuple[object, frozenset]] = []  # (copy event, request ids) not known complete
+        self._last_copy = None  # the save stream's newest event
+        self._landing: list[tuple[object, list]] = []  # synchronous loads: (copy event, load slots)
+        self._done: list[tuple[str, set]] = []  # asynchronous loads: (request id, failed blocks)
+
+    # -- saves --------------------------------------------------------------------------
+
+    def _gather(self, pages: list, slots: list) -> Copies:
+        addresses = self.save_pool.addresses(slots)
+        parts = []
+        for g, values in self.values.items():
+            mine = [i for i, p in enumerate(pages) if p.group == g]
+            if mine:
+                parts.append(values.gather([pages[i].block_id for i in mine], addresses[mine]))
+        return _concat(parts)
+
+    def save(self, pages: list, req_ids: list, reused_next_step: bool) -> None:
+        """Queues the save of `pages` (Page...; req_ids[i] owns pages[i]). `reused_next_step`:
+        some of these blocks go back to vLLM's pool after this step (sliding-window blocks)."""
+        if not pages:
+            return
+        if not self.saver.has_room():
+            self.stats.count("save_pages_dropped", len(pages))
+            return
+        slots = self.save_pool.take_up_to(len(pages))
+        if len(slots) < len(pages):  # the pool is full: the prefix first (a later page alone is never read)
+            self.stats.count("save_pages_dropped_staging", len(pages) - len(slots))
+            pages, req_ids = pages[: len(slots)], req_ids[: len(slots)]
+            if not pages:
+                return
+        compute = self.mover.compute_stream()
+        self.mover.wait_event(self.save_stream, self.mover.record(compute))
+        copies = self._gather(pages, slots)
+        self.mover.copy(self.save_stream, copies.dst, copies.src, copies.sizes)
+        copied = self.mover.record(self.save_stream)
+        if reused_next_step:
+            self.mover.wait_event(compute, copied)
+        keys, addresses, sizes = [], [], []
+        swa = 0
+        for page, address in zip(pages, self.save_pool.addresses(slots)):
+            spans = self.values[page.group].segment_spans()
+            for key, (at, length) in zip(page.keys, spans):
+                keys.append(key)
+                addresses.append(int(address) + at)
+                sizes.append(length)
+            swa += page.group in self.swa_groups
+        with self._lock:
+            self._copies.append((copied, frozenset(req_ids)))
+            self._last_copy = copied
+        if not self.saver.submit(PutJob(keys, addresses, sizes, slots, copied, swa)):  # closed meanwhile
+            self.mover.synchronize(copied)
+            self.save_pool.give_back(slots)
+            self.stats.count("save_pages_dropped", len(pages))
+
+    def _put(self, job: PutJob) -> None:
+        start = time.perf_counter()
+        try:
+            self.mover.synchronize(job.copied)
+            todo = range(len(job.keys))
+            if self.skip_existing:  # a shared prefix costs one EXISTS entry, not its bytes
+                present = self.store.exists_flags(job.keys)
+                todo = [i for i, ok in enumerate(present) if not ok]
+                self.stats.count("values_skipped_existing", len(job.keys) - len(todo))
+            if todo:
+                done = self.store.put_from(
+                    [job.keys[i] for i in todo], [job.addresses[i] for i in todo], [job.sizes[i] for i in todo]
+                )
+                saved = [i for i, ok in zip(todo, done) if ok]
+                self.stats.count("values_saved", len(saved))
+                self.stats.count("bytes_saved", sum(job.sizes[i] for i in saved))
+                self.stats.count("values_save_failed", len(todo) - len(saved))
+            self.stats.count("swa_values_saved", job.swa_values)
+        finally:
+            self.save_pool.give_back(job.slots)
+            self.stats.count("save_s", time.perf_counter() - start)
+
+    def copies_pending(self, req_ids: set) -> set:
+        """The requests among `req_ids` whose blocks a save still copies from (never blocks)."""
+        with self._lock:
+            self._copies = [(ev, reqs) for ev, reqs in self._copies if not self.mover.query(ev)]
+            return {r for _, reqs in self._copies for r in reqs if r in req_ids}
+
+    def blocks_freed(self) -> None:
+        """vLLM freed blocks a save may still read (preemption): the compute stream waits."""
+        with self._lock:
+            last = self._last_copy
+        if last is not None:
+            self.mover.wait_event(self.mover.compute_stream(), last)
+
+    # -- loads --------------------------------------------------------------------------
+
+    def _fetch(self, pages: list, slots: list) -> tuple[list, set]:
+        """Reads the values into slots: (pages read whole, blocks that failed)."""
+        keys, addresses, sizes, owner = [], [], [], []
+        for i, (page, address) in enumerate(zip(pages, self.load_pool.addresses(slots))):
+            for key, (at, length) in zip(page.keys, self.values[page.group].segment_spans()):
+                keys.append(key)
+                addresses.append(int(address) + at)
+                sizes.append(length)
+                owner.append(i)
+        got = self.store.get_into(keys, addresses, sizes)
+        bad = {owner[j] for j, (g, n) in enumerate(zip(got, sizes)) if g != n}
+        ok = [i for i in range(len(pages)) if i not in bad]
+        self.stats.count("values_loaded", len(ok))
+        self.stats.count("bytes_loaded", sum(self.values[pages[i].group].value_bytes for i in ok))
+        self.stats.count("load_failed_values", len(bad))
+        return ok, {pages[i].block_id for i in bad}
+
+    def _scatter(self, pages: list, slots: list, ok: list, after):
+        """Queues the copies of the pages read whole into their blocks; the copy's event."""
+        addresses = self.load_pool.addresses(slots)
+        parts = []
+        for g, values in self.values.items():
+            mine = [i for i in ok if pages[i].group == g]
+            if mine:
+                parts.append(values.scatter(addresses[mine], [pages[i].block_id for i in mine]))
+        self.mover.wait_event(self.load_stream, after)
+        if parts:
+            copies = _concat(parts)
+            self.mover.copy(self.load_stream, copies.dst, copies.src, copies.sizes)
+        return self.mover.record(self.load_stream)
+
+    def load_now(self, pages: list) -> set:
+        """A synchronous load, before this step's forward: the blocks that failed."""
+        self._reap_landed()
+        slots = self.load_pool.take(len(pages))
+        if slots is None:
+            self.stats.count("load_values_no_staging", len(pages))
+            return {p.block_id for p in pages}
+        start = time.perf_counter()
+        try:
+            ok, failed = self._fetch(pages, slots)
+        except Exception:
+            self.load_pool.give_back(slots)
+            raise
+        compute = self.mover.compute_stream()
+        copied = self._scatter(pages, slots, ok, self.mover.record(compute))
+        self.mover.wait_event(compute, copied)  # the forward reads the blocks after the copy
+        with self._lock:
+            self._landing.append((copied, slots))
+        self.stats.count("load_s", time.perf_counter() - start)
+        return failed
+
+    def _reap_landed(self) -> None:
+        with self._lock:
+            landed = [(ev, slots) for ev, slots in self._landing if self.mover.query(ev)]
+            self._landing = [x for x in self._landing if x not in landed]
+        for _, slots in landed:
+            self.load_pool.give_back(slots)
+
+    def load_later(self, req_id: str, pages: list) -> None:
+        """An asynchronous load; its outcome comes back from take_loaded()."""
+        job = LoadJob(req_id, pages, self.mover.record(self.mover.compute_stream()))
+        if not self.loader.submit(job):
+            self.stats.count("loads_refused_queue_full")
+            with self._lock:
+                self._done.append((req_id, {p.block_id for p in pages}))
+
+    def _load_async(self, job: LoadJob) -> None:
+        failed: set = set()
+        start = time.perf_counter()
+        try:
+            chunk = max(1, self.load_pool.slot_count // 2)  # leaves room for synchronous loads
+            for at in range(0, len(job.pages), chunk):
+                pages = job.pages[at : at + chunk]
+                slots = self._take_load_slots(len(pages))
+                if slots is None:
+                    failed |= {p.block_id for p in job.pages[at:]}
+                    self.stats.count("load_values_no_staging", len(job.pages) - at)
+                    break
+                try:
+                    ok, bad = self._fetch(pages, slots)
+                    failed |= bad
+                    self.mover.synchronize(self._scatter(pages, slots, ok, job.after))
+                finally:
+                    self.load_pool.give_back(slots)
+        except Exception:  # our bug or a store error: these blocks are recomputed
+            log.exception("GCache connector: a load failed")
+            failed = {p.block_id for p in job.pages}
+        finally:
+            self.stats.count("load_s", time.perf_counter() - start)
+            with self._lock:
+                self._done.append((job.req_id, failed))
+
+    def _take_load_slots(self, count: int):
+        deadline = time.monotonic() + LOAD_SLOT_WAIT_S
+        while True:
+            self._reap_landed()
+            slots = self.load_pool.take(count)
+            if slots is not None or time.monotonic() > deadline:
+                return slots
+            time.sleep(0.005)  # synchronous loads hold slots only until their copy lands
+
+    def take_loaded(self) -> list[tuple[str, set]]:
+        """Asynchronous loads finished since the last call: (request id, failed blocks)."""
+        self._reap_landed()
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    # -- the end ------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.saver.wait_idle(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        self.saver.close(timeout_s)
+        self.loader.close(timeout_s)
