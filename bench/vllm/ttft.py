@@ -92,10 +92,10 @@ def main(argv=None) -> int:
         b = engine(dict(gc, prompts=repeat, reset_between=True), work / "gcache-b")
         ttft["gcache"] = [r["seconds"] for r in b["results"]]
         gc_hits = [r["num_cached_tokens"] for r in b["results"]]
-        # The same hit loaded in the step, layer by layer, instead of between steps.
+        # The same hit loaded in the step (before the forward) instead of between steps.
         sync = dict(gc, extra_config={"gcache_url": server.address, "gcache_async_load_min_tokens": 1 << 30})
         b_sync = engine(dict(sync, prompts=repeat, reset_between=True), work / "gcache-b-sync")
-        ttft["gcache (sync, per layer)"] = [r["seconds"] for r in b_sync["results"]]
+        ttft["gcache (sync, in the step)"] = [r["seconds"] for r in b_sync["results"]]
         ex = dict(
             common,
             connector="ExampleConnector",
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     for name, values in ttft.items():
         print(f"  {name:28s} {fmt(values)}")
     print(f"  GCache hit tokens per run: {sorted(set(gc_hits))} (async: loaded between steps)")
-    for name in ("gcache", "gcache (sync, per layer)", "example (disk)", "offloading (same process)"):
+    for name in ("gcache", "gcache (sync, in the step)", "example (disk)", "offloading (same process)"):
         if name in ttft:
             print(f"  recompute / {name:26s} {ratio(ttft['recompute'], ttft[name])}")
     for name, why in skipped.items():
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         prompts_fit = budget // max(1, c["bytes_saved"])
         print(
             f"  {name:16s} {c['bytes_saved'] / (1 << 20):8.2f} MiB stored, {per_token:8.1f} B per cached token, "
-            f"{c['swa_pages_saved']} SWA values; a 1 GiB budget holds {prompts_fit} such prompts "
+            f"{c['swa_values_saved']} SWA values; a 1 GiB budget holds {prompts_fit} such prompts "
             f"= {prompts_fit * ((args.tokens - 1) // 32) * 32} hit tokens"
         )
     a, e = hybrid["checkpointed"], hybrid["every SWA page"]

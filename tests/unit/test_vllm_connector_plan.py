@@ -9,9 +9,11 @@ from gcache.integrations.vllm import plan
 from gcache.integrations.vllm.groups import Group
 from gcache.integrations.vllm.keys import (
     GroupTag,
+    MMItem,
     PageKeys,
     mla_writer,
     model_tag,
+    prompt_page_hashes,
     rank_keys,
     segment_keys,
     value_tag,
@@ -129,3 +131,18 @@ def test_settings_read_the_url_and_refuse_bad_input():
         ConnectorSettings.from_extra_config({"gcache_url": "h:1", "gcache_checkpoint_pages": 0}, environ={})
     with pytest.raises(SettingsError, match="true or false"):
         ConnectorSettings.from_extra_config({"gcache_url": "h:1", "gcache_verify_checksums": "yes"}, environ={})
+
+
+def test_pages_holding_an_image_are_keyed_by_its_content_and_place():
+    tokens = list(range(100, 100 + 32 * 6))  # 6 pages; placeholders are the same tokens for any image
+    cat, dog = MMItem("cat-hash", 70, 40), MMItem("dog-hash", 70, 40)  # pages 2 and 3 hold the image
+    text = prompt_page_hashes(tokens, 32)
+    with_cat = prompt_page_hashes(tokens, 32, mm_items=[cat])
+    with_dog = prompt_page_hashes(tokens, 32, mm_items=[dog])
+    assert with_cat[:2] == text[:2]  # the pages before the image keep the text chain
+    assert all(c != t and c != d for c, t, d in zip(with_cat[2:], text[2:], with_dog[2:]))
+    assert prompt_page_hashes(tokens, 32, mm_items=[MMItem("cat-hash", 70, 40)]) == with_cat  # same pixels
+    moved = prompt_page_hashes(tokens, 32, mm_items=[MMItem("cat-hash", 66, 40)])
+    assert moved[:2] == text[:2] and moved[2] != with_cat[2]  # the same image elsewhere is other KV
+    salted = prompt_page_hashes(tokens, 32, cache_salt="t", mm_items=[cat])
+    assert not set(salted) & set(with_cat)

@@ -25,6 +25,8 @@ import hashlib
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 from gcache.wire.keys import KeyBuilder, page_hashes_array
 
 _BAD = re.compile(r"[^A-Za-z0-9._-]+")
@@ -43,8 +45,42 @@ def salt_hash(cache_salt: str | None) -> str | None:
     return hashlib.sha256(cache_salt.encode()).hexdigest() if cache_salt else None
 
 
-def prompt_page_hashes(token_ids, block_size: int, cache_salt: str | None = None) -> list[str]:
-    return page_hashes_array(list(token_ids), block_size, salt_hash(cache_salt))
+class MMItem(NamedTuple):
+    """A multimodal item of a prompt: vLLM's content hash of it and the placeholder tokens it fills."""
+
+    identifier: str  # vLLM's mm_hash (MultiModalFeatureSpec.identifier)
+    offset: int  # its first placeholder token in the prompt
+    length: int  # its placeholder tokens
+
+
+def _mm_extra(items, start: int, end: int) -> bytes:
+    """What a page [start, end) holds of multimodal items: each overlapping item's identifier and
+    where it begins relative to the page (negative: it began on an earlier page)."""
+    return "|".join(
+        f"{i.identifier}@{i.offset - start}" for i in items if i.offset < end and i.offset + i.length > start
+    ).encode()
+
+
+def prompt_page_hashes(token_ids, block_size: int, cache_salt: str | None = None, mm_items=()) -> list[str]:
+    """One chained hash per full page. The placeholder tokens of an image are the same for every
+    image, so a page that holds (part of) a multimodal item hashes that item's content hash and
+    position too: other images give other pages, the same image in the same place the same page.
+    Pages before the first item keep the text chain (the shared one of gcache.wire.keys)."""
+    if not mm_items:
+        return page_hashes_array(list(token_ids), block_size, salt_hash(cache_salt))
+    raw = np.asarray(list(token_ids), dtype=np.int64).astype("<u4").tobytes()
+    seed = salt_hash(cache_salt)
+    prior = bytes.fromhex(seed) if seed else b""
+    out = []
+    for k in range(len(raw) // (4 * block_size)):
+        h = hashlib.sha256(prior)
+        h.update(raw[4 * k * block_size : 4 * (k + 1) * block_size])
+        extra = _mm_extra(mm_items, k * block_size, (k + 1) * block_size)
+        if extra:
+            h.update(b"\0mm\0" + extra)
+        prior = h.digest()
+        out.append(prior.hex())
+    return out
 
 
 class GroupTag(NamedTuple):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from gcache.integrations.vllm import plan
-from gcache.integrations.vllm.keys import prompt_page_hashes
+from gcache.integrations.vllm.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 from gcache.wire.keys import POOL_SWA
 
@@ -59,18 +59,19 @@ class SchedulerSide:
     # -- requests -----------------------------------------------------------------------
 
     def _cacheable(self, request) -> bool:
-        # Multimodal inputs and LoRA adapters change the KV of the same token ids: not keyed yet.
-        return (
-            request.prompt_token_ids is not None
-            and not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None
-        )
+        # A LoRA adapter changes the KV of the same token ids and is not in the keys: not cached.
+        # Multimodal items are (keys.prompt_page_hashes).
+        return request.prompt_token_ids is not None and getattr(request, "lora_request", None) is None
 
     def _track(self, request) -> Track | None:
         track = self.tracks.get(request.request_id)
         if track is None and self._cacheable(request) and len(self.tracks) < TRACKED_MAX:
             prompt = request.prompt_token_ids
-            hashes = prompt_page_hashes(prompt, self.block_size, getattr(request, "cache_salt", None))
+            items = [
+                MMItem(f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in getattr(request, "mm_features", None) or ()
+            ]
+            hashes = prompt_page_hashes(prompt, self.block_size, getattr(request, "cache_salt", None), items)
             track = Track(prompt_len=len(prompt), hashes=hashes)
             every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
             cuts = plan.prompt_cuts(len(prompt), self.block_size, every)
