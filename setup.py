@@ -27,7 +27,9 @@ native = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=optimize + ["-Wall", "-Wno-unused-function", "-pthread"],
     # libxxhash (Debian libxxhash-dev, setup.sh): XXH3 / XXH64, the value checksums.
-    libraries=["xxhash"],
+    # libdl: dlopen / dlsym (client/cuda_copy.cpp finds the loaded CUDA libraries; part of libc
+    # from glibc 2.34, a separate library before).
+    libraries=["xxhash", "dl"],
     extra_link_args=["-pthread"],
 )
 

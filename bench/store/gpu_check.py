@@ -1,7 +1,7 @@
 """GPU check: every transport into and out of device memory, and its GB/s beside cupy's own copy.
 
-Run on a machine with an NVIDIA GPU, through bench/store/gpu_check.sh (which installs cupy).
-It starts its own gcache-server, then for each transport (tcp, shm; rdma where usable):
+Run on a machine with an NVIDIA GPU by bench/gpu/gpu_check.sh (its client-buffers section, with the
+rest of the GPU check), or alone: python -m bench.store.gpu_check. It starts its own gcache-server, then for each transport (tcp, shm; rdma where usable):
   correctness: values of many sizes (one larger than a staging slot) read with
     batch_get_into into cupy memory (one buffer with per-key offsets, and a list of
     arrays) and written with batch_put_from from cupy memory, compared byte for byte
@@ -14,7 +14,7 @@ It starts its own gcache-server, then for each transport (tcp, shm; rdma where u
 Exit status: 0 all correct, 1 a correctness failure, 2 cannot run here (no cupy / GPU),
 3 with --strict when a GET ratio is below its target.
 
-Usage:  bash bench/store/gpu_check.sh [--value-size 1MiB] [--batch 128] [--runs 5] [--strict]
+Usage:  python -m bench.store.gpu_check [--value-size 1MiB] [--batch 128] [--runs 5] [--strict]
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def load_cupy():
         import cupy
     except ImportError as exc:
         cannot_run(
-            f"cupy is not importable ({exc}); run bench/store/gpu_check.sh on a machine with an "
-            "NVIDIA GPU (it installs cupy-cuda12x into .venv)"
+            f"cupy is not importable ({exc}); run it on a machine with an NVIDIA GPU and cupy "
+            "(bench/gpu/gpu_check.sh runs it there)"
         )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"command: bash bench/store/gpu_check.sh {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"command: python -m bench.store.gpu_check {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(
         f"device: {name}; cupy {cupy.__version__}; staging {device_buffers.STAGING_BYTES_DEFAULT // MiB} MiB "
         f"in {device_buffers.SLOT_BYTES_DEFAULT // MiB} MiB slots"

@@ -11,20 +11,18 @@ The tests at the bottom use a real cupy + GPU and skip without one.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import gcache
+from bench.gpu.host_cupy import HostArray, HostCupy
 from gcache import errors
 from gcache.client.device import arrays as device_arrays
 from gcache.client.device import staging as device_buffers
 from gcache.client.device.arrays import HostMemoryBackend
-from tests.support import REPO_ROOT
 from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.process  # starts processes
@@ -227,112 +225,12 @@ def test_without_cupy_a_device_array_gets_a_clear_error(server_address):
             client.batch_get_into([b"k"], [device(10)])
 
 
-def test_gpu_check_says_clearly_why_it_cannot_run_here():
-    if _cupy_device_count() > 0:
-        pytest.skip("a GPU is usable here: bench/store/gpu_check.sh runs the real check")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.store.gpu_check"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "gpu_check: cannot run here:" in proc.stderr
-    assert ("cupy is not importable" in proc.stderr) or ("no CUDA device" in proc.stderr)
-
-
-# -- the cupy glue, against a stand-in cupy module (no GPU here) ------------------------
-
-
-class _StandInCupy:
-    """Just enough of cupy for CupyBackend and bench/store/gpu_check.py, on host memory.
-
-    memcpyAsync copies at once, and refuses a copy whose host side is not pinned
-    memory or whose direction does not match its kind, so swapped arguments fail."""
-
-    class CUDARuntimeError(RuntimeError):
-        pass
-
-    def __init__(self):
-        import types
-
-        self.pinned: list[tuple[int, int]] = []
-        self._alive: list[bytearray] = []
-        self.copies = {1: 0, 2: 0}
-        self.waited_on: set = set()
-        rt = types.SimpleNamespace(
-            memcpyHostToDevice=1,
-            memcpyDeviceToHost=2,
-            CUDARuntimeError=self.CUDARuntimeError,
-            getDeviceCount=lambda: 1,
-            getDeviceProperties=lambda i: {"name": b"stand-in"},
-            memcpyAsync=self._memcpy,
-            eventRecord=lambda ev, stream: self.waited_on.add(stream),
-            streamWaitEvent=lambda stream, ev: None,
-        )
-        nothing = types.SimpleNamespace(ptr=0, synchronize=lambda: None, record=lambda stream=None: None)
-        cuda = types.SimpleNamespace(
-            runtime=rt,
-            alloc_pinned_memory=self._alloc_pinned,
-            get_current_stream=lambda: nothing,
-            Stream=lambda non_blocking=False: types.SimpleNamespace(ptr=7, synchronize=lambda: None),
-            Event=lambda disable_timing=False: types.SimpleNamespace(
-                ptr=9, record=lambda stream=None: None, synchronize=lambda: None
-            ),
-            Device=lambda: types.SimpleNamespace(id=0),
-        )
-        self.module = types.ModuleType("cupy")
-        self.module.__dict__.update(
-            __version__="stand-in",
-            cuda=cuda,
-            uint8=np.uint8,
-            asarray=lambda a: _StandInArray(np.array(a, copy=True)),
-            zeros=lambda n, dtype=np.uint8: _StandInArray(np.zeros(n, dtype)),
-            empty=lambda n, dtype=np.uint8: _StandInArray(np.empty(n, dtype)),
-            asnumpy=lambda a: a.host.copy(),
-        )
-
-    def _alloc_pinned(self, nbytes: int):
-        memory = bytearray(nbytes)
-        start = np.frombuffer(memory, np.uint8).ctypes.data
-        self.pinned.append((start, start + nbytes))
-        # Kept alive here: freed "pinned" memory reused for an ordinary array would
-        # look pinned to _is_pinned and fail a correct copy.
-        self._alive.append(memory)
-        return memory
-
-    def _is_pinned(self, ptr: int, n: int) -> bool:
-        return any(a <= ptr and ptr + n <= b for a, b in self.pinned)
-
-    def _memcpy(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
-        host, dev = (src, dst) if kind == 1 else (dst, src)
-        if not self._is_pinned(host, n) or self._is_pinned(dev, n):
-            raise self.CUDARuntimeError(f"memcpyAsync kind {kind}: host side not pinned, or device side pinned")
-        ctypes.memmove(dst, src, n)
-        self.copies[kind] += 1
-
-
-class _StandInArray(FakeDeviceArray):
-    """A stand-in cupy.ndarray: host memory behind __cuda_array_interface__ (stream 1: legacy)."""
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return dict(super().__cuda_array_interface__, stream=1)
-
-    @property
-    def data(self):
-        import types
-
-        return types.SimpleNamespace(ptr=self.host.ctypes.data)
-
-    @property
-    def size(self) -> int:
-        return self.host.size
-
-    def __getitem__(self, key):
-        return _StandInArray(self.host[key])
+# -- the cupy glue, against a stand-in cupy made of host memory (bench/gpu/host_cupy.py) ----
 
 
 @pytest.fixture
 def stand_in_cupy(monkeypatch):
-    cupy = _StandInCupy()
+    cupy = HostCupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy.module)
     return cupy
 
@@ -342,10 +240,10 @@ def test_cupy_backend_glue_round_trip(stand_in_cupy, server_address, transport):
     values = payloads(6, [100, 5 * 1024 * 1024, 3000])  # the middle one is larger than a slot
     keys = [f"glue/{transport}/{i}".encode() for i in range(3)]
     with gcache.Client(server_address, transport=transport) as client:
-        sources = [_StandInArray(np.frombuffer(v, np.uint8).copy()) for v in values]
+        sources = [HostArray(np.frombuffer(v, np.uint8).copy()) for v in values]
         assert client.batch_put_from(keys, sources) == [True] * 3
         assert client.get_batch(keys) == values
-        targets = [_StandInArray(np.zeros(len(v), np.uint8)) for v in values]
+        targets = [HostArray(np.zeros(len(v), np.uint8)) for v in values]
         assert client.batch_get_into(keys, targets) == [len(v) for v in values]
         assert [t.host.tobytes() for t in targets] == values
         staging = device_buffers.staging_for(client)
