@@ -27,7 +27,9 @@ class LayoutError(ValueError):
     """KV tensors the connector cannot address or move (the message says what it found)."""
 
 
-def mover_for(device_type: str):
+def mover_for(device):
+    """The mover for KV on `device` (a torch.device): host memcpys on CPU, DMA on a GPU."""
+    device_type = device.type
     if device_type == "cpu":
         from gcache.integrations.vllm.movers.host import HostMover
 
@@ -37,7 +39,10 @@ def mover_for(device_type: str):
             from gcache.integrations.vllm.movers.cuda import CudaMover
         except ImportError as exc:
             raise LayoutError(f"KV on a GPU needs the CUDA mover, which cannot load here: {exc}") from exc
-        return CudaMover()
+        try:
+            return CudaMover(device=device)
+        except Exception as exc:  # no usable CUDA runtime in this process: say so at start
+            raise LayoutError(f"KV on {device}: {exc}") from exc
     raise LayoutError(f"GCacheConnector moves KV on CPU and CUDA devices, got {device_type}")
 
 
@@ -98,11 +103,11 @@ class WorkerSide:
                         f"layer {name}: a KV view of shape {tuple(view.shape)}, not [blocks, heads, tokens, content]"
                     )
                 views.append(view)
-                devices.add(view.device.type)
+                devices.add(view.device)
             per_group[group.index] = group_values(group, views, self.num_blocks, self.settings.value_bytes_max)
         if len(devices) != 1:
-            raise LayoutError(f"KV tensors on several devices {sorted(devices)}")
-        mover = mover_for(devices.pop())
+            raise LayoutError(f"KV tensors on several devices {sorted(map(str, devices))}")
+        mover = mover_for(devices.pop())  # one device per worker
         values = {g: v for g, (v, _) in per_group.items()}
         self.tags = {g: t for g, (_, t) in per_group.items()}
         slot_bytes = max(v.value_bytes for v in values.values())

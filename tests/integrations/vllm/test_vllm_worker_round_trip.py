@@ -28,7 +28,7 @@ from gcache.integrations.vllm.keys import PageKeys
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 from gcache.integrations.vllm.settings import ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.integrations.vllm.worker_side import WorkerSide
+from gcache.integrations.vllm.worker_side import LayoutError, WorkerSide
 
 BLOCKS, HEADS, HEAD, BLOCK_SIZE, LAYERS = 8, 2, 8, 32, 2
 WAIT_S = 60.0
@@ -168,3 +168,31 @@ def test_values_over_the_value_limit_round_trip_in_segments(server):
     group = Group(0, "full", tuple(names), tuple(range(LAYERS)), BLOCK_SIZE, 0)
     tags = round_trip(server, [group], {0: views}, raw, {0: [(2, 3), (4, 5)]}, value_bytes_max=1500)
     assert LAYERS * spec.page_size_bytes == 4096 and tags[0].segments == 3  # 1500 + 1500 + 1096
+
+
+def test_a_mamba_group_stops_the_start_with_a_message():
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from gcache.integrations.vllm.groups import GroupError, groups_of
+
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
+    config = KVCacheConfig(
+        num_blocks=BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec_full()),
+            KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+        ],
+    )
+    with pytest.raises(GroupError, match="KV cache group 1 is MambaSpec; GCacheConnector serves full-attention"):
+        groups_of(config)
+
+
+def test_kv_on_a_device_the_connector_cannot_move_stops_the_start(server):
+    spec = spec_full()
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    raw = torch.zeros(spec.page_size_bytes * BLOCKS * LAYERS, dtype=torch.int8, device="meta")
+    views = group_views(raw, spec, KVCacheLayout.LBHNC, names)
+    group = Group(0, "full", tuple(names), tuple(range(LAYERS)), BLOCK_SIZE, 0)
+    with pytest.raises(LayoutError, match="moves KV on CPU and CUDA devices, got meta"):
+        Worker(server, [group], views)
