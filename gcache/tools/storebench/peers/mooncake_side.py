@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,11 +67,12 @@ def _answer(marker: str, payload: dict) -> None:
     sys.stdout.flush()
 
 
-def _serve(spec, cfg, request: dict) -> None:
-    """One workload per stdin line until stdin closes."""
+def _serve(spec, cfg, request: dict, logdir: str) -> bool:
+    """One workload per stdin line until stdin closes; False if any failed."""
     from gcache.tools.storebench import runner
     from gcache.tools.storebench.peers import mooncake_peer
 
+    ok = True
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -81,7 +83,10 @@ def _serve(spec, cfg, request: dict) -> None:
             )
             _answer(mooncake_peer.RESULT_MARKER, {"ok": True, "figures": figures})
         except Exception as exc:  # reported to the parent, which drops Mooncake from later rounds
-            _answer(mooncake_peer.RESULT_MARKER, {"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
+            ok = False
+            reason = f"{type(exc).__name__}: {exc} (logs: {logdir})"
+            _answer(mooncake_peer.RESULT_MARKER, {"ok": False, "reason": reason})
+    return ok
 
 
 def main() -> int:
@@ -108,6 +113,7 @@ def main() -> int:
         stderr=subprocess.STDOUT,
     )
     storage = None
+    clean = False
     try:
         wait_listening(master, MASTER_PORT, START_TIMEOUT_S, "mooncake_master")
         master_address = f"127.0.0.1:{MASTER_PORT}"
@@ -126,7 +132,7 @@ def main() -> int:
         _warm_segment(store, request["segment_bytes"])
         cfg = WorkloadConfig(**request["config"])
         _answer(mooncake_peer.READY_MARKER, {"segment_bytes": request["segment_bytes"]})
-        _serve(spec, cfg, request)
+        clean = _serve(spec, cfg, request, logdir)
         mooncake_peer.close_shared_store()
     except Exception as exc:  # reported to the parent as a reason, the run goes on
         _answer(
@@ -140,6 +146,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 stop_process(storage, signal.SIGKILL)
         stop_process(master, timeout_s=30)
+    if clean:  # the logs are kept only when something failed (the reason names them)
+        shutil.rmtree(logdir, ignore_errors=True)
     return 0
 
 
