@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Measures the issue's targets: one client process, a local gcache-server, Redis and
-# Mooncake Store side by side, 64-key batches of 256 KiB values, medians of 3 runs.
+# Mooncake Store side by side, 64-key batches of 256 KiB values, 3 interleaved rounds
+# (median, min and max of every figure and of every per-round ratio).
 # Usage: bench/store/run_targets.sh [OUT.json]   (run from the repository root, as root for Mooncake)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

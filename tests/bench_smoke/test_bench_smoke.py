@@ -1,4 +1,5 @@
-"""gcache-bench against a real gcache-server and a real redis-server: fields and exact byte counts.
+"""gcache-bench against a real gcache-server and a real redis-server: fields and exact byte counts,
+the order the systems ran in (interleaved round by round), and every figure's spread.
 
 No timing assertions: only that every figure exists, is positive where it must
 be, and that the counts add up exactly.
@@ -45,7 +46,10 @@ def check_workloads(workloads: dict, repeat: int) -> None:
     for name, w in workloads.items():
         assert w["verified"] is True, name
         assert w["misses"] == 0, name
-        assert w["repeats"] == repeat and len(w["runs"]) == repeat
+        assert w["repeats"] == repeat and [r["round"] for r in w["runs"]] == list(range(repeat))  # every run kept
+        for field, (lo, mid, hi) in w["spread"].items():
+            assert lo <= mid <= hi, (name, field)
+            assert mid == pytest.approx(w[field]) and lo == min(r[field] for r in w["runs"]), (name, field)
         assert w["calls"] == sum(r["calls"] for r in w["runs"]) > 0
         assert w["bytes"] == sum(r["bytes"] for r in w["runs"])
         assert 0 < w["p50_us"] <= w["p99_us"] <= w["max_us"]
@@ -60,6 +64,32 @@ def check_workloads(workloads: dict, repeat: int) -> None:
     assert workloads["latency"]["bytes"] == workloads["latency"]["keys"] * 4096
 
 
+def check_interleaved(report: dict, systems: list[str], workloads: list[str], repeat: int) -> None:
+    """The systems ran each workload in turn, round after round: gcache, redis, gcache, redis, ..."""
+    assert report["config"]["systems"] == systems
+    assert report["run_order"] == [
+        {"round": r, "workload": w, "system": s} for r in range(repeat) for w in workloads for s in systems
+    ]
+    assert list(report["systems"]) == systems
+    for name, entry in report["systems"].items():
+        for key, (lo, mid, hi) in entry["spread"].items():
+            assert lo <= mid <= hi, (name, key)
+        for against, by in entry.get("vs", {}).items():
+            for key, (lo, mid, hi) in by.items():
+                assert 0 < lo <= mid <= hi, (name, against, key)
+    for probe, (lo, mid, hi) in report["limits_spread"].items():
+        assert len(report["limits"][f"{probe}_runs"]) == repeat  # one probe per round
+        assert lo <= mid <= hi and mid == pytest.approx(report["limits"][probe])
+
+
+def per_round_ratios(report: dict, ours: str, theirs: str, key: str) -> list[float]:
+    """ours / theirs within each round, from the runs the JSON keeps."""
+    workload, field = next((m[1], m[2]) for m in bench_report.MEASURES if m[0] == key)
+    a = {r["round"]: r[field] for r in report["peers"][ours]["workloads"][workload]["runs"]}
+    b = {r["round"]: r[field] for r in report["peers"][theirs]["workloads"][workload]["runs"]}
+    return sorted(a[r] / b[r] for r in a)
+
+
 def test_bench_gcache_vs_redis(server, redis_server):
     report = bench_main.run(["--server", server.address, "--vs", "redis", "--redis-url", redis_server, *SMALL])
     assert report["config"]["value_size"] == VALUE and report["config"]["repeat"] == 2
@@ -68,12 +98,21 @@ def test_bench_gcache_vs_redis(server, redis_server):
     for name in ("gcache", "redis"):
         assert report["peers"][name]["available"] is True
         check_workloads(report["peers"][name]["workloads"], repeat=2)
-    ours, theirs = report["measures"]["gcache"], report["measures"]["redis"]
-    for key, ratio in report["ratios"]["redis"].items():
-        assert ratio == pytest.approx(ours[key] / theirs[key])
-    assert report["fraction_of_limits"]["get_of_loopback_tcp"] == pytest.approx(
-        ours["get_gbps"] / report["limits"]["loopback_tcp_gbps"]
+    check_interleaved(report, ["gcache", "redis"], ["put", "get", "exists", "latency"], 2)
+    for key, ratio in report["ratios"]["redis"].items():  # taken per round, then the median of those
+        ratios = per_round_ratios(report, "gcache", "redis", key)
+        assert report["ratio_spread"]["redis"][key] == pytest.approx(
+            [ratios[0], (ratios[0] + ratios[1]) / 2, ratios[1]]
+        )
+        assert ratio == pytest.approx(report["ratio_spread"]["redis"][key][1])
+    get_runs = report["peers"]["gcache"]["workloads"]["get"]["runs"]
+    fractions = sorted(r["gbps"] / report["limits"]["loopback_tcp_gbps_runs"][r["round"]] for r in get_runs)
+    assert report["fraction_of_limits_spread"]["get_of_loopback_tcp"] == pytest.approx(
+        [fractions[0], sum(fractions) / 2, fractions[1]]
     )
+    text = bench_report.render_table(report)
+    assert "each round measures the machine, then runs each workload on gcache, redis in turn" in text
+    assert any(line.split()[:3] == ["gcache", "/", "redis"] and len(line.split()) == 6 for line in text.splitlines())
     verdicts = {(t["measure"], t["against"]): t["met"] for t in report["targets"]}
     assert len(verdicts) == 8
     assert verdicts[("get_gbps", "mooncake")] is None  # mooncake was not asked for
@@ -138,9 +177,14 @@ def test_bench_vs_mooncake_runs_or_says_why(server):
         w = mooncake["workloads"]
         assert w["get"]["verified"] is True and w["get"]["bytes"] == w["get"]["keys"] * VALUE
         assert w["exists"]["misses"] == 0
+        assert len(w["get"]["runs"]) == 2 and len(w["exists"]["runs"]) == 2
         assert report["ratios"]["mooncake"]["get_gbps"] > 0
+        # Mooncake's side stays up between its runs, so its runs alternate with GCache's
+        check_interleaved(report, ["gcache", "mooncake"], ["get", "exists"], 2)
     else:
         assert mooncake["reason"] and "\n" not in mooncake["reason"]
+        assert f"mooncake: not run: {mooncake['reason']}" in bench_report.render_table(report)
+        check_interleaved(report, ["gcache"], ["get", "exists"], 2)
     assert report["peers"]["gcache"]["available"] is True
 
 
@@ -198,6 +242,8 @@ def test_bench_per_transport_beside_the_machine(server):
             for w in ("put", "get"):
                 assert workloads[w]["verified"] is True and workloads[w]["misses"] == 0
                 assert workloads[w]["bytes"] == workloads[w]["keys"] * VALUE
+    available = [f"gcache/{n}" for n, t in by.items() if t["available"]]
+    check_interleaved(report, available, ["put", "get", "latency"], 2)
     targets = report["transports"]["targets"]
     assert {(t["transport"], t["measure"], t["against"]) for t in targets} == {
         ("shm", "get_gbps", "memcpy_batch"),
@@ -208,11 +254,17 @@ def test_bench_per_transport_beside_the_machine(server):
         ("tcp", "get_gbps", "loopback_tcp_batch"),
     }
     tcp_put = next(t for t in targets if t["transport"] == "tcp" and t["measure"] == "put_gbps")
-    assert tcp_put["ratio"] == pytest.approx(by["tcp"]["measures"]["put_gbps"] / limits["loopback_tcp_batch_gbps"])
+    runs = report["peers"]["gcache"]["workloads"]["put"]["runs"]  # the tcp suite: the first transport
+    ratios = sorted(r["gbps"] / limits["loopback_tcp_batch_gbps_runs"][r["round"]] for r in runs)
+    assert tcp_put["spread"] == pytest.approx([ratios[0], sum(ratios) / 2, ratios[1]])
+    assert tcp_put["ratio"] == pytest.approx(tcp_put["spread"][1])
     assert isinstance(tcp_put["met"], bool)
     text = bench_report.render_table(report)
-    assert "by transport: median [min..max] over 2 runs" in text and "gcache/tcp" in text
-    assert "(gcache = transport tcp, the first of --transport" in text
+    assert "targets (ratio = gcache/tcp / against, per round; median [min..max])" in text
+    rows = [line.split() for line in text.splitlines()]
+    for name in available:  # every system's row: median, min, max
+        put = report["systems"][name]["spread"]["put_gbps"]
+        assert [name, *(bench_report._fmt(v) for v in (put[1], put[0], put[2]))] in rows
     if not by["rdma"]["available"]:
         assert f"gcache/rdma: not run: {by['rdma']['reason']}" in text
 

@@ -378,27 +378,57 @@ def test_l3_killed_mid_workload(server, engines, model):
     assert_invariant(engines, model, reqs)
 
 
+BACK_TRIES = 5  # reads of the seeded prefix after a fault, until one comes from L3
+
+
 def assert_l3_serves_again(e: Engine, engines, model, reqs: list) -> None:
     """Once L3 is back, the same worker (L1 and L2 emptied) gets the seeded prefix from it
-    again, and every answer of the fault run equals the no-cache answer."""
-    wait_available(e)
-    drained(e)
-    forget_l1_and_l2(e)
-    back = serve(e, upto(18, [7]), SAMPLED)
-    assert back.cached_by_tier == tiers(l3=18)
-    assert_invariant(engines, model, reqs + [back])
+    again, and every answer of the fault run equals the no-cache answer.
+
+    A read may still fail on a machine too loaded for the short l3_timeout_s (the store just
+    resumed, the CPU is busy): then that request got nothing from L3 and the failure was
+    counted, and it is tried again (bounded). Any other outcome, a partial hit, a miss or an
+    uncounted failure, fails the test."""
+    back = []
+    for _ in range(BACK_TRIES):
+        drained(e)  # first: a queued write that fails now cannot make L3 suspect after the next line
+        wait_available(e)
+        forget_l1_and_l2(e)
+        failed_before = e.cache.stats()["l3_prefetch_failed"]
+        back.append(serve(e, upto(18, [7]), SAMPLED))
+        drained(e)  # the prefetch threads are idle: their counters are final
+        if back[-1].cached_by_tier == tiers(l3=18):
+            break
+        assert back[-1].cached_by_tier == tiers(), back[-1].cached_by_tier
+        assert e.cache.stats()["l3_prefetch_failed"] > failed_before, "an L3 read that was not a hit, not counted"
+    else:
+        raise AssertionError(f"L3 never served the prefix again in {BACK_TRIES} tries")
+    assert_invariant(engines, model, reqs + back)
 
 
 def test_l3_slow_then_back(server, engines, model):
-    """A SIGSTOPped server: every L3 call times out (0.3 s), requests run without it; after
-    SIGCONT the same worker uses the store again and gets exactly what it held."""
+    """A SIGSTOPped server: alive and connected, but every L3 call times out (0.3 s).
+
+    Guards, whatever the timing: a store that stops answering costs misses, never wrong
+    bytes and never a hung engine (every request finishes, token for token the no-cache
+    answer, the integrity check passing after every step); nothing comes from L3 while it
+    is stopped; every prefetch started then ends as a failure and is counted (none left
+    pending, none a hit or a miss: the store answered nothing); the worker reports L3
+    unreachable; after SIGCONT the same worker uses the store again and gets exactly what
+    it held. Counters are read only once the L3 threads are idle (drain), never at a
+    moment a background thread may not have reached yet."""
     seed_l3(engines, server.address)
     e = engines(server.address, l3_timeout_s=0.3)
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         reqs = [serve(e, p, params) for p, params in workload(3, seed=4)]
         assert all(r.cached_by_tier["l3"] == 0 for r in reqs)
-        assert e.cache.stats()["l3_prefetch_failed"] >= 1
+        drained(e)  # still stopped: queued writes fail on their timeouts; prefetches are done
+        stats = e.cache.stats()
+        assert stats["l3_prefetches"] >= 1  # the first request looked (L3 had not failed yet)
+        assert stats["l3_prefetch_hit"] == 0 and stats["l3_prefetch_miss"] == 0 and stats["l3_read_pages"] == 0
+        assert stats["l3_prefetch_failed"] + stats["l3_prefetch_cancelled"] == stats["l3_prefetches"]
+        assert e.cache.l3.health()["state"] == "unreachable"
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     assert_l3_serves_again(e, engines, model, reqs)

@@ -128,6 +128,7 @@ def test_unknown_endpoint_and_missing_length(worker):
 def test_health_and_metrics(worker):
     status, body, _ = worker.get("/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
+    assert "l3" not in json.loads(body)  # no --l3: nothing to say about it
     worker.complete({"prompt": "metrics please", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     status, body, ctype = worker.get("/metrics")
     assert status == 200 and ctype.startswith("text/plain")

@@ -186,30 +186,38 @@ def loopback_tcp_gbps(
     return (total_bytes - first_bytes) / max(elapsed, 1e-9) / 1e9
 
 
-def measure_limits(repeat: int, batch_bytes: int | None = None, reply_bytes: int = 4096) -> dict:
-    """Runs the probes `repeat` times; medians plus every run.
+PROBES = (
+    "memcpy_gbps",
+    "loopback_tcp_gbps",
+    "loopback_tcp_batch_gbps",
+    "memcpy_batch_gbps",
+    "python_tcp_pingpong_p50_us",
+)
 
-    loopback_tcp_gbps is the cache-resident best case (what the targets use);
-    loopback_tcp_batch_gbps streams through buffers of one batch's bytes;
-    memcpy_batch_gbps is one thread copying one batch's bytes into one buffer;
-    python_tcp_pingpong_p50_us is a Python request/reply of `reply_bytes`.
+
+def measure_round(batch_bytes: int | None = None, reply_bytes: int = 4096) -> dict:
+    """Every probe once: {probe: value} (the batch probes only with batch_bytes).
+
+    loopback_tcp_gbps is the cache-resident best case; loopback_tcp_batch_gbps streams
+    through buffers of one batch's bytes; memcpy_batch_gbps is one thread copying one
+    batch's bytes into one buffer; python_tcp_pingpong_p50_us is a Python request/reply of
+    `reply_bytes`.
     """
-    memcpy_runs = [memcpy_gbps() for _ in range(repeat)]
-    loopback_runs = [loopback_tcp_gbps() for _ in range(repeat)]
-    limits = {
-        "memcpy_gbps": statistics.median(memcpy_runs),
-        "loopback_tcp_gbps": statistics.median(loopback_runs),
-        "memcpy_gbps_runs": memcpy_runs,
-        "loopback_tcp_gbps_runs": loopback_runs,
-    }
+    out = {"memcpy_gbps": memcpy_gbps(), "loopback_tcp_gbps": loopback_tcp_gbps()}
     if batch_bytes:
-        batch_runs = [loopback_tcp_gbps(buffer_bytes=batch_bytes) for _ in range(repeat)]
-        limits["loopback_tcp_batch_gbps"] = statistics.median(batch_runs)
-        limits["loopback_tcp_batch_gbps_runs"] = batch_runs
-        memcpy_batch_runs = [memcpy_batch_gbps(batch_bytes) for _ in range(repeat)]
-        limits["memcpy_batch_gbps"] = statistics.median(memcpy_batch_runs)
-        limits["memcpy_batch_gbps_runs"] = memcpy_batch_runs
-    pingpong_runs = [python_tcp_pingpong_p50_us(reply_bytes) for _ in range(repeat)]
-    limits["python_tcp_pingpong_p50_us"] = statistics.median(pingpong_runs)
-    limits["python_tcp_pingpong_p50_us_runs"] = pingpong_runs
+        out["loopback_tcp_batch_gbps"] = loopback_tcp_gbps(buffer_bytes=batch_bytes)
+        out["memcpy_batch_gbps"] = memcpy_batch_gbps(batch_bytes)
+    out["python_tcp_pingpong_p50_us"] = python_tcp_pingpong_p50_us(reply_bytes)
+    return out
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """Per probe: the median over the rounds, and `<probe>_runs`, every round's value in
+    round order (index = round), which the per-round ratios pair with the stores' runs."""
+    limits = {}
+    for probe in PROBES:
+        runs = [r[probe] for r in rounds if probe in r]
+        if runs:
+            limits[probe] = statistics.median(runs)
+            limits[f"{probe}_runs"] = runs
     return limits

@@ -21,7 +21,7 @@ from gcache.tools.storebench import limits as machine_limits
 from gcache.tools.storebench import report as bench_report
 from gcache.tools.storebench.peers.base import PeerSpec
 from gcache.tools.storebench.progress import Progress
-from gcache.tools.storebench.runner import config_dict, run_suite
+from gcache.tools.storebench.runner import System, combine_repeats, config_dict, local_system, run_rounds
 from gcache.tools.storebench.workloads import WORKLOADS, WorkloadConfig
 
 VALUE_SIZE_MIN, VALUE_SIZE_MAX = 4 << 10, 16 << 20
@@ -33,7 +33,9 @@ EXISTS_KEYS_MAX = 100_000
 PEERS = ("redis", "mooncake")
 TRANSPORTS = ("tcp", "shm", "rdma")
 WARM_ESTIMATE_S = 1.5  # untimed set-up per workload run, for the progress bar
-LIMITS_ESTIMATE_S = 2.5  # per repeat
+LIMITS_ESTIMATE_S = 2.5  # per round
+MOONCAKE_START_ESTIMATE_S = 20.0
+MOONCAKE_RUN_TIMEOUT_S = 120.0  # on top of 4x a run's planned time
 
 
 def _csv(choices):
@@ -93,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--processes", type=int, help="client processes instead of threads")
     p.add_argument("--duration", type=_duration, default=5.0, help="timed seconds per workload run (default 5s)")
     p.add_argument("--ops", type=int, help="stop each run after this many timed calls per worker")
-    p.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds: each runs every workload once on every store in turn (gcache, redis, "
+        "mooncake, gcache, ...); median, min and max are reported (default 3)",
+    )
     p.add_argument(
         "--exists-keys", type=int, default=10_000, help="keys per batch_is_exist call, half present (default 10000)"
     )
@@ -183,6 +191,8 @@ def _token(args) -> str | None:
 
 
 def execute(args: argparse.Namespace) -> dict:
+    """Starts the stores, runs the rounds (run_rounds: every round measures the machine, then
+    each workload on every system back to back), stops the stores; returns the report."""
     workers = args.threads or args.processes or 1
     token = _token(args)
     mode = "processes" if args.processes else "threads"
@@ -209,9 +219,11 @@ def execute(args: argparse.Namespace) -> dict:
     run_tag = f"bench-{uuid.uuid4().hex[:8]}"
     step_s = (args.duration if args.ops is None else 1.0) + WARM_ESTIMATE_S
     suites = len(args.transport or [None]) + len([v for v in args.vs if not (v == "mooncake" and mooncake_reason)])
-    planned_s = LIMITS_ESTIMATE_S * args.repeat + suites * len(args.workload) * args.repeat * step_s
+    planned_s = (LIMITS_ESTIMATE_S + suites * len(args.workload) * step_s) * args.repeat
     server_info: dict = {"address": args.server, "local": args.server is None, "exit_code": None}
     local_server = tmp_dir = None
+    stoppers: list = []  # the peers' stores, stopped after the rounds (last started, first stopped)
+    systems: list[System] = []
     try:
         with Progress(planned_s, enabled=not args.no_progress) as progress:
             if args.server is None:
@@ -225,38 +237,54 @@ def execute(args: argparse.Namespace) -> dict:
                 server_info.update(
                     address=local_server.address, memory=args.memory, disk=args.disk, auth=bool(args.auth_file)
                 )
-            progress.step("machine limits", LIMITS_ESTIMATE_S * args.repeat)
-            limits = machine_limits.measure_limits(args.repeat, cfg.value_size * cfg.batch, cfg.latency_value_size)
-
+            address = server_info["address"]
             options = {"token": token} if token else {}
             if args.transport:
-                transports = _run_transports(
-                    args, server_info["address"], options, cfg, workers, mode, run_tag, progress, step_s
-                )
-                first = next((t for t in transports.values() if t["available"]), None)
-                peers["gcache"] = first or {"available": False, "reason": "no transport could reach the server"}
+                transports = _gcache_transports(args, address, options, cfg, workers, mode, systems)
             else:
-                gcache_spec = PeerSpec("gcache", server_info["address"], options)
-                peers["gcache"] = {
-                    "available": True,
-                    "address": gcache_spec.address,
-                    "workloads": run_suite(
-                        gcache_spec, args.workload, cfg, args.repeat, workers, mode, run_tag, progress, step_s
-                    ),
-                }
-            if local_server is not None:
-                server_info["exit_code"] = local_server.stop()
-                local_server = None
-
+                spec = PeerSpec("gcache", address, options)
+                systems.append(local_system("gcache", spec, cfg, workers, mode, required=True))
+                peers["gcache"] = {"available": True, "address": address}
             if "redis" in args.vs:
-                peers["redis"] = _run_redis(args, cfg, workers, mode, run_tag, progress, step_s)
+                peers["redis"] = _start_redis(args, cfg, workers, mode, systems, stoppers)
             if "mooncake" in args.vs and not mooncake_reason:
-                peers["mooncake"] = _run_mooncake(args, cfg, workers, mode, run_tag, progress, step_s)
+                progress.step("mooncake: start-up in a private netns", MOONCAKE_START_ESTIMATE_S)
+                peers["mooncake"] = _start_mooncake(args, cfg, workers, mode, run_tag, step_s, systems, stoppers)
+
+            batch_bytes = cfg.value_size * cfg.batch
+            rounds = run_rounds(
+                systems,
+                args.workload,
+                args.repeat,
+                run_tag,
+                lambda: machine_limits.measure_round(batch_bytes, cfg.latency_value_size),
+                progress,
+                step_s,
+                LIMITS_ESTIMATE_S,
+                lambda msg: _say(args, msg),
+            )
+            limits = machine_limits.combine_rounds(rounds.limits)
     finally:
+        for stop in reversed(stoppers):
+            stop()
         if local_server is not None:
             server_info["exit_code"] = local_server.stop()
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    for system in systems:
+        if system.name in rounds.failed:
+            entry = {"available": False, "reason": rounds.failed[system.name]}
+        else:
+            entry = {"workloads": {w: combine_repeats(runs) for w, runs in rounds.runs[system.name].items()}}
+        if system.name.startswith("gcache/"):
+            transports[system.name.split("/", 1)[1]].update(entry)
+        else:
+            peers[system.name].update(entry)
+    if transports is not None:
+        first = next((t for t in transports.values() if t["available"]), None)
+        peers["gcache"] = first or {"available": False, "reason": "no transport could reach the server"}
+    peers = {"gcache": peers["gcache"], **{n: p for n, p in peers.items() if n != "gcache"}}
 
     config = config_dict(cfg) | {
         "workloads": args.workload,
@@ -265,13 +293,15 @@ def execute(args: argparse.Namespace) -> dict:
         "repeat": args.repeat,
         "vs": args.vs,
         "run_tag": run_tag,
+        "systems": [s.name for s in systems],
     }
     config["transports"] = args.transport or []
-    return bench_report.build(config, limits, peers, server_info, transports)
+    return bench_report.build(config, limits, peers, server_info, transports, rounds.order)
 
 
-def _run_transports(args, address, options, cfg, workers, mode, run_tag, progress, step_s) -> dict:
-    """{transport: the gcache suite over it, or why it was skipped}, in the order asked."""
+def _gcache_transports(args, address, options, cfg, workers, mode, systems) -> dict:
+    """{transport: how it runs, or why it was skipped}, in the order asked; each available
+    one joins the rounds as system "gcache/<transport>"."""
     from gcache.tools.storebench.peers.gcache_peer import transport_unavailable_reason
 
     out = {}
@@ -282,65 +312,48 @@ def _run_transports(args, address, options, cfg, workers, mode, run_tag, progres
             out[transport] = {"available": False, "transport": transport, "reason": reason}
             continue
         spec = PeerSpec("gcache", address, options | {"transport": transport})
-        out[transport] = {
-            "available": True,
-            "transport": transport,
-            "address": address,
-            "workloads": run_suite(
-                spec, args.workload, cfg, args.repeat, workers, mode, f"{run_tag}/{transport}", progress, step_s
-            ),
-        }
+        systems.append(local_system(f"gcache/{transport}", spec, cfg, workers, mode, required=True))
+        out[transport] = {"available": True, "transport": transport, "address": address}
     return out
 
 
-def _run_redis(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:
+def _start_redis(args, cfg, workers, mode, systems, stoppers) -> dict:
     from gcache.tools.devcluster.local_redis import LocalRedis
     from gcache.tools.storebench.peers.redis_peer import parse_redis_url
 
-    local = None
     try:
         if args.redis_url:
             address = parse_redis_url(args.redis_url)
+            local = None
         else:
             local = LocalRedis()
+            stoppers.append(local.stop)
             # Same host: its Unix socket, the fair baseline beside GCache's shared memory.
             address = local.local_address
-        spec = PeerSpec("redis", address)
-        return {
-            "available": True,
-            "address": address,
-            "local": local is not None,
-            "workloads": run_suite(spec, args.workload, cfg, args.repeat, workers, mode, run_tag, progress, step_s),
-        }
     except Exception as exc:  # a missing peer must not sink the GCache figures
         _say(args, f"--vs redis failed: {exc}")
         return {"available": False, "reason": str(exc)}
-    finally:
-        if local is not None:
-            local.stop()
+    systems.append(local_system("redis", PeerSpec("redis", address), cfg, workers, mode))
+    return {"available": True, "address": address, "local": local is not None}
 
 
-def _run_mooncake(args, cfg, workers, mode, run_tag, progress, step_s) -> dict:
+def _start_mooncake(args, cfg, workers, mode, run_tag, step_s, systems, stoppers) -> dict:
     from gcache.tools.storebench.peers import mooncake_peer
 
     # room for warm-up plus working set per worker, well under Mooncake's 90% eviction watermark
     live = max(cfg.working_set_bytes, cfg.batch * cfg.value_size)
     segment = args.mooncake_segment or max(512 << 20, 4 * workers * live + (256 << 20))
-    plan_s = len(args.workload) * args.repeat * step_s
-    progress.step(f"mooncake (in a private netns) x{len(args.workload) * args.repeat}", plan_s)
-    request = {
-        "segment_bytes": segment,
-        "config": config_dict(cfg),
-        "workloads": args.workload,
-        "repeat": args.repeat,
-        "workers": workers,
-        "mode": mode,
-        "run_tag": run_tag,
-    }
-    result = mooncake_peer.run_in_namespace(request, plan_s * 2 + mooncake_peer.SIDE_OVERHEAD_S)
-    if not result.get("available"):
-        _say(args, f"--vs mooncake failed: {result.get('reason')}")
-    return result
+    request = {"segment_bytes": segment, "config": config_dict(cfg), "workers": workers, "mode": mode}
+    side = mooncake_peer.MooncakeSide(request)
+    stoppers.append(side.close)
+    try:
+        side.start()
+    except mooncake_peer.SideError as exc:
+        _say(args, f"--vs mooncake failed: {exc}")
+        return {"available": False, "reason": str(exc)}
+    run_timeout_s = MOONCAKE_RUN_TIMEOUT_S + 4 * step_s
+    systems.append(System("mooncake", lambda w, prefix: side.run(w, prefix, run_timeout_s)))
+    return {"available": True, "segment_bytes": segment}
 
 
 def main(argv: list[str] | None = None) -> int:

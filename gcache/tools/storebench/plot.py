@@ -54,7 +54,7 @@ def plot_report(report: dict, path: str) -> None:
         charts.bar_panel(ax, label, unit, bars, lines)
     fig.suptitle(
         f"gcache-bench: {cfg['batch']} x {cfg['value_size'] >> 10} KiB, {cfg['workers']} {cfg['mode']}, "
-        f"median and min..max of {cfg['repeat']} runs",
+        f"median and min..max of {cfg['repeat']} interleaved rounds",
         fontsize=10,
     )
     charts.save(fig, path)

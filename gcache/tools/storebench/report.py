@@ -1,10 +1,14 @@
-"""Turns measurements into ratios, target verdicts, a text table and the JSON object."""
+"""Turns measurements into ratios, target verdicts, a text table and the JSON object.
+
+Every figure is reported as its median and its [min, median, max] over the rounds. A ratio
+is taken within each round (two systems' runs of one workload in the same round ran back
+to back; a store's run and the machine's probes of that round), and then reported as the
+median and [min, median, max] of those per-round ratios, never as a ratio of medians."""
 
 from __future__ import annotations
 
-import statistics
-
 from gcache.common.units import format_size
+from gcache.tools.storebench.runner import spread
 
 # (key, workload, field, label, scale, unit, higher_is_better)
 MEASURES = (
@@ -47,13 +51,58 @@ _LIMIT_FIELDS = {
 _COMPARE = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b}
 
 
+# Machine limits a store's measure is divided by, per round: (name, limits field, label).
+LIMITS_FOR = {
+    "put_gbps": (
+        ("loopback_tcp_batch", "loopback_tcp_batch_gbps", "batch-sized loopback TCP"),
+        ("memcpy_batch", "memcpy_batch_gbps", "memcpy of the batch"),
+    ),
+    "get_gbps": (
+        ("loopback_tcp_batch", "loopback_tcp_batch_gbps", "batch-sized loopback TCP"),
+        ("memcpy_batch", "memcpy_batch_gbps", "memcpy of the batch"),
+    ),
+    "latency_p50_us": (("python_tcp_pingpong", "python_tcp_pingpong_p50_us", "Python TCP ping-pong p50"),),
+}
+
+
 def measure_values(workloads: dict) -> dict:
-    """{measure key: value} for the workloads a peer ran."""
+    """{measure key: median over the rounds} for the workloads a system ran."""
     out = {}
     for key, workload, field, *_ in MEASURES:
         if workload in workloads:
             out[key] = workloads[workload][field]
     return out
+
+
+def measure_rounds(workloads: dict) -> dict:
+    """{measure key: {round: value}}: each run's figure by the round it ran in (runs of an
+    older report without `round`: by position)."""
+    out = {}
+    for key, workload, field, *_ in MEASURES:
+        runs = workloads.get(workload, {}).get("runs")
+        if runs:
+            out[key] = {r.get("round", i): r[field] for i, r in enumerate(runs)}
+    return out
+
+
+def limit_rounds(limits: dict, field: str) -> dict:
+    """{round: value} of one machine probe (`<field>_runs` is in round order)."""
+    return dict(enumerate(limits.get(f"{field}_runs") or []))
+
+
+def measure_spread(workloads: dict) -> dict:
+    """{measure key: [min, median, max]} over the rounds of each workload."""
+    return {key: spread(list(by_round.values())) for key, by_round in measure_rounds(workloads).items()}
+
+
+def ratio_spread(ours: dict, theirs: dict) -> list[float] | None:
+    """[min, median, max] of ours[r] / theirs[r] over the rounds both have; None if none."""
+    ratios = [ours[r] / theirs[r] for r in ours if theirs.get(r)]
+    return spread(ratios) if ratios else None
+
+
+def _median(triple):
+    return None if triple is None else triple[1]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -62,37 +111,67 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def measure_spread(workloads: dict) -> dict:
-    """{measure key: [min, median, max]} over the repeats of each workload."""
-    out = {}
-    for key, workload, field, *_ in MEASURES:
-        runs = workloads.get(workload, {}).get("runs")
-        if runs:
-            values = sorted(r[field] for r in runs)
-            out[key] = [values[0], statistics.median(values), values[-1]]
+def system_entry(workloads: dict, others: dict, limits: dict) -> dict:
+    """One system's medians and spreads, and (for a GCache system) its per-round ratios
+    against `others` ({peer: its measure_rounds}) and against the machine's limits."""
+    rounds = measure_rounds(workloads)
+    entry = {"measures": measure_values(workloads), "spread": measure_spread(workloads)}
+    if others is None:  # a peer: no ratios of its own
+        return entry
+    vs: dict[str, dict] = {}
+    for peer, theirs in others.items():
+        vs[peer] = {k: ratio_spread(v, theirs[k]) for k, v in rounds.items() if k in theirs}
+    for key, by_round in rounds.items():
+        for name, field, _label in LIMITS_FOR.get(key, ()):
+            if limits.get(f"{field}_runs"):
+                vs.setdefault(name, {})[key] = ratio_spread(by_round, limit_rounds(limits, field))
+    entry["vs"] = {name: {k: t for k, t in by.items() if t is not None} for name, by in vs.items()}
+    return entry
+
+
+def build_systems(peers: dict, transports: dict | None, limits: dict, order: list | None) -> dict:
+    """{system: system_entry} for every system that ran, in the order the rounds ran them."""
+    gcache = (
+        {f"gcache/{t}": v for t, v in transports.items() if v.get("available")}
+        if transports is not None
+        else ({"gcache": peers["gcache"]} if peers.get("gcache", {}).get("available") else {})
+    )
+    others = {n: p for n, p in peers.items() if n != "gcache" and p.get("available")}
+    rounds_of = {n: measure_rounds(p["workloads"]) for n, p in others.items()}
+    out = {name: system_entry(v["workloads"], rounds_of, limits) for name, v in gcache.items()}
+    out.update({name: system_entry(p["workloads"], None, limits) for name, p in others.items()})
+    if order:
+        ran = list(dict.fromkeys(o["system"] for o in order))
+        out = {n: out[n] for n in ran if n in out} | {n: v for n, v in out.items() if n not in ran}
     return out
 
 
-def build_transports(transports: dict, limits: dict, peer_values: dict) -> dict:
-    """Each transport's medians, spreads, ratios to the peers, and its targets."""
+def build_transports(transports: dict, limits: dict, systems: dict) -> dict:
+    """Each transport's medians, spreads, per-round ratios to the peers, and its targets."""
     out = {}
     for name, t in transports.items():
         if not t.get("available"):
             out[name] = {"available": False, "reason": t.get("reason")}
             continue
-        values = measure_values(t["workloads"])
-        ratios = {
-            peer: {k: _ratio(values.get(k), v) for k, v in theirs.items()}
-            for peer, theirs in peer_values.items()
-            if peer != "gcache"
+        entry = systems[f"gcache/{name}"]
+        peer_spreads = {p: by for p, by in entry["vs"].items() if p not in _LIMIT_FIELDS}
+        out[name] = {
+            "available": True,
+            "measures": entry["measures"],
+            "spread": entry["spread"],
+            "ratios": {p: {k: _median(t3) for k, t3 in by.items()} for p, by in peer_spreads.items()},
+            "ratio_spread": peer_spreads,
         }
-        out[name] = {"available": True, "measures": values, "spread": measure_spread(t["workloads"]), "ratios": ratios}
     targets = []
     for transport, measure, against, op, bound in TRANSPORT_TARGETS:
         if transport not in transports:
             continue
-        value = out[transport].get("measures", {}).get(measure)
-        ratio = value if against == "us" else _ratio(value, limits.get(_LIMIT_FIELDS[against]))
+        entry = systems.get(f"gcache/{transport}", {})
+        if against == "us":
+            triple = entry.get("spread", {}).get(measure)
+        else:
+            triple = entry.get("vs", {}).get(against, {}).get(measure)
+        ratio = _median(triple)
         met = None if ratio is None else _COMPARE[op](ratio, bound)
         targets.append(
             {
@@ -101,56 +180,87 @@ def build_transports(transports: dict, limits: dict, peer_values: dict) -> dict:
                 "against": against,
                 "target": f"{op} {bound:g}",
                 "ratio": ratio,
+                "spread": triple,
                 "met": met,
             }
         )
     return {"by_transport": out, "targets": targets}
 
 
-def build(config: dict, limits: dict, peers: dict, server: dict, transports: dict | None = None) -> dict:
+def build(
+    config: dict,
+    limits: dict,
+    peers: dict,
+    server: dict,
+    transports: dict | None = None,
+    order: list | None = None,
+) -> dict:
     """The one JSON object gcache-bench prints with --json (fields in bench/README.md).
     `transports` ({name: suite}) comes from --transport; then peers["gcache"] is the
-    first available one."""
+    first available one. `order`: every run as it ran ({"round", "workload", "system"})."""
     values = {name: measure_values(p["workloads"]) for name, p in peers.items() if p.get("available")}
-    ours = values.get("gcache", {})
-    ratios = {
-        name: {k: _ratio(ours.get(k), v) for k, v in theirs.items()}
-        for name, theirs in values.items()
-        if name != "gcache"
-    }
-    fractions = {}
+    spreads = {name: measure_spread(p["workloads"]) for name, p in peers.items() if p.get("available")}
+    ours = measure_rounds(peers["gcache"]["workloads"]) if peers.get("gcache", {}).get("available") else {}
+    ratio_spreads = {}
+    for name, p in peers.items():
+        if name == "gcache" or not p.get("available"):
+            continue
+        theirs = measure_rounds(p["workloads"])
+        ratio_spreads[name] = {k: ratio_spread(ours[k], v) for k, v in theirs.items() if k in ours}
+    ratios = {name: {k: _median(t) for k, t in by.items()} for name, by in ratio_spreads.items()}
+    fraction_spreads = {}
     for key in ("get_gbps", "put_gbps"):
         if key in ours:
             op = key.split("_")[0]
-            fractions[f"{op}_of_loopback_tcp"] = _ratio(ours[key], limits.get("loopback_tcp_gbps"))
-            fractions[f"{op}_of_memcpy"] = _ratio(ours[key], limits.get("memcpy_gbps"))
-            if limits.get("memcpy_batch_gbps"):
-                fractions[f"{op}_of_memcpy_batch"] = _ratio(ours[key], limits["memcpy_batch_gbps"])
-            if limits.get("loopback_tcp_batch_gbps"):
-                fractions[f"{op}_of_loopback_tcp_batch"] = _ratio(ours[key], limits["loopback_tcp_batch_gbps"])
+            for suffix, field in (
+                ("loopback_tcp", "loopback_tcp_gbps"),
+                ("memcpy", "memcpy_gbps"),
+                ("memcpy_batch", "memcpy_batch_gbps"),
+                ("loopback_tcp_batch", "loopback_tcp_batch_gbps"),
+            ):
+                if limits.get(f"{field}_runs"):
+                    fraction_spreads[f"{op}_of_{suffix}"] = ratio_spread(ours[key], limit_rounds(limits, field))
+    fractions = {k: _median(t) for k, t in fraction_spreads.items()}
     targets = []
     for measure, against, op, bound in TARGETS:
         if against == "loopback_tcp":
-            ratio = fractions.get(f"{measure.split('_')[0]}_of_loopback_tcp")
+            triple = fraction_spreads.get(f"{measure.split('_')[0]}_of_loopback_tcp")
         else:
-            ratio = ratios.get(against, {}).get(measure)
-        met = None
-        if ratio is not None:
-            met = {">=": ratio >= bound, "<": ratio < bound, "<=": ratio <= bound}[op]
-        targets.append({"measure": measure, "against": against, "target": f"{op} {bound}", "ratio": ratio, "met": met})
+            triple = ratio_spreads.get(against, {}).get(measure)
+        ratio = _median(triple)
+        met = None if ratio is None else _COMPARE[op](ratio, bound)
+        targets.append(
+            {
+                "measure": measure,
+                "against": against,
+                "target": f"{op} {bound}",
+                "ratio": ratio,
+                "spread": triple,
+                "met": met,
+            }
+        )
+    systems = build_systems(peers, transports, limits, order)
     report = {
         "gcache_bench": 1,
         "config": config,
         "server": server,
         "limits": limits,
+        "limits_spread": {
+            k: spread(limits[f"{k}_runs"]) for k in list(limits) if not k.endswith("_runs") and limits.get(f"{k}_runs")
+        },
         "peers": peers,
+        "run_order": order or [],
+        "systems": systems,
         "measures": values,
+        "spread": spreads,
         "ratios": ratios,
+        "ratio_spread": ratio_spreads,
         "fraction_of_limits": fractions,
+        "fraction_of_limits_spread": fraction_spreads,
         "targets": targets,
     }
     if transports is not None:
-        report["transports"] = build_transports(transports, limits, values)
+        report["transports"] = build_transports(transports, limits, systems)
     return report
 
 
@@ -161,134 +271,108 @@ def _fmt(value, scale: float = 1.0) -> str:
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
-def render_table(report: dict) -> str:
-    cfg = report["config"]
-    limits = report["limits"]
-    peers = report["peers"]
-    names = ["gcache"] + [n for n in peers if n != "gcache"]
-    shown = [n for n in names if peers.get(n, {}).get("available")]
-    lines = [
-        f"gcache-bench: {format_size(cfg['value_size'])} values, batches of {cfg['batch']}, "
-        f"{cfg['workers']} {cfg['mode']}, {cfg['duration_s']:g}s per run, medians of {cfg['repeat']} "
-        f"(exists: {cfg['exists_keys']} keys; single GET: {format_size(cfg['latency_value_size'])})",
-        f"machine: memcpy {limits['memcpy_gbps']:.2f} GB/s (one thread, 256 MiB)"
-        + (
-            f", {limits['memcpy_batch_gbps']:.2f} GB/s (one thread, one batch's "
-            f"{format_size(cfg['value_size'] * cfg['batch'])} into a caller's buffer)"
-            if limits.get("memcpy_batch_gbps")
-            else ""
-        )
-        + f"; loopback TCP {limits['loopback_tcp_gbps']:.2f} GB/s"
-        + (
-            f" (cache-resident 4 MiB buffer; {limits['loopback_tcp_batch_gbps']:.2f} GB/s streaming "
-            f"through batch-sized buffers)"
-            if limits.get("loopback_tcp_batch_gbps")
-            else ""
-        )
-        + (
-            f"; Python TCP ping-pong p50 {limits['python_tcp_pingpong_p50_us']:.1f} us "
-            f"({format_size(cfg['latency_value_size'])} reply)"
-            if limits.get("python_tcp_pingpong_p50_us")
-            else ""
-        ),
-        "",
-    ]
-    if peers.get("gcache", {}).get("transport"):
-        lines.append(
-            f"(gcache = transport {peers['gcache']['transport']}, the first of --transport; every transport is below)"
-        )
-    header = f"{'measure':<34}" + "".join(f"{n:>10}" for n in shown)
-    header += "".join(f"{'gc/' + n[:7]:>12}" for n in shown if n != "gcache")
-    lines.append(header)
-    for key, workload, _field, label, scale, unit, _hib in MEASURES:
-        if workload not in cfg["workloads"]:
-            continue
-        row = f"{label + ' (' + unit + ')':<34}"
-        row += "".join(f"{_fmt(report['measures'][n].get(key), scale):>10}" for n in shown)
-        row += "".join(f"{_fmt(report['ratios'][n].get(key)) + 'x':>12}" for n in shown if n != "gcache")
-        lines.append(row)
-    for name, peer in peers.items():
-        if not peer.get("available"):
-            lines.append(f"{name}: not run: {peer.get('reason', 'unavailable')}")
-        elif not all(w.get("verified", True) for w in peer["workloads"].values()):
-            lines.append(f"{name}: WARNING: some bytes read back differed from the bytes put")
-    fr = report["fraction_of_limits"]
-    if fr:
-        parts = [
-            f"{op.upper()} {_fmt(fr.get(op + '_of_loopback_tcp'))} of loopback TCP "
-            f"({_fmt(fr.get(op + '_of_loopback_tcp_batch'))} of batch-sized loopback), "
-            f"{_fmt(fr.get(op + '_of_memcpy'))} of memcpy"
-            for op in ("get", "put")
-            if op + "_of_memcpy" in fr
-        ]
-        lines += ["", "gcache as a fraction of the machine: " + "; ".join(parts)]
-    lines += ["", "targets (ratio = gcache / against):"]
-    for t in report["targets"]:
-        verdict = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
-        lines.append(
-            f"  [{verdict}] {t['measure']:<15} vs {t['against']:<13} {t['target']:<7} ratio {_fmt(t['ratio'])}"
-        )
-    if "transports" in report:
-        lines += ["", *render_transports(report)]
-    server = report.get("server", {})
-    if server.get("exit_code") is not None:
-        lines.append(f"\nlocal gcache-server stopped with SIGTERM, exit code {server['exit_code']}")
-    return "\n".join(lines)
-
-
-def _spread(triple, scale: float) -> str:
+def _spread(triple, scale: float = 1.0) -> str:
+    """ "median [min..max]" of a [min, median, max] triple."""
     if not triple:
         return "-"
     lo, mid, hi = triple
     return f"{_fmt(mid, scale)} [{_fmt(lo, scale)}..{_fmt(hi, scale)}]"
 
 
-def render_transports(report: dict) -> list[str]:
-    """The --transport block: each transport's median [min..max], the peers beside them,
-    ratios to the peers, and the per-transport targets."""
+LABEL_WIDTH = 46
+COLUMN_WIDTH = 10
+
+
+def _row(label: str, triple, scale: float = 1.0) -> str:
+    cells = ["-"] * 3 if not triple else [_fmt(triple[1], scale), _fmt(triple[0], scale), _fmt(triple[2], scale)]
+    return f"{label:<{LABEL_WIDTH}}" + "".join(f"{c:>{COLUMN_WIDTH}}" for c in cells)
+
+
+def _heading(label: str) -> str:
+    return f"{label:<{LABEL_WIDTH}}" + "".join(f"{c:>{COLUMN_WIDTH}}" for c in ("median", "min", "max"))
+
+
+def _machine_rows(cfg: dict) -> tuple:
+    batch = format_size(cfg["value_size"] * cfg["batch"])
+    return (
+        ("memcpy_gbps", "memcpy, one thread, 256 MiB (GB/s)"),
+        ("memcpy_batch_gbps", f"memcpy of one batch ({batch}), one thread (GB/s)"),
+        ("loopback_tcp_gbps", "loopback TCP, 4 MiB cache-resident (GB/s)"),
+        ("loopback_tcp_batch_gbps", f"loopback TCP, {batch} buffers (GB/s)"),
+        ("python_tcp_pingpong_p50_us", f"Python TCP ping-pong p50, {format_size(cfg['latency_value_size'])} (us)"),
+    )
+
+
+def render_table(report: dict) -> str:
+    """The text gcache-bench prints: the machine, then per measure every system's median
+    [min, max] over the rounds and the per-round ratios, then the targets."""
     cfg = report["config"]
-    section = report["transports"]
-    shown = [n for n, t in section["by_transport"].items() if t["available"]]
-    peers = [n for n in report["measures"] if n != "gcache"]
-    width = 22
+    limits = report["limits"]
+    peers = report["peers"]
+    systems = report.get("systems") or {}
     lines = [
-        f"by transport: median [min..max] over {cfg['repeat']} runs",
-        f"{'measure':<34}"
-        + "".join(f"{'gcache/' + n:>{width}}" for n in shown)
-        + "".join(f"{n:>{width}}" for n in peers)
-        + "".join(f"{n + '/' + p[:8]:>14}" for p in peers for n in shown),
+        f"gcache-bench: {format_size(cfg['value_size'])} values, batches of {cfg['batch']}, "
+        f"{cfg['workers']} {cfg['mode']}, {cfg['duration_s']:g}s per run, {cfg['repeat']} rounds "
+        f"(exists: {cfg['exists_keys']} keys; single GET: {format_size(cfg['latency_value_size'])})",
+        "each round measures the machine, then runs each workload on "
+        + (", ".join(systems) or "no system")
+        + " in turn",
+        "figures: median, min, max over the rounds; a / b: the ratio within each round, then median, min, max",
+        "",
+        _heading("machine"),
     ]
+    for key, label in _machine_rows(cfg):
+        if limits.get(f"{key}_runs"):
+            lines.append(_row(label, spread(limits[f"{key}_runs"])))
     for key, workload, _field, label, scale, unit, _hib in MEASURES:
         if workload not in cfg["workloads"]:
             continue
-        row = f"{label + ' (' + unit + ')':<34}"
-        row += "".join(f"{_spread(section['by_transport'][n]['spread'].get(key), scale):>{width}}" for n in shown)
-        for p in peers:
-            runs = report["peers"][p]["workloads"].get(workload, {}).get("runs")
-            field = next(m[2] for m in MEASURES if m[0] == key)
-            triple = None
-            if runs:
-                values = sorted(r[field] for r in runs)
-                triple = [values[0], statistics.median(values), values[-1]]
-            row += f"{_spread(triple, scale):>{width}}"
-        row += "".join(
-            f"{_fmt(section['by_transport'][n]['ratios'][p].get(key)) + 'x':>14}" for p in peers for n in shown
-        )
-        lines.append(row)
-    for name, t in section["by_transport"].items():
+        lines += ["", _heading(f"{label} ({unit})")]
+        for name, entry in systems.items():
+            lines.append(_row(f"  {name}", entry["spread"].get(key), scale))
+        for name, entry in systems.items():
+            for against, by in entry.get("vs", {}).items():
+                if key in by:
+                    label_of = next((lb for n, _f, lb in LIMITS_FOR.get(key, ()) if n == against), against)
+                    lines.append(_row(f"  {name} / {label_of}", by[key]))
+    for name, peer in peers.items():
+        if not peer.get("available"):
+            lines.append(f"{name}: not run: {peer.get('reason', 'unavailable')}")
+        elif not all(w.get("verified", True) for w in peer["workloads"].values()):
+            lines.append(f"{name}: WARNING: some bytes read back differed from the bytes put")
+    for name, t in report.get("transports", {}).get("by_transport", {}).items():
         if not t["available"]:
             lines.append(f"gcache/{name}: not run: {t['reason']}")
+    first = peers.get("gcache", {}).get("transport")
+    gc = f"gcache/{first}" if first else "gcache"
+    lines += ["", f"targets (ratio = {gc} / against, per round; median [min..max]):"]
+    for t in report["targets"]:
+        verdict = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
+        lines.append(
+            f"  [{verdict}] {t['measure']:<15} vs {t['against']:<13} {t['target']:<7} "
+            f"ratio {_spread(t.get('spread')) if t.get('spread') else _fmt(t['ratio'])}"
+        )
+    if "transports" in report:
+        lines += ["", *render_transport_targets(report)]
+    server = report.get("server", {})
+    if server.get("exit_code") is not None:
+        lines.append(f"\nlocal gcache-server stopped with SIGTERM, exit code {server['exit_code']}")
+    return "\n".join(lines)
+
+
+def render_transport_targets(report: dict) -> list[str]:
+    """The --transport targets, each with the median [min..max] of its per-round ratio."""
     limit_names = {
         "memcpy_batch": "memcpy (one thread, same bytes)",
         "loopback_tcp_batch": "batch-sized loopback TCP",
         "python_tcp_pingpong": "Python TCP ping-pong p50",
         "us": "microseconds",
     }
-    lines += ["", "transport targets (ratio = gcache / against; for microseconds: the value):"]
-    for t in section["targets"]:
+    lines = ["transport targets (ratio = gcache / against, per round; for microseconds: the value):"]
+    for t in report["transports"]["targets"]:
         verdict = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
         lines.append(
             f"  [{verdict}] {t['transport']:<5} {t['measure']:<15} vs {limit_names[t['against']]:<32} "
-            f"{t['target']:<7} ratio {_fmt(t['ratio'])}"
+            f"{t['target']:<7} ratio {_spread(t.get('spread')) if t.get('spread') else _fmt(t['ratio'])}"
         )
     return lines

@@ -1,4 +1,5 @@
-"""Runs a workload on N threads or processes, and repeats into medians."""
+"""Runs a workload on N threads or processes; runs every system round by round, interleaved,
+and combines the rounds into medians."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import multiprocessing as mp
 import statistics
 import threading
 import traceback
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -126,35 +128,89 @@ MEDIAN_FIELDS = ("gbps", "calls_per_s", "keys_per_s", "p50_us", "p99_us", "mean_
 TOTAL_FIELDS = ("calls", "keys", "bytes", "misses", "seconds")
 
 
+def spread(values: list[float]) -> list[float]:
+    """[min, median, max] of `values` (at least one)."""
+    ordered = sorted(values)
+    return [ordered[0], statistics.median(ordered), ordered[-1]]
+
+
 def combine_repeats(runs: list[dict]) -> dict:
-    """Rates and latencies: median over repeats. Counts: totals over repeats."""
+    """Rates and latencies: median over the rounds. Counts: totals over the rounds. `runs`
+    keeps every round's own figures (each with its `round`)."""
     out = {f: statistics.median(r[f] for r in runs) for f in MEDIAN_FIELDS}
     out.update({f: sum(r[f] for r in runs) for f in TOTAL_FIELDS})
     out["verified"] = all(r["verified"] for r in runs)
+    out["spread"] = {f: spread([r[f] for r in runs]) for f in MEDIAN_FIELDS}
     out["repeats"] = len(runs)
     out["runs"] = runs
     return out
 
 
-def run_suite(
-    spec: PeerSpec,
+@dataclass
+class System:
+    """One store as the rounds see it: `run(workload, key_prefix)` measures one run and
+    returns its figures (summarize's dict). `required`: a failure ends the bench (GCache);
+    otherwise the system is dropped from later rounds with the reason (a peer)."""
+
+    name: str  # "gcache", "gcache/tcp", "redis", "mooncake"
+    run: Callable[[str, str], dict]
+    required: bool = False
+
+
+@dataclass
+class Rounds:
+    """What run_rounds measured: every run of every system, in the order they ran."""
+
+    runs: dict[str, dict[str, list[dict]]]  # system -> workload -> one dict per round ran
+    order: list[dict] = field(default_factory=list)  # {"round", "workload", "system"}, as run
+    limits: list[dict] = field(default_factory=list)  # the machine's probes, one dict per round
+    failed: dict[str, str] = field(default_factory=dict)  # system -> why it left the rounds
+
+
+def run_rounds(
+    systems: list[System],
     workloads: list[str],
-    cfg: WorkloadConfig,
     repeat: int,
-    workers: int,
-    mode: str,
     run_tag: str,
+    measure_limits: Callable[[], dict] | None = None,
     progress=None,
     planned_step_s: float = 0.0,
-) -> dict:
-    """Every workload, `repeat` times, interleaved so machine drift hits all alike."""
-    runs: dict[str, list[dict]] = {w: [] for w in workloads}
+    planned_limits_s: float = 0.0,
+    say: Callable[[str], None] = lambda msg: None,
+) -> Rounds:
+    """`repeat` rounds; each measures the machine (measure_limits), then runs every workload
+    on every system back to back: round 0 put on gcache, redis, mooncake, round 0 get on
+    gcache, redis, mooncake, ..., round 1 put on gcache, ... So the runs a ratio pairs are
+    neighbours in time, and a machine that drifts moves both sides of a round alike."""
+    out = Rounds(runs={s.name: {w: [] for w in workloads} for s in systems})
     for r in range(repeat):
-        for w in workloads:
+        if measure_limits is not None:
             if progress is not None:
-                progress.step(f"{spec.kind} {w} {r + 1}/{repeat}", planned_step_s)
-            runs[w].append(run_workload(spec, w, cfg, workers, mode, f"{run_tag}/{spec.kind}/{w}/r{r}"))
-    return {w: combine_repeats(runs[w]) for w in workloads}
+                progress.step(f"round {r + 1}/{repeat}: machine limits", planned_limits_s)
+            out.limits.append(measure_limits())
+        for w in workloads:
+            for system in systems:
+                if system.name in out.failed:
+                    continue
+                if progress is not None:
+                    progress.step(f"round {r + 1}/{repeat}: {system.name} {w}", planned_step_s)
+                try:
+                    figures = system.run(w, f"{run_tag}/{system.name}/{w}/r{r}")
+                except Exception as exc:
+                    if system.required:
+                        raise
+                    reason = f"failed in round {r + 1}, {w}: " + " ".join(f"{type(exc).__name__}: {exc}".split())
+                    say(f"{system.name} {reason}; its later runs are skipped")
+                    out.failed[system.name] = reason
+                    continue
+                out.runs[system.name][w].append(dict(figures, round=r))
+                out.order.append({"round": r, "workload": w, "system": system.name})
+    return out
+
+
+def local_system(name: str, spec: PeerSpec, cfg: WorkloadConfig, workers: int, mode: str, **kw) -> System:
+    """A store this process drives itself (GCache, Redis): each run opens its own peers."""
+    return System(name, lambda w, prefix: run_workload(spec, w, cfg, workers, mode, prefix), **kw)
 
 
 def config_dict(cfg: WorkloadConfig) -> dict:

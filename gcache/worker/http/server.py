@@ -2,6 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream=true as
 server-sent events), GET /health, GET /metrics (Prometheus), GET /v1/models.
+With --l3, /health also says whether the store answers ("l3": up / unreachable, when it
+last answered): the worker serves either way, without L3 while it is unreachable.
 
 A request's way through: its body is read under --body-timeout-s and the 8 MiB limit
 (no slot held meanwhile: a stalled client cannot starve the others), parsed (400 for
@@ -87,15 +89,16 @@ class WorkerApp:
     async def health(self, request: web.Request) -> web.Response:
         ok = self.engine_thread.is_serving()
         snap = self.engine_thread.engine.metrics.snapshot()
-        return json_response(
-            200 if ok else 503,
-            {
-                "status": "ok" if ok else "down",
-                "waiting": snap["waiting_requests"],
-                "running": snap["running_requests"],
-                "in_flight": self.limiter.in_flight,
-            },
-        )
+        body = {
+            "status": "ok" if ok else "down",
+            "waiting": snap["waiting_requests"],
+            "running": snap["running_requests"],
+            "in_flight": self.limiter.in_flight,
+        }
+        l3 = getattr(self.engine_thread.engine.cache, "l3", None)
+        if l3 is not None:  # L3 is optional: an unreachable store does not make the worker unhealthy
+            body["l3"] = l3.health()
+        return json_response(200 if ok else 503, body)
 
     async def metrics(self, request: web.Request) -> web.Response:
         et = self.engine_thread
@@ -282,6 +285,10 @@ def main(argv=None) -> int:
         handoff_wait_s=args.pd_handoff_wait_s,
         host_gauges=host_gauges(host),
     )
+    l3 = getattr(engine.cache, "l3", None)
+    if l3 is not None:
+        l3.probe()  # an unreachable store is logged now (and again when it answers)
+        l3.watch()
     engine_thread.start()
     publisher = None
 
@@ -292,8 +299,10 @@ def main(argv=None) -> int:
         host_cache = getattr(engine.cache, "host", None)
         if host_cache is not None:
             tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
-        if getattr(engine.cache, "l3", None) is not None:
-            tiers += f" + L3 ({args.l3})"
+        if l3 is not None:
+            health = l3.health()
+            state = "up" if health["state"] == "up" else "UNREACHABLE at start: serving without it until it answers"
+            tiers += f" + L3 ({args.l3}, {state})"
         print(
             f"gcache-worker: serving {name} on http://{args.host}:{port} (full pages {engine.kv.full.num_pages}, "
             f"swa pages {engine.kv.swa.num_pages}; cache {tiers}; role {args.role})",

@@ -8,6 +8,13 @@ so `drain()` and `idle()` cover them too. Every call has the client's timeout, a
 a failure the store is skipped for `suspect_s`, so a dead, slow or restarting
 gcache-server costs misses, never a stalled decode.
 
+Health: the first failure of an outage logs that L3 is unreachable and the first answer
+after it logs that it answers again (gcache.common.breaker's down/up edges); health()
+says which, and when the store last answered (the worker's /health). probe() asks the
+store once (a PING); watch() starts a thread that probes only when nothing else has
+told: every `probe_s` while the store is down, or after `probe_s` without an answer while
+it is up. The worker probes at start and watches; an Engine built alone does not.
+
 Keys: one per page per pool, `KeyBuilder(model, ...).key(page_hash, "full" | "swa")`, so a
 worker restarted with the same model name finds its pages and another model never does.
 A prefix is usable from L3 up to its last window-safe point whose full pages are all
@@ -21,6 +28,8 @@ chain from page 0, so a hot chain's page 0 outlives its suffix pages on the node
 
 from __future__ import annotations
 
+import datetime
+import logging
 import queue
 import threading
 import time
@@ -35,6 +44,7 @@ from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
 from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.host_cache import HostCache
 
+log = logging.getLogger("gcache.worker.l3")
 TOUCH_PAGES_MAX = 64  # prefix pages probed after a write (bounded work per write)
 PROBE_PAGES_MAX = 4096  # pages one prefetch may look at
 
@@ -121,6 +131,11 @@ class L3Store:
                 self.client.register_buffer(self.pool.buffer(kind))
         self._breaker = Breaker(config.suspect_s)
         self._lock = threading.Lock()
+        self._last_seen_wall: float | None = None  # time.time() of the store's last answer
+        self._last_seen: float = float("-inf")  # the same, time.monotonic()
+        self._down_since_wall: float | None = None
+        self._last_error: str | None = None
+        self._health_lock = threading.Lock()  # the down/up edges and what health() reports of them
         self.stats = dict.fromkeys(
             (
                 "writes_queued",
@@ -165,8 +180,88 @@ class L3Store:
     def available(self) -> bool:
         return not self._breaker.is_suspect()
 
-    def _failed(self) -> None:
-        self._breaker.fail()
+    def _failed(self, exc: BaseException | None = None) -> None:
+        """A call to the store failed: skip it for suspect_s; the first failure of an
+        outage says so in the log."""
+        error = " ".join(f"{type(exc).__name__}: {exc}".split()) if exc is not None else "call failed"
+        with self._health_lock:  # health() sees the state, its time and its error together
+            self._last_error = error
+            first = self._breaker.fail()
+            if first:
+                self._down_since_wall = time.time()
+        if first:
+            log.warning(
+                "L3 %s is unreachable (%s): serving without it (no L3 reads or writes), "
+                "trying it again every %.1fs; /health shows when it answers",
+                self.config.url,
+                error,
+                self.config.suspect_s,
+            )
+
+    def _answered(self) -> None:
+        """The store answered a call: it is up; the first answer after an outage says so."""
+        self._last_seen_wall, self._last_seen = time.time(), time.monotonic()
+        if not self._breaker.is_down():  # the common case, without the lock
+            return
+        with self._health_lock:
+            back = self._breaker.succeed()
+            down_since, self._down_since_wall = self._down_since_wall, None
+        if back:
+            down_s = self._last_seen_wall - (down_since or self._last_seen_wall)
+            log.warning("L3 %s answers again (unreachable for %.1fs); using it again", self.config.url, down_s)
+
+    def probe(self) -> bool:
+        """Ask the store once (PING, bounded by the client's timeout); True if it answered.
+        A ClusterClient answers per node: up if any node did."""
+        try:
+            answer = self.client.ping()
+        except (errors.GCacheError, OSError) as exc:
+            self._failed(exc)
+            return False
+        if isinstance(answer, dict) and "version" not in answer:  # a cluster: {node: answer or error}
+            if not any(isinstance(v, dict) for v in answer.values()):
+                self._failed(RuntimeError("; ".join(f"{n}: {v}" for n, v in answer.items()) or "no live node"))
+                return False
+        self._answered()
+        return True
+
+    def health(self) -> dict:
+        """For /health: state "up", "unreachable" or "unknown" (never asked yet), when the
+        store last answered (UTC, ISO 8601, and seconds ago), since when it has been
+        unreachable, and the last error."""
+
+        def iso(t: float | None) -> str | None:
+            return None if t is None else datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat()
+
+        with self._health_lock:
+            down, down_since, error = self._breaker.is_down(), self._down_since_wall, self._last_error
+        seen = self._last_seen_wall
+        state = "unreachable" if down else "up" if seen is not None else "unknown"
+        return {
+            "state": state,
+            "address": self.config.url,
+            "last_seen": iso(seen),
+            "last_seen_s_ago": None if seen is None else round(max(0.0, time.time() - seen), 3),
+            "unreachable_since": iso(down_since) if down else None,
+            "last_error": error if down else None,
+        }
+
+    def watch(self, probe_s: float | None = None) -> None:
+        """Start the health thread: a probe every probe_s (default suspect_s) while the
+        store is down and not being tried by traffic, or after probe_s without any answer
+        while it is up; it sleeps otherwise. Stopped by close()."""
+        every = probe_s or self.config.suspect_s
+        t = threading.Thread(target=self._watch_loop, args=(every,), name="l3-health", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _watch_loop(self, every: float) -> None:
+        while not self._stopping.wait(every):
+            if self._breaker.is_down():
+                if not self._breaker.is_suspect():  # its window is over and no call tried it yet
+                    self.probe()
+            elif time.monotonic() - self._last_seen >= every:
+                self.probe()
 
     def _count(self, **by) -> None:
         with self._lock:
@@ -240,11 +335,12 @@ class L3Store:
             self.client.put(job.key, job.blob)  # values are write-once on the server
         except Exception as exc:  # noqa: BLE001 - best effort: the blob stays in the tiers above
             if isinstance(exc, (errors.GCacheError, OSError)):
-                self._failed()
+                self._failed(exc)
             self._count(blob_write_errors=1)
             if job.on_error is not None:
                 job.on_error()
             return
+        self._answered()
         self._count(blob_write_bytes=len(job.blob))
 
     def _write(self, job: WriteJob) -> bool:
@@ -271,10 +367,11 @@ class L3Store:
                     [self.keys.key(h, pool) for h in job.touch for pool in (POOL_FULL, POOL_SWA)]
                 )
                 self._count(touch_probes=1)
-        except (errors.GCacheError, OSError):
-            self._failed()
+        except (errors.GCacheError, OSError) as exc:
+            self._failed(exc)
             self._count(write_errors=1)
             return False
+        self._answered()
         self._count(
             write_pages=len(order),
             write_bytes=sum(s for s, x in zip(sizes, ok) if x),
@@ -327,8 +424,10 @@ class L3Store:
                     p.outcome = "cancelled"
                 else:
                     self._prefetch(p)
-            except (errors.GCacheError, OSError):
-                self._failed()
+                    if p.outcome != "failed":
+                        self._answered()
+            except (errors.GCacheError, OSError) as exc:
+                self._failed(exc)
                 p.outcome = "failed"
             finally:
                 with p.lock:

@@ -3,14 +3,17 @@
 Mooncake's transfer engine listens on all interfaces, so the whole Mooncake
 side (mooncake_master, a storage-only client holding the segment, and the
 benchmark client driving it) runs in a private network namespace that has only
-loopback: `unshare -n` starts mooncake_side.py, which prints its results as
-JSON. This module holds the in-namespace Peer and the launcher used outside.
+loopback: `unshare -n` starts mooncake_side.py, which stays up for the whole
+bench and runs one workload per request, so its runs interleave with the other
+stores'. This module holds the in-namespace Peer and MooncakeSide, the launcher
+used outside.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import shutil
 import subprocess
 import sys
@@ -21,8 +24,10 @@ import time
 from gcache.tools.storebench.peers.base import Peer, PeerSpec
 
 RESULT_MARKER = "MOONCAKE_RESULT "
+READY_MARKER = "MOONCAKE_READY "
 IMPORT_CHECK_TIMEOUT_S = 60.0
-SIDE_OVERHEAD_S = 240.0  # start-up, segment warm-up, tear-down, on top of the plan
+START_TIMEOUT_S = 240.0  # master, storage client and segment warm-up
+STOP_TIMEOUT_S = 60.0
 WHEEL = "mooncake-transfer-engine-non-cuda"
 LEASED_ERROR = -706  # batch_remove: the object still holds a read lease
 LEASE_WAIT_S = 0.1  # > the master's --default_kv_lease_ttl set by mooncake_side
@@ -141,26 +146,87 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def run_in_namespace(request: dict, timeout_s: float) -> dict:
-    """Runs mooncake_side.py under `unshare -n`; returns its JSON or {"available": False, ...}."""
-    log = tempfile.NamedTemporaryFile(prefix="gcache-bench-mooncake-", suffix=".log", delete=False)
-    cmd = [
-        "unshare",
-        "-n",
-        "--",
-        sys.executable,
-        "-m",
-        "gcache.tools.storebench.peers.mooncake_side",
-        json.dumps(request),
-    ]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"available": False, "reason": f"the Mooncake side ran past {timeout_s:.0f}s (log: {log.name})"}
-    finally:
-        log.close()
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            os.unlink(log.name)
-            return json.loads(line[len(RESULT_MARKER) :])
-    return {"available": False, "reason": f"the Mooncake side exited with {proc.returncode} (log: {log.name})"}
+class SideError(RuntimeError):
+    """The Mooncake side could not run (a one-line reason)."""
+
+
+class MooncakeSide:
+    """mooncake_side.py under `unshare -n`, up from start() to close(): run() has it run one
+    workload and returns that run's figures; any failure raises SideError with a one-line
+    reason (the side's log file is named in it and kept)."""
+
+    def __init__(self, request: dict):
+        self.request = request
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix="gcache-bench-mooncake-", suffix=".log", delete=False)
+        self._buffer = b""
+        self._failed = False
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> MooncakeSide:
+        cmd = ["unshare", "-n", "--", sys.executable, "-m", "gcache.tools.storebench.peers.mooncake_side"]
+        self.proc = subprocess.Popen(
+            [*cmd, json.dumps(self.request)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log
+        )
+        marker, answer = self._read_answer(timeout_s, "start")
+        if marker != READY_MARKER:
+            self._failed = True
+            raise SideError(answer.get("reason") or f"the Mooncake side did not start (log: {self.log.name})")
+        self.segment_bytes = answer.get("segment_bytes")
+        return self
+
+    def run(self, workload: str, key_prefix: str, timeout_s: float) -> dict:
+        try:
+            self.proc.stdin.write((json.dumps({"workload": workload, "key_prefix": key_prefix}) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as exc:
+            self._failed = True
+            raise SideError(f"the Mooncake side is gone ({exc}; log: {self.log.name})") from None
+        _marker, answer = self._read_answer(timeout_s, workload)
+        if not answer.get("ok"):
+            self._failed = True
+            raise SideError(f"{answer.get('reason', 'no reason given')} (log: {self.log.name})")
+        return answer["figures"]
+
+    def _read_answer(self, timeout_s: float, what: str) -> tuple[str, dict]:
+        """The next READY or RESULT line (other output is skipped), within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self._buffer:
+                    line, self._buffer = self._buffer.split(b"\n", 1)
+                    text = line.decode(errors="replace")
+                    for marker in (READY_MARKER, RESULT_MARKER):
+                        if text.startswith(marker):
+                            return marker, json.loads(text[len(marker) :])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._failed = True
+                    raise SideError(f"the Mooncake side ran past {timeout_s:.0f}s on {what} (log: {self.log.name})")
+                if not sel.select(min(left, 1.0)):
+                    continue
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    self._failed = True
+                    code = self.proc.wait(STOP_TIMEOUT_S)
+                    raise SideError(f"the Mooncake side exited with {code} on {what} (log: {self.log.name})")
+                self._buffer += chunk
+
+    def close(self) -> None:
+        """Closes the side's stdin (its cue to tear down) and waits, bounded; the log is
+        removed unless something failed."""
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                self._failed = True
+            self.proc.stdout.close()
+        self.log.close()
+        if not self._failed:
+            os.unlink(self.log.name)

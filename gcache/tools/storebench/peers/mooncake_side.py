@@ -1,8 +1,13 @@
 """The Mooncake side of `--vs mooncake`, run by mooncake_peer inside `unshare -n`.
 
 Starts mooncake_master and a storage-only client (which owns the segment), so
-every byte the benchmark client moves crosses loopback TCP; warms the segment
-once, runs the same suite as the other peers, and prints one JSON line.
+every byte the benchmark client moves crosses loopback TCP, warms the segment
+once, and prints one line: READY_MARKER + JSON once it can run, else
+RESULT_MARKER + {"available": false, "reason": ...}. Then it runs one workload
+per line read from stdin ({"workload", "key_prefix"}: the same runs as the other
+peers') and answers each with one line, RESULT_MARKER + {"ok": true, "figures":
+...} or {"ok": false, "reason": ...}, so the bench can interleave Mooncake's runs
+with the other stores'. It tears down when stdin closes.
 Usage: python -m gcache.tools.storebench.peers.mooncake_side REQUEST_JSON
 """
 
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,13 +62,39 @@ def _warm_segment(store, segment_bytes: int) -> None:
     store.unregister_buffer(buf.ctypes.data)
 
 
+def _answer(marker: str, payload: dict) -> None:
+    sys.stdout.write(marker + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def _serve(spec, cfg, request: dict, logdir: str) -> bool:
+    """One workload per stdin line until stdin closes; False if any failed."""
+    from gcache.tools.storebench import runner
+    from gcache.tools.storebench.peers import mooncake_peer
+
+    ok = True
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        ask = json.loads(line)
+        try:
+            figures = runner.run_workload(
+                spec, ask["workload"], cfg, request["workers"], request["mode"], ask["key_prefix"]
+            )
+            _answer(mooncake_peer.RESULT_MARKER, {"ok": True, "figures": figures})
+        except Exception as exc:  # reported to the parent, which drops Mooncake from later rounds
+            ok = False
+            reason = f"{type(exc).__name__}: {exc} (logs: {logdir})"
+            _answer(mooncake_peer.RESULT_MARKER, {"ok": False, "reason": reason})
+    return ok
+
+
 def main() -> int:
     request = json.loads(sys.argv[1])
     import mooncake
 
     from gcache.tools.storebench.peers import mooncake_peer
     from gcache.tools.storebench.peers.base import PeerSpec
-    from gcache.tools.storebench.runner import run_suite
     from gcache.tools.storebench.workloads import WorkloadConfig
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
@@ -81,6 +113,7 @@ def main() -> int:
         stderr=subprocess.STDOUT,
     )
     storage = None
+    clean = False
     try:
         wait_listening(master, MASTER_PORT, START_TIMEOUT_S, "mooncake_master")
         master_address = f"127.0.0.1:{MASTER_PORT}"
@@ -98,13 +131,13 @@ def main() -> int:
         store = mooncake_peer._shared_store(spec)
         _warm_segment(store, request["segment_bytes"])
         cfg = WorkloadConfig(**request["config"])
-        results = run_suite(
-            spec, request["workloads"], cfg, request["repeat"], request["workers"], request["mode"], request["run_tag"]
-        )
+        _answer(mooncake_peer.READY_MARKER, {"segment_bytes": request["segment_bytes"]})
+        clean = _serve(spec, cfg, request, logdir)
         mooncake_peer.close_shared_store()
-        out = {"available": True, "segment_bytes": request["segment_bytes"], "workloads": results}
     except Exception as exc:  # reported to the parent as a reason, the run goes on
-        out = {"available": False, "reason": f"{type(exc).__name__}: {exc} (logs: {logdir})"}
+        _answer(
+            mooncake_peer.RESULT_MARKER, {"available": False, "reason": f"{type(exc).__name__}: {exc} (logs: {logdir})"}
+        )
     finally:
         if storage is not None:
             storage.stdin.close()  # its cue to leave the store and exit
@@ -113,8 +146,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 stop_process(storage, signal.SIGKILL)
         stop_process(master, timeout_s=30)
-    sys.stdout.write(mooncake_peer.RESULT_MARKER + json.dumps(out) + "\n")
-    sys.stdout.flush()
+    if clean:  # the logs are kept only when something failed (the reason names them)
+        shutil.rmtree(logdir, ignore_errors=True)
     return 0
 
 
