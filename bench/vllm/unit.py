@@ -12,7 +12,8 @@ Llama-3-8B bf16 at block 16: 32 layers x 64 KiB), timed end to end on the host:
 - per group: the gather of each block's layers into staging slots (native copy_ranges, what
   HostMover does; a GPU does it with DMA), batch_put_from of pages values from the slots,
   then batch_get_into the slots and the scatter back into other blocks.
-Every round checks the loaded bytes. Keys are distinct per round (a save always writes).
+Both schemes read with checksums verified (the connector's default); the per-group load is
+also timed without them, so the hashing's cost shows. Every round checks the loaded bytes. Keys are distinct per round (a save always writes).
 Prints keys per request, save, lookup (batch_is_exist, the scheduler's probe) and load seconds (min / median / max over the rounds) and the
 ratio per-layer / per-group per round.
 """
@@ -76,13 +77,20 @@ def main(argv=None) -> int:
     pool = StagingPool(mover.alloc_host(P * values.value_bytes), values.value_bytes)
     memory = f"{max(1024, 3 * args.repeats * 2 * P * L * page >> 20)}MiB"
     rows: dict[str, list] = {f"{k}_{w}": [] for k in ("layer", "group") for w in ("save", "lookup", "load")}
+    rows["group_load_unchecked"] = []
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalServer(Path(tmp) / "node", memory=memory, disk="1GiB")
         server.start()
         try:
-            with gcache.Client(server.address, transport=args.transport) as client:
+            # The connector verifies every value's checksum on read (gcache_verify_checksums);
+            # the second client shows what that costs on the per-group load.
+            with (
+                gcache.Client(server.address, transport=args.transport, verify_checksums=True) as client,
+                gcache.Client(server.address, transport=args.transport, verify_checksums=False) as unchecked,
+            ):
                 client.register_buffer(kv.ctypes.data, kv.nbytes)
                 client.register_buffer(pool.base, pool.nbytes)
+                unchecked.register_buffer(pool.base, pool.nbytes)
                 for r in range(args.repeats):
                     src, dst = np.arange(P), np.arange(P, 2 * P)
                     # per (page, layer)
@@ -106,9 +114,10 @@ def main(argv=None) -> int:
                         client.batch_put_from(gkeys, [int(a) for a in pool.addresses(slots)], gsizes)
                         pool.give_back(slots)
 
-                    def load():
+                    def load(reader=client):
                         slots = pool.take(P)
-                        client.batch_get_into(gkeys, [int(a) for a in pool.addresses(slots)], gsizes)
+                        got = reader.batch_get_into(gkeys, [int(a) for a in pool.addresses(slots)], gsizes)
+                        assert got == gsizes, "per-group load: a value missing or short"
                         c = values.scatter(pool.addresses(slots), dst)
                         mover.copy(None, c.dst, c.src, c.sizes)
                         pool.give_back(slots)
@@ -116,6 +125,9 @@ def main(argv=None) -> int:
                     rows["group_save"].append(timed(save))
                     rows["group_lookup"].append(timed(lambda: client.batch_is_exist(gkeys)))
                     rows["group_load"].append(timed(load))
+                    assert np.array_equal(kv[:, dst], kv[:, src]), "per-group load: wrong bytes"
+                    kv[:, dst] = 0
+                    rows["group_load_unchecked"].append(timed(lambda: load(unchecked)))
                     assert np.array_equal(kv[:, dst], kv[:, src]), "per-group load: wrong bytes"
                     kv[:, dst] = 0
         finally:
@@ -130,6 +142,13 @@ def main(argv=None) -> int:
         k = scheme.split()[1]
         cells = " ".join(f"{x:8.4f}" for w in ("save", "lookup", "load") for x in spread(rows[f"{k}_{w}"]))
         print(f"{scheme:10} {keys:12d} {cells}")
+    lo, mid, hi = spread(rows["group_load_unchecked"])
+    cost = spread(a - b for a, b in zip(rows["group_load"], rows["group_load_unchecked"]))
+    rate = f"= {mib / cost[1] / 1024:.1f} GiB/s of hashing (median)" if cost[1] > 0 else "(within the noise)"
+    print(
+        f"per group, load without checksums: {lo:.4f} {mid:.4f} {hi:.4f} s; checksums cost per round "
+        f"{cost[0]:+.4f} {cost[1]:+.4f} {cost[2]:+.4f} s {rate}"
+    )
     for what in ("save", "lookup", "load"):
         ratio = spread(a / b for a, b in zip(rows[f"layer_{what}"], rows[f"group_{what}"]))
         print(f"{what}: per-layer time / per-group time, per round: {ratio[0]:.2f} {ratio[1]:.2f} {ratio[2]:.2f}")
