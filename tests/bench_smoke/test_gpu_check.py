@@ -114,6 +114,7 @@ def test_dry_run_passes_from_files_prepared_for_this_python(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the native core from scratch in a clean venv: minutes on 2 cores
 def test_clean_venv_from_only_the_carried_files_builds_and_passes_the_dry_run(tmp_path):
     carry, work, out, tree = tmp_path / "carry", tmp_path / "work", tmp_path / "out", tmp_path / "tree"
     prepare(carry, THIS_PYTHON, "--with-image-packages")

@@ -412,8 +412,8 @@ def test_l3_slow_then_back(server, engines, model):
     Guards, whatever the timing: a store that stops answering costs misses, never wrong
     bytes and never a hung engine (every request finishes, token for token the no-cache
     answer, the integrity check passing after every step); nothing comes from L3 while it
-    is stopped; every prefetch started then ends as a failure and is counted (none left
-    pending, none a hit or a miss: the store answered nothing); the worker reports L3
+    is stopped; every prefetch started then ends counted (none left pending, none a hit:
+    the store answered nothing; the first one a failure); the worker reports L3
     unreachable; after SIGCONT the same worker uses the store again and gets exactly what
     it held. Counters are read only once the L3 threads are idle (drain), never at a
     moment a background thread may not have reached yet."""
@@ -426,8 +426,12 @@ def test_l3_slow_then_back(server, engines, model):
         drained(e)  # still stopped: queued writes fail on their timeouts; prefetches are done
         stats = e.cache.stats()
         assert stats["l3_prefetches"] >= 1  # the first request looked (L3 had not failed yet)
-        assert stats["l3_prefetch_hit"] == 0 and stats["l3_prefetch_miss"] == 0 and stats["l3_read_pages"] == 0
-        assert stats["l3_prefetch_failed"] + stats["l3_prefetch_cancelled"] == stats["l3_prefetches"]
+        assert stats["l3_prefetch_hit"] == 0 and stats["l3_read_pages"] == 0
+        assert stats["l3_prefetch_failed"] >= 1  # the first one asked the stopped store
+        # A later prefetch may need nothing of the store (its pages are in L1/L2 by then: a
+        # miss, decided without a call) or be cancelled; none is left pending.
+        ended = stats["l3_prefetch_failed"] + stats["l3_prefetch_cancelled"] + stats["l3_prefetch_miss"]
+        assert ended == stats["l3_prefetches"]
         assert e.cache.l3.health()["state"] == "unreachable"
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
