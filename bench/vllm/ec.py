@@ -27,6 +27,7 @@ Prints min / median / max.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -108,8 +109,32 @@ def bench_value(args) -> int:
 EC = dict(ec_connector="GCacheECConnector", ec_module_path="gcache.integrations.vllm", ec_role="ec_both")
 
 
+def engine(spec: dict, work: Path) -> dict:
+    """One engine process over `spec` (gcache.integrations.vllm.testing), its JSON answer."""
+    import subprocess
+
+    from bench.common.paths import REPO
+    from gcache.integrations.vllm.testing import engine_env
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = engine_env(work)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])  # keep engine_env's shim
+    with open(work / "engine.log", "wb") as log:
+        code = subprocess.call(
+            [sys.executable, "-m", "gcache.integrations.vllm.testing", str(work / "spec.json"), str(work / "out.json")],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+        )
+    if code != 0:
+        raise RuntimeError(f"engine failed ({code}), see {work / 'engine.log'}")
+    return json.loads((work / "out.json").read_text())
+
+
 def bench_engine(args) -> int:
-    from bench.vllm.ttft import engine
     from gcache.integrations.vllm.testing import write_model
     from gcache.integrations.vllm.testing_mm import prompt
     from gcache.tools.devcluster.local_server import LocalServer

@@ -2,7 +2,8 @@
 
 One store, then fresh engine processes in turn: a connector-less baseline, A (ec_both, cold:
 encodes and saves each image's embedding), another model identity on the same weights (never
-reads A's items), and B (ec_both), whose prompts each start with vLLM's prefix and encoder
+reads A's items), one with both connectors (the KV connector beside this one), and B
+(ec_both), whose prompts each start with vLLM's prefix and encoder
 caches emptied, so every item is either loaded from the store or encoded. Between two of B's
 prompts the store is changed under it: a stored embedding's bytes flipped in the server's
 memory, then the server killed.
@@ -24,7 +25,7 @@ import pytest
 from gcache.integrations.vllm.testing_mm import data_url, prompt, write_png
 from tests.support.servers import ServerProcess
 from tests.support.vllm_store import flip_byte
-from tests.support.vllm_support import EngineRun, ec_spec, run_engine, same_output
+from tests.support.vllm_support import CONNECTOR, EngineRun, ec_spec, run_engine, same_output
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(1800)]
 
@@ -63,6 +64,9 @@ def ec(models, tmp_path_factory):
         out["other"] = run_engine(
             dict(ec_spec(model, url, [P1], gcache_model="another-model"), **common), work / "other"
         )
+        # Both connectors in one engine: the KV connector (GCacheConnector) beside this one.
+        kv = dict(CONNECTOR, extra_config={"gcache_url": url})
+        out["both"] = run_engine(dict(ec_spec(model, url, [P1]), **kv, **common), work / "both")
         spec = dict(
             ec_spec(model, url, [P1, P2, TWO, P3, F1, UB, UD, P4, P1], gcache_suspect_s=600),
             gates=[3, 7],
@@ -190,3 +194,11 @@ def test_another_model_identity_never_reads_these_items(ec):
     assert same_output(other["results"][0], base[0])
     (key,) = new_keys(other, 0)
     assert key.endswith("_another-model") and key not in a["counters"]["ec"]["saved_keys"]
+
+
+def test_the_kv_connector_and_the_encoder_cache_run_in_one_engine(ec):
+    both, base = ec["both"], ec["base"]["results"]
+    assert encoded(both, 0) == (0, 0)
+    assert delta(both, 0, "worker")["items_loaded"] == 1
+    assert same_output(both["results"][0], base[0])
+    assert "worker" in both["counters"] and "scheduler" in both["counters"]  # the KV connector's

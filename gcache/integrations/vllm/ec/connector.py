@@ -6,7 +6,8 @@
 
 vLLM builds one instance in the scheduler (role SCHEDULER: scheduler_side.ECSchedulerSide)
 and one per worker (role WORKER: worker_side.ECWorkerSide). The scheduler's reaches the
-store in the constructor (so does a producer's worker), so an unreachable store or a bad
+store in the constructor (so does a producer's TP rank 0 worker, the one that writes: every
+rank holds the same encoder outputs, and loads reach every rank in the step's metadata), so an unreachable store or a bad
 setting is a clear error when the engine starts. From then on no hook raises into vLLM: a
 store failure is a miss and vLLM's encoder runs. Roles: `ec_producer` writes what its
 encoder computes (and skips encoding items the store has), `ec_consumer` reads, `ec_both`
@@ -82,6 +83,14 @@ def item_keys(vllm_config, settings: ECSettings) -> ItemKeys:
     )
 
 
+def _tp_rank(vllm_config) -> int:
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 class GCacheECConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
@@ -90,7 +99,9 @@ class GCacheECConnector(ECConnectorBase):
         self.stats = ECStats()
         self.client = self.store = None
         self.scheduler_side = self.worker_side = None
-        if role == ECConnectorRole.SCHEDULER or self.is_producer:
+        # Every TP rank holds the same encoder outputs: rank 0 alone writes them.
+        writes = self.is_producer and (role == ECConnectorRole.WORKER and _tp_rank(vllm_config) == 0)
+        if role == ECConnectorRole.SCHEDULER or writes:
             self.client = connect(self.settings, "GCacheECConnector")
             self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         if role == ECConnectorRole.SCHEDULER:
@@ -108,7 +119,7 @@ class GCacheECConnector(ECConnectorBase):
         else:
             from gcache.integrations.vllm.ec.worker_side import ECWorkerSide
 
-            self.worker_side = ECWorkerSide(self.settings, self.store, self.stats, save=self.is_producer)
+            self.worker_side = ECWorkerSide(self.settings, self.store, self.stats, save=writes)
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
 
