@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from tests.support import REPO_ROOT
 VENV_NOTE = REPO_ROOT / ".venv-vllm" / ".gcache-vllm-unavailable"
 RUN_TIMEOUT_S = 600.0  # one engine process, start to result, on a loaded 2-core machine
 CONNECTOR = dict(connector="GCacheConnector", module_path="gcache.integrations.vllm")
+EC_CONNECTOR = dict(ec_connector="GCacheECConnector", ec_module_path="gcache.integrations.vllm")
 
 
 def missing_packages() -> str | None:
@@ -38,6 +40,19 @@ def gcache_spec(model, url: str, prompts, **extra_config) -> dict:
     return dict(CONNECTOR, model=str(model), prompts=prompts, extra_config={"gcache_url": url, **extra_config})
 
 
+def ec_spec(model, url: str, prompts, role: str = "ec_both", **extra_config) -> dict:
+    """A spec for a multimodal engine with GCacheECConnector on the store at `url` (add the
+    KV connector with CONNECTOR and extra_config: an engine may have both)."""
+    return dict(
+        EC_CONNECTOR,
+        model=str(model),
+        mm=True,
+        prompts=prompts,
+        ec_role=role,
+        ec_extra_config={"gcache_url": url, **extra_config},
+    )
+
+
 class EngineRun:
     """One engine process over `spec`; result() waits for it and returns its JSON answer."""
 
@@ -52,7 +67,8 @@ class EngineRun:
         self.spec_path, self.out_path, self.log_path = work / "spec.json", work / "out.json", work / "engine.log"
         self.spec_path.write_text(json.dumps(spec))
         env = engine_env(work)
-        env["PYTHONPATH"] = str(REPO_ROOT)  # gcache from this checkout
+        # gcache from this checkout (then engine_env's entries: the multimodal model's shim)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gcache.integrations.vllm.testing", str(self.spec_path), str(self.out_path)],

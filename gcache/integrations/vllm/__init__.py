@@ -12,9 +12,12 @@ load and save: pure functions), scheduler_side / worker_side (the two halves), p
 staging (host slots), transfers (the save and load state machines), movers/ (host, stand-in
 and CUDA copies), stats, testing (tiny models and an engine run for the tests and benches;
 not used by the connector).
+
+GCacheECConnector, vLLM's encoder-cache connector (ec_transfer_config, the same module path
+with ec_connector="GCacheECConnector"), lives in ec/.
 """
 
-__all__ = ["GCacheConnector"]
+__all__ = ["GCacheConnector", "GCacheECConnector"]
 
 
 def __getattr__(name):
@@ -24,4 +27,8 @@ def __getattr__(name):
         from gcache.integrations.vllm.connector import GCacheConnector
 
         return GCacheConnector
+    if name == "GCacheECConnector":
+        from gcache.integrations.vllm.ec.connector import GCacheECConnector
+
+        return GCacheECConnector
     raise AttributeError(f"module 'gcache.integrations.vllm' has no attribute {name!r}")

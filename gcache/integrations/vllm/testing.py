@@ -4,9 +4,16 @@ used by the connector itself).
 `write_model(kind, dir)` writes a config.json plus seeded random safetensors weights (not
 vLLM's load_format="dummy", whose near-zero weights make the output ignore the KV):
 "llama" (full attention), "gemma2" (alternating sliding/full, window 32), "mistral" (every
-layer sliding, window 32). `python -m gcache.integrations.vllm.testing SPEC.json OUT.json`
-runs one engine process (single-process mode, loopback only) over the spec's prompts and
-writes tokens, logprobs, cached-token counts and the connector's counters.
+layer sliding, window 32); "llava" is testing_mm.write_llava (a tiny multimodal model).
+`python -m gcache.integrations.vllm.testing SPEC.json OUT.json` runs one engine process
+(single-process mode, loopback only) over the spec's prompts and writes tokens, logprobs,
+cached-token counts and the connectors' counters (the KV connector's and the encoder
+cache's: a spec may configure either or both).
+
+Multimodal specs ("mm": true) have prompts {"text": "w1 <image> w2", "images": [IMAGE...]}
+(IMAGE: {"seed": s} noise from testing_mm.image, or {"file": path} a PIL image read from a
+file) or {"text": ..., "urls": [url...]} (served through LLM.chat, vLLM's media loader:
+file:// under spec["media_dir"], data: URLs).
 """
 
 from __future__ import annotations
@@ -50,7 +57,14 @@ def model_config(kind: str, layers: int = 2, **overrides):
 
 
 def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0, **overrides) -> Path:
-    """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`."""
+    """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`.
+    kind "llava" (or "llava-mistral", "llava-gemma2"): testing_mm.write_llava."""
+    if kind.startswith("llava"):  # overrides: write_llava's (image_size, vision_hidden, vision_layers)
+        from gcache.integrations.vllm.testing_mm import TEXT_WIDTH, write_llava
+
+        text = kind.partition("-")[2] or "llama"
+        text_config = model_config(text, layers or 2, hidden_size=TEXT_WIDTH)
+        return write_llava(path, text_config, text=text, seed=seed, **overrides)
     import torch
     import transformers
 
@@ -96,15 +110,39 @@ def engine_env(work: Path) -> dict:
     )
     for sub in ("rpc", "tmp"):
         (work / sub).mkdir(parents=True, exist_ok=True)
+    from gcache.integrations.vllm.testing_mm import write_shim
+
+    shim = write_shim(work / "pyshim")  # vLLM's LLaVA without torchvision (testing_mm)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def _flush_saves() -> None:
-    """Waits for the connector's queued saves: main() exits without vLLM's shutdown."""
+    """Waits for the connectors' queued saves: main() exits without vLLM's shutdown."""
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "flush"):
         get_kv_transfer_group().flush()
+    if has_ec_transfer() and hasattr(get_ec_transfer(), "flush"):
+        get_ec_transfer().flush()
+
+
+def _ec_counters(llm) -> dict:
+    """The encoder cache connector's counters, both sides (single-process engine only)."""
+    out = {}
+    try:
+        from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+        if has_ec_transfer() and hasattr(get_ec_transfer(), "counters"):
+            out["worker"] = get_ec_transfer().counters()
+            out["saved_keys"] = [k.decode() for k in get_ec_transfer().recent_saved_keys()]
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector
+        if conn is not None and hasattr(conn, "counters"):
+            out["scheduler"] = conn.counters()
+    except Exception as exc:  # the counters are a report, not the test's subject
+        out["error"] = repr(exc)
+    return out
 
 
 def _connector_counters(llm) -> dict:
@@ -160,10 +198,47 @@ def _gate(gate_dir: Path, i: int) -> None:
         time.sleep(0.05)
 
 
+def _reset_encoder_cache(llm) -> None:
+    """Empties vLLM's encoder cache (scheduler and worker): the next prompt's items are
+    encoded or loaded as in a fresh engine."""
+    llm.llm_engine.reset_encoder_cache()
+    llm.reset_mm_cache()
+
+
+def _mm_request(llm, prompt: dict, params, spec: dict):
+    """One multimodal prompt: generate() with PIL images, or chat() with image URLs."""
+    from PIL import Image
+
+    from gcache.integrations.vllm.testing_mm import image
+
+    if "urls" in prompt:
+        content = [{"type": "image_url", "image_url": {"url": u}} for u in prompt["urls"]]
+        content.append({"type": "text", "text": prompt["text"]})
+        return llm.chat(
+            [{"role": "user", "content": content}],
+            params,
+            use_tqdm=False,
+            chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            chat_template_content_format="string",
+            add_generation_prompt=False,
+        )
+    images = []
+    for item in prompt.get("images", ()):
+        if "file" in item:
+            with Image.open(item["file"]) as f:
+                images.append(f.convert("RGB"))
+        else:
+            images.append(image(item["seed"]))
+    request = {"prompt": prompt["text"]}
+    if images:
+        request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    return llm.generate([request], params, use_tqdm=False)
+
+
 def run(spec: dict) -> dict:
     """One engine over spec["prompts"] (one generate call each, in order)."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import ECTransferConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kv = None
@@ -174,11 +249,28 @@ def run(spec: dict) -> dict:
             kv_role=spec.get("kv_role", "kv_both"),
             kv_connector_extra_config=spec.get("extra_config", {}),
         )
+    ec = None
+    if spec.get("ec_connector"):
+        ec = ECTransferConfig(
+            ec_connector=spec["ec_connector"],
+            ec_connector_module_path=spec.get("ec_module_path"),
+            ec_role=spec.get("ec_role", "ec_both"),
+            ec_connector_extra_config=spec.get("ec_extra_config", {}),
+        )
+    mm = bool(spec.get("mm"))
+    mm_args = {}
+    if mm:
+        mm_args = dict(
+            limit_mm_per_prompt={"image": spec.get("images_max", 2)},
+            allowed_local_media_path=spec.get("media_dir", ""),
+        )
+    if spec.get("served_model_name"):
+        mm_args["served_model_name"] = spec["served_model_name"]
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
         load_format="auto",
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not mm,
         dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=spec.get("max_model_len", 2048),
@@ -188,6 +280,8 @@ def run(spec: dict) -> dict:
         distributed_executor_backend="uni",
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_transfer_config=kv,
+        ec_transfer_config=ec,
+        **mm_args,
     )
     init_s = time.perf_counter() - started
     params = SamplingParams(
@@ -200,8 +294,13 @@ def run(spec: dict) -> dict:
             _gate(Path(spec["gate_dir"]), i)
         if i and spec.get("reset_between"):  # the next prompt cannot hit vLLM's own prefix cache
             _reset_prefix_cache(llm)
+            if mm:  # nor its encoder cache
+                _reset_encoder_cache(llm)
         t0 = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        if mm:
+            (out,) = _mm_request(llm, prompt, params, spec)
+        else:
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         comp = out.outputs[0]
         results.append(
@@ -211,11 +310,17 @@ def run(spec: dict) -> dict:
                     sorted([[int(t), float(lp.logprob)] for t, lp in step.items()]) for step in (comp.logprobs or [])
                 ],
                 num_cached_tokens=int(out.num_cached_tokens or 0),
+                num_prompt_tokens=len(out.prompt_token_ids or ()),
                 seconds=seconds,
             )
         )
+        if ec is not None:  # per prompt, after its saves landed: what the encoder cache did (cumulative)
+            _flush_saves()
+            results[-1]["ec"] = _ec_counters(llm)
     _flush_saves()
     counters = _connector_counters(llm)
+    if ec is not None:
+        counters["ec"] = _ec_counters(llm)
     return dict(results=results, init_s=init_s, counters=counters)
 
 

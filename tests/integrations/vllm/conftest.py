@@ -32,7 +32,8 @@ if MISSING:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    """Tiny models written once per session: llama, llama_other (another seed), gemma2, mistral."""
+    """Tiny models written once per session: llama, llama_other (another seed), gemma2,
+    mistral, llava (multimodal: testing_mm)."""
     from gcache.integrations.vllm.testing import write_model
 
     root = tmp_path_factory.mktemp("models")
@@ -41,4 +42,5 @@ def models(tmp_path_factory):
         "llama_other": write_model("llama", root / "llama-other", seed=1),
         "gemma2": write_model("gemma2", root / "gemma2"),
         "mistral": write_model("mistral", root / "mistral"),
+        "llava": write_model("llava", root / "llava"),
     }
