@@ -107,7 +107,10 @@ def shared_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def arrival_key(r: Request) -> tuple:
+PrefixKey = tuple[int, bytes]  # (end, digest of prompt[:end]): Scheduler._prefix_key
+
+
+def arrival_key(r: Request) -> tuple[float, int]:
     return (r.arrival_s, r.rid)
 
 
@@ -157,7 +160,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.epoch = 0  # bumped by the engine whenever the tree's contents change
         self._waiters: dict[int, int] = {}  # rid -> waiting requests its prefill would serve
-        self._prefix_keys: dict[int, tuple] = {}  # rid -> cached _prefix_key
+        self._prefix_keys: dict[int, PrefixKey] = {}  # rid -> cached _prefix_key
 
     # ---- queue ops -------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -235,7 +238,7 @@ class Scheduler:
     def need_of(self, r: Request) -> int:
         return r.to_compute if r.state is RequestState.RUNNING else r.uncached_estimate
 
-    def priority(self, r: Request, now: float) -> tuple:
+    def priority(self, r: Request, now: float) -> tuple[float, ...]:
         """TTFT order, smaller first. need / (1 + waiters) is Smith's rule: a prefill that k
         held-back requests will reuse finishes k + 1 first tokens' worth of work, so it ranks
         as if it were k + 1 times shorter (otherwise a hot document's first reader, being
@@ -255,8 +258,8 @@ class Scheduler:
         Without the groups, a burst of questions on an evicted document all rank as long
         requests and wait behind everything until one of them happens to start."""
         self._waiters = {}
-        groups: dict[tuple, Request] = {}  # prefix key -> oldest waiting member
-        keys: dict[int, tuple] = {}
+        groups: dict[PrefixKey, Request] = {}  # prefix key -> oldest waiting member
+        keys: dict[int, PrefixKey] = {}
         for r in self.waiting[: self.config.scan_max]:  # arrival order: the first seen is the oldest
             if now - r.arrival_s >= self.config.max_wait_s:
                 continue  # not held back any more: it computes its own prefix
@@ -272,7 +275,7 @@ class Scheduler:
             self._waiters[leader.rid] = self._waiters.get(leader.rid, 0) + 1
         self._prefix_keys = keys  # only the current waiting requests' keys stay cached
 
-    def _prefix_key(self, r: Request) -> tuple | None:
+    def _prefix_key(self, r: Request) -> PrefixKey | None:
         """(end, digest of r's prompt[:end]) with end = dedup_min_tokens past r's cached part:
         two requests with equal keys share at least dedup_min_tokens of uncached prefix.
         Cached per request while end stays (hashing a long prompt every step would cost)."""
@@ -282,7 +285,8 @@ class Scheduler:
         old = self._prefix_keys.get(r.rid)
         if old is not None and old[0] == end:
             return old
-        return (end, hashlib.blake2b(r.prompt[:end], digest_size=16).digest())
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        return (end, hashlib.blake2b(r.prompt[:end], digest_size=16).digest())  # type: ignore[arg-type]
 
     def _dedup_leader(self, r: Request, in_flight: list[Request], now: float) -> Request | None:
         """The in-flight request computing at least dedup_min_tokens of r's uncached prefix."""
