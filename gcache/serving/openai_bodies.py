@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from gcache.serving.tiers import Tier
 
 _PROCESS_TAG = secrets.token_hex(4)  # ids stay unique across workers and restarts
 
@@ -14,7 +17,7 @@ def response_id(kind: str, rid: int) -> str:
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: dict[str, int]
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: Mapping[Tier, int]
 ) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

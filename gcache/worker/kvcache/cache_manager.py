@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gcache.serving.tiers import TIERS
+from gcache.serving.tiers import TIERS, Tier
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
@@ -44,7 +44,7 @@ class MatchResult:
     l3_keys: tuple = ()  # the subset of host_keys that came from L3
     node: TreeNode | None = None  # L1 lock handle
     present_len: int = 0  # tokens of the input present in L1, window-safe or not
-    by_tier: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     @property
     def total(self) -> int:
