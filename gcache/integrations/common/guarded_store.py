@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from gcache import errors
 from gcache.client.api import Client
@@ -70,7 +70,8 @@ class GuardedStore:
             answer = fn(*args)
         except PARTIAL as exc:
             self.log.warning("GCache %s: %s", what, exc)
-            answer = exc.results if exc.results is not None else failed
+            # the batch's per-key answers: what fn returns when nothing goes wrong
+            answer = cast(T, exc.results) if exc.results is not None else failed
             if self.remove_corrupt and isinstance(exc, errors.ChecksumMismatchError) and exc.keys:
                 self._drop(exc.keys)
         except OUTAGE as exc:
