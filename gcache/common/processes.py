@@ -14,7 +14,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 STOP_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel's teardown is left to wait for
@@ -151,6 +151,10 @@ def stop_processes(
     return [proc.returncode for proc in procs]
 
 
+@overload
+def stop_process(proc: subprocess.Popen[Any], sig: int = ..., timeout_s: float = ..., *, group: bool = ...) -> int: ...
+@overload
+def stop_process(proc: PidProcess, sig: int = ..., timeout_s: float = ..., *, group: bool = ...) -> None: ...
 def stop_process(
     proc: Process, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False
 ) -> int | None:
