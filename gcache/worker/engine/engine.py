@@ -19,6 +19,7 @@ add_request/step (the cache's L3 threads never touch the device pools).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gcache.common.flags import flag
 from gcache.worker import backend
 from gcache.worker.config import MTP_LAYERS_MAX
 from gcache.worker.engine.metrics import EngineMetrics
@@ -56,12 +58,24 @@ __all__ = ["Engine", "EngineConfig", "QueueFullError"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_prompt_tokens: int = 8192
-    max_new_tokens: int = 2048
-    prefix_cache: bool = True
+    # Flags of gcache-worker are marked (gcache.common.flags).
+    max_prompt_tokens: int = field(default=8192, metadata=flag())
+    max_new_tokens: int = field(default=2048, metadata=flag())
+    prefix_cache: bool = field(
+        default=True,
+        metadata=flag(name="--no-prefix-cache", dest="no_prefix_cache", action="store_true", to_field=operator.not_),
+    )
     preemptions_per_step_max: int = 8
     tree_nodes_max: int = 1_000_000
-    mtp_layers: int = 0  # speculative decoding with this many MTP drafts per step (0 = off)
+    mtp_layers: int = field(  # speculative decoding with this many MTP drafts per step (0 = off)
+        default=0,
+        metadata=flag(
+            "speculative decoding: K MTP drafts per step, verified in one forward (0 = off; "
+            "the weights need >= K MTP blocks, or seeded ones are made)",
+            choices=range(0, MTP_LAYERS_MAX + 1),
+            metavar="K",
+        ),
+    )
     mtp_prefix: str = "tiers"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)

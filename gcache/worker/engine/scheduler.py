@@ -32,10 +32,11 @@ import enum
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.common.flags import flag
 from gcache.worker.engine.request import Request, RequestState
 from gcache.worker.integrity import require
 
@@ -61,11 +62,16 @@ class EngineStoppedError(QueueFullError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = SchedulerPolicy.TTFT  # a SchedulerPolicy (or its string)
-    max_waiting: int = 1024  # bound of the waiting queue
-    max_running: int = 32  # requests holding KV at once
-    max_tokens_per_step: int = 512  # decode tokens + prefill tokens per step
-    chunk_tokens: int = 256  # most prefill tokens one request gets per step (both policies)
+    # The first five are gcache-worker flags (gcache.common.flags; the rest: tuning and benches).
+    policy: str = field(  # a SchedulerPolicy (or its string)
+        default=SchedulerPolicy.TTFT, metadata=flag(choices=POLICIES, from_field=str)
+    )
+    max_waiting: int = field(default=1024, metadata=flag())  # bound of the waiting queue
+    max_running: int = field(default=32, metadata=flag())  # requests holding KV at once
+    max_tokens_per_step: int = field(default=512, metadata=flag())  # decode tokens + prefill tokens per step
+    chunk_tokens: int = field(  # most prefill tokens one request gets per step (both policies)
+        default=256, metadata=flag()
+    )
     aging_tokens_per_s: float = 0.0  # ttft: priority gained per second waited (see above)
     max_wait_s: float = 30.0  # ttft: starvation lane; both: longest dedup hold
     dedup_min_tokens: int = 32  # shared uncached prefix worth waiting for
