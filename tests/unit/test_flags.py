@@ -36,25 +36,12 @@ def _router_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _worker_parser(monkeypatch) -> argparse.ArgumentParser:
-    made = []
-    real = argparse.ArgumentParser.parse_args
-
-    def keep(self, args=None, namespace=None):
-        made.append(self)
-        return real(self, args, namespace)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
-    worker_flags.parse_args([])
-    return made[-1]
-
-
 @pytest.fixture
-def parsers(monkeypatch) -> dict[str, argparse.ArgumentParser]:
+def parsers() -> dict[str, argparse.ArgumentParser]:
     return {
         "gcache-server": build_parser(),
         "gcache-router": _router_parser(),
-        WORKER_PARSER: _worker_parser(monkeypatch),
+        WORKER_PARSER: worker_flags.build_parser(),
     }
 
 
@@ -97,8 +84,8 @@ def test_the_router_config_from_default_flags_is_the_default_config():
     assert RouterConfig.from_args(args) == RouterConfig(workers=("http://127.0.0.1:1",))
 
 
-def test_the_worker_configs_from_default_flags_are_the_default_configs(monkeypatch):
-    args = _worker_parser(monkeypatch).parse_args([])
+def test_the_worker_configs_from_default_flags_are_the_default_configs():
+    args = worker_flags.parse_args([])
     args.prefetch_policy = "timeout"  # what check_role fills in for --role mixed
     sched = config_from_flags(SchedulerConfig, args, worker_flags.SCHEDULER_NOT_FLAGS)
     assert sched == SchedulerConfig()
@@ -114,8 +101,8 @@ def test_server_flags_default_to_none_so_the_config_file_fills_them():
     assert load_settings([]) == ServerSettings()
 
 
-def test_worker_flags_in_their_units_reach_the_configs(monkeypatch):
-    args = _worker_parser(monkeypatch).parse_args(
+def test_worker_flags_in_their_units_reach_the_configs():
+    args = worker_flags.parse_args(
         ["--l2-mib", "1.5", "--no-layerwise-load", "--no-prefix-cache", "--l3", "127.0.0.1:7600", "--mtp-layers", "2"]
     )
     args.prefetch_policy = "timeout"

@@ -102,7 +102,7 @@ class WorkerFlags:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gcache-worker", description="Hybrid-SWA inference worker (HTTP)")
     add_flags(ap, WorkerFlags)
     add_flags(ap, EngineConfig, not_flags=ENGINE_NOT_FLAGS)
@@ -110,4 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flags(ap, HiCacheConfig, not_flags=HICACHE_NOT_FLAGS)
     add_publisher_args(ap)  # --redis ...: publish cache state and load for gcache-router
     add_role_args(ap)  # --role prefill|decode|mixed
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
