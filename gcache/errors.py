@@ -8,6 +8,8 @@ name, so `except ConnectionError:` works whichever one a caller imported.
 from __future__ import annotations
 
 import builtins
+from collections.abc import Iterable
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -33,10 +35,10 @@ class ValueTooLargeError(GCacheError):
     `results` holds the batch's per-key answers.
     """
 
-    def __init__(self, message: str, keys=()):
+    def __init__(self, message: str, keys: Iterable[bytes] = ()) -> None:
         super().__init__(message)
         self.keys = list(keys)
-        self.results = None
+        self.results: list[Any] | None = None
 
 
 class BufferTooSmallError(GCacheError):
@@ -46,11 +48,11 @@ class BufferTooSmallError(GCacheError):
     they need; every other key of the batch was handled (`results`: per-key answers).
     """
 
-    def __init__(self, message: str, keys=(), sizes=()):
+    def __init__(self, message: str, keys: Iterable[bytes] = (), sizes: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.keys = list(keys)
         self.sizes = list(sizes)
-        self.results = None
+        self.results: list[Any] | None = None
 
 
 class ChecksumMismatchError(GCacheError):
@@ -59,10 +61,10 @@ class ChecksumMismatchError(GCacheError):
     `keys` lists the affected keys; `results` holds the batch's per-key answers.
     """
 
-    def __init__(self, message: str, keys=()):
+    def __init__(self, message: str, keys: Iterable[bytes] = ()) -> None:
         super().__init__(message)
         self.keys = list(keys)
-        self.results = None
+        self.results: list[Any] | None = None
 
 
 class ProtocolError(GCacheError):
@@ -126,7 +128,7 @@ class ServerShuttingDownError(ConnectionError):
 class TimeoutError(GCacheError, builtins.TimeoutError):
     """A socket wait made no progress within the client's timeout."""
 
-    def __init__(self, message: str, address: str = ""):
+    def __init__(self, message: str, address: str | None = "") -> None:
         super().__init__(message)
         self.address = address
 

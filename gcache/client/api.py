@@ -130,7 +130,8 @@ class Client(ABC):
         if isinstance(buffers, (list, tuple)):
             if len(buffers) != n:
                 raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(buffers)} buffers")
-            views, cache = [], {}
+            views: list[memoryview] = []
+            cache: dict[int, memoryview] = {}
             for i, buf in enumerate(buffers):
                 offset = offsets[i] if offsets is not None else 0
                 size = sizes[i] if sizes is not None else None

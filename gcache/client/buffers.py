@@ -48,7 +48,8 @@ def byte_view(obj, writable: bool) -> memoryview:
     except TypeError:  # formats memoryview cannot cast (e.g. complex); numpy can
         import numpy as np
 
-        return memoryview(np.frombuffer(view, dtype=np.uint8))
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        return memoryview(np.frombuffer(view, dtype=np.uint8))  # type: ignore[arg-type]
 
 
 def view_address(view: memoryview) -> int:
@@ -94,7 +95,7 @@ class BufferRegistry:
             import numpy as np
 
             raw = (ctypes.c_uint8 * size).from_address(buffer_or_ptr)
-            view = memoryview(np.ctypeslib.as_array(raw))
+            view = memoryview(np.ctypeslib.as_array(raw))  # type: ignore[arg-type]  # as in byte_view
             start = buffer_or_ptr
         else:
             view = byte_view(buffer_or_ptr, writable=False)

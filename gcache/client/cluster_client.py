@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -83,6 +83,10 @@ class _Routing(NamedTuple):
     epoch: int
 
 
+# A per-key problem a part reports after serving the rest of its keys (Outcome.PROBLEM)
+PartialError = errors.ValueTooLargeError | errors.BufferTooSmallError | errors.ChecksumMismatchError
+
+
 class _Call:
     """One call's answers (caller's key order) and what went wrong along the way."""
 
@@ -92,7 +96,7 @@ class _Call:
         self.values = [miss] * n
         self.miss = miss
         self.merged = False  # False: every value is still `miss`
-        self.problems: list[errors.GCacheError] = []
+        self.problems: list[PartialError] = []
         self.deadline = deadline  # the whole call's: every phase, part and map wait
 
     def missed(self, i: int) -> bool:
@@ -198,7 +202,8 @@ class ClusterClient(Client):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._nodes = NodeSet(lambda addr: NodeClient(addr, **self._node_kwargs), suspect_s)
-        self._routing: _Routing | None = None
+        # set by _on_map, which MapSource's constructor calls (or it raises)
+        self._routing: _Routing
         self._maps = MapSource(
             masters,
             self._on_map,
@@ -266,7 +271,7 @@ class ClusterClient(Client):
 
     def _run_part(
         self, routing: _Routing, node_id: str, idx: list[int], fn, deadline: call_deadline.Deadline
-    ) -> tuple[Outcome, object]:
+    ) -> tuple[Outcome, Any]:
         """(Outcome, payload): OK/answers, MISS, STALE/exc, RETRY, PROBLEM/exc, ERROR/exc."""
         node = routing.nodes.get(node_id)
         if node is None or node.state == DEAD:
@@ -307,7 +312,9 @@ class ClusterClient(Client):
                 self._executor = ThreadPoolExecutor(self.parallel_max, thread_name_prefix="gcache-part")
             return self._executor
 
-    def _run_parts(self, routing: _Routing, parts: list, fn, deadline) -> list[tuple[Outcome, object]]:
+    def _run_parts(
+        self, routing: _Routing, parts: list[tuple[str, list[int]]], fn, deadline
+    ) -> list[tuple[Outcome, Any]]:
         if len(parts) == 1:
             return [self._run_part(routing, *parts[0], fn, deadline)]
         # Every part is waited for, even after another failed: a part still running
@@ -336,7 +343,7 @@ class ClusterClient(Client):
             if kind == Outcome.OK:
                 self._merge(call, idx, payload)
                 return []
-            parts, outcomes = ((nid, idx),), (outcome,)
+            parts, outcomes = [(nid, idx)], [outcome]
         else:
             parts = [(nid, idx) for nid, idx in groups.items() if nid is not None]
             if not parts:
@@ -344,7 +351,7 @@ class ClusterClient(Client):
             outcomes = self._run_parts(routing, parts, fn, call.deadline)
         retry: list[int] = []
         stale: list = []
-        error = None
+        error: BaseException | None = None
         for (nid, idx), (kind, payload) in zip(parts, outcomes):
             if kind == Outcome.OK:
                 self._merge(call, idx, payload)
@@ -415,6 +422,7 @@ class ClusterClient(Client):
 
     def _fall_back(self, routing: _Routing, keys, fn, call: _Call, count: bool, every_key: bool) -> None:
         """The dual read: keys that missed at their owner, at their previous owner."""
+        candidates: range | list[int]
         if every_key:
             candidates = range(len(keys))
         else:
@@ -436,7 +444,8 @@ class ClusterClient(Client):
         for other in call.problems[1:]:
             if type(other) is not type(first):
                 continue
-            sizes = other.sizes if isinstance(other, errors.BufferTooSmallError) else other.keys
+            # the sizes where first (of the same type) has them; else just a second walk of the keys
+            sizes: list[Any] = other.sizes if isinstance(other, errors.BufferTooSmallError) else other.keys
             for key, size in zip(other.keys, sizes):
                 if key not in seen:  # the same key may fail at its owner and its previous owner
                     seen.add(key)

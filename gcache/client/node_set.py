@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import cast
 
 from gcache import errors
 from gcache.client.client import ServerClient
@@ -105,7 +106,7 @@ class NodeSet:
         return self._breaker.is_suspect(node_id)
 
     def suspects(self) -> list[str]:
-        return self._breaker.suspects()
+        return cast("list[str]", self._breaker.suspects())  # keyed by node id
 
     def close(self) -> None:
         with self._lock:

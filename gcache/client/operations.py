@@ -51,33 +51,33 @@ class BatchResult:
     def raise_problems(self, address: str) -> None:
         if self.too_large:
             keys = [self.keys[i] for i in self.too_large]
-            exc = errors.ValueTooLargeError(
+            large = errors.ValueTooLargeError(
                 f"gcache-server at {address} refused {len(keys)} value(s) as larger than its "
                 f"--value-bytes-max (first key {keys[0]!r}): split the value or raise the limit",
                 keys,
             )
-            exc.results = self.values
-            raise exc
+            large.results = self.values
+            raise large
         if self.too_small:
             keys = [self.keys[i] for i, _ in self.too_small]
             sizes = [size for _, size in self.too_small]
-            exc = errors.BufferTooSmallError(
+            small = errors.BufferTooSmallError(
                 f"{len(keys)} value(s) did not fit their buffers (key {keys[0]!r} needs "
                 f"{sizes[0]} bytes); those buffers were left untouched: pass larger buffers",
                 keys,
                 sizes,
             )
-            exc.results = self.values
-            raise exc
+            small.results = self.values
+            raise small
         if self.bad_checksum:
             keys = [self.keys[i] for i in self.bad_checksum]
-            exc = errors.ChecksumMismatchError(
+            bad = errors.ChecksumMismatchError(
                 f"{len(keys)} value(s) failed their checksum check (first key {keys[0]!r}): the "
                 "bytes were corrupted or the buffer changed while being sent; retry the call",
                 keys,
             )
-            exc.results = self.values
-            raise exc
+            bad.results = self.values
+            raise bad
 
 
 def encode_request_meta(meta: dict, epoch: int | None) -> bytes:
@@ -128,7 +128,7 @@ class Operation(ABC):
 
     opcode: Opcode
 
-    def __init__(self, result: BatchResult | None, lo: int = 0, hi: int = 0):
+    def __init__(self, result: BatchResult, lo: int = 0, hi: int = 0):
         self.result = result
         self.lo = lo
         self.hi = hi
@@ -351,7 +351,7 @@ class GetIntoOp(_ValuesOp):
 
     def read_values(self, conn, lens, sums, payload_len):
         out = self.result.values
-        dests = []
+        dests: list[memoryview | None] = []
         for j, size in enumerate(lens):
             target = self.targets[j]
             if size < 0:

@@ -30,8 +30,9 @@ _request_ids = count(1)  # process-wide; next() on count is atomic under the GIL
 
 def status_error(status: int, meta: dict, address: str) -> errors.GCacheError:
     """The exception for a non-OK frame status (docs/protocol.md, 'Frame status')."""
-    message = meta.get("error") if isinstance(meta.get("error"), str) else ""
-    kind = meta.get("kind") if isinstance(meta.get("kind"), str) else ""
+    error, kind_ = meta.get("error"), meta.get("kind")
+    message = error if isinstance(error, str) else ""
+    kind = kind_ if isinstance(kind_, str) else ""
     where = f"gcache-server at {address}"
     if status == FrameStatus.BUSY:
         return errors.ServerBusyError(

@@ -71,6 +71,6 @@ class Breaker:
             for key in [k for k in self._until if k not in keep]:
                 del self._until[key]
 
-    def suspects(self) -> list:
+    def suspects(self) -> list[Hashable]:
         """The keys suspect now."""
         return [key for key in list(self._until) if self.is_suspect(key)]

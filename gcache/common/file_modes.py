@@ -52,7 +52,7 @@ def prepare_private_dir(path: str, what: str = "--data-dir") -> bool:
     return False
 
 
-def make_private_dir(path) -> None:
+def make_private_dir(path: str | os.PathLike[str]) -> None:
     """For launchers that own the directory (gcache.tools.devcluster): create it, or tighten an
     existing one, to mode 0700, so the daemon they start accepts it."""
     os.makedirs(path, mode=PRIVATE_DIR_MODE, exist_ok=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 # Files a daemon holds besides its connections: the listeners, disk segments, the journal,
 # logs, the admin servers' sockets, Python's own.
@@ -46,7 +46,7 @@ class HostNeeds(NamedTuple):
 class HostFiles:
     """Reads the host's settings from files under `root`: "/" or a fake tree."""
 
-    def __init__(self, root: str | os.PathLike = "/"):
+    def __init__(self, root: str | os.PathLike[str] = "/"):
         self.root = Path(root)
 
     def path(self, absolute: str) -> Path:
@@ -81,7 +81,7 @@ def check_numa_balancing(files: HostFiles, needs: HostNeeds) -> CheckResult:
     )
 
 
-def _limits(files: HostFiles, row: str) -> int | None | str:
+def _limits(files: HostFiles, row: str) -> int | None | Literal["unlimited"]:
     """The soft limit of one row of /proc/self/limits: bytes or a count, "unlimited", or None."""
     text = files.read("/proc/self/limits")
     if text is None:
@@ -174,7 +174,7 @@ def check_open_files(files: HostFiles, needs: HostNeeds) -> CheckResult:
     )
 
 
-def _cgroup_memory_limit(files: HostFiles) -> int | None | str:
+def _cgroup_memory_limit(files: HostFiles) -> int | None | Literal["max"]:
     """This process's memory cgroup limit in bytes, "max" (none), or None (unreadable)."""
     text = files.read("/proc/self/cgroup")
     if text is None:
@@ -238,7 +238,7 @@ CHECKS = (
 )
 
 
-def run_checks(needs: HostNeeds | None = None, root: str | os.PathLike = "/") -> list[CheckResult]:
+def run_checks(needs: HostNeeds | None = None, root: str | os.PathLike[str] = "/") -> list[CheckResult]:
     files = HostFiles(root)
     return [check(files, needs or HostNeeds()) for check in CHECKS]
 

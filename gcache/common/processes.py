@@ -13,7 +13,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 STOP_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel's teardown is left to wait for
@@ -24,11 +25,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on at `host` now (any 127.0.0.x works on Linux)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def wait_listening(
-    proc: subprocess.Popen, port: int, timeout_s: float, what: str, log_tail=lambda: "", host: str = "127.0.0.1"
+    proc: subprocess.Popen[Any],
+    port: int,
+    timeout_s: float,
+    what: str,
+    log_tail: Callable[[], str] = lambda: "",
+    host: str = "127.0.0.1",
 ) -> None:
     """Returns once `host`:`port` accepts; raises RuntimeError if `proc` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -65,7 +72,7 @@ class PidProcess:
     else is never signalled. Its exit code belongs to its parent: returncode stays None.
     """
 
-    returncode = None
+    returncode: int | None = None
 
     def __init__(self, pid: int, marker: str):
         self.pid = pid
@@ -84,7 +91,7 @@ class PidProcess:
         os.kill(self.pid, sig)
 
 
-Process = subprocess.Popen | PidProcess
+Process = subprocess.Popen[Any] | PidProcess
 
 
 def running(proc: Process) -> bool:
@@ -105,7 +112,7 @@ def _send(proc: Process, sig: int, group: bool) -> None:
         pass
 
 
-def _wait_gone(procs: list, timeout_s: float) -> bool:
+def _wait_gone(procs: list[Process], timeout_s: float) -> bool:
     """Whether every one of `procs` has exited within `timeout_s` (one deadline for all)."""
     deadline = time.monotonic() + timeout_s
     for proc in procs:
@@ -125,7 +132,7 @@ def _wait_gone(procs: list, timeout_s: float) -> bool:
 
 def stop_processes(
     procs: Iterable[Process], sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False
-) -> list:
+) -> list[int | None]:
     """Sends `sig` to every one of `procs` still running, then waits for all of them together
     (`timeout_s` in all); SIGKILL for any still running then. With group=True every signal goes
     to the process's whole process group. Returns the exit codes (negative: the signal that
@@ -144,6 +151,12 @@ def stop_processes(
     return [proc.returncode for proc in procs]
 
 
-def stop_process(proc: Process, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False):
+@overload
+def stop_process(proc: subprocess.Popen[Any], sig: int = ..., timeout_s: float = ..., *, group: bool = ...) -> int: ...
+@overload
+def stop_process(proc: PidProcess, sig: int = ..., timeout_s: float = ..., *, group: bool = ...) -> None: ...
+def stop_process(
+    proc: Process, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False
+) -> int | None:
     """stop_processes for one process: its exit code (None if never ours to read)."""
     return stop_processes([proc], sig, timeout_s, group=group)[0]

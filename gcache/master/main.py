@@ -162,7 +162,7 @@ def _tls(args):
         return None
     if not (args.tls_cert and args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
-    out = []
+    out: list[bytes | None] = []
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
         if not path:
             out.append(None)

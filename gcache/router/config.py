@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from gcache.common.flags import add_flags, flag
 from gcache.serving.redis_layout import valid_worker_url
 
 
@@ -24,41 +25,126 @@ class RouterPolicy(enum.StrEnum):
 POLICIES = tuple(p.value for p in RouterPolicy)
 
 
+def _joined(values: tuple[object, ...]) -> str:
+    """A tuple field's flag: its items comma-separated (RouterConfig.from_args splits them)."""
+    return ",".join(str(v) for v in values)
+
+
+ROUTING = "routing"  # gcache-router's argument group of these flags
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    redis_url: str = ""  # "" = no Redis: route over the static workers only
-    redis_prefix: str = "gcache:router"
-    policy: str = RouterPolicy.CACHE_AWARE  # a RouterPolicy (or its string)
-    match_weight: float = 2.0  # the seed's matchWeight
-    load_norm_min: float = 0.0  # cache_aware: normalised load = load / max(max load, this)
-    tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.5)  # credit per matched token: L1, L2, L3
-    balance_abs_threshold: float = 8.0  # imbalance guard (sgl-router's rule), in load units
-    balance_rel_threshold: float = 1.5
-    load_tokens_per_request: int = 2048  # queued uncached tokens worth one request of load
-    workers: tuple[str, ...] = ()  # static list (otherwise discovered from Redis)
-    refresh_interval_s: float = 0.1  # background refresh period; 0 = no thread (call refresh())
-    redis_timeout_s: float = 0.5  # every Redis call (connect and read)
-    redis_stale_s: float = 1.0  # no good refresh for this long -> least load, local view
-    worker_grace_s: float = 2.0  # registration missing this long -> worker dropped
-    backoff_base_s: float = 0.5  # after a failed request (5xx / connection error)
-    backoff_max_s: float = 10.0
-    dynamo_overlap_weight: float = 1.0  # Dynamo's overlap_score_weight
-    dynamo_host_weight: float = 0.75  # Dynamo's host-tier hit credit
-    recent_ttl_s: float = 5.0  # cache_aware: credit prompt ends just sent (0 = off)
+    """The router's settings; the flags of the ones it exposes are made from their fields
+    (gcache.common.flags, add_router_args), the others are ROUTER_NOT_FLAGS."""
+
+    redis_url: str = field(  # "" = no Redis: route over the static workers only
+        default="",
+        metadata=flag(
+            "shared state: workers publish their cache and load here",
+            name="--redis",
+            metavar="redis://HOST:PORT/DB",
+            group=ROUTING,
+        ),
+    )
+    redis_prefix: str = field(default="gcache:router", metadata=flag("namespace of every Redis key", group=ROUTING))
+    policy: str = field(  # a RouterPolicy (or its string)
+        default=RouterPolicy.CACHE_AWARE, metadata=flag(choices=POLICIES, group=ROUTING)
+    )
+    match_weight: float = field(  # the seed's matchWeight
+        default=2.0,
+        metadata=flag("cache_aware: score = match_weight * window-safe match %% - normalised load", group=ROUTING),
+    )
+    load_norm_min: float = field(  # cache_aware: normalised load = load / max(max load, this)
+        default=0.0,
+        metadata=flag(
+            "cache_aware: normalised load = load / max(highest candidate load, this), so a "
+            "one-request difference between lightly loaded workers does not outweigh a match",
+            group=ROUTING,
+        ),
+    )
+    tier_weights: tuple[float, float, float] = field(  # credit per matched token: L1, L2, L3
+        default=(1.0, 0.8, 0.5),
+        metadata=flag(
+            "cache_aware: credit per matched token held in L1 / L2 / L3",
+            metavar="L1,L2,L3",
+            group=ROUTING,
+            text=True,
+            from_field=_joined,
+        ),
+    )
+    balance_abs_threshold: float = field(  # imbalance guard (sgl-router's rule), in load units
+        default=8.0, metadata=flag("route by load when max - min load exceeds this ...", group=ROUTING)
+    )
+    balance_rel_threshold: float = field(
+        default=1.5, metadata=flag("... and max load exceeds min load times this", group=ROUTING)
+    )
+    load_tokens_per_request: int = field(  # queued uncached tokens worth one request of load
+        default=2048, metadata=flag("queued uncached prompt tokens counted as one request of load", group=ROUTING)
+    )
+    workers: tuple[str, ...] = field(  # static list (otherwise discovered from Redis)
+        default=(),
+        metadata=flag(
+            "static worker list (default: every worker registered in Redis)",
+            metavar="URL,...",
+            group=ROUTING,
+            text=True,
+            from_field=_joined,
+        ),
+    )
+    refresh_interval_s: float = field(  # background refresh period; 0 = no thread (call refresh())
+        default=0.1, metadata=flag(group=ROUTING)
+    )
+    redis_timeout_s: float = field(default=0.5, metadata=flag(group=ROUTING))  # every Redis call (connect and read)
+    redis_stale_s: float = field(  # no good refresh for this long -> least load, local view
+        default=1.0,
+        metadata=flag("without a good Redis refresh for this long, route by local least load", group=ROUTING),
+    )
+    worker_grace_s: float = field(  # registration missing this long -> worker dropped
+        default=2.0, metadata=flag(group=ROUTING)
+    )
+    backoff_base_s: float = field(  # after a failed request (5xx / connection error)
+        default=0.5, metadata=flag(group=ROUTING)
+    )
+    backoff_max_s: float = field(default=10.0, metadata=flag(group=ROUTING))
+    dynamo_overlap_weight: float = field(default=1.0, metadata=flag(group=ROUTING))  # Dynamo's overlap_score_weight
+    dynamo_host_weight: float = field(default=0.75, metadata=flag(group=ROUTING))  # Dynamo's host-tier hit credit
+    recent_ttl_s: float = field(  # cache_aware: credit prompt ends just sent (0 = off)
+        default=5.0,
+        metadata=flag(
+            "cache_aware: until a worker publishes it, a prompt just sent there counts as "
+            "cached at its end for this long (0 = off)",
+            group=ROUTING,
+        ),
+    )
     recent_max: int = 4096  # ... at most this many per worker
-    # cache_ttft: estimated time to first token in prompt-token units (see policies.CacheTTFT)
-    ttft_running_tokens: float = 16.0  # queueing cost of one running request, in prompt tokens
-    ttft_own_weight: float = 1.0  # weight of the request's own uncached tokens
-    ttft_unpublished_max: int = 64  # per worker: estimates kept for requests not yet published
     # approx_tree = sgl-router's cache_aware with the defaults its launcher uses
     # (sglang_router router_args.py: cache_threshold 0.3, balance_abs_threshold 64,
     # balance_rel_threshold 1.5; its guard is on the router's in-flight counts).
-    approx_cache_threshold: float = 0.3
-    approx_balance_abs_threshold: float = 64.0
-    approx_balance_rel_threshold: float = 1.5
-    approx_max_pages: int = 1 << 20  # sgl-router-style tree size cap, pages per worker
-    page_size: int = 16  # hashing when no worker published its geometry
-    seed: int = 0  # the random policy
+    approx_cache_threshold: float = field(default=0.3, metadata=flag(group=ROUTING))
+    approx_balance_abs_threshold: float = field(default=64.0, metadata=flag(group=ROUTING))
+    approx_balance_rel_threshold: float = field(default=1.5, metadata=flag(group=ROUTING))
+    # cache_ttft: estimated time to first token in prompt-token units (see policies.CacheTTFT)
+    ttft_running_tokens: float = field(  # queueing cost of one running request, in prompt tokens
+        default=16.0,
+        metadata=flag("cache_ttft: queueing cost of one running request, in prompt tokens", group=ROUTING),
+    )
+    ttft_own_weight: float = field(  # weight of the request's own uncached tokens
+        default=1.0,
+        metadata=flag(
+            "cache_ttft: weight of the request's own uncached tokens (> 1: also its cost to others)", group=ROUTING
+        ),
+    )
+    ttft_unpublished_max: int = field(  # per worker: estimates kept for requests not yet published
+        default=64, metadata=flag(group=ROUTING)
+    )
+    approx_max_pages: int = field(  # sgl-router-style tree size cap, pages per worker
+        default=1 << 20, metadata=flag(group=ROUTING)
+    )
+    page_size: int = field(  # hashing when no worker published its geometry
+        default=16, metadata=flag("page size for hashing prompts when no worker published one", group=ROUTING)
+    )
+    seed: int = field(default=0, metadata=flag("the random policy's seed", group=ROUTING))  # the random policy
     workers_max: int = 1024
     stream_read_max: int = 2000  # stream entries read per worker per refresh
     l3_pages_max: int = 1 << 20
@@ -133,103 +219,11 @@ class RouterConfig:
         return cls(**kw)
 
 
+# RouterConfig's fields that are no gcache-router flag (tuning kept at its defaults; roles: the
+# PD router's pools, gcache.router.pd_config)
+ROUTER_NOT_FLAGS = ("recent_max", "workers_max", "stream_read_max", "l3_pages_max", "roles")
+
+
 def add_router_args(ap: argparse.ArgumentParser) -> None:
-    """The routing flags (the HTTP front adds --host/--port and its own)."""
-    d = RouterConfig.__dataclass_fields__
-    g = ap.add_argument_group("routing")
-    g.add_argument(
-        "--redis",
-        dest="redis_url",
-        default="",
-        metavar="redis://HOST:PORT/DB",
-        help="shared state: workers publish their cache and load here",
-    )
-    g.add_argument("--redis-prefix", default=d["redis_prefix"].default, help="namespace of every Redis key")
-    g.add_argument("--policy", choices=POLICIES, default=d["policy"].default)
-    g.add_argument(
-        "--match-weight",
-        type=float,
-        default=d["match_weight"].default,
-        help="cache_aware: score = match_weight * window-safe match %% - normalised load",
-    )
-    g.add_argument(
-        "--load-norm-min",
-        type=float,
-        default=d["load_norm_min"].default,
-        help="cache_aware: normalised load = load / max(highest candidate load, this), so a "
-        "one-request difference between lightly loaded workers does not outweigh a match",
-    )
-    g.add_argument(
-        "--tier-weights",
-        default="1.0,0.8,0.5",
-        metavar="L1,L2,L3",
-        help="cache_aware: credit per matched token held in L1 / L2 / L3",
-    )
-    g.add_argument(
-        "--balance-abs-threshold",
-        type=float,
-        default=d["balance_abs_threshold"].default,
-        help="route by load when max - min load exceeds this ...",
-    )
-    g.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=d["balance_rel_threshold"].default,
-        help="... and max load exceeds min load times this",
-    )
-    g.add_argument(
-        "--load-tokens-per-request",
-        type=int,
-        default=d["load_tokens_per_request"].default,
-        help="queued uncached prompt tokens counted as one request of load",
-    )
-    g.add_argument(
-        "--workers",
-        default="",
-        metavar="URL,...",
-        help="static worker list (default: every worker registered in Redis)",
-    )
-    g.add_argument("--refresh-interval-s", type=float, default=d["refresh_interval_s"].default)
-    g.add_argument("--redis-timeout-s", type=float, default=d["redis_timeout_s"].default)
-    g.add_argument(
-        "--redis-stale-s",
-        type=float,
-        default=d["redis_stale_s"].default,
-        help="without a good Redis refresh for this long, route by local least load",
-    )
-    g.add_argument("--worker-grace-s", type=float, default=d["worker_grace_s"].default)
-    g.add_argument("--backoff-base-s", type=float, default=d["backoff_base_s"].default)
-    g.add_argument("--backoff-max-s", type=float, default=d["backoff_max_s"].default)
-    g.add_argument("--dynamo-overlap-weight", type=float, default=d["dynamo_overlap_weight"].default)
-    g.add_argument("--dynamo-host-weight", type=float, default=d["dynamo_host_weight"].default)
-    g.add_argument(
-        "--recent-ttl-s",
-        type=float,
-        default=d["recent_ttl_s"].default,
-        help="cache_aware: until a worker publishes it, a prompt just sent there counts as "
-        "cached at its end for this long (0 = off)",
-    )
-    g.add_argument("--approx-cache-threshold", type=float, default=d["approx_cache_threshold"].default)
-    g.add_argument("--approx-balance-abs-threshold", type=float, default=d["approx_balance_abs_threshold"].default)
-    g.add_argument("--approx-balance-rel-threshold", type=float, default=d["approx_balance_rel_threshold"].default)
-    g.add_argument(
-        "--ttft-running-tokens",
-        type=float,
-        default=d["ttft_running_tokens"].default,
-        help="cache_ttft: queueing cost of one running request, in prompt tokens",
-    )
-    g.add_argument(
-        "--ttft-own-weight",
-        type=float,
-        default=d["ttft_own_weight"].default,
-        help="cache_ttft: weight of the request's own uncached tokens (> 1: also its cost to others)",
-    )
-    g.add_argument("--ttft-unpublished-max", type=int, default=d["ttft_unpublished_max"].default)
-    g.add_argument("--approx-max-pages", type=int, default=d["approx_max_pages"].default)
-    g.add_argument(
-        "--page-size",
-        type=int,
-        default=d["page_size"].default,
-        help="page size for hashing prompts when no worker published one",
-    )
-    g.add_argument("--seed", type=int, default=d["seed"].default, help="the random policy's seed")
+    """The routing flags (the HTTP front adds --host/--port and its own), from RouterConfig's fields."""
+    add_flags(ap, RouterConfig, not_flags=ROUTER_NOT_FLAGS)

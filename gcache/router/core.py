@@ -232,7 +232,7 @@ class RouterCore:
                     self.inflight.get(u, 0),
                     self.inflight_tokens.get(u, 0),
                     reg,
-                    w.flags if reg is not None else {},
+                    w.flags if reg is not None and w is not None else {},  # (reg implies w)
                 )
             )
         return out, healthy

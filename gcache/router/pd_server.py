@@ -111,7 +111,8 @@ class PDRouterApp(RouterApp):
 
     async def _prefill(self, body: bytes, n_tokens: int, tokens: list[int]):
         """The prefill answer (a dict), or a response to give the client (4xx, 503)."""
-        tried, failures = [], []
+        tried: list[str] = []
+        failures: list[str] = []
         for attempt in range(2):
             url = self.prefill_core.pick(tokens, exclude=frozenset(tried))
             if url is None:
@@ -132,6 +133,7 @@ class PDRouterApp(RouterApp):
         core.begin(url, n_tokens)
         try:
             timeout = aiohttp.ClientTimeout(total=self.pd.prefill_timeout_s, sock_connect=self.connect_timeout_s)
+            assert self.session is not None  # opened on the app's startup
             try:
                 async with self.session.post(
                     url + PD_PREFILL_PATH, data=body, timeout=timeout, headers={"Content-Type": "application/json"}
@@ -177,7 +179,8 @@ class PDRouterApp(RouterApp):
         resp = await sse.start(request, headers={PREFILL_HEADER: first["prefill_url"]})
         for ev in first["events"]:  # the role and the first token: the client's TTFT is the prefill's
             await resp.write(sse.event(ev))
-        tried, failures = [], []
+        tried: list[str] = []
+        failures: list[str] = []
         for attempt in range(2):
             url = self.core.pick(tokens, exclude=frozenset(tried))
             if url is None:
@@ -204,6 +207,7 @@ class PDRouterApp(RouterApp):
         ok = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+            assert self.session is not None  # opened on the app's startup
             try:
                 up = await self.session.post(
                     url + PD_DECODE_PATH, data=body, timeout=timeout, headers={"Content-Type": "application/json"}

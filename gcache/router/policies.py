@@ -391,7 +391,9 @@ class Random(Policy):
         return Choice(url, Mode.RANDOM, scores)
 
 
-POLICY_CLASSES = {cls.name: cls for cls in (CacheAware, CacheTTFT, Dynamo, ApproxTree, LeastLoad, RoundRobin, Random)}
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (CacheAware, CacheTTFT, Dynamo, ApproxTree, LeastLoad, RoundRobin, Random)
+}
 
 
 def make_policy(cfg: RouterConfig) -> Policy:

@@ -156,6 +156,7 @@ class RouterApp:
         ok = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+            assert self.session is not None  # opened on the app's startup
             try:
                 upstream = await self.session.post(
                     url + path, data=body, timeout=timeout, headers={"Content-Type": "application/json"}

@@ -125,8 +125,8 @@ class RedisSync:
         with view.lock:
             if new_epoch:  # Redis restarted, or answers again: it may have lost every key
                 self.stats["redis_epochs"] += 1
-                for w in view.workers.values():
-                    w.awaiting = w.awaiting or w.missing_since is None
+                for worker in view.workers.values():
+                    worker.awaiting = worker.awaiting or worker.missing_since is None
             if run_id is not None:
                 self.run_id = run_id
             for url in urls:

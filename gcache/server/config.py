@@ -10,9 +10,10 @@ import argparse
 import os
 import secrets
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from gcache.common.address import parse_host_port
+from gcache.common.flags import add_flags, flag, flag_of
 from gcache.common.units import parse_size
 from gcache.errors import ConfigError
 
@@ -22,70 +23,310 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 
 
+# Argument groups of gcache-server --help (created in the order their first field comes).
+LIMITS = 'abuse limits (docs/protocol.md, "Limits")'
+EVICTION = "eviction (docs/storage.md)"
+LOCAL = 'same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA")'
+SECURITY = "authentication (docs/security.md)"
+CLUSTER = "cluster (docs/cluster.md)"
+EVICTION_POLICIES = ("chain", "s3fifo", "lru")
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
 @dataclass
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 7600
-    memory: int = 1 << 30
-    disk: int = 4 << 30
-    data_dir: str = "./gcache-data"
-    admin_host: str | None = None  # None: same as host
-    admin_port: int = 7601
-    grpc_port: int = 0
-    value_bytes_max: int = 64 << 20
-    batch_keys_max: int = 16384
-    frame_payload_bytes_max: int = 2 << 30
-    connections_max: int = 1024
-    connections_per_address_max: int = 256  # 0 = no cap
-    connections_per_tenant_max: int = 512  # 0 = no cap (auth only)
-    meta_buffer_bytes_max: int = 256 << 20
-    put_reserve_bytes_max: int = 0  # 0 = memory / 8
-    index_bytes_max: int = 0  # 0 = (memory + disk) / 8
-    idle_timeout_s: float = 300.0
-    stall_timeout_s: float = 30.0
-    segment_bytes: int = 64 << 20
-    warm_restart: bool = True
+    """Every setting of gcache-server; each is also a flag (its help here: gcache.common.flags)
+    and a config file key. The flags default to None, so the file can fill what the command
+    line left out; the help states each default."""
+
+    host: str = field(default="127.0.0.1", metadata=flag("address to listen on (default 127.0.0.1)"))
+    port: int = field(default=7600, metadata=flag("data port (default 7600; 0 = any free port)"))
+    memory: int = field(
+        default=1 << 30, metadata=flag("memory tier (shared-memory arena) size (default 1GiB)", size=True)
+    )
+    disk: int = field(
+        default=4 << 30,
+        metadata=flag("disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)", size=True),
+    )
+    data_dir: str = field(
+        default="./gcache-data",
+        metadata=flag(
+            "directory for disk segments, the warm list and the Unix socket; created mode 0700, "
+            "refused if other users may read or write it (default ./gcache-data)"
+        ),
+    )
+    admin_host: str | None = field(  # None: same as host
+        default=None, metadata=flag("address of the admin HTTP server (default: --host)")
+    )
+    admin_port: int = field(
+        default=7601,
+        metadata=flag(
+            "admin HTTP port: /metrics (Prometheus), /healthz, /readyz, /cluster, "
+            "POST /flush, POST /drain; "
+            "0 = off (default 7601)"
+        ),
+    )
+    grpc_port: int = field(
+        default=0, metadata=flag("admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)")
+    )
+    value_bytes_max: int = field(default=64 << 20, metadata=flag("largest value accepted (default 64MiB)", size=True))
+    batch_keys_max: int = field(default=16384, metadata=flag("most keys in one batch request (default 16384)"))
+    frame_payload_bytes_max: int = field(
+        default=2 << 30,
+        metadata=flag("largest payload of one request or response frame (default 2GiB)", size=True),
+    )
+    connections_max: int = field(
+        default=1024, metadata=flag("most open client connections (default 1024)", group=LIMITS)
+    )
+    connections_per_address_max: int = field(  # 0 = no cap
+        default=256,
+        metadata=flag(
+            "most open connections from one peer IP address, so one peer cannot take "
+            "every slot; 0 = no cap (default 256)",
+            group=LIMITS,
+        ),
+    )
+    connections_per_tenant_max: int = field(  # 0 = no cap (auth only)
+        default=512,
+        metadata=flag("most open connections of one tenant (with --auth-file); 0 = no cap (default 512)", group=LIMITS),
+    )
+    idle_timeout_s: float = field(
+        default=300.0,
+        metadata=flag(
+            "close a connection that sent no data request (PUT/GET/EXISTS/REMOVE) for this "
+            "long; PING and STATS do not count (default 300)",
+            group=LIMITS,
+        ),
+    )
+    stall_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "close a connection whose frame (or response) stops moving for this long; "
+            "a frame must also arrive within this plus 1 s per MiB (default 30)",
+            group=LIMITS,
+        ),
+    )
+    meta_buffer_bytes_max: int = field(
+        default=256 << 20,
+        metadata=flag(
+            "request metadata buffered by all connections together, beyond 64KiB each; "
+            "a frame that cannot get room within the stall timeout is refused "
+            "(default 256MiB)",
+            group=LIMITS,
+            size=True,
+        ),
+    )
+    put_reserve_bytes_max: int = field(  # 0 = memory / 8
+        default=0,
+        metadata=flag(
+            "arena bytes PUTs may hold reserved before their values arrive, all "
+            "connections together (one address or tenant: a quarter); a value that "
+            "cannot get room within the stall timeout is refused NO_SPACE "
+            "(default --memory / 8, at least 2 x --value-bytes-max, at most --memory / 2)",
+            group=LIMITS,
+            size=True,
+        ),
+    )
+    index_bytes_max: int = field(  # 0 = (memory + disk) / 8
+        default=0,
+        metadata=flag(
+            "heap the key index may use (about 250 B plus the key per value, either "
+            "tier); a new key beyond it drops the oldest disk segment, then memory "
+            "values (default (--memory + --disk) / 8, at least 32MiB)",
+            group=LIMITS,
+            size=True,
+        ),
+    )
+    segment_bytes: int = field(
+        default=64 << 20, metadata=flag("target disk segment file size (default 64MiB)", size=True)
+    )
+    warm_restart: bool = field(default=True, metadata=flag("reload the warm list into memory at start (default on)"))
     # Memory-tier eviction (docs/storage.md, "Eviction").
-    eviction_policy: str = "chain"
-    eviction_fresh_weight: float = 0.0  # chain: 0 = tuned online
-    eviction_ghost_factor: float = 2.0  # chain
-    eviction_tail_hint: bool = True  # chain
-    eviction_small_queue_fraction: float = 0.10  # s3fifo
-    disk_exclusive: bool = True
+    eviction_policy: str = field(
+        default="chain",
+        metadata=flag(
+            "memory-tier eviction: chain (chain-aware weighted recency, tuned online), s3fifo, or lru (default chain)",
+            group=EVICTION,
+            choices=EVICTION_POLICIES,
+        ),
+    )
+    eviction_fresh_weight: float = field(  # chain: 0 = tuned online
+        default=0.0,
+        metadata=flag(
+            "chain: how many times faster a value never read since its put ages than a "
+            "read one; 1 = plain LRU order; 0 = picked online among 1, 2, 4, 8, 16, 32 (default 0)",
+            group=EVICTION,
+            metavar="W",
+        ),
+    )
+    eviction_ghost_factor: float = field(
+        default=2.0,
+        metadata=flag(
+            "chain: evicted keys remembered, per value in memory; a key put again while "
+            "remembered counts as read (default 2)",
+            group=EVICTION,
+            metavar="F",
+        ),
+    )
+    eviction_tail_hint: bool = field(
+        default=True,
+        metadata=flag(
+            "chain: the last value of a put batch (a chain's partial tail block) is evicted first (default on)",
+            group=EVICTION,
+        ),
+    )
+    eviction_small_queue_fraction: float = field(
+        default=0.10,
+        metadata=flag(
+            "s3fifo: share of the memory tier for the small FIFO (default 0.10)", group=EVICTION, metavar="FRACTION"
+        ),
+    )
+    disk_exclusive: bool = field(
+        default=True,
+        metadata=flag(
+            "a value read back from disk into memory gives up its disk copy, so memory and "
+            "disk hold their sum (default on; off: it keeps the copy and leaves memory "
+            "again without a write)"
+        ),
+    )
     # Same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA").
-    unix_socket: str = "auto"  # "auto" = <data-dir>/gcache.sock; "" = none
-    shm_lease_s: float = 10.0
-    rdma_device: str = ""  # "" = no RDMA
-    shutdown_grace_s: float = 10.0
-    log_level: str = "info"
-    # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
-    master: str = ""
-    node_id: str = ""  # "" = the advertise address
-    advertise: str = ""  # "" = host:port (the bound port if --port 0)
-    heartbeat_interval_s: float = 1.0
-    rebalance_batch_bytes: int = 64 << 20
-    memory_pressure_drain: float = 0.0  # 0 = off
+    unix_socket: str = field(  # "auto" = <data-dir>/gcache.sock; "" = none
+        default="auto",
+        metadata=flag(
+            "Unix socket for clients on this host: they map the arena and copy values "
+            "themselves (transport 'shm'); mode 0600, so only this user's processes; "
+            "'' = none (default <data-dir>/gcache.sock; the node creates the dir, 0700); "
+            "with --auth-file shared memory "
+            "is refused, since the arena holds every tenant's values",
+            group=LOCAL,
+            metavar="PATH",
+        ),
+    )
+    shm_lease_s: float = field(
+        default=10.0,
+        metadata=flag(
+            "how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
+            "a connection past a reservation's deadline is closed (default 10)",
+            group=LOCAL,
+        ),
+    )
+    rdma_device: str = field(  # "" = no RDMA
+        default="",
+        metadata=flag(
+            "register the arena with this RDMA device (pyverbs) so remote clients read "
+            "and write it one-sided (transport 'rdma'); default: none",
+            group=LOCAL,
+            metavar="NAME",
+        ),
+    )
+    shutdown_grace_s: float = field(
+        default=10.0, metadata=flag("on SIGTERM, how long requests in flight may take to finish (default 10)")
+    )
+    log_level: str = field(default="info", metadata=flag("log verbosity (default info)", choices=LOG_LEVELS))
     # Authentication (docs/security.md); "" = off. The parsed file is `self.auth`
     # (not a field, so tokens never reach as_dict() and the config log line).
-    auth_file: str = ""
-    auth_timeout_s: float = 5.0
-    preauth_connections_max: int = 256  # not yet authenticated (auth only); the oldest goes first
-    preauth_connections_per_address_max: int = 64
+    auth_file: str = field(
+        default="",
+        metadata=flag(
+            "TOML file of tenants (token, roles, memory/disk quotas): clients must "
+            "authenticate (challenge-response), keys are namespaced per tenant, a tenant "
+            "over its memory quota evicts only its own values (needs --eviction-policy "
+            'chain or lru), disk "0" keeps its values off disk, POST /flush and /drain '
+            "need an admin token (default: none, no authentication)",
+            group=SECURITY,
+            metavar="FILE",
+        ),
+    )
+    auth_timeout_s: float = field(
+        default=5.0,
+        metadata=flag(
+            "close a connection that has not authenticated within this long; "
+            "before AUTH only PING is answered (default 5)",
+            group=SECURITY,
+        ),
+    )
+    preauth_connections_max: int = field(  # not yet authenticated (auth only); the oldest goes first
+        default=256,
+        metadata=flag(
+            "most connections not yet authenticated, apart from --connections-max: when "
+            "full, the oldest of them (of the address holding the most) is dropped, so a "
+            "client that authenticates always gets in (default 256)",
+            group=SECURITY,
+        ),
+    )
+    preauth_connections_per_address_max: int = field(
+        default=64,
+        metadata=flag(
+            "most connections not yet authenticated from one address; when full, that "
+            "address's oldest is dropped (default 64)",
+            group=SECURITY,
+        ),
+    )
+    # Cluster membership (docs/cluster.md, "Node side"); master "" = standalone node.
+    master: str = field(
+        default="",
+        metadata=flag(
+            "gcache-master replicas to register with (default: none, a standalone node)",
+            group=CLUSTER,
+            metavar="HOST:PORT[,HOST:PORT...]",
+        ),
+    )
+    node_id: str = field(  # "" = the advertise address
+        default="", metadata=flag("this node's id in the map (default: --advertise)", group=CLUSTER, metavar="ID")
+    )
+    advertise: str = field(  # "" = host:port (the bound port if --port 0)
+        default="",
+        metadata=flag(
+            "data address other nodes and clients use (default: --host:--port; "
+            "required with --master when --host is 0.0.0.0 or ::)",
+            group=CLUSTER,
+            metavar="HOST:PORT",
+        ),
+    )
+    heartbeat_interval_s: float = field(
+        default=1.0, metadata=flag("seconds between heartbeats to the master (default 1.0)", group=CLUSTER)
+    )
+    rebalance_batch_bytes: int = field(
+        default=64 << 20,
+        metadata=flag("bytes moved per batch when keys move to their owners (default 64MiB)", group=CLUSTER, size=True),
+    )
     # TLS towards the masters' gRPC API (PEM paths): their CA, and a client cert where they require one.
-    master_tls_ca: str = ""
-    master_tls_cert: str = ""
-    master_tls_key: str = ""
+    master_tls_ca: str = field(
+        default="",
+        metadata=flag(
+            "CA of the masters' TLS certificates: talk TLS to them (default: plaintext; "
+            "with --auth-file the node sends its cluster-role token)",
+            group=CLUSTER,
+            metavar="PEM",
+        ),
+    )
+    master_tls_cert: str = field(
+        default="",
+        metadata=flag("client certificate for masters that require one (their --tls-ca)", group=CLUSTER, metavar="PEM"),
+    )
+    master_tls_key: str = field(
+        default="", metadata=flag("private key of --master-tls-cert", group=CLUSTER, metavar="PEM")
+    )
+    memory_pressure_drain: float = field(  # 0 = off
+        default=0.0,
+        metadata=flag(
+            "drain this node when more than this fraction of puts is refused "
+            "for lack of space over a minute; 0 = off (default 0)",
+            group=CLUSTER,
+            metavar="FRACTION",
+        ),
+    )
 
     def check_files(self) -> None:
         """At start (not when parsing, so deploy files can be checked anywhere): the TLS files
         must be readable and the auth file must hold no example placeholder token."""
-        for flag, path in (
+        for option, path in (
             ("--master-tls-ca", self.master_tls_ca),
             ("--master-tls-cert", self.master_tls_cert),
             ("--master-tls-key", self.master_tls_key),
         ):
             if path and not os.access(path, os.R_OK):
-                raise ConfigError(f"{flag} {path}: not a readable file")
+                raise ConfigError(f"{option} {path}: not a readable file")
         if self.auth:
             from gcache.wire.auth import placeholder_tenants
 
@@ -220,21 +461,10 @@ class ServerSettings:
         return asdict(self)
 
 
+_SIZE_FIELDS = {f.name for f in fields(ServerSettings) if (fl := flag_of(f)) is not None and fl.size}
 UNIX_SOCKET_NAME = "gcache.sock"
 UNIX_SOCKET_PATH_BYTES_MAX = 107  # sockaddr_un.sun_path, less its NUL
-_SIZE_FIELDS = {
-    "memory",
-    "disk",
-    "value_bytes_max",
-    "frame_payload_bytes_max",
-    "segment_bytes",
-    "rebalance_batch_bytes",
-    "meta_buffer_bytes_max",
-    "put_reserve_bytes_max",
-    "index_bytes_max",
-}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
-EVICTION_POLICIES = ("chain", "s3fifo", "lru")
 REBALANCE_BATCH_BYTES_MIN = 1 << 20
 REBALANCE_BATCH_BYTES_MAX = 1 << 30
 HEARTBEAT_INTERVAL_S_MIN = 0.05
@@ -273,213 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # Defaults are None so the config file can fill what the command line left out.
     p.add_argument("--config", metavar="FILE", help="TOML config file (command-line flags win)")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="data port (default 7600; 0 = any free port)")
-    p.add_argument("--memory", help="memory tier (shared-memory arena) size (default 1GiB)")
-    p.add_argument("--disk", help="disk tier bound, sum of segment files; 0 = no disk tier (default 4GiB)")
-    p.add_argument(
-        "--data-dir",
-        help="directory for disk segments, the warm list and the Unix socket; created mode 0700, "
-        "refused if other users may read or write it (default ./gcache-data)",
-    )
-    p.add_argument("--admin-host", help="address of the admin HTTP server (default: --host)")
-    p.add_argument(
-        "--admin-port",
-        type=int,
-        help="admin HTTP port: /metrics (Prometheus), /healthz, /readyz, /cluster, "
-        "POST /flush, POST /drain; "
-        "0 = off (default 7601)",
-    )
-    p.add_argument(
-        "--grpc-port", type=int, help="admin gRPC port (Ping, Stats, Flush; msgpack messages); 0 = off (default 0)"
-    )
-    p.add_argument("--value-bytes-max", help="largest value accepted (default 64MiB)")
-    p.add_argument("--batch-keys-max", type=int, help="most keys in one batch request (default 16384)")
-    p.add_argument("--frame-payload-bytes-max", help="largest payload of one request or response frame (default 2GiB)")
-    limits = p.add_argument_group('abuse limits (docs/protocol.md, "Limits")')
-    limits.add_argument("--connections-max", type=int, help="most open client connections (default 1024)")
-    limits.add_argument(
-        "--connections-per-address-max",
-        type=int,
-        help="most open connections from one peer IP address, so one peer cannot take "
-        "every slot; 0 = no cap (default 256)",
-    )
-    limits.add_argument(
-        "--connections-per-tenant-max",
-        type=int,
-        help="most open connections of one tenant (with --auth-file); 0 = no cap (default 512)",
-    )
-    limits.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        help="close a connection that sent no data request (PUT/GET/EXISTS/REMOVE) for this "
-        "long; PING and STATS do not count (default 300)",
-    )
-    limits.add_argument(
-        "--stall-timeout-s",
-        type=float,
-        help="close a connection whose frame (or response) stops moving for this long; "
-        "a frame must also arrive within this plus 1 s per MiB (default 30)",
-    )
-    limits.add_argument(
-        "--meta-buffer-bytes-max",
-        help="request metadata buffered by all connections together, beyond 64KiB each; "
-        "a frame that cannot get room within the stall timeout is refused "
-        "(default 256MiB)",
-    )
-    limits.add_argument(
-        "--put-reserve-bytes-max",
-        help="arena bytes PUTs may hold reserved before their values arrive, all "
-        "connections together (one address or tenant: a quarter); a value that "
-        "cannot get room within the stall timeout is refused NO_SPACE "
-        "(default --memory / 8, at least 2 x --value-bytes-max, at most --memory / 2)",
-    )
-    limits.add_argument(
-        "--index-bytes-max",
-        help="heap the key index may use (about 250 B plus the key per value, either "
-        "tier); a new key beyond it drops the oldest disk segment, then memory "
-        "values (default (--memory + --disk) / 8, at least 32MiB)",
-    )
-    p.add_argument("--segment-bytes", help="target disk segment file size (default 64MiB)")
-    p.add_argument(
-        "--warm-restart",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reload the warm list into memory at start (default on)",
-    )
-    eviction = p.add_argument_group("eviction (docs/storage.md)")
-    eviction.add_argument(
-        "--eviction-policy",
-        choices=EVICTION_POLICIES,
-        help="memory-tier eviction: chain (chain-aware weighted recency, tuned online), s3fifo, or lru (default chain)",
-    )
-    eviction.add_argument(
-        "--eviction-fresh-weight",
-        type=float,
-        metavar="W",
-        help="chain: how many times faster a value never read since its put ages than a "
-        "read one; 1 = plain LRU order; 0 = picked online among 1, 2, 4, 8, 16, 32 (default 0)",
-    )
-    eviction.add_argument(
-        "--eviction-ghost-factor",
-        type=float,
-        metavar="F",
-        help="chain: evicted keys remembered, per value in memory; a key put again while "
-        "remembered counts as read (default 2)",
-    )
-    eviction.add_argument(
-        "--eviction-tail-hint",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="chain: the last value of a put batch (a chain's partial tail block) is evicted first (default on)",
-    )
-    eviction.add_argument(
-        "--eviction-small-queue-fraction",
-        type=float,
-        metavar="FRACTION",
-        help="s3fifo: share of the memory tier for the small FIFO (default 0.10)",
-    )
-    p.add_argument(
-        "--disk-exclusive",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a value read back from disk into memory gives up its disk copy, so memory and "
-        "disk hold their sum (default on; off: it keeps the copy and leaves memory "
-        "again without a write)",
-    )
-    local = p.add_argument_group('same-host and RDMA clients (docs/protocol.md, "Shared memory and RDMA")')
-    local.add_argument(
-        "--unix-socket",
-        metavar="PATH",
-        help="Unix socket for clients on this host: they map the arena and copy values "
-        "themselves (transport 'shm'); mode 0600, so only this user's processes; "
-        "'' = none (default <data-dir>/gcache.sock; the node creates the dir, 0700); "
-        "with --auth-file shared memory "
-        "is refused, since the arena holds every tenant's values",
-    )
-    local.add_argument(
-        "--shm-lease-s",
-        type=float,
-        help="how long a LOOKUP lease pins its values and a RESERVE holds its blocks; "
-        "a connection past a reservation's deadline is closed (default 10)",
-    )
-    local.add_argument(
-        "--rdma-device",
-        metavar="NAME",
-        help="register the arena with this RDMA device (pyverbs) so remote clients read "
-        "and write it one-sided (transport 'rdma'); default: none",
-    )
-    p.add_argument(
-        "--shutdown-grace-s", type=float, help="on SIGTERM, how long requests in flight may take to finish (default 10)"
-    )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
-    security = p.add_argument_group("authentication (docs/security.md)")
-    security.add_argument(
-        "--auth-file",
-        metavar="FILE",
-        help="TOML file of tenants (token, roles, memory/disk quotas): clients must "
-        "authenticate (challenge-response), keys are namespaced per tenant, a tenant "
-        "over its memory quota evicts only its own values (needs --eviction-policy "
-        'chain or lru), disk "0" keeps its values off disk, POST /flush and /drain '
-        "need an admin token (default: none, no authentication)",
-    )
-    security.add_argument(
-        "--auth-timeout-s",
-        type=float,
-        help="close a connection that has not authenticated within this long; "
-        "before AUTH only PING is answered (default 5)",
-    )
-    security.add_argument(
-        "--preauth-connections-max",
-        type=int,
-        help="most connections not yet authenticated, apart from --connections-max: when "
-        "full, the oldest of them (of the address holding the most) is dropped, so a "
-        "client that authenticates always gets in (default 256)",
-    )
-    security.add_argument(
-        "--preauth-connections-per-address-max",
-        type=int,
-        help="most connections not yet authenticated from one address; when full, that "
-        "address's oldest is dropped (default 64)",
-    )
-    cluster = p.add_argument_group("cluster (docs/cluster.md)")
-    cluster.add_argument(
-        "--master",
-        metavar="HOST:PORT[,HOST:PORT...]",
-        help="gcache-master replicas to register with (default: none, a standalone node)",
-    )
-    cluster.add_argument("--node-id", metavar="ID", help="this node's id in the map (default: --advertise)")
-    cluster.add_argument(
-        "--advertise",
-        metavar="HOST:PORT",
-        help="data address other nodes and clients use (default: --host:--port; "
-        "required with --master when --host is 0.0.0.0 or ::)",
-    )
-    cluster.add_argument(
-        "--heartbeat-interval-s", type=float, help="seconds between heartbeats to the master (default 1.0)"
-    )
-    cluster.add_argument(
-        "--rebalance-batch-bytes", help="bytes moved per batch when keys move to their owners (default 64MiB)"
-    )
-    cluster.add_argument(
-        "--master-tls-ca",
-        metavar="PEM",
-        help="CA of the masters' TLS certificates: talk TLS to them (default: plaintext; "
-        "with --auth-file the node sends its cluster-role token)",
-    )
-    cluster.add_argument(
-        "--master-tls-cert", metavar="PEM", help="client certificate for masters that require one (their --tls-ca)"
-    )
-    cluster.add_argument("--master-tls-key", metavar="PEM", help="private key of --master-tls-cert")
-    cluster.add_argument(
-        "--memory-pressure-drain",
-        type=float,
-        metavar="FRACTION",
-        help="drain this node when more than this fraction of puts is refused "
-        "for lack of space over a minute; 0 = off (default 0)",
-    )
+    # Defaults are None so the config file can fill what the command line left out.
+    add_flags(p, ServerSettings, defaults=False)
     return p
 
 
@@ -554,7 +580,7 @@ def _validate(s: ServerSettings) -> None:
         ),
         (s.segment_bytes >= 1 << 20, "--segment-bytes must be at least 1MiB"),
         (bool(s.data_dir) or s.disk == 0, "--data-dir is required unless --disk 0"),
-        (s.log_level in ("debug", "info", "warning", "error"), "log_level must be debug|info|warning|error"),
+        (s.log_level in LOG_LEVELS, "log_level must be debug|info|warning|error"),
         (0 < s.auth_timeout_s <= 300, "--auth-timeout-s must be in (0, 300]"),
         (1 <= s.preauth_connections_max <= 1 << 20, "--preauth-connections-max must be 1..1048576"),
         (

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gcache import __version__
 from gcache.common.address import join_host_port, parse_host_port
@@ -33,6 +34,12 @@ from gcache.server.config import (
     load_settings,
 )
 from gcache.wire.rdma_verbs import RdmaUnavailable
+
+if TYPE_CHECKING:  # imported late below (grpc, the native build): for annotations only
+    from gcache.server.admin_grpc import AdminGrpcServer
+    from gcache.server.admin_http import AdminHttpServer
+    from gcache.server.cluster_agent import ClusterAgent
+    from gcache.server.rdma import RdmaRegion
 
 log = logging.getLogger("gcache.server")
 
@@ -54,11 +61,11 @@ class Node:
 
         self.settings = settings
         self.stopping = threading.Event()
-        self.native = None
-        self.admin_http = None
-        self.admin_grpc = None
-        self.agent = None  # ClusterAgent with --master, started once the data port listens
-        self.rdma = None  # gcache.server.rdma.RdmaRegion with --rdma-device
+        self.native: Any = None  # gcache._native.Server (a compiled module: untyped), set below
+        self.admin_http: AdminHttpServer | None = None
+        self.admin_grpc: AdminGrpcServer | None = None
+        self.agent: ClusterAgent | None = None  # ClusterAgent with --master, started once the data port listens
+        self.rdma: RdmaRegion | None = None  # gcache.server.rdma.RdmaRegion with --rdma-device
         self.parked = False  # drained earlier (DRAINED marker): up, but out of the cluster
         self.host_gauges: dict[str, int] = {}  # the host checks' results (gcache.common.host_checks)
         # Before the store opens (which can take a while): a missing device fails at once.

@@ -12,6 +12,7 @@ sends a byte of the body.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler  # sends "100 Continue"
@@ -46,7 +47,8 @@ async def read_body(
 async def _read(request: web.BaseRequest, size: int | None, limit: int) -> bytes:
     if size is not None:
         return await request.content.readexactly(size) if size else b""
-    chunks, total = [], 0  # chunked transfer: count as it comes, stop at the limit
+    chunks: list[bytes] = []
+    total = 0  # chunked transfer: count as it comes, stop at the limit
     while True:
         chunk = await request.content.readany()
         if not chunk:
@@ -57,16 +59,17 @@ async def _read(request: web.BaseRequest, size: int | None, limit: int) -> bytes
         chunks.append(chunk)
 
 
-def expect_handler(limit: int = BODY_BYTES_MAX):
+def expect_handler(limit: int = BODY_BYTES_MAX) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
     """aiohttp expect_handler: 413 before the body is sent when Content-Length says it is too big."""
 
-    async def handle(request: web.Request):
+    async def handle(request: web.Request) -> web.StreamResponse | None:
         size = request.content_length
         if size is not None and size > limit and request.headers.get("Expect", "").lower() == "100-continue":
             resp = error_response(413, too_large(limit, size).message)
             resp.force_close()  # the client will not send the body: no lingering wait for it
             return resp
-        return await _default_expect_handler(request)
+        await _default_expect_handler(request)  # sends "100 Continue"; answers nothing
+        return None
 
     return handle
 

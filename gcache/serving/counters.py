@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import logging
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from gcache.serving.errors import error_response
 
@@ -18,8 +20,8 @@ class HTTPCounters:
 
     def __init__(self, prefix: str, routes: tuple[str, ...], helps: dict[str, str]) -> None:
         self.prefix, self.routes, self.helps = prefix, set(routes), helps
-        self.responses: collections.Counter = collections.Counter()
-        self.counters: collections.Counter = collections.Counter({k: 0 for k in helps})
+        self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter({k: 0 for k in helps})
 
     def observe(self, path: str, status: int) -> None:
         self.responses[(path if path in self.routes else "other", status)] += 1
@@ -43,12 +45,12 @@ class HTTPCounters:
             lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} gauge", f"{p}{name} {value}"]
         return "\n".join(lines) + "\n"
 
-    def middleware(self, log):
+    def middleware(self, log: logging.Logger) -> Middleware:
         """Counts every response; turns unknown routes into OpenAI-shaped 404/405 and an
         unexpected exception into a 500 with a message (never an empty reply)."""
 
         @web.middleware
-        async def count(request: web.Request, handler):
+        async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
             try:
                 resp = await handler(request)
             except ConnectionError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -28,18 +29,20 @@ class HTTPError(Exception):
         self.kind = kind or KIND_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def error_body(status: int, message: str, kind: str | None = None) -> dict:
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     kind = kind or KIND_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def json_response(status: int, obj, headers: dict | None = None) -> web.Response:
+def json_response(status: int, obj: Any, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json", headers=headers)
 
 
-def error_response(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     return json_response(status, error_body(status, message, kind), headers)
 
 
-def from_http_error(e: HTTPError, headers: dict | None = None) -> web.Response:
+def from_http_error(e: HTTPError, headers: dict[str, str] | None = None) -> web.Response:
     return error_response(e.status, e.message, e.kind, headers)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.serving.errors import HTTPError
 from gcache.serving.swa_window import tail_start_page
@@ -60,12 +61,12 @@ class Handoff:
     first_token: int  # sampled by the prefill worker; the decode worker continues after it
     sampled: int  # tokens sampled so far (the decoder advances its RNG this many times)
     pages: tuple[str, ...]  # page hashes of every whole page of the prompt, in order
-    pools: dict  # pool -> [lo, hi): pages of `pages` whose KV of that pool went to L3
+    pools: dict[str, tuple[int, int]]  # pool -> [lo, hi): pages of `pages` whose KV of that pool went to L3
     stored_pages: int  # leading pages known to be in L3 when the prefill answered
     response_id: str  # the id every chunk of the client's answer carries
     created: int
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "v": HANDOFF_VERSION,
             "model": self.model,
@@ -85,7 +86,7 @@ class Handoff:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_dict(cls, d) -> Handoff:
+    def from_dict(cls, d: object) -> Handoff:
         """Shape checks only; HTTPError(400) for anything malformed."""
         if not isinstance(d, dict) or d.get("v") != HANDOFF_VERSION:
             raise HTTPError(400, f"handoff: expected an object with v={HANDOFF_VERSION}")
@@ -141,13 +142,13 @@ class Handoff:
             raise HTTPError(400, "handoff full pool must cover every whole page of the prompt")
 
 
-def expected_pools(prompt_tokens: int, page_size: int, window: int) -> dict:
+def expected_pools(prompt_tokens: int, page_size: int, window: int) -> dict[str, tuple[int, int]]:
     """What a prefill stores: every whole page's full KV; the SWA of its end's window tail."""
     n = prompt_tokens // page_size
     return {"full": (0, n), "swa": (tail_start_page(n, page_size, window), n)}
 
 
-def parse_pd_body(payload, need_handoff: bool) -> tuple[str, dict, Handoff | None]:
+def parse_pd_body(payload: object, need_handoff: bool) -> tuple[str, dict[str, Any], Handoff | None]:
     """A /pd/* body: {"path": "/v1/completions" | "/v1/chat/completions", "request": {OpenAI
     body}, "handoff": {...} (decode only)} -> (path, request, handoff)."""
     if not isinstance(payload, dict):

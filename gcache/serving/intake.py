@@ -4,9 +4,11 @@ client that stalls or sends garbage never holds one."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiohttp import typedefs as web_typedefs
 from aiohttp import web
 
 from gcache.serving.body import answer_for, expect_handler, read_body
@@ -21,7 +23,7 @@ Handler = Callable[[bytes, Any], Awaitable[web.StreamResponse]]
 
 async def serve_post(
     request: web.Request,
-    parse: Callable[[dict], Any],
+    parse: Callable[[Any], Any],
     handle: Handler,
     *,
     limiter: InFlightLimiter,
@@ -52,12 +54,12 @@ async def serve_post(
 
 def openai_app(
     counters: HTTPCounters,
-    log,
+    log: logging.Logger,
     body_bytes_max: int,
-    completions: Callable,
-    chat: Callable,
-    health: Callable,
-    metrics: Callable,
+    completions: web_typedefs.Handler,
+    chat: web_typedefs.Handler,
+    health: web_typedefs.Handler,
+    metrics: web_typedefs.Handler,
 ) -> web.Application:
     """The routes worker and router both serve, behind the counting middleware; an oversized
     `Expect: 100-continue` body gets its 413 before it is sent."""

@@ -23,8 +23,10 @@ string, or max_tokens). Example: [{"role": "user", "content": "Hi"}] becomes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from gcache.serving.errors import HTTPError
+from gcache.serving.tokenizer import ByteTokenizer
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -65,11 +67,11 @@ class ParsedRequest:
     model: str | None
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_request(path: str, payload, tokenizer) -> ParsedRequest:
+def parse_request(path: str, payload: object, tokenizer: ByteTokenizer) -> ParsedRequest:
     """Validate an OpenAI body for `path`; HTTPError(400) names the field that is wrong."""
     kind = KIND_BY_PATH.get(path)
     if kind is None:
@@ -103,13 +105,13 @@ def parse_request(path: str, payload, tokenizer) -> ParsedRequest:
     )
 
 
-def prompt_tokens(path: str, payload, tokenizer) -> list[int]:
+def prompt_tokens(path: str, payload: object, tokenizer: ByteTokenizer) -> list[int]:
     """The exact prompt token ids the worker runs for this body (the router routes on them)."""
     return parse_request(path, payload, tokenizer).prompt
 
 
 # ---- prompt ------------------------------------------------------------------------------
-def completion_prompt(payload: dict, tok) -> list[int]:
+def completion_prompt(payload: dict[str, Any], tok: ByteTokenizer) -> list[int]:
     if "prompt" not in payload:
         raise HTTPError(400, "missing required field: prompt")
     prompt = payload["prompt"]
@@ -130,7 +132,7 @@ def completion_prompt(payload: dict, tok) -> list[int]:
     raise HTTPError(400, "prompt must be a string or a list of integer token ids")
 
 
-def chat_prompt(payload: dict, tok) -> list[int]:
+def chat_prompt(payload: dict[str, Any], tok: ByteTokenizer) -> list[int]:
     """The chat template (module docstring) applied to `messages`."""
     messages = payload.get("messages")
     if messages is None:
@@ -152,7 +154,7 @@ def chat_prompt(payload: dict, tok) -> list[int]:
     return [tok.bos_id] + _encode(tok, "".join(parts), "messages")
 
 
-def _content(content, i: int) -> str:
+def _content(content: object, i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -174,7 +176,7 @@ def _content(content, i: int) -> str:
     raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts")
 
 
-def _encode(tok, text: str, field: str) -> list[int]:
+def _encode(tok: ByteTokenizer, text: str, field: str) -> list[int]:
     try:
         return tok.encode(text)
     except UnicodeEncodeError as e:  # a lone surrogate that reached us without safe_json
@@ -182,7 +184,7 @@ def _encode(tok, text: str, field: str) -> list[int]:
 
 
 # ---- sampling and stream options ---------------------------------------------------------------
-def _max_tokens(payload: dict, kind: str) -> int:
+def _max_tokens(payload: dict[str, Any], kind: str) -> int:
     name = (
         "max_completion_tokens" if kind == "chat" and payload.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -194,7 +196,7 @@ def _max_tokens(payload: dict, kind: str) -> int:
     return v
 
 
-def _temperature(payload: dict) -> float:
+def _temperature(payload: dict[str, Any]) -> float:
     t = payload.get("temperature")
     if t is None:
         return 1.0
@@ -203,21 +205,21 @@ def _temperature(payload: dict) -> float:
     return float(t)
 
 
-def _seed(payload: dict) -> int | None:
+def _seed(payload: dict[str, Any]) -> int | None:
     seed = payload.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
         raise HTTPError(400, f"seed must be an integer in [0, 2^63), got {seed!r}")
     return seed
 
 
-def _bool(payload: dict, name: str) -> bool:
+def _bool(payload: dict[str, Any], name: str) -> bool:
     v = payload.get(name, False)
     if not isinstance(v, bool):
         raise HTTPError(400, f"{name} must be a boolean, got {v!r}")
     return v
 
 
-def parse_stop(stop) -> tuple[str, ...]:
+def parse_stop(stop: object) -> tuple[str, ...]:
     if stop is None or stop == "" or stop == []:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
@@ -235,7 +237,7 @@ def parse_stop(stop) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _include_usage(payload: dict, stream: bool) -> bool:
+def _include_usage(payload: dict[str, Any], stream: bool) -> bool:
     opts = payload.get("stream_options")
     if opts is None:
         return False

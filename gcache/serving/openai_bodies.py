@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
+from typing import Any
+
+from gcache.serving.tiers import Tier
 
 _PROCESS_TAG = secrets.token_hex(4)  # ids stay unique across workers and restarts
 
@@ -12,7 +16,9 @@ def response_id(kind: str, rid: int) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{_PROCESS_TAG}{rid}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: dict) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_by_tier: Mapping[Tier, int]
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -22,8 +28,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached
 
 
 def full_body(
-    kind: str, rid_str: str, model: str, text: str, token_ids: list[int], finish_reason: str, usage_: dict, extras: dict
-) -> dict:
+    kind: str,
+    rid_str: str,
+    model: str,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    usage_: dict[str, Any],
+    extras: dict[str, Any],
+) -> dict[str, Any]:
     """The non-streamed answer. extras (ttft_ms, ...) go at the top level."""
     if kind == "chat":
         choice = {
@@ -56,7 +69,7 @@ class StreamChunks:
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def _chunk(self, choices: list, **more) -> dict:
+    def _chunk(self, choices: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": self.object,
@@ -66,7 +79,7 @@ class StreamChunks:
             **more,
         }
 
-    def role(self) -> dict | None:
+    def role(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant role (OpenAI does); completions have none."""
         if self.kind != "chat":
             return None
@@ -74,11 +87,11 @@ class StreamChunks:
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
-    def text(self, piece: str, finish_reason: str | None = None) -> dict:
+    def text(self, piece: str, finish_reason: str | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             delta = {"content": piece} if piece else {}
             return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
         return self._chunk([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}])
 
-    def usage(self, usage_: dict) -> dict:
+    def usage(self, usage_: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([], usage=usage_)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from gcache.wire.keys import page_hashes_array
 
@@ -46,7 +48,7 @@ def page_id(page_hash: str) -> int:
     return int(page_hash[:16], 16)
 
 
-def page_ids(tokens, page_size: int) -> list[int]:
+def page_ids(tokens: ArrayLike, page_size: int) -> list[int]:
     """Page ids of every whole page of `tokens` (the worker's chain, truncated)."""
     return [int(h[:16], 16) for h in page_hashes_array(np.asarray(tokens, dtype=np.int64), page_size)]
 
@@ -61,7 +63,7 @@ def id_from_bytes(raw: bytes) -> int:
     return int.from_bytes(raw, "big")
 
 
-def encode_records(items) -> bytes:
+def encode_records(items: Iterable[tuple[int, int]]) -> bytes:
     """(page id, flags) pairs -> packed bytes (9 per page)."""
     items = list(items)
     arr = np.empty(len(items), dtype=_RECORD)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -38,8 +39,8 @@ def serve_forever(
     app: web.Application,
     host: str,
     port: int,
-    on_started=None,
-    before_cleanup=None,
+    on_started: Callable[[int], object] | None = None,
+    before_cleanup: Callable[[], Awaitable[object]] | None = None,
     backlog: int = BACKLOG,
     shutdown_timeout_s: float = 10.0,
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, NoReturn
 
 from gcache.serving.errors import HTTPError
 
@@ -21,11 +22,11 @@ DEPTH_MAX = 32
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(body: bytes, depth_max: int = DEPTH_MAX):
+def parse_json(body: bytes, depth_max: int = DEPTH_MAX) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -43,7 +44,7 @@ def parse_json(body: bytes, depth_max: int = DEPTH_MAX):
     return obj
 
 
-def _check(obj, depth_max: int, strings: bool) -> None:
+def _check(obj: Any, depth_max: int, strings: bool) -> None:
     """Iterative walk (no recursion to blow): depth, and strings that are not valid Unicode."""
     stack = [(obj, 1)]
     while stack:

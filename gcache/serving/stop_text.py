@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import bisect
 import codecs
+from collections.abc import Iterable
+
+from gcache.serving.tokenizer import ByteTokenizer
 
 
 class OutputText:
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: ByteTokenizer, stops: tuple[str, ...] = ()) -> None:
         self.tok = tokenizer
         self.stops = [s.encode("utf-8") for s in stops]
         self.hold_max = max((len(s) for s in self.stops), default=1) - 1
@@ -45,7 +48,7 @@ class OutputText:
             return len(self.token_ends)
         return bisect.bisect_right(self.token_ends, self.stop_at)
 
-    def feed(self, ids) -> str:
+    def feed(self, ids: Iterable[int]) -> str:
         """Add tokens; returns the text that is now safe to show ("" once stopped)."""
         if self.stop_at is not None:
             return ""

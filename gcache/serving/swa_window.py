@@ -7,7 +7,7 @@ them hold live SWA KV. Lengths here are in pages unless a name says tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def tail_start_page(end_page: int, page_size: int, window: int) -> int:
@@ -41,7 +41,7 @@ def swa_keep_pages(
     return keep
 
 
-def last_safe_end(start_page: int, full_pages: int, has_swa, page_size: int, window: int) -> int:
+def last_safe_end(start_page: int, full_pages: int, has_swa: Callable[[int], bool], page_size: int, window: int) -> int:
     """Largest end page E in [start_page, start_page + full_pages] a request can resume at
     when pages [0, start_page) are already covered (start_page is 0 or a window-safe point of
     a lower tier, whose window tail is live) and pages [start_page, start_page + full_pages)

@@ -20,13 +20,14 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from gcache.worker.config import ModelConfig
 from gcache.worker.model.weights import init_weights, save_npz
 
-TINY_MTP = dict(
+TINY_MTP: dict[str, Any] = dict(
     vocab_size=260,  # 256 bytes + bos/eos/pad + 1 spare
     hidden=96,
     layers=4,

@@ -23,6 +23,7 @@ import re
 import stat
 import tomllib
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.common.units import parse_size
 from gcache.errors import ConfigError
@@ -50,7 +51,7 @@ class AuthFileError(ValueError):
 class Tenant:
     name: str
     token: str
-    roles: frozenset
+    roles: frozenset[str]
     memory: int | None = None  # quota bytes in the memory tier
     disk: int | None = None  # quota bytes on disk; 0 = never on disk
 
@@ -106,7 +107,7 @@ class AuthConfig:
             )
         return holders[0].token
 
-    def native_tenants(self) -> list[dict]:
+    def native_tenants(self) -> list[dict[str, Any]]:
         """The list gcache._native.Server's "tenants" config key takes."""
         return [
             {"name": t.name, "token": t.token, "roles": sorted(t.roles), "memory": t.memory, "disk": t.disk}
@@ -114,14 +115,14 @@ class AuthConfig:
         ]
 
 
-def _size(value, where: str) -> int:
+def _size(value: str | int, where: str) -> int:
     try:
         return parse_size(value)
     except ConfigError as e:
         raise AuthFileError(f"{where}: {e}") from None
 
 
-def _tenant(name: str, table, path: str) -> Tenant:
+def _tenant(name: str, table: object, path: str) -> Tenant:
     where = f"auth file {path}, tenant {name!r}"
     if not TENANT_NAME.match(name):
         raise AuthFileError(f"{where}: a tenant name is 1..32 of A-Z a-z 0-9 _ . -")
@@ -144,7 +145,7 @@ def _tenant(name: str, table, path: str) -> Tenant:
     return Tenant(name, token, frozenset(roles), memory, disk)
 
 
-def parse_auth(raw: dict, path: str = "<auth file>") -> AuthConfig:
+def parse_auth(raw: dict[str, Any], path: str = "<auth file>") -> AuthConfig:
     unknown = set(raw) - {"tenants"}
     if unknown:
         raise AuthFileError(

@@ -17,11 +17,15 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gcache.errors import InvalidArgumentError, KeyInvalidError
 from gcache.wire.protocol import KEY_BYTES_MAX
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 TOKEN_ID_MAX = 2**32 - 1
 POOL_FULL = "full"
@@ -29,9 +33,9 @@ POOL_SWA = "swa"
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
-def _token_bytes(token_ids) -> bytes:
+def _token_bytes(token_ids: Iterable[int | tuple[int, ...]]) -> bytes:
     # Tuples (EAGLE bigram mode in SGLang) contribute each element, in order.
-    flat = []
+    flat: list[int] = []
     for t in token_ids:
         if isinstance(t, tuple):
             flat.extend(t)
@@ -69,7 +73,7 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None
     return hashes
 
 
-def page_hashes_array(tokens, page_size: int, prior_hash: str | None = None) -> list[str]:
+def page_hashes_array(tokens: ArrayLike, page_size: int, prior_hash: str | None = None) -> list[str]:
     """page_hashes for a 1-D integer array (numpy): the same chain, hashed from one
     u32 buffer instead of packing token by token (the worker hashes every prompt)."""
     import numpy as np
@@ -119,7 +123,7 @@ class KeyBuilder:
     pp_size: int = 1
     is_mla: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.namespace is not None:
             _check_name(self.namespace, "namespace")
         _check_name(self.model.replace("/", "-"), "model")

@@ -7,8 +7,9 @@ Shared by the client, the bench and tests. A frame is a 32-byte header, then
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -79,7 +80,7 @@ class ChecksumKind(IntEnum):
     XXH3 = 1  # XXH3-64, no seed: every new value
 
 
-def checksum_kinds_of(meta: dict) -> list[int]:
+def checksum_kinds_of(meta: dict[str, Any]) -> list[int]:
     """The checksum kinds a node speaks, from its PING or SHM_ATTACH answer ("cks");
     a node from before XXH3 sends none and speaks xxh64 only."""
     kinds = meta.get("cks")
@@ -112,7 +113,7 @@ def encode_header(
     return HEADER.pack(MAGIC, VERSION, opcode, flags, request_id, meta_len, status, payload_len)
 
 
-def decode_header(buf) -> Header:
+def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     """Parses the first 32 bytes of `buf`; ProtocolError if the framing is wrong."""
     if len(buf) < HEADER_BYTES:
         raise ProtocolError(f"frame header needs {HEADER_BYTES} bytes, got {len(buf)}")
@@ -131,11 +132,12 @@ def decode_header(buf) -> Header:
     return Header(opcode, flags, request_id, meta_len, status, payload_len)
 
 
-def encode_meta(meta: dict) -> bytes:
-    return msgpack.packb(meta, use_bin_type=True)
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    out: bytes = msgpack.packb(meta, use_bin_type=True)
+    return out
 
 
-def decode_meta(buf) -> dict:
+def decode_meta(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
     """msgpack map -> dict; ProtocolError if it is not a map."""
     try:
         meta = msgpack.unpackb(buf, raw=False, strict_map_key=False, unicode_errors="replace")
@@ -167,23 +169,24 @@ def encode_keys_meta(keys: list[bytes], epoch: int | None = None, ck: bool = Fal
         if epoch is not None:
             out += _EPOCH_FIELD + msgpack.packb(epoch)
         return out + _CK_XXH3_FIELD if ck else out
-    meta: dict = {"keys": keys}
+    meta: dict[str, Any] = {"keys": keys}
     if epoch is not None:
         meta["epoch"] = epoch
     if ck:
         meta["ck"] = int(ChecksumKind.XXH3)
-    return msgpack.packb(meta, use_bin_type=True)
+    packed: bytes = msgpack.packb(meta, use_bin_type=True)
+    return packed
 
 
 def encode_frame_head(
-    opcode: int, request_id: int, meta: dict, payload_len: int = 0, status: int = 0, flags: int = 0
+    opcode: int, request_id: int, meta: dict[str, Any], payload_len: int = 0, status: int = 0, flags: int = 0
 ) -> bytes:
     """Header + metadata as one bytes object; the payload is sent after it, uncopied."""
     meta_bytes = encode_meta(meta)
     return encode_header(opcode, request_id, len(meta_bytes), payload_len, status, flags) + meta_bytes
 
 
-def normalize_key(key) -> bytes:
+def normalize_key(key: object) -> bytes:
     """bytes/str/bytearray/memoryview -> bytes of 1..512; KeyInvalidError otherwise."""
     if isinstance(key, bytes):
         raw = key
@@ -203,7 +206,7 @@ def normalize_key(key) -> bytes:
     return raw
 
 
-def normalize_keys(keys) -> list[bytes]:
+def normalize_keys(keys: Iterable[object]) -> list[bytes]:
     if isinstance(keys, (bytes, str)):
         raise KeyInvalidError("expected a list of keys, got a single key: wrap it in a list")
     return [normalize_key(k) for k in keys]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 RDMA_DEVICE_ENV = "GCACHE_RDMA_DEVICE"
 RDMA_PORT_ENV = "GCACHE_RDMA_PORT"
@@ -39,7 +40,7 @@ class RdmaUnavailable(Exception):
     """pyverbs or a usable device is missing; str() is the reason."""
 
 
-def load():
+def load() -> _Verbs:
     """The pyverbs modules this file uses, as one namespace."""
     try:
         import pyverbs.enums as enums
@@ -75,16 +76,16 @@ def load():
 
 @dataclass(frozen=True)
 class _Verbs:
-    e: object
+    e: Any  # pyverbs.enums
     GID: type
     AHAttr: type
     GlobalRoute: type
     CQ: type
     Context: type
-    get_device_list: object
+    get_device_list: Any
     MR: type
     PD: type
-    PyverbsError: type
+    PyverbsError: type[Exception]
     QP: type
     QPAttr: type
     QPCap: type
@@ -93,7 +94,7 @@ class _Verbs:
     SendWR: type
 
 
-def device_names(verbs) -> list[str]:
+def device_names(verbs: _Verbs) -> list[str]:
     """The RDMA devices of this host; RdmaUnavailable when there are none."""
     try:
         devices = verbs.get_device_list()
@@ -122,14 +123,14 @@ def choose_gid_index(gids: list[tuple[int, str, bool]], ethernet: bool) -> int:
     raise RdmaUnavailable("the RDMA port has no usable GID (RoCE needs an IP address on its netdev)")
 
 
-def _int_field(meta: dict, name: str, lo: int, hi: int) -> int:
+def _int_field(meta: dict[str, Any], name: str, lo: int, hi: int) -> int:
     value = meta.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ValueError(f"RDMA endpoint field {name!r} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
 
 
-def parse_endpoint(meta: dict) -> dict:
+def parse_endpoint(meta: dict[str, Any]) -> dict[str, Any]:
     """A peer's queue-pair endpoint from RDMA_CONNECT metadata; ValueError naming the bad field."""
     if not isinstance(meta, dict):
         raise ValueError(f"RDMA_CONNECT metadata must be a map, got {type(meta).__name__}")
@@ -137,7 +138,11 @@ def parse_endpoint(meta: dict) -> dict:
     if isinstance(gid, bytes):
         gid = gid.decode("ascii", "replace")
     parts = gid.split(":") if isinstance(gid, str) else []
-    if len(parts) != 8 or not all(len(p) == 4 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
+    if (
+        not isinstance(gid, str)
+        or len(parts) != 8
+        or not all(len(p) == 4 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts)
+    ):
         raise ValueError(
             f"RDMA endpoint field 'gid' must look like xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx, got {meta.get('gid')!r}"
         )
@@ -162,7 +167,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 class Device:
     """One opened RDMA device port, with its protection domain."""
 
-    def __init__(self, verbs, name: str | None):
+    def __init__(self, verbs: _Verbs, name: str | None):
         self.v = verbs
         names = device_names(verbs)
         if name is None:
@@ -203,7 +208,7 @@ class Device:
             out.append((i, gid, v2 is not None and kind == v2))
         return out
 
-    def register(self, address: int, length: int, remote: bool):
+    def register(self, address: int, length: int, remote: bool) -> Any:
         """A memory region over [address, address + length); remote: peers may read and write it."""
         e = self.v.e
         access = e.IBV_ACCESS_LOCAL_WRITE
@@ -245,11 +250,11 @@ class QueuePair:
             self.cq.close()
             raise
 
-    def endpoint(self) -> dict:
+    def endpoint(self) -> dict[str, Any]:
         d = self.device
         return {"qpn": self.qp.qp_num, "psn": self.psn, "lid": d.lid, "gid": d.gid, "mtu": d.mtu}
 
-    def connect(self, peer: dict) -> None:
+    def connect(self, peer: dict[str, Any]) -> None:
         """INIT -> RTR -> RTS towards the peer's endpoint (parse_endpoint's dict)."""
         attr = connect_attributes(self.device.v, self.device, peer, self.psn)
         self.qp.to_rtr(attr)
@@ -271,7 +276,7 @@ class QueuePair:
         self.cq.close()
 
 
-def connect_attributes(verbs, local, peer: dict, psn: int):
+def connect_attributes(verbs: _Verbs, local: Device, peer: dict[str, Any], psn: int) -> Any:
     """The QPAttr for INIT -> RTR -> RTS of an RC queue pair on `local` (a Device:
     port, mtu, ethernet, gid_index, rd_atomic) towards `peer` (parse_endpoint's dict)."""
     attr = verbs.QPAttr(port_num=local.port)
@@ -293,7 +298,9 @@ def connect_attributes(verbs, local, peer: dict, psn: int):
     return attr
 
 
-def work_request(verbs, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int, wr_id: int):
+def work_request(
+    verbs: _Verbs, write: bool, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int, wr_id: int
+) -> Any:
     """A signaled RDMA WRITE (local -> remote) or READ (remote -> local) of one buffer."""
     e = verbs.e
     wr = verbs.SendWR(

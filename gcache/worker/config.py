@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 FULL = "full"
 SWA = "swa"
@@ -71,13 +72,13 @@ class ModelConfig:
 
     # ---- presets -------------------------------------------------------------
     @classmethod
-    def small(cls, **kw) -> ModelConfig:
+    def small(cls, **kw: Any) -> ModelConfig:
         return cls(**kw)
 
     @classmethod
-    def large(cls, **kw) -> ModelConfig:
+    def large(cls, **kw: Any) -> ModelConfig:
         """A production-shaped layout (70 layers: 10 full + 60 SWA), for GPU runs."""
-        base = dict(
+        base: dict[str, Any] = dict(
             vocab_size=32000, hidden=1024, layers=70, heads=16, kv_heads=4, head_dim=64, intermediate=2816, window=128
         )
         base.update(kw)

@@ -7,6 +7,6 @@ class IntegrityError(AssertionError):
     """A cache structure broke one of its invariants: a bug, never bad user input."""
 
 
-def require(condition, message: str) -> None:
+def require(condition: object, message: str) -> None:
     if not condition:
         raise IntegrityError(message)

@@ -102,7 +102,7 @@ class RdmaArena:
 
     def read_into(self, offsets, lens, sums, dests, verify: bool = True, kinds=()) -> list[int]:
         wanted = [i for i, d in enumerate(dests) if d is not None and lens[i] >= 0]
-        bad = []
+        bad: list[int] = []
         for batch, local in self._read_rounds(offsets, lens, wanted, bad):
             bad.extend(
                 batch[j]
@@ -119,7 +119,7 @@ class RdmaArena:
 
     def read_values(self, offsets, lens, sums, verify: bool = True, kinds=()):
         values = [None] * len(lens)
-        bad = []
+        bad: list[int] = []
         for batch, local in self._read_rounds(offsets, lens, [i for i, n in enumerate(lens) if n >= 0], bad):
             got, failed = shm_read_values(
                 self._staging.map,
@@ -173,7 +173,9 @@ class RdmaArena:
 
     def _rounds(self, indices, lens):
         """Groups of indices whose values fit the staging buffer together, with their staging offsets."""
-        batch, local, used = [], [], 0
+        batch: list[int] = []
+        local: list[int] = []
+        used = 0
         for i in indices:
             size = _aligned(lens[i])
             if used + size > self._staging.size and batch:

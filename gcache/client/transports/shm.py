@@ -39,6 +39,7 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
         pipeline.run(conn, [MetaOp(Opcode.PING, result)], 1)
     finally:
         conn.close()
+    assert result.meta is not None  # MetaOp read the answer's map
     path, instance = result.meta.get("unix"), result.meta.get("instance")
     return (path if isinstance(path, str) and path else None, instance if isinstance(instance, str) else None)
 

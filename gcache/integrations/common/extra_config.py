@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from gcache.client.connection import parse_address
 from gcache.client.transports.choose import TRANSPORTS
@@ -21,16 +23,16 @@ class SettingsError(ValueError):
 class ExtraConfig:
     """One engine's extra config; `label` is what the engine calls it, for the messages."""
 
-    def __init__(self, extra: dict | None, label: str):
+    def __init__(self, extra: Mapping[str, Any] | None, label: str) -> None:
         self.extra = dict(extra or {})
         self.label = label
 
-    def check_known(self, known: tuple, reader: str) -> None:
+    def check_known(self, known: tuple[str, ...], reader: str) -> None:
         unknown = sorted(k for k in self.extra if k.startswith("gcache_") and k not in known)
         if unknown:
             raise SettingsError(f"unknown {self.label} key(s) {unknown}; {reader} reads {list(known)}")
 
-    def number(self, key: str, default, lo, hi, kind=float):
+    def number(self, key: str, default: float, lo: float, hi: float, kind: Callable[[float], float] = float) -> float:
         value = self.extra.get(key, default)
         if (
             isinstance(value, bool)
@@ -54,7 +56,7 @@ class ExtraConfig:
             raise SettingsError(f"{self.label}[{key!r}] must be a non-empty string, got {value!r}")
         return value
 
-    def url(self, environ=os.environ) -> str:
+    def url(self, environ: Mapping[str, str] = os.environ) -> str:
         """gcache_url, else GCACHE_URL: "host:port" (one node) or "gcache://master:port,..."."""
         url = self.extra.get("gcache_url") or environ.get(URL_ENV, "")
         if not isinstance(url, str) or not url.strip():
@@ -71,7 +73,7 @@ class ExtraConfig:
         return url
 
     def transport(self) -> str:
-        transport = self.extra.get("gcache_transport", "auto")
+        transport: str = self.extra.get("gcache_transport", "auto")
         if transport not in TRANSPORTS:
             raise SettingsError(
                 f"{self.label}['gcache_transport'] must be one of {', '.join(TRANSPORTS)}, got {transport!r}"

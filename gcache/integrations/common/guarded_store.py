@@ -11,8 +11,11 @@ window tries the store again (that is how an adapter recovers).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
 
 from gcache import errors
+from gcache.client.api import Client
 from gcache.common.breaker import Breaker
 
 # Failures of the store or the path to it: the store goes suspect.
@@ -28,6 +31,14 @@ OUTAGE = (
 # of the wrong size): keep the other keys' answers.
 PARTIAL = (errors.BufferTooSmallError, errors.ValueTooLargeError, errors.ChecksumMismatchError)
 
+T = TypeVar("T")
+
+
+class Counts(Protocol):
+    """What GuardedStore counts with (an adapter's stats object)."""
+
+    def count(self, name: str, k: int = 1) -> None: ...
+
 
 class GuardedStore:
     """A gcache Client (or ClusterClient) whose calls never raise.
@@ -39,7 +50,9 @@ class GuardedStore:
     "there".
     """
 
-    def __init__(self, client, suspect_s: float, stats, log: logging.Logger, remove_corrupt: bool = False):
+    def __init__(
+        self, client: Client, suspect_s: float, stats: Counts, log: logging.Logger, remove_corrupt: bool = False
+    ) -> None:
         self.client = client
         self.suspect_s = suspect_s
         self.stats = stats
@@ -49,7 +62,7 @@ class GuardedStore:
 
     # -- the guard -------------------------------------------------------------
 
-    def _call(self, what: str, fn, failed, *args):
+    def _call(self, what: str, fn: Callable[..., T], failed: T, *args: Any) -> T:
         if self._breaker.is_suspect():
             self.stats.count("calls_while_suspect")
             return failed
@@ -57,7 +70,8 @@ class GuardedStore:
             answer = fn(*args)
         except PARTIAL as exc:
             self.log.warning("GCache %s: %s", what, exc)
-            answer = exc.results if exc.results is not None else failed
+            # the batch's per-key answers: what fn returns when nothing goes wrong
+            answer = cast(T, exc.results) if exc.results is not None else failed
             if self.remove_corrupt and isinstance(exc, errors.ChecksumMismatchError) and exc.keys:
                 self._drop(exc.keys)
         except OUTAGE as exc:
@@ -78,7 +92,7 @@ class GuardedStore:
             self.log.warning("GCache store at %s answers again", getattr(self.client, "address", "?"))
         return answer
 
-    def _drop(self, keys: list) -> None:
+    def _drop(self, keys: list[bytes]) -> None:
         try:
             self.client.batch_remove(keys)
             self.stats.count("corrupt_values_removed", len(keys))
@@ -87,27 +101,27 @@ class GuardedStore:
 
     # -- calls -----------------------------------------------------------------
 
-    def exists_prefix(self, keys: list) -> int:
+    def exists_prefix(self, keys: list[bytes]) -> int:
         return self._call("exists", self.client.batch_exists_prefix, 0, keys) if keys else 0
 
-    def exists_flags(self, keys: list) -> list:
+    def exists_flags(self, keys: list[bytes]) -> list[bool]:
         if not keys:
             return []
         return self._call("exists", self.client.batch_is_exist, [False] * len(keys), keys)
 
-    def get_into(self, keys: list, buffers: list, sizes: list | None = None) -> list:
+    def get_into(self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None) -> list[int | None]:
         """Per key the value's length, or None (a miss, a bad checksum, a failure).
         buffers: addresses or writable views."""
         if not keys:
             return []
         return self._call("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
 
-    def put_from(self, keys: list, buffers: list, sizes: list | None = None) -> list:
+    def put_from(self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None) -> list[bool]:
         if not keys:
             return []
         return self._call("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
 
-    def remove(self, keys: list) -> bool:
+    def remove(self, keys: list[bytes]) -> bool:
         """True when every key is gone (removed now, or absent already)."""
         if not keys:
             return True

@@ -9,7 +9,9 @@ subclass's defaults, so the eight keys have one reader and one set of limits.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.integrations.common.extra_config import ExtraConfig
 
@@ -39,7 +41,7 @@ class StoreSettings:
     verify_checksums: bool = True  # a value whose bytes fail their checksum is a miss
 
     @classmethod
-    def store_fields(cls, extra: ExtraConfig, environ=os.environ) -> dict:
+    def store_fields(cls, extra: ExtraConfig, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
         """The StoreSettings fields read from `extra`, with this class's defaults."""
         return dict(
             url=extra.url(environ),

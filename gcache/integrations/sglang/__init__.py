@@ -9,7 +9,7 @@ testing (helpers for the tests and benches, not used by the backend itself).
 __all__ = ["GCacheHiCacheStorage"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     # Lazy: the backend imports sglang (and torch); keys, prefix and settings do not, so
     # they stay importable (and testable) without SGLang installed.
     if name == "GCacheHiCacheStorage":

@@ -21,11 +21,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
 from gcache.integrations.common.connect import connect
-from gcache.integrations.sglang.keys import flat_page_keys, key_builder, pool_tag
+from gcache.integrations.sglang.keys import PoolKeys, flat_page_keys, key_builder, pool_tag
 from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors, tensor_bytes
 from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present
 from gcache.integrations.sglang.settings import BackendSettings
@@ -36,26 +38,29 @@ log = logging.getLogger("gcache.integrations.sglang")
 
 WRITTEN_KEYS_MAX = 65536  # keys clear() can remove: the newest this process stored
 
+T = TypeVar("T")
+# SGLang's objects (storage config, host pools, pool transfers, tensors) are untyped here: Any.
+
 
 class GCacheHiCacheStorage(HiCacheStorage):
     """SGLang's HiCacheStorage over GCache, every interface SGLang calls in one class:
     zero-copy v1 (batch_*_v1), per-pool v2 for hybrid models (batch_*_v2), and the
     legacy flat-page calls (get / set / exists)."""
 
-    def __init__(self, storage_config, kwargs: dict | None = None):
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.builder = key_builder(storage_config, self.settings.namespace)
         self.stats = BackendStats(bool(storage_config.enable_storage_metrics))
         self.client = connect(self.settings, "GCache backend")
         self.store = SGLangStore(self.client, self.settings.suspect_s, self.stats)
-        self.mem_pool_host = None
-        self.registered_pools = {}
-        self._pages: dict = {}  # pool name -> PoolPages (v1 KV under "kv")
-        self._logical: set = set()  # pools that own indices but no bytes
-        self._flat = None  # v0 keys (one flat page per key)
-        self._registered_ptrs: set = set()
-        self._written: OrderedDict = OrderedDict()
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[Any, Any] = {}
+        self._pages: dict[str, PoolPages] = {}  # pool name -> PoolPages (v1 KV under "kv")
+        self._logical: set[str] = set()  # pools that own indices but no bytes
+        self._flat: PoolKeys | None = None  # v0 keys (one flat page per key)
+        self._registered_ptrs: set[int] = set()
+        self._written: OrderedDict[bytes, None] = OrderedDict()
         self._written_lock = threading.Lock()
         log.info(
             "GCache HiCache backend: store %s, keys ...%s, interface_v1=%s",
@@ -66,27 +71,27 @@ class GCacheHiCacheStorage(HiCacheStorage):
 
     # -- registration --------------------------------------------------------------
 
-    def _register_memory(self, host_pool) -> None:
+    def _register_memory(self, host_pool: Any) -> None:
         for tensor in pool_tensors(host_pool):
             ptr = tensor.data_ptr()
             if ptr not in self._registered_ptrs:
                 self.client.register_buffer(ptr, tensor.numel() * tensor.element_size())
                 self._registered_ptrs.add(ptr)
 
-    def _add_pool(self, host_pool, name) -> None:
+    def _add_pool(self, host_pool: Any, name: object) -> None:
         if is_logical(host_pool):
             self._logical.add(pool_tag(name))
             return
         self._register_memory(host_pool)
         self._pages[pool_tag(name)] = PoolPages(host_pool, name, self.builder)
 
-    def register_mem_pool_host(self, mem_pool_host) -> None:
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._add_pool(mem_pool_host, "kv")
         if not is_logical(mem_pool_host):
             self._flat = flat_page_keys(self.builder, "kv", mem_pool_host.layout)
 
-    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: object) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool is self.mem_pool_host:
             return  # the anchor KV pool, registered by register_mem_pool_host already
@@ -94,14 +99,14 @@ class GCacheHiCacheStorage(HiCacheStorage):
 
     # -- the boundary: nothing raises into SGLang --------------------------------
 
-    def _safely(self, what: str, failed, fn, *args):
+    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except Exception as exc:  # our bug or bad input: SGLang's storage threads must live on
             log.error("GCache backend %s failed: %s", what, exc, exc_info=True)
             return failed
 
-    def _remember(self, keys: list) -> None:
+    def _remember(self, keys: list[bytes]) -> None:
         with self._written_lock:
             for key in keys:
                 self._written[key] = None
@@ -111,11 +116,11 @@ class GCacheHiCacheStorage(HiCacheStorage):
 
     # -- moving pages (pointer lists; shared by v1 and v2) --------------------------
 
-    def _read(self, entry_keys, buffers, sizes, per_page) -> list[bool]:
+    def _read(self, entry_keys: list[bytes], buffers: list[Any], sizes: list[int], per_page: int) -> list[bool]:
         got = self.store.get_into(entry_keys, buffers, sizes)
         return pages_present([g is not None and g == s for g, s in zip(got, sizes)], per_page)
 
-    def _write(self, entry_keys, buffers, sizes, per_page) -> list[bool]:
+    def _write(self, entry_keys: list[bytes], buffers: list[Any], sizes: list[int] | None, per_page: int) -> list[bool]:
         # Like SGLang's own backends, probe first: a page already stored (a shared
         # prefix) costs one EXISTS entry instead of its bytes on the wire.
         stored = self.store.exists_flags(entry_keys) if self.settings.skip_existing else [False] * len(entry_keys)
@@ -137,7 +142,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
             raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
         return pages
 
-    def _move_v1(self, page_hashes, host_indices, writing: bool) -> list[bool]:
+    def _move_v1(self, page_hashes: list[str], host_indices: Any, writing: bool) -> list[bool]:
         if not page_hashes:
             return []
         if "full" in self._logical:  # no KV bytes on this anchor: v2 pools carry the data
@@ -157,13 +162,13 @@ class GCacheHiCacheStorage(HiCacheStorage):
 
     # -- v1: zero copy ------------------------------------------------------------------
 
-    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         return self._safely("batch_get_v1", [False] * len(keys), self._move_v1, keys, host_indices, False)
 
-    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         return self._safely("batch_set_v1", [False] * len(keys), self._move_v1, keys, host_indices, True)
 
-    def _kv_entry_keys(self, page_hashes) -> tuple[list, int]:
+    def _kv_entry_keys(self, page_hashes: list[str]) -> tuple[list[bytes], int]:
         if self.settings.interface_v1:
             pages = self._kv_pages()
             return pages.keys.entries(page_hashes), pages.per_page
@@ -171,7 +176,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
             raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
         return self._flat.entries(page_hashes), 1
 
-    def _exists(self, page_hashes) -> int:
+    def _exists(self, page_hashes: list[str]) -> int:
         if not page_hashes:
             return 0
         if "full" in self._logical:
@@ -179,7 +184,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         entry_keys, per_page = self._kv_entry_keys(page_hashes)
         return self.store.exists_prefix(entry_keys) // per_page
 
-    def batch_exists(self, keys, extra_info=None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading pages present: one EXISTS round trip (per owner node in a cluster)."""
         return self._safely("batch_exists", 0, self._exists, keys)
 
@@ -190,7 +195,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
     # all pools of one call move in one store round trip, and a prefix is reported
     # restorable only when every pool can serve it (prefix.fold).
 
-    def _pool(self, name) -> PoolPages | None:
+    def _pool(self, name: object) -> PoolPages | None:
         tag = pool_tag(name)
         if tag in self._logical:
             return None
@@ -199,12 +204,13 @@ class GCacheHiCacheStorage(HiCacheStorage):
             raise ValueError(f"pool {name!s} was never registered (register_mem_host_pool_v2)")
         return pages
 
-    def _exists_v2(self, keys, pool_transfers) -> PoolTransferResult:
+    def _exists_v2(self, keys: list[str], pool_transfers: list[Any] | None) -> PoolTransferResult:
         if not keys:
             return PoolTransferResult(0, {}, [])
         kv_logical = "full" in self._logical
         kv_keys, kv_per_page = ([], 1) if kv_logical else self._kv_entry_keys(keys)
-        asks, spans = list(kv_keys), []
+        asks: list[bytes] = list(kv_keys)
+        spans: list[tuple[Any, int, int, PoolPages | None]] = []
         for transfer in pool_transfers or []:
             pages = self._pool(transfer.name)
             entry_keys = pages.keys.entries(keys) if pages is not None else []
@@ -212,7 +218,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
             asks.extend(entry_keys)
         flags = self.store.exists_flags(asks) if asks else []  # one round trip for every pool
         kv_pages = len(keys) if kv_logical else leading_pages(pages_present(flags[: len(kv_keys)], kv_per_page))
-        pools = []
+        pools: list[tuple[object, str, int, list[bool]]] = []
         for transfer, start, count, pages in spans:
             present = (
                 [True] * kv_pages
@@ -225,12 +231,17 @@ class GCacheHiCacheStorage(HiCacheStorage):
         final, hits, restorable = fold(kv_pages, pools, kv_name=PoolName.KV)
         return PoolTransferResult(final, hits, restorable)
 
-    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
+    ) -> PoolTransferResult:
         return self._safely("batch_exists_v2", PoolTransferResult.empty(), self._exists_v2, keys, pool_transfers)
 
-    def _move_v2(self, transfers, writing: bool) -> dict:
-        results, spans = {}, []
-        all_keys, all_ptrs, all_sizes = [], [], []
+    def _move_v2(self, transfers: list[Any], writing: bool) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        spans: list[tuple[Any, int, int, int]] = []
+        all_keys: list[bytes] = []
+        all_ptrs: list[int] = []
+        all_sizes: list[int] = []
         for transfer in transfers:
             page_hashes = transfer.keys or []
             try:
@@ -262,13 +273,13 @@ class GCacheHiCacheStorage(HiCacheStorage):
                 results[name] = pages_present(ok[start : start + count], per_page)
         return results
 
-    def _failed_v2(self, transfers) -> dict:
+    def _failed_v2(self, transfers: list[Any]) -> dict[Any, list[bool]]:
         return {t.name: [False] * len(t.keys or []) for t in transfers}
 
-    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._safely("batch_get_v2", self._failed_v2(transfers), self._move_v2, transfers, False)
 
-    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._safely("batch_set_v2", self._failed_v2(transfers), self._move_v2, transfers, True)
 
     # -- legacy: one flat page tensor per key -----------------------------------------
@@ -277,12 +288,12 @@ class GCacheHiCacheStorage(HiCacheStorage):
     # (set_from_flat_data_page). Each flat page is one value, under a "page" key
     # (keys.flat_page_keys); the bytes go from and into the tensors themselves.
 
-    def _flat_key(self, page_hash) -> bytes:
+    def _flat_key(self, page_hash: str) -> bytes:
         if self._flat is None:
             raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
         return self._flat.entries([page_hash])[0]
 
-    def _get_flat(self, keys, targets) -> list:
+    def _get_flat(self, keys: list[str], targets: list[Any] | None) -> list[Any]:
         if targets is None:
             targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         views = [tensor_bytes(t, writable=True) for t in targets]
@@ -292,7 +303,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.stats.count("pages_missed", sum(o is None for o in out))
         return out
 
-    def _set_flat(self, keys, values) -> list[bool]:
+    def _set_flat(self, keys: list[str], values: list[Any] | None) -> list[bool]:
         if values is None or len(values) != len(keys):
             raise ValueError("the legacy set needs one tensor per key")
         views = [tensor_bytes(v, writable=False) for v in values]
@@ -301,29 +312,31 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.stats.count("pages_write_failed", len(ok) - sum(ok))
         return ok
 
-    def get(self, key, target_location=None, target_sizes=None):
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         targets = None if target_location is None else [target_location]
         return self._safely("get", [None], self._get_flat, [key], targets)[0]
 
-    def batch_get(self, keys, target_locations=None, target_sizes=None):
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         return self._safely("batch_get", [None] * len(keys), self._get_flat, keys, target_locations)
 
-    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self._safely("set", [False], self._set_flat, [key], [value])[0]
 
-    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         return all(self._safely("batch_set", [False], self._set_flat, keys, values))
 
-    def exists(self, key) -> bool:
+    def exists(self, key: str) -> bool:
         return self._safely("exists", 0, self._exists, [key]) == 1
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def get_stats(self):
+    def get_stats(self) -> Any:
         """SGLang's StorageMetrics (samples only when SGLang runs with --enable-metrics), drained."""
         return self.stats.drain_metrics()
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, int]:
         """GCache's own counts (pages read / missed / written, store errors, ...)."""
         return self.stats.snapshot()
 

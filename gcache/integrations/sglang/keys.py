@@ -20,6 +20,9 @@ pool and the socket. The key (see gcache.wire.keys.KeyBuilder) is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from gcache.wire.keys import POOL_FULL, KeyBuilder
 
 LAYOUT_CODES = {"layer_first": "lf", "page_first": "pf", "page_first_direct": "pfd", "page_head": "ph"}
@@ -32,7 +35,7 @@ class KeyLayoutError(ValueError):
     """A storage config or pool the backend cannot name keys for (the message says why)."""
 
 
-def pool_tag(pool_name) -> str:
+def pool_tag(pool_name: object) -> str:
     """SGLang's pool name (a PoolName or str) as the key's pool word."""
     name = str(getattr(pool_name, "value", pool_name))
     return POOL_FULL if name in _KV_POOL_NAMES else name
@@ -49,7 +52,7 @@ def layout_code(layout: str) -> str:
     return code
 
 
-def key_builder(storage_config, namespace: str | None) -> KeyBuilder:
+def key_builder(storage_config: Any, namespace: str | None) -> KeyBuilder:
     """The KeyBuilder of one rank, from SGLang's HiCacheStorageConfig."""
     if getattr(storage_config, "should_split_heads", False):
         raise KeyLayoutError(
@@ -93,17 +96,19 @@ def entry_parts(entries_per_page: int, split_kv: bool) -> list[tuple[str, int | 
 class PoolKeys:
     """Keys of one host pool's pages: `entries(page_hashes)` lists every entry key, page by page."""
 
-    def __init__(self, builder: KeyBuilder, pool_name, layout: str, parts: list[tuple[str, int | None]]):
+    def __init__(
+        self, builder: KeyBuilder, pool_name: object, layout: str, parts: list[tuple[str, int | None]]
+    ) -> None:
         base = f"{pool_tag(pool_name)}-{layout_code(layout)}"
         self.builder = builder
         self.parts = [(f"{base}-{part}", layer) for part, layer in parts]
         self.per_page = len(self.parts)
 
-    def entries(self, page_hashes) -> list[bytes]:
+    def entries(self, page_hashes: Iterable[str]) -> list[bytes]:
         key = self.builder.key
         return [key(h, pool, layer) for h in page_hashes for pool, layer in self.parts]
 
 
-def flat_page_keys(builder: KeyBuilder, pool_name, layout: str) -> PoolKeys:
+def flat_page_keys(builder: KeyBuilder, pool_name: object, layout: str) -> PoolKeys:
     """The legacy (v0) interface stores each page as one flat tensor: one key per page."""
     return PoolKeys(builder, pool_name, layout, [(PART_PAGE, None)])

@@ -13,7 +13,7 @@ ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 
 
-def pages_present(flags: list, per_page: int) -> list[bool]:
+def pages_present(flags: list[bool], per_page: int) -> list[bool]:
     """Per page: are all `per_page` consecutive entry flags true?"""
     return [all(flags[i : i + per_page]) for i in range(0, len(flags), per_page)]
 
@@ -35,7 +35,9 @@ def restorable_cuts(kv_pages: int, policy: str, window: int, present: list[bool]
     raise ValueError(f"hit policy {policy!r} is not supported by the GCache backend")
 
 
-def fold(kv_pages: int, pools: list[tuple[object, str, int, list[bool]]], kv_name="kv"):
+def fold(
+    kv_pages: int, pools: list[tuple[object, str, int, list[bool]]], kv_name: object = "kv"
+) -> tuple[int, dict[object, int], list[int]]:
     """(final pages, per-pool boundary, restorable cuts) over the KV prefix and every pool.
 
     pools: (name, policy, window, per-page presence for the first kv_pages pages).
@@ -43,7 +45,7 @@ def fold(kv_pages: int, pools: list[tuple[object, str, int, list[bool]]], kv_nam
     one every pool can serve. Names are used as given: SGLang looks its pools up by
     PoolName members, whose hash is not their string value's.
     """
-    hits = {kv_name: kv_pages} if kv_pages else {}
+    hits: dict[object, int] = {kv_name: kv_pages} if kv_pages else {}
     restorable = list(range(1, kv_pages + 1))
     for name, policy, window, present in pools:
         if not restorable:

@@ -8,7 +8,9 @@ attach time rather than a setting silently ignored. SGLang's own keys
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.integrations.common.extra_config import URL_ENV, ExtraConfig, SettingsError
 from gcache.integrations.common.store_settings import STORE_KEYS, StoreSettings
@@ -26,7 +28,9 @@ class BackendSettings(StoreSettings):
     KNOWN = STORE_KEYS
 
     @classmethod
-    def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> BackendSettings:
+    def from_extra_config(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+    ) -> BackendSettings:
         extra = ExtraConfig(extra_config, "extra_config")
         extra.check_known(cls.KNOWN, "the GCache backend")
         # SGLang reads interface_v1 as bool(extra_config.get("interface_v1", 0)); so do we.

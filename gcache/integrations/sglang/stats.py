@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 SAMPLES_MAX = 4096  # per list between two get_stats() calls; older samples are dropped
 GIB = float(1 << 30)
@@ -19,17 +20,18 @@ GIB = float(1 << 30)
 class StorageMetricsShape:
     """The fields of sglang's StorageMetrics, for when that class cannot be imported."""
 
-    prefetch_pgs: list = field(default_factory=list)
-    backup_pgs: list = field(default_factory=list)
-    prefetch_bandwidth: list = field(default_factory=list)
-    backup_bandwidth: list = field(default_factory=list)
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
 
 
-def _metrics_class():
+def _metrics_class() -> type:
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        return StorageMetrics
+        cls: type = StorageMetrics
+        return cls
     except Exception:  # not inside a full SGLang install: any import failure counts
         return StorageMetricsShape
 
@@ -48,12 +50,12 @@ class BackendStats:
         "calls_while_suspect",
     )
 
-    def __init__(self, samples_enabled: bool):
+    def __init__(self, samples_enabled: bool) -> None:
         self.samples_enabled = samples_enabled
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         self._samples = StorageMetricsShape()
-        self._metrics_cls = None
+        self._metrics_cls: type | None = None
 
     def count(self, name: str, k: int = 1) -> None:
         with self._lock:
@@ -71,11 +73,11 @@ class BackendStats:
             pgs.append(pages)
             bandwidth.append(nbytes / GIB / max(seconds, 1e-9))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters)
 
-    def drain_metrics(self):
+    def drain_metrics(self) -> Any:
         """SGLang's StorageMetrics with the samples since the last call (then cleared)."""
         if self._metrics_cls is None:
             self._metrics_cls = _metrics_class()

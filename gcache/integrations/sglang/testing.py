@@ -23,7 +23,9 @@ import ast
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SGLANG_VERSION = "0.5.23"
 BORROWED = (
@@ -51,7 +53,7 @@ def sglang_root() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def load_sglang_storage():
+def load_sglang_storage() -> tuple[types.ModuleType, Any]:
     """(hicache_storage module, StorageBackendFactory); registers `sglang` without its __init__."""
     if "sglang" not in sys.modules:
         root = sglang_root()
@@ -68,9 +70,12 @@ def load_sglang_storage():
     return hicache_storage, StorageBackendFactory
 
 
-def _borrowed_methods() -> dict:
+def _borrowed_methods() -> dict[str, Any]:
     """SGLang's MHATokenToKVPoolHost methods, compiled from its installed source."""
-    path = sglang_root() / "srt" / "mem_cache" / "pool_host" / "mha.py"
+    root = sglang_root()
+    if root is None:
+        raise ImportError(f"sglang is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
+    path = root / "srt" / "mem_cache" / "pool_host" / "mha.py"
     tree = ast.parse(path.read_text(), filename=str(path))
     cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MHATokenToKVPoolHost")
     funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in BORROWED]
@@ -82,21 +87,26 @@ def _borrowed_methods() -> dict:
     ast.fix_missing_locations(module)
     import torch
 
-    def alloc_cpu(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    def alloc_cpu(
+        dims: Any, dtype: Any, device: Any, pin_memory: bool, allocator: Any, registration_granularity_bytes: Any = None
+    ) -> Any:
         return torch.zeros(dims, dtype=dtype, device=device)
 
-    namespace = {"torch": torch, "ALLOC_MEMORY_FUNCS": {"cpu": alloc_cpu}, "PageUnifiedLayout": None}
+    namespace: dict[str, Any] = {"torch": torch, "ALLOC_MEMORY_FUNCS": {"cpu": alloc_cpu}, "PageUnifiedLayout": None}
     exec(compile(module, str(path), "exec"), namespace)
     return {name: namespace[name] for name in BORROWED}  # decorators (@property) kept
 
 
-_METHODS: dict | None = None
+_METHODS: dict[str, Any] | None = None
 
 
 class HostPoolStandIn:
     """An MHA host pool on the CPU, with SGLang's own page arithmetic (see module doc)."""
 
-    def __new__(cls, *args, **kwargs):
+    # set from SGLang's source on the first construction (BORROWED); declared for the type checker
+    init_kv_buffer: Callable[[], Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> HostPoolStandIn:
         global _METHODS
         if _METHODS is None:
             _METHODS = _borrowed_methods()
@@ -113,9 +123,9 @@ class HostPoolStandIn:
         layer_num: int,
         head_num: int,
         head_dim: int,
-        dtype=None,
+        dtype: Any = None,
         label: str = "kv",
-    ):
+    ) -> None:
         import torch
 
         self.layout = layout
@@ -133,7 +143,7 @@ class HostPoolStandIn:
         self.pool_label = label
         self.kv_buffer = self.init_kv_buffer()
 
-    def page_slots(self, page: int):
+    def page_slots(self, page: int) -> Any:
         """Host indices (token slots) of page number `page`."""
         import torch
 

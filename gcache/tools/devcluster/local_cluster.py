@@ -24,6 +24,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gcache.cluster.cluster_map import ACTIVE, ClusterMap
 from gcache.cluster.master_api import MasterClient, MasterCredentials, MasterUnavailableError
@@ -106,7 +107,7 @@ class LocalCluster:
         if not 0 <= nodes <= NODES_MAX:
             raise ValueError(f"nodes must be 0..{NODES_MAX}, got {nodes}")
         self.dir = Path(directory).resolve()
-        self.settings = dict(
+        self.settings: dict[str, Any] = dict(  # saved in the layout file (JSON)
             masters=masters,
             nodes=nodes,
             memory=memory,

@@ -187,7 +187,9 @@ def wait_leader(addresses, timeout_s: float, credentials=None) -> str:
         }
         leaders = [a for a, s in last.items() if s and s["raft"]["is_leader"]]
         if len(leaders) == 1:
-            leader_raft = last[leaders[0]]["raft"]["self"]
+            leader = last[leaders[0]]
+            assert leader is not None  # it answered
+            leader_raft = leader["raft"]["self"]
             agree = sum(1 for s in last.values() if s and s["raft"]["leader"] == leader_raft)
             if agree > len(addresses) // 2:
                 return leaders[0]

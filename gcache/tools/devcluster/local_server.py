@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from gcache.common.file_modes import make_private_dir
 from gcache.common.processes import free_port, stop_process, wait_listening
@@ -82,7 +83,7 @@ class LocalServer:
         self.start_timeout_s = start_timeout_s
         self.log_path = self.data_dir.parent / f"gcache-server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     @property
     def address(self) -> str:

@@ -28,7 +28,7 @@ def bar_panel(ax, title: str, unit: str, bars: Sequence[tuple[str, list[float] |
     xs = range(len(shown))
     ours = ["#2b6cb0", "#3182ce", "#63b3ed", "#90cdf4"]  # gcache's bars in blues, peers in other hues
     theirs = ["#dd6b20", "#805ad5", "#38a169", "#718096"]
-    colors = []
+    colors: list[str] = []
     for label, _ in shown:
         pick = ours if label.startswith("gcache") else theirs
         colors.append(pick[sum(1 for c in colors if c in pick) % len(pick)])

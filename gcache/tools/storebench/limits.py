@@ -157,7 +157,8 @@ def loopback_tcp_gbps(
             str(buffer_bytes),
         ]
     )
-    sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8))
+    # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+    sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8))  # type: ignore[arg-type]
     received = first_bytes = 0
     elapsed = 0.0
     try:

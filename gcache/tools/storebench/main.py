@@ -15,6 +15,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import cast
 
 from gcache.common.units import parse_duration, parse_size
 from gcache.tools.storebench import limits as machine_limits
@@ -221,7 +222,8 @@ def execute(args: argparse.Namespace) -> dict:
     suites = len(args.transport or [None]) + len([v for v in args.vs if not (v == "mooncake" and mooncake_reason)])
     planned_s = (LIMITS_ESTIMATE_S + suites * len(args.workload) * step_s) * args.repeat
     server_info: dict = {"address": args.server, "local": args.server is None, "exit_code": None}
-    local_server = tmp_dir = None
+    local_server = None
+    tmp_dir: str | None = None
     stoppers: list = []  # the peers' stores, stopped after the rounds (last started, first stopped)
     systems: list[System] = []
     try:
@@ -231,7 +233,7 @@ def execute(args: argparse.Namespace) -> dict:
 
                 if args.data_dir is None:
                     tmp_dir = tempfile.mkdtemp(prefix="gcache-bench-")
-                data_dir = Path(args.data_dir or tmp_dir) / "node"
+                data_dir = Path(cast(str, args.data_dir or tmp_dir)) / "node"  # one of them is set
                 extra = ["--auth-file", args.auth_file] if args.auth_file else []
                 local_server = LocalServer(data_dir, memory=args.memory, disk=args.disk, extra_args=extra).start()
                 server_info.update(
@@ -278,6 +280,7 @@ def execute(args: argparse.Namespace) -> dict:
         else:
             entry = {"workloads": {w: combine_repeats(runs) for w, runs in rounds.runs[system.name].items()}}
         if system.name.startswith("gcache/"):
+            assert transports is not None  # a gcache system ran
             transports[system.name.split("/", 1)[1]].update(entry)
         else:
             peers[system.name].update(entry)

@@ -111,7 +111,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def system_entry(workloads: dict, others: dict, limits: dict) -> dict:
+def system_entry(workloads: dict, others: dict | None, limits: dict) -> dict:
     """One system's medians and spreads, and (for a GCache system) its per-round ratios
     against `others` ({peer: its measure_rounds}) and against the machine's limits."""
     rounds = measure_rounds(workloads)

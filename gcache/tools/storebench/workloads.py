@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -59,11 +60,17 @@ class WorkerResult:
             self.latencies_s.append(elapsed_s)
 
 
+class Barrier(Protocol):
+    """What a worker uses of a threading or multiprocessing Barrier."""
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class WorkerContext:
     worker_id: int
     key_prefix: str  # unique per run, worker and workload
-    barrier: object  # threading/multiprocessing Barrier
+    barrier: Barrier  # threading/multiprocessing Barrier
     on_tick: Callable[[], None] = lambda: None
 
     def with_prefix(self, suffix: str) -> WorkerContext:

@@ -19,13 +19,15 @@ add_request/step (the cache's L3 threads never touch the device pools).
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gcache.common.flags import flag
 from gcache.worker import backend
 from gcache.worker.config import MTP_LAYERS_MAX
 from gcache.worker.engine.metrics import EngineMetrics
@@ -48,6 +50,7 @@ from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
 
 if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
+    from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
     from gcache.worker.model.base import BatchModel
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError"]
@@ -55,12 +58,24 @@ __all__ = ["Engine", "EngineConfig", "QueueFullError"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_prompt_tokens: int = 8192
-    max_new_tokens: int = 2048
-    prefix_cache: bool = True
+    # Flags of gcache-worker are marked (gcache.common.flags).
+    max_prompt_tokens: int = field(default=8192, metadata=flag())
+    max_new_tokens: int = field(default=2048, metadata=flag())
+    prefix_cache: bool = field(
+        default=True,
+        metadata=flag(name="--no-prefix-cache", dest="no_prefix_cache", action="store_true", to_field=operator.not_),
+    )
     preemptions_per_step_max: int = 8
     tree_nodes_max: int = 1_000_000
-    mtp_layers: int = 0  # speculative decoding with this many MTP drafts per step (0 = off)
+    mtp_layers: int = field(  # speculative decoding with this many MTP drafts per step (0 = off)
+        default=0,
+        metadata=flag(
+            "speculative decoding: K MTP drafts per step, verified in one forward (0 = off; "
+            "the weights need >= K MTP blocks, or seeded ones are made)",
+            choices=range(0, MTP_LAYERS_MAX + 1),
+            metavar="K",
+        ),
+    )
     mtp_prefix: str = "tiers"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
@@ -107,12 +122,18 @@ class Engine:
         self._update_gauges()
 
     @property
-    def tree(self):
+    def tree(self) -> SWARadixTree | None:
         """The L1 prefix tree (None without a prefix cache)."""
         return getattr(self.cache, "tree", None)
 
     # ---- submission -------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams, record_logits: bool = False, handed=()) -> Request:
+    def add_request(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        record_logits: bool = False,
+        handed: Sequence[int] = (),
+    ) -> Request:
         """Validate and enqueue; ValueError for bad input, QueueFullError when full.
         `handed`: output tokens another worker already sampled (a PD handoff): the request
         continues after them, as if it had sampled them itself (same RNG draws)."""
@@ -132,7 +153,7 @@ class Engine:
             raise
         return req
 
-    def _validate(self, prompt, params: SamplingParams) -> list[int]:
+    def _validate(self, prompt: Sequence[int] | np.ndarray, params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be SamplingParams")
         ids = np.asarray(prompt)
@@ -163,10 +184,10 @@ class Engine:
             loads = self.cache.start_loads()  # load, layer by layer
             try:
                 if self.spec is None:
-                    work = [(r.token_slice(r.num_computed, r.num_computed + n), None, r.kv) for r, n in batch]
+                    work = [(r.token_slice(r.num_computed, r.num_computed + n), None, r.held_kv) for r, n in batch]
                     logits = self.model.forward_batch(work, self.kv, layer_ready=loads.wait_layer)  # forward
                 else:  # MTP: drafts ride along (verify), hidden states feed the MTP blocks
-                    work = [(self.spec.chunk(r, n), None, r.kv) for r, n in batch]
+                    work = [(self.spec.chunk(r, n), None, r.held_kv) for r, n in batch]
                     logits = self.spec.forward(work, self.kv, loads.wait_layer)
             finally:
                 loads.finish()
@@ -238,7 +259,7 @@ class Engine:
                 on_step()
         raise RuntimeError(f"engine still busy after {steps_max} steps")
 
-    def _after_forward(self, r: Request, n: int, logits, finished: list[Request]) -> None:
+    def _after_forward(self, r: Request, n: int, logits: Any, finished: list[Request]) -> None:
         if not r.output or n > 1:
             self.metrics.inc("prefill_tokens_computed_total", n)
         self.cache.trim_swa(r)
@@ -247,7 +268,10 @@ class Engine:
         row = backend.to_numpy(logits)[-1]
         if r.logits is not None:
             r.logits.append(np.array(row, dtype=np.float64))
-        if not r.prefix_cached or r.num_computed - r.kv.owned_from * self.page_size >= self.window + 2 * self.page_size:
+        if (
+            not r.prefix_cached
+            or r.num_computed - r.held_kv.owned_from * self.page_size >= self.window + 2 * self.page_size
+        ):
             # After prefill, then every ~W decoded tokens: re-locking at the current end keeps
             # the SWA the lock pins equal to the window r needs anyway (SGLang releases it).
             r.prefix_cached = True
@@ -258,7 +282,7 @@ class Engine:
         self.metrics.inc("generation_tokens_total")
         if r.first_token_s is None:
             r.first_token_s = self.clock()
-            self.metrics.observe_ttft(r.ttft_s)
+            self.metrics.observe_ttft(r.first_token_s - r.arrival_s)
         if tok in r.params.stop_token_ids:
             self._finish(r, FINISH_STOP, finished)
         elif len(r.output) >= r.params.max_tokens:
@@ -324,9 +348,10 @@ class Engine:
         """Pages for r's next n tokens. False if it cannot have them now (r may be preempted)."""
         target = r.num_computed + n
         for _ in range(2 * len(self.scheduler.running) + 4):
-            if r.kv.grow(self.kv, target):
+            kv = r.held_kv
+            if kv.grow(self.kv, target):
                 return True
-            need = r.kv.pages_for(target) - r.kv.num_pages
+            need = kv.pages_for(target) - kv.num_pages
             short_full = max(0, need - self.kv.full.num_free)
             short_swa = max(0, need - self.kv.swa.num_free)
             if self.cache.evict(short_full, short_swa) != (0, 0):
@@ -363,7 +388,7 @@ class Engine:
             self.metrics.inc("preemptions_total")
 
     def _finish(self, r: Request, reason: FinishReason, finished: list[Request]) -> None:
-        if r.num_computed // self.page_size > r.kv.owned_from:
+        if r.num_computed // self.page_size > r.held_kv.owned_from:
             self.scheduler.tree_changed()
         self.cache.prepare_write(r, final=True)
         if self.spec is not None:
@@ -422,6 +447,7 @@ class Engine:
         for r in running:
             kv = r.kv
             require(r.state is RequestState.RUNNING and kv is not None, f"{r} runs without pages")
+            assert kv is not None  # for the type checker: require raised otherwise
             require(
                 kv.num_pages >= kv.pages_for(kv.num_tokens) and len(kv.swa_pages) == kv.num_pages,
                 f"{r}: page tables do not cover its tokens",
@@ -429,8 +455,8 @@ class Engine:
             for p in kv.full_pages:
                 require(self.kv.full.is_allocated(p), f"{r} references free full page {p}")
             start = max(0, (kv.num_tokens - self.window) // self.page_size)
-            for p in kv.swa_pages[start:]:
-                require(p is not None and self.kv.swa.is_allocated(p), f"{r} lost SWA of its window")
+            for sp in kv.swa_pages[start:]:
+                require(sp is not None and self.kv.swa.is_allocated(sp), f"{r} lost SWA of its window")
         for r in self.scheduler.waiting:
             require(
                 r.state is RequestState.WAITING and r.kv is None and r.lock_node is None,

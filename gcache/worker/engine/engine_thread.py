@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gcache.serving.stop_text import OutputText
 from gcache.worker.engine.engine import Engine
@@ -56,13 +57,13 @@ class Pending:
     ) -> None:
         self.prompt, self.params, self.output, self.stream = prompt, params, output, stream
         self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens + 2 events
+        self.events: asyncio.Queue[tuple[EngineEvent, Any]] = asyncio.Queue()  # bounded by max_tokens + 2 events
         self.request: Request | None = None
         self.fed = 0  # output tokens already given to self.output
         self.cancelled = False  # set by the handler (client gone, timeout)
         self.handed: tuple[int, ...] = ()  # PD decode: output tokens the prefill worker sampled
 
-    def post(self, kind: EngineEvent, value=None) -> None:
+    def post(self, kind: EngineEvent, value: object = None) -> None:
         """From the engine thread: hand an event to the handler's loop."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))

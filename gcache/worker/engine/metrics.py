@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from gcache.worker.integrity import require
 
@@ -124,7 +125,7 @@ class EngineMetrics:
         self.counters = {k: 0 for k in self.COUNTERS}
         self.gauges = {k: 0 for k in self.GAUGES}
         self.ttft = Histogram(TTFT_BUCKETS_S)
-        self.cache: dict = {}
+        self.cache: dict[str, Any] = {}
 
     def inc(self, name: str, by: int = 1) -> None:
         with self.lock:
@@ -136,7 +137,7 @@ class EngineMetrics:
                 require(k in self.gauges, f"unknown gauge {k!r}")
                 self.gauges[k] = v
 
-    def set_cache_stats(self, stats: dict) -> None:
+    def set_cache_stats(self, stats: dict[str, Any]) -> None:
         with self.lock:
             self.cache = dict(stats)
 
@@ -144,7 +145,7 @@ class EngineMetrics:
         with self.lock:
             self.ttft.observe(seconds)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {
                 **self.counters,

@@ -11,12 +11,18 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gcache.serving.tiers import TIERS
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.kvcache.kv_pool import RequestKV
+
+if TYPE_CHECKING:
+    from gcache.worker.kvcache.l3_store import Prefetch
+    from gcache.worker.kvcache.swa_tree_node import TreeNode
+    from gcache.worker.model.mtp import MTPState
 
 
 class FinishReason(enum.StrEnum):
@@ -79,17 +85,17 @@ class Request:
         # kv.owned_from = leading pages owned by the tree (locked via lock_node);
         # kv.num_tokens = tokens whose K/V are written.
         self.kv: RequestKV | None = None
-        self.lock_node = None
+        self.lock_node: TreeNode | None = None
         self.prefix_cached = False  # this admission's prefill already handed to the tree
         self._page_keys: list[str] = []  # page-hash chain of tokens(), grown on demand
         self.branch_page = 0  # where this request's tokens leave the cached tree (pages)
-        self.prefetch = None  # L3 prefetch handle while waiting (hierarchy)
+        self.prefetch: Prefetch | None = None  # L3 prefetch handle while waiting (hierarchy)
         self.prefetch_tried = False
         # Speculative decoding (engine/speculative.py): next step's MTP drafts, their logits
         # rows (temperature > 0), and the MTP KV (model/mtp.MTPState) while running.
         self.draft: list[int] = []
-        self.draft_rows: list = []
-        self.mtp = None
+        self.draft_rows: list[np.ndarray] = []
+        self.mtp: MTPState | None = None
         # Accounting.
         self.cached_tokens = 0  # prefix hit at first admission (usage.cached_tokens)
         self.cached_by_tier = dict.fromkeys(TIERS, 0)  # split of cached_tokens
@@ -147,6 +153,14 @@ class Request:
     @property
     def borrowed_pages(self) -> int:
         return 0 if self.kv is None else self.kv.owned_from
+
+    @property
+    def held_kv(self) -> RequestKV:
+        """`kv` of a request that holds pages (admitted: running, or finishing in this step);
+        only the engine and the cache read it, and only then."""
+        if self.kv is None:
+            raise RuntimeError(f"{self} holds no KV pages")
+        return self.kv
 
     @property
     def to_compute(self) -> int:

@@ -32,10 +32,11 @@ import enum
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.common.flags import flag
 from gcache.worker.engine.request import Request, RequestState
 from gcache.worker.integrity import require
 
@@ -61,11 +62,16 @@ class EngineStoppedError(QueueFullError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = SchedulerPolicy.TTFT  # a SchedulerPolicy (or its string)
-    max_waiting: int = 1024  # bound of the waiting queue
-    max_running: int = 32  # requests holding KV at once
-    max_tokens_per_step: int = 512  # decode tokens + prefill tokens per step
-    chunk_tokens: int = 256  # most prefill tokens one request gets per step (both policies)
+    # The first five are gcache-worker flags (gcache.common.flags; the rest: tuning and benches).
+    policy: str = field(  # a SchedulerPolicy (or its string)
+        default=SchedulerPolicy.TTFT, metadata=flag(choices=POLICIES, from_field=str)
+    )
+    max_waiting: int = field(default=1024, metadata=flag())  # bound of the waiting queue
+    max_running: int = field(default=32, metadata=flag())  # requests holding KV at once
+    max_tokens_per_step: int = field(default=512, metadata=flag())  # decode tokens + prefill tokens per step
+    chunk_tokens: int = field(  # most prefill tokens one request gets per step (both policies)
+        default=256, metadata=flag()
+    )
     aging_tokens_per_s: float = 0.0  # ttft: priority gained per second waited (see above)
     max_wait_s: float = 30.0  # ttft: starvation lane; both: longest dedup hold
     dedup_min_tokens: int = 32  # shared uncached prefix worth waiting for
@@ -107,7 +113,10 @@ def shared_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def arrival_key(r: Request) -> tuple:
+PrefixKey = tuple[int, bytes]  # (end, digest of prompt[:end]): Scheduler._prefix_key
+
+
+def arrival_key(r: Request) -> tuple[float, int]:
     return (r.arrival_s, r.rid)
 
 
@@ -157,7 +166,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.epoch = 0  # bumped by the engine whenever the tree's contents change
         self._waiters: dict[int, int] = {}  # rid -> waiting requests its prefill would serve
-        self._prefix_keys: dict[int, tuple] = {}  # rid -> cached _prefix_key
+        self._prefix_keys: dict[int, PrefixKey] = {}  # rid -> cached _prefix_key
 
     # ---- queue ops -------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -235,7 +244,7 @@ class Scheduler:
     def need_of(self, r: Request) -> int:
         return r.to_compute if r.state is RequestState.RUNNING else r.uncached_estimate
 
-    def priority(self, r: Request, now: float) -> tuple:
+    def priority(self, r: Request, now: float) -> tuple[float, ...]:
         """TTFT order, smaller first. need / (1 + waiters) is Smith's rule: a prefill that k
         held-back requests will reuse finishes k + 1 first tokens' worth of work, so it ranks
         as if it were k + 1 times shorter (otherwise a hot document's first reader, being
@@ -255,8 +264,8 @@ class Scheduler:
         Without the groups, a burst of questions on an evicted document all rank as long
         requests and wait behind everything until one of them happens to start."""
         self._waiters = {}
-        groups: dict[tuple, Request] = {}  # prefix key -> oldest waiting member
-        keys: dict[int, tuple] = {}
+        groups: dict[PrefixKey, Request] = {}  # prefix key -> oldest waiting member
+        keys: dict[int, PrefixKey] = {}
         for r in self.waiting[: self.config.scan_max]:  # arrival order: the first seen is the oldest
             if now - r.arrival_s >= self.config.max_wait_s:
                 continue  # not held back any more: it computes its own prefix
@@ -272,7 +281,7 @@ class Scheduler:
             self._waiters[leader.rid] = self._waiters.get(leader.rid, 0) + 1
         self._prefix_keys = keys  # only the current waiting requests' keys stay cached
 
-    def _prefix_key(self, r: Request) -> tuple | None:
+    def _prefix_key(self, r: Request) -> PrefixKey | None:
         """(end, digest of r's prompt[:end]) with end = dedup_min_tokens past r's cached part:
         two requests with equal keys share at least dedup_min_tokens of uncached prefix.
         Cached per request while end stays (hashing a long prompt every step would cost)."""
@@ -282,7 +291,8 @@ class Scheduler:
         old = self._prefix_keys.get(r.rid)
         if old is not None and old[0] == end:
             return old
-        return (end, hashlib.blake2b(r.prompt[:end], digest_size=16).digest())
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        return (end, hashlib.blake2b(r.prompt[:end], digest_size=16).digest())  # type: ignore[arg-type]
 
     def _dedup_leader(self, r: Request, in_flight: list[Request], now: float) -> Request | None:
         """The in-flight request computing at least dedup_min_tokens of r's uncached prefix."""

@@ -20,11 +20,21 @@ engine thread as before (it may see several new tokens per step).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from gcache.worker import backend
-from gcache.worker.engine.request import FINISH_LENGTH, FINISH_STOP, Request
+from gcache.worker.engine.request import FINISH_LENGTH, FINISH_STOP, FinishReason, Request
+
+if TYPE_CHECKING:
+    from gcache.worker.engine.engine import Engine
+    from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+    from gcache.worker.kvcache.mtp_tails import MTPTails
+    from gcache.worker.model.base import BatchModel
+    from gcache.worker.model.mtp import MTPState
+    from gcache.worker.model.transformer import Model
 
 
 class MTPPrefix(enum.StrEnum):
@@ -57,7 +67,8 @@ def out_bucket(position: int) -> str:
 def softmax(row: np.ndarray, temperature: float) -> np.ndarray:
     z = np.asarray(row, dtype=np.float64) / temperature
     p = np.exp(z - z.max())
-    return p / p.sum()
+    out: np.ndarray = p / p.sum()
+    return out
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -65,7 +76,7 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), p.size - 1))
 
 
-def accept_greedy(rows: list, drafts: list[int]) -> tuple[list[int], int]:
+def accept_greedy(rows: list[np.ndarray], drafts: list[int]) -> tuple[list[int], int]:
     """(tokens to emit, drafts accepted): the agreeing prefix, then the main model's token."""
     j = 0
     while j < len(drafts) and drafts[j] == int(np.argmax(rows[j])):
@@ -73,7 +84,9 @@ def accept_greedy(rows: list, drafts: list[int]) -> tuple[list[int], int]:
     return drafts[:j] + [int(np.argmax(rows[j]))], j
 
 
-def accept_sampled(rows: list, drafts: list[int], q_rows: list, temperature: float, rng) -> tuple[list[int], int]:
+def accept_sampled(
+    rows: list[np.ndarray], drafts: list[int], q_rows: list[np.ndarray], temperature: float, rng: np.random.Generator
+) -> tuple[list[int], int]:
     """Speculative rejection sampling: the emitted tokens are distributed as the target's."""
     out: list[int] = []
     for j, d in enumerate(drafts):
@@ -91,14 +104,17 @@ def accept_sampled(rows: list, drafts: list[int], q_rows: list, temperature: flo
 class Speculator:
     """The engine's MTP drafting and verification (Engine.spec when --mtp-layers > 0)."""
 
-    def __init__(self, model, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
+    def __init__(self, model: BatchModel, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
         if not hasattr(model, "mtp_head"):
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
         if prefix not in MTP_PREFIX:
             raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
-        self.model, self.depths, self.prefix = model, depths, MTPPrefix(prefix)
-        self.head = model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
-        self._slots = None  # (k, v) rings the last request left behind (the STALE baselines read them)
+        self.model: Model = cast("Model", model)  # it has mtp_head: the transformer (or a wrapper of one)
+        self.depths, self.prefix = depths, MTPPrefix(prefix)
+        self.head = self.model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
+        self._slots: tuple[np.ndarray, np.ndarray] | None = (
+            None  # (k, v) rings the last request left behind (the STALE baselines read them)
+        )
 
     # ---- before the forward ----------------------------------------------------------
     def decode_tokens(self, r: Request) -> int:
@@ -114,11 +130,16 @@ class Speculator:
             return toks
         return np.concatenate([toks, np.asarray(r.draft[: n - real], dtype=np.int64)])
 
-    def forward(self, work, kv, layer_ready):
+    def forward(
+        self,
+        work: list[tuple[np.ndarray, None, RequestKV]],
+        kv: DualKVCache,
+        layer_ready: Callable[[int], None] | None,
+    ) -> list[Any]:
         return self.model.forward_hidden(work, kv, layer_ready=layer_ready)
 
     # ---- after the forward -----------------------------------------------------------
-    def after_forward(self, eng, r: Request, n: int, hidden, finished: list) -> None:
+    def after_forward(self, eng: Engine, r: Request, n: int, hidden: Any, finished: list[Request]) -> None:
         """The engine's _after_forward for one request of an MTP step."""
         c_fwd = r.num_computed
         c_old = c_fwd - n
@@ -164,16 +185,16 @@ class Speculator:
             eng.metrics.inc("generation_tokens_total")
         if r.first_token_s is None:
             r.first_token_s = eng.clock()
-            eng.metrics.observe_ttft(r.ttft_s)
+            eng.metrics.observe_ttft(r.first_token_s - r.arrival_s)
         ps = eng.page_size
         wrote = False
-        if not r.prefix_cached or r.num_computed - r.kv.owned_from * ps >= eng.window + 2 * ps:
+        if not r.prefix_cached or r.num_computed - r.held_kv.owned_from * ps >= eng.window + 2 * ps:
             r.prefix_cached = True  # as Engine._after_forward: after prefill, then every ~W tokens
             eng.cache.prepare_write(r, final=False)
             eng.scheduler.tree_changed()
             wrote = True
         last = emitted[-1]
-        reason = None
+        reason: FinishReason | None = None
         if last in r.params.stop_token_ids:
             reason = FINISH_STOP
         elif len(r.output) >= r.params.max_tokens:
@@ -199,7 +220,7 @@ class Speculator:
             self._snapshot(eng, r, st)
         eng.cache.trim_swa(r)
 
-    def _new_state(self, eng, r: Request, c_old: int):
+    def _new_state(self, eng: Engine, r: Request, c_old: int) -> MTPState:
         """A request's MTP KV from position c_old on; with a cached prefix: TIERS restores its
         checkpoint tail from the mtp pool, else (or where the tail is missing) REBUILD
         rebuilds the window before c_old from the prefix's KV (the loads brought it by now)."""
@@ -226,7 +247,7 @@ class Speculator:
             self._snapshot_at(eng, r, st, c_old // eng.page_size)
         return st
 
-    def _through_checkpoints(self, eng, r: Request, st, hidden, c_old: int, c_new: int) -> None:
+    def _through_checkpoints(self, eng: Engine, r: Request, st: MTPState, hidden: Any, c_old: int, c_new: int) -> None:
         """Step the MTP depths to each periodic checkpoint in (c_old, c_new) and write its tail
         there (after a long chunk the ring no longer holds its window). Only where every depth
         reaches the checkpoint (its next K tokens are known): a tail never waits for tokens."""
@@ -241,7 +262,7 @@ class Speculator:
             self.head.step(st, hidden[base - c_old : p - c_old], base, p, r.tokens(), 0)
             self._snapshot_at(eng, r, st, npages)
 
-    def _blind_state(self, r: Request, start: int):
+    def _blind_state(self, r: Request, start: int) -> MTPState:
         """A state from `start` on with no MTP KV before it: masked (NONE, PREFILL), or for the
         STALE baselines the window before it read from the slots as the last request left them."""
         st = self.head.new_state(start, r.kv)
@@ -252,17 +273,17 @@ class Speculator:
         return st
 
     # ---- the mtp pool (kvcache/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
-    def _tails(self, eng):
+    def _tails(self, eng: Engine) -> MTPTails | None:
         return eng.cache.mtp if self.prefix is MTPPrefix.TIERS else None
 
-    def _restore(self, eng, r: Request, p: int):
+    def _restore(self, eng: Engine, r: Request, p: int) -> MTPState | None:
         """The state at p from the tail of the checkpoint at p, None where there is none."""
         tails, ps = self._tails(eng), eng.page_size
         if tails is None or p % ps or p <= self.depths:
             return None
         got = tails.get(r.page_keys(p // ps)[-1])
         dec = self.head.decode_tail(got[0], p, r.kv) if got is not None else None
-        if dec is None:
+        if got is None or dec is None:
             eng.metrics.inc("mtp_tail_misses_total")
             return None
         st, h0 = dec
@@ -271,7 +292,7 @@ class Speculator:
         eng.metrics.inc(f"mtp_tail_hits_{got[1].value}_total")
         return st
 
-    def _snapshot(self, eng, r: Request, st) -> None:
+    def _snapshot(self, eng: Engine, r: Request, st: MTPState) -> None:
         """Write the tails of r's end checkpoints (as HiCache._end_points: its whole pages, and
         where a resend of the same tokens resumes) to the mtp pool."""
         tails, ps, c = self._tails(eng), eng.page_size, r.num_computed
@@ -280,7 +301,7 @@ class Speculator:
         for npages in {c // ps, (c - 1) // ps}:
             self._snapshot_at(eng, r, st, npages)
 
-    def _snapshot_at(self, eng, r: Request, st, npages: int) -> None:
+    def _snapshot_at(self, eng: Engine, r: Request, st: MTPState, npages: int) -> None:
         """Write the tail of r's checkpoint after npages whole pages (once per state)."""
         tails, p = self._tails(eng), npages * eng.page_size
         if tails is None or not st.exact or p in st.snapped or npages < 1:
@@ -293,9 +314,9 @@ class Speculator:
         eng.metrics.inc("mtp_tail_writes_total")
 
     @staticmethod
-    def _rollback(eng, r: Request, valid: int) -> None:
+    def _rollback(eng: Engine, r: Request, valid: int) -> None:
         """Drop the KV of positions >= valid (rejected drafts) in every pool."""
-        kv = r.kv
+        kv = r.held_kv
         kv.num_tokens = valid
         keep = max(kv.pages_for(valid), kv.owned_from)
         if kv.num_pages > keep:

@@ -6,6 +6,8 @@ text a client sees (stop strings, UTF-8) in gcache.serving.stop_text.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gcache.serving import openai_bodies
 from gcache.serving.openai_api import ParsedRequest
 from gcache.serving.stop_text import OutputText
@@ -21,6 +23,7 @@ def sampling_params(parsed: ParsedRequest, tok: ByteTokenizer) -> SamplingParams
 
 
 def finish_reason(r: Request, out: OutputText) -> FinishReason:
+    assert r.finish_reason is not None  # r finished
     return FINISH_STOP if out.stopped else r.finish_reason
 
 
@@ -33,12 +36,13 @@ def output_ids(r: Request, out: OutputText) -> list[int]:
     return list(r.output)
 
 
-def usage(r: Request) -> dict:
+def usage(r: Request) -> dict[str, Any]:
     return openai_bodies.usage(len(r.prompt), len(r.output), r.cached_tokens, r.cached_by_tier)
 
 
-def extras(r: Request) -> dict:
+def extras(r: Request) -> dict[str, Any]:
     """Worker-specific fields beside OpenAI's: timings and preemptions."""
+    assert r.finished_s is not None  # r finished
     return {
         "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
         "e2e_ms": round((r.finished_s - r.arrival_s) * 1e3, 3),
@@ -46,7 +50,7 @@ def extras(r: Request) -> dict:
     }
 
 
-def full_response(kind: str, r: Request, out: OutputText, model_name: str) -> dict:
+def full_response(kind: str, r: Request, out: OutputText, model_name: str) -> dict[str, Any]:
     return openai_bodies.full_body(
         kind,
         openai_bodies.response_id(kind, r.rid),

@@ -162,7 +162,9 @@ class WorkerPublisher:
                 sets = {id_bytes(pid): bytes([f]) for pid, f in batch.pages if f}
                 dels = [id_bytes(pid) for pid, f in batch.pages if not f]
                 if sets:
-                    p.hset(k.pages(url), mapping=sets)
+                    # redis-py types mapping as Mapping[EncodableT, EncodableT]: its invariant key
+                    # type rejects a dict[bytes, bytes]
+                    p.hset(k.pages(url), mapping=sets)  # type: ignore[arg-type]
                 if dels:
                     p.hdel(k.pages(url), *dels)
                 p.xadd(

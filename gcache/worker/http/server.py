@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -187,7 +188,7 @@ class WorkerApp:
             body["id"] = rid
         return json_response(200, body)
 
-    async def _next_event(self, p: Pending, deadline: float) -> tuple[EngineEvent, object]:
+    async def _next_event(self, p: Pending, deadline: float) -> tuple[EngineEvent, Any]:
         """The engine thread's next event for p; TimeoutError at the deadline. While waiting,
         check every LIVENESS_CHECK_S that the engine thread still runs (a crash is a 503)."""
         loop = asyncio.get_running_loop()
@@ -202,10 +203,16 @@ class WorkerApp:
                     return EngineEvent.ERROR, EngineStoppedError("engine stopped")
 
     async def _stream(
-        self, request: web.Request, parsed: ParsedRequest, p: Pending, deadline: float, chunks=None
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        p: Pending,
+        deadline: float,
+        chunks: StreamChunks | None = None,
     ) -> web.StreamResponse:
         continues = chunks is not None  # PD decode: the router sent the role and first token
         if chunks is None:
+            assert p.request is not None  # ACCEPTED: the engine thread set it
             chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
         resp = await sse.start(request)
         try:

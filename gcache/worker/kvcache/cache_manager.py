@@ -22,11 +22,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gcache.serving.tiers import TIERS
+from gcache.serving.tiers import TIERS, Tier
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
     from gcache.worker.kvcache.layer_load import LoadBatch
+    from gcache.worker.kvcache.mtp_tails import MTPTails
+    from gcache.worker.kvcache.swa_tree_node import TreeNode
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,9 @@ class MatchResult:
     device_pages: tuple = ()  # full-pool page ids of the L1 part
     host_keys: tuple = ()  # page hashes of the pages L2 serves (after L1)
     l3_keys: tuple = ()  # the subset of host_keys that came from L3
-    node: object = None  # L1 lock handle
+    node: TreeNode | None = None  # L1 lock handle
     present_len: int = 0  # tokens of the input present in L1, window-safe or not
-    by_tier: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     @property
     def total(self) -> int:
@@ -64,7 +66,7 @@ class NoLoads:
 class CacheManager(ABC):
     """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
-    mtp = None  # the `mtp` pool (kvcache.mtp_tails.MTPTails) where the cache has one
+    mtp: MTPTails | None = None  # the `mtp` pool (kvcache.mtp_tails.MTPTails) where the cache has one
 
     @abstractmethod
     def match(self, req: Request) -> MatchResult:
@@ -148,7 +150,7 @@ class CacheManager(ABC):
         """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's
         live ones before its window (spare pages in L1): valid until the next call into the
         cache. The MTP rebuild reads them (Speculator._new_state)."""
-        return list(req.kv.swa_pages)
+        return list(req.held_kv.swa_pages)
 
     def stats(self) -> dict:
         """Counters and gauges for /metrics (names without prefix)."""

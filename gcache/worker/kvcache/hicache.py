@@ -25,6 +25,7 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING, cast
 
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
@@ -32,7 +33,7 @@ from gcache.worker.config import FULL, SWA
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.host_cache import HostCache
+from gcache.worker.kvcache.host_cache import HostCache, HostPage
 from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.kvcache.l3_store import L3Config, L3Store
@@ -40,6 +41,9 @@ from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
 from gcache.worker.kvcache.mtp_tails import MTPTails
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+
+if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
+    from gcache.worker.engine.request import Request
 
 STAT_NAMES = (
     "l2_load_pages",
@@ -84,10 +88,10 @@ class HiCache(CacheManager):
         self.mtp = MTPTails(config.mtp_tail_bytes, l2_tails, self.l3) if config.mtp_tail_bytes else None
         if self.mtp is not None:
             self.tree.observers.append(self.mtp)
-        self._running: dict[int, object] = {}  # rid -> request holding pages (for evict's trim)
+        self._running: dict[int, Request] = {}  # rid -> request holding pages (for evict's trim)
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
-        self.counters = dict.fromkeys(STAT_NAMES, 0)
+        self.counters: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
 
     # ---- lookups ---------------------------------------------------------------------------
     def _limit_pages(self, req) -> int:
@@ -177,6 +181,7 @@ class HiCache(CacheManager):
             l3_keys = tuple(k for k in keys[p1:end] if k in fetched)
             self.host.touch_chain(keys[:end])
         if req.prefetch is not None:
+            assert self.l3 is not None  # a prefetch came from it
             self.l3.release(req.prefetch, cancelled=not req.prefetch.done.is_set())
             req.prefetch = None
         l3 = len(l3_keys) * ps
@@ -197,6 +202,7 @@ class HiCache(CacheManager):
         """Queue the copy of L2 pages [p1, E) into new device pages; returns E (p1 if none).
         Pins first, so what is measured is what gets copied."""
         host, kvc, ps, W = self.host, self.kv, self.ps, self.window
+        assert host is not None  # called with an L2 only
         n, _ = host.run(keys, p1)
         if not n:
             return p1
@@ -230,7 +236,8 @@ class HiCache(CacheManager):
                 kvc.full.free(full_dev)
             host.unpin(pinned)
             return p1
-        entries = [host.get(k) for k in keys[p1:end]]
+        assert full_dev is not None  # swa_dev is only allocated after it
+        entries = cast("list[HostPage]", [host.get(k) for k in keys[p1:end]])  # pinned: all there
         kv = req.kv
         kv.full_pages += full_dev
         kv.swa_pages += [None] * (tail_lo - p1) + swa_dev
@@ -240,7 +247,7 @@ class HiCache(CacheManager):
             PageLoad(
                 req,
                 (full_dev, [e.full for e in entries]),
-                (swa_dev, [e.swa for e in entries[tail_lo - p1 :]]),
+                (swa_dev, cast("list[int]", [e.swa for e in entries[tail_lo - p1 :]])),  # last_safe_end: live
                 pinned[: end - p1],
             )
         )
@@ -249,6 +256,7 @@ class HiCache(CacheManager):
     def start_loads(self):
         if not self._loads:
             return NoLoads()
+        assert self.host is not None  # loads come from L2
         batch = LoadBatch(
             self.kv, self.host, self._loads, self.config.layerwise_load, self.config.load_throttle_bytes_per_s
         )
@@ -332,15 +340,19 @@ class HiCache(CacheManager):
     def _write_pages(self, keys, idx, full_ids, swa_ids, chain: list[str]) -> None:
         """Device pages -> L2 for pages idx (full where given and absent in L2, SWA where
         live and absent), then queue every page of `chain` that L2 has and L3 lacks."""
-        host, pool = self.host, self.host.pool
-        new_full, new_swa = [], []
+        host = self.host
+        assert host is not None  # called with an L2 only
+        pool = host.pool
+        new_full: list[int] = []
+        new_swa: list[int] = []
         for i in idx:
             e = host.get(keys[i])
             if e is None and full_ids[i] is not None:
                 new_full.append(i)
             if swa_ids[i] is not None and (e is None or e.swa is None):
                 new_swa.append(i)
-        picked, slots = {FULL: new_full, SWA: new_swa}, {}
+        picked = {FULL: new_full, SWA: new_swa}
+        slots: dict[str, list[int]] = {}
         for kind in (FULL, SWA):
             got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
             if got is None:  # L2 full of pinned pages: this write is dropped
@@ -361,6 +373,7 @@ class HiCache(CacheManager):
             self._write_l3(chain)
 
     def _write_l3(self, chain: list[str]) -> None:
+        assert self.l3 is not None and self.host is not None  # called with an L3 only
         if not self.l3.available():
             self.counters["l3_writes_skipped_down"] += 1
             return
@@ -442,6 +455,7 @@ class HiCache(CacheManager):
         mine = [ld for ld in self._loads if ld.req is req]
         if mine:  # admitted and dropped in the same step: its copies never start
             self._loads = [ld for ld in self._loads if ld.req is not req]
+            assert self.host is not None  # loads come from L2
             for ld in mine:
                 self.host.unpin(ld.pinned)
         req.kv.release(self.kv)
@@ -452,6 +466,7 @@ class HiCache(CacheManager):
     def drop_waiting(self, req) -> None:
         """A waiting request leaves (abort): its prefetch pins go."""
         if req.prefetch is not None:
+            assert self.l3 is not None  # a prefetch came from it
             self.l3.release(req.prefetch, cancelled=True)
             req.prefetch = None
 

@@ -45,7 +45,7 @@ class HostCache:
         self.honor_pins = honor_pins  # False only in the regression test of failure mode 1
         self.lock = threading.Lock()
         self.entries: OrderedDict[str, HostPage] = OrderedDict()  # oldest first
-        self._reserved = {FULL: set(), SWA: set()}
+        self._reserved: dict[str, set[int]] = {FULL: set(), SWA: set()}
         self._pinned = 0  # entries with pins > 0 (a gauge read every engine step: no scan)
         self.stats = {"evicted_full": 0, "evicted_swa": 0, "reserve_failures": 0, "published": 0}
         # Observers of which pages L2 holds (the router publisher), called under self.lock:
@@ -102,6 +102,7 @@ class HostCache:
                 if not self.honor_pins and (e is None or not e.pins):
                     continue  # evicted under a pin: only the failure-mode-1 test does this
                 require(e is not None and e.pins > 0, f"unpin of an unpinned host page {k[:12]}")
+                assert e is not None  # for the type checker: require raised otherwise
                 self._unpin(e)
 
     # ---- slots -----------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class HostCache:
                 if slot is not None:
                     self._reserved[kind].remove(slot)
             e = self.entries.get(key)
-            give_back = {FULL: [], SWA: []}
+            give_back: dict[str, list[int]] = {FULL: [], SWA: []}
             if e is None:
                 if full is None:
                     if swa is not None:
@@ -186,6 +187,7 @@ class HostCache:
                 if e is None and not self.honor_pins:
                     continue  # evicted under a pin: only the failure-mode-1 test does this
                 require(e is not None and e.pins > 0 and e.l3_queued, f"finish_l3 of a page not queued for L3 {k[:12]}")
+                assert e is not None  # for the type checker: require raised otherwise
                 self._unpin(e)
                 e.l3_queued = False
                 e.in_l3 = e.in_l3 or stored
@@ -246,7 +248,7 @@ class HostCache:
 
     def used_pages(self) -> tuple[int, int]:
         with self.lock:
-            return tuple(self.pool.pools[k].num_used for k in (FULL, SWA))
+            return self.pool.pools[FULL].num_used, self.pool.pools[SWA].num_used
 
     def check_integrity(self, expect_unpinned: bool = False) -> None:
         """Every host slot is free, reserved or held by exactly one entry; pins >= 0 (and 0

@@ -66,7 +66,8 @@ class HostKVPool:
 
     def slot_view(self, kind: str, slot: int) -> memoryview:
         b = self.page_bytes[kind]
-        return memoryview(self._raw[kind])[int(slot) * b : (int(slot) + 1) * b]
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        return memoryview(self._raw[kind])[int(slot) * b : (int(slot) + 1) * b]  # type: ignore[arg-type]
 
     def total_bytes(self) -> int:
         return sum(self.pools[k].num_pages * self.page_bytes[k] for k in KINDS)

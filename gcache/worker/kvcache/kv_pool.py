@@ -68,7 +68,7 @@ class PagePool:
         self._allocated[pages] = False
         self._free.extend(pages)
 
-    def is_allocated(self, page: int) -> bool:
+    def is_allocated(self, page: int | np.integer) -> bool:
         page = int(page)
         if not 0 <= page < self.num_pages:
             raise ValueError(f"pool {self.name!r}: unknown page {page}")

@@ -454,7 +454,11 @@ class L3Store:
             return
         swa_l3 = self.client.batch_is_exist([self.keys.key(h, POOL_SWA) for h in chain[p.start : p.start + n_full]])
         in_l2 = {h: self.host.get(h) for h in chain[p.start : p.start + n_full]}
-        has_swa = lambda i: swa_l3[i - p.start] or (in_l2[chain[i]] is not None and in_l2[chain[i]].swa is not None)
+
+        def has_swa(i: int) -> bool:
+            e = in_l2[chain[i]]
+            return swa_l3[i - p.start] or (e is not None and e.swa is not None)
+
         end = last_safe_end(p.start, n_full, has_swa, self.page_size, self.window)
         if end == p.start:
             p.outcome = "miss"
@@ -481,7 +485,7 @@ class L3Store:
                 want.append((i, FULL))
             if i >= tail and (e is None or e.swa is None) and swa_l3[i - p.start]:
                 want.append((i, SWA))
-        slots = {}
+        slots: dict[str, list[int]] = {}
         for kind in (FULL, SWA):
             n = sum(1 for _, k in want if k == kind)
             got = self.host.reserve(kind, n) if n else []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcache.worker.config import FULL, SWA
@@ -48,7 +49,7 @@ class LoadBatch:
         self._ready = [threading.Event() for _ in range(self.layers)]
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.on_finish = None  # called with this batch once finished (stats)
+        self.on_finish: Callable[[LoadBatch], None] | None = None  # called with this batch once finished (stats)
         self.wait_s = 0.0  # time the forward spent waiting for layers
         self.copy_s = 0.0  # time the copies took (incl. throttle)
         self.bytes = sum(

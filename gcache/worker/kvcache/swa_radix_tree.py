@@ -187,7 +187,8 @@ class SWARadixTree(SWAEvictionMixin):
         self._check_page_ids(full_pages, swa_pages)
         segments, present, stop = self._walk(keys)
         self._check_ownership(segments, present, full_pages, swa_pages)
-        free_full, free_swa = [], []
+        free_full: list[int] = []
+        free_swa: list[int] = []
         for node, j0, i0, n in segments:  # pages already in the tree: dedupe or revive
             for k in range(n):
                 s = swa_pages[i0 + k]
@@ -284,10 +285,11 @@ class SWARadixTree(SWAEvictionMixin):
             return list(keys[:n])
         return page_hashes_array(arr[: n * self.page_size], self.page_size)
 
-    def _walk(self, keys: list[bytes]):
+    def _walk(self, keys: list[str]):
         """Follow keys down the tree: segments (node, first page in node, first key index,
         pages), pages present, and where it stopped: (node, offset) of the divergence."""
-        node, i, segments = self.root, 0, []
+        node, i = self.root, 0
+        segments: list[tuple[TreeNode, int, int, int]] = []
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
@@ -361,8 +363,9 @@ class SWARadixTree(SWAEvictionMixin):
         while pages > 0:
             for j in range(len(n) - 1, -1, -1):
                 n.swa_locks[j] += delta
-                if delta > 0 and self._spare:
-                    self._spare.pop(n.swa[j], None)  # a request resumed here: a checkpoint now
+                sp = n.swa[j]
+                if delta > 0 and self._spare and sp is not None:
+                    self._spare.pop(sp, None)  # a request resumed here: a checkpoint now
                 require(n.swa_locks[j] >= 0, "SWA lock count went negative")
                 pages -= 1
                 if not pages:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from gcache.worker.integrity import require
+
+if TYPE_CHECKING:
+    from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+    from gcache.worker.kvcache.swa_tree_node import TreeNode
 
 
 def check_tree(tree, external_full=None, external_swa=None) -> None:
@@ -19,12 +24,13 @@ def check_tree(tree, external_full=None, external_swa=None) -> None:
     _check_ownership(tree, nodes, external_full, external_swa)
 
 
-def _walk_nodes(tree) -> list:
+def _walk_nodes(tree: SWARadixTree) -> list[TreeNode]:
     root = tree.root
     require(
         root.parent is None and not root.keys and not root.removed and root.full_lock == 0, "integrity check failed"
     )
-    out, stack = [], list(root.children.values())
+    out: list[TreeNode] = []
+    stack = list(root.children.values())
     while stack:
         node = stack.pop()
         require(len(out) <= tree.nodes_max, "tree has more nodes than its limit (or a cycle)")
@@ -51,8 +57,8 @@ def _check_shape(tree, nodes) -> None:
 
 
 def _check_locks(tree, nodes) -> None:
-    full = Counter()
-    swa = Counter()  # (node id, page index) -> count
+    full: Counter[int] = Counter()
+    swa: Counter[tuple[int, int]] = Counter()  # (node id, page index) -> count
     for handle, count in tree._handles.items():
         require(count > 0 and not handle.removed, "lock handle on a removed node")
         n = handle

@@ -18,11 +18,34 @@ So the window-safe tails of live branches go last.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from gcache.worker.integrity import require
 
+if TYPE_CHECKING:
+    from gcache.worker.kvcache.kv_pool import PagePool
+    from gcache.worker.kvcache.swa_tree_node import TreeNode
+
 
 class SWAEvictionMixin:
+    if TYPE_CHECKING:  # what eviction uses of SWARadixTree, the class this mixin completes
+        root: TreeNode
+        num_nodes: int
+        full_pool: PagePool
+        swa_pool: PagePool
+        _tail_max: int
+        _full_lru: OrderedDict[TreeNode, None]
+        _swa_lru: OrderedDict[TreeNode, None]
+        _full_owned: set[int]
+        _swa_owned: set[int]
+        _spare: dict[int, TreeNode]
+
+        def _tail(self, end_page: int) -> int: ...
+        def _live_run_at(self, node: TreeNode, upto: int, cap: int) -> int: ...
+        def _last_safe_offset(self, node: TreeNode, swa: list[int | None]) -> int: ...
+        def _evicting(self, keys: list[str], full_ids: list[int | None], swa_ids: list[int | None]) -> None: ...
+
     def evict(self, full_pages_needed: int, swa_pages_needed: int) -> tuple[int, int]:
         """Free at least the given numbers of pages where unlocked ones allow; returns
         (full, swa) pages actually freed to the pools."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import cast
 
 
 class MatchEnds(Enum):
@@ -38,10 +39,12 @@ class TreeNode:
     __slots__ = ("parent", "children", "keys", "full", "swa", "swa_locks", "full_lock", "start", "live_swa", "removed")
 
     def __init__(
-        self, parent: TreeNode | None, start: int, keys: list[bytes], full: list[int], swa: list[int | None]
+        self, parent: TreeNode | None, start: int, keys: list[str], full: list[int], swa: list[int | None]
     ) -> None:
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
+        # None for the root only; every walk up stops at the root, so the type is the one the
+        # nodes it is read on have
+        self.parent: TreeNode = cast("TreeNode", parent)
+        self.children: dict[str, TreeNode] = {}
         self.keys = keys
         self.full = full
         self.swa = swa
@@ -72,7 +75,7 @@ class MatchResult:
     full_pages: tuple[int, ...]  # one per page of the prefix
     swa_pages: tuple[int | None, ...]  # one per page; live ids on the window tail only, None
     #                                    before it (those are not locked: never hold them)
-    node: object  # handle for lock/unlock (the root when prefix_len == 0)
+    node: TreeNode  # handle for lock/unlock (the root when prefix_len == 0)
     present_len: int = 0  # tokens of the input present in the tree, window-safe
     #                                    or not (>= prefix_len): the input branches off there.
     #                                    Keeping SWA for the W tokens before it makes that

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 
 
@@ -18,11 +20,11 @@ class BatchModel(ABC):
     @abstractmethod
     def forward_batch(
         self,
-        chunks: Sequence[tuple[Sequence[int], Sequence[int] | None, RequestKV]],
+        chunks: Sequence[tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray | None, RequestKV]],
         kv: DualKVCache,
         all_logits: bool = False,
         layer_ready: Callable[[int], None] | None = None,
-    ) -> list:
+    ) -> list[Any]:
         """Run every chunk, one per request, as one batch.
 
         chunks: [(tokens, positions or None, request KV)]: each request's next tokens (a

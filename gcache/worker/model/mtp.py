@@ -24,6 +24,8 @@ from the cache without MTP KV) are masked out: drafting then sees less context.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gcache.worker import backend
@@ -138,7 +140,7 @@ class MTPHead:
         """st's checkpoint tail at prefix length p (model/mtp_tail.py), None if not exact."""
         return mtp_tail.encode(st, p, self.config)
 
-    def decode_tail(self, body: bytes, p: int, owner: object):
+    def decode_tail(self, body: bytes, p: int, owner: object) -> tuple[MTPState, Any] | None:
         """(state at p - K, hidden rows for [p - K, p)) from a tail body, None if it does not fit."""
         return mtp_tail.decode(body, self, p, owner)
 

@@ -8,6 +8,8 @@ decode token); `forward_batch` runs several requests' chunks with shared matmuls
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gcache.worker import backend
@@ -125,7 +127,7 @@ class Model(BatchModel):
         """The first `depths` MTP blocks of the weights, for speculative decoding."""
         return MTPHead(self, depths)
 
-    def logits(self, hidden):
+    def logits(self, hidden: Any) -> Any:
         """Logits of hidden states from forward_hidden (or an MTP block: same head)."""
         return self._logits(hidden)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +18,8 @@ from gcache.worker.config import ModelConfig
 
 CONFIG_KEY = "gcache_config"  # safetensors __metadata__ key / npz array name
 HEADER_BYTES_MAX = 100 * 1024 * 1024  # refuse absurd headers instead of reading them
-_ST_DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2")}
-_ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<f2"): "F16"}
+_ST_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2")}
+_ST_NAMES: dict[np.dtype[Any], str] = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<f2"): "F16"}
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -92,7 +93,8 @@ def validate(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.n
 def save_npz(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
     weights = validate(cfg, weights)
     meta = np.frombuffer(cfg.to_json().encode(), dtype=np.uint8)
-    np.savez(path, **{CONFIG_KEY: meta}, **weights)
+    # numpy's stub: a **dict could name savez's allow_pickle; these names never do (validate)
+    np.savez(path, **{CONFIG_KEY: meta}, **weights)  # type: ignore[arg-type]
 
 
 def load_npz(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
