@@ -33,7 +33,7 @@ if MISSING:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Tiny models written once per session: llama, llama_other (another seed), gemma2,
-    mistral, llava (multimodal: testing_mm)."""
+    mistral, llava and llava_mistral (multimodal, a llama or all-sliding text tower: testing_mm)."""
     from gcache.integrations.vllm.testing import write_model
 
     root = tmp_path_factory.mktemp("models")
@@ -43,4 +43,5 @@ def models(tmp_path_factory):
         "gemma2": write_model("gemma2", root / "gemma2"),
         "mistral": write_model("mistral", root / "mistral"),
         "llava": write_model("llava", root / "llava"),
+        "llava_mistral": write_model("llava-mistral", root / "llava-mistral"),
     }
