@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gcache.integrations.common.extra_config import ExtraConfig, SettingsError
 from gcache.integrations.common.store_settings import STORE_KEYS, StoreSettings
@@ -24,7 +26,7 @@ LABEL = CONFIG_ENV
 CONFIG_BYTES_MAX = 1 << 20
 
 
-def read_config(config=None, environ=os.environ) -> dict:
+def read_config(config: dict[str, Any] | str | None = None, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """The settings object: `config` (a dict, or JSON text) when given, else the environment
     variable's JSON (an object, or the path of a file holding one), else {}."""
     if config is None:
@@ -62,7 +64,9 @@ class EmbeddingSettings(StoreSettings):
     KNOWN = (*STORE_KEYS, "gcache_model", "gcache_staging_mib")
 
     @classmethod
-    def from_config(cls, config=None, environ=os.environ) -> EmbeddingSettings:
+    def from_config(
+        cls, config: dict[str, Any] | str | None = None, environ: Mapping[str, str] = os.environ
+    ) -> EmbeddingSettings:
         extra = ExtraConfig(read_config(config, environ), LABEL)
         foreign = sorted(k for k in extra.extra if k not in cls.KNOWN)
         if foreign:
@@ -70,5 +74,6 @@ class EmbeddingSettings(StoreSettings):
         return cls(
             **cls.store_fields(extra, environ),
             model=extra.name("gcache_model"),
-            staging_mib=extra.number("gcache_staging_mib", cls.staging_mib, 1, 1 << 20, int),
+            # kind=int: number() returns an int already; int() tells mypy (it declares float)
+            staging_mib=int(extra.number("gcache_staging_mib", cls.staging_mib, 1, 1 << 20, int)),
         )

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory
 
@@ -55,6 +58,9 @@ BACKEND_NAME = "gcache"
 CLI_FLAG = "--mm-global-cache-backend"
 REGIONS_MAX = 64  # registered tensors (SGLang registers two: its vision and audio pools)
 
+T = TypeVar("T")
+# SGLang's objects (storage config, tensors) are untyped here: Any.
+
 
 class EmbeddingStats:
     """Thread-safe counters (GuardedStore counts store_errors, calls_while_suspect and
@@ -78,7 +84,7 @@ class EmbeddingStats:
         "corrupt_values_removed",
     )
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
@@ -86,7 +92,7 @@ class EmbeddingStats:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + k
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters)
 
@@ -109,14 +115,20 @@ class Region:
 @dataclass
 class _Item:
     index: int  # in the call's lists
-    keys: list  # header key, then the payload's segment keys
+    keys: list[bytes]  # header key, then the payload's segment keys
     header: Header  # what this item's header must say
-    ptrs: list
-    spans: list  # (offset, length) per payload value
-    pieces: list  # per payload value, where it lies in ptrs
+    ptrs: list[int]
+    spans: list[tuple[int, int]]  # (offset, length) per payload value
+    pieces: list[list[Piece]]  # per payload value, where it lies in ptrs
 
     def staged_bytes(self) -> int:
         return sum(length for (_, length), pieces in zip(self.spans, self.pieces) if len(pieces) > 1)
+
+
+# A staging copy: the buffer, and the pieces of the item's page runs it stands for.
+_Staged = tuple[npt.NDArray[np.uint8], list[Piece]]
+# A put's staging copy: the item, the buffer, and the pieces it is gathered from.
+_Gather = tuple[_Item, npt.NDArray[np.uint8], list[Piece]]
 
 
 class _Refused(Exception):
@@ -134,14 +146,14 @@ def _served_model_name() -> str | None:
         return None
 
 
-def _u64(values) -> np.ndarray:
+def _u64(values: list[int]) -> npt.NDArray[np.uint64]:
     return np.asarray(values, dtype=np.uint64)
 
 
 class GCacheEmbeddingStore(EmbeddingStore):
     """SGLang's EmbeddingStore over GCache (see the module doc)."""
 
-    def __init__(self, storage_config=None, **_ignored):
+    def __init__(self, storage_config: dict[str, Any] | str | None = None, **_ignored: Any) -> None:
         self.settings = EmbeddingSettings.from_config(storage_config)
         model = self.settings.model or _served_model_name()
         if not model:
@@ -171,7 +183,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- the boundary: nothing raises into SGLang ---------------------------------------
 
-    def _safely(self, what: str, failed, fn, *args):
+    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except Exception as exc:  # our bug or bad input: SGLang's io thread must live on
@@ -214,7 +226,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
         with self._lock:
             return sorted({(r.dtype, r.width) for r in self._regions})
 
-    def _region_of(self, ptr, size) -> Region:
+    def _region_of(self, ptr: int, size: int) -> Region:
         if not isinstance(ptr, int) or not isinstance(size, int) or size < 1:
             raise _Refused(f"bad buffer ({ptr!r}, {size!r})")
         with self._lock:
@@ -225,7 +237,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- keys ---------------------------------------------------------------------------
 
-    def item_keys(self, mm_hash, dtype: str, width: int, payload_bytes: int) -> list[bytes]:
+    def item_keys(self, mm_hash: object, dtype: str, width: int, payload_bytes: int) -> list[bytes]:
         """The keys of one item: its header, then its payload's segments."""
         base = self.keys.base(mm_hash, dtype, width)
         return [self.keys.header_key(base), *self.keys.data_keys(base, len(segment_spans(payload_bytes)))]
@@ -238,7 +250,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
             return self.keys.item_prefix(mm_hash)
         return self.keys.header_key(self.keys.base(mm_hash, *layouts[0])).decode()
 
-    def _item(self, index: int, mm_hash, ptrs, sizes) -> _Item:
+    def _item(self, index: int, mm_hash: str, ptrs: Sequence[int], sizes: Sequence[int]) -> _Item:
         if not isinstance(ptrs, (list, tuple)) or not isinstance(sizes, (list, tuple)) or not ptrs:
             raise _Refused("an item needs a list of buffers and a list of sizes")
         if len(ptrs) != len(sizes):
@@ -260,7 +272,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
         keys = [self.keys.header_key(base), *self.keys.data_keys(base, len(spans))]
         return _Item(index, keys, header, list(ptrs), spans, place(spans, list(sizes)))
 
-    def _items(self, what: str, hashes, ptrs, sizes) -> list[_Item]:
+    def _items(self, what: str, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[_Item]:
         if len(ptrs) != len(hashes) or len(sizes) != len(hashes):
             raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} buffer lists, {len(sizes)} size lists")
         items, refused = [], []
@@ -276,17 +288,22 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- reads ----------------------------------------------------------------------------
 
-    def batch_get_into_multi_buffers(self, hashes, ptrs, sizes) -> list[bool]:
+    def batch_get_into_multi_buffers(
+        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[bool]:
         """Reads each item into its page runs (per item a list of addresses and sizes)."""
         return self._safely("get", [False] * len(hashes), self._get, hashes, ptrs, sizes)
 
-    def batch_get(self, hashes, ptrs, sizes) -> list[bool]:
+    def batch_get(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
         """Reads each item into one buffer (an address and its size)."""
         return self.batch_get_into_multi_buffers(hashes, [[p] for p in ptrs], [[s] for s in sizes])
 
-    def _get(self, hashes, ptrs, sizes) -> list[bool]:
+    def _get(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         out = [False] * len(hashes)
-        keys, bufs, lens, plans = [], [], [], []
+        keys: list[bytes] = []
+        bufs: list[bytearray | int | npt.NDArray[np.uint8]] = []  # a header, a pool address, a staging copy
+        lens: list[int] = []
+        plans: list[tuple[_Item, int, bytearray, list[_Staged]]] = []  # item, its first key's index, header, staged
         budget = self.staging_bytes
         for item in self._items("get", hashes, ptrs, sizes):
             need = item.staged_bytes()
@@ -296,7 +313,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
                 continue
             budget -= need
             header = bytearray(HEADER_BYTES)
-            staged = []
+            staged: list[_Staged] = []
             plans.append((item, len(keys), header, staged))
             keys.append(item.keys[0])
             bufs.append(header)
@@ -348,8 +365,10 @@ class GCacheEmbeddingStore(EmbeddingStore):
         self.stats.count("bytes_read", sum(item.header.payload_bytes for item, *_ in plans if out[item.index]))
         return out
 
-    def _scatter(self, item: _Item, staged: list) -> None:
-        dst, src, n = [], [], []
+    def _scatter(self, item: _Item, staged: list[_Staged]) -> None:
+        dst: list[int] = []
+        src: list[int] = []
+        n: list[int] = []
         for stage, pieces in staged:
             base, at = stage.ctypes.data, 0
             for piece in pieces:
@@ -362,14 +381,16 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def batch_put_from_multi_buffers(self, hashes, ptrs, sizes) -> list[bool]:
+    def batch_put_from_multi_buffers(
+        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[bool]:
         """Stores each item from its page runs; True when the store holds it (now or already)."""
         return self._safely("put", [False] * len(hashes), self._put, hashes, ptrs, sizes)
 
-    def batch_put(self, hashes, ptrs, sizes) -> list[bool]:
+    def batch_put(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
         return self.batch_put_from_multi_buffers(hashes, [[p] for p in ptrs], [[s] for s in sizes])
 
-    def _put(self, hashes, ptrs, sizes) -> list[bool]:
+    def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         out = [False] * len(hashes)
         items = self._items("put", hashes, ptrs, sizes)
         if self.settings.skip_existing and items:
@@ -386,7 +407,11 @@ class GCacheEmbeddingStore(EmbeddingStore):
                 at += len(item.keys)
             self.stats.count("items_skipped_existing", len(items) - len(todo))
             items = todo
-        keys, bufs, lens, gathers, spans = [], [], [], [], []
+        keys: list[bytes] = []
+        bufs: list[bytes | int | npt.NDArray[np.uint8]] = []  # a pool address, a staging copy, a header
+        lens: list[int] = []
+        gathers: list[_Gather] = []
+        spans: list[tuple[_Item, int]] = []  # item, its first payload key's index
         budget = self.staging_bytes
         for item in items:
             need = item.staged_bytes()
@@ -430,8 +455,10 @@ class GCacheEmbeddingStore(EmbeddingStore):
         self.stats.count("items_write_failed", len(hashes) - sum(out))
         return out
 
-    def _gather(self, gathers: list) -> None:
-        dst, src, n = [], [], []
+    def _gather(self, gathers: list[_Gather]) -> None:
+        dst: list[int] = []
+        src: list[int] = []
+        n: list[int] = []
         for item, stage, pieces in gathers:
             base, at = stage.ctypes.data, 0
             for piece in pieces:
@@ -444,16 +471,16 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- existence ------------------------------------------------------------------------
 
-    def batch_is_exist(self, hashes) -> list[bool]:
+    def batch_is_exist(self, hashes: list[str]) -> list[bool]:
         """Per item: its header and first payload value are stored, in the dtype and width of a
         registered pool (the controller asks without saying which modality)."""
         return self._safely("exists", [False] * len(hashes), self._exists, hashes)
 
-    def _exists(self, hashes) -> list[bool]:
+    def _exists(self, hashes: list[str]) -> list[bool]:
         layouts = self.layouts()
         if not hashes or not layouts:
             return [False] * len(hashes)
-        keys = []
+        keys: list[bytes] = []
         for h in hashes:
             for dtype, width in layouts:
                 keys.extend(self.keys.probe_keys(self.keys.base(h, dtype, width)))
@@ -467,7 +494,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, int]:
         return self.stats.snapshot()
 
     def close(self) -> None:
@@ -476,7 +503,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
 
 # -- registration with SGLang ------------------------------------------------------------
 
-_CLI_NAMES: set = set()
+_CLI_NAMES: set[str] = set()
 
 
 def register(name: str = BACKEND_NAME, *, cli: bool = True) -> None:
@@ -502,14 +529,14 @@ def allow_cli_choice(name: str) -> None:
         return
     original = ServerArgs.add_cli_args
 
-    def add_cli_args(parser):
+    def add_cli_args(parser: Any) -> Any:
         result = original(parser)
         for action in parser._actions:
             if CLI_FLAG in action.option_strings and action.choices is not None:
                 action.choices = [*action.choices, *sorted(_CLI_NAMES - set(action.choices))]
         return result
 
-    add_cli_args._gcache_choices = True
+    add_cli_args.__dict__["_gcache_choices"] = True  # a function attribute; mypy models none on a def
     ServerArgs.add_cli_args = staticmethod(add_cli_args)
 
 

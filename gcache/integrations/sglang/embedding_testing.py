@@ -24,15 +24,20 @@ import ast
 import contextlib
 import sys
 import types
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any, cast
 
-from gcache.integrations.sglang.testing import load_sglang_storage, sglang_root
+from gcache.integrations.sglang.testing import SGLANG_VERSION, load_sglang_storage, sglang_root
+
+# SGLang's objects (the controller, its pools and entries, Modality, tensors, dtypes) are
+# untyped here: Any.
 
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 _CONTROLLER = "sglang.srt.mem_cache.embedding_cache_controller"
 
 
-def load_controller_module():
+def load_controller_module() -> types.ModuleType:
     """sglang's embedding_cache_controller module (see the module doc)."""
     load_sglang_storage()
     if _CONTROLLER in sys.modules:
@@ -42,27 +47,27 @@ def load_controller_module():
     stand_in = None
     if _SCHEDULE_BATCH not in sys.modules:
         stand_in = types.ModuleType(_SCHEDULE_BATCH)
-        stand_in.Modality = Modality
+        stand_in.__dict__["Modality"] = Modality  # mypy knows no attributes of a new module
         sys.modules[_SCHEDULE_BATCH] = stand_in
     try:
         import sglang.srt.mem_cache.embedding_cache_controller as controller
     finally:
         if stand_in is not None and sys.modules.get(_SCHEDULE_BATCH) is stand_in:
             del sys.modules[_SCHEDULE_BATCH]
-    return controller
+    return cast(types.ModuleType, controller)  # sglang ships no types: Any to mypy
 
 
-_CPU_CLASS = None
+_CPU_CLASS: type[Any] | None = None
 
 
-def controller_class():
+def controller_class() -> type[Any]:
     """CpuController: SGLang's EmbeddingCacheController with unpinned pools."""
     global _CPU_CLASS
     if _CPU_CLASS is None:
-        module = load_controller_module()
+        base: Any = load_controller_module().EmbeddingCacheController
 
-        class CpuController(module.EmbeddingCacheController):
-            def _create_pools(self, pin_memory: bool):
+        class CpuController(base):
+            def _create_pools(self, pin_memory: bool) -> Any:
                 return super()._create_pools(pin_memory=False)
 
             def stop(self, timeout_s: float = 10.0) -> bool:
@@ -74,7 +79,7 @@ def controller_class():
     return _CPU_CLASS
 
 
-def make_controller(store, *, image_dim: int, dtype, pool_mib: float, audio_dim: int | None = None):
+def make_controller(store: Any, *, image_dim: int, dtype: Any, pool_mib: float, audio_dim: int | None = None) -> Any:
     """A CpuController over `store`: SGLang's pools (80% vision, 20% audio) of pool_mib MiB."""
     from sglang.srt.multimodal.modality import Modality
     from sglang.srt.runtime_context import get_parallel
@@ -88,12 +93,12 @@ def make_controller(store, *, image_dim: int, dtype, pool_mib: float, audio_dim:
         )
 
 
-def stage_into_pool(controller, mm_hashes, tensors, modality) -> list:
+def stage_into_pool(controller: Any, mm_hashes: list[str], tensors: list[Any], modality: Any) -> list[str]:
     """The encoder server's store_to_pool_async + wait_store_to_pool, on the CPU (see the
     module doc); the hashes staged (an item that cannot be is skipped, as SGLang skips it)."""
     module = load_controller_module()
     pool = controller._get_pool(modality)
-    staged = []
+    staged: list[str] = []
     for mm_hash, tensor in zip(mm_hashes, tensors):
         src = tensor.detach().reshape(-1, tensor.shape[-1]).contiguous()
         with controller.lock:
@@ -118,7 +123,7 @@ def stage_into_pool(controller, mm_hashes, tensors, modality) -> list:
     return staged
 
 
-def pool_embedding(controller, mm_hash):
+def pool_embedding(controller: Any, mm_hash: str) -> Any:
     """The item's rows as the encoder server's CPU assembly reads them (get_pool_views, one
     torch.cat, release_pool_views); None when the entry is not READY."""
     import torch
@@ -132,17 +137,17 @@ def pool_embedding(controller, mm_hash):
 
 
 @contextlib.contextmanager
-def running(controller):
+def running(controller: Any) -> Iterator[Any]:
     try:
         yield controller
     finally:
         controller.stop()
 
 
-_HASH = None
+_HASH: Callable[[Any], Any] | None = None
 
 
-def sglang_item_hash(feature) -> str:
+def sglang_item_hash(feature: Any) -> str:
     """str(hash_feature(feature)): SGLang's item hash of a preprocessed CPU tensor, as the
     encoder server hands it to the embedding store."""
     global _HASH
@@ -152,12 +157,15 @@ def sglang_item_hash(feature) -> str:
         import numpy as np
         import torch
 
-        root = sglang_root() / "srt"
+        sglang = sglang_root()
+        if sglang is None:
+            raise ImportError(f"sglang is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
+        root = sglang / "srt"
         wanted = {
             root / "managers" / "mm_utils.py": ("data_hash", "tensor_hash", "hash_feature"),
             root / "utils" / "common.py": ("flatten_nested_list",),
         }
-        namespace = {
+        namespace: dict[str, Any] = {
             "hashlib": hashlib,
             "np": np,
             "torch": torch,
@@ -170,7 +178,7 @@ def sglang_item_hash(feature) -> str:
             funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
             if {f.name for f in funcs} != set(names):
                 raise ImportError(f"{path} lacks {sorted(set(names) - {f.name for f in funcs})}")
-            module = ast.Module(body=funcs, type_ignores=[])
+            module = ast.Module(body=list(funcs), type_ignores=[])
             exec(compile(module, str(path), "exec"), namespace)
         _HASH = namespace["hash_feature"]
     return str(_HASH(feature))

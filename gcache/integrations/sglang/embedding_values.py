@@ -58,7 +58,7 @@ def model_tag(name: str) -> str:
     return tag
 
 
-def content_tag(mm_hash) -> str:
+def content_tag(mm_hash: object) -> str:
     """SGLang's item hash as a key field: as is when short and plain, else "~" + its sha256
     ('~' never appears in a plain one, so two hashes never share a field)."""
     text = str(mm_hash)
@@ -91,10 +91,10 @@ class EmbeddingKeys:
                 f"keys of up to {len(longest)} bytes exceed {KEY_BYTES_MAX}: shorten gcache_namespace"
             )
 
-    def item_prefix(self, mm_hash) -> str:
+    def item_prefix(self, mm_hash: object) -> str:
         return f"{self._prefix}{content_tag(mm_hash)}."
 
-    def base(self, mm_hash, dtype: str, width: int) -> str:
+    def base(self, mm_hash: object, dtype: str, width: int) -> str:
         if not isinstance(width, int) or width < 1:
             raise EmbeddingFormatError(f"width must be an int >= 1, got {width!r}")
         return f"{self.item_prefix(mm_hash)}{dtype_tag(dtype)}x{width}_{self.model}"
@@ -187,7 +187,7 @@ class Header:
         )
 
     @classmethod
-    def unpack(cls, raw) -> Header:
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> Header:
         raw = bytes(raw)
         if len(raw) != HEADER_BYTES:
             raise EmbeddingFormatError(f"a header is {HEADER_BYTES} bytes, got {len(raw)}")
@@ -201,7 +201,9 @@ class Header:
         return cls(dtype_tag(name), rows, width, payload, segment, digest)
 
     @classmethod
-    def of(cls, base: str, dtype: str, rows: int, width: int, element_size: int, segment_bytes: int = SEGMENT_BYTES):
+    def of(
+        cls, base: str, dtype: str, rows: int, width: int, element_size: int, segment_bytes: int = SEGMENT_BYTES
+    ) -> Header:
         return cls(dtype_tag(dtype), rows, width, rows * width * element_size, segment_bytes, key_digest(base))
 
     def check(self, expected: Header) -> str | None:
