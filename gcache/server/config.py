@@ -69,7 +69,7 @@ class ServerSettings:
     # (not a field, so tokens never reach as_dict() and the config log line).
     auth_file: str = ""
     auth_timeout_s: float = 5.0
-    preauth_connections_max: int = 256  # not yet authenticated (auth only); the oldest goes first
+    preauth_connections_max: int = 256  # not yet authenticated (auth only); docs/protocol.md, "Limits"
     preauth_connections_per_address_max: int = 64
     # TLS towards the masters' gRPC API (PEM paths): their CA, and a client cert where they require one.
     master_tls_ca: str = ""
@@ -435,8 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preauth-connections-max",
         type=int,
         help="most connections not yet authenticated, apart from --connections-max: when "
-        "full, the oldest of them (of the address holding the most) is dropped, so a "
-        "client that authenticates always gets in (default 256)",
+        "full, one of them is dropped (never a client's own older one; a reconnect's "
+        "before others for a reconnect; addresses that authenticated lately last; else "
+        "the oldest), so a client that authenticates promptly gets in (default 256)",
     )
     security.add_argument(
         "--preauth-connections-per-address-max",

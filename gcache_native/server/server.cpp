@@ -697,6 +697,10 @@ void Server::end_connection(Connection* c) {
   release_meta(c);
   if (c->tenant != nullptr) c->tenant->connections--;
   std::lock_guard<std::mutex> lock(conns_mu_);
+  // Out of time before AUTH: a loss for its address, as a drop is; one that
+  // closed itself sooner (a health check's probe) is not (admission.cpp).
+  const int64_t now = now_us();
+  if (c->preauth && now - c->accepted_us >= int64_t(config_.auth_timeout_s * 1e6)) preauth_losses_.note(c->peer, now);
   release_slots_locked(c);
   close(c->fd);
   c->fd = -1;
