@@ -245,12 +245,13 @@ class ServerSettings:
             group=SECURITY,
         ),
     )
-    preauth_connections_max: int = field(  # not yet authenticated (auth only); the oldest goes first
+    preauth_connections_max: int = field(  # not yet authenticated (auth only); docs/protocol.md, "Limits"
         default=256,
         metadata=flag(
             "most connections not yet authenticated, apart from --connections-max: when "
-            "full, the oldest of them (of the address holding the most) is dropped, so a "
-            "client that authenticates always gets in (default 256)",
+            "full, one of them is dropped (never a client's own older one; a reconnect's "
+            "before others for a reconnect; addresses that authenticated lately last; else "
+            "the oldest), so a client that authenticates promptly gets in (default 256)",
             group=SECURITY,
         ),
     )

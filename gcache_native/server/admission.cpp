@@ -3,13 +3,14 @@
 // a connection's thread at AUTH.
 //
 // Auth on: a new connection takes a place in the pre-auth budget, never a
-// slot; when that budget (or its address's share) is full, the oldest
-// unauthenticated connection goes (of the address holding the most, so a
-// quiet address is never the one to pay for a busy one; one that has sent
-// nothing before one in the middle of its AUTH). A new client is
-// never refused for unauthenticated ones, and an authenticated connection is
-// never closed: at AUTH it moves to a slot, or is answered BUSY when the
-// authenticated ones fill the caps.
+// slot. When its address's share is full, that address's oldest
+// unauthenticated connection goes (one that has sent nothing before one in
+// the middle of its AUTH). When the whole budget is full, the victim is chosen
+// by what an attacker cannot steer (preauth_room_victim_locked): never by how
+// many connections an address holds, which an attacker with many addresses
+// controls. A new client is never refused for unauthenticated ones, and an
+// authenticated connection is never closed: at AUTH it moves to a slot, or is
+// answered BUSY when the authenticated ones fill the caps.
 //
 // Auth off: when a cap is full, the longest-idle connection with nothing in
 // flight (of this address for its cap; of the address holding the most for
@@ -17,20 +18,26 @@
 // busy.
 #include <sys/socket.h>
 
+#include <tuple>
+
 #include "server/connection.h"
+#include "server/io.h"
 #include "server/server.h"
 
 namespace gcache {
 
 bool Server::admit_locked(Connection* c, std::string* refusal) {
   if (!auth_on()) return take_slot_locked(c, true, refusal);
+  const int64_t now = now_us();
+  c->reconnect = preauth_losses_.recent(c->peer, now);
+  c->vouched = authentications_.recent(c->peer, now);
   if (preauth_peers_.at_cap(c->peer)) {
     Connection* victim = preauth_victim_locked(c->peer);
     GCACHE_ASSERT(victim != nullptr);  // the address holds places, so one of its connections does
     if (victim != nullptr) close_for_room_locked(victim);
   }
   if (preauth_used_ >= config_.preauth_connections_max) {
-    Connection* victim = preauth_victim_locked(preauth_peers_.heaviest());
+    Connection* victim = preauth_room_victim_locked(c);
     GCACHE_ASSERT(victim != nullptr);
     if (victim != nullptr) close_for_room_locked(victim);
   }
@@ -47,6 +54,7 @@ bool Server::admit_locked(Connection* c, std::string* refusal) {
 
 bool Server::promote_locked(Connection* c, std::string* refusal) {
   refusal->clear();
+  authentications_.note(c->peer, now_us());  // it proved a token: its address's next connections go last
   if (c->evicted) return false;
   GCACHE_ASSERT(c->preauth && !c->holds_slot);
   release_slots_locked(c);
@@ -116,8 +124,43 @@ Server::Connection* Server::preauth_victim_locked(const std::string& peer) {
   return oldest;
 }
 
+namespace {
+
+// The peer closed its end (EOF is all that waits): a connection it gave up
+// itself, such as a health check's probe, is no loss for its address.
+bool peer_left(int fd) {
+  char byte;
+  return fd >= 0 && recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+}  // namespace
+
+// Who makes room when the whole pre-auth budget is full, by what an attacker
+// cannot steer. Preferred, in order: a connection of another address than
+// the newcomer's (a client opening several at once never pushes out its own);
+// of an address that has not authenticated lately; when the newcomer is a
+// reconnect (its address lost an unauthenticated connection lately), another
+// reconnect (a storm of sockets opened again as soon as they are dropped
+// churns its own, over however many addresses it reuses); then the oldest
+// (conns_ is in accept order): a client is pushed out only after every older
+// connection of its rank, so the longer it takes to authenticate, the more
+// connections must arrive meanwhile.
+Server::Connection* Server::preauth_room_victim_locked(const Connection* newcomer) {
+  auto rank = [newcomer](const Connection* c) {
+    return std::make_tuple(c->peer != newcomer->peer, !c->vouched, newcomer->reconnect && c->reconnect);
+  };
+  Connection* best = nullptr;
+  for (auto& owned : conns_) {
+    Connection* c = owned.get();
+    if (!c->preauth || c->evicted) continue;
+    if (best == nullptr || rank(c) > rank(best)) best = c;  // strictly: the oldest of a rank wins
+  }
+  return best;
+}
+
 bool Server::close_for_room_locked(Connection* victim) {
   if (victim->preauth) {
+    if (!peer_left(victim->fd)) preauth_losses_.note(victim->peer, now_us());
     victim->activity.store(Activity::Evicted);
     metrics_->preauth_dropped++;
   } else {

@@ -91,6 +91,10 @@ struct Server::Connection {
   bool holds_slot = false;  // counted in connections_max and the address's cap
   bool preauth = false;     // counted in the pre-auth budget (auth on, before AUTH)
   bool evicted = false;     // closed to make room: its thread ends at its next step
+  // Its address when it was accepted (auth on): lost an unauthenticated
+  // connection lately (a reconnect), authenticated lately (server/admission.cpp).
+  bool reconnect = false;
+  bool vouched = false;
   // A frame arrived before AUTH: the pre-auth budget drops silent connections first.
   std::atomic<bool> spoke{false};
   uint64_t meta_charged = 0;  // meta buffer bytes charged to the global budget

@@ -1,6 +1,7 @@
 #include "server/limits.h"
 
 #include <chrono>
+#include <iterator>
 
 #include "common/assert.h"
 
@@ -70,6 +71,20 @@ bool PeerCounts::at_cap(const std::string& peer) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = counts_.find(peer);
   return it != counts_.end() && it->second >= max_;
+}
+
+void AddressMemory::note(const std::string& address, int64_t now_us) {
+  if (last_us_.size() >= entries_max_ && last_us_.find(address) == last_us_.end()) {
+    for (auto it = last_us_.begin(); it != last_us_.end();)
+      it = now_us - it->second > window_us_ ? last_us_.erase(it) : std::next(it);
+    if (last_us_.size() >= entries_max_) last_us_.clear();
+  }
+  last_us_[address] = now_us;
+}
+
+bool AddressMemory::recent(const std::string& address, int64_t now_us) const {
+  auto it = last_us_.find(address);
+  return it != last_us_.end() && now_us - it->second <= window_us_;
 }
 
 std::string PeerCounts::heaviest() const {

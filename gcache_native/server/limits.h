@@ -53,4 +53,22 @@ class PeerCounts {
   std::unordered_map<std::string, uint32_t> counts_;
 };
 
+// When each address last did something (lost an unauthenticated connection;
+// authenticated), for `window_us`: what the pre-auth budget knows of an
+// address beyond its current connections (server/admission.cpp). At most
+// `entries_max` addresses: when full, the expired ones go, and if none has
+// expired, all of them (forgetting costs only the preference it gives). Not
+// locked: the server guards it with conns_mu_.
+class AddressMemory {
+ public:
+  AddressMemory(int64_t window_us, size_t entries_max) : window_us_(window_us), entries_max_(entries_max) {}
+  void note(const std::string& address, int64_t now_us);
+  bool recent(const std::string& address, int64_t now_us) const;  // noted within the window
+
+ private:
+  const int64_t window_us_;
+  const size_t entries_max_;
+  std::unordered_map<std::string, int64_t> last_us_;
+};
+
 }  // namespace gcache

@@ -697,6 +697,10 @@ void Server::end_connection(Connection* c) {
   release_meta(c);
   if (c->tenant != nullptr) c->tenant->connections--;
   std::lock_guard<std::mutex> lock(conns_mu_);
+  // Out of time before AUTH: a loss for its address, as a drop is; one that
+  // closed itself sooner (a health check's probe) is not (admission.cpp).
+  const int64_t now = now_us();
+  if (c->preauth && now - c->accepted_us >= int64_t(config_.auth_timeout_s * 1e6)) preauth_losses_.note(c->peer, now);
   release_slots_locked(c);
   close(c->fd);
   c->fd = -1;
@@ -890,6 +894,15 @@ PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consu
   const BatchMeta& b = c->batch;
   const uint64_t len = b.lens[i];
   const uint64_t trail = b.sums_trail ? 8 : 0;  // the value's sum, after its bytes
+  // One that can never be stored is refused before it takes budget: it must
+  // not wait for room it could never use.
+  const PutStatus storable = store_->check_put(b.keys[i], len);
+  if (storable != PutStatus::Stored) {
+    if (storable == PutStatus::TooLarge) metrics_->puts_too_large++;
+    discard(c, len + trail);
+    *consumed += len + trail;
+    return storable;
+  }
   // Arena is reserved only against a budget of bytes not yet received:
   // declaring a large value without sending it cannot evict hot data.
   if (!reservations_.acquire(c->owner, len, budget_wait_deadline(c))) {

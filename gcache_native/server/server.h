@@ -49,8 +49,8 @@ struct ServerConfig {
   double auth_timeout_s = 5;  // an unauthenticated connection lives this long
   // The pre-auth budget (auth on): connections that have not authenticated yet
   // count here, not in connections_max or the per-address cap. When it is full
-  // the oldest unauthenticated connection (of the address holding the most) is
-  // dropped, so a client that authenticates promptly always gets in.
+  // an old unauthenticated connection is dropped (server/admission.cpp says
+  // which), so a client that authenticates promptly gets in.
   uint32_t preauth_connections_max = 256;
   uint32_t preauth_connections_per_address_max = 64;
   // Same-host clients (docs/protocol.md, "Shared memory and RDMA"): a Unix
@@ -183,9 +183,10 @@ class Server {
   // connections are never closed to make room).
   bool promote_locked(Connection* c, std::string* refusal);
   bool take_slot_locked(Connection* c, bool may_close_idle, std::string* refusal);
-  Connection* idle_victim_locked(const std::string* peer);     // longest idle, nothing in flight
-  Connection* preauth_victim_locked(const std::string& peer);  // oldest unauthenticated of peer, silent first
-  bool close_for_room_locked(Connection* victim);              // false: it became busy meanwhile
+  Connection* idle_victim_locked(const std::string* peer);             // longest idle, nothing in flight
+  Connection* preauth_victim_locked(const std::string& peer);          // oldest unauthenticated of peer, silent first
+  Connection* preauth_room_victim_locked(const Connection* newcomer);  // when the whole budget is full
+  bool close_for_room_locked(Connection* victim);                      // false: it became busy meanwhile
   void release_slots_locked(Connection* c);
 
   ServerConfig config_;
@@ -224,8 +225,13 @@ class Server {
   PeerCounts preauth_peers_;   // pre-auth places by address
   uint32_t slots_used_ = 0;    // guarded by conns_mu_
   uint32_t preauth_used_ = 0;  // guarded by conns_mu_
-  ByteBudget reservations_;    // PUT reservations whose bytes have not all arrived
-  ByteBudget meta_buffers_;    // metadata buffers grown past kMetaFreeBytes
+  // Addresses that lost an unauthenticated connection (dropped to make room,
+  // or out of time) in the last 10 s, and that authenticated in the last 10
+  // minutes; guarded by conns_mu_.
+  AddressMemory preauth_losses_{10'000'000, 1 << 16};
+  AddressMemory authentications_{600'000'000, 1 << 16};
+  ByteBudget reservations_;  // PUT reservations whose bytes have not all arrived
+  ByteBudget meta_buffers_;  // metadata buffers grown past kMetaFreeBytes
 
   mutable std::mutex conns_mu_;
   std::condition_variable conns_cv_;

@@ -143,6 +143,22 @@ void write_rdma_fields(MsgpackWriter& out, uint64_t addr, uint32_t rkey) {
   out.uint(rkey);
 }
 
+// Each key's status before any budget is taken: KEY_INVALID or
+// VALUE_TOO_LARGE at once for one that can never be stored (it must not wait
+// for room it could never use), STORED for one that may be. Returns the sum
+// of the latter's lengths (saturating): the budget to take.
+uint64_t check_reserve(const Store& store, Metrics* metrics, const BatchMeta& b, std::vector<uint8_t>* statuses) {
+  uint64_t total = 0;
+  statuses->assign(b.keys.size(), uint8_t(PutStatus::Stored));
+  for (size_t i = 0; i < b.keys.size(); ++i) {
+    const PutStatus s = store.check_put(b.keys[i], b.lens[i]);
+    (*statuses)[i] = uint8_t(s);
+    if (s == PutStatus::TooLarge) metrics->puts_too_large++;
+    if (s == PutStatus::Stored) total = b.lens[i] > UINT64_MAX - total ? UINT64_MAX : total + b.lens[i];
+  }
+  return total;
+}
+
 }  // namespace
 
 Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
@@ -176,6 +192,8 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
     lens[i] = int64_t(lease.length);
     sums[i] = sum_for_reader(lease, b);
     if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
+    // An empty value always counts as inline (0 <= inline_max): it has no
+    // bytes to copy, so it never takes a lease; "lens" 0 says it is there.
     if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
       inline_total += lease.length;
       inlined[i] = 1;
@@ -256,15 +274,13 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   ShmSession::ReserveGroup group;
   group.keys.reserve(n);
   group.reservations.resize(n);
-  group.statuses.assign(n, uint8_t(PutStatus::NoSpace));
   group.has_epoch = b.has_epoch;
   group.epoch = b.epoch;
   group.chain_continued = b.chain_continues && c->shm.chain != 0;
   group.chain = group.chain_continued ? c->shm.chain : store_->new_put_batch();
   group.chain_ends = b.chain_ends;
   c->shm.chain = group.chain;
-  uint64_t total = 0;
-  for (uint64_t len : b.lens) total = len > UINT64_MAX - total ? UINT64_MAX : total + len;
+  const uint64_t total = check_reserve(*store_, metrics_, b, &group.statuses);
   // The blocks count against the PUT reservation budget until COMMIT. Only a
   // connection holding no reservation waits for room: one waiting while it
   // holds some could wait on its own COMMIT, queued behind this frame.
@@ -274,7 +290,9 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   const uint8_t* base = store_->arena_base();
   for (size_t i = 0; i < n; ++i) {
     group.keys.emplace_back(b.keys[i]);
+    if (group.statuses[i] != uint8_t(PutStatus::Stored)) continue;  // refused above
     if (!budgeted) {
+      group.statuses[i] = uint8_t(PutStatus::NoSpace);
       metrics_->puts_no_space++;
       continue;
     }
@@ -288,8 +306,6 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
       metrics_->puts_exists++;
     } else if (s == PutStatus::NoSpace) {
       metrics_->puts_no_space++;
-    } else if (s == PutStatus::TooLarge) {
-      metrics_->puts_too_large++;
     }
   }
   if (budgeted && total > group.budget_bytes) reservations_.release(c->owner, total - group.budget_bytes);

@@ -633,10 +633,10 @@ Store::~Store() = default;
 PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* out, OwnerId owner) {
   GCACHE_CHECK_AFTER_OP();
   Impl& s = *impl_;
-  if (key.empty() || key.size() > kKeyBytesMax) return PutStatus::KeyInvalid;
-  if (length > s.cfg.value_bytes_max) {
-    bump(s.metrics->puts_too_large);
-    return PutStatus::TooLarge;
+  const PutStatus storable = check_put(key, length);
+  if (storable != PutStatus::Stored) {
+    if (storable == PutStatus::TooLarge) bump(s.metrics->puts_too_large);
+    return storable;
   }
   Impl::Locks l(s);
   if (s.find(key)) {
@@ -674,6 +674,14 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
   out->block_bytes = block;
   out->index_cost = index_cost(key.size());
   s.index.reserve(out->index_cost);
+  return PutStatus::Stored;
+}
+
+PutStatus Store::check_put(std::string_view key, uint64_t length) const {
+  const Impl& s = *impl_;
+  if (key.empty() || key.size() > kKeyBytesMax) return PutStatus::KeyInvalid;
+  // A block larger than the arena would evict everything and still not fit.
+  if (length > s.cfg.value_bytes_max || block_bytes_for(length) > s.memory.bytes()) return PutStatus::TooLarge;
   return PutStatus::Stored;
 }
 

@@ -104,6 +104,10 @@ class Store {
   // `owner` over its memory quota first evicts its own coldest values
   // (never others'); NoSpace if the value cannot fit in the quota even then.
   PutStatus begin_put(std::string_view key, uint64_t length, Reservation* out, OwnerId owner = 0);
+  // KeyInvalid or TooLarge when a put of `length` bytes under `key` can never
+  // be stored (a bad key; over value_bytes_max or the arena), else Stored.
+  // Takes no lock: the server asks before a value takes (or waits for) budget.
+  PutStatus check_put(std::string_view key, uint64_t length) const;
   // Verifies that the block's bytes hash to `declared` (else frees:
   // ChecksumMismatch), then publishes the value with that checksum. With
   // `landed` (the checksum of the same kind the caller computed as the bytes
