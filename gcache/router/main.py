@@ -4,6 +4,8 @@ gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers 
 gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
 gcache-router --port 8000 --prefill-workers http://127.0.0.1:30011 --decode-workers http://127.0.0.1:30012  # PD
 gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools from Redis, by the workers' --role
+gcache-router --port 8000 --redis redis://127.0.0.1:6379/0 --tokenizer /models/m   # vLLM servers, beside each:
+gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 --redis redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from gcache.router.core import RouterCore
 from gcache.router.pd_config import add_pd_args, pd_config
 from gcache.router.pd_policy import DecodeLoad
 from gcache.router.pd_server import make_pd_app
-from gcache.router.server import make_app
+from gcache.router.server import load_tokenizers, make_app
 from gcache.serving import runner
 from gcache.serving.body import BODY_DEADLINE_S
 
@@ -51,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kv-events"]:  # the translator beside a vLLM server (kv_events_main.py)
+        from gcache.router.kv_events_main import main as kv_events_main
+
+        return kv_events_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -68,6 +75,7 @@ def main(argv=None) -> int:
         cores = [RouterCore(c) for c in pd.pools(config)] if pd is not None else [RouterCore(config)]
         if pd is not None:
             cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
+        tokenizers = load_tokenizers(config)
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
         max_in_flight=args.max_in_flight,
         body_timeout_s=args.body_timeout_s,
     )
-    app = make_app(cores[0], **kw) if pd is None else make_pd_app(cores[1], cores[0], pd, **kw)
+    app = make_app(cores[0], tokenizers=tokenizers, **kw) if pd is None else make_pd_app(cores[1], cores[0], pd, **kw)
 
     def started(port: int) -> None:
         where = config.redis_url or ",".join(config.workers)
