@@ -198,13 +198,28 @@ class RouterCore:
         """The tokenizer keys of the workers a request for `model` could go to."""
         with self.view.lock:
             urls = self._routable()[0]
-            return {self.tokenizer_key(u, self._info(u)) for u in urls if self._info(u).serves(model)}
+            served = self._serving(urls, model)
+            return {self.tokenizer_key(u, self._info(u)) for u in served}
 
     def model_served(self, model: str | None) -> bool:
         """False when the request names a model no routable worker serves (404, as vLLM)."""
         with self.view.lock:
             urls = self._routable()[0]
-            return not urls or any(self._info(u).serves(model) for u in urls)
+            return not urls or bool(self._serving(urls, model))
+
+    def _names(self, url: str) -> tuple[str, ...]:
+        w = self.view.workers.get(url)
+        names = w.info.models if w is not None else ()
+        return names + (w.reg.model,) if w is not None and w.reg is not None else names
+
+    def _serving(self, urls, model: str | None) -> set:
+        """Which of `urls` may take a request naming `model` (caller holds the view lock): any
+        when it names none; else those registered under that name; when nobody is, the
+        gcache-workers (they answer to any name), never a vLLM server (it would refuse it)."""
+        if model is None:
+            return set(urls)
+        exact = {u for u in urls if model in self._names(u)}
+        return exact or {u for u in urls if self._info(u).kind != "vllm"}
 
     def has_engines(self) -> bool:
         """Whether any known worker is a vLLM server (or --tokenizer says unregistered ones are)."""
@@ -259,10 +274,11 @@ class RouterCore:
         routable, missing = self._routable()
         key_of = {}
         urls = []
+        served = self._serving(routable, req.model)
         for u in routable:
             info = self._info(u)
             k = self.tokenizer_key(u, info)
-            if u in exclude or not info.serves(req.model) or k not in views:
+            if u in exclude or u not in served or k not in views:
                 continue
             key_of[u] = k
             urls.append(u)
@@ -288,6 +304,7 @@ class RouterCore:
                     self.inflight_tokens.get(u, 0),
                     reg,
                     w.flags if reg is not None else {},
+                    self._info(u).kind != "vllm" or self._info(u).l3,
                 )
             )
         return out, healthy, key_of

@@ -33,7 +33,7 @@ from pathlib import Path
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil", "image_embeds")
-_CONTENT_LOOP = re.compile(r"{%-?\s*for\s+\w+\s+in\s+(\w+\s*\[\s*['\"]content['\"]\s*\]|\w+\.content|content)\b")
+_CONTENT_LOOP = re.compile(r"{%-?\s*for\s+\w+\s+in\s+(?:\w+\s*\[\s*['\"]content['\"]\s*\]|\w+\.content\b|content\b)")
 IMAGE_BYTES_MAX = 64 << 20
 
 

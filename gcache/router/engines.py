@@ -33,10 +33,6 @@ class EngineInfo:
     bucket: int | None = None
     l3: bool = False
 
-    def serves(self, model: str | None) -> bool:
-        """Whether a request naming `model` may go here (None: the server's default model)."""
-        return model is None or self.kind != "vllm" or not self.models or model in self.models
-
     def to_dict(self) -> dict:
         d: dict = {"kind": self.kind, "models": list(self.models)}
         if self.bucket is not None:

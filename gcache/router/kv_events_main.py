@@ -78,6 +78,8 @@ class TranslatorConfig:
     stream_max: int = 1000
     rcvhwm: int = 10_000  # ZMQ messages buffered for this subscriber (then vLLM's PUB drops)
     limits: Limits = Limits()
+    lease: bool = False  # several translators of one engine (one per router): the lease holder publishes
+    holder: str = ""  # this translator's lease identity ("" = random)
 
     def __post_init__(self) -> None:
         url = (self.advertise_url or self.engine_url).rstrip("/")
@@ -105,9 +107,28 @@ class TranslatorConfig:
         return (self.advertise_url or self.engine_url).rstrip("/")
 
 
+# Take or renew the engine's publishing lease (KEYS[1]) for ARGV[1], PX ARGV[2]; 1 if held.
+LEASE_SCRIPT = """
+local v = redis.call('GET', KEYS[1])
+if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Sums of the vLLM Prometheus samples the translator reads, over their label sets."""
-    want = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total")
+    want = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:request_success_total",
+    )
     out = dict.fromkeys(want, 0.0)
     seen = set()
     for line in text.splitlines():
@@ -152,7 +173,7 @@ class Translator:
         self._epoch, self._seq = "", 0
         self._page_size = config.block_size
         self._window = 1
-        self._tokens_base: float | None = None  # prompt tokens counted when the last event arrived
+        self._base: tuple[float, float] | None = None  # (computed prompt tokens, requests) at the last event
         self._event_seen_at: float | None = None
         self._pending_since: float | None = None
         self._probe_at: float | None = None
@@ -167,11 +188,14 @@ class Translator:
                 "engine_up",
                 "stale",
                 "records_sent",
+                "lease_changes",
             ),
             0,
         )
         self._stop = threading.Event()
         self._down = False
+        self.holder = config.holder or os.urandom(8).hex()
+        self.leading = not config.lease  # publishes (a lone translator always does)
         self._threads: list[threading.Thread] = []
         if start_threads:
             for target, name in ((self._sub_loop, "kv-events-sub"), (self._pub_loop, "kv-events-pub")):
@@ -245,7 +269,7 @@ class Translator:
                 self.engine_up = False
                 self.counters["engine_down"] += 1
                 self.state.clear()
-                self._tokens_base = self._pending_since = None
+                self._base = self._pending_since = None
                 if not self.config.models:
                     self.models = ()
             return False
@@ -255,17 +279,23 @@ class Translator:
             self.counters["engine_up"] += 1
             self._registered = False  # (re-)register with a full snapshot
         self.load = WorkerLoad(running=int(m["vllm:num_requests_running"]), waiting=int(m["vllm:num_requests_waiting"]))
-        self._check_stale(m["vllm:prompt_tokens_total"], now)
+        computed = m["vllm:prompt_tokens_total"] - m["vllm:prefix_cache_hits_total"]
+        started = m["vllm:request_success_total"] + m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+        self._check_stale(computed, started, now)
         return True
 
-    def _check_stale(self, tokens: float, now: float) -> None:
-        """The engine computed a block's worth of prompt tokens and no event came for
-        events_stale_s: its stream stopped (or its events are lost): drop its credit."""
+    def _check_stale(self, computed: float, requests: float, now: float) -> None:
+        """Since the last event the engine computed (not from its prefix cache) at least a
+        block of prompt tokens per request it took, so at least one request filled a new block
+        (hits are whole blocks: a request computing >= a block from one stores one), and no
+        event came for events_stale_s: its stream stopped or its events are lost: drop its
+        credit. Conservative: many requests that each compute less than a block owe nothing."""
         seen = self.state.last_event_at
-        if self._tokens_base is None or (seen is not None and seen != self._event_seen_at):
-            self._tokens_base, self._event_seen_at, self._pending_since = tokens, seen, None
+        if self._base is None or (seen is not None and seen != self._event_seen_at):
+            self._base, self._event_seen_at, self._pending_since = (computed, requests), seen, None
             return
-        if tokens - self._tokens_base < self._page_size:
+        owed = computed - self._base[0] >= self._page_size * max(1.0, requests - self._base[1])
+        if not owed:
             return
         if self._pending_since is None:
             self._pending_since = now
@@ -278,7 +308,7 @@ class Translator:
                 )
                 self.counters["stale"] += 1
                 self.state.clear()
-            self._tokens_base, self._pending_since = tokens, None
+            self._base, self._pending_since = (computed, requests), None
 
     # ---- Redis ----------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -293,6 +323,8 @@ class Translator:
         )
         self._probe_at = self.clock()
         try:
+            if self.config.lease and not self._lease():
+                return True  # another translator of this engine publishes; this one keeps its state warm
             if not up:
                 if self._registered and not self.engine_up:
                     self.deregister()
@@ -365,6 +397,19 @@ class Translator:
         self._epoch, self._seq, self._registered = epoch, seq, True
         return True
 
+    def _lease(self) -> bool:
+        """Hold the engine's publishing lease (P:lease:<url>, expiring after ttl_s): only its
+        holder writes, so the translators of every router agree on one epoch; the others keep
+        their state current and take over (with a full snapshot) when the holder goes."""
+        key = f"{self.keys.prefix}:lease:{self.config.url}"
+        held = bool(self.redis.eval(LEASE_SCRIPT, 1, key, self.holder, int(self.config.ttl_s * 1000)))
+        if held != self.leading:
+            self.counters["lease_changes"] += 1
+        self.leading = held
+        if not held:
+            self._registered = False  # a takeover writes everything
+        return held
+
     def deregister(self) -> None:
         """Remove the engine from Redis: routers stop sending to it at once."""
         k, url = self.keys, self.config.url
@@ -394,7 +439,13 @@ class Translator:
             t.join(timeout=5)
         if deregister:
             try:
-                self.deregister()
+                if self.config.lease:
+                    key = f"{self.keys.prefix}:lease:{self.config.url}"
+                    if self.leading:
+                        self.redis.eval(RELEASE_SCRIPT, 1, key, self.holder)
+                    # the engine stays registered: another router's translator takes the lease over
+                else:
+                    self.deregister()
             except self._redis_errors as e:
                 log.warning("kv-events: could not deregister %s (%s)", self.config.url, e)
         self.redis.close()

@@ -37,6 +37,7 @@ class Candidate:
     inflight_tokens: int = 0  # their prompt tokens (when the caller told begin())
     reg: Registration | None = None  # None: nothing published (static worker, Redis down)
     flags: Mapping[int, int] = field(default_factory=dict)
+    loads_l3: bool = True  # it can load GCache's shared L3 (a vLLM server: only with the connector, --l3)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def tier_match(p: Prompt, c: Candidate) -> tuple[TierMatch, int]:
         return TierMatch(), p.default_page_size
     ps = c.reg.page_size
     ids = p.ids_for(ps)
-    return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3, ps, c.reg.window), ps
+    return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3 if c.loads_l3 else {}, ps, c.reg.window), ps
 
 
 class Policy(ABC):

@@ -183,6 +183,10 @@ class RouterApp:
         except NotRenderable:
             self.counters.inc("http_untokenized_total")
             return []
+        except Exception:  # a tokenizer bug must not fail the request: route it without affinity
+            self.counters.inc("http_untokenized_total")
+            log.exception("router: tokenizer %r failed", key)
+            return []
 
     async def _attempts(self, request: web.Request, path: str, body: bytes, req: RouteRequest) -> web.StreamResponse:
         req = as_request(req)  # (a subclass may pass plain token ids)

@@ -67,17 +67,20 @@ def test_models_a_refused_body_and_an_unknown_model():
         [A, B, C],
         {
             A: (reg(A), EngineInfo(), {}),
-            B: (reg(B, VLLM_PS), EngineInfo("vllm", ("m1",)), {}),
-            C: (reg(C, VLLM_PS), EngineInfo("vllm", ("m2", "m2-alias")), {}),
+            B: (reg(B, VLLM_PS, model="m1"), EngineInfo("vllm", ("m1",)), {}),
+            C: (reg(C, VLLM_PS, model="m2"), EngineInfo("vllm", ("m2", "m2-alias")), {}),
         },
         tokenizers=(("", "/models/m"),),
     )
     toks = list(range(3, 100))
-    assert set(c.explain(RouteRequest({"": toks, "hf:": toks}, "m2-alias"))) == {A, C}
-    assert set(c.explain(RouteRequest({"": toks, "hf:": toks}, None))) == {A, B, C}
-    assert set(c.explain(RouteRequest({"hf:": toks}, "m1"))) == {B}  # the byte parse refused it: not A
-    assert c.model_served("anything")  # a gcache-worker takes any model name
-    assert c.tokenizer_keys("m1") == {"", "hf:"}
+    both = lambda model: RouteRequest({"": toks, "hf:": toks}, model)  # noqa: E731
+    assert set(c.explain(both("m2-alias"))) == {C}  # only the workers registered under the name
+    assert set(c.explain(both(None))) == {A, B, C}  # no name: the servers' default models
+    assert set(c.explain(both("m"))) == {A}  # the gcache-worker's registered name
+    assert set(c.explain(both("anything"))) == {A}  # a name nobody registered: gcache-workers take any
+    assert set(c.explain(RouteRequest({"hf:": toks}, None))) == {B, C}  # the byte parse refused it: not A
+    assert c.model_served("anything")
+    assert c.tokenizer_keys("m1") == {"hf:"} and c.tokenizer_keys(None) == {"", "hf:"}
     only_vllm = core(
         [B, C], {B: (reg(B), EngineInfo("vllm", ("m1",)), {}), C: (reg(C), EngineInfo("vllm", ("m2",)), {})}
     )
@@ -189,3 +192,24 @@ def test_engine_info_round_trips_and_never_trusts_its_input():
         assert parse_info(bad) == EngineInfo()
     odd = parse_info(b'{"engine": {"kind": "vllm", "models": ["ok", 5, ""], "bucket": -1, "l3": "yes"}}')
     assert odd == EngineInfo("vllm", ("ok",), None, False)
+
+
+def test_the_shared_l3_counts_only_for_servers_that_can_load_it():
+    from gcache.serving.redis_layout import L3_FULL, L3_SWA
+
+    prompt = list(range(3, 200))
+    c = core(
+        [A, B, C],
+        {
+            A: (reg(A, VLLM_PS), EngineInfo("vllm", ("m",)), {}),
+            B: (reg(B, VLLM_PS), EngineInfo("vllm", ("m",), l3=True), {}),
+            C: (reg(C, VLLM_PS), EngineInfo("vllm", ("m",)), {}),
+        },
+        tokenizers=(("", "/models/m"),),
+    )
+    with c.view.lock:
+        for pid in page_ids(prompt, VLLM_PS):
+            c.view.l3[pid] = L3_FULL | L3_SWA
+    seen = c.explain(RouteRequest({"hf:": prompt}, "m"))
+    assert seen[B]["l3"] == 192 and seen[A]["l3"] == 0 == seen[C]["l3"]
+    assert c.pick(RouteRequest({"hf:": prompt}, "m")) == B  # tier-aware: an L3 hit only where it loads

@@ -31,7 +31,7 @@ class StubEngine:
 
     def __init__(self, models=("tiny",)) -> None:
         self.up, self.models = True, list(models)
-        self.running, self.waiting, self.prompt_tokens = 0, 0, 0
+        self.running, self.waiting, self.prompt_tokens, self.hits, self.done = 0, 0, 0, 0, 0
         self.seq = 0
 
     def get(self, path: str) -> bytes:
@@ -43,6 +43,8 @@ class StubEngine:
                 f'vllm:num_requests_running{{engine="0",model_name="tiny"}} {self.running}.0\n'
                 f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {self.waiting}.0\n'
                 f'vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} {self.prompt_tokens}.0\n'
+                f'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {self.hits}.0\n'
+                f'vllm:request_success_total{{engine="0",finished_reason="length"}} {self.done}.0\n'
             ).encode()
         if path == "/v1/models":
             return json.dumps({"object": "list", "data": [{"id": m} for m in self.models]}).encode()
@@ -161,11 +163,13 @@ def test_stopped_event_stream_expires_the_engines_state_but_not_the_engine(redis
     core = router(redis_proc, clock)
     assert core.refresh() and core.explain(req(t + [2] * 8))[E1]["l1"] == 128
     eng.prompt_tokens += 10  # less than a block of new prompt work: no event is owed
+    eng.prompt_tokens, eng.hits, eng.done = eng.prompt_tokens + 128, eng.hits + 128, eng.done + 1  # a full hit: none
+    eng.prompt_tokens, eng.done = eng.prompt_tokens + 3 * 20, eng.done + 3  # 3 requests of 20 new tokens: none
     for _ in range(4):
         clock.advance(3.0)
         assert tr.flush()
     assert tr.state.pages() == 4 and tr.counters["stale"] == 0
-    eng.prompt_tokens += 500  # it computed prompts, and no event came
+    eng.prompt_tokens, eng.done = eng.prompt_tokens + 500, eng.done + 2  # it computed blocks, and no event came
     clock.advance(1.0)
     assert tr.flush() and tr.state.pages() == 4
     clock.advance(5.0)
@@ -216,6 +220,36 @@ def test_metrics_parsing():
         'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 1.0\n'
         'vllm:num_requests_waiting{engine="0"} 4.0\nvllm:prompt_tokens_total{engine="0"} 1e3\nother 5\n'
     )
-    assert m == {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 4.0, "vllm:prompt_tokens_total": 1000.0}
+    assert m["vllm:num_requests_running"] == 3.0 and m["vllm:num_requests_waiting"] == 4.0
+    assert m["vllm:prompt_tokens_total"] == 1000.0 and m["vllm:prefix_cache_hits_total"] == 0.0
     with pytest.raises(ValueError):
         parse_metrics("<html>not an engine</html>")
+
+
+def test_translators_in_several_routers_share_one_engine_by_a_lease(redis_proc):
+    """gcache-router --vllm: every router runs a translator for every engine; one holds the
+    engine's lease and publishes, the others keep their state warm and take over with a full
+    snapshot when it goes (its lease expires, or it stops and releases it)."""
+    clock = ManualClock()
+    eng = StubEngine()
+    trs = [translator(redis_proc, E1, eng, clock, lease=True, holder=f"router-{i}") for i in range(2)]
+    t = toks(96, 8)
+    frame = eng.frame(stored_prefix(t, 1))
+    for tr in trs:
+        tr.receive(frame)  # both subscribed: both hold the state
+        assert tr.flush()
+    assert [tr.leading for tr in trs] == [True, False]
+    r = redis.Redis.from_url(redis_proc.url)
+    epoch = json.loads(r.get(Keys().reg(E1)))["epoch"]
+    for tr in trs:
+        assert tr.flush()
+    assert json.loads(r.get(Keys().reg(E1)))["epoch"] == epoch  # one writer: the epoch holds
+    core = router(redis_proc, clock)
+    assert core.refresh() and core.explain(req(t + [1] * 8))[E1]["l1"] == 96
+    trs[0].stop()  # releases the lease; the engine stays registered
+    assert r.exists(Keys().reg(E1))
+    assert trs[1].flush() and trs[1].leading
+    assert json.loads(r.get(Keys().reg(E1)))["epoch"] != epoch  # the new holder's full snapshot
+    assert core.refresh() and core.explain(req(t + [1] * 8))[E1]["l1"] == 96
+    trs[1].stop()
+    r.close()
