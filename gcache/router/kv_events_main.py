@@ -20,6 +20,10 @@ it; here it is built once per engine, by one subscriber, and shared. The transla
 shares the engine's fate and host: it probes the engine, and the registration heartbeat it
 keeps says "this engine is up and its events are flowing".
 
+Several translators of one engine (every router's --vllm, or a sidecar beside them) agree by a
+lease in Redis (P:lease:<url>, --ttl-s): its holder publishes, the others keep their state
+warm and take over with a full snapshot when it goes.
+
 Faults: the engine stops answering its /metrics for --engine-down-s -> deregistered at once
 (routers stop sending there) and its state dropped; back -> registered again, learning from
 its new events. Its events stop while it keeps taking prompts (it computed at least a block's
@@ -54,6 +58,8 @@ HSET_CHUNK = 10_000
 WORKERS_FORGET_MS = 3_600_000
 METRICS_BYTES_MAX = 4 << 20
 RETRY_MAX_S = 0.5
+IDLE_S = 1.0  # token counters still this long: the engine runs nothing, whatever its gauges say
+STALE_SETTLE_S = 2.0  # work the engine's /metrics shows within this of an event is that event's
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class TranslatorConfig:
     stream_max: int = 1000
     rcvhwm: int = 10_000  # ZMQ messages buffered for this subscriber (then vLLM's PUB drops)
     limits: Limits = Limits()
-    lease: bool = False  # several translators of one engine (one per router): the lease holder publishes
+    lease: bool = True  # several translators of one engine (routers' --vllm, a sidecar): the lease holder publishes
     holder: str = ""  # this translator's lease identity ("" = random)
 
     def __post_init__(self) -> None:
@@ -128,6 +134,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         "vllm:prompt_tokens_total",
         "vllm:prefix_cache_hits_total",
         "vllm:request_success_total",
+        "vllm:generation_tokens_total",
     )
     out = dict.fromkeys(want, 0.0)
     seen = set()
@@ -167,6 +174,8 @@ class Translator:
         self._redis_errors = (redis.RedisError, OSError)
         self.models: tuple[str, ...] = config.models
         self.load = WorkerLoad()
+        self._progress: tuple = ()
+        self._progress_at = 0.0
         self.engine_up = False
         self._down_since: float | None = None
         self._registered = False
@@ -174,7 +183,6 @@ class Translator:
         self._page_size = config.block_size
         self._window = 1
         self._base: tuple[float, float] | None = None  # (computed prompt tokens, requests) at the last event
-        self._event_seen_at: float | None = None
         self._pending_since: float | None = None
         self._probe_at: float | None = None
         self.counters = dict.fromkeys(
@@ -278,11 +286,22 @@ class Translator:
             self.engine_up = True
             self.counters["engine_up"] += 1
             self._registered = False  # (re-)register with a full snapshot
-        self.load = WorkerLoad(running=int(m["vllm:num_requests_running"]), waiting=int(m["vllm:num_requests_waiting"]))
+        self.load = self._load(m, now)
         computed = m["vllm:prompt_tokens_total"] - m["vllm:prefix_cache_hits_total"]
         started = m["vllm:request_success_total"] + m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
         self._check_stale(computed, started, now)
         return True
+
+    def _load(self, m: dict, now: float) -> WorkerLoad:
+        """Running and waiting requests. vLLM sets these gauges from each engine step, so after
+        its last step they keep the last values (an idle engine can show a request running
+        forever): an engine whose token counters did not move for IDLE_S runs nothing."""
+        progress = (m["vllm:prompt_tokens_total"], m["vllm:generation_tokens_total"], m["vllm:request_success_total"])
+        if progress != self._progress:
+            self._progress, self._progress_at = progress, now
+        if now - self._progress_at >= IDLE_S:
+            return WorkerLoad()
+        return WorkerLoad(running=int(m["vllm:num_requests_running"]), waiting=int(m["vllm:num_requests_waiting"]))
 
     def _check_stale(self, computed: float, requests: float, now: float) -> None:
         """Since the last event the engine computed (not from its prefix cache) at least a
@@ -291,8 +310,10 @@ class Translator:
         event came for events_stale_s: its stream stopped or its events are lost: drop its
         credit. Conservative: many requests that each compute less than a block owe nothing."""
         seen = self.state.last_event_at
-        if self._base is None or (seen is not None and seen != self._event_seen_at):
-            self._base, self._event_seen_at, self._pending_since = (computed, requests), seen, None
+        if self._base is None or (seen is not None and now - seen <= STALE_SETTLE_S):
+            # an event came lately: the work counted so far is paid for (the engine's counters
+            # may move a little after the events of the same step)
+            self._base, self._pending_since = (computed, requests), None
             return
         owed = computed - self._base[0] >= self._page_size * max(1.0, requests - self._base[1])
         if not owed:
@@ -440,10 +461,10 @@ class Translator:
         if deregister:
             try:
                 if self.config.lease:
-                    key = f"{self.keys.prefix}:lease:{self.config.url}"
+                    # Hand the engine over: another translator of it (another router's) takes the
+                    # lease and rewrites its state; with none, its registration expires (ttl_s).
                     if self.leading:
-                        self.redis.eval(RELEASE_SCRIPT, 1, key, self.holder)
-                    # the engine stays registered: another router's translator takes the lease over
+                        self.redis.eval(RELEASE_SCRIPT, 1, f"{self.keys.prefix}:lease:{self.config.url}", self.holder)
                 else:
                     self.deregister()
             except self._redis_errors as e:

@@ -31,7 +31,7 @@ class StubEngine:
 
     def __init__(self, models=("tiny",)) -> None:
         self.up, self.models = True, list(models)
-        self.running, self.waiting, self.prompt_tokens, self.hits, self.done = 0, 0, 0, 0, 0
+        self.running, self.waiting, self.prompt_tokens, self.hits, self.done, self.generated = 0, 0, 0, 0, 0, 0
         self.seq = 0
 
     def get(self, path: str) -> bytes:
@@ -45,6 +45,7 @@ class StubEngine:
                 f'vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} {self.prompt_tokens}.0\n'
                 f'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {self.hits}.0\n'
                 f'vllm:request_success_total{{engine="0",finished_reason="length"}} {self.done}.0\n'
+                f'vllm:generation_tokens_total{{engine="0",model_name="tiny"}} {self.generated}.0\n'
             ).encode()
         if path == "/v1/models":
             return json.dumps({"object": "list", "data": [{"id": m} for m in self.models]}).encode()
@@ -253,3 +254,22 @@ def test_translators_in_several_routers_share_one_engine_by_a_lease(redis_proc):
     assert core.refresh() and core.explain(req(t + [1] * 8))[E1]["l1"] == 96
     trs[1].stop()
     r.close()
+
+
+def test_load_from_the_engines_gauges_and_an_idle_engine_runs_nothing(redis_proc):
+    """vLLM's running/waiting gauges keep their last step's values once the engine idles."""
+    clock = ManualClock()
+    eng = StubEngine()
+    tr = translator(redis_proc, E1, eng, clock)
+    eng.running, eng.waiting = 3, 2
+    assert tr.flush() and (tr.load.running, tr.load.waiting) == (3, 2)
+    clock.advance(0.5)
+    eng.generated += 10  # it produces tokens: busy
+    assert tr.flush() and tr.load.running == 3
+    clock.advance(1.5)  # no token since: the gauges are a leftover
+    assert tr.flush() and (tr.load.running, tr.load.waiting) == (0, 0)
+    core = router(redis_proc, clock)
+    assert core.refresh() and core.health()["workers"][0]["running"] == 0
+    eng.generated += 1
+    clock.advance(0.1)
+    assert tr.flush() and tr.load.running == 3
