@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -303,7 +303,7 @@ class RouterCore:
                     self.inflight.get(u, 0),
                     self.inflight_tokens.get(u, 0),
                     reg,
-                    w.flags if reg is not None else {},
+                    w.flags if w is not None and reg is not None else {},
                     self._info(u).kind != "vllm" or self._info(u).l3,
                 )
             )
@@ -433,7 +433,7 @@ class RouteRequest:
     that tokenizer could not render it: no affinity then), the model it names, its first
     image's content hash."""
 
-    tokens: dict[str, Sequence[int]]
+    tokens: Mapping[str, Sequence[int]]
     model: str | None = None
     image: bytes | None = None
 

@@ -65,8 +65,10 @@ def parse_info(raw: bytes) -> EngineInfo:
     return EngineInfo(d["kind"], names, bucket, d.get("l3") is True)
 
 
-def with_info(reg_json: bytes, info: EngineInfo) -> bytes:
-    """A registration's JSON with the engine object added."""
+def with_info(reg_json: bytes, info: EngineInfo, extra: dict | None = None) -> bytes:
+    """A registration's JSON with the engine object (and `extra` keys, e.g. the translator's
+    counters, for people and tools: routers read only "engine") added."""
     d = json.loads(reg_json)
+    d.update(extra or {})
     d["engine"] = info.to_dict()
     return json.dumps(d, separators=(",", ":")).encode()

@@ -374,12 +374,10 @@ class EngineEvents:
         hashes, bs = ev["hashes"], ev["block_size"]
         if ev["n_blocks"] != len(hashes):
             return  # a sliding group skipped blocks: its hashes are named by pass 1's others
-        if ev["parent"] is None:
-            prior = b""
-        else:
-            prior = self.chain.get(ev["parent"])
-            if prior is None:
-                return
+        known = b"" if ev["parent"] is None else self.chain.get(ev["parent"])
+        if known is None:
+            return
+        prior: bytes = known
         tokens, step = ev["tokens"], 4 * bs
         for i, h in enumerate(hashes):
             raw = tokens[i * step : (i + 1) * step]
@@ -514,7 +512,7 @@ class EngineEvents:
                 self.stats["deltas"] += 1
             return Batch(False, pages)
 
-    def failed(self, batch: Batch) -> None:
+    def failed(self, batch: Batch | None) -> None:
         """A taken batch did not reach Redis: the next take is a snapshot."""
         with self.lock:
             self.resync = True

@@ -288,7 +288,7 @@ class Translator:
             self._registered = False  # (re-)register with a full snapshot
         self.load = self._load(m, now)
         computed = m["vllm:prompt_tokens_total"] - m["vllm:prefix_cache_hits_total"]
-        started = m["vllm:request_success_total"] + m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+        started = m["vllm:request_success_total"] + self.load.running + self.load.waiting  # (idle: gauges ignored)
         self._check_stale(computed, started, now)
         return True
 
@@ -336,16 +336,18 @@ class Translator:
         return EngineInfo("vllm", self.models, self.config.bucket, self.config.l3)
 
     def flush(self) -> bool:
-        """Probe the engine, then write what changed (or everything) to Redis; False if Redis failed."""
-        up = (
-            self.probe()
-            if (self._probe_at is None or self.clock() - self._probe_at >= self.config.interval_s)
-            else self.engine_up
-        )
-        self._probe_at = self.clock()
+        """Probe the engine, then write what changed (or everything) to Redis; False if Redis failed.
+        A translator that does not hold the engine's lease neither probes nor writes (its
+        subscriber keeps its state warm for a takeover)."""
         try:
             if self.config.lease and not self._lease():
-                return True  # another translator of this engine publishes; this one keeps its state warm
+                return True
+            up = (
+                self.probe()
+                if (self._probe_at is None or self.clock() - self._probe_at >= self.config.interval_s)
+                else self.engine_up
+            )
+            self._probe_at = self.clock()
             if not up:
                 if self._registered and not self.engine_up:
                     self.deregister()
@@ -406,7 +408,12 @@ class Translator:
         reg = Registration(
             url, model, self._page_size, self._window, epoch, seq, now_ms, self.load, self.state.stats["dropped_dirty"]
         )
-        p.set(k.reg(url), with_info(reg.to_json(), self.info()), px=int(self.config.ttl_s * 1000), xx=not batch.full)
+        p.set(
+            k.reg(url),
+            with_info(reg.to_json(), self.info(), {"translator": self.stats()}),
+            px=int(self.config.ttl_s * 1000),
+            xx=not batch.full,
+        )
         p.zadd(k.workers, {url: now_ms})
         p.zremrangebyscore(k.workers, "-inf", now_ms - WORKERS_FORGET_MS)
         results = p.execute()

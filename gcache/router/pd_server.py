@@ -87,7 +87,7 @@ class PDRouterApp(RouterApp):
             return from_http_error(intake.error)
         return await self._attempts(request, path, body, intake.tokens)
 
-    async def _attempts(self, request: web.Request, path: str, body: bytes, tokens: list[int]) -> web.StreamResponse:
+    async def _attempts(self, request: web.Request, path: str, body: bytes, tokens) -> web.StreamResponse:  # type: ignore[override]
         if path not in (COMPLETIONS_PATH, CHAT_PATH):  # RouterApp's own retry calls this for /pd/decode too
             return await super()._attempts(request, path, body, tokens)
         if len(tokens) < self.pd.min_prompt_tokens:

@@ -83,9 +83,10 @@ def image_home_of(p: Prompt, cands: Sequence[Candidate]) -> str | None:
     """The worker a request's first image maps to: rendezvous (highest random weight) hashing of
     the image's content hash over the candidates, so every router agrees and a worker joining
     or leaving moves only the images that map to it."""
-    if p.image is None or not cands:
+    image = p.image
+    if image is None or not cands:
         return None
-    return max(cands, key=lambda c: (hashlib.blake2b(p.image + c.url.encode(), digest_size=8).digest(), c.url)).url
+    return max(cands, key=lambda c: (hashlib.blake2b(image + c.url.encode(), digest_size=8).digest(), c.url)).url
 
 
 def load_of(c: Candidate, cfg: RouterConfig) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -188,7 +189,9 @@ class RouterApp:
             log.exception("router: tokenizer %r failed", key)
             return []
 
-    async def _attempts(self, request: web.Request, path: str, body: bytes, req: RouteRequest) -> web.StreamResponse:
+    async def _attempts(
+        self, request: web.Request, path: str, body: bytes, req: RouteRequest | Sequence[int]
+    ) -> web.StreamResponse:
         req = as_request(req)  # (a subclass may pass plain token ids)
         tried: list[str] = []
         failures: list[str] = []

@@ -273,3 +273,15 @@ def test_load_from_the_engines_gauges_and_an_idle_engine_runs_nothing(redis_proc
     eng.generated += 1
     clock.advance(0.1)
     assert tr.flush() and tr.load.running == 3
+
+
+def test_the_registration_carries_the_translators_counters(redis_proc):
+    clock = ManualClock()
+    eng = StubEngine()
+    tr = translator(redis_proc, E1, eng, clock)
+    tr.receive([b"kv", b"short", b""])
+    assert tr.flush()
+    r = redis.Redis.from_url(redis_proc.url)
+    reg = json.loads(r.get(Keys().reg(E1)))
+    assert reg["translator"]["events_bad_frames"] == 1 and reg["engine"]["kind"] == "vllm"
+    r.close()

@@ -34,6 +34,7 @@ import time
 import pytest
 
 from gcache.common.processes import free_port, stop_process
+from gcache.router.kv_events_main import STALE_SETTLE_S
 from tests.support import REPO_ROOT
 from tests.support.redis_support import start_redis
 from tests.support.serving_support import WORKER_ARGS, post_json, request
@@ -342,17 +343,20 @@ def test_the_mix_each_model_to_its_own_workers(stack):
 
 def test_stopped_event_stream_expires_the_engines_state_and_it_stays_routable(stack):
     a, fwd, r = stack["a"], stack["fwd"], stack["routers"][0]
+    chat(a.port, [{"role": "user", "content": "Engine A holds this, a few blocks of it. " * 30}], stream=False)
     wait_until(lambda: workers_seen(r)[a.url]["pages"] > 0, "A holds pages")
     fwd.passing.clear()  # A's events stop reaching its translator
     try:
+        # work within kv_events_main.STALE_SETTLE_S of A's last event counts as that event's
+        time.sleep(STALE_SETTLE_S + 0.5)
         # A keeps computing prompts (a direct request: nothing of it arrives as events)
-        chat(a.port, [{"role": "user", "content": "Fresh work for engine A. " * 12}], stream=False)
+        chat(a.port, [{"role": "user", "content": "Fresh work for engine A, a few blocks of it. " * 30}], stream=False)
         wait_until(lambda: workers_seen(r)[a.url]["pages"] == 0, "A's state expired (events_stale_s)", 60)
         assert workers_seen(r)[a.url]["registered"]  # still routable, by load
         assert fwd.dropped >= 1
     finally:
         fwd.passing.set()
-    chat(a.port, [{"role": "user", "content": "Events flow again for engine A. " * 12}], stream=False)
+    chat(a.port, [{"role": "user", "content": "Events flow again for engine A, a few blocks. " * 30}], stream=False)
     wait_until(lambda: workers_seen(r)[a.url]["pages"] > 0, "A learns again from new events", 60)
 
 
