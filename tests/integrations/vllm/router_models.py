@@ -1,5 +1,5 @@
-"""A tiny chat model for vLLM OpenAI servers, written offline: the vLLM group's tests and the
-router benches put `vllm serve` on it.
+"""A tiny chat model for vLLM OpenAI servers, written offline: the vLLM group's router tests
+put `vllm serve` on it (and run a hybrid engine with KV events: events_run).
 
 `write_chat_model(dir)` writes gcache.integrations.vllm.testing's tiny llama (or gemma2) plus
 a real tokenizer: a byte-level BPE trained here, deterministically, on a small built-in text
@@ -101,7 +101,7 @@ def events_run(kind: str, work, steps: list) -> dict:
     of prompts (token ids), each step generated in order. Returns, per step, the ZMQ messages
     its events came in (base64, in order) and each prompt's num_cached_tokens: what a router
     fed those events would credit, beside what the engine really hit. Run it in a process of
-    its own (python -m gcache.router.vllm_testing events SPEC OUT)."""
+    its own (python -m tests.integrations.vllm.router_models events SPEC OUT)."""
     import base64
     import os
     import threading
@@ -167,4 +167,4 @@ if __name__ == "__main__":
         Path(sys.argv[3]).write_text(json.dumps(events_run(spec["kind"], spec["work"], spec["steps"])))
         sys.stdout.flush()
         os._exit(0)  # skip vLLM's slow teardown: the result is written
-    raise SystemExit("usage: python -m gcache.router.vllm_testing events SPEC.json OUT.json")
+    raise SystemExit("usage: python -m tests.integrations.vllm.router_models events SPEC.json OUT.json")
