@@ -149,6 +149,42 @@ class RouterConfig:
     stream_read_max: int = 2000  # stream entries read per worker per refresh
     l3_pages_max: int = 1 << 20
     roles: tuple[str, ...] = ()  # registered workers of these roles only (PD pools); () = every role
+    # vLLM servers (gcache.router.engines): the model's own tokenizer, by served model name
+    # ("" = the default, also for workers that registered nothing), a model directory each
+    tokenizers: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata=flag(
+            "vLLM servers: the model directory whose tokenizer and chat template they use (the "
+            "router tokenizes prompts as they do); MODEL=DIR for the servers of that served model name; "
+            "repeatable",
+            name="--tokenizer",
+            action="append",
+            metavar="[MODEL=]DIR",
+            group=ROUTING,
+            default=None,
+        ),
+    )
+    length_buckets: tuple[int, ...] = field(  # prompt-length group bounds, ascending (tokens); () = one group
+        default=(),
+        metadata=flag(
+            "split the workers into prompt-length groups, e.g. 64K,256K or 0-64K,64K-256K,256K-1M: "
+            "a prompt goes to its group only; affinity and load apply within it",
+            metavar="BOUNDS",
+            group=ROUTING,
+            text=True,
+            default=None,
+        ),
+    )
+    image_weight: float = field(
+        default=1.0,
+        metadata=flag(
+            "cache_aware: score bonus of the worker a request's first image hashes to (0 = off)", group=ROUTING
+        ),
+    )
+
+    @property
+    def tokenizer_names(self) -> frozenset:
+        return frozenset(name for name, _ in self.tokenizers)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -168,6 +204,7 @@ class RouterConfig:
             "ttft_running_tokens",
             "load_norm_min",
             "ttft_own_weight",
+            "image_weight",
         ):
             if not 0 <= getattr(self, name) <= 1e6:
                 raise ValueError(f"{name} must be in [0, 1e6]")
@@ -204,6 +241,13 @@ class RouterConfig:
         if len(workers) > self.workers_max:
             raise ValueError(f"at most workers_max={self.workers_max} static workers, got {len(workers)}")
         object.__setattr__(self, "workers", workers)
+        b = tuple(self.length_buckets)
+        if len(b) > 63 or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
+            raise ValueError("length_buckets must be at most 63 ascending token counts >= 1 (the groups' bounds)")
+        object.__setattr__(self, "length_buckets", b)
+        names = [n for n, _ in self.tokenizers]
+        if len(names) != len(set(names)) or any(not d for _, d in self.tokenizers):
+            raise ValueError("--tokenizer: one directory per model name (and at most one without a name)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -211,12 +255,43 @@ class RouterConfig:
         kw = {k: v for k, v in vars(args).items() if k in names and v is not None}
         if isinstance(kw.get("workers"), str):
             kw["workers"] = tuple(u.strip() for u in kw["workers"].split(",") if u.strip())
+        if isinstance(kw.get("length_buckets"), str):
+            kw["length_buckets"] = parse_length_buckets(kw["length_buckets"])
+        if isinstance(kw.get("tokenizers"), list):
+            kw["tokenizers"] = tuple(parse_tokenizer_arg(a) for a in kw["tokenizers"])
         if isinstance(kw.get("tier_weights"), str):
             try:
                 kw["tier_weights"] = tuple(float(x) for x in kw["tier_weights"].split(","))
             except ValueError:
                 raise ValueError(f"--tier-weights must be three numbers L1,L2,L3, got {kw['tier_weights']!r}") from None
         return cls(**kw)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def _count(text: str) -> int:
+    t = text.strip().lower()
+    unit = t[-1] if t and t[-1] in "km" else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"--length-buckets: {text!r} is not a token count (like 65536 or 64K)") from None
+
+
+def parse_length_buckets(text: str) -> tuple[int, ...]:
+    """'64K,256K' or the report's '0-64K,64K-256K,256K-1M' -> (65536, 262144): the bounds
+    between groups (the last group is open-ended)."""
+    items = [x for x in text.split(",") if x.strip()]
+    if items and all("-" in x for x in items):  # ranges: their upper ends, bar the last
+        return tuple(_count(x.split("-", 1)[1]) for x in items[:-1])
+    return tuple(_count(x) for x in items)
+
+
+def parse_tokenizer_arg(text: str) -> tuple[str, str]:
+    """'DIR' (the default) or 'MODEL=DIR'."""
+    name, sep, path = text.partition("=")
+    return (name.strip(), path.strip()) if sep else ("", text.strip())
 
 
 # RouterConfig's fields that are no gcache-router flag (tuning kept at its defaults; roles: the

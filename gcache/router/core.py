@@ -13,15 +13,18 @@ backoff_max_s).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from gcache.router.config import RouterConfig
+from gcache.router.engines import GCACHE_WORKER, EngineInfo
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
@@ -162,40 +165,94 @@ class RouterCore:
             back = lapsed
         return sorted(live + back), frozenset(back)
 
-    def pick(self, tokens: Sequence[int], exclude: frozenset = frozenset()) -> str | None:
-        """The worker for this prompt, or None when there is none to send it to."""
-        choice = self._choose(tokens, exclude, commit=True)
+    def pick(self, tokens, exclude: frozenset = frozenset()) -> str | None:
+        """The worker for this prompt (token ids, or a RouteRequest), or None when there is
+        none to send it to."""
+        choice = self._choose(as_request(tokens), exclude, commit=True)
         return None if choice is None else choice.url
 
-    def explain(self, tokens: Sequence[int], exclude: frozenset = frozenset()) -> dict:
+    def explain(self, tokens, exclude: frozenset = frozenset()) -> dict:
         """What the policy sees per worker (read-only): tokens it credits, load, score, picked."""
-        choice = self._choose(tokens, exclude, commit=False)
+        choice = self._choose(as_request(tokens), exclude, commit=False)
         if choice is None:
             return {}
         return {u: dict(info, picked=(u == choice.url), mode=choice.mode) for u, info in choice.scores.items()}
 
-    def _choose(self, tokens, exclude, commit: bool) -> Choice | None:
-        try:
-            arr = np.asarray(tokens, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError("pick: tokens must be a sequence of token ids") from None
-        if arr.ndim != 1 or arr.size == 0 or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
-            raise ValueError("pick: tokens must be a non-empty 1-D sequence of ids in [0, 2^32)")
-        id_cache: dict[int, list[int]] = {}
+    # ---- engines (gcache.router.engines) -------------------------------------------------
+    def tokenizer_key(self, url: str, info: EngineInfo) -> str:
+        """How a worker tokenizes: "" = the byte tokenizer (gcache-worker); "hf:NAME" / "hf:" =
+        the --tokenizer given for model NAME / the default one (a vLLM server; without any
+        --tokenizer for it, its requests carry no tokens: load only). A worker that registered
+        nothing is taken for a vLLM server when a default --tokenizer is given."""
+        names = self.config.tokenizer_names
+        w = self.view.workers.get(url)
+        unregistered = w is None or w.reg is None
+        if info.kind == "vllm" or (unregistered and "" in names):
+            for m in info.models:
+                if m in names:
+                    return "hf:" + m
+            return "hf:"  # the default tokenizer (none given: the request routes with no tokens)
+        return ""
 
-        def ids_for(ps: int) -> list[int]:
-            if ps not in id_cache:
-                id_cache[ps] = page_ids(arr, ps)
-            return id_cache[ps]
+    def tokenizer_keys(self, model: str | None = None) -> set[str]:
+        """The tokenizer keys of the workers a request for `model` could go to."""
+        with self.view.lock:
+            urls = self._routable()[0]
+            served = self._serving(urls, model)
+            return {self.tokenizer_key(u, self._info(u)) for u in served}
 
-        ids_for(self.config.page_size)  # hash outside the locks (the usual page size)
+    def model_served(self, model: str | None) -> bool:
+        """False when the request names a model no routable worker serves (404, as vLLM)."""
+        with self.view.lock:
+            urls = self._routable()[0]
+            return not urls or bool(self._serving(urls, model))
+
+    def _names(self, url: str) -> tuple[str, ...]:
+        w = self.view.workers.get(url)
+        names = w.info.models if w is not None else ()
+        return names + (w.reg.model,) if w is not None and w.reg is not None else names
+
+    def _serving(self, urls, model: str | None) -> set:
+        """Which of `urls` may take a request naming `model` (caller holds the view lock): any
+        when it names none; else those registered under that name; when nobody is, the
+        gcache-workers (they answer to any name), never a vLLM server (it would refuse it)."""
+        if model is None:
+            return set(urls)
+        exact = {u for u in urls if model in self._names(u)}
+        return exact or {u for u in urls if self._info(u).kind != "vllm"}
+
+    def has_engines(self) -> bool:
+        """Whether any known worker is a vLLM server (or --tokenizer says unregistered ones are)."""
+        if "" in self.config.tokenizer_names:
+            return True
+        with self.view.lock:
+            return any(w.info.kind == "vllm" for w in self.view.workers.values())
+
+    def _info(self, url: str) -> EngineInfo:
+        w = self.view.workers.get(url)
+        return w.info if w is not None else GCACHE_WORKER
+
+    def _choose(self, req: RouteRequest, exclude, commit: bool) -> Choice | None:
+        views: dict[str, _TokenView] = {}
+        for key, tokens in req.tokens.items():
+            views[key] = _TokenView(tokens, allow_empty=bool(key))
+        if not views:
+            raise ValueError("pick: no tokens")
+        first = next(iter(views.values()))
+        first.ids_for(self.config.page_size)  # hash outside the locks (the usual page size)
         redis_ok = self.sync is None or self.redis_ok()
         with self.view.lock, self._local:
-            cands, healthy = self._candidates(arr, ids_for, exclude, redis_ok)
+            cands, healthy, key_of = self._candidates(req, first, views, exclude, redis_ok)
             if not cands:
                 self.counters["picks_none"] += 1
                 return None
-            prompt = Prompt(int(arr.size), ids_for, self.view.l3, self.config.page_size, self.clock())
+            now = self.clock()
+            prompts = {
+                k: Prompt(v.num_tokens, v.ids_for, self.view.l3, self.config.page_size, now, req.image)
+                for k, v in views.items()
+            }
+            prompt = next(iter(prompts.values()))
+            prompt.views, prompt.key_of = prompts, key_of
             if healthy:
                 choice = self.policy.choose(prompt, cands)
             else:
@@ -206,21 +263,35 @@ class RouterCore:
                 self.counters[f"picks_{choice.mode}"] += 1
             return choice
 
-    def _candidates(self, arr, ids_for, exclude, redis_ok: bool) -> tuple[list[Candidate], bool]:
-        """(candidates, healthy). Caller holds both locks. Not healthy (route by local least
-        load, no published state): Redis is stale, or a candidate's registration is missing.
-        Backed-off workers are left out unless all are (then the one whose backoff ends first
-        is the probe)."""
+    def _candidates(self, req, first, views, exclude, redis_ok: bool) -> tuple[list[Candidate], bool, dict]:
+        """(candidates, healthy, tokenizer key per candidate). Caller holds both locks. Only
+        workers that serve the request's model and whose tokenizer the request was tokenized
+        for (a body the byte tokenizer refused never goes to a gcache-worker), and, with
+        --length-buckets, those of the prompt's length group. Not healthy (route by local
+        least load, no published state): Redis is stale, or a candidate's registration is
+        missing. Backed-off workers are left out unless all are (then the one whose backoff
+        ends first is the probe)."""
         routable, missing = self._routable()
-        urls = [u for u in routable if u not in exclude]
+        key_of = {}
+        urls = []
+        served = self._serving(routable, req.model)
+        for u in routable:
+            info = self._info(u)
+            k = self.tokenizer_key(u, info)
+            if u in exclude or u not in served or k not in views:
+                continue
+            key_of[u] = k
+            urls.append(u)
+        if self.config.length_buckets and urls:
+            urls = self._bucket(urls, max(v.num_tokens for v in views.values()))
         if not urls:
-            return [], redis_ok
+            return [], redis_ok, key_of
         healthy = redis_ok and not missing.intersection(urls)
         now = self.clock()
         ready = [u for u in urls if self.backoff.get(u, (0.0, 0))[0] <= now]
         if not ready:
             ready = [min(urls, key=lambda u: (self.backoff[u][0], u))]
-        key = self._affinity_key(arr, ids_for)
+        key = self._affinity_key(first.arr, first.ids_for)
         out = []
         for u in ready:
             w = self.view.workers.get(u) if healthy else None
@@ -233,9 +304,38 @@ class RouterCore:
                     self.inflight_tokens.get(u, 0),
                     reg,
                     w.flags if reg is not None and w is not None else {},  # (reg implies w)
+                    self._info(u).kind != "vllm" or self._info(u).l3,
                 )
             )
-        return out, healthy
+        return out, healthy, key_of
+
+    def bucket_of(self, num_tokens: int) -> int:
+        """The --length-buckets group of a prompt of num_tokens tokens."""
+        return bisect.bisect_right(self.config.length_buckets, num_tokens)
+
+    def _bucket(self, urls: list[str], num_tokens: int) -> list[str]:
+        """The workers of the prompt's length group (caller holds the view lock). A worker's
+        group is the one its registration names, else its place in the sorted list of the
+        workers that name none, spread evenly. An empty group borrows the nearest non-empty
+        one, longer first (a long prompt never waits for a group that is not there)."""
+        n = len(self.config.length_buckets) + 1
+        groups: list[list[str]] = [[] for _ in range(n)]
+        unnamed = []
+        for u in urls:
+            b = self._info(u).bucket
+            if b is not None:
+                groups[min(b, n - 1)].append(u)
+            else:
+                unnamed.append(u)
+        everyone = sorted(self._routable()[0])  # spread by the full list, so exclusions move nobody
+        unplaced = [u for u in everyone if self._info(u).bucket is None]
+        for u in unnamed:
+            groups[unplaced.index(u) * n // max(1, len(unplaced))].append(u)
+        want = self.bucket_of(num_tokens)
+        for b in sorted(range(n), key=lambda b: (abs(b - want), b < want)):
+            if groups[b]:
+                return groups[b]
+        return []
 
     def _affinity_key(self, arr, ids_for) -> bytes:
         """The prompt's identity for tie-breaks: its last whole page id, so equal-score picks
@@ -324,3 +424,41 @@ class RouterCore:
         for w in h["workers"]:
             lines.append(f'gcache_router_inflight{{worker="{w["url"]}"}} {w["inflight"]}')
         return "\n".join(lines) + "\n"
+
+
+@dataclass
+class RouteRequest:
+    """A request as the router routes it: its prompt under each tokenizer its candidate
+    workers use (key "" = the byte tokenizer, "hf:..." = a model's own; an empty list when
+    that tokenizer could not render it: no affinity then), the model it names, its first
+    image's content hash."""
+
+    tokens: Mapping[str, Sequence[int]]
+    model: str | None = None
+    image: bytes | None = None
+
+
+def as_request(tokens) -> RouteRequest:
+    return tokens if isinstance(tokens, RouteRequest) else RouteRequest({"": tokens})
+
+
+class _TokenView:
+    """One tokenization of the prompt: checked ids and page ids per page size (lazy)."""
+
+    def __init__(self, tokens, allow_empty: bool) -> None:
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("pick: tokens must be a sequence of token ids") from None
+        if arr.ndim != 1 or (arr.size == 0 and not allow_empty):
+            raise ValueError("pick: tokens must be a non-empty 1-D sequence of ids in [0, 2^32)")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+            raise ValueError("pick: tokens must be a non-empty 1-D sequence of ids in [0, 2^32)")
+        self.arr = arr
+        self.num_tokens = max(1, int(arr.size))
+        self._ids: dict[int, list[int]] = {}
+
+    def ids_for(self, ps: int) -> list[int]:
+        if ps not in self._ids:
+            self._ids[ps] = page_ids(self.arr, ps) if self.arr.size else []
+        return self._ids[ps]

@@ -4,6 +4,9 @@ gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers 
 gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
 gcache-router --port 8000 --prefill-workers http://127.0.0.1:30011 --decode-workers http://127.0.0.1:30012  # PD
 gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools from Redis, by the workers' --role
+gcache-router --port 8000 --redis redis://127.0.0.1:6379/0 --tokenizer /models/m \
+    --vllm http://127.0.0.1:8001@tcp://127.0.0.1:5557 --vllm http://127.0.0.1:8002@tcp://127.0.0.1:5558   # vLLM servers
+gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 --redis redis://...  # or beside each
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from gcache.router.core import RouterCore
 from gcache.router.pd_config import add_pd_args, pd_config
 from gcache.router.pd_policy import DecodeLoad
 from gcache.router.pd_server import make_pd_app
-from gcache.router.server import make_app
+from gcache.router.server import load_tokenizers, make_app
 from gcache.serving import runner
 from gcache.serving.body import BODY_DEADLINE_S
 
@@ -46,11 +49,65 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a request body not received within this is answered 408",
     )
     add_router_args(ap)
+    ap.add_argument(
+        "--vllm",
+        action="append",
+        default=[],
+        metavar="URL@ENDPOINT",
+        help="a vLLM OpenAI server and its --kv-events-config ZMQ endpoint (repeatable, or comma-separated): "
+        "this router translates its KV events into --redis (one router per engine at a time, by a lease; "
+        "`gcache-router kv-events` does the same beside the engine)",
+    )
     add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)
 
 
+def vllm_engines(specs: list[str]) -> list[tuple[str, str]]:
+    """--vllm URL@ENDPOINT,... -> [(url, endpoint)]."""
+    out = []
+    for spec in (x.strip() for item in specs for x in item.split(",")):
+        if not spec:
+            continue
+        url, sep, endpoint = spec.rpartition("@")
+        if not sep or not url or not endpoint:
+            raise ValueError(f"--vllm wants URL@ENDPOINT (http://HOST:PORT@tcp://HOST:PORT), got {spec!r}")
+        out.append((url.rstrip("/"), endpoint))
+    return out
+
+
+def start_translators(args, config: RouterConfig) -> list:
+    """The in-router translators of --vllm (ValueError for bad flags)."""
+    engines = vllm_engines(args.vllm)
+    if not engines:
+        return []
+    if not config.redis_url:
+        raise ValueError("--vllm needs --redis (the translators publish there; every router reads it)")
+    try:
+        import zmq  # noqa: F401  (pyzmq: installed with vLLM)
+    except ImportError:
+        raise ValueError("--vllm needs pyzmq (pip install pyzmq)") from None
+    from gcache.router.kv_events_main import Translator, TranslatorConfig
+
+    cfgs = [
+        TranslatorConfig(
+            engine_url=url,
+            events=(endpoint,),
+            redis_url=config.redis_url,
+            prefix=config.redis_prefix,
+            redis_timeout_s=config.redis_timeout_s,
+            lease=True,
+        )
+        for url, endpoint in engines
+    ]
+    return [Translator(c) for c in cfgs]
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kv-events"]:  # the translator beside a vLLM server (kv_events_main.py)
+        from gcache.router.kv_events_main import main as kv_events_main
+
+        return kv_events_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -68,6 +125,8 @@ def main(argv=None) -> int:
         cores = [RouterCore(c) for c in pd.pools(config)] if pd is not None else [RouterCore(config)]
         if pd is not None:
             cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
+        tokenizers = load_tokenizers(config)
+        translators = start_translators(args, config)
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2
@@ -79,7 +138,7 @@ def main(argv=None) -> int:
         max_in_flight=args.max_in_flight,
         body_timeout_s=args.body_timeout_s,
     )
-    app = make_app(cores[0], **kw) if pd is None else make_pd_app(cores[1], cores[0], pd, **kw)
+    app = make_app(cores[0], tokenizers=tokenizers, **kw) if pd is None else make_pd_app(cores[1], cores[0], pd, **kw)
 
     def started(port: int) -> None:
         where = config.redis_url or ",".join(config.workers)
@@ -96,6 +155,8 @@ def main(argv=None) -> int:
         print(f"gcache-router: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     finally:
+        for tr in translators:
+            tr.stop()
         for core in cores:
             core.close()
     return 0

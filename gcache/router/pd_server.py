@@ -31,7 +31,7 @@ from gcache.router.server import RETRY_STATUSES, ROUTER_COUNTERS, RouterApp, Wor
 from gcache.serving import sse
 from gcache.serving.body import BODY_BYTES_MAX
 from gcache.serving.counters import HTTPCounters, prometheus_response
-from gcache.serving.errors import error_body, error_response, json_response
+from gcache.serving.errors import error_body, error_response, from_http_error, json_response
 from gcache.serving.handoff import PD_DECODE_PATH, PD_PREFILL_PATH
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH
 from gcache.serving.safe_json import parse_json
@@ -81,7 +81,13 @@ class PDRouterApp(RouterApp):
         return prometheus_response(text)
 
     # ---- the PD path --------------------------------------------------------------------------
-    async def _attempts(self, request: web.Request, path: str, body: bytes, tokens: list[int]) -> web.StreamResponse:
+    async def _route(self, request: web.Request, path: str, body: bytes, intake) -> web.StreamResponse:
+        """PD pools are gcache-workers: the byte tokenizer's prompt (vLLM servers are not pooled)."""
+        if intake.tokens is None:
+            return from_http_error(intake.error)
+        return await self._attempts(request, path, body, intake.tokens)
+
+    async def _attempts(self, request: web.Request, path: str, body: bytes, tokens) -> web.StreamResponse:  # type: ignore[override]
         if path not in (COMPLETIONS_PATH, CHAT_PATH):  # RouterApp's own retry calls this for /pd/decode too
             return await super()._attempts(request, path, body, tokens)
         if len(tokens) < self.pd.min_prompt_tokens:

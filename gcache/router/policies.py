@@ -15,6 +15,7 @@ ties go to the higher rendezvous rank (a hash of URL and prompt, the same on eve
 from __future__ import annotations
 
 import enum
+import hashlib
 import random as _random
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -36,17 +37,28 @@ class Candidate:
     inflight_tokens: int = 0  # their prompt tokens (when the caller told begin())
     reg: Registration | None = None  # None: nothing published (static worker, Redis down)
     flags: Mapping[int, int] = field(default_factory=dict)
+    loads_l3: bool = True  # it can load GCache's shared L3 (a vLLM server: only with the connector, --l3)
 
 
 @dataclass
 class Prompt:
-    """One request as the policies see it: token count, page ids per page size (lazy), L3 view."""
+    """One request as the policies see it: token count, page ids per page size (lazy), L3 view.
+
+    Workers may tokenize differently (a gcache-worker by bytes, a vLLM server with its model's
+    tokenizer): `at(url)` is the prompt as that worker's tokenizer sees it (`views`, by the
+    tokenizer key `key_of` gives the worker; this one when it names none)."""
 
     num_tokens: int
     ids_for: Callable[[int], Sequence[int]]
     l3: Mapping[int, int]
     default_page_size: int
     now: float = 0.0  # the router's clock
+    image: bytes | None = None  # the first image's content hash (image affinity), if any
+    views: Mapping[str, Prompt] = field(default_factory=dict)  # tokenizer key -> the prompt under it
+    key_of: Mapping[str, str] = field(default_factory=dict)  # worker url -> tokenizer key
+
+    def at(self, url: str) -> Prompt:
+        return self.views.get(self.key_of.get(url, ""), self)
 
 
 class Mode(enum.StrEnum):
@@ -67,6 +79,16 @@ class Choice:
     scores: dict  # url -> what the policy saw (explain)
 
 
+def image_home_of(p: Prompt, cands: Sequence[Candidate]) -> str | None:
+    """The worker a request's first image maps to: rendezvous (highest random weight) hashing of
+    the image's content hash over the candidates, so every router agrees and a worker joining
+    or leaving moves only the images that map to it."""
+    image = p.image
+    if image is None or not cands:
+        return None
+    return max(cands, key=lambda c: (hashlib.blake2b(image + c.url.encode(), digest_size=8).digest(), c.url)).url
+
+
 def load_of(c: Candidate, cfg: RouterConfig) -> float:
     """Load in request units: published running + waiting (or this router's in-flight if
     higher) plus queued uncached prompt tokens (work not started yet)."""
@@ -83,11 +105,12 @@ def imbalanced(loads: Sequence[float], cfg: RouterConfig) -> bool:
 
 def tier_match(p: Prompt, c: Candidate) -> tuple[TierMatch, int]:
     """(window-safe tier match, page size) of one candidate."""
+    p = p.at(c.url)
     if c.reg is None:
         return TierMatch(), p.default_page_size
     ps = c.reg.page_size
     ids = p.ids_for(ps)
-    return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3, ps, c.reg.window), ps
+    return match_worker(ids, (p.num_tokens - 1) // ps, c.flags, p.l3 if c.loads_l3 else {}, ps, c.reg.window), ps
 
 
 class Policy(ABC):
@@ -149,7 +172,8 @@ class CacheAware(Policy):
         router's recent prompt ends counted as L1 until the worker publishes them."""
         self._ps[c.url] = c.reg.page_size if c.reg is not None else p.default_page_size
         m, ps = tier_match(p, c)
-        sent = self.recent.credit(c.url, p.ids_for(ps), (p.num_tokens - 1) // ps, p.now)
+        q = p.at(c.url)
+        sent = self.recent.credit(c.url, q.ids_for(ps), (q.num_tokens - 1) // ps, p.now)
         if sent > m.l1:  # our own recent prompt ends beyond what the worker has published
             m = TierMatch(sent, max(sent, m.l2), max(sent, m.l3), m.raw_l1, m.raw_host)
         return m.l1 * ps, (m.l2 - m.l1) * ps, (m.l3 - m.l2) * ps, m.raw_l1 * ps
@@ -164,9 +188,11 @@ class CacheAware(Policy):
         top = max(max(loads.values()), cfg.load_norm_min) or 1.0
         w1, w2, w3 = cfg.tier_weights
         out = {}
+        image_home = image_home_of(p, cands)
         for c in cands:
             l1, l2, l3, raw = self.credited(p, c)
-            pct = (w1 * l1 + w2 * l2 + w3 * l3) / p.num_tokens
+            pct = (w1 * l1 + w2 * l2 + w3 * l3) / max(1, p.at(c.url).num_tokens)
+            bonus = cfg.image_weight if c.url == image_home else 0.0
             out[c.url] = {
                 Tier.L1: l1,
                 Tier.L2: l2,
@@ -174,12 +200,13 @@ class CacheAware(Policy):
                 "match": l1 + l2 + l3,
                 "raw_overlap": raw,
                 "load": loads[c.url],
-                "score": cfg.match_weight * pct - loads[c.url] / top,
+                "image_home": c.url == image_home,
+                "score": cfg.match_weight * pct - loads[c.url] / top + bonus,
             }
         return Mode.CACHE, out
 
     def commit(self, p, url):
-        self.recent.record(url, p.ids_for(self._ps.get(url, p.default_page_size)), p.now)
+        self.recent.record(url, p.at(url).ids_for(self._ps.get(url, p.default_page_size)), p.now)
 
     def forget(self, url):
         self.recent.forget(url)
@@ -225,7 +252,7 @@ class CacheTTFT(CacheAware):
         out = {}
         for c in cands:
             l1, l2, l3, raw = self.credited(p, c)
-            own = max(0.0, p.num_tokens - (w1 * l1 + w2 * l2 + w3 * l3))
+            own = max(0.0, p.at(c.url).num_tokens - (w1 * l1 + w2 * l2 + w3 * l3))
             if c.reg is not None:
                 published = c.reg.load.running + c.reg.load.waiting
                 queued = min(float(c.reg.load.queued_tokens), published * own)
@@ -253,7 +280,7 @@ class CacheTTFT(CacheAware):
 
     def commit(self, p, url):
         super().commit(p, url)
-        own = float(p.num_tokens)
+        own = float(p.at(url).num_tokens)
         if self._last is not None and self._last[0] is p and url in self._last[1]:
             own = self._last[1][url].get("own_tokens", own)
         self._last = None
@@ -276,7 +303,7 @@ class Dynamo(Policy):
         for c in cands:
             m, ps = tier_match(p, c)
             overlap = m.raw_l1 + cfg.dynamo_host_weight * m.raw_host
-            new_tokens = max(0.0, p.num_tokens - overlap * ps)
+            new_tokens = max(0.0, p.at(c.url).num_tokens - overlap * ps)
             queued = c.reg.load.queued_tokens if c.reg else 0
             active = max(c.reg.load.active_tokens if c.reg else 0, c.inflight_tokens)
             prefill_blocks = (new_tokens + queued) / ps
@@ -318,9 +345,10 @@ class ApproxTree(Policy):
         hi, lo = max(loads), min(loads)
         if hi - lo > cfg.approx_balance_abs_threshold and hi > lo * cfg.approx_balance_rel_threshold:
             return Mode.LOAD, {c.url: {"load": float(c.inflight), "score": -float(c.inflight)} for c in cands}
-        ids = p.ids_for(self._page_size(cands))
-        matched = {}
+        matched, longest = {}, 1
         for c in cands:
+            ids = p.at(c.url).ids_for(self._page_size(cands))
+            longest = max(longest, len(ids))
             tree, n = self.trees.get(c.url), 0
             if tree:
                 while n < len(ids) and ids[n] in tree:
@@ -328,7 +356,7 @@ class ApproxTree(Policy):
             matched[c.url] = n
         best = max(matched.values())
         ps = self._page_size(cands)
-        if ids and best / len(ids) > cfg.approx_cache_threshold:
+        if best / longest > cfg.approx_cache_threshold:
             return Mode.CACHE, {
                 c.url: {"match": matched[c.url] * ps, "load": float(c.inflight), "score": matched[c.url]} for c in cands
             }
@@ -344,7 +372,7 @@ class ApproxTree(Policy):
 
     def commit(self, p, url):
         tree = self.trees.setdefault(url, OrderedDict())
-        ids = p.ids_for(self._chosen_ps)
+        ids = p.at(url).ids_for(self._chosen_ps)
         for pid in reversed(ids):  # suffix first: page 0 ends most recent, so LRU cuts leaves first
             tree[pid] = None
             tree.move_to_end(pid)

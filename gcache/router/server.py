@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
-from gcache.router.core import RouterCore
+from gcache.router.core import RouterCore, RouteRequest, as_request
+from gcache.router.engine_prompts import ModelTokenizer, NotRenderable, first_image, request_model
 from gcache.serving import sse
 from gcache.serving.body import BODY_BYTES_MAX, BODY_DEADLINE_S
 from gcache.serving.counters import HTTPCounters, prometheus_response
-from gcache.serving.errors import error_body, error_response, json_response
+from gcache.serving.errors import HTTPError, error_body, error_response, from_http_error, json_response
 from gcache.serving.intake import openai_app, serve_post
 from gcache.serving.limiter import InFlightLimiter
 from gcache.serving.openai_api import CHAT_PATH, COMPLETIONS_PATH, prompt_tokens
@@ -51,7 +54,18 @@ ROUTER_COUNTERS = {
     "http_body_timeouts_total": "requests whose body did not arrive within --body-timeout-s (408)",
     "http_broken_answers_total": "answers cut short: the worker failed after its headers were relayed",
     "http_client_gone_total": "answers cut short: the client went away",
+    "http_unknown_model_total": "requests answered 404: no worker serves the model they name",
+    "http_untokenized_total": "requests a model's tokenizer could not render (routed without affinity)",
 }
+
+
+@dataclass(frozen=True)
+class Intake:
+    payload: dict
+    tokens: list[int] | None  # the byte tokenizer's prompt (gcache-workers); None: it refused the body
+    error: HTTPError | None  # ... and why
+    model: str | None
+    image: bytes | None  # the first image's content hash
 
 
 class WorkerFailed(Exception):
@@ -67,12 +81,14 @@ class RouterApp:
         max_in_flight: int = 1024,
         body_timeout_s: float = BODY_DEADLINE_S,
         body_bytes_max: int = BODY_BYTES_MAX,
+        tokenizers: dict | None = None,
     ) -> None:
         self.core = core
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.body_timeout_s, self.body_bytes_max = body_timeout_s, body_bytes_max
         self.limiter = InFlightLimiter(max_in_flight)
         self.tok = ByteTokenizer(ROUTER_VOCAB)
+        self.tokenizers = tokenizers if tokenizers is not None else load_tokenizers(core.config)
         self.counters = HTTPCounters(
             "gcache_router_", (COMPLETIONS_PATH, CHAT_PATH, "/health", "/metrics"), ROUTER_COUNTERS
         )
@@ -116,12 +132,12 @@ class RouterApp:
         return await self._proxy(request, CHAT_PATH)
 
     async def _proxy(self, request: web.Request, path: str) -> web.StreamResponse:
-        async def attempts(body: bytes, tokens: list[int]) -> web.StreamResponse:
-            return await self._attempts(request, path, body, tokens)
+        async def attempts(body: bytes, intake: Intake) -> web.StreamResponse:
+            return await self._route(request, path, body, intake)
 
         return await serve_post(
             request,
-            lambda payload: prompt_tokens(path, payload, self.tok),
+            lambda payload: self._intake(path, payload),
             attempts,
             limiter=self.limiter,
             counters=self.counters,
@@ -129,11 +145,59 @@ class RouterApp:
             body_timeout_s=self.body_timeout_s,
         )
 
-    async def _attempts(self, request: web.Request, path: str, body: bytes, tokens: list[int]) -> web.StreamResponse:
+    def _intake(self, path: str, payload) -> Intake:
+        """What routing needs from a body. The byte tokenizer's parse (gcache-workers') refusing
+        it is a 400 unless vLLM servers may take it (they decide what is valid)."""
+        try:
+            tokens, error = prompt_tokens(path, payload, self.tok), None
+        except HTTPError as e:
+            if not isinstance(payload, dict) or not self.core.has_engines():
+                raise
+            tokens, error = None, e
+        image = first_image(payload) if path == CHAT_PATH else None
+        return Intake(payload, tokens, error, request_model(payload), image)
+
+    async def _route(self, request: web.Request, path: str, body: bytes, intake: Intake) -> web.StreamResponse:
+        if not self.core.model_served(intake.model):
+            self.counters.inc("http_unknown_model_total")
+            return error_response(404, f"The model `{intake.model}` does not exist.")
+        tokens: dict[str, list[int]] = {}
+        for key in sorted(self.core.tokenizer_keys(intake.model)):
+            if not key:
+                if intake.tokens is not None:
+                    tokens[key] = intake.tokens
+                continue
+            tokens[key] = await self._engine_tokens(key, path == CHAT_PATH, intake.payload)
+        if not tokens:  # only gcache-workers could take it, and their parse refused it
+            if intake.error is not None:
+                return from_http_error(intake.error)
+            return await self._attempts(request, path, body, RouteRequest({"": [0]}, intake.model))
+        return await self._attempts(request, path, body, RouteRequest(tokens, intake.model, intake.image))
+
+    async def _engine_tokens(self, key: str, chat: bool, payload: dict) -> list[int]:
+        """The prompt as the engines of tokenizer `key` see it ([] if it cannot be rendered)."""
+        tok = self.tokenizers.get(key[3:])
+        if tok is None:
+            return []
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, tok.tokens, chat, payload)
+        except NotRenderable:
+            self.counters.inc("http_untokenized_total")
+            return []
+        except Exception:  # a tokenizer bug must not fail the request: route it without affinity
+            self.counters.inc("http_untokenized_total")
+            log.exception("router: tokenizer %r failed", key)
+            return []
+
+    async def _attempts(
+        self, request: web.Request, path: str, body: bytes, req: RouteRequest | Sequence[int]
+    ) -> web.StreamResponse:
+        req = as_request(req)  # (a subclass may pass plain token ids)
         tried: list[str] = []
         failures: list[str] = []
+        tokens = max(req.tokens.values(), key=len)
         for attempt in range(2):
-            url = self.core.pick(tokens, exclude=frozenset(tried))
+            url = self.core.pick(req, exclude=frozenset(tried))
             if url is None:
                 break
             if attempt:
@@ -235,6 +299,11 @@ async def _peek_message(upstream: aiohttp.ClientResponse) -> str:
         return "(no message)"
 
 
+def load_tokenizers(config) -> dict:
+    """--tokenizer's model directories, loaded (ValueError for a bad one): name -> tokenizer."""
+    return {name: ModelTokenizer(path) for name, path in config.tokenizers}
+
+
 def make_app(
     core: RouterCore,
     request_timeout_s: float = 600.0,
@@ -242,5 +311,8 @@ def make_app(
     max_in_flight: int = 1024,
     body_timeout_s: float = BODY_DEADLINE_S,
     body_bytes_max: int = BODY_BYTES_MAX,
+    tokenizers: dict | None = None,
 ) -> web.Application:
-    return RouterApp(core, request_timeout_s, connect_timeout_s, max_in_flight, body_timeout_s, body_bytes_max).build()
+    return RouterApp(
+        core, request_timeout_s, connect_timeout_s, max_in_flight, body_timeout_s, body_bytes_max, tokenizers
+    ).build()

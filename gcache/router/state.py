@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from gcache.router.engines import GCACHE_WORKER, EngineInfo, parse_info
 from gcache.serving.redis_layout import (
     FLAGS_ALL,
     L3_FULL,
@@ -52,6 +53,7 @@ class WorkerView:
     missing_since: float | None = None  # router clock when the registration went missing
     listed: bool = True  # in the discovery set (False: deregistered, or Redis lost it)
     awaiting: bool = False  # registered when Redis changed epoch: expected back
+    info: EngineInfo = GCACHE_WORKER  # the engine behind it (engines.py)
 
 
 class ClusterView:
@@ -119,7 +121,7 @@ class RedisSync:
         after_error: the previous refresh failed (Redis may have restarted empty)."""
         urls, run_id = self._discover()
         new_epoch = after_error or (run_id is not None and self.run_id is not None and run_id != self.run_id)
-        regs = self._registrations(urls)
+        regs, infos = self._registrations(urls)
         now = self.clock()
         full, delta = [], []
         with view.lock:
@@ -141,7 +143,7 @@ class RedisSync:
                 if w is None:
                     w = view.workers[url] = WorkerView(url)
                 w.missing_since, w.listed, w.awaiting = None, True, False
-                w.reg = reg
+                w.reg, w.info = reg, infos[url]
                 if reg.epoch != w.epoch or w.last_id is None or reg.seq < w.seq:
                     full.append(url)
                 elif reg.seq > w.seq:
@@ -174,10 +176,10 @@ class RedisSync:
                 self.stats["bad_worker_urls"] += 1
         return sorted(urls), run_id
 
-    def _registrations(self, urls: list[str]) -> dict[str, Registration]:
+    def _registrations(self, urls: list[str]) -> tuple[dict[str, Registration], dict[str, EngineInfo]]:
         if not urls:
-            return {}
-        out = {}
+            return {}, {}
+        out, infos = {}, {}
         for url, raw in zip(urls, self.r.mget([self.keys.reg(u) for u in urls])):
             if raw is None:
                 continue
@@ -190,7 +192,8 @@ class RedisSync:
                 self.stats["bad_registrations"] += 1
                 continue
             out[url] = reg
-        return out
+            infos[url] = parse_info(raw)
+        return out, infos
 
     def _drop_missing(self, view: ClusterView, listed: set, now: float) -> None:
         for url, w in list(view.workers.items()):
@@ -235,6 +238,7 @@ class RedisSync:
             if w is None:
                 return
             w.reg, w.flags, w.epoch, w.seq, w.last_id = reg, flags, reg.epoch, reg.seq, last_id
+            w.info = parse_info(reg_raw)
 
     def _deltas(self, view: ClusterView, todo: list) -> None:
         if not todo:
