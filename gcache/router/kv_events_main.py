@@ -395,7 +395,7 @@ class Translator:
                 sets = {id_bytes(pid): bytes([f]) for pid, f in batch.pages if f}
                 dels = [id_bytes(pid) for pid, f in batch.pages if not f]
                 if sets:
-                    p.hset(k.pages(url), mapping=sets)
+                    p.hset(k.pages(url), mapping=sets)  # type: ignore[arg-type]  # redis-py: Mapping is invariant in its key type
                 if dels:
                     p.hdel(k.pages(url), *dels)
                 p.xadd(

