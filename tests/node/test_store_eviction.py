@@ -80,9 +80,11 @@ def test_all_memory_leased_gives_no_space_not_a_hang(tmp_path):
         s.check_integrity()
 
 
-def test_value_bigger_than_memory_is_no_space(tmp_path):
+def test_value_bigger_than_memory_is_too_large(tmp_path):
+    """A value that can never fit (larger than the arena, no disk) is refused as too large at
+    once, not after waiting for space (issue 31, finding 3)."""
     with Store(1 * MIB, 0, "", value_bytes_max=4 * MIB) as s:
-        assert s.put(b"big", bytes(2 * MIB)) == Store.NO_SPACE
+        assert s.put(b"big", bytes(2 * MIB)) == Store.TOO_LARGE
         assert not s.contains(b"big")
         s.check_integrity()
 
