@@ -206,4 +206,14 @@ def normalize_key(key) -> bytes:
 def normalize_keys(keys) -> list[bytes]:
     if isinstance(keys, (bytes, str)):
         raise KeyInvalidError("expected a list of keys, got a single key: wrap it in a list")
-    return [normalize_key(k) for k in keys]
+    # normalize_key inlined for the common keys (str and bytes of a valid length): a batch's
+    # keys cost no function call each; anything else goes through normalize_key (and its errors).
+    out = []
+    append = out.append
+    for key in keys:
+        cls = type(key)
+        raw = key if cls is bytes else key.encode("utf-8") if cls is str else b""
+        if not 0 < len(raw) <= KEY_BYTES_MAX:
+            raw = normalize_key(key)
+        append(raw)
+    return out
