@@ -34,6 +34,12 @@ No hardware counters on this VM (cycles are "not supported"): perf samples the c
 The machine is shared (load 5+ on 2 cores): CPU per call and syscalls per call are what
 to compare, wall-clock rates swing by tens of percent.
 
+`--baseline TREE` compares this checkout's client with another's (e.g. `git worktree add` of
+the commit before, with its native module built or copied in) on one server started here: a
+fresh worker process per tree every round, alternating bursts, so both see the same load:
+
+    .venv/bin/python -m bench.store.profile_paths --path shm-get4k --baseline ../before --runs 8 --seconds 0.3
+
 `--floors` measures, in this process, what the hardware allows for the same bytes: one
 thread's memcpy of a batch (gcache-bench's memcpy_batch_gbps), one TCP stream over loopback
 through batch-sized buffers (loopback_tcp_batch_gbps), and a Python request / 4 KiB reply
@@ -49,6 +55,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import statistics
@@ -91,7 +98,16 @@ def path_of(name: str) -> Path_:
 class Loop:
     """One client and its prepared keys; `run()` is one timed loop."""
 
-    def __init__(self, address: str, path: Path_, batch: int, size: int, small_size: int, live_bytes: int):
+    def __init__(
+        self,
+        address: str,
+        path: Path_,
+        batch: int,
+        size: int,
+        small_size: int,
+        live_bytes: int,
+        working_set_bytes: int = GET_WORKING_SET_BYTES,
+    ):
         import gcache
 
         self.client = gcache.Client(address, timeout_s=60.0, transport=path.transport)
@@ -117,8 +133,8 @@ class Loop:
             self.buf = rng.integers(0, 256, batch * size, dtype=np.uint8)
             self.out = np.zeros_like(self.buf)
             if path.op == "get":
-                # gcache-bench's get: a 256 MiB working set read round robin.
-                batches = max(1, GET_WORKING_SET_BYTES // (batch * size))
+                # gcache-bench's get: a working set (256 MiB) read round robin.
+                batches = max(1, working_set_bytes // (batch * size))
                 self.groups = [[f"prof/get/{g}/{i}" for i in range(batch)] for g in range(batches)]
                 for keys in self.groups:
                     assert all(self.client.batch_put_from(keys, self.buf, self.sizes, self.offsets))
@@ -148,7 +164,7 @@ class Loop:
         """One timed loop. CPU per call: this process's (every thread: the shm copy pool
         too) and, with server_pid, the server process's (/proc, every thread)."""
         lat: list[float] = []
-        cpu0, server0 = time.process_time(), process_cpu_s(server_pid)
+        mine0, server0 = resource.getrusage(resource.RUSAGE_SELF), process_cpu_s(server_pid)
         clock = time.perf_counter
         end = clock() + seconds
         i = 0
@@ -181,8 +197,9 @@ class Loop:
                 if value != self.values[j]:
                     raise SystemExit(f"get({self.keys[j]!r}) returned other bytes")
             i += 1
-        cpu = time.process_time() - cpu0
-        server_cpu = process_cpu_s(server_pid) - server0
+        mine = resource.getrusage(resource.RUSAGE_SELF)  # every thread, microseconds
+        user, system = mine.ru_utime - mine0.ru_utime, mine.ru_stime - mine0.ru_stime
+        server_user, server_system = (a - b for a, b in zip(process_cpu_s(server_pid), server0))
         if op == "get" and not np.array_equal(self.out, self.buf):
             raise SystemExit("GET bytes differ")
         per_op_bytes = self.small_size if op == "one" else self.batch * self.size
@@ -196,20 +213,25 @@ class Loop:
             "p99_us": float(np.percentile(us, 99)),
             "mean_us": float(us.mean()),
             "removes": self.removes,
-            "client_cpu_us_per_op": cpu * 1e6 / len(lat),
-            "server_cpu_us_per_op": server_cpu * 1e6 / len(lat) if server_pid else None,
+            "client_cpu_us_per_op": (user + system) * 1e6 / len(lat),
+            "client_user_us_per_op": user * 1e6 / len(lat),  # Python and native code
+            "client_system_us_per_op": system * 1e6 / len(lat),  # the kernel: syscalls, copies, TCP
+            "server_cpu_us_per_op": (server_user + server_system) * 1e6 / len(lat) if server_pid else None,
+            "server_user_us_per_op": server_user * 1e6 / len(lat) if server_pid else None,
+            "server_system_us_per_op": server_system * 1e6 / len(lat) if server_pid else None,
         }
 
     def close(self) -> None:
         self.client.close()
 
 
-def process_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of every thread of `pid` so far (0 without one)."""
+def process_cpu_s(pid: int | None) -> tuple[float, float]:
+    """(user, system) CPU seconds of every thread of `pid` so far ((0, 0) without one)."""
     if not pid:
-        return 0.0
+        return 0.0, 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 # -- profilers attached to both processes -------------------------------------------------
@@ -423,6 +445,7 @@ import socket, sys, time
 port, total, chunk, buffer_bytes = map(int, sys.argv[1:5])
 payload = memoryview(bytearray(b"\x01" * buffer_bytes))
 with socket.create_connection(("127.0.0.1", port)) as out:
+    print("connected", flush=True)
     sys.stdin.readline()  # go: the profilers (if any) are attached
     cpu0 = time.thread_time()
     sent = 0
@@ -537,6 +560,8 @@ def loopback(
         stdout=subprocess.PIPE,
         text=True,
     )
+    if sender.stdout.readline().strip() != "connected":  # its buffer is built: attach now
+        raise RuntimeError("the loopback sender did not connect")
     with attach(sender.pid, receiver.pid) if attach else contextlib.nullcontext():
         sender.stdin.write("go\n")
         sender.stdin.flush()
@@ -574,7 +599,17 @@ def start_server(memory: str, tmp: Path):
     return LocalServer(tmp / "data", memory=memory, disk="0").start()
 
 
-RUN_FIELDS = ("gbps", "p50_us", "p99_us", "client_cpu_us_per_op", "server_cpu_us_per_op")
+RUN_FIELDS = (
+    "gbps",
+    "p50_us",
+    "p99_us",
+    "client_cpu_us_per_op",
+    "client_user_us_per_op",
+    "client_system_us_per_op",
+    "server_cpu_us_per_op",
+    "server_user_us_per_op",
+    "server_system_us_per_op",
+)
 
 
 def floor_round(batch_bytes: int) -> dict:
@@ -605,6 +640,75 @@ def print_summary(report: dict) -> None:
             print(f"floor {probe:20s} {field:26s} min/median/max {spread([r[probe][field] for r in rounds])}")
 
 
+# -- A/B against another checkout's client --------------------------------------------------
+
+AB_BURSTS = 4  # per worker and round; the first warms up and is dropped
+
+
+def worker_main(argv: list[str]) -> int:
+    """`--worker ADDRESS PATH BATCH SIZE SMALL LIVE`: one path's Loop in this process (whose
+    gcache is the tree first on PYTHONPATH); each stdin line "SECONDS OPS" runs one timed
+    loop and prints its figures as one JSON line."""
+    address, name, batch, size, small, live, working_set = argv
+    loop = Loop(address, path_of(name), int(batch), int(size), int(small), int(live), int(working_set))
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            seconds, ops = line.split()
+            print(json.dumps(loop.run(float(seconds), None if ops == "-" else int(ops))), flush=True)
+    finally:
+        loop.close()
+    return 0
+
+
+def ab_compare(args, address: str, name: str) -> dict:
+    """This tree's client against `args.baseline`'s, both on the same server: every round
+    starts a fresh worker process per tree (no process keeps a lucky CPU placement), and
+    they alternate bursts of `--seconds` (or `--ops` calls), the order flipped every time."""
+    trees = {"this": str(Path(__file__).resolve().parents[2]), "baseline": str(Path(args.baseline).resolve())}
+    runs: dict[str, list[dict]] = {side: [] for side in trees}
+    burst = f"{args.seconds} {args.ops if args.ops else '-'}\n"
+    worker_argv = [name, str(args.batch), str(args.value_size), str(args.small_size), str(args.live)]
+    worker_argv.append(str(args.working_set))
+    for rnd in range(args.runs):
+        order = list(trees) if rnd % 2 == 0 else list(reversed(list(trees)))
+        procs = {}
+        try:
+            for side in order:
+                procs[side] = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--worker", address, *worker_argv],
+                    cwd=trees[side],
+                    env=dict(os.environ, PYTHONPATH=trees[side]),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                if procs[side].stdout.readline().strip() != "ready":
+                    raise SystemExit(f"the {side} worker ({trees[side]}) did not start")
+            for b in range(AB_BURSTS):
+                for side in order if b % 2 == 0 else list(reversed(order)):
+                    procs[side].stdin.write(burst)
+                    procs[side].stdin.flush()
+                    figures = json.loads(procs[side].stdout.readline())
+                    if b:
+                        runs[side].append(figures)
+        finally:
+            for proc in procs.values():
+                proc.stdin.close()
+                proc.wait(60)
+    result: dict = {"trees": trees, "runs": runs}
+    for field in ("client_cpu_us_per_op", "p50_us", "gbps"):
+        med = {side: statistics.median(r[field] for r in runs[side]) for side in trees}
+        result[field] = {side: spread([r[field] for r in runs[side]]) for side in trees}
+        result[field]["this / baseline (medians)"] = f"{med['this'] / med['baseline']:.3f}"
+        print(
+            f"A/B {name:10s} {field:22s} this {result[field]['this']}   baseline {result[field]['baseline']}   "
+            f"this / baseline {result[field]['this / baseline (medians)']}",
+            flush=True,
+        )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", choices=PATHS, action="append", help="the path(s) to run (default: the four rows)")
@@ -616,11 +720,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", type=int, help="calls per timed run instead of --seconds")
     p.add_argument("--runs", type=int, default=3, help="rounds: each runs every path once (and the floors)")
     p.add_argument("--live", type=parse_size, default=PUT_LIVE_BYTES_DEFAULT, help="PUT: bytes written between removes")
+    p.add_argument(
+        "--working-set", type=parse_size, default=GET_WORKING_SET_BYTES, help="GET: bytes read round robin (256MiB)"
+    )
     p.add_argument("--memory", default="3GiB", help="the local server's memory tier")
     p.add_argument("--server", help="HOST:PORT of a running server (else one is started); see --server-pid")
     p.add_argument("--server-pid", type=int, help="its process id: its CPU per call, and --profile")
     p.add_argument("--out", type=Path, help="profile files and report.json (default: a temp folder)")
     p.add_argument("--floors", action="store_true", help="measure the machine's floors in every round")
+    p.add_argument(
+        "--baseline",
+        metavar="TREE",
+        help="A/B instead: this checkout's client against TREE's (another checkout with its gcache/ and "
+        "native module), worker processes alternating bursts of --seconds, --runs rounds (client CPU per "
+        "call, p50, GB/s: min / median / max, ratio of medians)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1:])
     args = p.parse_args(argv)
     profilers = [x for x in args.profile.split(",") if x and x != "none"]
     for x in profilers:
@@ -642,8 +759,14 @@ def main(argv: list[str] | None = None) -> int:
                 server = start_server(args.memory, tmp)
                 address, server_pid = server.address, server.proc.pid
             print(f"server {address} pid {server_pid}; client pid {os.getpid()}; files in {out}", flush=True)
+            if args.baseline:
+                for name in paths:
+                    report["paths"][name]["ab"] = ab_compare(args, address, name)
+                paths = []
             for name in paths:
-                loops[name] = Loop(address, path_of(name), args.batch, args.value_size, args.small_size, args.live)
+                loops[name] = Loop(
+                    address, path_of(name), args.batch, args.value_size, args.small_size, args.live, args.working_set
+                )
         # Rounds: the floors, then every path once, so neighbouring figures share the machine's load.
         for rnd in range(args.runs):
             if args.floors:

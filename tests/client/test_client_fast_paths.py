@@ -24,7 +24,15 @@ class _Subclass(str):
     pass
 
 
-KEYS_OK = [b"k", "k\u00e9", bytearray(b"ba"), memoryview(b"mv"), b"a" * KEY_BYTES_MAX, "s" * KEY_BYTES_MAX, _Subclass("x")]
+KEYS_OK = [
+    b"k",
+    "k\u00e9",
+    bytearray(b"ba"),
+    memoryview(b"mv"),
+    b"a" * KEY_BYTES_MAX,
+    "s" * KEY_BYTES_MAX,
+    _Subclass("x"),
+]
 KEYS_BAD = [b"", "", b"a" * (KEY_BYTES_MAX + 1), "\u00e9" * 300, 5, None, 1.5]
 
 
