@@ -152,7 +152,16 @@ class Client(ABC):
         if _is_address(buffers):
             return [self._registry.resolve(buffers + o, s, writable) for o, s in zip(offsets, sizes)]
         base = byte_view(buffers, writable)
-        return [slice_view(base, o, s, what) for o, s in zip(offsets, sizes)]
+        end = len(base)
+        views = []
+        append = views.append
+        for o, s in zip(offsets, sizes):
+            # slice_view's checks inlined for the common case; anything else gets its error
+            if type(o) is int and type(s) is int and o >= 0 and s >= 0 and o + s <= end:
+                append(base[o : o + s])
+            else:
+                append(slice_view(base, o, s, what))
+        return views
 
     # -- puts -------------------------------------------------------------------------
 

@@ -209,7 +209,11 @@ class ServerClient(Client):
     def _split(self, n: int, sizes=None, bytes_max: int | None = None) -> list[tuple[int, int]]:
         """[lo, hi) slices of at most batch_keys_max keys and `bytes_max` (default
         frame_payload_bytes_max) bytes."""
+        if n == 1:  # one key is one frame whatever its size (a larger value is refused per key)
+            return [(0, 1)]
         bytes_max = bytes_max or self.frame_payload_bytes_max
+        if sizes is not None and n <= self.batch_keys_max and sum(sizes) <= bytes_max:
+            return [(0, n)]  # the common case: the whole batch in one frame
         if sizes is None:
             step = self.batch_keys_max
             return [(lo, min(lo + step, n)) for lo in range(0, n, step)]

@@ -220,9 +220,17 @@ class Connection:
         if parts and isinstance(parts[-1], HashedValues):
             self._send_hashed(parts[:-1], parts[-1])
             return
+        self._cap_wait("sending a request")
+        if len(parts) == 1:  # a request with no payload: one send, whole in the common case
+            try:
+                sent = self.sock.send(parts[0])
+            except OSError as exc:
+                raise self._fail(exc, "sending a request") from exc
+            if sent == len(parts[0]):
+                return
+            parts = [memoryview(parts[0])[sent:]]
         pending = [p for p in parts if len(p)]
         i = 0
-        self._cap_wait("sending a request")
         try:
             while i < len(pending):
                 sent = self.sock.sendmsg(pending[i : i + IOV_PER_SENDMSG_MAX])
@@ -324,17 +332,17 @@ class Connection:
     def read_into_many(self, targets: list[memoryview]) -> None:
         """Fills every target in order: buffered bytes first, then one scatter read."""
         rest = []
-        for target in targets:
-            buffered = self._end - self._pos
-            if buffered:
-                got = min(buffered, len(target))
-                target[:got] = self._rview[self._pos : self._pos + got]
-                self._pos += got
-                if got < len(target):
-                    rest.append(target[got:])
-            elif len(target):
-                rest.append(target)
-        total = sum(len(t) for t in rest)
+        k = 0
+        while k < len(targets) and self._end > self._pos:  # the buffered bytes first
+            target = targets[k]
+            got = min(self._end - self._pos, len(target))
+            target[:got] = self._rview[self._pos : self._pos + got]
+            self._pos += got
+            if got < len(target):
+                rest.append(target[got:])
+            k += 1
+        rest += targets[k:] if k else targets  # the rest, read by one scatter read
+        total = sum(map(len, rest))
         if total < DIRECT_READ_BYTES_MIN:
             for target in rest:
                 self.read_into(target)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 from gcache import errors
 
@@ -72,12 +71,27 @@ def current() -> Deadline | None:
     return getattr(_current, "deadline", None)
 
 
-@contextmanager
-def using(deadline: Deadline | None):
-    """Makes `deadline` the current one in this thread (a cluster client's part of a call)."""
-    previous = current()
-    _current.deadline = deadline
-    try:
-        yield deadline
-    finally:
-        _current.deadline = previous
+class _Using:
+    """The context manager `using` returns: a plain class, since every call of every
+    client enters one (a generator-based contextmanager costs a few microseconds more,
+    a noticeable share of a 4 KiB GET)."""
+
+    __slots__ = ("deadline", "previous")
+
+    def __init__(self, deadline: Deadline | None):
+        self.deadline = deadline
+        self.previous: Deadline | None = None
+
+    def __enter__(self) -> Deadline | None:
+        self.previous = getattr(_current, "deadline", None)
+        _current.deadline = self.deadline
+        return self.deadline
+
+    def __exit__(self, *exc_info) -> None:
+        _current.deadline = self.previous
+
+
+def using(deadline: Deadline | None) -> _Using:
+    """Makes `deadline` the current one in this thread (a cluster client's part of a call):
+    `with using(deadline): ...`."""
+    return _Using(deadline)

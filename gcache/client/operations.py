@@ -106,6 +106,23 @@ def record_put_status(result: BatchResult, i: int, st: int) -> None:
         raise errors.ProtocolError(f"unknown put status {st!r} for key {result.keys[i]!r}")
 
 
+_STORED_OR_EXISTS = frozenset((PutStatus.STORED, PutStatus.EXISTS))
+
+
+def record_put_statuses(result: BatchResult, lo: int, statuses: list) -> None:
+    """record_put_status for keys lo, lo + 1, ...: one slice assignment when every key
+    was stored (or existed), the common case, instead of a call per key."""
+    try:
+        every_key_ok = _STORED_OR_EXISTS.issuperset(statuses)
+    except TypeError:  # an unhashable status: record_put_status names it
+        every_key_ok = False
+    if every_key_ok:
+        result.values[lo : lo + len(statuses)] = [True] * len(statuses)
+        return
+    for i, st in enumerate(statuses, lo):
+        record_put_status(result, i, st)
+
+
 def _expect_list(meta: dict, field: str, n: int) -> list:
     value = meta.get(field)
     if not isinstance(value, list) or len(value) != n:
@@ -257,8 +274,7 @@ class PutOp(Operation):
         ):
             # Every XXH3 sum refused: a node from before XXH3 checked them as xxh64.
             raise errors.ProtocolError(f"every value of this PUT failed its checksum: {_OLD_NODE_HINT}")
-        for i, st in enumerate(statuses, self.lo):
-            record_put_status(self.result, i, st)
+        record_put_statuses(self.result, self.lo, statuses)
 
 
 class _ValuesOp(Operation):
@@ -351,19 +367,25 @@ class GetIntoOp(_ValuesOp):
 
     def read_values(self, conn, lens, sums, payload_len):
         out = self.result.values
+        lo, targets = self.lo, self.targets
         dests: list[memoryview | None] = []
+        append = dests.append
+        all_fit = True
         for j, size in enumerate(lens):
-            target = self.targets[j]
             if size < 0:
-                out[self.lo + j] = None
-            elif size > len(target):
-                out[self.lo + j] = None
-                self.result.too_small.append((self.lo + j, size))
-                dests.append(None)
+                out[lo + j] = None
+                continue
+            target = targets[j]
+            room = len(target)
+            if size > room:
+                out[lo + j] = None
+                self.result.too_small.append((lo + j, size))
+                append(None)
+                all_fit = False
             else:
-                out[self.lo + j] = size
-                dests.append(target[:size] if size != len(target) else target)
-        if None not in dests:
+                out[lo + j] = size
+                append(target if size == room else target[:size])
+        if all_fit:
             conn.read_into_many(dests)
         else:  # never write past a caller's buffer: drop the values that do not fit
             for dest, size in zip(dests, (size for size in lens if size >= 0)):

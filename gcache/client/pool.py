@@ -24,13 +24,17 @@ class ConnectionPool:
         self._connect = connect
         self.size_max = size_max
         self._acquire_timeout_s = acquire_timeout_s
-        self._cond = threading.Condition(threading.Lock())
+        # Held directly (`with self._lock`, a C call) on the common paths; the Condition over
+        # it is only waited on and notified when a caller waits for a connection.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # callers in acquire() waiting for a connection
         self._idle: list[tuple[Connection, float]] = []
         self._open = 0
         self._closed = False
 
     def acquire(self) -> Connection:
-        with self._cond:
+        with self._lock:
             deadline = None
             while True:
                 if self._closed:
@@ -53,7 +57,12 @@ class ConnectionPool:
                         wait_s = call.cap(wait_s)
                     deadline = time.monotonic() + wait_s
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
+                self._waiting += 1
+                try:
+                    woken = left > 0 and self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+                if not woken:
                     if not self._idle and self._open >= self.size_max:
                         raise errors.PoolExhaustedError(
                             f"all {self.size_max} pooled connections stayed busy for "
@@ -62,30 +71,35 @@ class ConnectionPool:
         try:
             return self._connect()  # outside the lock: connecting can take a while
         except BaseException:
-            with self._cond:
+            with self._lock:
                 self._open -= 1
-                self._cond.notify()
+                self._notify()
             raise
+
+    def _notify(self) -> None:
+        """Wakes one waiting acquire() (the lock held); nothing to do when none waits."""
+        if self._waiting:
+            self._cond.notify()
 
     def adopt(self, conn: Connection) -> None:
         """Adds an open connection (made while choosing the transport) as idle."""
-        with self._cond:
+        with self._lock:
             if self._closed or self._open >= self.size_max:
                 conn.close()
                 return
             self._open += 1
             self._idle.append((conn, time.monotonic()))
-            self._cond.notify()
+            self._notify()
 
     def release(self, conn: Connection) -> None:
         """Returns a connection; a broken one (or any after close()) is closed instead."""
-        with self._cond:
+        with self._lock:
             if conn.broken or self._closed:
                 conn.close()
                 self._open -= 1
             else:
                 self._idle.append((conn, time.monotonic()))
-            self._cond.notify()
+            self._notify()
 
     def discard_idle(self) -> None:
         """Closes every idle connection: after one failed, the rest are likely stale too."""
@@ -97,7 +111,7 @@ class ConnectionPool:
             conn.close()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
         self.discard_idle()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgpack
 
@@ -209,4 +209,15 @@ def normalize_key(key: object) -> bytes:
 def normalize_keys(keys: Iterable[object]) -> list[bytes]:
     if isinstance(keys, (bytes, str)):
         raise KeyInvalidError("expected a list of keys, got a single key: wrap it in a list")
-    return [normalize_key(k) for k in keys]
+    # normalize_key inlined for the common keys (str and bytes of a valid length): a batch's
+    # keys cost no function call each; anything else goes through normalize_key (and its errors).
+    out: list[bytes] = []
+    append = out.append
+    for key in keys:
+        cls = type(key)
+        # exact types (a subclass goes through normalize_key); mypy cannot narrow on type(key)
+        raw: bytes = cast(bytes, key) if cls is bytes else cast(str, key).encode("utf-8") if cls is str else b""
+        if not 0 < len(raw) <= KEY_BYTES_MAX:
+            raw = normalize_key(key)
+        append(raw)
+    return out

@@ -26,8 +26,17 @@ from gcache.client.operations import (
     _ValuesOp,
     encode_request_meta,
     record_put_status,
+    record_put_statuses,
 )
-from gcache.wire.protocol import FLAG_NO_REPLY, ChecksumKind, Opcode, PutStatus, encode_header, encode_meta
+from gcache.wire.protocol import (
+    FLAG_NO_REPLY,
+    ChecksumKind,
+    Opcode,
+    PutStatus,
+    encode_header,
+    encode_keys_meta,
+    encode_meta,
+)
 
 
 def release_frame(lease: int) -> bytes:
@@ -39,6 +48,9 @@ def release_frame(lease: int) -> bytes:
 # Values up to this size come back inside the LOOKUP answer, unleased: below it a
 # socket copy costs less than a lease, a copy and a RELEASE.
 INLINE_BYTES_MAX = 16 * 1024
+# msgpack of the map entry "inline_max": INLINE_BYTES_MAX (a uint16), appended to a
+# one-key request map (encode_keys_meta's) instead of packing a dict per call.
+_INLINE_MAX_FIELD = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big")
 # A lease is trusted for this share of its length: the server's deadline and this
 # process's clock may run at slightly different rates.
 LEASE_TRUST = 0.9
@@ -72,6 +84,9 @@ class LookupOp(_ValuesOp):
 
     def request_meta_bytes(self, epoch):
         # "ck": this client reads "cks" (the kind of each value's sum).
+        if self.hi - self.lo == 1:  # a single GET: no dict packed per call
+            meta = encode_keys_meta(self.keys, epoch, ck=True)  # a fixmap of 2 or 3 entries
+            return bytes((meta[0] + 1,)) + meta[1:] + _INLINE_MAX_FIELD
         return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1}, epoch)
 
     def on_response(self, conn, meta, payload_len):
@@ -84,15 +99,21 @@ class LookupOp(_ValuesOp):
         inlined = meta.get("inl") or [False] * n
         if not isinstance(lease, int) or len(inlined) != n:
             raise errors.ProtocolError(f"LOOKUP answer has lease {lease!r} and {len(inlined)} inline flags")
-        if sum(size for size, inl in zip(lens, inlined) if inl and size > 0) != payload_len:
-            raise errors.ProtocolError(f"LOOKUP answer payload is {payload_len} bytes, not its inline values")
+        inline_bytes = 0
+        any_inline = False
+        values = self.result.values
         for j, size in enumerate(lens):
             if size < 0:
-                self.result.values[self.lo + j] = None  # also over an earlier attempt's answer
+                values[self.lo + j] = None  # also over an earlier attempt's answer
+            elif inlined[j]:
+                inline_bytes += size
+                any_inline = True
+        if inline_bytes != payload_len:
+            raise errors.ProtocolError(f"LOOKUP answer payload is {payload_len} bytes, not its inline values")
         try:
-            bad = self._read_inline(conn, lens, sums, kinds, inlined) if any(inlined) else []
-            leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
+            bad = self._read_inline(conn, lens, sums, kinds, inlined) if any_inline else []
             if lease:
+                leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
                 arena = _arena(conn)
                 arena.check_answer(meta)
                 bad += self._read_leased(arena, offsets, leased, sums, kinds)
@@ -101,7 +122,7 @@ class LookupOp(_ValuesOp):
                 conn.send([release_frame(lease)])
         for j in bad:
             self.result.bad_checksum.append(self.lo + j)
-            self.result.values[self.lo + j] = None
+            values[self.lo + j] = None
 
     def _dest(self, j: int, size: int):
         """Where value j (of `size` bytes, -1: a miss) goes; None: nowhere (a miss, or
@@ -188,13 +209,17 @@ class ReserveOp(Operation):
         res = meta.get("res")
         if not isinstance(res, int) or payload_len:
             raise errors.ProtocolError(f"RESERVE answer has res {res!r} and payload {payload_len}")
-        write_at = [-1] * n
-        for j, st in enumerate(statuses):
-            if st == PutStatus.STORED:  # reserved: written now, stored once COMMIT says so
-                write_at[j] = offsets[j]
-                self.result.values[self.lo + j] = False
-            else:
-                record_put_status(self.result, self.lo + j, st)
+        if statuses.count(PutStatus.STORED) == n:  # every key reserved: the common case
+            write_at = list(offsets)
+            self.result.values[self.lo : self.hi] = [False] * n
+        else:
+            write_at = [-1] * n
+            for j, st in enumerate(statuses):
+                if st == PutStatus.STORED:  # reserved: written now, stored once COMMIT says so
+                    write_at[j] = offsets[j]
+                    self.result.values[self.lo + j] = False
+                else:
+                    record_put_status(self.result, self.lo + j, st)
         if not res:
             return
         arena = _arena(conn)
@@ -227,6 +252,9 @@ class CommitOp(Operation):
     def on_response(self, conn, meta, payload_len):
         statuses = _expect_list(meta, "st", self.hi - self.lo)
         conn.skip(payload_len)
+        if -1 not in self.written:  # every key was reserved
+            record_put_statuses(self.result, self.lo, statuses)
+            return
         for j, st in enumerate(statuses):
             if self.written[j] >= 0:  # the others were answered by the RESERVE
                 record_put_status(self.result, self.lo + j, st)
