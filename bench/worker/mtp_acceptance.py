@@ -38,11 +38,14 @@ sampling seed (a second run); --ablate-mtp-window zeroes the MTP blocks' attenti
 model whose acceptance does not drop then gains nothing from MTP KV, whatever its source.
 
   .venv/bin/python -m bench.worker.mtp_acceptance        # shipped weights; ~2-4 min on 2 cores
+  .venv/bin/python -m bench.worker.mtp_acceptance --preset tiny-mtp-recur --prompts 12
+      # the preset whose MTP drafts read their window (gcache.tools.train_mtp, README)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -60,12 +63,13 @@ from gcache.tools.devcluster.local_server import LocalServer
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
+from gcache.worker.http.flags import SHIPPED_WEIGHTS
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
 
-PRESET = Path(__file__).resolve().parents[2] / "gcache/worker/model/presets/tiny_mtp_stdlib.npz"
+PRESET = SHIPPED_WEIGHTS["tiny-mtp"]
 MODES = ("stale", "stale-prefix", "none", "prefill", "rebuild", "tiers")
 BUCKETS = ("0_128", "128_256")
 
@@ -94,8 +98,10 @@ def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
     return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec)
 
 
-def ablate_mtp_window() -> None:
-    """The MTP blocks' attention output times 0 (the diagnostic of --ablate-mtp-window)."""
+@contextlib.contextmanager
+def ablated_mtp_window():
+    """While open, the MTP blocks' attention output times 0 (the diagnostic of
+    --ablate-mtp-window; tests/worker/test_mtp_presets.py uses it too)."""
     from gcache.worker.model import mtp
 
     block = mtp.MTPHead._block
@@ -110,6 +116,10 @@ def ablate_mtp_window() -> None:
             m._attend = attend
 
     mtp.MTPHead._block = no_window
+    try:
+        yield
+    finally:
+        mtp.MTPHead._block = block
 
 
 def serve(e: Engine, prompt, max_tokens: int, temperature: float = 0.0, seed: int = 0):
@@ -120,7 +130,13 @@ def serve(e: Engine, prompt, max_tokens: int, temperature: float = 0.0, seed: in
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", default=str(PRESET))
+    ap.add_argument(
+        "--preset",
+        choices=tuple(SHIPPED_WEIGHTS),
+        default="tiny-mtp",
+        help="shipped weights: tiny-mtp (its MTP blocks do not read their window) or tiny-mtp-recur (they do)",
+    )
+    ap.add_argument("--weights", default="", help="another .npz (instead of --preset)")
     ap.add_argument("--mtp-layers", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-bytes", type=int, default=1450)
@@ -140,9 +156,13 @@ def main(argv=None) -> None:
         "where acceptance stays the same, the model's drafts do not depend on MTP KV, whatever its source",
     )
     args = ap.parse_args(argv)
-    if args.ablate_mtp_window:
-        ablate_mtp_window()
+    with ablated_mtp_window() if args.ablate_mtp_window else contextlib.nullcontext():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     print("command:", " ".join([".venv/bin/python", "-m", "bench.worker.mtp_acceptance", *sys.argv[1:]]))
+    args.weights = args.weights or str(SHIPPED_WEIGHTS[args.preset])
     cfg, weights = load(args.weights)
     model = Model(cfg, weights)
     K, L = args.mtp_layers, cfg.layers

@@ -18,7 +18,10 @@ from gcache.worker.http.publisher import add_publisher_args
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
-TINY_MTP_WEIGHTS = Path(__file__).resolve().parents[1] / "model/presets/tiny_mtp_stdlib.npz"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "model/presets"
+TINY_MTP_WEIGHTS = PRESETS_DIR / "tiny_mtp_stdlib.npz"
+TINY_MTP_RECUR_WEIGHTS = PRESETS_DIR / "tiny_mtp_recur.npz"  # MTP drafts that read their window
+SHIPPED_WEIGHTS = {"tiny-mtp": TINY_MTP_WEIGHTS, "tiny-mtp-recur": TINY_MTP_RECUR_WEIGHTS}
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -29,8 +32,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from gcache.worker.model.weights import load
 
     weights = None
-    if args.preset == "tiny-mtp" and not args.weights:
-        args.weights = str(TINY_MTP_WEIGHTS)  # the shipped trained weights (gcache.tools.train_mtp)
+    if args.preset in SHIPPED_WEIGHTS and not args.weights:
+        args.weights = str(SHIPPED_WEIGHTS[args.preset])  # the shipped trained weights (gcache.tools.train_mtp)
     if args.weights:
         cfg, weights = load(args.weights)
     else:
@@ -81,8 +84,9 @@ class WorkerFlags:
     preset: str = field(
         default="small",
         metadata=flag(
-            "seeded small / large model, or tiny-mtp: the shipped weights trained on the stdlib source, 3 MTP blocks",
-            choices=("small", "large", "tiny-mtp"),
+            "seeded small / large model, or shipped weights with 3 MTP blocks: tiny-mtp (trained on the stdlib "
+            "source, W 64), tiny-mtp-recur (W 128, the source with recurring spans: MTP drafts that read their window)",
+            choices=("small", "large", *SHIPPED_WEIGHTS),
         ),
     )
     config_json: str = field(default="", metadata=flag("ModelConfig overrides, e.g. '{\"layers\": 4}'"))
