@@ -299,7 +299,8 @@ class ServerClient(Client):
     def _meta_call(self, opcode: Opcode) -> dict:
         result = BatchResult([])
         self._run([MetaOp(opcode, result)], result)
-        assert result.meta is not None  # MetaOp read the answer's map
+        if result.meta is None:  # cannot happen: MetaOp read the answer's map
+            raise RuntimeError("invariant broken: MetaOp read the answer's map")
         return result.meta
 
     def ping(self) -> dict:

@@ -139,7 +139,8 @@ class PDRouterApp(RouterApp):
         core.begin(url, n_tokens)
         try:
             timeout = aiohttp.ClientTimeout(total=self.pd.prefill_timeout_s, sock_connect=self.connect_timeout_s)
-            assert self.session is not None  # opened on the app's startup
+            if self.session is None:  # cannot happen: opened on the app's startup
+                raise RuntimeError("invariant broken: opened on the app's startup")
             try:
                 async with self.session.post(
                     url + PD_PREFILL_PATH, data=body, timeout=timeout, headers={"Content-Type": "application/json"}
@@ -213,7 +214,8 @@ class PDRouterApp(RouterApp):
         ok = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
-            assert self.session is not None  # opened on the app's startup
+            if self.session is None:  # cannot happen: opened on the app's startup
+                raise RuntimeError("invariant broken: opened on the app's startup")
             try:
                 up = await self.session.post(
                     url + PD_DECODE_PATH, data=body, timeout=timeout, headers={"Content-Type": "application/json"}

@@ -220,7 +220,8 @@ class RouterApp:
         ok = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
-            assert self.session is not None  # opened on the app's startup
+            if self.session is None:  # cannot happen: opened on the app's startup
+                raise RuntimeError("invariant broken: opened on the app's startup")
             try:
                 upstream = await self.session.post(
                     url + path, data=body, timeout=timeout, headers={"Content-Type": "application/json"}

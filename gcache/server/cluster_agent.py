@@ -314,7 +314,8 @@ class ClusterAgent:
                 if self._stop.is_set():
                     return
                 cmap, self._pending = self._pending, None
-                assert cmap is not None  # the wait above ended with a map pending
+                if cmap is None:  # cannot happen: the wait above ended with a map pending
+                    raise RuntimeError("invariant broken: the wait above ended with a map pending")
                 keep = keeps_local_copies(cmap, self.node_id)
                 drop = self._drop_next and not keep
                 generation = self._drop_generation

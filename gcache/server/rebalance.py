@@ -325,7 +325,8 @@ class Rebalancer:
                 self._count_unreachable(len(owner_keys), result)
                 continue
             node = scan.cmap.node(owner_id)
-            assert node is not None  # an owner of this map
+            if node is None:  # cannot happen: an owner of this map
+                raise RuntimeError("invariant broken: an owner of this map")
             client = scan.clients.get(owner_id)
             if client is None:
                 client = scan.clients[owner_id] = self._owner_client(node.address, scan.cmap.epoch)
@@ -467,7 +468,8 @@ class Rebalancer:
         try:
             lens = self._local.batch_get_into(keys, buffer, sizes=[slot] * n, offsets=slot_offsets)
         except errors.BufferTooSmallError as e:
-            assert e.results is not None  # the client sets the batch's per-key answers
+            if e.results is None:  # cannot happen: the client sets the batch's per-key answers
+                raise RuntimeError("invariant broken: the client sets the batch's per-key answers") from e
             lens = e.results  # None for the keys that did not fit: read them again
             queue.extendleft(reversed(e.keys))
             self._learn_slot(max(e.sizes))

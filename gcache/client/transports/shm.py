@@ -39,7 +39,8 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
         pipeline.run(conn, [MetaOp(Opcode.PING, result)], 1)
     finally:
         conn.close()
-    assert result.meta is not None  # MetaOp read the answer's map
+    if result.meta is None:  # cannot happen: MetaOp read the answer's map
+        raise RuntimeError("invariant broken: MetaOp read the answer's map")
     path, instance = result.meta.get("unix"), result.meta.get("instance")
     return (path if isinstance(path, str) and path else None, instance if isinstance(instance, str) else None)
 

@@ -127,7 +127,8 @@ class LookupOp(_ValuesOp):
     def _dest(self, j: int, size: int):
         """Where value j (of `size` bytes, -1: a miss) goes; None: nowhere (a miss, or
         too large for its target: never write past a caller's buffer)."""
-        assert self.targets is not None  # called for reads into targets only
+        if self.targets is None:  # cannot happen: called for reads into targets only
+            raise RuntimeError("invariant broken: called for reads into targets only")
         out = self.result.values
         if size < 0:
             out[self.lo + j] = None

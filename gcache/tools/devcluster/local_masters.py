@@ -188,7 +188,8 @@ def wait_leader(addresses, timeout_s: float, credentials=None) -> str:
         leaders = [a for a, s in last.items() if s and s["raft"]["is_leader"]]
         if len(leaders) == 1:
             leader = last[leaders[0]]
-            assert leader is not None  # it answered
+            if leader is None:  # cannot happen: it answered
+                raise RuntimeError("invariant broken: it answered")
             leader_raft = leader["raft"]["self"]
             agree = sum(1 for s in last.values() if s and s["raft"]["leader"] == leader_raft)
             if agree > len(addresses) // 2:

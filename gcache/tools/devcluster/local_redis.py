@@ -81,11 +81,13 @@ class LocalRedis:
 
     def pause(self) -> None:
         """SIGSTOP: the port stays open but nothing answers (a slow / hung Redis)."""
-        assert self.proc is not None  # started
+        if self.proc is None:  # cannot happen: started
+            raise RuntimeError("invariant broken: started")
         self.proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        assert self.proc is not None  # started
+        if self.proc is None:  # cannot happen: started
+            raise RuntimeError("invariant broken: started")
         self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:

@@ -280,7 +280,8 @@ def execute(args: argparse.Namespace) -> dict:
         else:
             entry = {"workloads": {w: combine_repeats(runs) for w, runs in rounds.runs[system.name].items()}}
         if system.name.startswith("gcache/"):
-            assert transports is not None  # a gcache system ran
+            if transports is None:  # cannot happen: a gcache system ran
+                raise RuntimeError("invariant broken: a gcache system ran")
             transports[system.name.split("/", 1)[1]].update(entry)
         else:
             peers[system.name].update(entry)

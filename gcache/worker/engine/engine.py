@@ -447,7 +447,8 @@ class Engine:
         for r in running:
             kv = r.kv
             require(r.state is RequestState.RUNNING and kv is not None, f"{r} runs without pages")
-            assert kv is not None  # for the type checker: require raised otherwise
+            if kv is None:  # cannot happen: for the type checker: require raised otherwise
+                raise RuntimeError("invariant broken: for the type checker: require raised otherwise")
             require(
                 kv.num_pages >= kv.pages_for(kv.num_tokens) and len(kv.swa_pages) == kv.num_pages,
                 f"{r}: page tables do not cover its tokens",

@@ -23,7 +23,8 @@ def sampling_params(parsed: ParsedRequest, tok: ByteTokenizer) -> SamplingParams
 
 
 def finish_reason(r: Request, out: OutputText) -> FinishReason:
-    assert r.finish_reason is not None  # r finished
+    if r.finish_reason is None:  # cannot happen: r finished
+        raise RuntimeError("invariant broken: r finished")
     return FINISH_STOP if out.stopped else r.finish_reason
 
 
@@ -42,7 +43,8 @@ def usage(r: Request) -> dict[str, Any]:
 
 def extras(r: Request) -> dict[str, Any]:
     """Worker-specific fields beside OpenAI's: timings and preemptions."""
-    assert r.finished_s is not None  # r finished
+    if r.finished_s is None:  # cannot happen: r finished
+        raise RuntimeError("invariant broken: r finished")
     return {
         "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
         "e2e_ms": round((r.finished_s - r.arrival_s) * 1e3, 3),

@@ -212,7 +212,8 @@ class WorkerApp:
     ) -> web.StreamResponse:
         continues = chunks is not None  # PD decode: the router sent the role and first token
         if chunks is None:
-            assert p.request is not None  # ACCEPTED: the engine thread set it
+            if p.request is None:  # cannot happen: ACCEPTED: the engine thread set it
+                raise RuntimeError("invariant broken: ACCEPTED: the engine thread set it")
             chunks = StreamChunks(parsed.kind, response_id(parsed.kind, p.request.rid), self.model_name)
         resp = await sse.start(request)
         try:

@@ -181,7 +181,8 @@ class HiCache(CacheManager):
             l3_keys = tuple(k for k in keys[p1:end] if k in fetched)
             self.host.touch_chain(keys[:end])
         if req.prefetch is not None:
-            assert self.l3 is not None  # a prefetch came from it
+            if self.l3 is None:  # cannot happen: a prefetch came from it
+                raise RuntimeError("invariant broken: a prefetch came from it")
             self.l3.release(req.prefetch, cancelled=not req.prefetch.done.is_set())
             req.prefetch = None
         l3 = len(l3_keys) * ps
@@ -202,7 +203,8 @@ class HiCache(CacheManager):
         """Queue the copy of L2 pages [p1, E) into new device pages; returns E (p1 if none).
         Pins first, so what is measured is what gets copied."""
         host, kvc, ps, W = self.host, self.kv, self.ps, self.window
-        assert host is not None  # called with an L2 only
+        if host is None:  # cannot happen: called with an L2 only
+            raise RuntimeError("invariant broken: called with an L2 only")
         n, _ = host.run(keys, p1)
         if not n:
             return p1
@@ -236,7 +238,8 @@ class HiCache(CacheManager):
                 kvc.full.free(full_dev)
             host.unpin(pinned)
             return p1
-        assert full_dev is not None  # swa_dev is only allocated after it
+        if full_dev is None:  # cannot happen: swa_dev is only allocated after it
+            raise RuntimeError("invariant broken: swa_dev is only allocated after it")
         entries = cast("list[HostPage]", [host.get(k) for k in keys[p1:end]])  # pinned: all there
         kv = req.kv
         kv.full_pages += full_dev
@@ -256,7 +259,8 @@ class HiCache(CacheManager):
     def start_loads(self):
         if not self._loads:
             return NoLoads()
-        assert self.host is not None  # loads come from L2
+        if self.host is None:  # cannot happen: loads come from L2
+            raise RuntimeError("invariant broken: loads come from L2")
         batch = LoadBatch(
             self.kv, self.host, self._loads, self.config.layerwise_load, self.config.load_throttle_bytes_per_s
         )
@@ -341,7 +345,8 @@ class HiCache(CacheManager):
         """Device pages -> L2 for pages idx (full where given and absent in L2, SWA where
         live and absent), then queue every page of `chain` that L2 has and L3 lacks."""
         host = self.host
-        assert host is not None  # called with an L2 only
+        if host is None:  # cannot happen: called with an L2 only
+            raise RuntimeError("invariant broken: called with an L2 only")
         pool = host.pool
         new_full: list[int] = []
         new_swa: list[int] = []
@@ -373,7 +378,8 @@ class HiCache(CacheManager):
             self._write_l3(chain)
 
     def _write_l3(self, chain: list[str]) -> None:
-        assert self.l3 is not None and self.host is not None  # called with an L3 only
+        if self.l3 is None or self.host is None:  # cannot happen: called with an L3 only
+            raise RuntimeError("invariant broken: called with an L3 only")
         if not self.l3.available():
             self.counters["l3_writes_skipped_down"] += 1
             return
@@ -455,7 +461,8 @@ class HiCache(CacheManager):
         mine = [ld for ld in self._loads if ld.req is req]
         if mine:  # admitted and dropped in the same step: its copies never start
             self._loads = [ld for ld in self._loads if ld.req is not req]
-            assert self.host is not None  # loads come from L2
+            if self.host is None:  # cannot happen: loads come from L2
+                raise RuntimeError("invariant broken: loads come from L2")
             for ld in mine:
                 self.host.unpin(ld.pinned)
         req.kv.release(self.kv)
@@ -466,7 +473,8 @@ class HiCache(CacheManager):
     def drop_waiting(self, req) -> None:
         """A waiting request leaves (abort): its prefetch pins go."""
         if req.prefetch is not None:
-            assert self.l3 is not None  # a prefetch came from it
+            if self.l3 is None:  # cannot happen: a prefetch came from it
+                raise RuntimeError("invariant broken: a prefetch came from it")
             self.l3.release(req.prefetch, cancelled=True)
             req.prefetch = None
 

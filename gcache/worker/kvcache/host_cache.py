@@ -102,7 +102,8 @@ class HostCache:
                 if not self.honor_pins and (e is None or not e.pins):
                     continue  # evicted under a pin: only the failure-mode-1 test does this
                 require(e is not None and e.pins > 0, f"unpin of an unpinned host page {k[:12]}")
-                assert e is not None  # for the type checker: require raised otherwise
+                if e is None:  # cannot happen: for the type checker: require raised otherwise
+                    raise RuntimeError("invariant broken: for the type checker: require raised otherwise")
                 self._unpin(e)
 
     # ---- slots -----------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class HostCache:
                 if e is None and not self.honor_pins:
                     continue  # evicted under a pin: only the failure-mode-1 test does this
                 require(e is not None and e.pins > 0 and e.l3_queued, f"finish_l3 of a page not queued for L3 {k[:12]}")
-                assert e is not None  # for the type checker: require raised otherwise
+                if e is None:  # cannot happen: for the type checker: require raised otherwise
+                    raise RuntimeError("invariant broken: for the type checker: require raised otherwise")
                 self._unpin(e)
                 e.l3_queued = False
                 e.in_l3 = e.in_l3 or stored

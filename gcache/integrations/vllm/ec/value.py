@@ -27,7 +27,8 @@ VERSION = 1
 HEADER_BYTES = 64
 NDIM_MAX = 4
 _FMT = struct.Struct("<4sBBHQ16s4Q")
-assert _FMT.size == HEADER_BYTES
+if _FMT.size != HEADER_BYTES:  # the format string and the documented size must agree
+    raise RuntimeError(f"header format is {_FMT.size} bytes, not {HEADER_BYTES}")
 
 # Encoder output dtypes the value can hold (torch's names without "torch.").
 DTYPE_BYTES = {

@@ -175,7 +175,8 @@ class MooncakeSide:
         return self
 
     def run(self, workload: str, key_prefix: str, timeout_s: float) -> dict:
-        assert self.proc is not None and self.proc.stdin is not None  # started, with pipes
+        if self.proc is None or self.proc.stdin is None:  # cannot happen: started, with pipes
+            raise RuntimeError("invariant broken: started, with pipes")
         try:
             self.proc.stdin.write((json.dumps({"workload": workload, "key_prefix": key_prefix}) + "\n").encode())
             self.proc.stdin.flush()
@@ -191,7 +192,8 @@ class MooncakeSide:
     def _read_answer(self, timeout_s: float, what: str) -> tuple[str, dict]:
         """The next READY or RESULT line (other output is skipped), within timeout_s."""
         deadline = time.monotonic() + timeout_s
-        assert self.proc is not None and self.proc.stdout is not None  # started, with pipes
+        if self.proc is None or self.proc.stdout is None:  # cannot happen: started, with pipes
+            raise RuntimeError("invariant broken: started, with pipes")
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             while True:
@@ -218,7 +220,8 @@ class MooncakeSide:
         """Closes the side's stdin (its cue to tear down) and waits, bounded; the log is
         removed unless something failed."""
         if self.proc is not None:
-            assert self.proc.stdin is not None and self.proc.stdout is not None  # started with pipes
+            if self.proc.stdin is None or self.proc.stdout is None:  # cannot happen: started with pipes
+                raise RuntimeError("invariant broken: started with pipes")
             try:
                 self.proc.stdin.close()
             except OSError:

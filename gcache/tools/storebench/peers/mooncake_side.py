@@ -124,7 +124,8 @@ def main() -> int:
             stderr=open(os.path.join(logdir, "storage.log"), "wb"),
             text=True,
         )
-        assert storage.stdout is not None  # a pipe
+        if storage.stdout is None:  # cannot happen: a pipe
+            raise RuntimeError("invariant broken: a pipe")
         line = storage.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"Mooncake storage client did not start: {line or 'no output'} (logs: {logdir})")
@@ -141,7 +142,8 @@ def main() -> int:
         )
     finally:
         if storage is not None:
-            assert storage.stdin is not None  # a pipe
+            if storage.stdin is None:  # cannot happen: a pipe
+                raise RuntimeError("invariant broken: a pipe")
             storage.stdin.close()  # its cue to leave the store and exit
             try:
                 storage.wait(30)
