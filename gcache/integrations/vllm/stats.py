@@ -6,7 +6,7 @@ Thread-safe counters, always on. `counters()` on the connector returns them; vLL
 
 from __future__ import annotations
 
-import threading
+from gcache.integrations.common.counters import Counters
 
 COUNTERS = (
     "lookups",  # get_num_new_matched_tokens calls that asked the store
@@ -32,25 +32,6 @@ COUNTERS = (
 SECONDS = ("load_s", "save_s", "lookup_s")
 
 
-class ConnectorStats:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(COUNTERS, 0)
-        self._values.update(dict.fromkeys(SECONDS, 0.0))
-        self._reported = dict(self._values)
-
-    def count(self, name: str, k: float = 1) -> None:
-        with self._lock:
-            self._values[name] += k
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return dict(self._values)
-
-    def delta(self) -> dict:
-        """The change since the last delta() (what vLLM's stats interval wants); {} when none."""
-        with self._lock:
-            now = dict(self._values)
-            changed = {k: now[k] - self._reported[k] for k in now if now[k] != self._reported[k]}
-            self._reported = now
-        return changed
+class ConnectorStats(Counters):
+    def __init__(self) -> None:
+        super().__init__(COUNTERS, SECONDS)

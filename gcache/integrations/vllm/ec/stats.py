@@ -3,7 +3,7 @@ returns them; vLLM's `get_ec_connector_stats` gets the change since its last cal
 
 from __future__ import annotations
 
-import threading
+from gcache.integrations.common.counters import Counters
 
 COUNTERS = (
     # scheduler side
@@ -37,25 +37,6 @@ COUNTERS = (
 SECONDS = ("fetch_s", "save_s", "load_s")
 
 
-class ECStats:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(COUNTERS, 0)
-        self._values.update(dict.fromkeys(SECONDS, 0.0))
-        self._reported = dict(self._values)
-
-    def count(self, name: str, k: float = 1) -> None:
-        with self._lock:
-            self._values[name] += k
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return dict(self._values)
-
-    def delta(self) -> dict:
-        """The change since the last delta(); {} when none."""
-        with self._lock:
-            now = dict(self._values)
-            changed = {k: now[k] - self._reported[k] for k in now if now[k] != self._reported[k]}
-            self._reported = now
-        return changed
+class ECStats(Counters):
+    def __init__(self) -> None:
+        super().__init__(COUNTERS, SECONDS)
