@@ -21,6 +21,16 @@ KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel's teardown is left to wai
 POLL_S = 0.02
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143) in the main thread, so `finally` blocks stop what a launcher
+    started (the default action would kill the process and leave its children running)."""
+
+    def _raise(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on at `host` now (any 127.0.0.x works on Linux)."""
     with socket.socket() as s:

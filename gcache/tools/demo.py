@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from gcache.common.processes import exit_on_sigterm
 from gcache.tools.devcluster.checker import run_checker
 from gcache.tools.devcluster.local_cluster import LocalCluster
 from gcache.tools.storebench import main as bench_main
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "--auth --tls); the bench and the fault run use the app tenant's token",
     )
     args = p.parse_args(argv)
+    exit_on_sigterm()  # a stopped demo still takes its cluster down
 
     started = time.monotonic()
     cluster_dir = Path(args.data_dir) / "cluster"

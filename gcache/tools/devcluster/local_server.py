@@ -131,7 +131,7 @@ class LocalServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_listening(self.proc, self.port, self.start_timeout_s, "gcache-server", self.log_tail)
-        except RuntimeError:
+        except BaseException:  # also SIGTERM's SystemExit / Ctrl-C while waiting: no orphan server
             self.kill()
             raise
         self._started = True

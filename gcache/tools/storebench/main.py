@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import cast
 
+from gcache.common.processes import exit_on_sigterm
 from gcache.common.units import parse_duration, parse_size
 from gcache.tools.storebench import limits as machine_limits
 from gcache.tools.storebench import report as bench_report
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             plot_report(json.load(f), args.plot)
         return 0
+    exit_on_sigterm()  # a stopped bench still stops its local server, Redis and Mooncake
     report = execute(args)
     if args.plot:
         from gcache.tools.storebench.plot import plot_report
