@@ -59,6 +59,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 
 from bench.common.stats import columns
+from bench.worker.stale_mtp import STALE_MODES, stale_decoding
 from gcache.tools.devcluster.local_server import LocalServer
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
@@ -92,10 +93,17 @@ def prompts(n: int, nbytes: int) -> list[list[int]]:
 def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256, max_running=4)
     hc = HiCacheConfig(l2_bytes=64 << 20, l3_url=l3, model_name=name, prefetch_policy="wait_complete")
+    stale = mode in STALE_MODES  # the peers' baselines: a bench strategy (bench/worker/stale_mtp.py)
     ec = EngineConfig(
-        max_prompt_tokens=4096, max_new_tokens=512, mtp_layers=mtp, mtp_prefix=mode, scheduler=sc, hicache=hc
+        max_prompt_tokens=4096,
+        max_new_tokens=512,
+        mtp_layers=mtp,
+        mtp_prefix=STALE_MODES[mode] if stale else mode,
+        scheduler=sc,
+        hicache=hc,
     )
-    return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec)
+    decoding = stale_decoding(mtp, mode) if stale else None
+    return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec, decoding=decoding)
 
 
 @contextlib.contextmanager
