@@ -230,6 +230,9 @@ class Engine:
         # KV stays for the positions whose tokens are now committed (rejected drafts go)
         r.held_kv.shrink(self.kv, r.num_computed - v.drafted + len(emitted) - 1)
         self.cache.trim_swa(r)
+        before = len(r.output)
+        for tok, row in zip(emitted[:-1], v.rows):  # accepted drafts: their KV is computed
+            self._append(r, tok, row)
         wrote = False
         if (
             not r.prefix_cached
@@ -237,16 +240,12 @@ class Engine:
         ):
             # After prefill, then every ~W decoded tokens: re-locking at the current end keeps
             # the SWA the lock pins equal to the window r needs anyway (SGLang releases it).
+            # The cache sees r as after a plain step: KV for every token but the last.
             r.prefix_cached = True
             self.cache.prepare_write(r, final=False)
             self.scheduler.tree_changed()
             wrote = True
-        before = len(r.output)
-        for tok, row in zip(emitted, v.rows):
-            if r.logits is not None:
-                r.logits.append(np.array(row, dtype=np.float64))
-            r.output.append(tok)
-            self.metrics.inc("generation_tokens_total")
+        self._append(r, emitted[-1], v.rows[len(emitted) - 1])
         if r.first_token_s is None:
             r.first_token_s = self.clock()
             self.metrics.observe_ttft(r.first_token_s - r.arrival_s)
@@ -260,6 +259,12 @@ class Engine:
             return False
         self.batcher.finish(r, reason)
         return True
+
+    def _append(self, r: Request, tok: int, row: np.ndarray) -> None:
+        if r.logits is not None:
+            r.logits.append(np.array(row, dtype=np.float64))
+        r.output.append(tok)
+        self.metrics.inc("generation_tokens_total")
 
     def run_until_idle(self, steps_max: int = 100_000, on_step: Callable[[], None] | None = None) -> None:
         for _ in range(steps_max):
