@@ -67,6 +67,7 @@ from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.http.flags import SHIPPED_WEIGHTS
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
 
@@ -108,26 +109,14 @@ def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
 
 @contextlib.contextmanager
 def ablated_mtp_window():
-    """While open, the MTP blocks' attention output times 0 (the diagnostic of
-    --ablate-mtp-window; tests/worker/test_mtp_presets.py uses it too)."""
-    from gcache.worker.model import mtp
-
-    block = mtp.MTPHead._block
-
-    def no_window(self, st, d, prev, ids, lo, hi):
-        m = self.model
-        attend = m._attend
-        m._attend = lambda *a, **k: attend(*a, **k) * 0.0
-        try:
-            return block(self, st, d, prev, ids, lo, hi)
-        finally:
-            m._attend = attend
-
-    mtp.MTPHead._block = no_window
+    """While open, the MTP blocks' attention output times 0 (MTPHead.window_attention: the
+    diagnostic of --ablate-mtp-window; tests/worker/test_mtp_presets.py uses it too)."""
+    before = MTPHead.window_attention
+    MTPHead.window_attention = False
     try:
         yield
     finally:
-        mtp.MTPHead._block = block
+        MTPHead.window_attention = before
 
 
 def serve(e: Engine, prompt, max_tokens: int, temperature: float = 0.0, seed: int = 0):

@@ -31,8 +31,8 @@ from gcache.worker.engine.request import Request
 if TYPE_CHECKING:
     from gcache.worker.kvcache.kv_pool import DualKVCache
     from gcache.worker.kvcache.mtp_tails import MTPTails
+    from gcache.worker.model.base import MTPModel
     from gcache.worker.model.mtp import MTPState
-    from gcache.worker.model.transformer import Model
 
 
 class MTPPrefix(enum.StrEnum):
@@ -99,11 +99,11 @@ class MTPSpeculator(DecodingStrategy):
     EngineConfig.mtp_layers > 0)."""
 
     def __init__(self, ctx: DecodingContext, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
-        if not hasattr(ctx.model, "mtp_head"):
+        if not hasattr(ctx.model, "mtp_head"):  # the model room sits beside this one: no isinstance
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
         if prefix not in MTP_PREFIX:
             raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
-        self.model: Model = cast("Model", ctx.model)  # it has mtp_head: the transformer (or a wrapper of one)
+        self.model: MTPModel = cast("MTPModel", ctx.model)  # the MTP contract (model/base.py)
         self.kv, self.cache, self.metrics = ctx.kv, ctx.cache, ctx.metrics
         self.page_size = ctx.kv.page_size
         self.depths, self.prefix = depths, MTPPrefix(prefix)
@@ -224,7 +224,7 @@ class MTPSpeculator(DecodingStrategy):
         # resume point is a checkpoint: the branch point). Else it rebuilds the window only.
         swa = self.cache.prefix_swa_pages(r)
         lo, exact = self.head.rebuild_start(r.held_kv, c_old, swa)
-        h, lo = self.head.window_hidden(r.tokens(), r.held_kv, self.kv, lo, c_old, swa)
+        h, lo = self.model.prefix_hidden(r.tokens(), r.held_kv, self.kv, lo, c_old, swa)
         st = self.head.new_state(lo, r.kv)
         if h is not None:
             self.head.step(st, h, lo, c_old, r.tokens(), 0)
