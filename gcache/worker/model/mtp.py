@@ -54,7 +54,7 @@ class MTPState:
         self.h0_valid = start  # h0 holds committed positions < h0_valid
         # exact: every MTP KV is what a from-scratch prefill computes (built from position 0,
         # or restored from a tail); a rebuilt or blind state is never written down
-        self.exact = start == 0  # (an exact rebuild sets it too: Speculator._new_state)
+        self.exact = start == 0  # (an exact rebuild sets it too: MTPSpeculator._new_state)
         self.snapped: set[int] = set()  # checkpoint lengths whose tail this state wrote
         self.first = start  # positions before it have no MTP KV (prefix from the cache)
         self.valid = [start] * depths  # V_d: depth d's committed KV covers [first, V_d)
