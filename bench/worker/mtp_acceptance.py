@@ -59,6 +59,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 
 from bench.common.stats import columns
+from bench.worker.stale_mtp import STALE_MODES, stale_decoding
 from gcache.tools.devcluster.local_server import LocalServer
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
@@ -66,6 +67,7 @@ from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.http.flags import SHIPPED_WEIGHTS
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
 
@@ -92,34 +94,29 @@ def prompts(n: int, nbytes: int) -> list[list[int]]:
 def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256, max_running=4)
     hc = HiCacheConfig(l2_bytes=64 << 20, l3_url=l3, model_name=name, prefetch_policy="wait_complete")
+    stale = mode in STALE_MODES  # the peers' baselines: a bench strategy (bench/worker/stale_mtp.py)
     ec = EngineConfig(
-        max_prompt_tokens=4096, max_new_tokens=512, mtp_layers=mtp, mtp_prefix=mode, scheduler=sc, hicache=hc
+        max_prompt_tokens=4096,
+        max_new_tokens=512,
+        mtp_layers=mtp,
+        mtp_prefix=STALE_MODES[mode] if stale else mode,
+        scheduler=sc,
+        hicache=hc,
     )
-    return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec)
+    decoding = stale_decoding(mtp, mode) if stale else None
+    return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec, decoding=decoding)
 
 
 @contextlib.contextmanager
 def ablated_mtp_window():
-    """While open, the MTP blocks' attention output times 0 (the diagnostic of
-    --ablate-mtp-window; tests/worker/test_mtp_presets.py uses it too)."""
-    from gcache.worker.model import mtp
-
-    block = mtp.MTPHead._block
-
-    def no_window(self, st, d, prev, ids, lo, hi):
-        m = self.model
-        attend = m._attend
-        m._attend = lambda *a, **k: attend(*a, **k) * 0.0
-        try:
-            return block(self, st, d, prev, ids, lo, hi)
-        finally:
-            m._attend = attend
-
-    mtp.MTPHead._block = no_window
+    """While open, the MTP blocks' attention output times 0 (MTPHead.window_attention: the
+    diagnostic of --ablate-mtp-window; tests/worker/test_mtp_presets.py uses it too)."""
+    before = MTPHead.window_attention
+    MTPHead.window_attention = False
     try:
         yield
     finally:
-        mtp.MTPHead._block = block
+        MTPHead.window_attention = before
 
 
 def serve(e: Engine, prompt, max_tokens: int, temperature: float = 0.0, seed: int = 0):

@@ -99,11 +99,11 @@ def serve(engine: Engine, prompt, params=GREEDY):
 
 def record_restores(engine: Engine) -> list:
     """Copies of every MTP state restored from a tail (right after its catch-up), with tokens."""
-    spec, seen = engine.spec, []
+    spec, seen = engine.decoding, []
     real = spec._restore
 
-    def restore(eng, r, p):
-        st = real(eng, r, p)
+    def restore(r, p):
+        st = real(r, p)
         if st is not None:
             seen.append((p, list(r.tokens()), copy.deepcopy(st.k), copy.deepcopy(st.v), list(st.valid), st))
         return st
@@ -116,7 +116,7 @@ def scratch_state(make, tokens, p: int):
     """The MTP state of a from-scratch prefill of tokens (no cache) once every depth passed
     p (positions are never rewritten once committed, so it holds what stood at p)."""
     e = make(cache=False, prefix="prefill")
-    head, got = e.spec.head, []
+    head, got = e.decoding.head, []
     real = head.step
 
     def step(st, h0, c_old, c_new, toks, drafts_max, pick=None):

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.worker.stale_mtp import STALE_MODES, stale_decoding
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
@@ -55,8 +56,12 @@ def make_engine(
     model, mtp: int, full_pages: int = 200, swa_pages: int = 40, max_running: int = 4, prefix: str = "rebuild"
 ) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=max_running, dedup_min_tokens=16)
-    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, mtp_layers=mtp, mtp_prefix=prefix, scheduler=sc)
-    return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
+    stale = prefix in STALE_MODES  # the peers' baselines: a bench strategy (bench/worker/stale_mtp.py)
+    base = STALE_MODES[prefix] if stale else prefix
+    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, mtp_layers=mtp, mtp_prefix=base, scheduler=sc)
+    return Engine(
+        model, DualKVCache(CFG, full_pages, swa_pages), ec, decoding=stale_decoding(mtp, prefix) if stale else None
+    )
 
 
 def run(engine: Engine, jobs) -> list:
@@ -76,7 +81,7 @@ class Oracle:
 
     def __init__(self, engine: Engine, truth: dict, wrong: int, seed: int = 0) -> None:
         self.truth, self.wrong, self.rng = truth, wrong, np.random.default_rng(seed)
-        head = engine.spec.head
+        head = engine.decoding.head
         real = head.step
 
         def step(st_, h0, c_old, c_new, tokens, drafts_max, pick=None):
@@ -147,7 +152,7 @@ RANDOM_WORKLOADS = given(
     wrong=st.sampled_from([1, 2, 5, 1000]),
     full_pages=st.integers(40, 90),
     swa_pages=st.integers(14, 24),
-    prefix=st.sampled_from(MTP_PREFIX),
+    prefix=st.sampled_from(MTP_PREFIX + tuple(STALE_MODES)),
 )
 
 
@@ -243,7 +248,7 @@ def test_a_cached_prefix_brings_its_mtp_window_with_rebuild(model, prefix, exact
         e.step()
         e.check_integrity()
     assert b.cached_tokens == 24
-    ref = e.spec.head.reference_drafts(list(b.prompt) + b.output, 3)
+    ref = e.decoding.head.reference_drafts(list(b.prompt) + b.output, 3)
     assert (b.draft == ref) is exact
     e.run_until_idle(on_step=e.check_integrity)
     assert e.metrics.snapshot()["mtp_rebuilt_tokens_total"] == (24 if exact else 0)
@@ -259,16 +264,16 @@ def test_the_stale_baselines_read_what_the_last_request_left_in_the_slots(model,
     e = make_engine(model, 3, prefix=prefix)
     e.add_request(a, SamplingParams(max_tokens=4))
     e.run_until_idle(on_step=e.check_integrity)
-    left_k, left_v = (x.copy() for x in e.spec._slots)
+    left_k, left_v = (x.copy() for x in e.decoding.slots)
     seen = []
-    real = e.spec._blind_state
+    real = e.decoding.blank_state
 
     def blind(r, start):
         st = real(r, start)
         seen.append((start, st.first, st.k.copy(), st.v.copy()))
         return st
 
-    e.spec._blind_state = blind
+    e.decoding.blank_state = blind
     b = e.add_request(a[:32] + [int(t) for t in rng.integers(3, 500, size=10)], SamplingParams(max_tokens=8))
     e.run_until_idle(on_step=e.check_integrity)
     assert b.cached_tokens == 32
@@ -288,7 +293,7 @@ def test_worker_flags_build_an_mtp_engine(tmp_path):
 
     args = parse_args(["--config-json", json.dumps(TINY_MODEL), "--mtp-layers", "2", "--kv-budget-mib", "2"])
     e, _ = build_from_flags(args)
-    assert e.spec is not None and e.spec.depths == 2 and e.model.config.mtp_layers == 2
+    assert e.decoding.depths == 2 and e.model.config.mtp_layers == 2
     r = e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=6))
     e.run_until_idle(on_step=e.check_integrity)
     assert len(r.output) == 6

@@ -14,6 +14,7 @@ import pytest
 from gcache.serving.stop_text import OutputText
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.engine.messages import Accepted, Finished, Rejected, TextPiece
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from gcache.worker.http.flags import build_engine, parse_args
 from tests.support.engine_support import InEngine
@@ -36,6 +37,9 @@ def engine_thread():
     engine.close()
 
 
+KINDS = {Accepted: "accepted", TextPiece: "text", Finished: "done", Rejected: "error"}
+
+
 async def run_one(et: EngineThread, prompt, max_tokens: int, stops=(), stream=False, on_text=None):
     """Submit one request; return (events seen, request, output text)."""
     tok = ByteTokenizer(et.engine.vocab_size)
@@ -49,15 +53,15 @@ async def run_one(et: EngineThread, prompt, max_tokens: int, stops=(), stream=Fa
     et.submit(p)
     seen = []
     while True:
-        kind, value = await asyncio.wait_for(p.events.get(), WAIT_S)
-        seen.append(kind)
-        if kind == "text" and on_text is not None:
+        msg = await asyncio.wait_for(p.events.get(), WAIT_S)
+        seen.append(KINDS[type(msg)])
+        if isinstance(msg, TextPiece) and on_text is not None:
             on_text(p)
             on_text = None
-        if kind == "done":
-            return seen, value, p.output
-        if kind == "error":
-            raise value
+        if isinstance(msg, Finished):
+            return seen, msg.request, p.output
+        if isinstance(msg, Rejected):
+            raise msg.error
 
 
 def test_step_hooks_run_idle_and_after_steps_and_a_failing_hook_is_not_fatal(engine_thread):

@@ -138,6 +138,34 @@ def test_request_grow_is_all_or_nothing():
     kv.check_integrity()
 
 
+def test_shrink_drops_the_kv_past_its_end_and_never_the_trees_pages():
+    """RequestKV.shrink (rejected speculative drafts): the tables end at the page covering the
+    new length, the request's own pages past it go back; the tree's leading pages stay."""
+    kv = DualKVCache(CFG, 20, 20)
+    owner = RequestKV(16, 128)
+    assert owner.grow(kv, 32)
+    owner.num_tokens = 32
+    req = RequestKV.from_prefix(16, 128, 32, owner.full_pages, owner.swa_pages)
+    assert req.grow(kv, 90) and req.num_pages == 6
+    req.num_tokens = 90
+    req.shrink(kv, 70)  # pages_for(70) = 5: the sixth goes back
+    assert req.num_tokens == 70 and req.num_pages == 5 and kv.full.num_used == 5 and kv.swa.num_used == 5
+    req.shrink(kv, 65)  # same page count: KV length only
+    assert req.num_tokens == 65 and req.num_pages == 5
+    req.shrink(kv, 10)  # inside the tree's pages: they are never freed
+    assert req.num_tokens == 10 and req.num_pages == 2 and req.full_pages == owner.full_pages
+    assert kv.full.num_used == 2 and kv.swa.num_used == 2
+    with pytest.raises(ValueError, match="shrink to 11 tokens"):
+        req.shrink(kv, 11)  # never grows
+    with pytest.raises(ValueError):
+        req.shrink(kv, -1)
+    assert req.num_tokens == 10
+    req.release(kv)
+    owner.release(kv)
+    assert kv.full.num_used == 0 and kv.swa.num_used == 0
+    kv.check_integrity()
+
+
 @pytest.mark.parametrize(
     "length,expected_window",
     [

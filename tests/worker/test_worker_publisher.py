@@ -18,6 +18,7 @@ from gcache.router.core import RouterCore
 from gcache.serving.stop_text import OutputText
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.engine.messages import Finished, Rejected
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.http.publisher import PublisherConfig, WorkerPublisher, add_publisher_args, start_publisher
 from gcache.worker.model.transformer import Model
@@ -60,11 +61,11 @@ class Client:
             )
             self.et.submit(p)
             while True:
-                kind, value = await asyncio.wait_for(p.events.get(), 30)
-                if kind == "done":
-                    return value
-                if kind == "error":
-                    raise value
+                msg = await asyncio.wait_for(p.events.get(), 30)
+                if isinstance(msg, Finished):
+                    return msg.request
+                if isinstance(msg, Rejected):
+                    raise msg.error
 
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(60)
 

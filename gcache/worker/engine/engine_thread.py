@@ -2,11 +2,11 @@
 
 Only this thread touches the engine. A handler builds a Pending and submit()s it (a
 bounded inbox); the thread adds it to the engine and reports back through the handler's
-loop (loop.call_soon_threadsafe, so nothing polls), as (EngineEvent, value) pairs:
-    (ACCEPTED, None)     the engine took it (or (ERROR, exc): bad input, queue full,
+loop (loop.call_soon_threadsafe, so nothing polls), one typed message each (messages.py):
+    Accepted()           the engine took it (or Rejected(error): bad input, queue full,
                          EngineStoppedError);
-    (TEXT, piece)        streamed requests only: new text that is safe to show;
-    (DONE, request)      finished (or cancelled); pending.output holds the final text.
+    TextPiece(text)      streamed requests only: new text that is safe to show;
+    Finished(request)    finished (or cancelled); pending.output holds the final text.
 Stop strings are checked here after every step, so a request stops on the step that
 produced its stop string. Step hooks (fn(engine)) run after every step and at least
 every IDLE_WAIT_S while idle; a hook that raises is logged and counted, never fatal.
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from gcache.serving.stop_text import OutputText
 from gcache.worker.engine.engine import Engine
+from gcache.worker.engine.messages import Accepted, EngineMessage, Finished, Rejected, TextPiece
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 
@@ -33,15 +32,6 @@ log = logging.getLogger("gcache.worker")
 
 IDLE_WAIT_S = 0.1  # idle: wake this often for hooks and the integrity check
 HOOK_LOG_EVERY = 1000  # after the first error of a hook, log every N-th
-
-
-class EngineEvent(enum.StrEnum):
-    """What the engine thread tells a handler about its Pending (the first item of each event)."""
-
-    ACCEPTED = "accepted"  # value None: the engine took the request
-    TEXT = "text"  # value str: new text that is safe to show (streamed requests only)
-    DONE = "done"  # value Request: finished or cancelled; exactly one per accepted request
-    ERROR = "error"  # value exception: not taken (ValueError, QueueFullError, EngineStoppedError)
 
 
 class Pending:
@@ -57,16 +47,16 @@ class Pending:
     ) -> None:
         self.prompt, self.params, self.output, self.stream = prompt, params, output, stream
         self.loop = loop
-        self.events: asyncio.Queue[tuple[EngineEvent, Any]] = asyncio.Queue()  # bounded by max_tokens + 2 events
+        self.events: asyncio.Queue[EngineMessage] = asyncio.Queue()  # bounded by max_tokens + 2 messages
         self.request: Request | None = None
         self.fed = 0  # output tokens already given to self.output
         self.cancelled = False  # set by the handler (client gone, timeout)
         self.handed: tuple[int, ...] = ()  # PD decode: output tokens the prefill worker sampled
 
-    def post(self, kind: EngineEvent, value: object = None) -> None:
-        """From the engine thread: hand an event to the handler's loop."""
+    def post(self, message: EngineMessage) -> None:
+        """From the engine thread: hand a message to the handler's loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, message)
         except RuntimeError:  # the loop is closed (shutdown): nobody is listening
             pass
 
@@ -143,15 +133,15 @@ class EngineThread(threading.Thread):
             if p.cancelled:
                 continue
             if self.stopping.is_set():
-                p.post(EngineEvent.ERROR, EngineStoppedError("engine is stopping"))
+                p.post(Rejected(EngineStoppedError("engine is stopping")))
                 continue
             try:
                 p.request = self.engine.add_request(p.prompt, p.params, handed=p.handed)
             except (ValueError, QueueFullError) as e:
-                p.post(EngineEvent.ERROR, e)
+                p.post(Rejected(e))
                 continue
             self.waiters[p.request.rid] = p
-            p.post(EngineEvent.ACCEPTED)
+            p.post(Accepted())
 
     def _apply_cancels(self) -> None:
         while self.cancels:
@@ -159,7 +149,7 @@ class EngineThread(threading.Thread):
             r = p.request
             if r is not None and self.waiters.pop(r.rid, None) is not None:
                 self.engine.finish_early(r, FINISH_ABORT)
-                p.post(EngineEvent.DONE, r)  # every accepted request gets exactly one DONE
+                p.post(Finished(r))  # every accepted request gets exactly one Finished
 
     def _report(self, finished: list[Request]) -> None:
         """Feed new tokens to each request's output text; end requests whose stop string appeared."""
@@ -177,7 +167,7 @@ class EngineThread(threading.Thread):
         piece = p.output.feed(r.output[p.fed :])
         p.fed = len(r.output)
         if piece and p.stream:
-            p.post(EngineEvent.TEXT, piece)
+            p.post(TextPiece(piece))
 
     def _done(self, r: Request) -> None:
         p = self.waiters.pop(r.rid, None)
@@ -187,8 +177,8 @@ class EngineThread(threading.Thread):
             self._feed(p, r)
         piece = p.output.finish()
         if piece and p.stream:
-            p.post(EngineEvent.TEXT, piece)
-        p.post(EngineEvent.DONE, r)
+            p.post(TextPiece(piece))
+        p.post(Finished(r))
 
     def _run_hooks(self) -> None:
         for fn in self._hooks:

@@ -8,33 +8,31 @@ token. temperature > 0: standard speculative rejection sampling (accept draft d 
 probability min(1, p(d) / q(d)), else draw from norm(max(p - q, 0)); all accepted: draw
 the bonus from p), so each token is distributed exactly as the main model's.
 
-Rollback: the KV of rejected positions is dropped in every pool: the request's page tables
-shrink back to its accepted length (its full and SWA pages past it go back to the pools)
-and the MTP depths never count provisional positions (MTPState.valid). Then the MTP blocks
-run over the accepted positions and draft the next K tokens.
-
-Stop tokens and max_tokens cut the accepted run; stop strings are cut from the text by the
-engine thread as before (it may see several new tokens per step).
+A strategy behind decoding.DecodingStrategy: verify returns the tokens to emit; the
+engine's commit appends them (a stop token or max_tokens cuts the run; stop strings are cut
+from the text by the engine thread, which may see several new tokens per step) and drops
+the KV of rejected positions in every pool (RequestKV.shrink: the page tables shrink back
+to the accepted length). The MTP depths never count provisional positions (MTPState.valid),
+so they need no rollback; after the commit the MTP blocks run over the accepted positions
+and draft the next K tokens (after_commit).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from gcache.worker import backend
-from gcache.worker.engine.request import FINISH_LENGTH, FINISH_STOP, FinishReason, Request
+from gcache.worker.engine.decoding import Committed, DecodingContext, DecodingStrategy, LayerReady, Verdict
+from gcache.worker.engine.request import Request
 
 if TYPE_CHECKING:
-    from gcache.worker.engine.engine import Engine
-    from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+    from gcache.worker.kvcache.kv_pool import DualKVCache
     from gcache.worker.kvcache.mtp_tails import MTPTails
-    from gcache.worker.model.base import BatchModel
+    from gcache.worker.model.base import MTPModel
     from gcache.worker.model.mtp import MTPState
-    from gcache.worker.model.transformer import Model
 
 
 class MTPPrefix(enum.StrEnum):
@@ -46,13 +44,8 @@ class MTPPrefix(enum.StrEnum):
     #                      rebuilt at admission from the prefix's KV (a read-only forward of W tokens)
     TIERS = "tiers"  # PREFILL, checkpoint tails written to the cache's mtp pool (L1/L2/L3) and
     #                  restored exactly on a hit; REBUILD where the tail is missing or bad
-    # The two baselines of engines that keep no MTP state with the prefix: their MTP blocks
-    # read the window's KV slots as if valid, and the slots hold what the last request left
-    # there (another request's MTP KV; zeros on a fresh worker). Never masked: such an
-    # engine does not know which slots are stale.
-    STALE = "stale"  # NONE, window read from stale slots (the production report's prefill)
-    STALE_PREFIX = "stale-prefix"  # PREFILL, a cached prefix's window read from stale slots
-    #                                (SGLang's draft pool on a HiCache hit before #21125)
+    # (The peers' baselines, whose MTP blocks read stale slots, are benchmark strategies:
+    # bench/worker/stale_mtp.py.)
 
 
 MTP_PREFIX = tuple(m.value for m in MTPPrefix)
@@ -101,25 +94,28 @@ def accept_sampled(
     return out, len(drafts)
 
 
-class Speculator:
-    """The engine's MTP drafting and verification (Engine.spec when --mtp-layers > 0)."""
+class MTPSpeculator(DecodingStrategy):
+    """Speculative decoding with the model's MTP blocks (the engine's strategy when
+    EngineConfig.mtp_layers > 0)."""
 
-    def __init__(self, model: BatchModel, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
-        if not hasattr(model, "mtp_head"):
+    def __init__(self, ctx: DecodingContext, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
+        if not hasattr(ctx.model, "mtp_head"):  # the model room sits beside this one: no isinstance
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
         if prefix not in MTP_PREFIX:
             raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
-        self.model: Model = cast("Model", model)  # it has mtp_head: the transformer (or a wrapper of one)
+        self.model: MTPModel = cast("MTPModel", ctx.model)  # the MTP contract (model/base.py)
+        self.kv, self.cache, self.metrics = ctx.kv, ctx.cache, ctx.metrics
+        self.page_size = ctx.kv.page_size
         self.depths, self.prefix = depths, MTPPrefix(prefix)
         self.head = self.model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
-        self._slots: tuple[np.ndarray, np.ndarray] | None = (
-            None  # (k, v) rings the last request left behind (the STALE baselines read them)
-        )
 
     # ---- before the forward ----------------------------------------------------------
     def decode_tokens(self, r: Request) -> int:
         """Positions a decoding request runs this step: its last token and its drafts."""
         return 1 + len(r.draft)
+
+    def drop_drafts(self, r: Request) -> None:
+        r.draft, r.draft_rows = [], []
 
     @staticmethod
     def chunk(r: Request, n: int) -> np.ndarray:
@@ -130,17 +126,15 @@ class Speculator:
             return toks
         return np.concatenate([toks, np.asarray(r.draft[: n - real], dtype=np.int64)])
 
-    def forward(
-        self,
-        work: list[tuple[np.ndarray, None, RequestKV]],
-        kv: DualKVCache,
-        layer_ready: Callable[[int], None] | None,
-    ) -> list[Any]:
+    def forward(self, batch: list[tuple[Request, int]], kv: DualKVCache, layer_ready: LayerReady | None) -> list[Any]:
+        """The drafts ride along (verify); the hidden states feed the MTP blocks."""
+        work = [(self.chunk(r, n), None, r.held_kv) for r, n in batch]
         return self.model.forward_hidden(work, kv, layer_ready=layer_ready)
 
     # ---- after the forward -----------------------------------------------------------
-    def after_forward(self, eng: Engine, r: Request, n: int, hidden: Any, finished: list[Request]) -> None:
-        """The engine's _after_forward for one request of an MTP step."""
+    def verify(self, r: Request, n: int, hidden: Any) -> Verdict:
+        """Accept the agreeing drafts (greedy) or rejection-sample them (temperature > 0);
+        mid-prefill, the MTP blocks follow the main model and nothing is emitted."""
         c_fwd = r.num_computed
         c_old = c_fwd - n
         k = n - min(n, r.num_tokens - c_old)  # drafts this chunk carried
@@ -148,162 +142,145 @@ class Speculator:
         st = r.mtp
         if st is not None and st.owner is not r.kv:
             st = r.mtp = None  # admitted anew (preemption): its MTP KV went with its pages
-        if st is None and self.prefix not in (MTPPrefix.NONE, MTPPrefix.STALE):
-            st = r.mtp = self._new_state(eng, r, c_old)
-        if not r.output or n - k > 1:
-            eng.metrics.inc("prefill_tokens_computed_total", n - k)
+        if st is None and self.builds_at_prefill():
+            st = r.mtp = self._new_state(r, c_old)
         if st is not None and not r.output:  # prefill: tails at the periodic checkpoints it crosses
-            self._through_checkpoints(eng, r, st, hidden, c_old, c_fwd)
+            self._through_checkpoints(r, st, hidden, c_old, c_fwd)
         if c_fwd < r.num_tokens:  # mid-prefill: the MTP blocks follow, nothing to sample
             if st is not None:
                 base = st.valid[0]
                 self.head.step(st, hidden[base - c_old :], base, c_fwd, r.tokens(), 0)
-            eng.cache.trim_swa(r)
-            return
+            return Verdict(computed=n - k)
         rows = list(np.asarray(backend.to_numpy(self.model.logits(hidden[n - k - 1 :])), dtype=np.float64))
         t = float(r.params.temperature)
         if t == 0.0:
             toks, accepted = accept_greedy(rows, drafts)
         else:
             toks, accepted = accept_sampled(rows, drafts, r.draft_rows[:k], t, r.rng)
-        emitted: list[int] = []
-        for tok in toks:  # a stop token or max_tokens ends the run early
-            emitted.append(tok)
-            if tok in r.params.stop_token_ids or len(r.output) + len(emitted) >= r.params.max_tokens:
-                break
-        m = len(emitted)
-        self._rollback(eng, r, c_fwd - k + m - 1)
-        if r.output:  # a decode forward (not the prefill's first token)
-            b = out_bucket(len(r.output))
-            for name, v in (("drafted", k), ("accepted", accepted), ("forwards", 1), ("emitted", m)):
-                eng.metrics.inc(f"spec_{name}_out_{b}_total", v)
         r.draft, r.draft_rows = [], []
-        for i, tok in enumerate(emitted):
-            if r.logits is not None:
-                r.logits.append(np.array(rows[i], dtype=np.float64))
-            r.output.append(tok)
-            eng.metrics.inc("generation_tokens_total")
-        if r.first_token_s is None:
-            r.first_token_s = eng.clock()
-            eng.metrics.observe_ttft(r.first_token_s - r.arrival_s)
-        ps = eng.page_size
-        wrote = False
-        if not r.prefix_cached or r.num_computed - r.held_kv.owned_from * ps >= eng.window + 2 * ps:
-            r.prefix_cached = True  # as Engine._after_forward: after prefill, then every ~W tokens
-            eng.cache.prepare_write(r, final=False)
-            eng.scheduler.tree_changed()
-            wrote = True
-        last = emitted[-1]
-        reason: FinishReason | None = None
-        if last in r.params.stop_token_ids:
-            reason = FINISH_STOP
-        elif len(r.output) >= r.params.max_tokens:
-            reason = FINISH_LENGTH
-        c_new = r.num_computed
-        if reason is not None:
-            if st is not None and self._tails(eng) is not None and st.exact:
+        return Verdict(computed=n - k, tokens=toks, rows=rows, drafted=k, accepted=accepted)
+
+    def after_commit(self, r: Request, hidden: Any, verdict: Verdict, committed: Committed) -> None:
+        """Count the step, then draft the next K tokens (or, at the end, write the end's tail)."""
+        m, c_new = committed.emitted, r.num_computed
+        c_old = c_new - (verdict.computed + m - 1)  # where the forward started
+        if committed.output_before:  # a decode forward (not the prefill's first token)
+            b = out_bucket(committed.output_before)
+            for name, v in (
+                ("drafted", verdict.drafted),
+                ("accepted", verdict.accepted),
+                ("forwards", 1),
+                ("emitted", m),
+            ):
+                self.metrics.inc(f"spec_{name}_out_{b}_total", v)
+        st = r.mtp
+        if committed.finishing:
+            if st is not None and self._tails() is not None and st.exact:
                 # the end is a checkpoint: catch the MTP depths up, write its tail down
                 base = st.valid[0]
                 self.head.step(st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), 0)
-                self._snapshot(eng, r, st)
-            eng._finish(r, reason, finished)
+                self._snapshot(r, st)
             return
         want = min(self.depths, r.params.max_tokens - len(r.output) - 1)
+        t = float(r.params.temperature)
         pick = None if t == 0.0 else (lambda row: draw(softmax(row, t), r.rng))
-        if st is None:  # NONE / STALE: the MTP KV starts at the last computed position
-            st = r.mtp = self._blind_state(r, c_new - 1)
+        if st is None:  # NONE: the MTP KV starts at the last computed position
+            st = r.mtp = self.blank_state(r, c_new - 1)
         base = st.valid[0]
         r.draft, r.draft_rows = self.head.step(
             st, hidden[base - c_old : c_new - c_old], base, c_new, r.tokens(), want, pick
         )
-        if wrote:
-            self._snapshot(eng, r, st)
-        eng.cache.trim_swa(r)
+        if committed.wrote:
+            self._snapshot(r, st)
 
-    def _new_state(self, eng: Engine, r: Request, c_old: int) -> MTPState:
+    def forget(self, r: Request) -> None:
+        """r leaves the running list: its MTP KV and drafts go with its pages."""
+        r.mtp, r.draft, r.draft_rows = None, [], []
+
+    # ---- where a request's MTP KV comes from (subclasses: the benches' baselines) -------------
+    def builds_at_prefill(self) -> bool:
+        """Whether a request's MTP KV is built from its first computed position (all but NONE)."""
+        return self.prefix is not MTPPrefix.NONE
+
+    def blank_state(self, r: Request, start: int) -> MTPState:
+        """A state from `start` on with no MTP KV before it (masked): NONE's at the first
+        sampled token, PREFILL's after a cached prefix."""
+        return self.head.new_state(start, r.kv)
+
+    def _new_state(self, r: Request, c_old: int) -> MTPState:
         """A request's MTP KV from position c_old on; with a cached prefix: TIERS restores its
         checkpoint tail from the mtp pool, else (or where the tail is missing) REBUILD
         rebuilds the window before c_old from the prefix's KV (the loads brought it by now)."""
-        if c_old == 0 or self.prefix is MTPPrefix.PREFILL:
+        if c_old == 0:
             return self.head.new_state(c_old, r.kv)
-        if self.prefix is MTPPrefix.STALE_PREFIX:
-            return self._blind_state(r, c_old)
+        if self.prefix is MTPPrefix.PREFILL:
+            return self.blank_state(r, c_old)
         if self.prefix is MTPPrefix.TIERS:
-            st = self._restore(eng, r, c_old)
+            st = self._restore(r, c_old)
             if st is not None:
                 return st
         # Where the prefix's SWA KV is live far enough back (a spare point in L1: the first
         # reuse) the rebuild starts early enough to be exact, and its tail is written down (the
         # resume point is a checkpoint: the branch point). Else it rebuilds the window only.
-        swa = eng.cache.prefix_swa_pages(r)
-        lo, exact = self.head.rebuild_start(r.kv, c_old, swa)
-        h, lo = self.head.window_hidden(r.tokens(), r.kv, eng.kv, lo, c_old, swa)
+        swa = self.cache.prefix_swa_pages(r)
+        lo, exact = self.head.rebuild_start(r.held_kv, c_old, swa)
+        h, lo = self.model.prefix_hidden(r.tokens(), r.held_kv, self.kv, lo, c_old, swa)
         st = self.head.new_state(lo, r.kv)
         if h is not None:
             self.head.step(st, h, lo, c_old, r.tokens(), 0)
-            eng.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
+            self.metrics.inc("mtp_rebuilt_tokens_total", c_old - lo)
         st.exact = exact
         if exact:
-            self._snapshot_at(eng, r, st, c_old // eng.page_size)
+            self._snapshot_at(r, st, c_old // self.page_size)
         return st
 
-    def _through_checkpoints(self, eng: Engine, r: Request, st: MTPState, hidden: Any, c_old: int, c_new: int) -> None:
+    def _through_checkpoints(self, r: Request, st: MTPState, hidden: Any, c_old: int, c_new: int) -> None:
         """Step the MTP depths to each periodic checkpoint in (c_old, c_new) and write its tail
         there (after a long chunk the ring no longer holds its window). Only where every depth
         reaches the checkpoint (its next K tokens are known): a tail never waits for tokens."""
-        if self._tails(eng) is None or not st.exact:
+        if self._tails() is None or not st.exact:
             return
-        ps, n_tok = eng.page_size, r.num_tokens
-        for npages in eng.cache.periodic_checkpoints(c_old // ps, c_new // ps):
+        ps, n_tok = self.page_size, r.num_tokens
+        for npages in self.cache.periodic_checkpoints(c_old // ps, c_new // ps):
             p = npages * ps
             base = st.valid[0]
             if not base < p <= c_new or p + self.depths >= n_tok:
                 continue
             self.head.step(st, hidden[base - c_old : p - c_old], base, p, r.tokens(), 0)
-            self._snapshot_at(eng, r, st, npages)
-
-    def _blind_state(self, r: Request, start: int) -> MTPState:
-        """A state from `start` on with no MTP KV before it: masked (NONE, PREFILL), or for the
-        STALE baselines the window before it read from the slots as the last request left them."""
-        st = self.head.new_state(start, r.kv)
-        if self.prefix in (MTPPrefix.STALE, MTPPrefix.STALE_PREFIX) and start > 0:
-            if self._slots is not None:
-                st.k[...], st.v[...] = self._slots
-            st.first = max(0, start - self.head.config.window + 1)
-        return st
+            self._snapshot_at(r, st, npages)
 
     # ---- the mtp pool (kvcache/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
-    def _tails(self, eng: Engine) -> MTPTails | None:
-        return eng.cache.mtp if self.prefix is MTPPrefix.TIERS else None
+    def _tails(self) -> MTPTails | None:
+        return self.cache.mtp if self.prefix is MTPPrefix.TIERS else None
 
-    def _restore(self, eng: Engine, r: Request, p: int) -> MTPState | None:
+    def _restore(self, r: Request, p: int) -> MTPState | None:
         """The state at p from the tail of the checkpoint at p, None where there is none."""
-        tails, ps = self._tails(eng), eng.page_size
+        tails, ps = self._tails(), self.page_size
         if tails is None or p % ps or p <= self.depths:
             return None
         got = tails.get(r.page_keys(p // ps)[-1])
         dec = self.head.decode_tail(got[0], p, r.kv) if got is not None else None
         if got is None or dec is None:
-            eng.metrics.inc("mtp_tail_misses_total")
+            self.metrics.inc("mtp_tail_misses_total")
             return None
         st, h0 = dec
         lo = p - self.depths  # the K positions a tail leaves to the request (they need x[p], ...)
         self.head.step(st, self.model.xp.asarray(h0), lo, p, r.tokens(), 0)
-        eng.metrics.inc(f"mtp_tail_hits_{got[1].value}_total")
+        self.metrics.inc(f"mtp_tail_hits_{got[1].value}_total")
         return st
 
-    def _snapshot(self, eng: Engine, r: Request, st: MTPState) -> None:
+    def _snapshot(self, r: Request, st: MTPState) -> None:
         """Write the tails of r's end checkpoints (as HiCache._end_points: its whole pages, and
         where a resend of the same tokens resumes) to the mtp pool."""
-        tails, ps, c = self._tails(eng), eng.page_size, r.num_computed
+        tails, ps, c = self._tails(), self.page_size, r.num_computed
         if tails is None or not st.exact:
             return
         for npages in {c // ps, (c - 1) // ps}:
-            self._snapshot_at(eng, r, st, npages)
+            self._snapshot_at(r, st, npages)
 
-    def _snapshot_at(self, eng: Engine, r: Request, st: MTPState, npages: int) -> None:
+    def _snapshot_at(self, r: Request, st: MTPState, npages: int) -> None:
         """Write the tail of r's checkpoint after npages whole pages (once per state)."""
-        tails, p = self._tails(eng), npages * eng.page_size
+        tails, p = self._tails(), npages * self.page_size
         if tails is None or not st.exact or p in st.snapped or npages < 1:
             return
         body = self.head.encode_tail(st, p)
@@ -311,23 +288,4 @@ class Speculator:
             return
         tails.put(r.page_keys(npages)[-1], body)
         st.snapped.add(p)
-        eng.metrics.inc("mtp_tail_writes_total")
-
-    @staticmethod
-    def _rollback(eng: Engine, r: Request, valid: int) -> None:
-        """Drop the KV of positions >= valid (rejected drafts) in every pool."""
-        kv = r.held_kv
-        kv.num_tokens = valid
-        keep = max(kv.pages_for(valid), kv.owned_from)
-        if kv.num_pages > keep:
-            eng.kv.full.free(kv.full_pages[keep:])
-            eng.kv.swa.free([p for p in kv.swa_pages[keep:] if p is not None])
-            del kv.full_pages[keep:]
-            del kv.swa_pages[keep:]
-
-    def drop(self, r: Request) -> None:
-        """r leaves the running list: its MTP KV and drafts go with its pages (the slots keep
-        their bytes, which the STALE baselines read)."""
-        if r.mtp is not None:
-            self._slots = (r.mtp.k, r.mtp.v)
-        r.mtp, r.draft, r.draft_rows = None, [], []
+        self.metrics.inc("mtp_tail_writes_total")

@@ -25,7 +25,8 @@ from gcache.serving.openai_api import ParsedRequest, parse_request
 from gcache.serving.openai_bodies import StreamChunks, response_id
 from gcache.serving.stop_text import OutputText
 from gcache.wire.keys import page_hashes_array
-from gcache.worker.engine.engine_thread import EngineEvent, Pending
+from gcache.worker.engine.engine_thread import Pending
+from gcache.worker.engine.messages import Accepted, Finished, Rejected
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_STOP
 from gcache.worker.engine.scheduler import QueueFullError
 from gcache.worker.http import completions
@@ -87,18 +88,20 @@ class PDRoutes:
             return error_response(503, f"server busy: {e}")
         deadline = loop.time() + w.request_timeout_s
         try:
-            kind, value = await w._next_event(p, deadline)
-            while kind == EngineEvent.ACCEPTED:
-                kind, value = await w._next_event(p, deadline)
+            msg = await w._next_event(p, deadline)
+            while isinstance(msg, Accepted):
+                msg = await w._next_event(p, deadline)
         except asyncio.TimeoutError:
             w.engine_thread.cancel(p)
             return error_response(504, f"prefill did not finish within {w.request_timeout_s:g} s")
         except asyncio.CancelledError:
             w.engine_thread.cancel(p)
             raise
-        if kind == EngineEvent.ERROR:
-            return error_response(503 if isinstance(value, QueueFullError) else 400, str(value))
-        r = value
+        if isinstance(msg, Rejected):
+            return error_response(503 if isinstance(msg.error, QueueFullError) else 400, str(msg.error))
+        if not isinstance(msg, Finished):  # cannot happen: the prefill does not stream
+            raise RuntimeError(f"invariant broken: {msg!r} for the prefill of a handoff")
+        r = msg.request
         if r.finish_reason == FINISH_ABORT and not p.output.stopped:
             return error_response(503, f"request aborted: {r.error}")
         first = r.output[0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any
 
 from aiohttp import web
 
@@ -35,7 +34,8 @@ from gcache.serving.openai_bodies import StreamChunks, response_id
 from gcache.serving.stop_text import OutputText
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine import Engine
-from gcache.worker.engine.engine_thread import EngineEvent, EngineThread, Pending
+from gcache.worker.engine.engine_thread import EngineThread, Pending
+from gcache.worker.engine.messages import Accepted, EngineMessage, Finished, Rejected, TextPiece
 from gcache.worker.engine.request import FINISH_ABORT
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 from gcache.worker.http import completions
@@ -163,15 +163,17 @@ class WorkerApp:
             return error_response(503, f"server busy: {e}")
         deadline = loop.time() + self.request_timeout_s
         try:
-            kind, value = await self._next_event(p, deadline)
-            if kind == EngineEvent.ACCEPTED and parsed.stream:
+            msg = await self._next_event(p, deadline)
+            if isinstance(msg, Accepted) and parsed.stream:
                 return await self._stream(request, parsed, p, deadline, chunks)
-            while kind == EngineEvent.ACCEPTED:  # not streamed: no TEXT events, only DONE (or ERROR)
-                kind, value = await self._next_event(p, deadline)
-            if kind == EngineEvent.ERROR:
-                status = 503 if isinstance(value, QueueFullError) else 400
-                return error_response(status, str(value))
-            return self._full_answer(parsed, p, value, None if chunks is None else chunks.id)
+            while isinstance(msg, Accepted):  # not streamed: no TextPiece, only Finished (or Rejected)
+                msg = await self._next_event(p, deadline)
+            if isinstance(msg, Rejected):
+                status = 503 if isinstance(msg.error, QueueFullError) else 400
+                return error_response(status, str(msg.error))
+            if not isinstance(msg, Finished):  # cannot happen: TextPiece is posted to streams only
+                raise RuntimeError(f"invariant broken: {msg!r} for a request that does not stream")
+            return self._full_answer(parsed, p, msg.request, None if chunks is None else chunks.id)
         except asyncio.TimeoutError:
             self.engine_thread.cancel(p)
             self.counters.inc("http_request_timeouts_total")
@@ -188,8 +190,8 @@ class WorkerApp:
             body["id"] = rid
         return json_response(200, body)
 
-    async def _next_event(self, p: Pending, deadline: float) -> tuple[EngineEvent, Any]:
-        """The engine thread's next event for p; TimeoutError at the deadline. While waiting,
+    async def _next_event(self, p: Pending, deadline: float) -> EngineMessage:
+        """The engine thread's next message for p; TimeoutError at the deadline. While waiting,
         check every LIVENESS_CHECK_S that the engine thread still runs (a crash is a 503)."""
         loop = asyncio.get_running_loop()
         while True:
@@ -200,7 +202,7 @@ class WorkerApp:
                 return await asyncio.wait_for(p.events.get(), min(left, LIVENESS_CHECK_S))
             except asyncio.TimeoutError:
                 if not self.engine_thread.is_serving() and p.events.empty():
-                    return EngineEvent.ERROR, EngineStoppedError("engine stopped")
+                    return Rejected(EngineStoppedError("engine stopped"))
 
     async def _stream(
         self,
@@ -222,7 +224,7 @@ class WorkerApp:
                 await resp.write(sse.event(role))
             while True:
                 try:
-                    kind, value = await self._next_event(p, deadline)
+                    msg = await self._next_event(p, deadline)
                 except asyncio.TimeoutError:
                     self.engine_thread.cancel(p)
                     self.counters.inc("http_request_timeouts_total")
@@ -230,16 +232,21 @@ class WorkerApp:
                         sse.event(error_body(504, f"request did not finish within {self.request_timeout_s:g} s"))
                     )
                     break
-                if kind == EngineEvent.TEXT:
-                    await resp.write(sse.event(chunks.text(value)))
+                if isinstance(msg, TextPiece):
+                    await resp.write(sse.event(chunks.text(msg.text)))
                     continue
-                if kind == EngineEvent.ERROR or (value.finish_reason == FINISH_ABORT and not p.output.stopped):
-                    why = value if kind == EngineEvent.ERROR else f"request aborted: {value.error}"
-                    await resp.write(sse.event(error_body(503, str(why))))
+                if isinstance(msg, Rejected):
+                    await resp.write(sse.event(error_body(503, str(msg.error))))
                     break
-                await resp.write(sse.event(chunks.text("", completions.finish_reason(value, p.output))))
+                if not isinstance(msg, Finished):  # cannot happen: Accepted comes once, first
+                    raise RuntimeError(f"invariant broken: {msg!r} after Accepted")
+                r = msg.request
+                if r.finish_reason == FINISH_ABORT and not p.output.stopped:
+                    await resp.write(sse.event(error_body(503, f"request aborted: {r.error}")))
+                    break
+                await resp.write(sse.event(chunks.text("", completions.finish_reason(r, p.output))))
                 if parsed.include_usage:
-                    await resp.write(sse.event(chunks.usage(completions.usage(value))))
+                    await resp.write(sse.event(chunks.usage(completions.usage(r))))
                 break
             await resp.write(sse.DONE)
             await resp.write_eof()

@@ -209,6 +209,20 @@ class RequestKV:
         self.swa_pages.extend(swa)
         return True
 
+    def shrink(self, kv: DualKVCache, num_tokens: int) -> None:
+        """Drop the KV of positions >= num_tokens (rejected speculative drafts): the tables
+        end at the page that covers num_tokens, and the pages past it that this request owns
+        go back to the pools (the tree's leading pages are never freed)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"shrink to {num_tokens} tokens: the request has KV for {self.num_tokens}")
+        self.num_tokens = num_tokens
+        keep = max(self.pages_for(num_tokens), self.owned_from)
+        if self.num_pages > keep:
+            kv.full.free(self.full_pages[keep:])
+            kv.swa.free([p for p in self.swa_pages[keep:] if p is not None])
+            del self.full_pages[keep:]
+            del self.swa_pages[keep:]
+
     def swa_out_of_window(self, length: int | None = None) -> list[int]:
         """Page indices this request owns whose SWA KV lies wholly before the window."""
         end = self.swa_window_start(self.num_tokens if length is None else length)

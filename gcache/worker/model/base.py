@@ -1,6 +1,7 @@
-"""What the engine needs of a model: one batched forward over paged KV (the contract the real
-model, transformer.Model, the simulated one, sim.SimulatedModel, and the benches' wrappers
-implement)."""
+"""What the engine needs of a model: one batched forward over paged KV (BatchModel: the
+contract the real model, transformer.Model, the simulated one, sim.SimulatedModel, and the
+benches' wrappers implement), and what speculative decoding needs of one with MTP blocks
+(MTPModel: transformer.Model)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from gcache.worker.config import ModelConfig
     from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
+    from gcache.worker.model.mtp import MTPHead
 
 
 class BatchModel(ABC):
@@ -38,3 +41,68 @@ class BatchModel(ABC):
         Returns one logits array per chunk, in order: [T, vocab] if all_logits, else [1, vocab]
         for the last position. Raises ValueError for chunks that break the rules above (or
         all_logits where the model does not support it)."""
+
+
+class MTPModel(BatchModel):
+    """A BatchModel with MTP blocks: what speculative decoding (engine/speculative.py) and the
+    MTP blocks (model/mtp.MTPHead) use of it. Arrays are the model's backend's (xp: numpy or
+    cupy). `layer` below is an index of the main stack or an MTP block's weight-name prefix
+    ("mtp.{d}."); every method computes, none keeps state."""
+
+    config: ModelConfig
+    xp: Any
+
+    @abstractmethod
+    def forward_hidden(
+        self,
+        chunks: Sequence[tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray | None, RequestKV]],
+        kv: DualKVCache,
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> list[Any]:
+        """forward_batch, returning each chunk's last hidden states [T, hidden] (before the
+        final norm) instead of logits (logits(h) gives them)."""
+
+    @abstractmethod
+    def prefix_hidden(
+        self, tokens: Any, req_kv: RequestKV, kv: DualKVCache, lo: int, hi: int, swa_pages: list | None = None
+    ) -> tuple[Any, int]:
+        """(hidden, lo2): the last hidden states of positions [lo2, hi) of a cached prefix
+        (lo2 >= lo: where its live SWA KV starts), read from its pages through the forward's
+        path, writing nothing; (None, hi) where no position qualifies."""
+
+    @abstractmethod
+    def reference_hidden(self, tokens: Any) -> Any:
+        """The dense, cache-free last hidden states of every position (tests' ground truth)."""
+
+    @abstractmethod
+    def logits(self, hidden: Any) -> Any:
+        """Logits of hidden states (the main model's final norm and output head)."""
+
+    @abstractmethod
+    def mtp_head(self, depths: int) -> MTPHead:
+        """The first `depths` MTP blocks of the weights."""
+
+    # ---- the layer API the MTP blocks are built from ---------------------------------------
+    @abstractmethod
+    def weight(self, name: str) -> Any:
+        """A weight by its name in the weights file ("lm_head.weight", "mtp.0.proj", ...)."""
+
+    @abstractmethod
+    def embed(self, ids: Any) -> Any:
+        """Token embeddings [T, hidden]."""
+
+    @abstractmethod
+    def norm(self, x: Any, name: str) -> Any:
+        """RMSNorm of x with the weight `name`."""
+
+    @abstractmethod
+    def qkv(self, layer: int | str, x: Any, positions: np.ndarray) -> tuple[Any, Any, Any]:
+        """The layer's attention norm, then q [T, heads, D], k and v [T, kv_heads, D], RoPE applied."""
+
+    @abstractmethod
+    def attend(self, q: Any, k: Any, v: Any, qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> Any:
+        """Attention [T, heads * D] of q over keys at kpos <= qpos (and > qpos - window)."""
+
+    @abstractmethod
+    def finish_layer(self, layer: int | str, x: Any, attn: Any) -> Any:
+        """The rest of the layer: output projection, MLP, both residuals."""

@@ -24,13 +24,16 @@ from the cache without MTP KV) are masked out: drafting then sees less context.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.config import ModelConfig
 from gcache.worker.model import mtp_tail
+
+if TYPE_CHECKING:
+    from gcache.worker.model.base import MTPModel
 
 # Ring positions beyond W + K + 1: room for a checkpoint a few pages behind the request's
 # end to still be in the ring when its tail is written down (model/mtp_tail.py).
@@ -51,7 +54,7 @@ class MTPState:
         self.h0_valid = start  # h0 holds committed positions < h0_valid
         # exact: every MTP KV is what a from-scratch prefill computes (built from position 0,
         # or restored from a tail); a rebuilt or blind state is never written down
-        self.exact = start == 0  # (an exact rebuild sets it too: Speculator._new_state)
+        self.exact = start == 0  # (an exact rebuild sets it too: MTPSpeculator._new_state)
         self.snapped: set[int] = set()  # checkpoint lengths whose tail this state wrote
         self.first = start  # positions before it have no MTP KV (prefix from the cache)
         self.valid = [start] * depths  # V_d: depth d's committed KV covers [first, V_d)
@@ -73,9 +76,15 @@ class MTPState:
 
 
 class MTPHead:
-    """The K MTP blocks of a model (transformer.Model) with MTP weights; numpy/cupy like it."""
+    """The K MTP blocks of a model with MTP weights (base.MTPModel: transformer.Model), built
+    from its public layer API; numpy/cupy like it."""
 
-    def __init__(self, model, depths: int) -> None:
+    # The MTP blocks' attention is read (True) or its output zeroed (False): the diagnostic
+    # seam of bench.worker.mtp_acceptance --ablate-mtp-window (a model whose drafts do not
+    # change without it gains nothing from MTP KV, whatever its source).
+    window_attention: bool = True
+
+    def __init__(self, model: MTPModel, depths: int) -> None:
         c = model.config
         if not 0 < depths <= c.mtp_layers:
             raise ValueError(f"{depths} MTP layers asked; the weights have {c.mtp_layers}")
@@ -144,17 +153,13 @@ class MTPHead:
         """(state at p - K, hidden rows for [p - K, p)) from a tail body, None if it does not fit."""
         return mtp_tail.decode(body, self, p, owner)
 
-    def window_hidden(self, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
-        """window_hidden() below, with this head's model."""
-        return window_hidden(self.model, tokens, req_kv, kv, lo, hi, swa_pages)
-
     def rebuild_start(self, req_kv, p: int, swa_pages=None) -> tuple[int, bool]:
         """(lo, exact): where a rebuild of the MTP window before a cached prefix's end p
         starts, and whether it is exact. Depth d's KV at i needs depth d-1's hidden at i,
         which reads depth d-1's window [i - W + 1, i]; so every depth is a prefill's from
         p - K - W + 1 on (what later windows and a tail read) when the main model's hidden
         states are exact from p - K * W on, i.e. when the SWA KV is live W - 1 before that
-        (window_hidden). Where it is not, the rebuild covers the window only."""
+        (MTPModel.prefix_hidden). Where it is not, the rebuild covers the window only."""
         w, reach = self.config.window, self.depths * self.config.window
         live = live_swa_page(req_kv, p, swa_pages) * self.config.page_size
         exact = live == 0 or live + w - 1 <= p - reach
@@ -162,26 +167,28 @@ class MTPHead:
 
     def draft_logits(self, d: int, h):
         m = self.model
-        return m._rmsnorm(h, f"mtp.{d}.final_norm.weight") @ m.w["lm_head.weight"]
+        return m.norm(h, f"mtp.{d}.final_norm.weight") @ m.weight("lm_head.weight")
 
     def _block(self, st: MTPState, d: int, prev, ids: np.ndarray, lo: int, hi: int):
         """Depth d's block over positions [lo, hi); writes their KV into the ring."""
         m, c, xp = self.model, self.config, self.model.xp
         p = f"mtp.{d}."
-        e = m._rmsnorm(m.w["embed.weight"][xp.asarray(ids)], p + "enorm.weight")
-        h = m._rmsnorm(prev, p + "hnorm.weight")
-        x = xp.concatenate([e, h], axis=-1) @ m.w[p + "proj"]
+        e = m.norm(m.embed(ids), p + "enorm.weight")
+        h = m.norm(prev, p + "hnorm.weight")
+        x = xp.concatenate([e, h], axis=-1) @ m.weight(p + "proj")
         pos = np.arange(lo, hi)
-        q, k, v = m._qkv(p, x, pos)
+        q, k, v = m.qkv(p, x, pos)
         k_np, v_np = np.asarray(backend.to_numpy(k)), np.asarray(backend.to_numpy(v))
         old_lo = max(st.first, lo - c.window + 1)
         ko, vo = st.keys(d, old_lo, lo)
         keys = xp.asarray(np.concatenate([ko, k_np]))
         vals = xp.asarray(np.concatenate([vo, v_np]))
         kpos = np.arange(old_lo, hi)
-        attn = m._attend(q, keys, vals, pos, kpos, c.window)
+        attn = m.attend(q, keys, vals, pos, kpos, c.window)
+        if not self.window_attention:
+            attn = attn * 0.0
         st.write(d, lo, k_np, v_np)
-        return m._finish_layer(p, x, attn)
+        return m.finish_layer(p, x, attn)
 
     def reference_drafts(self, tokens, drafts_max: int) -> list[int]:
         """Dense, cache-free drafts after the whole of `tokens` (for tests): the main model's
@@ -189,24 +196,15 @@ class MTPHead:
         toks = np.asarray(tokens, dtype=np.int64)
         st = self.new_state(0, None)
         n = toks.size
-        return self.step(st, self._dense_hidden(toks[:-1]), 0, n - 1, list(toks), drafts_max)[0]
+        return self.step(st, self.model.reference_hidden(toks[:-1]), 0, n - 1, list(toks), drafts_max)[0]
 
     def reference_state(self, tokens, upto: int) -> MTPState:
         """Dense, cache-free MTP state after the main model computed positions [0, upto) of
         `tokens` (for tests: what a from-scratch prefill of a prefix leaves)."""
         toks = np.asarray(tokens, dtype=np.int64)
         st = self.new_state(0, None)
-        self.step(st, self._dense_hidden(toks[:upto]), 0, upto, list(toks), 0)
+        self.step(st, self.model.reference_hidden(toks[:upto]), 0, upto, list(toks), 0)
         return st
-
-    def _dense_hidden(self, toks: np.ndarray):
-        m, xp = self.model, self.model.xp
-        x = m.w["embed.weight"][xp.asarray(toks)]
-        pos = np.arange(toks.size)
-        for layer, kind in enumerate(self.config.layer_pattern):
-            q, k, v = m._qkv(layer, x, pos)
-            x = m._finish_layer(layer, x, m._attend(q, k, v, pos, pos, None if kind == "full" else self.config.window))
-        return x
 
 
 def live_swa_page(req_kv, hi: int, swa_pages=None) -> int:
@@ -216,41 +214,3 @@ def live_swa_page(req_kv, hi: int, swa_pages=None) -> int:
     while page > 0 and swa[page - 1] is not None:
         page -= 1
     return page
-
-
-def window_hidden(model, tokens, req_kv, kv, lo: int, hi: int, swa_pages=None):
-    """(hidden, lo2): the main model's last hidden states at positions [lo2, hi) of a cached
-    prefix (lo2 >= lo: where the request's live SWA KV starts), read from the request's pages
-    without writing any (they may be the prefix tree's, shared). `tokens`: the sequence's
-    tokens, at least hi of them. Full layers read every position; SWA layers only what is
-    live (a checkpoint keeps SWA KV for its last W tokens), so positions less than W - 1
-    after the live run's start see a shorter window than a prefill did (good enough for
-    drafts, which never decide the output); later ones are a prefill's.
-    swa_pages: the SWA page table to read (default req_kv's; CacheManager.prefix_swa_pages
-    adds the cache's live pages before the request's window)."""
-    from gcache.worker.config import FULL
-
-    c, xp = model.config, model.xp
-    ps = c.page_size
-    swa = req_kv.swa_pages if swa_pages is None else swa_pages
-    swa_from = live_swa_page(req_kv, hi, swa)
-    lo = max(lo, swa_from * ps)
-    if lo >= hi:
-        return None, hi
-    toks = np.asarray(tokens[lo:hi], dtype=np.int64)
-    pos = np.arange(lo, hi)
-    x = model.w["embed.weight"][xp.asarray(toks)]
-    for layer in range(c.layers):
-        q, _, _ = model._qkv(layer, x, pos)
-        kind, j = kv.layer_slot[layer]
-        if kind == FULL:
-            first, pages, k_pool, v_pool = 0, req_kv.full_pages, kv.k_full, kv.v_full
-        else:
-            first, pages, k_pool, v_pool = swa_from, swa, kv.k_swa, kv.v_swa
-        read = xp.asarray(np.asarray(pages[first : req_kv.pages_for(hi)], dtype=np.int64))
-        n = hi - first * ps
-        keys = k_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
-        vals = v_pool[j, read].reshape(-1, c.kv_heads, c.head_dim)[:n]
-        attn = model._attend(q, keys, vals, pos, np.arange(first * ps, hi), None if kind == FULL else c.window)
-        x = model._finish_layer(layer, x, attn)
-    return x, lo

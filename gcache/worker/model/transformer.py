@@ -8,20 +8,41 @@ decode token); `forward_batch` runs several requests' chunks with shared matmuls
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
-from gcache.worker.model.base import BatchModel
-from gcache.worker.model.mtp import MTPHead
+from gcache.worker.model.base import MTPModel
+from gcache.worker.model.mtp import MTPHead, live_swa_page
 from gcache.worker.model.weights import init_weights, validate
 
 
-class Model(BatchModel):
-    """The real model (numpy, or cupy through the backend) behind BatchModel."""
+class PageReads(NamedTuple):
+    """Where one chunk's keys of one pool kind live: the pages and slots its new K/V go to
+    (None: a read-only pass, nothing written), the pages its attention reads, and the
+    positions of the keys they hold."""
+
+    write_pages: Any
+    write_slots: Any
+    read_pages: Any
+    kpos: np.ndarray
+
+
+class ChunkPlan(NamedTuple):
+    """One request's chunk, validated, with its page indices per pool kind."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    req: RequestKV
+    tables: dict[str, PageReads]
+
+
+class Model(MTPModel):
+    """The real model (numpy, or cupy through the backend) behind BatchModel, with the
+    public layer API its MTP blocks (model/mtp.py) build on (MTPModel)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray] | None = None, xp=None) -> None:
         self.config = config
@@ -31,8 +52,14 @@ class Model(BatchModel):
         half = config.head_dim // 2
         self._inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) / half))
 
-    # ---- building blocks ----------------------------------------------------------
-    def _rmsnorm(self, x, name: str):
+    # ---- building blocks (MTPModel's layer API) --------------------------------------------
+    def weight(self, name: str) -> Any:
+        return self.w[name]
+
+    def embed(self, ids) -> Any:
+        return self.w["embed.weight"][self.xp.asarray(ids)]
+
+    def norm(self, x, name: str):
         xp = self.xp
         return x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + self.config.rms_eps) * self.w[name]
 
@@ -45,17 +72,17 @@ class Model(BatchModel):
         x1, x2 = x[..., :half], x[..., half:]
         return self.xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _qkv(self, layer, x, positions: np.ndarray):
+    def qkv(self, layer, x, positions: np.ndarray):
         """layer: an index of the main stack, or a weight-name prefix (an MTP block's)."""
         c, p = self.config, layer if isinstance(layer, str) else f"layers.{layer}."
-        h = self._rmsnorm(x, p + "attn_norm.weight")
+        h = self.norm(x, p + "attn_norm.weight")
         t = x.shape[0]
         q = (h @ self.w[p + "attn.wq"]).reshape(t, c.heads, c.head_dim)
         k = (h @ self.w[p + "attn.wk"]).reshape(t, c.kv_heads, c.head_dim)
         v = (h @ self.w[p + "attn.wv"]).reshape(t, c.kv_heads, c.head_dim)
         return self._rope(q, positions), self._rope(k, positions), v
 
-    def _attend(self, q, k, v, qpos: np.ndarray, kpos: np.ndarray, window: int | None):
+    def attend(self, q, k, v, qpos: np.ndarray, kpos: np.ndarray, window: int | None):
         """q [T,H,D], k/v [S,KVH,D] -> [T, H*D]; keys masked to kpos <= qpos (and > qpos - W)."""
         xp, c = self.xp, self.config
         t, g = q.shape[0], c.heads // c.kv_heads
@@ -70,15 +97,16 @@ class Model(BatchModel):
         out = probs @ v.transpose(1, 0, 2)[:, None]  # [KVH,g,T,D]
         return out.transpose(2, 0, 1, 3).reshape(t, c.heads * c.head_dim)
 
-    def _finish_layer(self, layer, x, attn):
+    def finish_layer(self, layer, x, attn):
+        """The attention output projection and the MLP, residuals included (layer as in qkv)."""
         p = layer if isinstance(layer, str) else f"layers.{layer}."
         x = x + attn @ self.w[p + "attn.wo"]
-        h = self._rmsnorm(x, p + "mlp_norm.weight")
+        h = self.norm(x, p + "mlp_norm.weight")
         gate, up = h @ self.w[p + "mlp.w_gate"], h @ self.w[p + "mlp.w_up"]
         return x + (gate / (1.0 + self.xp.exp(-gate)) * up) @ self.w[p + "mlp.w_down"]
 
     def _logits(self, x):
-        return self._rmsnorm(x, "final_norm.weight") @ self.w["lm_head.weight"]
+        return self.norm(x, "final_norm.weight") @ self.w["lm_head.weight"]
 
     def _check_tokens(self, tokens) -> np.ndarray:
         t = np.asarray(backend.to_numpy(tokens))
@@ -91,14 +119,19 @@ class Model(BatchModel):
     # ---- dense reference ------------------------------------------------------------
     def reference_logits(self, tokens):
         """Logits [n, vocab] for every position of the whole sequence, no cache, plain masks."""
+        return self._logits(self.reference_hidden(tokens))
+
+    def reference_hidden(self, tokens):
+        """The last hidden states [n, hidden] (before the final norm) of every position of the
+        whole sequence, no cache, plain masks."""
         c, tokens = self.config, self._check_tokens(tokens)
         pos = np.arange(tokens.size)
-        x = self.w["embed.weight"][self.xp.asarray(tokens)]
+        x = self.embed(tokens)
         for layer, kind in enumerate(c.layer_pattern):
-            q, k, v = self._qkv(layer, x, pos)
-            attn = self._attend(q, k, v, pos, pos, None if kind == FULL else c.window)
-            x = self._finish_layer(layer, x, attn)
-        return self._logits(x)
+            q, k, v = self.qkv(layer, x, pos)
+            attn = self.attend(q, k, v, pos, pos, None if kind == FULL else c.window)
+            x = self.finish_layer(layer, x, attn)
+        return x
 
     # ---- paged forward ----------------------------------------------------------------
     def forward(self, tokens, positions, req_kv: RequestKV, kv: DualKVCache, all_logits: bool = False):
@@ -131,38 +164,71 @@ class Model(BatchModel):
         """Logits of hidden states from forward_hidden (or an MTP block: same head)."""
         return self._logits(hidden)
 
+    def prefix_hidden(self, tokens, req_kv: RequestKV, kv: DualKVCache, lo: int, hi: int, swa_pages=None):
+        """(hidden, lo2): the last hidden states at positions [lo2, hi) of a cached prefix
+        (lo2 >= lo: where the request's live SWA KV starts; (None, hi) if none is), read from
+        the request's pages through the forward's own path without writing any (they may be
+        the prefix tree's, shared). `tokens`: the sequence's tokens, at least hi of them.
+        Full layers read every position; SWA layers only what is live (a checkpoint keeps SWA
+        KV for its last W tokens), so positions less than W - 1 after the live run's start
+        see a shorter window than a prefill did; later ones are a prefill's.
+        swa_pages: the SWA page table to read (default req_kv's; CacheManager.prefix_swa_pages
+        adds the cache's live pages before the request's window)."""
+        ps, xp = self.config.page_size, self.xp
+        swa = req_kv.swa_pages if swa_pages is None else swa_pages
+        swa_from = live_swa_page(req_kv, hi, swa)
+        lo = max(lo, swa_from * ps)
+        if lo >= hi:
+            return None, hi
+        tables = {}
+        for kind, table, first in ((FULL, req_kv.full_pages, 0), (SWA, swa, swa_from)):
+            read = xp.asarray(np.asarray(table[first : req_kv.pages_for(hi)], dtype=np.int64))
+            tables[kind] = PageReads(None, None, read, np.arange(first * ps, hi))
+        plan = ChunkPlan(np.asarray(tokens[lo:hi], dtype=np.int64), np.arange(lo, hi), req_kv, tables)
+        x, _ = self._layers([plan], kv, None)
+        return x, lo
+
     def _forward_x(self, chunks, kv: DualKVCache, layer_ready=None):
         c, xp = self.config, self.xp
         if kv.xp is not xp or kv.config.layer_pattern != c.layer_pattern or kv.config.dtype != c.dtype:
             raise ValueError("the KV cache was built for another backend, layer pattern or dtype")
         plans = [self._plan(tok, pos, req, kv) for tok, pos, req in chunks]
-        if len({id(p[2]) for p in plans}) != len(plans):
+        if len({id(p.req) for p in plans}) != len(plans):
             raise ValueError("a request appears twice in one batch")
-        tokens = np.concatenate([p[0] for p in plans])
-        positions = np.concatenate([p[1] for p in plans])
-        bounds = np.cumsum([0] + [p[0].size for p in plans])
-        x = self.w["embed.weight"][xp.asarray(tokens)]
+        x, bounds = self._layers(plans, kv, layer_ready)
+        for p in plans:
+            p.req.num_tokens = int(p.positions[-1]) + 1
+        return x, bounds
+
+    def _layers(self, plans: list[ChunkPlan], kv: DualKVCache, layer_ready):
+        """Every layer over the chunks: one matmul per weight for all of them, attention per
+        chunk through its page tables (writing its new K/V first where the plan says so)."""
+        c, xp = self.config, self.xp
+        tokens = np.concatenate([p.tokens for p in plans])
+        positions = np.concatenate([p.positions for p in plans])
+        bounds = np.cumsum([0] + [p.tokens.size for p in plans])
+        x = self.embed(tokens)
         for layer in range(c.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self.qkv(layer, x, positions)
             if layer_ready is not None:
                 layer_ready(layer)
             kind, j = kv.layer_slot[layer]
             k_pool, v_pool = (kv.k_full, kv.v_full) if kind == FULL else (kv.k_swa, kv.v_swa)
             outs = []
-            for (_, pos, req, tables), lo, hi in zip(plans, bounds[:-1], bounds[1:]):
-                write_pages, write_slots, read_pages, kpos = tables[kind]
-                k_pool[j, write_pages, write_slots] = k[lo:hi]
-                v_pool[j, write_pages, write_slots] = v[lo:hi]
+            for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:]):
+                write_pages, write_slots, read_pages, kpos = plan.tables[kind]
+                if write_pages is not None:
+                    k_pool[j, write_pages, write_slots] = k[lo:hi]
+                    v_pool[j, write_pages, write_slots] = v[lo:hi]
                 n = kpos.size  # slots past the chunk's end hold stale data: never read them
                 keys = k_pool[j, read_pages].reshape(-1, c.kv_heads, c.head_dim)[:n]
                 vals = v_pool[j, read_pages].reshape(-1, c.kv_heads, c.head_dim)[:n]
-                outs.append(self._attend(q[lo:hi], keys, vals, pos, kpos, None if kind == FULL else c.window))
-            x = self._finish_layer(layer, x, xp.concatenate(outs) if len(outs) > 1 else outs[0])
-        for _, pos, req, _ in plans:
-            req.num_tokens = int(pos[-1]) + 1
+                window = None if kind == FULL else c.window
+                outs.append(self.attend(q[lo:hi], keys, vals, plan.positions, kpos, window))
+            x = self.finish_layer(layer, x, xp.concatenate(outs) if len(outs) > 1 else outs[0])
         return x, bounds
 
-    def _plan(self, tokens, positions, req: RequestKV, kv: DualKVCache):
+    def _plan(self, tokens, positions, req: RequestKV, kv: DualKVCache) -> ChunkPlan:
         """Validate one chunk (before anything is written) and precompute its page indices."""
         c, xp = self.config, self.xp
         tokens = self._check_tokens(tokens)
@@ -184,10 +250,10 @@ class Model(BatchModel):
             if any(p is None for p in read):
                 raise ValueError(f"{kind} KV of pages {first}..{req.pages_for(end) - 1} is not all live")
             read_np = np.asarray(read, dtype=np.int64)
-            tables[kind] = (
+            tables[kind] = PageReads(
                 xp.asarray(read_np[pos // ps - first]),
                 xp.asarray(pos % ps),
                 xp.asarray(read_np),
                 np.arange(first * ps, end),
             )
-        return tokens, pos, req, tables
+        return ChunkPlan(tokens, pos, req, tables)
