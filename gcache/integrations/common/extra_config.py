@@ -44,6 +44,10 @@ class ExtraConfig:
             raise SettingsError(f"{self.label}[{key!r}] must be a number in [{lo}, {hi}], got {value!r}")
         return kind(value)
 
+    def integer(self, key: str, default: int, lo: int, hi: int) -> int:
+        """number() of an integral value (2.0 is read as 2, 2.5 is refused)."""
+        return int(self.number(key, default, lo, hi, int))
+
     def flag(self, key: str, default: bool) -> bool:
         value = self.extra.get(key, default)
         if not isinstance(value, bool):

@@ -20,7 +20,7 @@ with ec_connector="GCacheECConnector"), lives in ec/.
 __all__ = ["GCacheConnector", "GCacheECConnector"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     # Lazy: the connector imports vllm and torch; settings, keys and plan do not, so they stay
     # importable (and testable) without vLLM installed.
     if name == "GCacheConnector":

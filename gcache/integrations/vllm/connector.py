@@ -14,8 +14,9 @@ starts. From then on no hook raises into vLLM: a store failure is a miss or a fa
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -27,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from gcache.integrations.common.connect import connect
 from gcache.integrations.common.guarded_store import GuardedStore
-from gcache.integrations.vllm.groups import groups_of
+from gcache.integrations.vllm.groups import groups_of, required
+from gcache.integrations.vllm.interval_stats import SummedIntervalStats
 from gcache.integrations.vllm.keys import PageKeys, rank_keys
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, GCacheHandshake
 from gcache.integrations.vllm.scheduler_side import SchedulerSide
@@ -35,34 +37,34 @@ from gcache.integrations.vllm.settings import LAYOUTS, ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
 from gcache.integrations.vllm.worker_side import WorkerSide
 
+if TYPE_CHECKING:  # vLLM's and torch's types: Any to the type check (not installed in .venv)
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger("gcache.integrations.vllm")
+T = TypeVar("T")
 
 
 @dataclass
-class GCacheConnectorStats(KVConnectorStats):
+class GCacheConnectorStats(SummedIntervalStats, KVConnectorStats):
     """Counter changes over an interval (sums when vLLM aggregates workers or intervals)."""
-
-    def reset(self):
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in (other.data or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data
 
 
 class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        self.groups = groups_of(kv_cache_config)
+        config = required(kv_cache_config)
+        self.groups = groups_of(config)
         model_config = vllm_config.model_config
         model = self.settings.model or model_config.served_model_name or model_config.model
         if isinstance(model, (list, tuple)):
@@ -72,7 +74,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats = ConnectorStats()
         self.client = connect(self.settings, "GCacheConnector")
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
-        self.scheduler_side = self.worker_side = None
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A cache miss is never a request error: vLLM reads the policy right after
@@ -94,7 +97,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
             keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
             self.worker_side = WorkerSide(
-                self.settings, self.groups, keys, self.client, self.store, self.stats, kv_cache_config.num_blocks
+                self.settings, self.groups, keys, self.client, self.store, self.stats, config.num_blocks
             )
         log.info(
             "GCacheConnector (%s): store %s, groups %s, keys ...%s",
@@ -106,7 +109,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
 
-    def _safely(self, what: str, failed, fn, *args):
+    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except Exception as exc:  # our bug or bad input: vLLM's engine must live on
@@ -115,7 +118,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return failed
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """The layout GCache asks of vLLM (gcache_layout, default LBHNC); the engine's own
         setting wins, and the connector moves whatever vLLM resolved."""
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
@@ -126,7 +129,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, float]:
         return self.stats.snapshot()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -134,86 +137,97 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM's shutdown() does it too; a process that exits without it loses queued saves."""
         return self.worker_side is None or self.worker_side.flush(timeout_s)
 
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("GCacheConnector: a scheduler-side hook was called on a worker's connector")
+        return self.scheduler_side
+
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("GCacheConnector: a worker-side hook was called on the scheduler's connector")
+        return self.worker_side
+
     # -- scheduler side ----------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._safely("lookup", (0, False), self.scheduler_side.matched_tokens, request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._safely("lookup", (0, False), self._scheduler().matched_tokens, request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # A failure here would leave vLLM waiting for tokens nobody loads: plan no load, and
         # the worker reports nothing for it... so this must not fail; _safely logs if it does.
-        self._safely("alloc", None, self.scheduler_side.after_alloc, request, blocks, num_external_tokens)
+        self._safely("alloc", None, self._scheduler().after_alloc, request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> GCacheConnectorMetadata:
-        return self._safely("meta", GCacheConnectorMetadata(), self.scheduler_side.build_meta, scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GCacheConnectorMetadata:
+        return self._safely("meta", GCacheConnectorMetadata(), self._scheduler().build_meta, scheduler_output)
 
-    def update_connector_output(self, connector_output):
-        self._safely("worker output", None, self.scheduler_side.worker_output, connector_output)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._safely("worker output", None, self._scheduler().worker_output, connector_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._safely("finish", False, self.scheduler_side.finished, request), None
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._safely("finish", False, self._scheduler().finished, request), None
 
-    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self._safely("finish", False, self.scheduler_side.finished, request), None
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._safely("finish", False, self._scheduler().finished, request), None
 
     # -- worker side -------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict):
-        self.worker_side.register(kv_caches)  # a layout we cannot address fails the start
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)  # a layout we cannot address fails the start
 
     def get_handshake_metadata(self) -> GCacheHandshake | None:
         return GCacheHandshake(self.worker_side.handshake()) if self.worker_side is not None else None
 
-    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self.scheduler_side is not None:
             tags = {rank: m.tags for rank, m in metadata.items() if isinstance(m, GCacheHandshake)}
             self.scheduler_side.set_tags(tags)
 
-    def handle_preemptions(self, kv_connector_metadata):
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, GCacheConnectorMetadata):
-            self._safely("preemption", None, self.worker_side.preempted, kv_connector_metadata)
+            self._safely("preemption", None, self._worker().preempted, kv_connector_metadata)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, GCacheConnectorMetadata):
-            self._safely("load", None, self.worker_side.start_load, meta)
+            self._safely("load", None, self._worker().start_load, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a synchronous load's copy is ordered before the forward on the
         compute stream (start_load_kv), so no layer hook and no cudagraph restriction."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: a value holds all of a group's layers, saved in wait_for_save."""
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         # The step's forward is queued: its pages are saved from this step's metadata, before
         # a sliding-window block can belong to another request (the next step).
         meta = self._connector_metadata
         if isinstance(meta, GCacheConnectorMetadata):
-            self._safely("save", None, self.worker_side.save_step, meta)
+            self._safely("save", None, self._worker().save_step, meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sent, recving, failed = self._safely(
-            "results", (set(), set(), set()), self.worker_side.transfer_results, finished_req_ids
-        )
+        nothing: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+        sent, recving, failed = self._safely("results", nothing, self._worker().transfer_results, finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recving, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._safely("load errors", set(), self.worker_side.take_load_errors)
+        return self._safely("load errors", set(), self._worker().take_load_errors)
 
-    def get_kv_connector_stats(self):
+    def get_kv_connector_stats(self) -> GCacheConnectorStats | None:
         delta = self.stats.delta()
         return GCacheConnectorStats(data=delta) if delta else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GCacheConnectorStats:
         return GCacheConnectorStats(data=dict(data or {}))
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self.worker_side is not None:
             self._safely("shutdown", None, self.worker_side.close)
         self.client.close()

@@ -9,10 +9,13 @@ error at startup: the connector cannot say which of its pages resume a request.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from gcache.integrations.vllm.plan import tail_pages
 from gcache.wire.keys import POOL_FULL, POOL_SWA
+
+if TYPE_CHECKING:  # vLLM's type: Any to the type check (not installed in .venv)
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class GroupError(ValueError):
@@ -20,7 +23,9 @@ class GroupError(ValueError):
 
 
 class Group(NamedTuple):
-    index: int
+    # The field shadows tuple.index(), which mypy reports; the name is the connector's word for
+    # vLLM's group number (kept: the tests and the sides use it).
+    index: int  # type: ignore[assignment]
     kind: str  # POOL_FULL or POOL_SWA
     layer_names: tuple[str, ...]
     layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part
@@ -31,14 +36,19 @@ class Group(NamedTuple):
 def _layer_id(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
-    return extract_layer_index(name)
+    return int(extract_layer_index(name))
 
 
-def groups_of(kv_cache_config) -> list[Group]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
+def required(kv_cache_config: KVCacheConfig | None) -> KVCacheConfig:
     if kv_cache_config is None:
         raise GroupError("GCacheConnector needs vLLM's kv_cache_config (vLLM 0.32 or newer)")
+    return kv_cache_config
+
+
+def groups_of(kv_cache_config: KVCacheConfig | None) -> list[Group]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kv_cache_config = required(kv_cache_config)
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from gcache.wire.keys import KeyBuilder, page_hashes_array
+
+if TYPE_CHECKING:
+    from gcache.integrations.vllm.groups import Group
 
 _BAD = re.compile(r"[^A-Za-z0-9._-]+")
 MODEL_NAME_MAX = 96  # longer names are shortened to a prefix plus a hash
@@ -53,7 +57,7 @@ class MMItem(NamedTuple):
     length: int  # its placeholder tokens
 
 
-def _mm_extra(items, start: int, end: int) -> bytes:
+def _mm_extra(items: Sequence[MMItem], start: int, end: int) -> bytes:
     """What a page [start, end) holds of multimodal items: each overlapping item's identifier and
     where it begins relative to the page (negative: it began on an earlier page)."""
     return "|".join(
@@ -61,7 +65,9 @@ def _mm_extra(items, start: int, end: int) -> bytes:
     ).encode()
 
 
-def prompt_page_hashes(token_ids, block_size: int, cache_salt: str | None = None, mm_items=()) -> list[str]:
+def prompt_page_hashes(
+    token_ids: Iterable[int], block_size: int, cache_salt: str | None = None, mm_items: Sequence[MMItem] = ()
+) -> list[str]:
     """One chained hash per full page. The placeholder tokens of an image are the same for every
     image, so a page that holds (part of) a multimodal item hashes that item's content hash and
     position too: other images give other pages, the same image in the same place the same page.
@@ -91,7 +97,7 @@ class GroupTag(NamedTuple):
 
 
 def value_tag(
-    order: str, kernel_block: int, heads: int, content_bytes: int, dtype: str, layers: list, segments: int
+    order: str, kernel_block: int, heads: int, content_bytes: int, dtype: str, layers: list[Any], segments: int
 ) -> str:
     """The key's tag of a group's values. `layers`: per stored layer (id, its runs as (offset,
     length) pairs): a different layer set or page split is a different digest."""
@@ -107,7 +113,7 @@ class PageKeys:
             model=model_tag(model), namespace=namespace, tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla
         )
 
-    def value_keys(self, page_hash: str, group, tag: GroupTag) -> list[bytes]:
+    def value_keys(self, page_hash: str, group: Group, tag: GroupTag) -> list[bytes]:
         return segment_keys(self.builder.key(page_hash, f"{group.kind}-{tag.tag}", group.index), tag.segments)
 
 

@@ -4,9 +4,12 @@ scheduler once at start (vLLM pickles both across processes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from gcache.integrations.vllm.keys import GroupTag
 
 
 class PageRef(NamedTuple):
@@ -17,20 +20,20 @@ class PageRef(NamedTuple):
 
 class LoadSpec(NamedTuple):
     req_id: str
-    pages: tuple  # PageRef...
+    pages: tuple[PageRef, ...]
     asynchronous: bool  # loaded between steps (the request waits in WAITING_FOR_REMOTE_KVS)
 
 
 class SaveSpec(NamedTuple):
     req_id: str
-    pages: tuple  # PageRef... computed by this step's forward
+    pages: tuple[PageRef, ...]  # computed by this step's forward
 
 
 @dataclass
 class GCacheConnectorMetadata(KVConnectorMetadata):
-    loads: list = field(default_factory=list)
-    saves: list = field(default_factory=list)
-    preempted: frozenset = frozenset()
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -38,4 +41,4 @@ class GCacheHandshake(KVConnectorHandshakeMetadata):
     """What a worker tells the scheduler once its KV is registered: each group's key tag
     (keys.GroupTag), which only the worker can know (layout, kernel block size, segments)."""
 
-    tags: dict = field(default_factory=dict)  # group index -> GroupTag
+    tags: dict[int, GroupTag] = field(default_factory=dict)  # group index -> GroupTag

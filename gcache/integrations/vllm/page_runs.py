@@ -18,9 +18,12 @@ anything with `.shape`, `.stride()`, `.element_size()` and `.data_ptr()`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
+    import torch
 
 RUNS_PER_PAGE_MAX = 4096  # a page in more pieces than this is a layout we refuse to move piecewise
 
@@ -54,7 +57,7 @@ class PageRuns(NamedTuple):
         return starts, np.broadcast_to(self.lengths, starts.shape)
 
 
-def _dense_span(shape, strides, itemsize: int) -> int | None:
+def _dense_span(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> int | None:
     """Bytes of a non-overlapping dense tensor, or None when it has holes or overlaps."""
     dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
     expected = 1
@@ -65,7 +68,7 @@ def _dense_span(shape, strides, itemsize: int) -> int | None:
     return expected * itemsize
 
 
-def _runs(shape: tuple, strides: tuple, itemsize: int, at: int, out: list) -> None:
+def _runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, at: int, out: list[tuple[int, int]]) -> None:
     if any(s < 0 for s in strides):
         raise PageRunsError(f"negative strides {strides} in a KV page")
     span = _dense_span(shape, strides, itemsize)
@@ -81,7 +84,7 @@ def _runs(shape: tuple, strides: tuple, itemsize: int, at: int, out: list) -> No
             raise PageRunsError(f"a KV page splits into more than {RUNS_PER_PAGE_MAX} runs (shape {shape})")
 
 
-def _merged(runs: list) -> tuple[np.ndarray, np.ndarray]:
+def _merged(runs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     runs.sort()
     merged: list[list[int]] = []
     for start, length in runs:
@@ -95,13 +98,13 @@ def _merged(runs: list) -> tuple[np.ndarray, np.ndarray]:
     return table[:, 0].copy(), table[:, 1].copy()
 
 
-def page_order(strides: tuple) -> str:
+def page_order(strides: tuple[int, ...]) -> str:
     """Which of heads (H) and tokens (N) is outer in a page of a [B, H, N, C] view."""
     _, s_heads, s_tokens, _ = strides
     return "HNC" if s_heads >= s_tokens else "NHC"
 
 
-def page_runs(view, num_blocks: int) -> PageRuns:
+def page_runs(view: torch.Tensor, num_blocks: int) -> PageRuns:
     """The runs of a `[blocks * r, heads, tokens, content]` view whose vLLM blocks are `num_blocks`."""
     shape = tuple(int(n) for n in view.shape)
     strides = tuple(int(s) for s in view.stride())
@@ -111,7 +114,7 @@ def page_runs(view, num_blocks: int) -> PageRuns:
         raise PageRunsError(f"a KV view of {shape[0]} kernel blocks does not split into {num_blocks} vLLM blocks")
     r = shape[0] // num_blocks  # kernel blocks per vLLM block
     itemsize = int(view.element_size())
-    pieces: list = []
+    pieces: list[tuple[int, int]] = []
     for j in range(r):  # the r kernel blocks of vLLM block 0, wherever each lies
         _runs(shape[1:], strides[1:], itemsize, j * strides[0] * itemsize, pieces)
     offsets, lengths = _merged(pieces)

@@ -14,11 +14,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gcache.integrations.vllm import plan
 from gcache.integrations.vllm.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 from gcache.wire.keys import POOL_SWA
+
+if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from gcache.integrations.common.guarded_store import GuardedStore
+    from gcache.integrations.vllm.groups import Group
+    from gcache.integrations.vllm.keys import GroupTag, PageKeys
+    from gcache.integrations.vllm.settings import ConnectorSettings
+    from gcache.integrations.vllm.stats import ConnectorStats
 
 log = logging.getLogger("gcache.integrations.vllm")
 NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
@@ -30,24 +43,34 @@ class Track:
     """What the scheduler side remembers of one live request."""
 
     prompt_len: int
-    hashes: list  # page hashes of the prompt's full pages
-    block_ids: list = field(default_factory=list)  # per group, block id per page
+    hashes: list[str]  # page hashes of the prompt's full pages
+    block_ids: list[list[int]] = field(default_factory=list)  # per group, block id per page
     saved_upto: int = 0  # pages before this were saved (or came from a hit)
-    swa_pages: set = field(default_factory=set)  # sliding-window pages worth saving
-    hit: tuple | None = None  # (local pages, end pages) of the last lookup
-    loading: frozenset = frozenset()  # the blocks its load in flight fills
+    swa_pages: dict[int, set[int]] = field(default_factory=dict)  # per sliding-window group: pages worth saving
+    hit: tuple[int, int] | None = None  # (local pages, end pages) of the last lookup
+    loading: frozenset[int] = frozenset()  # the blocks its load in flight fills
     no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
 
 
 class SchedulerSide:
-    def __init__(self, settings, groups, rank_keys, store, stats, *, load: bool, save: bool):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        groups: list[Group],
+        rank_keys: list[PageKeys],
+        store: GuardedStore,
+        stats: ConnectorStats,
+        *,
+        load: bool,
+        save: bool,
+    ) -> None:
         self.settings = settings
         self.groups = groups
         self.full = [g for g in groups if g.kind != POOL_SWA]
         self.swa = [g for g in groups if g.kind == POOL_SWA]
         self.block_size = groups[0].block_size
         self.rank_keys = rank_keys
-        self.tags: dict | None = None  # group index -> GroupTag, from the workers' handshake
+        self.tags: dict[int, GroupTag] | None = None  # group index -> GroupTag, from the workers' handshake
         self.store = store
         self.stats = stats
         self.load = load
@@ -58,12 +81,12 @@ class SchedulerSide:
 
     # -- requests -----------------------------------------------------------------------
 
-    def _cacheable(self, request) -> bool:
+    def _cacheable(self, request: Request) -> bool:
         # A LoRA adapter changes the KV of the same token ids and is not in the keys: not cached.
         # Multimodal items are (keys.prompt_page_hashes).
         return request.prompt_token_ids is not None and getattr(request, "lora_request", None) is None
 
-    def _track(self, request) -> Track | None:
+    def _track(self, request: Request) -> Track | None:
         track = self.tracks.get(request.request_id)
         if track is None and self._cacheable(request) and len(self.tracks) < TRACKED_MAX:
             prompt = request.prompt_token_ids
@@ -81,7 +104,7 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------------------
 
-    def set_tags(self, per_rank: dict) -> None:
+    def set_tags(self, per_rank: dict[int, dict[int, GroupTag]]) -> None:
         """The workers' handshake: every rank must name its values alike, or nothing is cached."""
         tags = list(per_rank.values())
         if not tags or any(t != tags[0] for t in tags):
@@ -91,14 +114,19 @@ class SchedulerSide:
         self.tags = dict(tags[0])
         log.info("GCacheConnector scheduler: value tags %s", self.tags)
 
-    def _keys(self, hashes, group) -> list:
-        tag = self.tags[group.index]
+    def _tag(self, group: Group) -> GroupTag:
+        if self.tags is None:
+            raise RuntimeError("GCacheConnector scheduler: value keys asked for before the workers' handshake")
+        return self.tags[group.index]
+
+    def _keys(self, hashes: list[str], group: Group) -> list[bytes]:
+        tag = self._tag(group)
         return [k for h in hashes for keys in self.rank_keys for k in keys.value_keys(h, group, tag)]
 
-    def _per_page(self, group) -> int:
-        return self.tags[group.index].segments * len(self.rank_keys)
+    def _per_page(self, group: Group) -> int:
+        return self._tag(group).segments * len(self.rank_keys)
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._track(request)  # saving needs it too (a kv_producer never loads)
         if track is None or not self.load or track.no_load or self.tags is None:
             return 0, False
@@ -114,9 +142,10 @@ class SchedulerSide:
             per_page = self._per_page(group)
             found = self.store.exists_prefix(self._keys(track.hashes[local:full_end], group))
             full_end = local + found // per_page
-        swa = []
+        swa: list[tuple[int, list[bool]]] = []
         if self.swa and full_end > local:
-            asks, spans = [], []
+            asks: list[bytes] = []
+            spans: list[tuple[Group, int, int, int]] = []
             for group in self.swa:
                 keys = self._keys(track.hashes[local:full_end], group)
                 spans.append((group, len(asks), len(keys), self._per_page(group)))
@@ -138,7 +167,7 @@ class SchedulerSide:
         asynchronous = len(self.groups) > 1 or tokens >= self.settings.async_load_min_tokens
         return tokens, asynchronous
 
-    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         track = self.tracks.get(request.request_id)
         if track is None or num_external_tokens <= 0 or track.hit is None:
             return
@@ -182,7 +211,7 @@ class SchedulerSide:
         self.saving.add(req_id)
         return SaveSpec(req_id, tuple(pages))
 
-    def build_meta(self, out) -> GCacheConnectorMetadata:
+    def build_meta(self, out: SchedulerOutput) -> GCacheConnectorMetadata:
         saves = []
         for new in out.scheduled_new_reqs:
             track = self.tracks.get(new.req_id)
@@ -213,7 +242,7 @@ class SchedulerSide:
             loads=loads, saves=saves, preempted=frozenset(getattr(out, "preempted_req_ids", None) or ())
         )
 
-    def worker_output(self, output) -> None:
+    def worker_output(self, output: KVConnectorOutput) -> None:
         """The worker's report of a step: a request whose load failed is not loaded again (a
         retry would find the same pages and fail the same way)."""
         failed = set(getattr(output, "failed_recving", None) or ())
@@ -231,7 +260,7 @@ class SchedulerSide:
                 )
                 track.saved_upto = min(track.saved_upto, first)
 
-    def finished(self, request) -> bool:
+    def finished(self, request: Request) -> bool:
         """True when the request's blocks must wait for its saves (the worker reports them)."""
         self.tracks.pop(request.request_id, None)
         if request.request_id in self.saving:

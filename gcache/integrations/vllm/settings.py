@@ -7,7 +7,9 @@ engine starts rather than a setting silently ignored.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.integrations.common.extra_config import URL_ENV, ExtraConfig, SettingsError
 from gcache.integrations.common.store_settings import STORE_KEYS, StoreSettings
@@ -53,7 +55,9 @@ class ConnectorSettings(StoreSettings):
         return self.staging_mib << 20
 
     @classmethod
-    def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> ConnectorSettings:
+    def from_extra_config(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+    ) -> ConnectorSettings:
         extra = ExtraConfig(extra_config, "kv_connector_extra_config")
         extra.check_known(cls.KNOWN, "GCacheConnector")
         layout = extra.extra.get("gcache_layout", cls.layout)
@@ -63,13 +67,11 @@ class ConnectorSettings(StoreSettings):
             **cls.store_fields(extra, environ),
             model=extra.name("gcache_model"),
             layout=layout,
-            staging_mib=extra.number("gcache_staging_mib", cls.staging_mib, 2, 1 << 20, int),
-            value_bytes_max=extra.number("gcache_value_bytes_max", cls.value_bytes_max, 4096, 1 << 40, int),
-            checkpoint_pages=extra.number("gcache_checkpoint_pages", cls.checkpoint_pages, 1, 1 << 20, int),
+            staging_mib=extra.integer("gcache_staging_mib", cls.staging_mib, 2, 1 << 20),
+            value_bytes_max=extra.integer("gcache_value_bytes_max", cls.value_bytes_max, 4096, 1 << 40),
+            checkpoint_pages=extra.integer("gcache_checkpoint_pages", cls.checkpoint_pages, 1, 1 << 20),
             swa_every_page=extra.flag("gcache_swa_every_page", cls.swa_every_page),
-            save_queue_jobs_max=extra.number("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16, int),
-            load_queue_jobs_max=extra.number("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16, int),
-            async_load_min_tokens=extra.number(
-                "gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30, int
-            ),
+            save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
+            load_queue_jobs_max=extra.integer("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16),
+            async_load_min_tokens=extra.integer("gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30),
         )

@@ -25,12 +25,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from gcache.integrations.common.job_queue import JobQueue
+from gcache.integrations.vllm.movers.base import BlockMover, Event
 from gcache.integrations.vllm.values import Copies
+
+if TYPE_CHECKING:
+    from gcache.integrations.common.guarded_store import GuardedStore
+    from gcache.integrations.vllm.settings import ConnectorSettings
+    from gcache.integrations.vllm.staging import StagingPool
+    from gcache.integrations.vllm.stats import ConnectorStats
+    from gcache.integrations.vllm.values import GroupValues
 
 log = logging.getLogger("gcache.integrations.vllm")
 LOAD_SLOT_WAIT_S = 30.0  # longest the loader waits for load slots held by synchronous loads
@@ -38,23 +47,23 @@ LOAD_SLOT_WAIT_S = 30.0  # longest the loader waits for load slots held by synch
 
 class Page(NamedTuple):
     group: int  # KV cache group index
-    keys: list  # the value's segment keys
+    keys: list[bytes]  # the value's segment keys
     block_id: int
 
 
 class PutJob(NamedTuple):
-    keys: list
-    addresses: list
-    sizes: list
-    slots: list
-    copied: object  # the mover's event: the slots hold the bytes once it completed
+    keys: list[bytes]
+    addresses: list[int]
+    sizes: list[int]
+    slots: list[int]
+    copied: Event  # the mover's event: the slots hold the bytes once it completed
     swa_values: int  # values of sliding-window groups, for the counters
 
 
 class LoadJob(NamedTuple):
     req_id: str
-    pages: list  # Page...
-    after: object  # event on the compute stream when the load was planned
+    pages: list[Page]
+    after: Event  # event on the compute stream when the load was planned
 
 
 def _concat(parts: list[Copies]) -> Copies:
@@ -66,7 +75,17 @@ def _concat(parts: list[Copies]) -> Copies:
 class Transfers:
     """Both directions for one worker: `values` per group index (values.GroupValues)."""
 
-    def __init__(self, mover, values: dict, swa_groups: set, save_pool, load_pool, store, stats, settings):
+    def __init__(
+        self,
+        mover: BlockMover,
+        values: dict[int, GroupValues],
+        swa_groups: set[int],
+        save_pool: StagingPool,
+        load_pool: StagingPool,
+        store: GuardedStore,
+        stats: ConnectorStats,
+        settings: ConnectorSettings,
+    ) -> None:
         self.mover = mover
         self.values = values
         self.swa_groups = swa_groups
@@ -80,23 +99,23 @@ class Transfers:
         self.saver = JobQueue("gcache-vllm-saver", self._put, settings.save_queue_jobs_max, log)
         self.loader = JobQueue("gcache-vllm-loader", self._load_async, settings.load_queue_jobs_max, log)
         self._lock = threading.Lock()
-        self._copies: list[tuple[object, frozenset]] = []  # (copy event, request ids) not known complete
-        self._last_copy = None  # the save stream's newest event
-        self._landing: list[tuple[object, list]] = []  # synchronous loads: (copy event, load slots)
-        self._done: list[tuple[str, set]] = []  # asynchronous loads: (request id, failed blocks)
+        self._copies: list[tuple[Event, frozenset[str]]] = []  # (copy event, request ids) not known complete
+        self._last_copy: Event | None = None  # the save stream's newest event
+        self._landing: list[tuple[Event, list[int]]] = []  # synchronous loads: (copy event, load slots)
+        self._done: list[tuple[str, set[int]]] = []  # asynchronous loads: (request id, failed blocks)
 
     # -- saves --------------------------------------------------------------------------
 
-    def _gather(self, pages: list, slots: list) -> Copies:
+    def _gather(self, pages: list[Page], slots: list[int]) -> Copies:
         addresses = self.save_pool.addresses(slots)
-        parts = []
+        parts: list[Copies] = []
         for g, values in self.values.items():
             mine = [i for i, p in enumerate(pages) if p.group == g]
             if mine:
                 parts.append(values.gather([pages[i].block_id for i in mine], addresses[mine]))
         return _concat(parts)
 
-    def save(self, pages: list, req_ids: list, reused_next_step: bool) -> None:
+    def save(self, pages: list[Page], req_ids: list[str], reused_next_step: bool) -> None:
         """Queues the save of `pages` (Page...; req_ids[i] owns pages[i]). `reused_next_step`:
         some of these blocks go back to vLLM's pool after this step (sliding-window blocks)."""
         if not pages:
@@ -117,7 +136,9 @@ class Transfers:
         copied = self.mover.record(self.save_stream)
         if reused_next_step:
             self.mover.wait_event(compute, copied)
-        keys, addresses, sizes = [], [], []
+        keys: list[bytes] = []
+        addresses: list[int] = []
+        sizes: list[int] = []
         swa = 0
         for page, address in zip(pages, self.save_pool.addresses(slots)):
             spans = self.values[page.group].segment_spans()
@@ -138,7 +159,7 @@ class Transfers:
         start = time.perf_counter()
         try:
             self.mover.synchronize(job.copied)
-            todo = range(len(job.keys))
+            todo: Sequence[int] = range(len(job.keys))
             if self.skip_existing:  # a shared prefix costs one EXISTS entry, not its bytes
                 present = self.store.exists_flags(job.keys)
                 todo = [i for i, ok in enumerate(present) if not ok]
@@ -156,7 +177,7 @@ class Transfers:
             self.save_pool.give_back(job.slots)
             self.stats.count("save_s", time.perf_counter() - start)
 
-    def copies_pending(self, req_ids: set) -> set:
+    def copies_pending(self, req_ids: set[str]) -> set[str]:
         """The requests among `req_ids` whose blocks a save still copies from (never blocks)."""
         with self._lock:
             self._copies = [(ev, reqs) for ev, reqs in self._copies if not self.mover.query(ev)]
@@ -171,9 +192,12 @@ class Transfers:
 
     # -- loads --------------------------------------------------------------------------
 
-    def _fetch(self, pages: list, slots: list) -> tuple[list, set]:
+    def _fetch(self, pages: list[Page], slots: list[int]) -> tuple[list[int], set[int]]:
         """Reads the values into slots: (pages read whole, blocks that failed)."""
-        keys, addresses, sizes, owner = [], [], [], []
+        keys: list[bytes] = []
+        addresses: list[int] = []
+        sizes: list[int] = []
+        owner: list[int] = []
         for i, (page, address) in enumerate(zip(pages, self.load_pool.addresses(slots))):
             for key, (at, length) in zip(page.keys, self.values[page.group].segment_spans()):
                 keys.append(key)
@@ -188,10 +212,10 @@ class Transfers:
         self.stats.count("load_failed_values", len(bad))
         return ok, {pages[i].block_id for i in bad}
 
-    def _scatter(self, pages: list, slots: list, ok: list, after):
+    def _scatter(self, pages: list[Page], slots: list[int], ok: list[int], after: Event) -> Event:
         """Queues the copies of the pages read whole into their blocks; the copy's event."""
         addresses = self.load_pool.addresses(slots)
-        parts = []
+        parts: list[Copies] = []
         for g, values in self.values.items():
             mine = [i for i in ok if pages[i].group == g]
             if mine:
@@ -202,7 +226,7 @@ class Transfers:
             self.mover.copy(self.load_stream, copies.dst, copies.src, copies.sizes)
         return self.mover.record(self.load_stream)
 
-    def load_now(self, pages: list) -> set:
+    def load_now(self, pages: list[Page]) -> set[int]:
         """A synchronous load, before this step's forward: the blocks that failed."""
         self._reap_landed()
         slots = self.load_pool.take(len(pages))
@@ -230,7 +254,7 @@ class Transfers:
         for _, slots in landed:
             self.load_pool.give_back(slots)
 
-    def load_later(self, req_id: str, pages: list) -> None:
+    def load_later(self, req_id: str, pages: list[Page]) -> None:
         """An asynchronous load; its outcome comes back from take_loaded()."""
         job = LoadJob(req_id, pages, self.mover.record(self.mover.compute_stream()))
         if not self.loader.submit(job):
@@ -239,7 +263,7 @@ class Transfers:
                 self._done.append((req_id, {p.block_id for p in pages}))
 
     def _load_async(self, job: LoadJob) -> None:
-        failed: set = set()
+        failed: set[int] = set()
         start = time.perf_counter()
         try:
             chunk = max(1, self.load_pool.slot_count // 2)  # leaves room for synchronous loads
@@ -264,7 +288,7 @@ class Transfers:
             with self._lock:
                 self._done.append((job.req_id, failed))
 
-    def _take_load_slots(self, count: int):
+    def _take_load_slots(self, count: int) -> list[int] | None:
         deadline = time.monotonic() + LOAD_SLOT_WAIT_S
         while True:
             self._reap_landed()
@@ -273,7 +297,7 @@ class Transfers:
                 return slots
             time.sleep(0.005)  # synchronous loads hold slots only until their copy lands
 
-    def take_loaded(self) -> list[tuple[str, set]]:
+    def take_loaded(self) -> list[tuple[str, set[int]]]:
         """Asynchronous loads finished since the last call: (request id, failed blocks)."""
         self._reap_landed()
         with self._lock:

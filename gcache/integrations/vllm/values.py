@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from gcache.integrations.vllm.page_runs import PageRuns
 
@@ -59,7 +60,7 @@ class GroupValues:
         parts = [r.addresses(block_ids)[0] for r in self.layers]  # each [pages, runs of that layer]
         return np.concatenate(parts, axis=1)
 
-    def gather(self, block_ids, slot_addresses) -> Copies:
+    def gather(self, block_ids: ArrayLike, slot_addresses: ArrayLike) -> Copies:
         """Copies of each block's pages into its slot (block_ids[i] -> slot_addresses[i])."""
         blocks = np.asarray(block_ids, dtype=np.int64)
         slots = np.asarray(slot_addresses, dtype=np.int64)
@@ -70,7 +71,7 @@ class GroupValues:
         sizes = np.broadcast_to(self._lengths, src.shape)
         return Copies(dst.ravel(), src.ravel(), sizes.ravel())
 
-    def scatter(self, slot_addresses, block_ids) -> Copies:
+    def scatter(self, slot_addresses: ArrayLike, block_ids: ArrayLike) -> Copies:
         """Copies of each slot's value back into its block's pages."""
         gathered = self.gather(block_ids, slot_addresses)
         return Copies(gathered.src, gathered.dst, gathered.sizes)

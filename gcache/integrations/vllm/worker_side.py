@@ -10,6 +10,8 @@ and computes each group's key tag, which the scheduler receives through vLLM's h
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from gcache.integrations.vllm.keys import GroupTag, PageKeys, mla_writer, value_tag
 from gcache.integrations.vllm.page_runs import PageRunsError, page_runs
@@ -17,6 +19,17 @@ from gcache.integrations.vllm.staging import StagingPool
 from gcache.integrations.vllm.transfers import Page, Transfers
 from gcache.integrations.vllm.values import GroupValues
 from gcache.wire.keys import POOL_SWA
+
+if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
+    import torch
+
+    import gcache
+    from gcache.integrations.common.guarded_store import GuardedStore
+    from gcache.integrations.vllm.groups import Group
+    from gcache.integrations.vllm.meta import GCacheConnectorMetadata, PageRef
+    from gcache.integrations.vllm.movers.base import BlockMover
+    from gcache.integrations.vllm.settings import ConnectorSettings
+    from gcache.integrations.vllm.stats import ConnectorStats
 
 log = logging.getLogger("gcache.integrations.vllm")
 CLOSE_TIMEOUT_S = 30.0
@@ -27,7 +40,7 @@ class LayoutError(ValueError):
     """KV tensors the connector cannot address or move (the message says what it found)."""
 
 
-def mover_for(device):
+def mover_for(device: torch.device) -> BlockMover:
     """The mover for KV on `device` (a torch.device): host memcpys on CPU, DMA on a GPU."""
     device_type = device.type
     if device_type == "cpu":
@@ -46,7 +59,9 @@ def mover_for(device):
     raise LayoutError(f"GCacheConnector moves KV on CPU and CUDA devices, got {device_type}")
 
 
-def group_values(group, views: list, num_blocks: int, segment_bytes_max: int) -> tuple[GroupValues, GroupTag]:
+def group_values(
+    group: Group, views: list[torch.Tensor], num_blocks: int, segment_bytes_max: int
+) -> tuple[GroupValues, GroupTag]:
     """One group's values and their key tag, from its layers' [blocks, heads, tokens, content] views."""
     try:
         runs = [page_runs(v, num_blocks) for v in views]
@@ -72,7 +87,16 @@ def group_values(group, views: list, num_blocks: int, segment_bytes_max: int) ->
 
 
 class WorkerSide:
-    def __init__(self, settings, groups, keys: PageKeys, client, store, stats, num_blocks: int):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        groups: list[Group],
+        keys: PageKeys,
+        client: gcache.Client,
+        store: GuardedStore,
+        stats: ConnectorStats,
+        num_blocks: int,
+    ) -> None:
         self.settings = settings
         self.groups = groups
         self.keys = keys  # this rank's PageKeys
@@ -90,8 +114,9 @@ class WorkerSide:
 
     # -- registration -------------------------------------------------------------------
 
-    def register(self, kv_caches: dict) -> None:
-        per_group, devices = {}, set()
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        per_group: dict[int, tuple[GroupValues, GroupTag]] = {}
+        devices: set[Any] = set()  # torch.device
         for group in self.groups:
             views = []
             for name in group.layer_names:
@@ -132,20 +157,25 @@ class WorkerSide:
     def handshake(self) -> dict[int, GroupTag]:
         return dict(self.tags)
 
-    def _pages(self, refs) -> list[Page]:
+    def _transfers(self) -> Transfers:
+        if self.transfers is None:
+            raise RuntimeError("GCacheConnector worker: a step before vLLM registered its KV caches")
+        return self.transfers
+
+    def _pages(self, refs: Iterable[PageRef]) -> list[Page]:
         out = []
         for ref in refs:
             group = self.groups[ref.group]
             out.append(Page(ref.group, self.keys.value_keys(ref.page_hash, group, self.tags[ref.group]), ref.block_id))
         return out
 
-    def _writes(self, ref) -> bool:
+    def _writes(self, ref: PageRef) -> bool:
         builder = self.keys.builder
         return not builder.is_mla or mla_writer(ref.page_hash, builder.tp_size) == builder.tp_rank
 
     # -- steps --------------------------------------------------------------------------
 
-    def start_load(self, meta) -> None:
+    def start_load(self, meta: GCacheConnectorMetadata) -> None:
         for spec in meta.loads:
             try:
                 pages = self._pages(spec.pages)
@@ -154,16 +184,16 @@ class WorkerSide:
                 self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages})
                 continue
             if spec.asynchronous:
-                self.transfers.load_later(spec.req_id, pages)
+                self._transfers().load_later(spec.req_id, pages)
             else:
                 try:
-                    failed = self.transfers.load_now(pages)
+                    failed = self._transfers().load_now(pages)
                 except Exception:  # the store or our bug: these blocks are recomputed
                     log.exception("GCache connector: a load failed")
                     failed = {p.block_id for p in pages}
                 self.load_errors |= failed
 
-    def _failed(self, req_id: str, asynchronous: bool, blocks: set) -> None:
+    def _failed(self, req_id: str, asynchronous: bool, blocks: set[int]) -> None:
         if asynchronous:
             self.async_done.add(req_id)
             if len(self.groups) > 1:  # vLLM reports block errors of one group only: recompute the request
@@ -173,9 +203,11 @@ class WorkerSide:
         else:
             self.load_errors |= blocks
 
-    def save_step(self, meta) -> None:
+    def save_step(self, meta: GCacheConnectorMetadata) -> None:
         """After the step's forward was queued (wait_for_save): this step's pages to the store."""
-        pages, req_ids, swa = [], [], False
+        pages: list[Page] = []
+        req_ids: list[str] = []
+        swa = False
         for spec in meta.saves:
             self.saving.add(spec.req_id)
             refs = [r for r in spec.pages if self._writes(r)]
@@ -183,21 +215,22 @@ class WorkerSide:
             req_ids += [spec.req_id] * len(refs)
             swa = swa or any(self.groups[r.group].kind == POOL_SWA for r in refs)
         # Sliding-window blocks leave the window and go back to vLLM's pool after this step.
-        self.transfers.save(pages, req_ids, reused_next_step=swa)
+        self._transfers().save(pages, req_ids, reused_next_step=swa)
 
-    def preempted(self, meta) -> None:
+    def preempted(self, meta: GCacheConnectorMetadata) -> None:
         if meta.preempted:  # their blocks are freed and reused from this step on
-            self.transfers.blocks_freed()
+            self._transfers().blocks_freed()
 
     # -- reports ------------------------------------------------------------------------
 
-    def transfer_results(self, finished_req_ids) -> tuple[set, set, set]:
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
         self.finished_saving |= set(finished_req_ids) & self.saving
-        sent = self.finished_saving - self.transfers.copies_pending(self.finished_saving)
+        transfers = self._transfers()
+        sent = self.finished_saving - transfers.copies_pending(self.finished_saving)
         self.finished_saving -= sent
         self.saving -= sent
-        for req_id, failed in self.transfers.take_loaded():
+        for req_id, failed in transfers.take_loaded():
             if failed:
                 self._failed(req_id, True, failed)
             else:

@@ -15,7 +15,7 @@ neither vLLM nor torch.
 __all__ = ["GCacheECConnector"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     if name == "GCacheECConnector":
         from gcache.integrations.vllm.ec.connector import GCacheECConnector
 

@@ -17,8 +17,9 @@ does both.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
@@ -29,8 +30,21 @@ from gcache.integrations.vllm.ec.keys import ItemKeys
 from gcache.integrations.vllm.ec.scheduler_side import ECSchedulerSide
 from gcache.integrations.vllm.ec.settings import ECSettings
 from gcache.integrations.vllm.ec.stats import ECStats
+from gcache.integrations.vllm.interval_stats import SummedIntervalStats
+
+if TYPE_CHECKING:  # vLLM's and torch's types: Any to the type check (not installed in .venv)
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from gcache.client import Client
+    from gcache.integrations.vllm.ec.keys import ItemSpec
+    from gcache.integrations.vllm.ec.scheduler_side import Loaded
+    from gcache.integrations.vllm.ec.worker_side import ECWorkerSide
 
 log = logging.getLogger("gcache.integrations.vllm.ec")
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,30 +52,16 @@ class GCacheECMetadata(ECConnectorMetadata):
     """This step's items: `loads` identifier -> scheduler_side.Loaded (the fetched value),
     `saves` identifier -> keys.ItemSpec (what vLLM encodes this step and a producer writes)."""
 
-    loads: dict = field(default_factory=dict)
-    saves: dict = field(default_factory=dict)
+    loads: dict[str, Loaded] = field(default_factory=dict)
+    saves: dict[str, ItemSpec] = field(default_factory=dict)
 
 
 @dataclass
-class GCacheECConnectorStats(ECConnectorStats):
+class GCacheECConnectorStats(SummedIntervalStats, ECConnectorStats):
     """Counter changes over an interval (sums when vLLM aggregates workers or intervals)."""
 
-    def reset(self):
-        self.data = {}
 
-    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
-        for key, value in (other.data or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data
-
-
-def model_identity(settings: ECSettings, model_config) -> str:
+def model_identity(settings: ECSettings, model_config: Any) -> str:
     """gcache_model, else the served model name, else the model string."""
     model = settings.model or model_config.served_model_name or model_config.model
     if isinstance(model, (list, tuple)):
@@ -69,7 +69,7 @@ def model_identity(settings: ECSettings, model_config) -> str:
     return str(model)
 
 
-def item_keys(vllm_config, settings: ECSettings) -> ItemKeys:
+def item_keys(vllm_config: VllmConfig, settings: ECSettings) -> ItemKeys:
     model_config = vllm_config.model_config
     mm_config = model_config.multimodal_config
     ec_config = vllm_config.ec_transfer_config
@@ -83,28 +83,32 @@ def item_keys(vllm_config, settings: ECSettings) -> ItemKeys:
     )
 
 
-def _tp_rank(vllm_config) -> int:
+def _tp_rank(vllm_config: VllmConfig) -> int:
     if vllm_config.parallel_config.tensor_parallel_size == 1:
         return 0
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return get_tensor_model_parallel_rank()
+    return int(get_tensor_model_parallel_rank())
 
 
 class GCacheECConnector(ECConnectorBase):
-    def __init__(self, vllm_config, role: ECConnectorRole):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
         self.settings = ECSettings.from_extra_config(ec_config.ec_connector_extra_config)
         self.stats = ECStats()
-        self.client = self.store = None
-        self.scheduler_side = self.worker_side = None
+        self.client: Client | None = None
+        self.store: GuardedStore | None = None
+        self.scheduler_side: ECSchedulerSide | None = None
+        self.worker_side: ECWorkerSide | None = None
         # Every TP rank holds the same encoder outputs: rank 0 alone writes them.
         writes = self.is_producer and (role == ECConnectorRole.WORKER and _tp_rank(vllm_config) == 0)
         if role == ECConnectorRole.SCHEDULER or writes:
             self.client = connect(self.settings, "GCacheECConnector")
             self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         if role == ECConnectorRole.SCHEDULER:
+            if self.store is None:
+                raise RuntimeError("GCacheECConnector: the scheduler's connector has no store")
             keys = item_keys(vllm_config, self.settings)
             self.scheduler_side = ECSchedulerSide(
                 self.settings, keys, self.store, self.stats, load=self.is_consumer, save=self.is_producer
@@ -123,7 +127,7 @@ class GCacheECConnector(ECConnectorBase):
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
 
-    def _safely(self, what: str, failed, fn, *args):
+    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except Exception as exc:  # our bug or bad input: vLLM's engine must live on
@@ -131,31 +135,41 @@ class GCacheECConnector(ECConnectorBase):
             log.error("GCacheECConnector %s failed: %s", what, exc, exc_info=True)
             return failed
 
+    def _scheduler(self) -> ECSchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("GCacheECConnector: a scheduler-side hook was called on a worker's connector")
+        return self.scheduler_side
+
+    def _worker(self) -> ECWorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("GCacheECConnector: a worker-side hook was called on the scheduler's connector")
+        return self.worker_side
+
     # -- scheduler side ---------------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self._safely("has_cache_item", False, self.scheduler_side.has_cache_item, identifier)
+        return self._safely("has_cache_item", False, self._scheduler().has_cache_item, identifier)
 
-    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         return self._safely(
-            "ensure_cache_available", True, self.scheduler_side.ensure_cache_available, request, num_computed_tokens
+            "ensure_cache_available", True, self._scheduler().ensure_cache_available, request, num_computed_tokens
         )
 
-    def update_state_after_alloc(self, request, index: int) -> None:
-        self._safely("update_state_after_alloc", None, self.scheduler_side.update_state_after_alloc, request, index)
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        self._safely("update_state_after_alloc", None, self._scheduler().update_state_after_alloc, request, index)
 
-    def build_connector_meta(self, scheduler_output) -> GCacheECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GCacheECMetadata:
         step = self._safely(
             "build_connector_meta",
             None,
-            self.scheduler_side.build_step,
+            self._scheduler().build_step,
             scheduler_output.scheduled_encoder_inputs or {},
         )
         loads, saves = step or ({}, {})
         return GCacheECMetadata(loads=loads, saves=saves)
 
-    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
-        self._safely("request_finished", None, self.scheduler_side.request_finished, request)
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._safely("request_finished", None, self._scheduler().request_finished, request)
         return False, None
 
     # -- worker side --------------------------------------------------------------------------
@@ -164,29 +178,29 @@ class GCacheECConnector(ECConnectorBase):
         meta = self._connector_metadata
         return meta if isinstance(meta, GCacheECMetadata) else None
 
-    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._meta()
         if meta is not None and meta.loads:
             # Not _safely: an item vLLM was told is here must be here (a failure is vLLM's
             # "encoder cache miss" error either way, better raised where it happened).
-            self.worker_side.load(meta.loads, encoder_cache)
+            self._worker().load(meta.loads, encoder_cache)
 
-    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         meta = self._meta()
         saves = meta.saves if meta is not None else {}
-        self._safely("save_caches", None, self.worker_side.save, saves, encoder_cache, mm_hash)
+        self._safely("save_caches", None, self._worker().save, saves, encoder_cache, mm_hash)
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is not None:
             self._safely("get_finished", None, self.worker_side.end_step)
         return None, None
 
     # -- both ------------------------------------------------------------------------------------
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, float]:
         return self.stats.snapshot()
 
-    def recent_saved_keys(self) -> list:
+    def recent_saved_keys(self) -> list[bytes]:
         """The last keys this worker wrote (at most worker_side.RECENT_KEYS)."""
         return list(self.worker_side.recent_keys) if self.worker_side is not None else []
 
@@ -198,15 +212,15 @@ class GCacheECConnector(ECConnectorBase):
             return self.scheduler_side.wait_idle(timeout_s)
         return True
 
-    def get_ec_connector_stats(self):
+    def get_ec_connector_stats(self) -> GCacheECConnectorStats | None:
         delta = self.stats.delta()
         return GCacheECConnectorStats(data=delta) if delta else None
 
     @classmethod
-    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None):
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> GCacheECConnectorStats:
         return GCacheECConnectorStats(data=dict(data or {}))
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self.worker_side is not None:
             self._safely("shutdown", None, self.worker_side.close)
         if self.scheduler_side is not None:

@@ -65,7 +65,7 @@ class ItemKeys:
         model: str,
         namespace: str | None,
         dtype: str,
-        widths: dict,
+        widths: dict[str, int],
         default_width: int,
         encoder_hash: str | None = None,
     ):

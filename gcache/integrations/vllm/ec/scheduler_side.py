@@ -30,13 +30,21 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from gcache.integrations.common.job_queue import JobQueue
-from gcache.integrations.vllm.ec.keys import ItemKeys
+from gcache.integrations.vllm.ec.keys import ItemKeys, ItemSpec
 from gcache.integrations.vllm.ec.value import Header, check_value, value_bytes
+
+if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
+    from vllm.v1.request import Request
+
+    from gcache.integrations.common.guarded_store import GuardedStore
+    from gcache.integrations.vllm.ec.settings import ECSettings
+    from gcache.integrations.vllm.ec.stats import ECStats
 
 log = logging.getLogger("gcache.integrations.vllm.ec")
 
@@ -56,7 +64,7 @@ class _Ready:
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
-        self.holders: set = set()
+        self.holders: set[str] = set()  # ids of the requests holding it
 
 
 class _Lookup:
@@ -75,30 +83,30 @@ class _Lookup:
         "held",
     )
 
-    def __init__(self, req_id: str, specs: list, identifiers: list, deadline: float):
+    def __init__(self, req_id: str, specs: list[ItemSpec], identifiers: list[str], deadline: float):
         self.req_id = req_id
         self.specs = specs  # ItemSpec per item
         self.identifiers = identifiers
-        self.buffers: list = []
+        self.buffers: list[np.ndarray] = []
         self.done = threading.Event()
         self.abandoned = False  # the request stopped waiting (or finished): results are dropped
         self.absorbed = False
-        self.results: dict = {}  # identifier -> Loaded (reads) or bool (existence)
+        self.results: dict[str, Loaded | bool] = {}  # identifier -> Loaded (reads) or bool (existence)
         self.deadline = deadline
-        self.held: set = set()  # identifiers of ready items this request holds
+        self.held: set[str] = set()  # identifiers of ready items this request holds
 
 
 class ECSchedulerSide:
     def __init__(
         self,
-        settings,
+        settings: ECSettings,
         keys: ItemKeys,
-        store,
-        stats,
+        store: GuardedStore,
+        stats: ECStats,
         load: bool,
         save: bool,
-        clock=time.monotonic,  # deadlines (defer_s); a step's wait is measured in real time
-    ):
+        clock: Callable[[], float] = time.monotonic,  # deadlines (defer_s); a step's wait is measured in real time
+    ) -> None:
         self.settings = settings
         self.keys = keys
         self.store = store
@@ -111,15 +119,15 @@ class ECSchedulerSide:
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._ready: dict[str, _Ready] = {}
         self._known: OrderedDict[str, bool] = OrderedDict()
-        self._yes: set = set()  # identifiers answered True in this step
-        self._loads: dict = {}  # identifier -> Loaded, this step
-        self._saves: dict = {}  # identifier -> ItemSpec, this step
+        self._yes: set[str] = set()  # identifiers answered True in this step
+        self._loads: dict[str, Loaded] = {}  # identifier -> Loaded, this step
+        self._saves: dict[str, ItemSpec] = {}  # identifier -> ItemSpec, this step
         self._wait_left = settings.wait_ms / 1000.0
         self._jobs = JobQueue("gcache-ec-fetch", self._run, settings.fetch_queue_jobs_max, log)
 
     # -- vLLM's hooks -----------------------------------------------------------------------
 
-    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request's read is in flight (vLLM defers it), else True."""
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
@@ -153,7 +161,7 @@ class ECSchedulerSide:
             self._yes.add(identifier)
         return found
 
-    def update_state_after_alloc(self, request, index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
         if identifier in self._yes:
@@ -171,7 +179,9 @@ class ECSchedulerSide:
         elif self.save:
             self._saves[identifier] = self.keys.spec(identifier, feature.modality, feature.mm_position.get_num_embeds())
 
-    def build_step(self, scheduled_encoder_inputs: dict) -> tuple[dict, dict]:
+    def build_step(
+        self, scheduled_encoder_inputs: dict[str, list[int]]
+    ) -> tuple[dict[str, Loaded], dict[str, ItemSpec]]:
         """This step's (loads, saves) for the metadata; resets the step's state."""
         loads, saves = self._loads, self._saves
         self._loads, self._saves = {}, {}
@@ -182,7 +192,7 @@ class ECSchedulerSide:
             self.stats.count("items_encoded", encoded)
         return loads, saves
 
-    def request_finished(self, request) -> None:
+    def request_finished(self, request: Request) -> None:
         self._forget(request.request_id)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -192,7 +202,7 @@ class ECSchedulerSide:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _start(self, request, num_computed_tokens: int) -> _Lookup | None:
+    def _start(self, request: Request, num_computed_tokens: int) -> _Lookup | None:
         req_id = request.request_id
         specs, identifiers, held = [], [], set()
         for feature in request.mm_features or ():
@@ -257,13 +267,13 @@ class ECSchedulerSide:
         """On the queue's thread: one batched store call for the request's items."""
         t0 = time.perf_counter()
         keys = [s.key for s in lookup.specs]
-        results: dict = {}
+        results: dict[str, Loaded | bool] = {}
         release = 0
         if self.load:
             lengths = self.store.get_into(keys, lookup.buffers, [b.nbytes for b in lookup.buffers])
             for spec, identifier, buf, length in zip(lookup.specs, lookup.identifiers, lookup.buffers, lengths):
                 header = check_value(buf, length, spec.dtype, spec.width, spec.rows)
-                if header is not None:
+                if header is not None and length is not None:
                     results[identifier] = Loaded(buf, header)
                     self.stats.count("items_found")
                     self.stats.count("bytes_fetched", int(length))
@@ -301,7 +311,7 @@ class ECSchedulerSide:
             self._release(sum(r.value.nbytes for r in lookup.results.values() if isinstance(r, Loaded)))
             return
         for identifier, result in lookup.results.items():
-            if self.load:
+            if isinstance(result, Loaded):  # a read (self.load); else an existence check
                 ready = self._ready.get(identifier)
                 if ready is None:
                     ready = self._ready[identifier] = _Ready(result)
@@ -357,5 +367,5 @@ class ECSchedulerSide:
     def wait_idle(self, timeout_s: float) -> bool:
         return self._jobs.wait_idle(timeout_s)
 
-    def sizes(self) -> dict:
+    def sizes(self) -> dict[str, int]:
         return dict(lookups=len(self._lookups), ready=len(self._ready), known=len(self._known))

@@ -6,7 +6,9 @@ Every key it reads starts with `gcache_`; a misspelled one is an error when the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gcache.integrations.common.extra_config import ExtraConfig
 from gcache.integrations.common.store_settings import STORE_KEYS, StoreSettings
@@ -47,16 +49,18 @@ class ECSettings(StoreSettings):
         return self.save_mib << 20
 
     @classmethod
-    def from_extra_config(cls, extra_config: dict | None, environ=os.environ) -> ECSettings:
+    def from_extra_config(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+    ) -> ECSettings:
         extra = ExtraConfig(extra_config, LABEL)
         extra.check_known(cls.KNOWN, "GCacheECConnector")
         return cls(
             **cls.store_fields(extra, environ),
             model=extra.name("gcache_model"),
-            prefetch_mib=extra.number("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20, int),
+            prefetch_mib=extra.integer("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20),
             wait_ms=extra.number("gcache_wait_ms", cls.wait_ms, 0, 10_000),
             defer_s=extra.number("gcache_defer_s", cls.defer_s, 0, 600),
-            save_mib=extra.number("gcache_save_mib", cls.save_mib, 1, 1 << 20, int),
-            save_queue_jobs_max=extra.number("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16, int),
-            fetch_queue_jobs_max=extra.number("gcache_fetch_queue_jobs_max", cls.fetch_queue_jobs_max, 1, 1 << 16, int),
+            save_mib=extra.integer("gcache_save_mib", cls.save_mib, 1, 1 << 20),
+            save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
+            fetch_queue_jobs_max=extra.integer("gcache_fetch_queue_jobs_max", cls.fetch_queue_jobs_max, 1, 1 << 16),
         )

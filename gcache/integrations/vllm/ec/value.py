@@ -20,7 +20,11 @@ at byte 64, so a value read into an aligned buffer is an aligned tensor.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAGIC = b"GCEC"
 VERSION = 1
@@ -45,24 +49,24 @@ DTYPE_BYTES = {
 
 class Header(NamedTuple):
     dtype: str
-    shape: tuple
+    shape: tuple[int, ...]
     payload_bytes: int
 
 
-def payload_bytes(dtype: str, shape) -> int:
+def payload_bytes(dtype: str, shape: Iterable[int]) -> int:
     n = DTYPE_BYTES[dtype]
     for d in shape:
         n *= int(d)
     return n
 
 
-def value_bytes(dtype: str, shape) -> int:
+def value_bytes(dtype: str, shape: Iterable[int]) -> int:
     """The stored value's size: header plus payload."""
     return HEADER_BYTES + payload_bytes(dtype, shape)
 
 
-def encode_header(dtype: str, shape) -> bytes:
-    shape = tuple(int(d) for d in shape)
+def encode_header(dtype: str, dims: Iterable[int]) -> bytes:
+    shape = tuple(int(d) for d in dims)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} cannot be stored (one of {sorted(DTYPE_BYTES)})")
     if not 1 <= len(shape) <= NDIM_MAX or any(d < 0 for d in shape):
@@ -71,9 +75,9 @@ def encode_header(dtype: str, shape) -> bytes:
     return _FMT.pack(MAGIC, VERSION, len(shape), 0, payload_bytes(dtype, shape), dtype.encode("ascii"), *padded)
 
 
-def decode_header(buf) -> Header:
+def decode_header(buf: bytes | np.ndarray) -> Header:
     """The header at the start of `buf`; ValueError if it is not one this version wrote."""
-    raw = bytes(memoryview(buf)[:HEADER_BYTES])
+    raw = bytes(buf[:HEADER_BYTES])  # buf: bytes or a 1-D uint8 array (the scheduler's read buffers)
     if len(raw) < HEADER_BYTES:
         raise ValueError(f"value of {len(raw)} bytes is shorter than its header")
     magic, version, ndim, _, nbytes, dtype_raw, *dims = _FMT.unpack(raw)
@@ -88,7 +92,9 @@ def decode_header(buf) -> Header:
     return Header(dtype, shape, nbytes)
 
 
-def check_value(buf, length: int | None, dtype: str, width: int, rows: int | None = None) -> Header | None:
+def check_value(
+    buf: bytes | np.ndarray, length: int | None, dtype: str, width: int, rows: int | None = None
+) -> Header | None:
     """The header of a value read into `buf` (`length` bytes) when it holds `rows` x `width`
     of `dtype` (rows None: any), else None: a miss, never a wrong tensor."""
     if length is None or length < HEADER_BYTES:

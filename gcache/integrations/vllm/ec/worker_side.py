@@ -19,13 +19,20 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from gcache.integrations.common.job_queue import JobQueue
-from gcache.integrations.vllm.ec.value import HEADER_BYTES, encode_header
+from gcache.integrations.vllm.ec.value import HEADER_BYTES, Header, encode_header
+
+if TYPE_CHECKING:
+    from gcache.integrations.common.guarded_store import GuardedStore
+    from gcache.integrations.vllm.ec.keys import ItemSpec
+    from gcache.integrations.vllm.ec.scheduler_side import Loaded
+    from gcache.integrations.vllm.ec.settings import ECSettings
+    from gcache.integrations.vllm.ec.stats import ECStats
 
 log = logging.getLogger("gcache.integrations.vllm.ec")
 
@@ -36,7 +43,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def to_tensor(value: np.ndarray, header, device) -> torch.Tensor:
+def to_tensor(value: np.ndarray, header: Header, device: str | torch.device) -> torch.Tensor:
     """The embedding inside a fetched value (header + payload), on `device`."""
     payload = torch.from_numpy(value[HEADER_BYTES : HEADER_BYTES + header.payload_bytes])
     tensor = payload.view(getattr(torch, header.dtype)).reshape(header.shape)
@@ -62,7 +69,14 @@ class _Save(NamedTuple):
 
 
 class ECWorkerSide:
-    def __init__(self, settings, store, stats, save: bool, device=None):
+    def __init__(
+        self,
+        settings: ECSettings,
+        store: GuardedStore | None,
+        stats: ECStats,
+        save: bool,
+        device: str | torch.device | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.stats = stats
@@ -71,14 +85,14 @@ class ECWorkerSide:
         self._step: list[_Save] = []
         self._lock = threading.Lock()
         self._pending_bytes = 0
-        self._warned: set = set()
-        self.recent_keys: deque = deque(maxlen=RECENT_KEYS)  # the last keys written (reports, tests)
+        self._warned: set[tuple[object, ...]] = set()
+        self.recent_keys: deque[bytes] = deque(maxlen=RECENT_KEYS)  # the last keys written (reports, tests)
         self._jobs = (
             JobQueue("gcache-ec-save", self._run, settings.save_queue_jobs_max, log) if self.save_enabled else None
         )
 
     @property
-    def device(self):
+    def device(self) -> str | torch.device:
         if self._device is None:
             from vllm.platforms import current_platform
 
@@ -90,7 +104,7 @@ class ECWorkerSide:
 
     # -- loads ----------------------------------------------------------------------------
 
-    def load(self, loads: dict, encoder_cache: dict) -> None:
+    def load(self, loads: dict[str, Loaded], encoder_cache: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         for identifier, loaded in loads.items():
             if identifier in encoder_cache:
@@ -103,7 +117,7 @@ class ECWorkerSide:
 
     # -- saves ------------------------------------------------------------------------------
 
-    def save(self, saves: dict, encoder_cache: dict, identifier: str) -> None:
+    def save(self, saves: dict[str, ItemSpec], encoder_cache: dict[str, torch.Tensor], identifier: str) -> None:
         """vLLM's encoder just produced `identifier`: queue it for the store if planned."""
         self.stats.count("encoder_outputs")
         if not self.save_enabled:
@@ -138,14 +152,16 @@ class ECWorkerSide:
 
     def end_step(self) -> None:
         """Queues the step's items as one job (vLLM calls get_finished at every step's end)."""
-        if not self._step:
+        if not self._step or self._jobs is None:  # items are staged only when saves are on
             return
         job, self._step = self._step, []
         if not self._jobs.submit(job):
             self.stats.count("saves_dropped", len(job))
             self._unpend(sum(s.nbytes for s in job))
 
-    def _run(self, job: list) -> None:
+    def _run(self, job: list[_Save]) -> None:
+        if self.store is None:
+            raise RuntimeError("GCacheECConnector worker: a save job ran without a store")
         t0 = time.perf_counter()
         try:
             if self.settings.skip_existing:

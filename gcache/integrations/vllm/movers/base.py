@@ -18,8 +18,14 @@ alone, so the same code runs with:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
+
+# Opaque handles, each mover's own (a torch.cuda.Stream / Event, a StandInStream / StandInEvent, None
+# on the host): the state machines only hand them back to the mover that made them.
+Stream = Any
+Event = Any
 
 
 class BlockMover(ABC):
@@ -33,33 +39,33 @@ class BlockMover(ABC):
         GPU), page-aligned, as a writable 1-D byte memoryview; allocated once, at start."""
 
     @abstractmethod
-    def new_stream(self, purpose: str):
+    def new_stream(self, purpose: str) -> Stream:
         """A stream of the mover's own ("save" or "load")."""
 
     @abstractmethod
-    def compute_stream(self):
+    def compute_stream(self) -> Stream:
         """The engine's current stream (the one its forward runs on), as seen by this thread."""
 
     @abstractmethod
-    def copy(self, stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, stream: Stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
         """Queues copies dst[i] <- src[i] of sizes[i] bytes on `stream`, in one batch."""
 
     @abstractmethod
-    def record(self, stream):
+    def record(self, stream: Stream) -> Event:
         """An event marking everything queued on `stream` so far."""
 
     @abstractmethod
-    def wait_event(self, stream, event) -> None:
+    def wait_event(self, stream: Stream, event: Event) -> None:
         """Work queued on `stream` after this call starts only once `event` has completed."""
 
     @abstractmethod
-    def query(self, event) -> bool:
+    def query(self, event: Event) -> bool:
         """Has the event completed? Never blocks."""
 
     @abstractmethod
-    def synchronize(self, event) -> None:
+    def synchronize(self, event: Event) -> None:
         """Blocks until the event has completed."""
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """What the mover found (copy method, device), for the logs and the GPU check."""
         return {"mover": self.name}

@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 
 from gcache._native import copy_ranges
-from gcache.integrations.vllm.movers.base import BlockMover
+from gcache.integrations.vllm.movers.base import BlockMover, Event, Stream
 
 
 class HostMover(BlockMover):
@@ -16,25 +16,25 @@ class HostMover(BlockMover):
     def alloc_host(self, nbytes: int) -> memoryview:
         return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]  # page-aligned, zero-filled
 
-    def new_stream(self, purpose: str):
+    def new_stream(self, purpose: str) -> Stream:
         return purpose
 
-    def compute_stream(self):
+    def compute_stream(self) -> Stream:
         return "compute"
 
-    def copy(self, stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, stream: Stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
         copy_ranges(_u64(dst), _u64(src), _u64(sizes))
 
-    def record(self, stream):
+    def record(self, stream: Stream) -> Event:
         return None
 
-    def wait_event(self, stream, event) -> None:
+    def wait_event(self, stream: Stream, event: Event) -> None:
         pass
 
-    def query(self, event) -> bool:
+    def query(self, event: Event) -> bool:
         return True
 
-    def synchronize(self, event) -> None:
+    def synchronize(self, event: Event) -> None:
         pass
 
 

@@ -36,7 +36,7 @@ class StandInEvent(NamedTuple):
 class StandInDevice(HostMover):
     name = "stand-in"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()
         self.compute = StandInStream("compute")
 
@@ -55,7 +55,7 @@ class StandInDevice(HostMover):
         """Queues a "kernel" (any function) on a stream: the tests' stand-in for vLLM's forward."""
         self._enqueue(stream, kernel)
 
-    def copy(self, stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, stream: StandInStream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
         d, s, n = (np.array(a, dtype=np.uint64) for a in (dst, src, sizes))  # owned: the caller may reuse its arrays
         self._enqueue(stream, lambda: copy_ranges(d, s, n))
 
