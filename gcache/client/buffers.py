@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
+from typing import TypeVar
 
 from gcache import errors
 
@@ -58,7 +59,11 @@ def view_address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
-def slice_view(view: memoryview, offset: int, size: int | None, what: str) -> memoryview:
+# A byte view, or a range standing for one (device/arrays.slice_range: the same checks, on addresses)
+Sliced = TypeVar("Sliced", memoryview, range)
+
+
+def slice_view(view: Sliced, offset: int, size: int | None, what: str) -> Sliced:
     """view[offset:offset+size] with bounds checked (size None = to the end)."""
     if not isinstance(offset, int) or offset < 0:
         raise errors.InvalidArgumentError(f"{what}: offset must be an int >= 0, got {offset!r}")

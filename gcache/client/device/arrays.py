@@ -15,7 +15,7 @@ import ctypes
 import math
 import re
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gcache import errors
 from gcache.client.buffers import slice_view, view_address
@@ -39,12 +39,12 @@ def _may_be_device(kind: type) -> bool:
     return maybe
 
 
-def is_device_array(obj) -> bool:
+def is_device_array(obj: object) -> bool:
     """True for an object exposing __cuda_array_interface__ (cheap for host buffers)."""
     return _may_be_device(type(obj)) and hasattr(obj, "__cuda_array_interface__")
 
 
-def any_device_array(buffers) -> bool:
+def any_device_array(buffers: object) -> bool:
     """Does a get/put `buffers` argument (one buffer or a list) hold a device array?"""
     if isinstance(buffers, (list, tuple)):
         # By type first (C speed): a host batch of thousands of keys pays ~1 us per 100.
@@ -62,13 +62,16 @@ class DeviceRange(NamedTuple):
     stream: int | None = None
 
 
-def device_range(obj, writable: bool, what: str) -> DeviceRange:
+def device_range(obj: Any, writable: bool, what: str) -> DeviceRange:
     """The memory of a C-contiguous device array, from its __cuda_array_interface__."""
     cai = obj.__cuda_array_interface__
     if cai.get("mask") is not None:
         raise errors.InvalidArgumentError(f"{what}: masked device arrays are not supported")
     shape = tuple(cai["shape"])
-    itemsize = int(re.match(r"\d+", cai["typestr"][2:]).group())  # "<f4", "|u1", "<M8[ns]"
+    digits = re.match(r"\d+", cai["typestr"][2:])  # "<f4", "|u1", "<M8[ns]"
+    if digits is None:
+        raise errors.InvalidArgumentError(f"{what}: a device array of typestr {cai['typestr']!r} (no item size)")
+    itemsize = int(digits.group())
     ptr, readonly = cai["data"]
     strides = cai.get("strides")
     if strides is not None and not _c_contiguous(shape, tuple(strides), itemsize):
@@ -80,7 +83,7 @@ def device_range(obj, writable: bool, what: str) -> DeviceRange:
     return DeviceRange(ptr, itemsize * math.prod(shape), cai.get("stream"))
 
 
-def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     expected = itemsize
     for extent, stride in zip(reversed(shape), reversed(strides)):
         if extent == 0:
@@ -91,7 +94,7 @@ def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
     return True
 
 
-def slice_range(rng: DeviceRange, offset, size, what: str) -> DeviceRange:
+def slice_range(rng: DeviceRange, offset: int, size: int | None, what: str) -> DeviceRange:
     # slice_view only needs len() and slicing: a range gives the same checks and messages.
     part = slice_view(range(rng.nbytes), offset, size, what)
     return DeviceRange(rng.ptr + part.start, len(part), rng.stream)
@@ -123,13 +126,14 @@ class DeviceBackend(ABC):
     def synchronize(self) -> None:
         """Returns once every queued copy has run."""
 
-    def mark(self):
+    def mark(self) -> Any:
+        """An opaque point in the copy order (an int on host memory, a CUDA event on a GPU)."""
         return None
 
-    def wait(self, mark) -> None:
+    def wait(self, mark: Any) -> None:
         self.synchronize()
 
-    def order_after(self, streams: set) -> None:
+    def order_after(self, streams: set[int]) -> None:
         """Makes later copies wait for work already queued on the callers' streams."""
 
 
@@ -141,7 +145,7 @@ class HostMemoryBackend(DeviceBackend):
     reuses a slot before its copy ran, gives wrong bytes instead of passing.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._queue: list[tuple[int, int, int, memoryview]] = []  # (dst, src, n, view kept alive)
         self._issued = 0
         self._ran = 0
@@ -152,10 +156,10 @@ class HostMemoryBackend(DeviceBackend):
         self.pinned_allocations.append(nbytes)
         return memoryview(bytearray(nbytes))
 
-    def copy_h2d_async(self, device_ptr, host, nbytes):
+    def copy_h2d_async(self, device_ptr: int, host: memoryview, nbytes: int) -> None:
         self._push(device_ptr, view_address(host), nbytes, host)
 
-    def copy_d2h_async(self, device_ptr, host, nbytes):
+    def copy_d2h_async(self, device_ptr: int, host: memoryview, nbytes: int) -> None:
         self._push(view_address(host), device_ptr, nbytes, host)
 
     def _push(self, dst: int, src: int, nbytes: int, keep: memoryview) -> None:
@@ -168,7 +172,7 @@ class HostMemoryBackend(DeviceBackend):
     def mark(self) -> int:
         return self._issued
 
-    def wait(self, mark) -> None:
+    def wait(self, mark: int) -> None:
         while self._ran < mark:
             dst, src, nbytes, _ = self._queue.pop(0)
             if nbytes:
@@ -183,7 +187,7 @@ class CupyBackend(DeviceBackend):
     """Pinned memory from cupy's pinned pool; copies on one non-blocking stream of the
     device current when it was created."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         try:
             import cupy
         except ImportError as exc:
@@ -208,14 +212,15 @@ class CupyBackend(DeviceBackend):
         import numpy as np
 
         memory = self._cupy.cuda.alloc_pinned_memory(nbytes)
-        return memoryview(np.frombuffer(memory, np.uint8, nbytes))  # keeps `memory` alive
+        # keeps `memory` alive; the ignore: numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        return memoryview(np.frombuffer(memory, np.uint8, nbytes))  # type: ignore[arg-type]
 
-    def copy_h2d_async(self, device_ptr, host, nbytes):
+    def copy_h2d_async(self, device_ptr: int, host: memoryview, nbytes: int) -> None:
         self._runtime.memcpyAsync(
             device_ptr, view_address(host), nbytes, self._runtime.memcpyHostToDevice, self._stream.ptr
         )
 
-    def copy_d2h_async(self, device_ptr, host, nbytes):
+    def copy_d2h_async(self, device_ptr: int, host: memoryview, nbytes: int) -> None:
         self._runtime.memcpyAsync(
             view_address(host), device_ptr, nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr
         )
@@ -223,15 +228,15 @@ class CupyBackend(DeviceBackend):
     def synchronize(self) -> None:
         self._stream.synchronize()
 
-    def mark(self):
+    def mark(self) -> Any:  # a cupy.cuda.Event
         event = self._cupy.cuda.Event(disable_timing=True)
         event.record(self._stream)
         return event
 
-    def wait(self, mark) -> None:
+    def wait(self, mark: Any) -> None:
         mark.synchronize()
 
-    def order_after(self, streams: set) -> None:
+    def order_after(self, streams: set[int]) -> None:
         # Our stream is non-blocking: it does not wait for the legacy default
         # stream by itself, so kernels still writing (or reading) the caller's
         # arrays must be waited for explicitly.

@@ -22,7 +22,8 @@ client's device calls take turns on its staging buffer.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from gcache import errors
 from gcache.client.device.arrays import (
@@ -42,10 +43,35 @@ SLOT_BYTES_DEFAULT = 4 * MiB  # small enough that a 16 MiB batch overlaps reads 
 
 _attach_lock = threading.Lock()
 
+Item = memoryview | DeviceRange  # per key: a host view, or a device array's range
+
+
+class StagingClient(Protocol):
+    """What staging uses of a client (api.Client): its host primitives and its view rules.
+    The staging itself rides on the client as `_device_staging` (api.Client drops it on close)."""
+
+    def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list[Any]: ...
+
+    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]: ...
+
+    def _views(self, n: int, buffers: Any, sizes: Any, offsets: Any, writable: bool, what: str) -> list[memoryview]: ...
+
+
+def _host(item: Item) -> memoryview:
+    if isinstance(item, DeviceRange):
+        raise RuntimeError("device staging: a device item was planned as a host buffer")
+    return item
+
+
+def _device(item: Item) -> DeviceRange:
+    if not isinstance(item, DeviceRange):
+        raise RuntimeError("device staging: a host buffer was planned as a device item")
+    return item
+
 
 class _Chunk(NamedTuple):
     indices: list[int]  # keys of the call
-    offsets: list  # per key: its offset in the slot, or None for a host buffer
+    offsets: list[int | None]  # per key: its offset in the slot, or None for a host buffer
     slot: int
 
 
@@ -66,7 +92,7 @@ class DeviceStaging:
         self.slot_bytes = slot_bytes
         self.slot_count = staging_bytes // slot_bytes
         self._host: memoryview | None = None
-        self._marks: list = [None] * self.slot_count
+        self._marks: list[Any] = [None] * self.slot_count  # per slot: the backend's mark of its last copies
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "chunks": 0, "large": 0, "temporary_bytes": 0}
 
@@ -79,11 +105,14 @@ class DeviceStaging:
         base = slot * self.slot_bytes + offset
         return self._staging()[base : base + nbytes]
 
-    def _plan(self, capacities: list) -> tuple[list[_Chunk], list[int]]:
+    def _plan(self, capacities: list[int | None]) -> tuple[list[_Chunk], list[int]]:
         """Chunks whose device items fit one slot, in key order, and the device items
         larger than a slot (staged one at a time). None capacity: a host buffer."""
-        chunks, large = [], []
-        indices, offsets, used = [], [], 0
+        chunks: list[_Chunk] = []
+        large: list[int] = []
+        indices: list[int] = []
+        offsets: list[int | None] = []
+        used = 0
         for i, cap in enumerate(capacities):
             if cap is not None and cap > self.slot_bytes:
                 large.append(i)
@@ -104,7 +133,7 @@ class DeviceStaging:
             self.backend.wait(self._marks[slot])
             self._marks[slot] = None
 
-    def _begin(self, items: list) -> None:
+    def _begin(self, items: Sequence[Item]) -> None:
         self.stats["calls"] += 1
         self.backend.order_after({item.stream for item in items if isinstance(item, DeviceRange) and item.stream})
 
@@ -114,7 +143,7 @@ class DeviceStaging:
 
     # -- gets ---------------------------------------------------------------------
 
-    def get_into(self, client, keys: list[bytes], targets: list) -> list:
+    def get_into(self, client: StagingClient, keys: list[bytes], targets: list[Item]) -> list[Any]:
         """Reads each key into its target (a host memoryview or a DeviceRange)."""
         final = BatchResult(keys)
         capacities = [t.nbytes if isinstance(t, DeviceRange) else None for t in targets]
@@ -123,30 +152,36 @@ class DeviceStaging:
             self._begin(targets)
             try:
                 for chunk in chunks:
-                    self._get_chunk(client, final, chunk, targets, capacities)
+                    self._get_chunk(client, final, chunk, targets)
                 self.backend.synchronize()  # large values use the whole buffer
                 self._marks = [None] * self.slot_count
                 for i in large:
-                    self._get_large(client, final, i, targets[i])
+                    self._get_large(client, final, i, _device(targets[i]))
             finally:
                 self._end()
         final.raise_problems(getattr(client, "address", "?"))
         return final.values
 
-    def _get_chunk(self, client, final: BatchResult, chunk: _Chunk, targets: list, capacities: list) -> None:
+    def _get_chunk(
+        self,
+        client: StagingClient,
+        final: BatchResult,
+        chunk: _Chunk,
+        targets: list[Item],
+    ) -> None:
         self.stats["chunks"] += 1
         self._reuse(chunk.slot)
         views = [
-            targets[i] if off is None else self._slot(chunk.slot, off, capacities[i])
+            _host(targets[i]) if off is None else self._slot(chunk.slot, off, _device(targets[i]).nbytes)
             for i, off in zip(chunk.indices, chunk.offsets)
         ]
         sizes, _ = _call(client._get_views, final, chunk.indices, views, report_too_small=True)
-        copies = []  # (device ptr, slot offset, bytes), merged where both sides are contiguous
+        copies: list[list[int]] = []  # (device ptr, slot offset, bytes), merged where both sides are contiguous
         for i, off, size in zip(chunk.indices, chunk.offsets, sizes):
             final.values[i] = size
             if off is None or not size:
                 continue
-            ptr = targets[i].ptr
+            ptr = _device(targets[i]).ptr
             if copies and copies[-1][0] + copies[-1][2] == ptr and copies[-1][1] + copies[-1][2] == off:
                 copies[-1][2] += size
             else:
@@ -155,7 +190,7 @@ class DeviceStaging:
             self.backend.copy_h2d_async(ptr, self._slot(chunk.slot, off, size), size)
         self._marks[chunk.slot] = self.backend.mark()
 
-    def _get_large(self, client, final: BatchResult, i: int, target: DeviceRange) -> None:
+    def _get_large(self, client: StagingClient, final: BatchResult, i: int, target: DeviceRange) -> None:
         """A target larger than a slot: read into the whole buffer (values up to its
         size), or for a larger value into a temporary pinned buffer of its size."""
         self.stats["large"] += 1
@@ -177,7 +212,7 @@ class DeviceStaging:
 
     # -- puts ---------------------------------------------------------------------
 
-    def put_from(self, client, keys: list[bytes], sources: list) -> list[bool]:
+    def put_from(self, client: StagingClient, keys: list[bytes], sources: list[Item]) -> list[bool]:
         """Stores each source (a host memoryview or a DeviceRange) under its key."""
         final = BatchResult(keys)
         capacities = [s.nbytes if isinstance(s, DeviceRange) else None for s in sources]
@@ -185,7 +220,7 @@ class DeviceStaging:
         with self._lock:
             self._begin(sources)
             try:
-                staged = self._stage_put(chunks[0], sources) if chunks else None
+                staged = self._stage_put(chunks[0], sources) if chunks else ([], None)
                 for k, chunk in enumerate(chunks):
                     views, mark = staged
                     if k + 1 < len(chunks):  # the next chunk's copies overlap this put
@@ -197,22 +232,23 @@ class DeviceStaging:
                 self.backend.synchronize()
                 self._marks = [None] * self.slot_count
                 for i in large:
-                    self._put_large(client, final, i, sources[i])
+                    self._put_large(client, final, i, _device(sources[i]))
             finally:
                 self._end()
         final.raise_problems(getattr(client, "address", "?"))
         return final.values
 
-    def _stage_put(self, chunk: _Chunk, sources: list) -> tuple[list, object]:
+    def _stage_put(self, chunk: _Chunk, sources: list[Item]) -> tuple[list[memoryview], Any]:
         """Queues the device -> slot copies of one chunk: (its views, the mark to wait for)."""
         self.stats["chunks"] += 1
         self._reuse(chunk.slot)
-        views, run = [], None  # run: [device ptr, slot offset, bytes] being merged
+        views: list[memoryview] = []
+        run: list[int] | None = None  # [device ptr, slot offset, bytes] being merged
         for i, off in zip(chunk.indices, chunk.offsets):
             if off is None:
-                views.append(sources[i])
+                views.append(_host(sources[i]))
                 continue
-            src = sources[i]
+            src = _device(sources[i])
             views.append(self._slot(chunk.slot, off, src.nbytes))
             if run and run[0] + run[2] == src.ptr and run[1] + run[2] == off:
                 run[2] += src.nbytes
@@ -224,7 +260,7 @@ class DeviceStaging:
             self.backend.copy_d2h_async(run[0], self._slot(chunk.slot, run[1], run[2]), run[2])
         return views, self.backend.mark()
 
-    def _put_large(self, client, final: BatchResult, i: int, source: DeviceRange) -> None:
+    def _put_large(self, client: StagingClient, final: BatchResult, i: int, source: DeviceRange) -> None:
         self.stats["large"] += 1
         if source.nbytes <= self.staging_bytes:
             host = self._staging()[: source.nbytes]
@@ -237,7 +273,13 @@ class DeviceStaging:
         final.values[i] = ok
 
 
-def _call(method, final: BatchResult, indices: list[int], views: list, report_too_small: bool):
+def _call(
+    method: Callable[[list[bytes], list[memoryview]], list[Any]],
+    final: BatchResult,
+    indices: list[int],
+    views: list[memoryview],
+    report_too_small: bool,
+) -> tuple[list[Any], list[int]]:
     """method(keys, views), the client's host primitive (_get_views / _put_views).
     Per-key problems go into `final`, reported once the whole call is done as the
     host path does. Returns the answers and, when not reported, the too-small sizes."""
@@ -247,16 +289,18 @@ def _call(method, final: BatchResult, indices: list[int], views: list, report_to
     except (errors.BufferTooSmallError, errors.ChecksumMismatchError, errors.ValueTooLargeError) as exc:
         problem = exc
     answers = problem.results
+    if answers is None:  # the host primitives raise these with the batch's answers attached
+        raise problem
     # Map the failed keys back to positions (a batch may name a key twice).
     free = [j for j, answer in enumerate(answers) if answer is None or answer is False]
 
-    def take(key) -> int:
+    def take(key: bytes) -> int:
         for n, j in enumerate(free):
             if keys[j] == key:
                 return indices[free.pop(n)]
         raise errors.ProtocolError(f"a failed key {key!r} is not among those asked for")
 
-    too_small = []
+    too_small: list[int] = []
     if isinstance(problem, errors.BufferTooSmallError):
         for key, size in zip(problem.keys, problem.sizes):
             if report_too_small:
@@ -273,28 +317,40 @@ def _call(method, final: BatchResult, indices: list[int], views: list, report_to
 # -- the client's entry points ---------------------------------------------------------
 
 
-def staging_for(client) -> DeviceStaging:
+def staging_for(client: StagingClient) -> DeviceStaging:
     """The client's staging (a CupyBackend one, made at its first device call)."""
-    staging = getattr(client, "_device_staging", None)
+    staging: DeviceStaging | None = getattr(client, "_device_staging", None)
     if staging is None:
         with _attach_lock:
             staging = getattr(client, "_device_staging", None)
             if staging is None:
-                staging = client._device_staging = DeviceStaging(CupyBackend())
+                staging = DeviceStaging(CupyBackend())
+                setattr(client, "_device_staging", staging)  # noqa: B010 (an attribute no Client declares)
     return staging
 
 
 def attach(
-    client, backend: DeviceBackend, staging_bytes: int = STAGING_BYTES_DEFAULT, slot_bytes: int = SLOT_BYTES_DEFAULT
+    client: StagingClient,
+    backend: DeviceBackend,
+    staging_bytes: int = STAGING_BYTES_DEFAULT,
+    slot_bytes: int = SLOT_BYTES_DEFAULT,
 ) -> DeviceStaging:
     """Gives `client` its own staging on `backend` (another size, or HostMemoryBackend)."""
     staging = DeviceStaging(backend, staging_bytes, slot_bytes)
     with _attach_lock:
-        client._device_staging = staging
+        setattr(client, "_device_staging", staging)  # noqa: B010 (an attribute no Client declares)
     return staging
 
 
-def _items(client, n: int, buffers, sizes, offsets, writable: bool, what: str) -> list:
+def _items(
+    client: StagingClient,
+    n: int,
+    buffers: Any,
+    sizes: Sequence[int] | None,
+    offsets: Sequence[int] | None,
+    writable: bool,
+    what: str,
+) -> list[Item]:
     """Per key a DeviceRange or a host memoryview, with the host path's rules and messages."""
     for name, seq in (("sizes", sizes), ("offsets", offsets)):
         if seq is not None and len(seq) != n:
@@ -308,37 +364,50 @@ def _items(client, n: int, buffers, sizes, offsets, writable: bool, what: str) -
         return [slice_range(base, o, s, what) for o, s in zip(offsets, sizes)]
     if len(buffers) != n:
         raise errors.InvalidArgumentError(f"{what}: {n} keys but {len(buffers)} buffers")
-    items, ranges = [], {}
+    items: list[Item] = []
+    ranges: dict[int, DeviceRange] = {}  # id(array) -> its range: one __cuda_array_interface__ read per array
     for i, buf in enumerate(buffers):
         offset = offsets[i] if offsets is not None else 0
         size = sizes[i] if sizes is not None else None
         if is_device_array(buf):
-            base = ranges.get(id(buf))
-            if base is None:
-                base = ranges[id(buf)] = device_range(buf, writable, what)
-            items.append(slice_range(base, offset, size, what))
+            known = ranges.get(id(buf))
+            if known is None:
+                known = ranges[id(buf)] = device_range(buf, writable, what)
+            items.append(slice_range(known, offset, size, what))
         else:
             items.append(client._views(1, [buf], None if size is None else [size], [offset], writable, what)[0])
     return items
 
 
-def batch_get_into(client, keys, buffers, sizes=None, offsets=None) -> list:
+def batch_get_into(
+    client: StagingClient,
+    keys: Sequence[bytes | str],
+    buffers: Any,
+    sizes: Sequence[int] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> list[Any]:
     keys = normalize_keys(keys)
     targets = _items(client, len(keys), buffers, sizes, offsets, True, "batch_get_into")
     return staging_for(client).get_into(client, keys, targets) if keys else []
 
 
-def get_into(client, key, buffer, offset: int = 0, size: int | None = None):
+def get_into(client: StagingClient, key: bytes | str, buffer: Any, offset: int = 0, size: int | None = None) -> Any:
     target = slice_range(device_range(buffer, True, "get_into"), offset, size, "get_into")
     return staging_for(client).get_into(client, [normalize_key(key)], [target])[0]
 
 
-def batch_put_from(client, keys, buffers, sizes=None, offsets=None) -> list[bool]:
+def batch_put_from(
+    client: StagingClient,
+    keys: Sequence[bytes | str],
+    buffers: Any,
+    sizes: Sequence[int] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> list[bool]:
     keys = normalize_keys(keys)
     sources = _items(client, len(keys), buffers, sizes, offsets, False, "batch_put_from")
     return staging_for(client).put_from(client, keys, sources) if keys else []
 
 
-def put_from(client, key, buffer, offset: int = 0, size: int | None = None) -> bool:
+def put_from(client: StagingClient, key: bytes | str, buffer: Any, offset: int = 0, size: int | None = None) -> bool:
     source = slice_range(device_range(buffer, False, "put_from"), offset, size, "put_from")
     return staging_for(client).put_from(client, [normalize_key(key)], [source])[0]

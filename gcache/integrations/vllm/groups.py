@@ -25,7 +25,7 @@ class GroupError(ValueError):
 class Group(NamedTuple):
     # The field shadows tuple.index(), which mypy reports; the name is the connector's word for
     # vLLM's group number (kept: the tests and the sides use it).
-    index: int  # type: ignore[assignment]
+    index: int  # type: ignore[assignment]  # shadows tuple.index (above)
     kind: str  # POOL_FULL or POOL_SWA
     layer_names: tuple[str, ...]
     layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 WINDOW = 32  # the sliding window of the hybrid and all-sliding models (one block of 32)
 BLOCK_SIZE = 32  # vLLM's CPU attention wants block_size % 32 == 0
@@ -38,7 +39,7 @@ _COMMON = dict(
 )
 
 
-def model_config(kind: str, layers: int = 2, **overrides):
+def model_config(kind: str, layers: int = 2, **overrides: Any) -> Any:  # a transformers config
     import transformers
 
     common = {**_COMMON, **overrides}
@@ -56,7 +57,7 @@ def model_config(kind: str, layers: int = 2, **overrides):
     raise ValueError(f"unknown tiny model kind {kind!r} (llama, gemma2, mistral)")
 
 
-def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0, **overrides) -> Path:
+def write_model(kind: str, where: str | Path, *, layers: int | None = None, seed: int = 0, **overrides: Any) -> Path:
     """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`.
     kind "llava" (or "llava-mistral", "llava-gemma2"): testing_mm.write_llava."""
     if kind.startswith("llava"):  # overrides: write_llava's (image_size, vision_hidden, vision_layers)
@@ -64,11 +65,11 @@ def write_model(kind: str, path, *, layers: int | None = None, seed: int = 0, **
 
         text = kind.partition("-")[2] or "llama"
         text_config = model_config(text, layers or 2, hidden_size=TEXT_WIDTH)
-        return write_llava(path, text_config, text=text, seed=seed, **overrides)
+        return write_llava(where, text_config, text=text, seed=seed, **overrides)
     import torch
     import transformers
 
-    path = Path(path)
+    path = Path(where)
     cfg = model_config(kind, layers or (4 if kind == "gemma2" else 2), **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
@@ -90,7 +91,7 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
-def engine_env(work: Path) -> dict:
+def engine_env(work: Path) -> dict[str, str]:
     """The environment of an engine process: single-process, loopback only, out of /tmp.
 
     vLLM's cache root is shared by every run of this venv: it holds the model inspection
@@ -128,9 +129,9 @@ def _flush_saves() -> None:
         get_ec_transfer().flush()
 
 
-def _ec_counters(llm) -> dict:
+def _ec_counters(llm: Any) -> dict[str, Any]:  # llm: vllm.LLM
     """The encoder cache connector's counters, both sides (single-process engine only)."""
-    out = {}
+    out: dict[str, Any] = {}
     try:
         from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
@@ -145,9 +146,9 @@ def _ec_counters(llm) -> dict:
     return out
 
 
-def _connector_counters(llm) -> dict:
+def _connector_counters(llm: Any) -> dict[str, Any]:
     """The GCache connector's counters on both sides (single-process engine only)."""
-    out = {}
+    out: dict[str, Any] = {}
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
@@ -176,7 +177,7 @@ GATE_TIMEOUT_S = 300.0
 RESET_STEPS_MAX = 50
 
 
-def _reset_prefix_cache(llm) -> None:
+def _reset_prefix_cache(llm: Any) -> None:
     """Empties vLLM's prefix cache. A finished request whose saves a connector waits for
     holds its blocks until the engine's next step reports them saved, so step (bounded)."""
     for _ in range(RESET_STEPS_MAX):
@@ -198,14 +199,14 @@ def _gate(gate_dir: Path, i: int) -> None:
         time.sleep(0.05)
 
 
-def _reset_encoder_cache(llm) -> None:
+def _reset_encoder_cache(llm: Any) -> None:
     """Empties vLLM's encoder cache (scheduler and worker): the next prompt's items are
     encoded or loaded as in a fresh engine."""
     llm.llm_engine.reset_encoder_cache()
     llm.reset_mm_cache()
 
 
-def _mm_request(llm, prompt: dict, params, spec: dict):
+def _mm_request(llm: Any, prompt: dict[str, Any], params: Any, spec: dict[str, Any]) -> Any:
     """One multimodal prompt: generate() with PIL images, or chat() with image URLs."""
     from PIL import Image
 
@@ -235,7 +236,7 @@ def _mm_request(llm, prompt: dict, params, spec: dict):
     return llm.generate([request], params, use_tqdm=False)
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine over spec["prompts"] (one generate call each, in order)."""
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig, KVTransferConfig

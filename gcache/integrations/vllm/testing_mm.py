@@ -15,6 +15,10 @@ embeddings of TEXT_WIDTH (128) floats each. `image(seed)` makes one from seeded 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 IMAGE_TOKEN = "<image>"
 SPECIAL = ["<unk>", "<s>", "</s>", IMAGE_TOKEN]
@@ -59,16 +63,16 @@ _RENAMES = (
 )
 
 
-def write_shim(directory) -> Path:
-    directory = Path(directory)
+def write_shim(where: str | Path) -> Path:
+    directory = Path(where)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return directory
 
 
 def write_llava(
-    path,
-    text_config,
+    where: str | Path,
+    text_config: Any,  # a transformers config
     *,
     text: str = "llama",
     seed: int = 0,
@@ -84,7 +88,7 @@ def write_llava(
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    path = Path(path)
+    path = Path(where)
     path.mkdir(parents=True, exist_ok=True)
     vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -142,17 +146,17 @@ def write_llava(
     return path
 
 
-def image(seed: int, size: int = IMAGE_SIZE + 8):
+def image(seed: int, size: int = IMAGE_SIZE + 8) -> Image:
     """An RGB PIL image of seeded noise (resized and cropped to IMAGE_SIZE by the processor)."""
     import numpy as np
-    from PIL import Image
+    from PIL import Image as PILImage
 
     pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+    return PILImage.fromarray(pixels)
 
 
-def write_png(seed: int, path) -> Path:
-    path = Path(path)
+def write_png(seed: int, where: str | Path) -> Path:
+    path = Path(where)
     image(seed).save(path, format="PNG")
     return path
 
@@ -170,7 +174,7 @@ def prompt(words_before: int, words_after: int, seed: int = 0, images: int = 1) 
     return " ".join([text(words_before, seed)] + [IMAGE_TOKEN] * images + [text(words_after, seed + 1000)])
 
 
-def data_url(path) -> str:
+def data_url(path: str | Path) -> str:
     import base64
 
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()

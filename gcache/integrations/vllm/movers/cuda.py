@@ -30,10 +30,14 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-from gcache.integrations.vllm.movers.base import BlockMover
+from gcache.integrations.vllm.movers.base import BlockMover, Stream
 
 METHODS = ("vllm", "native-batch", "native-loop", "cupy")
 AUTO_ORDER = ("vllm", "native-loop", "cupy")  # native-batch: asked for only (see the module doc)
@@ -46,7 +50,7 @@ class CudaUnavailableError(RuntimeError):
     """The CUDA mover cannot run in this process (no torch, no CUDA device, no copy method)."""
 
 
-def descriptors(dst, src, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def descriptors(dst: ArrayLike, src: ArrayLike, sizes: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst, src, sizes) as contiguous int64 arrays of one length, ranges of 0 bytes dropped."""
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, sizes)]
     if any(a.ndim != 1 for a in arrays) or len({a.size for a in arrays}) != 1:
@@ -78,7 +82,7 @@ def choose_method(requested: str, reasons: dict[str, str | None]) -> str:
     return requested
 
 
-def _torch_with_cuda():
+def _torch_with_cuda() -> Any:  # the torch module
     if importlib.util.find_spec("torch") is None:
         raise CudaUnavailableError("the CUDA mover needs torch with a CUDA device: torch is not installed")
     import torch
@@ -91,7 +95,7 @@ def _torch_with_cuda():
     return torch
 
 
-def _vllm_swap_blocks_batch():
+def _vllm_swap_blocks_batch() -> tuple[Callable[..., None] | None, str | None]:
     """vLLM's batched copy when the process has vLLM's CUDA ops, else why not."""
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed"
@@ -110,7 +114,7 @@ def _vllm_swap_blocks_batch():
     return ops.swap_blocks_batch, None
 
 
-def copy_methods(torch) -> dict[str, str | None]:
+def copy_methods(torch: ModuleType) -> dict[str, str | None]:
     """Every copy method: None when usable in this process, else why not (CUDA already touched)."""
     from gcache import _native
 
@@ -130,7 +134,7 @@ class _Event:
 
     __slots__ = ("event", "keep")
 
-    def __init__(self, event, keep: list):
+    def __init__(self, event: Any, keep: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):  # event: torch.cuda.Event
         self.event = event
         self.keep = keep
 
@@ -138,7 +142,7 @@ class _Event:
 class CudaMover(BlockMover):
     name = "cuda"
 
-    def __init__(self, device=None, method: str | None = None, host_memory: str = "pinned"):
+    def __init__(self, device: Any = None, method: str | None = None, host_memory: str = "pinned") -> None:
         if host_memory not in HOST_MEMORY:
             raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORY)}, got {host_memory!r}")
         torch = _torch_with_cuda()
@@ -149,9 +153,11 @@ class CudaMover(BlockMover):
         self.reasons = copy_methods(torch)
         self.method = choose_method(method or os.environ.get(ENV_METHOD, "auto"), self.reasons)
         self.host_memory = host_memory
-        self._host: list = []  # what keeps host allocations alive (and registered)
+        self._host: list[object] = []  # what keeps host allocations alive (and registered)
         self._host_ranges: list[tuple[int, int]] = []
-        self._pending: dict[int, list] = {}  # stream handle -> descriptors queued since its last record
+        self._pending: dict[
+            int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+        ] = {}  # stream handle -> descriptors queued since its last record
         self._vllm_copy = _vllm_swap_blocks_batch()[0] if self.method == "vllm" else None
         if self.method == "cupy":
             import cupy
@@ -189,20 +195,22 @@ class CudaMover(BlockMover):
         return any(a <= address < b for a, b in self._host_ranges)
 
     # ---- streams and events --------------------------------------------------------------
-    def new_stream(self, purpose: str):
+    def new_stream(self, purpose: str) -> Stream:
         ranges = getattr(self.torch.cuda.Stream, "priority_range", None)
         low, high = ranges() if ranges is not None else (0, -1)  # e.g. (0, -5): larger is lower priority
         return self.torch.cuda.Stream(self.device, priority=low if purpose == "save" else high)
 
-    def compute_stream(self):
+    def compute_stream(self) -> Stream:
         return self.torch.cuda.current_stream(self.device)
 
-    def copy(self, stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, stream: Stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
         d, s, n = descriptors(dst, src, sizes)
         if not n.size:
             return
         to_device = self._is_host(int(s[0]))  # host sources: nothing on the GPU writes them
         if self.method == "vllm":
+            if self._vllm_copy is None:
+                raise RuntimeError("CudaMover: the vllm copy method was chosen but vLLM's batched copy is missing")
             t = self.torch
             with t.cuda.stream(stream):
                 self._vllm_copy(t.from_numpy(s), t.from_numpy(d), t.from_numpy(n), is_src_access_order_any=to_device)
@@ -221,25 +229,25 @@ class CudaMover(BlockMover):
                     )
         self._pending.setdefault(stream.cuda_stream, []).append((d, s, n))
 
-    def record(self, stream):
+    def record(self, stream: Stream) -> _Event:
         event = self.torch.cuda.Event()
         event.record(stream)
         return _Event(event, self._pending.pop(stream.cuda_stream, []))
 
-    def wait_event(self, stream, event) -> None:
+    def wait_event(self, stream: Stream, event: _Event) -> None:
         stream.wait_event(event.event)
 
-    def query(self, event) -> bool:
+    def query(self, event: _Event) -> bool:
         done = bool(event.event.query())
         if done:
             event.keep = []
         return done
 
-    def synchronize(self, event) -> None:
+    def synchronize(self, event: _Event) -> None:
         event.event.synchronize()
         event.keep = []
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         t = self.torch
         return {
             "mover": self.name,
