@@ -13,7 +13,6 @@ import builtins
 import os
 import socket
 import struct
-from typing import TYPE_CHECKING
 
 from gcache import errors
 
@@ -23,12 +22,9 @@ from gcache._native import recv_into_buffers as _native_recv_into_buffers
 # A PUT_BATCH payload with "trail": each group of values hashed just before it is sent.
 from gcache._native import send_put_hashed as _native_send_put_hashed
 from gcache.client import deadline as call_deadline
+from gcache.client.arena import Arena
 from gcache.common.address import parse_host_port
 from gcache.wire.protocol import HEADER, HEADER_BYTES, MAGIC, META_BYTES_MAX, VERSION, decode_meta
-
-if TYPE_CHECKING:  # the one-sided transports sit above this module: for annotations only
-    from gcache.client.transports.rdma import RdmaArena
-    from gcache.client.transports.shm import MappedArena
 
 READ_BUFFER_BYTES = 64 * 1024
 # Reads larger than this go straight into the caller's buffer; smaller ones are
@@ -87,7 +83,7 @@ class Connection:
         self.timeout_s = timeout_s
         self.broken = False
         self.reused = False  # set by the pool when handed out again after being idle
-        self.arena: MappedArena | RdmaArena | None = None  # the mapped arena a one-sided transport reads through (shm)
+        self.arena: Arena | None = None  # what a one-sided transport (shm, rdma) moves bytes through
         # The deadline of the call using this connection (gcache.client.deadline): every
         # wait is capped by what is left of it. Set for a call, cleared by end_call().
         self.deadline = call_deadline.current()

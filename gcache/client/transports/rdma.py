@@ -20,6 +20,7 @@ import time
 from gcache import errors
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
+from gcache.client.arena import Arena
 from gcache.client.connection import BULK_READ_BYTES_PER_S_MIN, Connection
 from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_checksum_kind, put_chunk_for
 from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
@@ -58,7 +59,7 @@ class _Staging:
         self.map.close()
 
 
-class RdmaArena:
+class RdmaArena(Arena):
     """A server's registered arena through one queue pair, with the MappedArena interface.
 
     Every value read is checked against its checksum while it is copied out of staging

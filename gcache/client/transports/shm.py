@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from gcache import errors
 from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
+from gcache.client.arena import Arena
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, MetaOp
 from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_checksum_kind, put_chunk_for
@@ -45,7 +46,7 @@ def discover(address: str, timeout_s: float, connect_timeout_s: float) -> tuple[
     return (path if isinstance(path, str) and path else None, instance if isinstance(instance, str) else None)
 
 
-class MappedArena:
+class MappedArena(Arena):
     """A server's arena, mapped read-write (a put writes its reserved blocks).
 
     Copies run while other threads may close the client (a ClusterClient closes a

@@ -9,7 +9,7 @@ process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
 none. A later copy, or a client with verify_checksums, checks every value's
 checksum (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
 written bytes), then a COMMIT that publishes the blocks; the server checks the
-checksums again. How bytes move is the connection's `arena` (an ArenaCopier):
+checksums again. How bytes move is the connection's `arena` (gcache.client.arena.Arena):
 memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
 """
 
@@ -19,6 +19,8 @@ import time
 
 from gcache import errors
 from gcache._native import verify_views
+from gcache.client.arena import Arena
+from gcache.client.connection import Connection
 from gcache.client.operations import (
     BatchResult,
     Operation,
@@ -56,7 +58,7 @@ _INLINE_MAX_FIELD = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big")
 LEASE_TRUST = 0.9
 
 
-def _arena(conn):
+def _arena(conn: Connection) -> Arena:
     arena = conn.arena
     if arena is None:
         conn.broken = True
@@ -165,7 +167,7 @@ class LookupOp(_ValuesOp):
         )
         return [checked[k][0] for k in bad]
 
-    def _read_leased(self, arena, offsets, leased, sums, kinds) -> list[int]:
+    def _read_leased(self, arena: Arena, offsets, leased, sums, kinds) -> list[int]:
         """The leased values (size >= 0 in `leased`), copied out of the arena."""
         trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
         if self.targets is None:
