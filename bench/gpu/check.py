@@ -64,23 +64,6 @@ class CannotRun(Exception):
 # -- tensors: torch on the GPU, torch or numpy on the CPU ---------------------------------
 
 
-class NumpyView:
-    """What page_runs reads of a torch view, over a numpy array (the dry run without torch)."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.shape = array.shape
-
-    def stride(self):
-        return tuple(s // self.array.itemsize for s in self.array.strides)
-
-    def element_size(self):
-        return self.array.itemsize
-
-    def data_ptr(self):
-        return self.array.ctypes.data
-
-
 class Tensors:
     """The few tensor operations the check needs, on torch (cuda or cpu) or numpy."""
 
@@ -115,6 +98,8 @@ class Tensors:
         if self.torch is not None:
             typed = buf.view(self.torch.bfloat16)
             return [typed.as_strided(shape, strides, l * stride["L"]) for l in range(dims["L"])]
+        from gcache.integrations.vllm.numpy_view import NumpyView
+
         typed = buf.view(np.uint16)
         return [
             NumpyView(np.lib.stride_tricks.as_strided(typed[l * stride["L"] :], shape, [s * 2 for s in strides]))

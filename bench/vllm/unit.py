@@ -30,26 +30,11 @@ import numpy as np
 import gcache
 from bench.common.stats import spread
 from gcache.integrations.vllm.movers.host import HostMover
+from gcache.integrations.vllm.numpy_view import NumpyView
 from gcache.integrations.vllm.page_runs import page_runs
 from gcache.integrations.vllm.staging import StagingPool
 from gcache.integrations.vllm.values import GroupValues
 from gcache.tools.devcluster.local_server import LocalServer
-
-
-class NumpyView:
-    """What page_runs reads of a torch view, over a numpy [blocks, heads, tokens, content] array."""
-
-    def __init__(self, array: np.ndarray):
-        self.array, self.shape = array, array.shape
-
-    def stride(self):
-        return tuple(s // self.array.itemsize for s in self.array.strides)
-
-    def element_size(self):
-        return self.array.itemsize
-
-    def data_ptr(self):
-        return self.array.ctypes.data
 
 
 def timed(fn) -> float:

@@ -59,7 +59,11 @@ def prepare(dest: Path, python_version: str, *extra: str) -> None:
 
 def dry_run(tree: Path, python: str, carry: Path, work: Path, out: Path, timeout: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(GCACHE_GPU_PYTHON=python, GCACHE_GPU_CARRY=str(carry), GCACHE_GPU_WORK=str(work))
+    # The 8-minute budget is the GPU machine's (16 cores); here a loaded 2-core machine may spend
+    # most of it compiling the native core, so the dry run gets a budget of its own.
+    env.update(
+        GCACHE_GPU_PYTHON=python, GCACHE_GPU_CARRY=str(carry), GCACHE_GPU_WORK=str(work), GCACHE_GPU_BUDGET_S="1200"
+    )
     return subprocess.run(
         ["bash", "bench/gpu/gpu_check.sh", str(out), "--dry-run"],
         cwd=tree,
@@ -104,10 +108,11 @@ def test_prepare_for_the_gpu_machine_python(tmp_path):
     assert size < 8 * 1024 * 1024, size  # carried with the tree: small
 
 
+@pytest.mark.timeout(1500)  # builds the native core (fresh build folder): minutes on 2 cores
 def test_dry_run_passes_from_files_prepared_for_this_python(tmp_path):
     carry, work, out = tmp_path / "carry", tmp_path / "work", tmp_path / "out"
     prepare(carry, THIS_PYTHON)
-    proc = dry_run(REPO_ROOT, sys.executable, carry, work, out, timeout=540)
+    proc = dry_run(REPO_ROOT, sys.executable, carry, work, out, timeout=1400)
     report = assert_report_holds(out, proc)
     assert report["environment"]["mover"] == {"mover": "host"}
     assert "installed into" in proc.stdout and "setuptools" in proc.stdout
@@ -141,7 +146,7 @@ def test_clean_venv_from_only_the_carried_files_builds_and_passes_the_dry_run(tm
     python = str(venv / "bin" / "python")
     nothing = subprocess.run([python, "-c", "import numpy"], capture_output=True)
     assert nothing.returncode != 0  # the clean venv really has nothing
-    proc = dry_run(tree, python, carry, work, out, timeout=900)
+    proc = dry_run(tree, python, carry, work, out, timeout=1400)
     assert_report_holds(out, proc)
     module = next((tree / "gcache").glob("_native*.so"))
     ldd = subprocess.run(["ldd", str(module)], capture_output=True, text=True).stdout

@@ -7,25 +7,8 @@ import numpy as np
 import pytest
 
 from gcache._native import copy_ranges
+from gcache.integrations.vllm.numpy_view import NumpyView as View
 from gcache.integrations.vllm.page_runs import PageRunsError, page_runs
-
-
-class View:
-    """What page_runs reads of a torch view, over a numpy array."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.shape = array.shape
-
-    def stride(self):
-        return tuple(s // self.array.itemsize for s in self.array.strides)
-
-    def element_size(self):
-        return self.array.itemsize
-
-    def data_ptr(self):
-        return self.array.ctypes.data
-
 
 B, H, N, C = 5, 3, 4, 8
 
