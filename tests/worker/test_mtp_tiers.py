@@ -27,6 +27,7 @@ from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.kvcache.l3_store import L3Config, L3Store
 from gcache.worker.kvcache.mtp_tails import POOL_MTP, MTPTails, seal
 from gcache.worker.model import mtp_tail
+from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
 from tests.support.tiny_model import ONE_FULL_LAYER, tiny_config
 
@@ -138,7 +139,7 @@ def assert_state_is_from_scratch(make, model: Model, seen: list, bitwise: bool =
     where the catch-up recomputed it (the last K: another batch shape), and the dense
     reference's to rounding everywhere. A wrong tail is off by O(1), not 1e-15."""
     assert seen, "no MTP state came from a tail"
-    head = model.mtp_head(K)
+    head = MTPHead(model, K)
     for p, tokens, k, v, valid, st in seen:
         for ref, scratch in ((scratch_state(make, tokens, p), True), (head.reference_state(tokens, p), False)):
             if not scratch:
@@ -298,7 +299,7 @@ def test_a_missing_or_bad_l3_tail_falls_back_to_the_rebuild(server, engines, mod
 
 
 def test_a_tail_of_another_geometry_is_never_used(model):
-    head3, head2 = model.mtp_head(3), model.mtp_head(2)
+    head3, head2 = MTPHead(model, 3), MTPHead(model, 2)
     toks = SHARED[:100]
     st = head3.reference_state(toks, 80)
     body = mtp_tail.encode(st, 80, CFG)

@@ -20,18 +20,19 @@ and draft the next K tokens (after_commit).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gcache.worker import backend
 from gcache.worker.engine.decoding import Committed, DecodingContext, DecodingStrategy, LayerReady, Verdict
 from gcache.worker.engine.request import Request
+from gcache.worker.model.base import MTPModel
+from gcache.worker.model.mtp import MTPHead
 
 if TYPE_CHECKING:
     from gcache.worker.kvcache.kv_pool import DualKVCache
     from gcache.worker.kvcache.mtp_tails import MTPTails
-    from gcache.worker.model.base import MTPModel
     from gcache.worker.model.mtp import MTPState
 
 
@@ -99,15 +100,15 @@ class MTPSpeculator(DecodingStrategy):
     EngineConfig.mtp_layers > 0)."""
 
     def __init__(self, ctx: DecodingContext, depths: int, prefix: str = MTPPrefix.TIERS) -> None:
-        if not hasattr(ctx.model, "mtp_head"):  # the model room sits beside this one: no isinstance
+        if not isinstance(ctx.model, MTPModel):
             raise ValueError("MTP needs the real model (transformer.Model with MTP weights)")
         if prefix not in MTP_PREFIX:
             raise ValueError(f"mtp_prefix must be one of {MTP_PREFIX}, got {prefix!r}")
-        self.model: MTPModel = cast("MTPModel", ctx.model)  # the MTP contract (model/base.py)
+        self.model: MTPModel = ctx.model  # the MTP contract (model/base.py)
         self.kv, self.cache, self.metrics = ctx.kv, ctx.cache, ctx.metrics
         self.page_size = ctx.kv.page_size
         self.depths, self.prefix = depths, MTPPrefix(prefix)
-        self.head = self.model.mtp_head(depths)  # model/mtp.MTPHead (the model room is beside this one)
+        self.head = MTPHead(self.model, depths)
 
     # ---- before the forward ----------------------------------------------------------
     def decode_tokens(self, r: Request) -> int:

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 
     from gcache.worker.config import ModelConfig
     from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
-    from gcache.worker.model.mtp import MTPHead
 
 
 class BatchModel(ABC):
@@ -45,9 +44,9 @@ class BatchModel(ABC):
 
 class MTPModel(BatchModel):
     """A BatchModel with MTP blocks: what speculative decoding (engine/speculative.py) and the
-    MTP blocks (model/mtp.MTPHead) use of it. Arrays are the model's backend's (xp: numpy or
-    cupy). `layer` below is an index of the main stack or an MTP block's weight-name prefix
-    ("mtp.{d}."); every method computes, none keeps state."""
+    MTP blocks (model/mtp.MTPHead, built over any MTPModel) use of it. Arrays are the model's
+    backend's (xp: numpy or cupy). `layer` below is an index of the main stack or an MTP
+    block's weight-name prefix ("mtp.{d}."); every method computes, none keeps state."""
 
     config: ModelConfig
     xp: Any
@@ -77,10 +76,6 @@ class MTPModel(BatchModel):
     @abstractmethod
     def logits(self, hidden: Any) -> Any:
         """Logits of hidden states (the main model's final norm and output head)."""
-
-    @abstractmethod
-    def mtp_head(self, depths: int) -> MTPHead:
-        """The first `depths` MTP blocks of the weights."""
 
     # ---- the layer API the MTP blocks are built from ---------------------------------------
     @abstractmethod

@@ -16,7 +16,7 @@ from gcache.worker import backend
 from gcache.worker.config import FULL, SWA, ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.base import MTPModel
-from gcache.worker.model.mtp import MTPHead, live_swa_page
+from gcache.worker.model.mtp import live_swa_page
 from gcache.worker.model.weights import init_weights, validate
 
 
@@ -155,10 +155,6 @@ class Model(MTPModel):
         (logits(h) gives the logits)."""
         x, bounds = self._forward_x(chunks, kv, layer_ready)
         return [x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-    def mtp_head(self, depths: int) -> MTPHead:
-        """The first `depths` MTP blocks of the weights, for speculative decoding."""
-        return MTPHead(self, depths)
 
     def logits(self, hidden: Any) -> Any:
         """Logits of hidden states from forward_hidden (or an MTP block: same head)."""
