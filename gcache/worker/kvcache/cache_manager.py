@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.tiers import TIERS, Tier
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
@@ -67,6 +68,9 @@ class CacheManager(ABC):
     """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
     mtp: MTPTails | None = None  # the `mtp` pool (kvcache.mtp_tails.MTPTails) where the cache has one
+    # Where the cache keeps SWA checkpoints (every C pages, ends, branch points); None: it keeps
+    # none. The MTP tails are written at the same points (Speculator).
+    checkpoint_rule: CheckpointRule | None = None
 
     @abstractmethod
     def match(self, req: Request) -> MatchResult:
@@ -140,11 +144,6 @@ class CacheManager(ABC):
     def cached_pages(self) -> tuple[int, int]:
         """(full, swa) device pages the cache owns (not counting requests' own)."""
         return 0, 0
-
-    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
-        """The page counts n, lo_page < n <= hi_page, that are checkpoints of every sequence
-        (every C pages; not ends or branch points): the MTP tails are written there too."""
-        return []
 
     def prefix_swa_pages(self, req: Request) -> list:
         """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's

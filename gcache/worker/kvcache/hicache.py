@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, cast
 
+from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
 from gcache.worker.config import FULL, SWA
@@ -66,6 +67,7 @@ class HiCache(CacheManager):
         self.kv, self.config = kv, config
         self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
         self.ps, self.window = kv.page_size, kv.window
+        self.checkpoint_rule: CheckpointRule = CheckpointRule(self.ps, config.swa_checkpoint_pages)
         self.tree = SWARadixTree(self.ps, self.window, kv.full, kv.swa, nodes_max=nodes_max)
         self.host: HostCache | None = None
         self.l3: L3Store | None = None
@@ -119,10 +121,6 @@ class HiCache(CacheManager):
             node=m.node,
             present_len=m.present_len,
         )
-
-    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
-        c = self.config.swa_checkpoint_pages
-        return list(range((lo_page // c + 1) * c, hi_page + 1, c)) if c else []
 
     def prefix_swa_pages(self, req) -> list:
         own, tree = req.kv.swa_pages, self.tree.path_swa_pages(req.lock_node)
@@ -314,7 +312,7 @@ class HiCache(CacheManager):
         kv = req.kv
         lo = kv.owned_from
         if end_is_checkpoint:
-            lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
+            lo = min(lo, tail_start_page(min(self._end_points(req)), self.ps, self.window))
         idx = self.write_rule.at_insert(range(lo, npages), keys, self._hits)
         swa = [
             kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint) else None
@@ -397,16 +395,16 @@ class HiCache(CacheManager):
         if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
             points.append(req.branch_page)
             if end_is_checkpoint:
-                points += self._end_points(req, npages)
-        if c.swa_checkpoint_pages:
-            points.append((page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages)
+                points += self._end_points(req)
+        periodic = self.checkpoint_rule.next_periodic(page)
+        if periodic is not None:
+            points.append(periodic)
         return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
 
-    def _end_points(self, req, npages: int) -> tuple[int, int]:
-        """The resume points of an end: its whole pages, and the page a resend of the same
-        tokens resumes at (it must leave a token to compute, so a page-aligned end resumes
-        one page earlier and needs one more page of SWA)."""
-        return npages, min(npages, (req.num_computed - 1) // self.ps)
+    def _end_points(self, req) -> tuple[int, int]:
+        """The resume points of req's end (CheckpointRule.end_points: its whole pages, and the
+        page a resend of the same tokens resumes at); callers pass npages == its whole pages."""
+        return self.checkpoint_rule.end_points(req.num_computed)
 
     def _spare(self, req, npages: int) -> list[int]:
         """Pages of req it owns with live SWA outside the window and every checkpoint tail:
