@@ -28,7 +28,8 @@ import numpy as np
 import gcache
 from bench.hicache.sim import BenchHiCache, CountingClient, ScriptedModel, Timing
 from bench.hicache.workloads import Turn, first_turns
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.common.attention import AttentionKind
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
@@ -115,7 +116,9 @@ class RunResult(TierHits):
 
 def device_pages(cfg: ModelConfig, setup: Setup, budgets: Budgets) -> tuple[int, int]:
     if setup.swa_unaware:
-        n = budgets.l1_bytes // (DualKVCache.page_bytes(cfg, FULL) + DualKVCache.page_bytes(cfg, SWA))
+        n = budgets.l1_bytes // (
+            DualKVCache.page_bytes(cfg, AttentionKind.FULL) + DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+        )
         return n, n
     return DualKVCache.pages_for_budget(cfg, budgets.l1_bytes, budgets.l1_swa_full_ratio)
 
@@ -151,7 +154,9 @@ class Worker:
             raw = gcache.Client(
                 l3_address, timeout_s=hc.l3_timeout_s, connect_timeout_s=0.5, retries=1, verify_checksums=True
             )
-            self.client = CountingClient(raw, DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA))
+            self.client = CountingClient(
+                raw, DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+            )
         self.cache = BenchHiCache(self.kv, hc, self.clock, timing, l3_client=self.client, tree_cls=setup.tree_cls)
         ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new_tokens, scheduler=sched, hicache=hc)
         self.engine = Engine(self.model, self.kv, ec, clock=self.clock, cache=self.cache)
@@ -274,7 +279,7 @@ def simulate(
     res.l3_full_pages = len(set().union(*(c.keys["full"] for c in clients))) if clients else 0
     res.l3_swa_pages = len(set().union(*(c.keys["swa"] for c in clients))) if clients else 0
     res.l3_distinct_bytes = res.l3_full_pages * DualKVCache.page_bytes(
-        cfg, FULL
-    ) + res.l3_swa_pages * DualKVCache.page_bytes(cfg, SWA)
+        cfg, AttentionKind.FULL
+    ) + res.l3_swa_pages * DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     res.wall_s = time.perf_counter() - t0
     return res

@@ -36,7 +36,8 @@ import numpy as np
 
 from bench.common.paths import CONVERSATION_TRACE
 from bench.common.workloads import chat_workload, trace_workload
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.common.attention import AttentionKind
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
@@ -136,7 +137,9 @@ def trace_items(requests) -> list[Item]:
 def pools_for(mode: Mode, config: ModelConfig, budget_bytes: int, swa_full_ratio: float) -> tuple[int, int]:
     if not mode.equal_pools:
         return DualKVCache.pages_for_budget(config, budget_bytes, swa_full_ratio)
-    pages = budget_bytes // (DualKVCache.page_bytes(config, FULL) + DualKVCache.page_bytes(config, SWA))
+    pages = budget_bytes // (
+        DualKVCache.page_bytes(config, AttentionKind.FULL) + DualKVCache.page_bytes(config, AttentionKind.SWA)
+    )
     return pages, pages
 
 
@@ -217,7 +220,11 @@ def run_workload(name: str, items: list[Item], config: ModelConfig, args, checkp
     budget = int((args.budget_mib if chat else args.trace_budget_mib) * 2**20)
     ratio = args.chat_swa_full_ratio if chat else args.trace_swa_full_ratio
     rows = [run_engine(mode, items, config, budget, ratio, args) for mode in modes_for(checkpoint_pages)]
-    ps, bf, bs = config.page_size, DualKVCache.page_bytes(config, FULL), DualKVCache.page_bytes(config, SWA)
+    ps, bf, bs = (
+        config.page_size,
+        DualKVCache.page_bytes(config, AttentionKind.FULL),
+        DualKVCache.page_bytes(config, AttentionKind.SWA),
+    )
     pages = len(rows[0].pages_seen)
     print(
         f"\n{name}: {len(items)} requests, {rows[0].prompt_tokens} prompt tokens; page {ps} tokens, "

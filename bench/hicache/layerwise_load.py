@@ -44,7 +44,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 
 from bench.common.stats import columns  # noqa: E402
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.common.attention import AttentionKind  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
 from gcache.worker.engine.request import SamplingParams  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
@@ -78,7 +79,9 @@ def build_engine(model: TimedModel, args, layerwise: bool) -> Engine:
     swa = max(full, -(-(cfg.window + step) // ps) + 8)  # generous: the bench measures loads, not SWA pressure
     sc = SchedulerConfig(max_tokens_per_step=step, chunk_tokens=step, max_running=4)
     l2_pages = (args.repeats + args.cal_repeats + 2) * -(-total // ps) + 64
-    l2_bytes = l2_pages * (DualKVCache.page_bytes(cfg, FULL) + DualKVCache.page_bytes(cfg, SWA))
+    l2_bytes = l2_pages * (
+        DualKVCache.page_bytes(cfg, AttentionKind.FULL) + DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+    )
     hc = HiCacheConfig(l2_bytes=l2_bytes, l2_swa_full_ratio=1.0, layerwise_load=layerwise)
     ec = EngineConfig(max_prompt_tokens=total + ps, max_new_tokens=4, scheduler=sc, hicache=hc)
     return Engine(model, DualKVCache(cfg, full, swa), ec)

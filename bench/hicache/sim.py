@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import tail_start_page
-from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.hicache import HiCache
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.model.sim import SimulatedModel
@@ -146,7 +146,7 @@ class BenchHiCache(HiCache):
             full = len(pf.fetched)
             tail = max(pf.start, tail_start_page(pf.ready_end, self.ps, self.window))
             swa = sum(1 for k in pf.keys[tail : pf.ready_end] if k in pf.fetched)
-            nbytes = full * self.kv.bytes_per_page(FULL) + swa * self.kv.bytes_per_page(SWA)
+            nbytes = full * self.kv.bytes_per_page(AttentionKind.FULL) + swa * self.kv.bytes_per_page(AttentionKind.SWA)
             t = self.timing.l3_read_s(nbytes, 3 if full else 1)  # exists, exists(swa), get
             pf.vdone = pf.vstart + t
             self.l3_read_s += t

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 import gcache
+from gcache.common.attention import AttentionKind
 from gcache.wire.keys import KeyBuilder, page_hashes_array
-from gcache.worker.config import FULL, SWA
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
@@ -68,7 +68,9 @@ def make_engine(model):
 
 def hicache(l2_full: int = 0, l2_swa: int = 0, l3: str = "", **kw) -> HiCacheConfig:
     """A HiCacheConfig whose host pool has exactly l2_full full and l2_swa SWA slots."""
-    budget = l2_full * DualKVCache.page_bytes(CFG, FULL) + l2_swa * DualKVCache.page_bytes(CFG, SWA)
+    budget = l2_full * DualKVCache.page_bytes(CFG, AttentionKind.FULL) + l2_swa * DualKVCache.page_bytes(
+        CFG, AttentionKind.SWA
+    )
     ratio = l2_swa / l2_full if l2_full else 0.25
     return HiCacheConfig(l2_bytes=budget, l2_swa_full_ratio=ratio, l3_url=l3, model_name=MODEL_NAME, **kw)
 

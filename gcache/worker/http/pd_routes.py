@@ -18,6 +18,7 @@ import dataclasses
 
 from aiohttp import web
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.errors import HTTPError, error_response, json_response
 from gcache.serving.handoff import PD_DECODE_PATH, PD_PREFILL_PATH, Handoff, Role, expected_pools, parse_pd_body
 from gcache.serving.intake import serve_post
@@ -114,7 +115,7 @@ class PDRoutes:
         piece = OutputText(w.tok, parsed.stop).feed([first])
         keys = page_hashes_array(parsed.prompt, self.ps)
         pools = expected_pools(len(parsed.prompt), self.ps, self.window)
-        stored = await wait_stored(host, keys, pools["swa"][0], self.handoff_wait_s)
+        stored = await wait_stored(host, keys, pools[AttentionKind.SWA][0], self.handoff_wait_s)
         handoff = Handoff(
             model=w.model_name,
             page_size=self.ps,

@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, cast
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
-from gcache.worker.config import FULL, SWA
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
@@ -354,24 +354,26 @@ class HiCache(CacheManager):
                 new_full.append(i)
             if swa_ids[i] is not None and (e is None or e.swa is None):
                 new_swa.append(i)
-        picked = {FULL: new_full, SWA: new_swa}
-        slots: dict[str, list[int]] = {}
-        for kind in (FULL, SWA):
+        picked = {AttentionKind.FULL: new_full, AttentionKind.SWA: new_swa}
+        slots: dict[AttentionKind, list[int]] = {}
+        for kind in (AttentionKind.FULL, AttentionKind.SWA):
             got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
             if got is None:  # L2 full of pinned pages: this write is dropped
                 self.counters["l2_write_dropped"] += len(picked[kind])
                 picked[kind], got = [], []
             slots[kind] = got
-        new_full, new_swa = picked[FULL], picked[SWA]
-        pool.store_from_device(self.kv, FULL, [full_ids[i] for i in new_full], slots[FULL])
-        pool.store_from_device(self.kv, SWA, [swa_ids[i] for i in new_swa], slots[SWA])
-        full_of = dict(zip(new_full, slots[FULL]))
-        swa_of = dict(zip(new_swa, slots[SWA]))
+        new_full, new_swa = picked[AttentionKind.FULL], picked[AttentionKind.SWA]
+        pool.store_from_device(self.kv, AttentionKind.FULL, [full_ids[i] for i in new_full], slots[AttentionKind.FULL])
+        pool.store_from_device(self.kv, AttentionKind.SWA, [swa_ids[i] for i in new_swa], slots[AttentionKind.SWA])
+        full_of = dict(zip(new_full, slots[AttentionKind.FULL]))
+        swa_of = dict(zip(new_swa, slots[AttentionKind.SWA]))
         for i in sorted(set(new_full) | set(new_swa)):
             host.publish(keys[i], full_of.get(i), swa_of.get(i), origin=Tier.L1)
         c = self.counters
         c["l2_write_pages"] += len(new_full)
-        c["l2_write_bytes"] += len(new_full) * pool.page_bytes[FULL] + len(new_swa) * pool.page_bytes[SWA]
+        c["l2_write_bytes"] += (
+            len(new_full) * pool.page_bytes[AttentionKind.FULL] + len(new_swa) * pool.page_bytes[AttentionKind.SWA]
+        )
         if self.l3 is not None and (new_full or new_swa):
             self._write_l3(chain)
 
@@ -535,8 +537,8 @@ class HiCache(CacheManager):
             out.update(
                 l2_full_pages_used=f,
                 l2_swa_pages_used=s,
-                l2_full_pages_total=self.host.pool.pools[FULL].num_pages,
-                l2_swa_pages_total=self.host.pool.pools[SWA].num_pages,
+                l2_full_pages_total=self.host.pool.pools[AttentionKind.FULL].num_pages,
+                l2_swa_pages_total=self.host.pool.pools[AttentionKind.SWA].num_pages,
                 l2_pinned_pages=self.host.pinned_pages(),
                 l2_evicted_pages=self.host.stats["evicted_full"],
             )

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import tail_start_page
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.integrity import require
@@ -375,11 +376,11 @@ class SWARadixTree(SWAEvictionMixin):
     # ---- insert helpers --------------------------------------------------------------
     def _check_page_ids(self, full_pages: list, swa_pages: list) -> None:
         for kind, pages, pool, owned in (
-            ("full", full_pages, self.full_pool, self._full_owned),
-            ("swa", swa_pages, self.swa_pool, self._swa_owned),
+            (AttentionKind.FULL, full_pages, self.full_pool, self._full_owned),
+            (AttentionKind.SWA, swa_pages, self.swa_pool, self._swa_owned),
         ):
             ids = [p for p in pages if p is not None]
-            if kind == "full" and len(ids) != len(pages):
+            if kind == AttentionKind.FULL and len(ids) != len(pages):
                 raise ValueError("insert: every page needs a full-attention page id")
             for p in ids:
                 if p in owned:  # allocated: the tree holds it (position checked later)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from gcache.common.attention import AttentionKind
 from gcache.worker.integrity import require
 
 if TYPE_CHECKING:
@@ -94,14 +95,14 @@ def _check_lru(tree, nodes) -> None:
 
 def _check_ownership(tree, nodes, external_full, external_swa) -> None:
     for kind, pool, owned, ext in (
-        ("full", tree.full_pool, tree._full_owned, external_full),
-        ("swa", tree.swa_pool, tree._swa_owned, external_swa),
+        (AttentionKind.FULL, tree.full_pool, tree._full_owned, external_full),
+        (AttentionKind.SWA, tree.swa_pool, tree._swa_owned, external_swa),
     ):
         pool.check_integrity()
-        pages = [p for n in nodes for p in (n.full if kind == "full" else n.swa) if p is not None]
+        pages = [p for n in nodes for p in (n.full if kind == AttentionKind.FULL else n.swa) if p is not None]
         require(len(pages) == len(set(pages)), f"a {kind} page is owned by two tree positions")
         require(set(pages) == owned, f"tree's {kind} ownership set is stale")
-        if kind == "swa":
+        if kind == AttentionKind.SWA:
             require(set(tree._spare) <= owned, "a spare SWA page is not one the tree holds")
             require(all(not n.removed and p in n.swa for p, n in tree._spare.items()), "a spare page's node is stale")
         require(all(pool.is_allocated(p) for p in pages), f"tree holds a free {kind} page")
