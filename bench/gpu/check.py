@@ -600,8 +600,8 @@ class Check:
         from gcache.common.attention import AttentionKind
         from gcache.worker import backend
         from gcache.worker.config import ModelConfig
-        from gcache.worker.kvcache.host_pool import HostKVPool
         from gcache.worker.kvcache.kv_pool import DualKVCache
+        from gcache.worker.kvcache.tiers.host_pool import HostKVPool
         from gcache.worker.model.transformer import Model
 
         xp = np if self.args.dry_run else backend.select_backend("cupy")

@@ -19,7 +19,7 @@ import pytest
 
 from gcache.common.attention import AttentionKind
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
 
 pytestmark = pytest.mark.process  # starts processes
 

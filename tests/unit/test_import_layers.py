@@ -114,11 +114,10 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 # Circles through `if TYPE_CHECKING:` imports still to be broken (issue 30), each by name; delete
-# an entry when its circle is gone. The SWA tree's is being removed on the kvcache rooms' branch;
-# the MTP contract's came with the thin step (base.MTPModel.mtp_head returns mtp.MTPHead, which takes an
-# MTPModel): a drafting contract in base.py beside MTPModel would break it.
+# an entry when its circle is gone. The MTP contract's came with the thin step
+# (base.MTPModel.mtp_head returns mtp.MTPHead, which takes an MTPModel): a drafting contract in
+# base.py beside MTPModel would break it.
 ANNOTATION_CIRCLES_BEING_REMOVED = [
-    ["gcache.worker.kvcache.swa_radix_tree", "gcache.worker.kvcache.swa_tree_check"],
     ["gcache.worker.model.base", "gcache.worker.model.mtp"],
 ]
 

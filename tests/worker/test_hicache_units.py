@@ -20,8 +20,8 @@ from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.wire.keys import TOKEN_ID_MAX, get_hash_str, page_hashes, page_hashes_array
 from gcache.worker.config import ModelConfig
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 from tests.support.tiny_model import ONE_FULL_LAYER, TINY_MODEL
 
 CFG_KW = dict(TINY_MODEL, dtype="float64", layer_pattern=ONE_FULL_LAYER)
@@ -228,8 +228,8 @@ def test_check_integrity_raises_under_python_O():
     code = (
         "import numpy as np\n"
         "from gcache.common.attention import AttentionKind\n"
-        "from gcache.worker.kvcache.host_cache import HostCache\n"
-        "from gcache.worker.kvcache.host_pool import HostKVPool\n"
+        "from gcache.worker.kvcache.tiers.host_cache import HostCache\n"
+        "from gcache.worker.kvcache.tiers.host_pool import HostKVPool\n"
         "from gcache.worker.integrity import IntegrityError\n"
         "from gcache.worker.config import ModelConfig\n"
         f"cfg = ModelConfig(**{CFG_KW!r})\n"

@@ -21,11 +21,11 @@ from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
-from gcache.worker.kvcache.mtp_tails import POOL_MTP, MTPTails, seal
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.tiers.mtp_tails import POOL_MTP, MTPTails, seal
 from gcache.worker.model import mtp_tail
 from gcache.worker.model.transformer import Model
 from tests.support.tiny_model import ONE_FULL_LAYER, tiny_config

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from gcache import errors
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
 from tests.support.hicache_support import CFG
 from tests.support.serving_support import WorkerProc, post_json, request
 

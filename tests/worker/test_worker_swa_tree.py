@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.swa_window import tail_pages, tail_start_page
 from gcache.worker.kvcache.kv_pool import PagePool
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
 
 PS = 4
 

@@ -52,7 +52,7 @@ from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
 
 if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
-    from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+    from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
     from gcache.worker.model.base import BatchModel
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError"]

@@ -30,7 +30,7 @@ from gcache.worker.engine.request import Request
 
 if TYPE_CHECKING:
     from gcache.worker.kvcache.kv_pool import DualKVCache
-    from gcache.worker.kvcache.mtp_tails import MTPTails
+    from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
     from gcache.worker.model.base import MTPModel
     from gcache.worker.model.mtp import MTPState
 

@@ -27,9 +27,9 @@ from gcache.serving.tiers import TIERS, Tier
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
-    from gcache.worker.kvcache.layer_load import LoadBatch
-    from gcache.worker.kvcache.mtp_tails import MTPTails
-    from gcache.worker.kvcache.swa_tree_node import TreeNode
+    from gcache.worker.kvcache.swa_tree.node import TreeNode
+    from gcache.worker.kvcache.tiers.layer_load import LoadBatch
+    from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,14 @@ from gcache.serving.tiers import Tier
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.host_cache import HostCache, HostPage
-from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
-from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
-from gcache.worker.kvcache.mtp_tails import MTPTails
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
+from gcache.worker.kvcache.tiers.host_cache import HostCache, HostPage
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.tiers.layer_load import LoadBatch, PageLoad
+from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request

@@ -42,7 +42,7 @@ from gcache.common.breaker import Breaker
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
 from gcache.wire.keys import KeyBuilder
-from gcache.worker.kvcache.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_cache import HostCache
 
 log = logging.getLogger("gcache.worker.l3")
 TOUCH_PAGES_MAX = 64  # prefix pages probed after a write (bounded work per write)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gcache.common.attention import AttentionKind
 from gcache.serving.tiers import Tier
 from gcache.worker.integrity import require
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 
 
 @dataclass

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcache.common.attention import AttentionKind
-from gcache.worker.kvcache.host_cache import HostCache
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiers.host_cache import HostCache
 
 
 @dataclass
