@@ -1,7 +1,7 @@
-"""HiCache: token hit rate per tier, TTFT, recomputation and L3 bytes of the cache
+"""The cache hierarchy bench (bench.hicache): token hit rate per tier, TTFT, recomputation and L3 bytes of the cache
 hierarchy, for 1, 2 and 4 workers sharing one L3, against two baselines.
 
-What is real: the Engine (scheduler, SWA radix tree, dual device pools), HiCache with its
+What is real: the Engine (scheduler, SWA radix tree, dual device pools), TieredPrefixCache with its
 HostCache / host pool (L2) and L3Store + gcache.Client, and one gcache-server per run as
 the shared L3 (--memory = the L3 byte budget, plus a small --disk tier, printed). What is
 simulated: compute (SimulatedModel with the CostModel fitted to the real numpy model, as

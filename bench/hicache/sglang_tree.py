@@ -5,7 +5,7 @@ so the baseline is if anything favoured) with SGLang's match rule plugged in: a 
 only at a node boundary whose window tail holds no SWA tombstone
 (gcache.worker.kvcache.swa_tree.node.MatchEnds.NODE_BOUNDARY says exactly what that is).
 
-bench/hicache/hierarchy.py installs it with BenchHiCache(tree_cls=SGLangSWATree), which replaces
+bench/hicache/hierarchy.py installs it with BenchTieredCache(tree_cls=SGLangSWATree), which replaces
 engine.cache.tree before the engine sees any request.
 """
 

@@ -34,8 +34,8 @@ from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import RequestState, SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock
 
 
@@ -88,7 +88,7 @@ class SimWorker:
     def __init__(self, cfg: ModelConfig, setup: Setup, cost: CostModel, max_new: int) -> None:
         self.clock = VirtualClock()
         self.kv = DualKVCache(cfg, setup.full_pages, setup.swa_pages)
-        hc = HiCacheConfig(
+        hc = TieredCacheConfig(
             l2_bytes=setup.l2_bytes, model_name="bench-pd", prefetch_policy="best_effort", write_policy="write_back"
         )
         sc = SchedulerConfig(
@@ -96,7 +96,7 @@ class SimWorker:
             max_tokens_per_step=setup.max_tokens_per_step,
             max_running=setup.max_running,
         )
-        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new, scheduler=sc, hicache=hc)
+        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new, scheduler=sc, cache_config=hc)
         self.engine = Engine(SimulatedModel(cfg, self.clock, cost), self.kv, ec, clock=self.clock)
         self.host = self.engine.cache.host
         self.link_free_s = 0.0

@@ -44,7 +44,7 @@ class CacheEventLog:
 
     # ---- attach / detach (engine thread) ------------------------------------------------------
     def attach(self, cache) -> None:
-        """Start observing `cache` (a HiCache; anything without a tree publishes nothing)."""
+        """Start observing `cache` (a TieredPrefixCache; anything without a tree publishes nothing)."""
         self.tree = getattr(cache, "tree", None)
         self.host = getattr(cache, "host", None)
         self.rebuild(attach=True)

@@ -268,6 +268,11 @@ class L3Store:
             for k, v in by.items():
                 self.stats[k] += v
 
+    def stats_snapshot(self) -> dict[str, float]:
+        """A consistent copy of the counters (the writer and prefetch threads update them)."""
+        with self._lock:
+            return dict(self.stats)
+
     def write_queue_depth(self) -> int:
         return self._writes.qsize()
 

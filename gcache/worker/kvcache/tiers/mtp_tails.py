@@ -81,7 +81,7 @@ class _Tier:
 
 
 class MTPTails:
-    """The MTP tails of one worker's cache hierarchy (HiCache.mtp)."""
+    """The MTP tails of one worker's cache hierarchy (TieredPrefixCache.mtp)."""
 
     def __init__(self, l1_bytes: int, l2_bytes: int = 0, l3=None) -> None:
         self.l1 = _Tier(l1_bytes)

@@ -1,4 +1,6 @@
-"""The cache hierarchy: L1 (device pools + SWA radix tree), L2 (host pool), L3 (GCache).
+"""TieredPrefixCache: the prefix cache across tiers, L1 (device pools + SWA radix tree), L2
+(host pool), L3 (GCache). It coordinates the tiers; which SWA pages a request keeps is the
+checkpoint policy's (swa_checkpoints.py), the counters are CacheStats' (cache_stats.py).
 
 How a prefix moves (see cache_manager.py for the contract the engine relies on):
   * match: the L1 tree gives the longest window-safe prefix P1 on the device; L2 extends it
@@ -10,9 +12,9 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
     fits (failure mode 2: never all-or-nothing).
   * write: pages entering the L1 tree go to L2 and L3 per the write policy; L1 eviction
     demotes pages under write_back.
-  * SWA checkpoints in every tier: a request keeps SWA KV only for its window and for the
-    window tails of its checkpoints (its end, its branch point off the tree, every C
-    pages); everything else goes back to the SWA pool as soon as it leaves the window.
+  * SWA checkpoints in every tier (SWACheckpoints): a request keeps SWA KV only for its window
+    and for the window tails of its checkpoints (its end, its branch point off the tree, every
+    C pages); everything else goes back to the SWA pool as soon as it leaves the window.
     So each tier holds a prefix's SWA cost O(W) per checkpoint, and a prefix is loadable
     from a tier up to its last checkpoint whose full pages are all there.
   * spare SWA in L1 (swa_keep_spare, the first-reuse fix): the SWA pages a request would
@@ -33,10 +35,12 @@ from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.cache_stats import CacheStats
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
+from gcache.worker.kvcache.swa_checkpoints import SWACheckpoints
 from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.kvcache.tiers.host_cache import HostCache, HostPage
 from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
@@ -46,28 +50,17 @@ from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
 
-STAT_NAMES = (
-    "l2_load_pages",
-    "l2_load_bytes",
-    "l2_load_seconds",
-    "l2_load_wait_seconds",
-    "l2_write_pages",
-    "l2_write_bytes",
-    "l2_write_dropped",
-    "loads_cut_to_fit",
-    "l3_writes_skipped_down",
-)
 
-
-class HiCache(CacheManager):
+class TieredPrefixCache(CacheManager):
     def __init__(
-        self, kv: DualKVCache, config: HiCacheConfig | None = None, nodes_max: int = 1_000_000, l3_client=None
+        self, kv: DualKVCache, config: TieredCacheConfig | None = None, nodes_max: int = 1_000_000, l3_client=None
     ) -> None:
-        config = config if config is not None else HiCacheConfig()
+        config = config if config is not None else TieredCacheConfig()
         self.kv, self.config = kv, config
         self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
         self.ps, self.window = kv.page_size, kv.window
-        self.checkpoint_rule: CheckpointRule = CheckpointRule(self.ps, config.swa_checkpoint_pages)
+        self.swa_checkpoints = SWACheckpoints(kv, config)  # which SWA pages a request keeps
+        self.checkpoint_rule: CheckpointRule = self.swa_checkpoints.rule
         self.tree = SWARadixTree(self.ps, self.window, kv.full, kv.swa, nodes_max=nodes_max)
         self.host: HostCache | None = None
         self.l3: L3Store | None = None
@@ -93,7 +86,7 @@ class HiCache(CacheManager):
         self._running: dict[int, Request] = {}  # rid -> request holding pages (for evict's trim)
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
-        self.counters: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
+        self.cache_stats = CacheStats()
 
     # ---- lookups ---------------------------------------------------------------------------
     def _limit_pages(self, req) -> int:
@@ -225,7 +218,7 @@ class HiCache(CacheManager):
             fit = 0  # all-or-nothing (only the regression test of failure mode 2 does this)
         end = last_safe_end(p1, max(0, fit), lambda i: swa[i - p1], ps, W)
         if end - p1 < want:
-            self.counters["loads_cut_to_fit"] += 1
+            self.cache_stats.add("loads_cut_to_fit")
         tail_lo = max(p1, tail_start_page(end, ps, W))
         if end > p1 and kvc.swa.num_free < end - tail_lo:
             self.evict(0, end - tail_lo - kvc.swa.num_free)
@@ -263,22 +256,21 @@ class HiCache(CacheManager):
             self.kv, self.host, self._loads, self.config.layerwise_load, self.config.load_throttle_bytes_per_s
         )
         self._loads = []
-        c = self.counters
-        c["l2_load_pages"] += sum(len(ld.full[0]) for ld in batch.loads)
-        c["l2_load_bytes"] += batch.bytes
+        self.cache_stats.add("l2_load_pages", sum(len(ld.full[0]) for ld in batch.loads))
+        self.cache_stats.add("l2_load_bytes", batch.bytes)
         batch.on_finish = self._load_finished
         return batch.start()
 
     def _load_finished(self, batch: LoadBatch) -> None:
-        self.counters["l2_load_seconds"] += batch.copy_s
-        self.counters["l2_load_wait_seconds"] += batch.wait_s
+        self.cache_stats.add("l2_load_seconds", batch.copy_s)
+        self.cache_stats.add("l2_load_wait_seconds", batch.wait_s)
 
     # ---- write -------------------------------------------------------------------------------
     def prepare_write(self, req, final: bool) -> None:
         ps, kv = self.ps, req.kv
         npages = req.num_computed // ps
         if final and not self.config.swa_keep_spare:
-            self._trim_to_checkpoints(req, npages)
+            self.swa_checkpoints.trim_to_checkpoints(req, npages)
         first = tail_start_page(npages, ps, self.window)
         if npages <= kv.owned_from:
             return  # nothing new
@@ -291,7 +283,11 @@ class HiCache(CacheManager):
             # of the same prompt resumes there) and the answer's (the next turn resumes there).
             self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
         self.tree.insert(
-            tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys, spare=self._spare(req, npages)
+            tokens,
+            kv.full_pages[:npages],
+            kv.swa_pages[:npages],
+            keys=keys,
+            spare=self.swa_checkpoints.spare(req, npages),
         )
         if final:
             kv.owned_from = npages  # the tree owns them now
@@ -312,12 +308,9 @@ class HiCache(CacheManager):
         kv = req.kv
         lo = kv.owned_from
         if end_is_checkpoint:
-            lo = min(lo, tail_start_page(min(self._end_points(req)), self.ps, self.window))
+            lo = min(lo, self.swa_checkpoints.end_tail_start(req))
         idx = self.write_rule.at_insert(range(lo, npages), keys, self._hits)
-        swa = [
-            kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint) else None
-            for i in range(npages)
-        ]
+        swa = self.swa_checkpoints.written_swa(req, npages, end_is_checkpoint)
         self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
 
     def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
@@ -359,7 +352,7 @@ class HiCache(CacheManager):
         for kind in (AttentionKind.FULL, AttentionKind.SWA):
             got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
             if got is None:  # L2 full of pinned pages: this write is dropped
-                self.counters["l2_write_dropped"] += len(picked[kind])
+                self.cache_stats.add("l2_write_dropped", len(picked[kind]))
                 picked[kind], got = [], []
             slots[kind] = got
         new_full, new_swa = picked[AttentionKind.FULL], picked[AttentionKind.SWA]
@@ -369,10 +362,10 @@ class HiCache(CacheManager):
         swa_of = dict(zip(new_swa, slots[AttentionKind.SWA]))
         for i in sorted(set(new_full) | set(new_swa)):
             host.publish(keys[i], full_of.get(i), swa_of.get(i), origin=Tier.L1)
-        c = self.counters
-        c["l2_write_pages"] += len(new_full)
-        c["l2_write_bytes"] += (
-            len(new_full) * pool.page_bytes[AttentionKind.FULL] + len(new_swa) * pool.page_bytes[AttentionKind.SWA]
+        self.cache_stats.add("l2_write_pages", len(new_full))
+        self.cache_stats.add(
+            "l2_write_bytes",
+            len(new_full) * pool.page_bytes[AttentionKind.FULL] + len(new_swa) * pool.page_bytes[AttentionKind.SWA],
         )
         if self.l3 is not None and (new_full or new_swa):
             self._write_l3(chain)
@@ -381,74 +374,15 @@ class HiCache(CacheManager):
         if self.l3 is None or self.host is None:  # cannot happen: called with an L3 only
             raise RuntimeError("invariant broken: called with an L3 only")
         if not self.l3.available():
-            self.counters["l3_writes_skipped_down"] += 1
+            self.cache_stats.add("l3_writes_skipped_down")
             return
         pages = self.host.claim_for_l3(chain)
         if pages and not self.l3.submit_write(pages, chain):
             self.host.finish_l3([h for h, _, _ in pages], False)
 
-    # ---- SWA checkpoints -------------------------------------------------------------------
-    def _keep(self, req, page: int, npages: int, end_is_checkpoint: bool = True) -> bool:
-        """Whether page's SWA KV is kept: it lies in the window tail of a checkpoint up to
-        npages: the end (a request or turn end; a re-lock point mid-decode is not one), the
-        branch point off the tree, every C pages."""
-        c = self.config
-        points = []
-        if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
-            points.append(req.branch_page)
-            if end_is_checkpoint:
-                points += self._end_points(req)
-        periodic = self.checkpoint_rule.next_periodic(page)
-        if periodic is not None:
-            points.append(periodic)
-        return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
-
-    def _end_points(self, req) -> tuple[int, int]:
-        """The resume points of req's end (CheckpointRule.end_points: its whole pages, and the
-        page a resend of the same tokens resumes at); callers pass npages == its whole pages."""
-        return self.checkpoint_rule.end_points(req.num_computed)
-
-    def _spare(self, req, npages: int) -> list[int]:
-        """Pages of req it owns with live SWA outside the window and every checkpoint tail:
-        spare for the tree (kept, evicted first)."""
-        kv = req.kv
-        if not self.config.swa_keep_spare:
-            return []
-        end = tail_start_page(npages, self.ps, self.window)
-        return [i for i in range(kv.owned_from, end) if kv.swa_pages[i] is not None and not self._keep(req, i, npages)]
-
+    # ---- SWA checkpoints (swa_checkpoints.py) ---------------------------------------------
     def trim_swa(self, req, pressure: bool = False) -> int:
-        """Free req's own SWA pages out of its window (one page of margin, so the end tail
-        of its whole pages stays) and, unless under pressure, outside its checkpoint tails.
-        With swa_keep_spare the latter wait until evict() needs them (first-reuse fix)."""
-        if not pressure and self.config.swa_keep_spare:
-            return 0
-        return self._trim(req, pressure)
-
-    def _trim(self, req, pressure: bool, limit: int | None = None) -> int:
-        """limit: free at most that many, oldest first (the pages nearest the request's end are
-        the likeliest divergence points of a later request: keep them longest)."""
-        kv, n = req.kv, req.num_computed
-        idx = kv.swa_out_of_window(n - self.ps)
-        if not pressure:
-            npages = n // self.ps
-            idx = [i for i in idx if not self._keep(req, i, npages)]
-        return self._free_swa(kv, idx if limit is None else idx[:limit])
-
-    def _trim_to_checkpoints(self, req, npages: int) -> None:
-        kv = req.kv
-        idx = [
-            i
-            for i in range(kv.owned_from, min(npages, kv.num_pages))
-            if kv.swa_pages[i] is not None and not self._keep(req, i, npages)
-        ]
-        self._free_swa(kv, idx)
-
-    def _free_swa(self, kv: RequestKV, idx: list[int]) -> int:
-        self.kv.swa.free([kv.swa_pages[i] for i in idx])
-        for i in idx:
-            kv.swa_pages[i] = None
-        return len(idx)
+        return self.swa_checkpoints.trim_swa(req, pressure)
 
     # ---- locks, release, eviction ----------------------------------------------------------
     def lock(self, node) -> None:
@@ -485,7 +419,7 @@ class HiCache(CacheManager):
                 if trimmed >= swa_pages:
                     break
                 if r.kv is not None:
-                    trimmed += self._trim(r, pressure=False, limit=swa_pages - trimmed)
+                    trimmed += self.swa_checkpoints.trim(r, pressure=False, limit=swa_pages - trimmed)
         f, s = self.tree.evict(full_pages, max(0, swa_pages - trimmed))
         return f, s + trimmed
 
@@ -531,22 +465,7 @@ class HiCache(CacheManager):
             require(self.host.pins() == expected, "host pins disagree with the loads and prefetches that hold them")
 
     def stats(self) -> dict:
-        out = dict(self.counters)
-        if self.host is not None:
-            f, s = self.host.used_pages()
-            out.update(
-                l2_full_pages_used=f,
-                l2_swa_pages_used=s,
-                l2_full_pages_total=self.host.pool.pools[AttentionKind.FULL].num_pages,
-                l2_swa_pages_total=self.host.pool.pools[AttentionKind.SWA].num_pages,
-                l2_pinned_pages=self.host.pinned_pages(),
-                l2_evicted_pages=self.host.stats["evicted_full"],
-            )
-        if self.l3 is not None:
-            with self.l3._lock:
-                out.update({f"l3_{k}": v for k, v in self.l3.stats.items()})
-            out["l3_write_queue_depth"] = self.l3.write_queue_depth()
-        return out
+        return self.cache_stats.report(self.host, self.l3)
 
     def close(self) -> None:
         if self.l3 is not None:

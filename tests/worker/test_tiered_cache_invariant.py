@@ -31,10 +31,10 @@ from gcache.wire.keys import KeyBuilder
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.transformer import Model
-from tests.support.hicache_support import CFG, build_engine
 from tests.support.reference import check_against_reference
+from tests.support.tiered_cache_support import CFG, build_engine
 
 PS = CFG.page_size  # 8 tokens; the window is 4 pages
 STEPS_MAX = 20_000  # no loop runs longer: a hung engine fails, never stalls the suite
@@ -73,14 +73,14 @@ def engines(model):
         full_pages: int = 64,
         swa_pages: int = 24,
         prefix_cache: bool = True,
-        **hicache,
+        **cache_kw,
     ) -> Engine:
-        hicache.setdefault("prefetch_policy", "wait_complete")
-        hc = HiCacheConfig(
+        cache_kw.setdefault("prefetch_policy", "wait_complete")
+        hc = TieredCacheConfig(
             l2_bytes=l2_bytes if prefix_cache else 0,
             l3_url=l3 if prefix_cache else "",
             model_name=model_name,
-            **hicache,
+            **cache_kw,
         )
         engine = build_engine(model, full_pages, swa_pages, hc, prefix_cache)
         made.append(engine)
@@ -152,10 +152,10 @@ def assert_invariant(make, model: Model, reqs: list[Request]) -> None:
     assert sum(p.cached_tokens for p in ref) == 0
 
 
-def seed_l3(make, address: str, pages=(18,), **hicache) -> Engine:
+def seed_l3(make, address: str, pages=(18,), **cache_kw) -> Engine:
     """Another worker computes the shared text up to each of `pages` (each a checkpoint),
     and its L3 writes complete."""
-    writer = make(address, **hicache)
+    writer = make(address, **cache_kw)
     for p in pages:
         serve(writer, upto(p))
     drained(writer)
