@@ -11,8 +11,8 @@ from gcache.serving.errors import HTTPError
 from gcache.serving.handoff import KNOWN_POOLS, Handoff, Role, expected_pools, parse_pd_body
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.engine.request import SamplingParams
-from gcache.worker.http.pd_prefill import stored_prefix
 from gcache.worker.kvcache.tiered_config import TieredCacheConfig
+from gcache.worker.kvcache.tiers.host_cache import stored_prefix
 from gcache.worker.model.transformer import Model
 from tests.support.tiered_cache_support import CFG, build_engine
 

@@ -138,7 +138,7 @@ class Engine:
     @property
     def tree(self) -> SWARadixTree | None:
         """The L1 prefix tree (None without a prefix cache)."""
-        return getattr(self.cache, "tree", None)
+        return self.cache.l1_tree()
 
     # ---- submission -------------------------------------------------------------
     def add_request(

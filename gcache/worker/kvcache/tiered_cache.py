@@ -41,7 +41,7 @@ from gcache.worker.kvcache.policies import prefetch_rule, write_rule
 from gcache.worker.kvcache.swa_checkpoints import SWACheckpoints
 from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
 from gcache.worker.kvcache.tiered_config import TieredCacheConfig
-from gcache.worker.kvcache.tiers.host_cache import HostCache, HostPage
+from gcache.worker.kvcache.tiers.host_cache import HostCache, HostPage, stored_prefix
 from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
 from gcache.worker.kvcache.tiers.layer_load import LoadBatch, PageLoad
@@ -466,6 +466,33 @@ class TieredPrefixCache(CacheManager):
 
     def stats(self) -> dict:
         return self.cache_stats.report(self.host, self.l3)
+
+    # ---- the contract's accessors (cache_manager.py) ---------------------------------------
+    def l1_tree(self) -> SWARadixTree:
+        return self.tree
+
+    def l2_cache(self) -> HostCache | None:
+        return self.host
+
+    def stored_in_l3(self, keys, swa_lo: int) -> tuple[int, bool]:
+        return stored_prefix(self.host, keys, swa_lo) if self.host is not None else (0, False)
+
+    def start(self) -> None:
+        if self.l3 is not None:
+            self.l3.probe()
+            self.l3.watch()
+
+    def l3_available(self) -> bool:
+        return self.l3 is not None and self.l3.available()
+
+    def l3_health(self) -> dict | None:
+        return self.l3.health() if self.l3 is not None else None
+
+    def l2_bytes(self) -> int:
+        return self.host.pool.total_bytes() if self.host is not None else 0
+
+    def key_model(self) -> str:
+        return self.config.model_name
 
     def close(self) -> None:
         if self.l3 is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gcache.common.attention import AttentionKind
@@ -274,3 +275,21 @@ class HostCache:
             for key, e in self.entries.items():
                 require(e.pins >= 0, f"host page {key[:12]} has negative pins")
                 require(not expect_unpinned or e.pins == 0, f"host page {key[:12]} still pinned when idle")
+
+
+def stored_prefix(host: HostCache, keys: Sequence[str], swa_lo: int) -> tuple[int, bool]:
+    """(leading pages of `keys` whose KV is in L3: full, and SWA from swa_lo on; whether any
+    page is still queued for L3). The L3 writer threads mark pages in_l3 when their write is
+    acknowledged; the PD prefill waits on this before it hands a request over."""
+    stored, counting, queued = 0, True, False
+    for i, k in enumerate(keys):
+        e = host.get(k)
+        if e is None:
+            counting = False
+            continue
+        queued = queued or e.l3_queued
+        if counting and e.in_l3 and not e.l3_queued and (i < swa_lo or e.swa is not None):
+            stored += 1
+        else:
+            counting = False
+    return stored, queued
