@@ -597,10 +597,11 @@ class Check:
         return stand_in
 
     def worker_backend(self) -> None:
+        from gcache.common.attention import AttentionKind
         from gcache.worker import backend
-        from gcache.worker.config import FULL, ModelConfig
-        from gcache.worker.kvcache.host_pool import HostKVPool
+        from gcache.worker.config import ModelConfig
         from gcache.worker.kvcache.kv_pool import DualKVCache
+        from gcache.worker.kvcache.tiers.host_pool import HostKVPool
         from gcache.worker.model.transformer import Model
 
         xp = np if self.args.dry_run else backend.select_backend("cupy")
@@ -621,19 +622,19 @@ class Check:
         kv.v_full[...] = xp.asarray(rng.standard_normal(kv.v_full.shape).astype(cfg.dtype))
         k0, v0 = backend.to_numpy(kv.k_full).copy(), backend.to_numpy(kv.v_full).copy()
         pool = HostKVPool(cfg, 4, 4, xp=xp)
-        raw = pool.buffer(FULL)
+        raw = pool.buffer(AttentionKind.FULL)
         self.client.register_buffer(int(raw.ctypes.data), raw.nbytes)
         src_pages, dst_pages, slots = [1, 3, 5], [2, 4, 6], [0, 1, 2]
-        pool.store_from_device(kv, FULL, src_pages, slots)
+        pool.store_from_device(kv, AttentionKind.FULL, src_pages, slots)
         keys = [f"worker/{s}".encode() for s in slots]
-        size = pool.page_bytes[FULL]
-        stored = self.client.batch_put_from(keys, [pool.address(FULL, s) for s in slots], [size] * 3)
+        size = pool.page_bytes[AttentionKind.FULL]
+        stored = self.client.batch_put_from(keys, [pool.address(AttentionKind.FULL, s) for s in slots], [size] * 3)
         raw[...] = 0
         kv.k_full[...] = 0
         kv.v_full[...] = 0
-        got_sizes = self.client.batch_get_into(keys, [pool.address(FULL, s) for s in slots], [size] * 3)
+        got_sizes = self.client.batch_get_into(keys, [pool.address(AttentionKind.FULL, s) for s in slots], [size] * 3)
         for layer in range(len(cfg.full_layers)):
-            pool.load_layer(kv, FULL, layer, dst_pages, slots)
+            pool.load_layer(kv, AttentionKind.FULL, layer, dst_pages, slots)
         k1, v1 = backend.to_numpy(kv.k_full), backend.to_numpy(kv.v_full)
         exact = np.array_equal(k1[:, dst_pages], k0[:, src_pages]) and np.array_equal(
             v1[:, dst_pages], v0[:, src_pages]

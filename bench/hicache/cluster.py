@@ -5,7 +5,7 @@ Each worker is a real Engine (scheduler, SWA radix tree, dual device pools, Host
 host pool, L3Store + gcache.Client) with a ScriptedModel and its own VirtualClock.
 Events, earliest first: an arrival (delivered to its worker, whose clock moves up to the
 arrival time), or one step of the busy worker whose clock is earliest. Every L3 prefetch
-and write is waited for in real time as soon as it is queued (BenchHiCache), so it has
+and write is waited for in real time as soon as it is queued (BenchTieredCache), so it has
 landed before anyone looks: runs are deterministic, and a page written during a step is
 visible to a worker whose clock is up to one step behind (the only reordering the
 simulation allows).
@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import gcache
-from bench.hicache.sim import BenchHiCache, CountingClient, ScriptedModel, Timing
+from bench.hicache.sim import BenchTieredCache, CountingClient, ScriptedModel, Timing
 from bench.hicache.workloads import Turn, first_turns
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.common.attention import AttentionKind
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.sim import CostModel, VirtualClock
 
 STUCK_STEPS_MAX = 100
@@ -115,7 +116,9 @@ class RunResult(TierHits):
 
 def device_pages(cfg: ModelConfig, setup: Setup, budgets: Budgets) -> tuple[int, int]:
     if setup.swa_unaware:
-        n = budgets.l1_bytes // (DualKVCache.page_bytes(cfg, FULL) + DualKVCache.page_bytes(cfg, SWA))
+        n = budgets.l1_bytes // (
+            DualKVCache.page_bytes(cfg, AttentionKind.FULL) + DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+        )
         return n, n
     return DualKVCache.pages_for_budget(cfg, budgets.l1_bytes, budgets.l1_swa_full_ratio)
 
@@ -136,7 +139,7 @@ class Worker:
         self.model = ScriptedModel(cfg, self.clock, cost, timing)
         full, swa = device_pages(cfg, setup, budgets)
         self.kv = DualKVCache(cfg, full, swa)
-        hc = HiCacheConfig(
+        hc = TieredCacheConfig(
             l2_bytes=budgets.l2_bytes if setup.l2 else 0,
             l2_swa_full_ratio=1.0 if setup.swa_unaware else budgets.l2_swa_full_ratio,
             l3_url=l3_address if setup.l3 else "",
@@ -151,9 +154,11 @@ class Worker:
             raw = gcache.Client(
                 l3_address, timeout_s=hc.l3_timeout_s, connect_timeout_s=0.5, retries=1, verify_checksums=True
             )
-            self.client = CountingClient(raw, DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA))
-        self.cache = BenchHiCache(self.kv, hc, self.clock, timing, l3_client=self.client, tree_cls=setup.tree_cls)
-        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new_tokens, scheduler=sched, hicache=hc)
+            self.client = CountingClient(
+                raw, DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+            )
+        self.cache = BenchTieredCache(self.kv, hc, self.clock, timing, l3_client=self.client, tree_cls=setup.tree_cls)
+        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new_tokens, scheduler=sched, cache_config=hc)
         self.engine = Engine(self.model, self.kv, ec, clock=self.clock, cache=self.cache)
         self.model.attach(self.engine)
         self.wake_s = 0.0
@@ -274,7 +279,7 @@ def simulate(
     res.l3_full_pages = len(set().union(*(c.keys["full"] for c in clients))) if clients else 0
     res.l3_swa_pages = len(set().union(*(c.keys["swa"] for c in clients))) if clients else 0
     res.l3_distinct_bytes = res.l3_full_pages * DualKVCache.page_bytes(
-        cfg, FULL
-    ) + res.l3_swa_pages * DualKVCache.page_bytes(cfg, SWA)
+        cfg, AttentionKind.FULL
+    ) + res.l3_swa_pages * DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     res.wall_s = time.perf_counter() - t0
     return res

@@ -1,7 +1,7 @@
-"""HiCache: token hit rate per tier, TTFT, recomputation and L3 bytes of the cache
+"""The cache hierarchy bench (bench.hicache): token hit rate per tier, TTFT, recomputation and L3 bytes of the cache
 hierarchy, for 1, 2 and 4 workers sharing one L3, against two baselines.
 
-What is real: the Engine (scheduler, SWA radix tree, dual device pools), HiCache with its
+What is real: the Engine (scheduler, SWA radix tree, dual device pools), TieredPrefixCache with its
 HostCache / host pool (L2) and L3Store + gcache.Client, and one gcache-server per run as
 the shared L3 (--memory = the L3 byte budget, plus a small --disk tier, printed). What is
 simulated: compute (SimulatedModel with the CostModel fitted to the real numpy model, as
@@ -69,8 +69,9 @@ from bench.hicache.report import print_density, print_targets, print_workload  #
 from bench.hicache.sglang_tree import SGLangSWATree  # noqa: E402
 from bench.hicache.workloads import chat_turns, model_for, oracle_hit_tokens, trace_turns  # noqa: E402
 from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
+from gcache.common.attention import AttentionKind  # noqa: E402
 from gcache.common.units import MiB
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
@@ -154,7 +155,7 @@ def budgets_for(turns, cfg: ModelConfig, args, ckpt: int) -> tuple[Budgets, dict
     """Byte budgets from the working set; L1 raised to hold the longest request in the
     SWA-unaware split (its pools take full + SWA bytes for every page)."""
     hits, pages = oracle_hit_tokens(turns, cfg.page_size)
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     ws = pages * bf
     longest = max(-(-(len(t.prompt) + t.max_tokens) // cfg.page_size) for t in turns)
     l1_floor = (longest + 64) * (bf + bs)
@@ -234,7 +235,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     print("command: .venv/bin/python -m bench.hicache.hierarchy " + " ".join(argv))
     cfg = ModelConfig(dtype="float32")
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     print(
         f"model: {cfg.layers} layers ({len(cfg.full_layers)} full, {len(cfg.swa_layers)} SWA), W={cfg.window}, "
         f"page {cfg.page_size} tokens; KV bytes per page: full {bf}, SWA {bs} "

@@ -6,7 +6,7 @@ sim_model.SimulatedModel on a VirtualClock: only the model's arithmetic is simul
 to spend the same bytes on the same hybrid model (1 full : 6 SWA layers):
   swa-tree  the engine as shipped: full-attention KV for every cached page, SWA KV only
             where the engine makes checkpoints (the window before each request end and
-            branch point, and every C pages: HiCacheConfig.swa_checkpoint_pages = C);
+            branch point, and every C pages: TieredCacheConfig.swa_checkpoint_pages = C);
             pools split swa:full = --*-swa-full-ratio. A prefix hits up to its last
             window-safe checkpoint.
   swa-ends  the same with C = 0 (request ends and branch points only); shown when C > 0.
@@ -36,12 +36,13 @@ import numpy as np
 
 from bench.common.paths import CONVERSATION_TRACE
 from bench.common.workloads import chat_workload, trace_workload
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.common.attention import AttentionKind
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.sim import SimulatedModel, VirtualClock
 
 TRACE = CONVERSATION_TRACE
@@ -52,7 +53,7 @@ INTEGRITY_EVERY = 500  # engine steps between full integrity checks (and one at 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    checkpoint_pages: int  # HiCacheConfig.swa_checkpoint_pages
+    checkpoint_pages: int  # TieredCacheConfig.swa_checkpoint_pages
     equal_pools: bool  # SWA pool as large as the full pool (SWA-unaware sizing)
 
     @property
@@ -136,7 +137,9 @@ def trace_items(requests) -> list[Item]:
 def pools_for(mode: Mode, config: ModelConfig, budget_bytes: int, swa_full_ratio: float) -> tuple[int, int]:
     if not mode.equal_pools:
         return DualKVCache.pages_for_budget(config, budget_bytes, swa_full_ratio)
-    pages = budget_bytes // (DualKVCache.page_bytes(config, FULL) + DualKVCache.page_bytes(config, SWA))
+    pages = budget_bytes // (
+        DualKVCache.page_bytes(config, AttentionKind.FULL) + DualKVCache.page_bytes(config, AttentionKind.SWA)
+    )
     return pages, pages
 
 
@@ -155,7 +158,7 @@ def run_engine(mode: Mode, items: list[Item], config: ModelConfig, budget_bytes:
         max_new_tokens=max(it.out_tokens for it in items),
         tree_nodes_max=args.nodes_max,
         scheduler=sched,
-        hicache=HiCacheConfig(swa_checkpoint_pages=mode.checkpoint_pages),
+        cache_config=TieredCacheConfig(swa_checkpoint_pages=mode.checkpoint_pages),
     )
     engine = Engine(SimulatedModel(config, clock), DualKVCache(config, full_n, swa_n, xp=np), econf, clock=clock)
     answered: dict[int, np.ndarray] = {}  # chat: a finished turn's prompt + the engine's answer
@@ -217,7 +220,11 @@ def run_workload(name: str, items: list[Item], config: ModelConfig, args, checkp
     budget = int((args.budget_mib if chat else args.trace_budget_mib) * 2**20)
     ratio = args.chat_swa_full_ratio if chat else args.trace_swa_full_ratio
     rows = [run_engine(mode, items, config, budget, ratio, args) for mode in modes_for(checkpoint_pages)]
-    ps, bf, bs = config.page_size, DualKVCache.page_bytes(config, FULL), DualKVCache.page_bytes(config, SWA)
+    ps, bf, bs = (
+        config.page_size,
+        DualKVCache.page_bytes(config, AttentionKind.FULL),
+        DualKVCache.page_bytes(config, AttentionKind.SWA),
+    )
     pages = len(rows[0].pages_seen)
     print(
         f"\n{name}: {len(items)} requests, {rows[0].prompt_tokens} prompt tokens; page {ps} tokens, "
@@ -276,7 +283,7 @@ def main(argv=None) -> None:
         "--chat-checkpoint-pages",
         type=int,
         default=0,
-        help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the chat (0: ends and branch points only)",
+        help="swa-tree: TieredCacheConfig.swa_checkpoint_pages for the chat (0: ends and branch points only)",
     )
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--trace-requests", type=int, default=3000, help="first N records (12031 in all)")
@@ -287,7 +294,7 @@ def main(argv=None) -> None:
         "--trace-checkpoint-pages",
         type=int,
         default=8,
-        help="swa-tree: HiCacheConfig.swa_checkpoint_pages for the trace (8 = every trace block)",
+        help="swa-tree: TieredCacheConfig.swa_checkpoint_pages for the trace (8 = every trace block)",
     )
     ap.add_argument(
         "--concurrency",

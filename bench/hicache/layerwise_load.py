@@ -1,19 +1,19 @@
 """Layer-wise loading: TTFT of an L2 hit loaded layer by layer vs loaded whole before the forward.
 
-The real numpy model and the real engine (HiCache with an L2 host pool, no L3). Per engine:
+The real numpy model and the real engine (TieredPrefixCache with an L2 host pool, no L3). Per engine:
 a first request computes a long prefix (its pages go to L2 by write-through); then, per
 repeat, every device page is evicted (engine.cache.evict) and a second request, the prefix
 plus a fresh suffix, loads the prefix from L2 and computes the suffix. Its TTFT is timed
-  serial:    HiCacheConfig(layerwise_load=False): every layer is copied, then the forward runs;
-  layerwise: HiCacheConfig(layerwise_load=True): layer i computes while layer i+1 is copied.
+  serial:    TieredCacheConfig(layerwise_load=False): every layer is copied, then the forward runs;
+  layerwise: TieredCacheConfig(layerwise_load=True): layer i computes while layer i+1 is copied.
 A host -> device copy on a numpy box is a memcpy, far cheaper than the forward, so the copy
-is slowed to load ~= compute with HiCacheConfig(load_throttle_bytes_per_s), a link of that
+is slowed to load ~= compute with TieredCacheConfig(load_throttle_bytes_per_s), a link of that
 bandwidth (each layer's copy takes its bytes / bandwidth, so full-attention layers, which
 carry every page, load slower than SWA layers, which carry the window tail: the same shape
 as their compute): calibrated in the same run (bandwidth = bytes loaded / forward time) and
 re-derived before every repeat from the latest serial forwards (see Throttle).
 Per repeat: T_load = the serial request's copy time (LoadBatch.copy_s, summed in
-engine.cache.counters["l2_load_seconds"]), T_compute = its forward time (all KV in place),
+engine.cache.cache_stats.counters["l2_load_seconds"]), T_compute = its forward time (all KV in place),
 hidden = (T_serial - T_layerwise) / T_load; also shown from the layer-wise run's own
 LoadBatch.wait_s as 1 - wait_s / copy_s (the part of its copy the forward never waited for).
 The two engines run alternately on the same prompts, each going first every other repeat,
@@ -44,12 +44,14 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 
 from bench.common.stats import columns  # noqa: E402
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.common.attention import AttentionKind  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.engine.engine import Engine, EngineConfig  # noqa: E402
 from gcache.worker.engine.request import SamplingParams  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
-from gcache.worker.kvcache.hicache_config import HiCacheConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
+from gcache.worker.kvcache.tiered_cache import TieredPrefixCache  # noqa: E402
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig  # noqa: E402
 from gcache.worker.model.base import BatchModel  # noqa: E402
 from gcache.worker.model.transformer import Model  # noqa: E402
 
@@ -78,9 +80,11 @@ def build_engine(model: TimedModel, args, layerwise: bool) -> Engine:
     swa = max(full, -(-(cfg.window + step) // ps) + 8)  # generous: the bench measures loads, not SWA pressure
     sc = SchedulerConfig(max_tokens_per_step=step, chunk_tokens=step, max_running=4)
     l2_pages = (args.repeats + args.cal_repeats + 2) * -(-total // ps) + 64
-    l2_bytes = l2_pages * (DualKVCache.page_bytes(cfg, FULL) + DualKVCache.page_bytes(cfg, SWA))
-    hc = HiCacheConfig(l2_bytes=l2_bytes, l2_swa_full_ratio=1.0, layerwise_load=layerwise)
-    ec = EngineConfig(max_prompt_tokens=total + ps, max_new_tokens=4, scheduler=sc, hicache=hc)
+    l2_bytes = l2_pages * (
+        DualKVCache.page_bytes(cfg, AttentionKind.FULL) + DualKVCache.page_bytes(cfg, AttentionKind.SWA)
+    )
+    hc = TieredCacheConfig(l2_bytes=l2_bytes, l2_swa_full_ratio=1.0, layerwise_load=layerwise)
+    ec = EngineConfig(max_prompt_tokens=total + ps, max_new_tokens=4, scheduler=sc, cache_config=hc)
     return Engine(model, DualKVCache(cfg, full, swa), ec)
 
 
@@ -99,9 +103,12 @@ def timed_l2_hit(engine: Engine, prefix: list[int], suffix: list[int], expect_l2
     """Evict every device page, then run prefix + suffix: the prefix comes back from L2."""
     kv = engine.kv
     engine.cache.evict(kv.full.num_pages, kv.swa.num_pages)
-    c0 = dict(engine.cache.counters)
+    cache = engine.cache
+    if not isinstance(cache, TieredPrefixCache):
+        raise RuntimeError("the bench runs with the prefix cache on")
+    c0 = dict(cache.cache_stats.counters)
     r = run_request(engine, prefix + suffix)
-    c1 = engine.cache.counters
+    c1 = cache.cache_stats.counters
     engine.check_integrity()
     if r.cached_by_tier != {"l1": 0, "l2": expect_l2, "l3": 0}:
         raise RuntimeError(f"expected an L2 hit of {expect_l2} tokens, got {r.cached_by_tier}")
@@ -141,7 +148,7 @@ class Throttle:
 
     def apply(self, engines) -> float:
         bps = self.bytes_per_s()
-        for e in engines:  # HiCache reads it at every start_loads
+        for e in engines:  # TieredPrefixCache reads it at every start_loads
             e.cache.config = dataclasses.replace(e.cache.config, load_throttle_bytes_per_s=bps)
         return bps
 

@@ -19,10 +19,11 @@ import gcache
 from bench.hicache.cluster import Budgets, Setup, simulate
 from bench.hicache.sim import Timing
 from bench.hicache.workloads import Turn, long_context_turns
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import last_safe_end
 from gcache.tools.devcluster.local_server import LocalServer
-from gcache.wire.keys import POOL_FULL, POOL_SWA, page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.wire.keys import page_hashes_array
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
@@ -59,7 +60,7 @@ def measure_l3(address: str, cfg: ModelConfig, repeats: int = 15) -> tuple[float
     """(GET bytes/s, round trip s) against a gcache-server: batch_get_into of a prefetch-
     shaped batch (128 full pages + 9 SWA pages, the window tail) into one buffer, and a
     one-key exists. Medians. The keys are removed afterwards."""
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     sizes = [bf] * 128 + [bs] * 9
     keys = [f"hicache-bench-probe/{i}" for i in range(len(sizes))]
     offsets = [int(x) for x in np.cumsum([0] + sizes[:-1])]
@@ -104,7 +105,7 @@ def _tier_holdings(w, seqs: list[np.ndarray], cfg: ModelConfig) -> dict:
     """Per tier: (prefix tokens loadable from that tier alone, summed over the
     conversations' final sequences; KV bytes the tier holds)."""
     ps, W = cfg.page_size, cfg.window
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     cache = w.cache
     out = {}
     # spare SWA pages (kept only while the pool has room, evicted first) are not part of the
@@ -120,8 +121,8 @@ def _tier_holdings(w, seqs: list[np.ndarray], cfg: ModelConfig) -> dict:
         n, swa = cache.host.run(keys, 0)
         l2 += last_safe_end(0, n, lambda i: swa[i], ps, W) * ps
         kb = cache.l3.keys
-        n3 = w.client.batch_exists_prefix([kb.key(h, POOL_FULL) for h in keys])
-        swa3 = w.client.batch_is_exist([kb.key(h, POOL_SWA) for h in keys[:n3]])
+        n3 = w.client.batch_exists_prefix([kb.key(h, AttentionKind.FULL) for h in keys])
+        swa3 = w.client.batch_is_exist([kb.key(h, AttentionKind.SWA) for h in keys[:n3]])
         l3 += last_safe_end(0, n3, lambda i: swa3[i], ps, W) * ps
     out["L2"] = (l2, f * bf + s * bs)
     out["L3"] = (l3, len(w.client.keys["full"]) * bf + len(w.client.keys["swa"]) * bs)
@@ -134,7 +135,7 @@ def density(cfg: ModelConfig, cost, timing: Timing, seed: int, conversations: in
     tier: prefix tokens a request could load from it alone / KV bytes it holds."""
     turns = long_context_turns(seed, conversations)
     seqs = _final_sequences(turns)
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     pages = sum(len(q) // cfg.page_size + 1 for q in seqs)
     room = int(1.5 * pages * (bf + bs)) + (64 << 20)
     budgets = Budgets(room, room, room, l1_swa_full_ratio=1.0, l2_swa_full_ratio=1.0)

@@ -47,11 +47,12 @@ import numpy as np
 import gcache  # noqa: E402
 from bench.common.paths import REPO  # noqa: E402
 from bench.common.stats import columns  # noqa: E402
+from gcache.common.attention import AttentionKind  # noqa: E402
 from gcache.common.processes import free_port, stop_process  # noqa: E402
 from gcache.serving.swa_window import tail_start_page  # noqa: E402
 from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
-from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder, page_hashes_array  # noqa: E402
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.wire.keys import KeyBuilder, page_hashes_array  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
 START_TIMEOUT_S = 60.0
@@ -157,7 +158,7 @@ def model_config(args) -> ModelConfig:
 def kv_budget_mib(cfg: ModelConfig, prompt_tokens: int, swa_full_ratio: float) -> float:
     """Device pools for two prompts' full pages (the cached one and a request's own) plus margin."""
     full_pages = 2 * (-(-(prompt_tokens + 64) // cfg.page_size)) + 16
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     return max(16.0, full_pages * (bf + swa_full_ratio * bs) / (1 << 20) + 1)
 
 
@@ -166,7 +167,7 @@ def l3_keys(cfg: ModelConfig, model_name: str, prompt: list[int]) -> list[bytes]
     hashes = page_hashes_array(np.asarray(prompt, dtype=np.int64), cfg.page_size)
     kb = KeyBuilder(model=model_name.replace("/", "-"))
     tail = tail_start_page(len(hashes), cfg.page_size, cfg.window)
-    return [kb.key(h, POOL_FULL) for h in hashes] + [kb.key(h, POOL_SWA) for h in hashes[tail:]]
+    return [kb.key(h, AttentionKind.FULL) for h in hashes] + [kb.key(h, AttentionKind.SWA) for h in hashes[tail:]]
 
 
 def wait_in_l3(client, keys: list[bytes]) -> float:
@@ -309,7 +310,7 @@ def main(argv=None) -> int:
     cfg = model_config(args)
     args.page_size = cfg.page_size
     budget = args.kv_budget_mib or kv_budget_mib(cfg, args.prompt_tokens + 1, 0.5)
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     pages = args.prompt_tokens // cfg.page_size
     tail = pages - tail_start_page(pages, cfg.page_size, cfg.window)
     print(

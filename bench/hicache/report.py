@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.common.stats import median_range
+from gcache.common.attention import AttentionKind
 from gcache.common.units import MiB
-from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
 OURS, UNAWARE, SGLANG, L1 = "L1+L2+L3", "SWA-unaware", "SGLang-style L1", "L1"
@@ -21,7 +21,7 @@ def _sec(x) -> str:
 
 
 def _pages(cfg, budget: int, ratio: float, unaware: bool) -> str:
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     if unaware:
         n = budget // (bf + bs)
         return f"{n}+{n}"
@@ -92,7 +92,7 @@ def print_workload(name, seeds, workers, setups, results, st, args) -> None:
 
 
 def print_density(d: dict, cfg) -> None:
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     print(
         f"\n=== cached prefix tokens held per KV byte, long contexts: {len(d['contexts'])} conversations of "
         f"{min(d['contexts']):,}..{max(d['contexts']):,} tokens, {d['turns']} turns; budgets large enough "

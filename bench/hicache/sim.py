@@ -3,7 +3,7 @@ tree, device pools, HostCache, L3Store, gcache.Client, gcache-server) is real.
 
   ScriptedModel     SimulatedModel whose greedy output is the workload's answer, and which
                     also charges the virtual clock for host -> device KV loads.
-  BenchHiCache      HiCache whose prefetch policy runs on the virtual clock: an L3 prefetch
+  BenchTieredCache      TieredPrefixCache whose prefetch policy runs on the virtual clock: an L3 prefetch
                     started at virtual time t is done at t + its modelled read time; L3 work
                     is serialised in real time so runs are reproducible.
   CountingClient    the real gcache.Client, counting what is written to L3 (distinct keys).
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import tail_start_page
-from gcache.worker.config import FULL, SWA
-from gcache.worker.kvcache.hicache import HiCache
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_cache import TieredPrefixCache
 from gcache.worker.model.sim import SimulatedModel
 
 
@@ -58,7 +58,8 @@ class ScriptedModel(SimulatedModel):
     def forward_batch(self, chunks, kv, all_logits: bool = False, layer_ready=None) -> list:
         by_kv = {id(r.kv): r for r in self.engine.scheduler.running}
         reqs = [by_kv[id(c[2])] for c in chunks]
-        loaded = self.engine.cache.counters["l2_load_bytes"] if hasattr(self.engine.cache, "counters") else 0
+        cache = self.engine.cache
+        loaded = cache.cache_stats.counters["l2_load_bytes"] if isinstance(cache, TieredPrefixCache) else 0
         if loaded > self._loaded_seen:
             t = self.timing.load_s(loaded - self._loaded_seen)
             self.clock.advance(t)
@@ -74,8 +75,8 @@ class ScriptedModel(SimulatedModel):
         return out
 
 
-class BenchHiCache(HiCache):
-    """HiCache with the wait_complete prefetch policy on the virtual clock: a waiting
+class BenchTieredCache(TieredPrefixCache):
+    """TieredPrefixCache with the wait_complete prefetch policy on the virtual clock: a waiting
     request is ready once its real prefetch finished AND the virtual clock passed
     (virtual start + modelled read time: round trips + bytes / measured GET throughput).
     `tree_cls` swaps the L1 tree before any request (the SGLang-style baseline)."""
@@ -92,7 +93,7 @@ class BenchHiCache(HiCache):
         self.l3_read_s = 0.0
 
     def stats(self) -> dict:
-        """The engine refreshes its gauges from stats() every step, and HiCache.stats()
+        """The engine refreshes its gauges from stats() every step, and TieredPrefixCache.stats()
         counts pinned L2 pages by scanning every L2 entry (O(L2) per step: a third of this
         bench's wall time). The bench reads the full stats once per run instead."""
         return {}
@@ -146,7 +147,7 @@ class BenchHiCache(HiCache):
             full = len(pf.fetched)
             tail = max(pf.start, tail_start_page(pf.ready_end, self.ps, self.window))
             swa = sum(1 for k in pf.keys[tail : pf.ready_end] if k in pf.fetched)
-            nbytes = full * self.kv.bytes_per_page(FULL) + swa * self.kv.bytes_per_page(SWA)
+            nbytes = full * self.kv.bytes_per_page(AttentionKind.FULL) + swa * self.kv.bytes_per_page(AttentionKind.SWA)
             t = self.timing.l3_read_s(nbytes, 3 if full else 1)  # exists, exists(swa), get
             pf.vdone = pf.vstart + t
             self.l3_read_s += t

@@ -26,15 +26,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import tail_start_page
 from gcache.serving.tiers import Tier
 from gcache.wire.keys import page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import RequestState, SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.sim import CostModel, SimulatedModel, VirtualClock
 
 
@@ -87,7 +88,7 @@ class SimWorker:
     def __init__(self, cfg: ModelConfig, setup: Setup, cost: CostModel, max_new: int) -> None:
         self.clock = VirtualClock()
         self.kv = DualKVCache(cfg, setup.full_pages, setup.swa_pages)
-        hc = HiCacheConfig(
+        hc = TieredCacheConfig(
             l2_bytes=setup.l2_bytes, model_name="bench-pd", prefetch_policy="best_effort", write_policy="write_back"
         )
         sc = SchedulerConfig(
@@ -95,7 +96,7 @@ class SimWorker:
             max_tokens_per_step=setup.max_tokens_per_step,
             max_running=setup.max_running,
         )
-        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new, scheduler=sc, hicache=hc)
+        ec = EngineConfig(max_prompt_tokens=1 << 20, max_new_tokens=max_new, scheduler=sc, cache_config=hc)
         self.engine = Engine(SimulatedModel(cfg, self.clock, cost), self.kv, ec, clock=self.clock)
         self.host = self.engine.cache.host
         self.link_free_s = 0.0
@@ -122,7 +123,11 @@ def handoff_bytes(cfg: ModelConfig, n_tokens: int) -> tuple[int, int, int]:
     ps = cfg.page_size
     n = n_tokens // ps
     tail = n - tail_start_page(n, ps, cfg.window)
-    return n, tail, n * DualKVCache.page_bytes(cfg, FULL) + tail * DualKVCache.page_bytes(cfg, SWA)
+    return (
+        n,
+        tail,
+        n * DualKVCache.page_bytes(cfg, AttentionKind.FULL) + tail * DualKVCache.page_bytes(cfg, AttentionKind.SWA),
+    )
 
 
 def run(
@@ -199,11 +204,11 @@ def run(
                 held = prealloc[id(job)][2]
                 if held is None:
                     return  # its device pages are not allocated yet
-            slots = w.host.reserve(FULL, n) if held is None else []
-            swa = (w.host.reserve(SWA, tail) if slots is not None else None) if held is None else []
+            slots = w.host.reserve(AttentionKind.FULL, n) if held is None else []
+            swa = (w.host.reserve(AttentionKind.SWA, tail) if slots is not None else None) if held is None else []
             if swa is None:
                 if slots is not None:
-                    w.host.cancel(FULL, slots)
+                    w.host.cancel(AttentionKind.FULL, slots)
                 return  # host slots short: wait for a step to release some
             w.waiting_reads.pop(0)
             land = w.link(max(now, ready_s), nbytes, setup.link_gbs)
@@ -228,7 +233,7 @@ def run(
             w.kv.swa.free(held[1])
             held_now -= len(held[0]) + len(held[1])
             n, tail, _ = handoff_bytes(cfg, len(job.prompt))
-            slots, swa = w.host.reserve(FULL, n), w.host.reserve(SWA, tail)
+            slots, swa = w.host.reserve(AttentionKind.FULL, n), w.host.reserve(AttentionKind.SWA, tail)
             if slots is None or swa is None:
                 raise RuntimeError("bench: L2 too small for the device pre-allocation path's staging")
         lo = len(keys) - len(swa)

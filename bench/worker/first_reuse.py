@@ -1,4 +1,4 @@
-"""The first reuse of a shared prefix, before and after the fix (HiCacheConfig.swa_keep_spare).
+"""The first reuse of a shared prefix, before and after the fix (TieredCacheConfig.swa_keep_spare).
 
 A = S + question one (300 tokens), then B = S + question two, on an idle engine (one request at a time):
 before the fix A frees its SWA KV as it leaves the window (except at checkpoints), so B
@@ -26,8 +26,8 @@ from gcache.worker.config import ModelConfig
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.sim import SimulatedModel, VirtualClock
 
 Q1 = 300  # question one: longer than W plus the end's margin, so S's end is no checkpoint of A
@@ -36,8 +36,8 @@ Q1 = 300  # question one: longer than W plus the end's margin, so S's end is no 
 def cached_of_b(cfg: ModelConfig, s_len: int, swa_pages: int, keep: bool, between: bool) -> int:
     clock = VirtualClock()
     sc = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256)
-    hc = dataclasses.replace(HiCacheConfig(), swa_keep_spare=keep)
-    ec = EngineConfig(max_prompt_tokens=16384, max_new_tokens=64, scheduler=sc, hicache=hc)
+    hc = dataclasses.replace(TieredCacheConfig(), swa_keep_spare=keep)
+    ec = EngineConfig(max_prompt_tokens=16384, max_new_tokens=64, scheduler=sc, cache_config=hc)
     full = 3 * (s_len + Q1 + 100) // cfg.page_size
     e = Engine(SimulatedModel(cfg, clock), DualKVCache(cfg, full, swa_pages), ec, clock=clock)
     rng = np.random.default_rng(s_len)

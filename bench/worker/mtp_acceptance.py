@@ -65,8 +65,8 @@ from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.http.flags import SHIPPED_WEIGHTS
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
 from gcache.worker.model.weights import load
@@ -93,7 +93,7 @@ def prompts(n: int, nbytes: int) -> list[list[int]]:
 
 def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=512, chunk_tokens=256, max_running=4)
-    hc = HiCacheConfig(l2_bytes=64 << 20, l3_url=l3, model_name=name, prefetch_policy="wait_complete")
+    hc = TieredCacheConfig(l2_bytes=64 << 20, l3_url=l3, model_name=name, prefetch_policy="wait_complete")
     stale = mode in STALE_MODES  # the peers' baselines: a bench strategy (bench/worker/stale_mtp.py)
     ec = EngineConfig(
         max_prompt_tokens=4096,
@@ -101,7 +101,7 @@ def engine(model, cfg, l3: str, name: str, mtp: int, mode: str) -> Engine:
         mtp_layers=mtp,
         mtp_prefix=STALE_MODES[mode] if stale else mode,
         scheduler=sc,
-        hicache=hc,
+        cache_config=hc,
     )
     decoding = stale_decoding(mtp, mode) if stale else None
     return Engine(model, DualKVCache.from_budget(cfg, 64 << 20, 0.5), ec, decoding=decoding)

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.errors import HTTPError
 from gcache.serving.swa_window import tail_start_page
 from gcache.wire.keys import page_hashes_array
@@ -31,7 +32,7 @@ from gcache.wire.keys import page_hashes_array
 HANDOFF_VERSION = 1
 PD_PREFILL_PATH = "/pd/prefill"
 PD_DECODE_PATH = "/pd/decode"
-KNOWN_POOLS = ("full", "swa")  # add "mtp" here (and in the decoder) when MTP KV travels too
+KNOWN_POOLS = (AttentionKind.FULL, AttentionKind.SWA)  # add "mtp" here (and in the decoder) when MTP KV travels too
 PAGES_MAX = 1 << 20  # a record naming more pages than this is refused (a bound, not a real size)
 
 
@@ -136,16 +137,16 @@ class Handoff:
         if not 0 <= self.first_token < vocab_size:
             raise HTTPError(400, f"handoff first_token {self.first_token} outside the vocabulary")
         want = expected_pools(len(prompt), page_size, window)
-        if len(self.pages) != want["full"][1] or page_hashes_array(prompt, page_size) != list(self.pages):
+        if len(self.pages) != want[AttentionKind.FULL][1] or page_hashes_array(prompt, page_size) != list(self.pages):
             raise HTTPError(400, "handoff pages do not match the prompt's page-hash chain (another prompt's pages)")
-        if self.pools.get("full") != want["full"]:
+        if self.pools.get(AttentionKind.FULL) != want[AttentionKind.FULL]:
             raise HTTPError(400, "handoff full pool must cover every whole page of the prompt")
 
 
 def expected_pools(prompt_tokens: int, page_size: int, window: int) -> dict[str, tuple[int, int]]:
     """What a prefill stores: every whole page's full KV; the SWA of its end's window tail."""
     n = prompt_tokens // page_size
-    return {"full": (0, n), "swa": (tail_start_page(n, page_size, window), n)}
+    return {AttentionKind.FULL: (0, n), AttentionKind.SWA: (tail_start_page(n, page_size, window), n)}
 
 
 def parse_pd_body(payload: object, need_handoff: bool) -> tuple[str, dict[str, Any], Handoff | None]:

@@ -22,15 +22,24 @@ string, or max_tokens). Example: [{"role": "user", "content": "Hi"}] becomes
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from gcache.serving.errors import HTTPError
 from gcache.serving.tokenizer import ByteTokenizer
 
+
+class RequestKind(enum.StrEnum):
+    """Which OpenAI endpoint a request came through (its body's shape and its answer's)."""
+
+    COMPLETION = "completion"  # /v1/completions: a prompt
+    CHAT = "chat"  # /v1/chat/completions: messages, through the chat template
+
+
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-KIND_BY_PATH = {COMPLETIONS_PATH: "completion", CHAT_PATH: "chat"}
+KIND_BY_PATH = {COMPLETIONS_PATH: RequestKind.COMPLETION, CHAT_PATH: RequestKind.CHAT}
 
 DEFAULT_MAX_TOKENS = 16
 STOPS_MAX = 16
@@ -48,14 +57,14 @@ COMPLETION_NOOPS = {**NOOP_VALUES, "echo": (False, None), "logprobs": (None,), "
 CHAT_NOOPS = {**NOOP_VALUES, "logprobs": (False, None), "top_logprobs": (None,)}
 COMMON = {"max_tokens", "temperature", "seed", "ignore_eos", "stop", "stream", "stream_options", "model", "user"}
 KNOWN = {
-    "completion": COMMON | {"prompt"} | set(COMPLETION_NOOPS),
-    "chat": COMMON | {"messages", "max_completion_tokens"} | set(CHAT_NOOPS),
+    RequestKind.COMPLETION: COMMON | {"prompt"} | set(COMPLETION_NOOPS),
+    RequestKind.CHAT: COMMON | {"messages", "max_completion_tokens"} | set(CHAT_NOOPS),
 }
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    kind: str  # "completion" or "chat"
+    kind: RequestKind
     prompt: list[int]  # exactly the token ids the model runs (chat: template applied)
     max_tokens: int
     temperature: float
@@ -81,11 +90,13 @@ def parse_request(path: str, payload: object, tokenizer: ByteTokenizer) -> Parse
     unknown = sorted(set(payload) - KNOWN[kind])
     if unknown:
         raise HTTPError(400, f"unsupported field(s): {', '.join(unknown)}")
-    for name, allowed in (COMPLETION_NOOPS if kind == "completion" else CHAT_NOOPS).items():
+    for name, allowed in (COMPLETION_NOOPS if kind is RequestKind.COMPLETION else CHAT_NOOPS).items():
         v = payload.get(name, allowed[0])
         if not any(v == a and type(v) is type(a) for a in allowed):
             raise HTTPError(400, f"{name}={v!r} is not supported by this worker")
-    prompt = completion_prompt(payload, tokenizer) if kind == "completion" else chat_prompt(payload, tokenizer)
+    prompt = (
+        completion_prompt(payload, tokenizer) if kind is RequestKind.COMPLETION else chat_prompt(payload, tokenizer)
+    )
     stream = payload.get("stream")
     if stream is None:
         stream = False
@@ -184,9 +195,11 @@ def _encode(tok: ByteTokenizer, text: str, field: str) -> list[int]:
 
 
 # ---- sampling and stream options ---------------------------------------------------------------
-def _max_tokens(payload: dict[str, Any], kind: str) -> int:
+def _max_tokens(payload: dict[str, Any], kind: RequestKind) -> int:
     name = (
-        "max_completion_tokens" if kind == "chat" and payload.get("max_completion_tokens") is not None else "max_tokens"
+        "max_completion_tokens"
+        if kind is RequestKind.CHAT and payload.get("max_completion_tokens") is not None
+        else "max_tokens"
     )
     v = payload.get(name)
     if v is None:

@@ -7,13 +7,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gcache.serving.openai_api import RequestKind
 from gcache.serving.tiers import Tier
 
 _PROCESS_TAG = secrets.token_hex(4)  # ids stay unique across workers and restarts
 
 
-def response_id(kind: str, rid: int) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{_PROCESS_TAG}{rid}"
+def response_id(kind: RequestKind, rid: int) -> str:
+    return f"{'chatcmpl' if kind == RequestKind.CHAT else 'cmpl'}-{_PROCESS_TAG}{rid}"
 
 
 def usage(
@@ -28,7 +29,7 @@ def usage(
 
 
 def full_body(
-    kind: str,
+    kind: RequestKind,
     rid_str: str,
     model: str,
     text: str,
@@ -38,7 +39,7 @@ def full_body(
     extras: dict[str, Any],
 ) -> dict[str, Any]:
     """The non-streamed answer. extras (ttft_ms, ...) go at the top level."""
-    if kind == "chat":
+    if kind == RequestKind.CHAT:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
@@ -64,10 +65,10 @@ def full_body(
 class StreamChunks:
     """The chunks of one streamed answer (same id and `created` on every chunk)."""
 
-    def __init__(self, kind: str, rid_str: str, model: str) -> None:
+    def __init__(self, kind: RequestKind, rid_str: str, model: str) -> None:
         self.kind, self.id, self.model = kind, rid_str, model
         self.created = int(time.time())
-        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.object = "chat.completion.chunk" if kind == RequestKind.CHAT else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
         return {
@@ -81,14 +82,14 @@ class StreamChunks:
 
     def role(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant role (OpenAI does); completions have none."""
-        if self.kind != "chat":
+        if self.kind != RequestKind.CHAT:
             return None
         return self._chunk(
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
     def text(self, piece: str, finish_reason: str | None = None) -> dict[str, Any]:
-        if self.kind == "chat":
+        if self.kind == RequestKind.CHAT:
             delta = {"content": piece} if piece else {}
             return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
         return self._chunk([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}])

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.worker.config import ModelConfig
 from gcache.worker.model.weights import init_weights, save_npz
 
@@ -51,7 +52,7 @@ TINY_MTP: dict[str, Any] = dict(
     vocab_size=260,  # 256 bytes + bos/eos/pad + 1 spare
     hidden=96,
     layers=4,
-    layer_pattern=("swa", "swa", "full", "swa"),
+    layer_pattern=(AttentionKind.SWA, AttentionKind.SWA, AttentionKind.FULL, AttentionKind.SWA),
     heads=4,
     kv_heads=2,
     head_dim=24,
@@ -167,7 +168,7 @@ def build(torch, cfg: ModelConfig, init: dict[str, np.ndarray] | None = None):
         emb = params["embed.weight"]
         x = emb[tokens]
         for i, kind in enumerate(cfg.layer_pattern):
-            x = block(f"layers.{i}.", x, cos, sin, causal if kind == "full" else window)
+            x = block(f"layers.{i}.", x, cos, sin, causal if kind == AttentionKind.FULL else window)
         outs = [rms(x, "final_norm.weight") @ params["lm_head.weight"]]
         h = x
         for d in range(cfg.mtp_layers if mtp else 0):

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gcache.common.attention import AttentionKind
 from gcache.errors import InvalidArgumentError, KeyInvalidError
 from gcache.wire.protocol import KEY_BYTES_MAX
 
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
 TOKEN_ID_MAX = 2**32 - 1
-POOL_FULL = "full"
-POOL_SWA = "swa"
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -142,7 +141,7 @@ class KeyBuilder:
             suffix += f"_{self.pp_size}_{self.pp_rank}"
         return suffix
 
-    def key(self, page_hash: str, pool: str = POOL_FULL, layer_group: int | None = None) -> bytes:
+    def key(self, page_hash: str, pool: str = AttentionKind.FULL, layer_group: int | None = None) -> bytes:
         """The store key of one page of one pool (and layer group)."""
         _check_name(pool, "pool")
         if not page_hash or not _NAME.match(page_hash):
@@ -160,5 +159,7 @@ class KeyBuilder:
             )
         return raw
 
-    def keys(self, page_hashes_: Sequence[str], pool: str = POOL_FULL, layer_group: int | None = None) -> list[bytes]:
+    def keys(
+        self, page_hashes_: Sequence[str], pool: str = AttentionKind.FULL, layer_group: int | None = None
+    ) -> list[bytes]:
         return [self.key(h, pool, layer_group) for h in page_hashes_]

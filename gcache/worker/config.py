@@ -7,8 +7,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL = "full"
-SWA = "swa"
+from gcache.common.attention import AttentionKind
+
+# Deprecated spellings of AttentionKind.FULL / .SWA, kept only for bench/router (another branch
+# works there); new code uses the enum.
+FULL = AttentionKind.FULL
+SWA = AttentionKind.SWA
 DTYPES = ("float32", "float64")
 MTP_LAYERS_MAX = 3
 
@@ -16,7 +20,7 @@ MTP_LAYERS_MAX = 3
 def hybrid_pattern(layers: int, swa_per_full: int = 6) -> tuple[str, ...]:
     """1 full layer after every `swa_per_full` SWA layers: index % 7 == 6 -> full."""
     period = swa_per_full + 1
-    return tuple(FULL if i % period == period - 1 else SWA for i in range(layers))
+    return tuple(AttentionKind.FULL if i % period == period - 1 else AttentionKind.SWA for i in range(layers))
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if len(self.layer_pattern) != self.layers:
             raise ValueError(f"layer_pattern has {len(self.layer_pattern)} entries, expected {self.layers}")
-        bad = [k for k in self.layer_pattern if k not in (FULL, SWA)]
+        bad = [k for k in self.layer_pattern if k not in (AttentionKind.FULL, AttentionKind.SWA)]
         if bad:
             raise ValueError(f"layer_pattern entries must be 'full' or 'swa', got {bad[0]!r}")
         if self.heads % self.kv_heads:
@@ -86,10 +90,10 @@ class ModelConfig:
 
     def all_full(self) -> ModelConfig:
         """The same model with full attention in every layer (KV comparison baseline)."""
-        return dataclasses.replace(self, layer_pattern=(FULL,) * self.layers)
+        return dataclasses.replace(self, layer_pattern=(AttentionKind.FULL,) * self.layers)
 
     def all_swa(self) -> ModelConfig:
-        return dataclasses.replace(self, layer_pattern=(SWA,) * self.layers)
+        return dataclasses.replace(self, layer_pattern=(AttentionKind.SWA,) * self.layers)
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
@@ -97,11 +101,11 @@ class ModelConfig:
     # ---- derived -------------------------------------------------------------
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_pattern) if k == FULL)
+        return tuple(i for i, k in enumerate(self.layer_pattern) if k == AttentionKind.FULL)
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_pattern) if k == SWA)
+        return tuple(i for i, k in enumerate(self.layer_pattern) if k == AttentionKind.SWA)
 
     @property
     def itemsize(self) -> int:

@@ -17,9 +17,9 @@ import json
 import numpy as np
 import pytest
 
-from gcache.worker.config import FULL, SWA
+from gcache.common.attention import AttentionKind
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
 
 pytestmark = pytest.mark.process  # starts processes
 
@@ -105,7 +105,7 @@ def test_hicache_bench_tables_and_accounting(tmp_path, capsys):
             assert r.hit_by_tier["l3"] == 0 and r.l3_full_pages == r.l3_swa_pages == 0
         if setup in ("L1", "SGLang-style L1"):
             assert r.hit_by_tier["l2"] == 0
-        full_b, swa_b = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+        full_b, swa_b = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
         if setup == "SWA-unaware":
             assert r.l3_full_pages == r.l3_swa_pages > 0
             assert r.l3_bytes_per_token == (full_b + swa_b) / cfg.page_size

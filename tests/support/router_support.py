@@ -8,19 +8,19 @@ import numpy as np
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from tests.support.hicache_support import CFG
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
+from tests.support.tiered_cache_support import CFG
 
 PS, W = CFG.page_size, CFG.window
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
-def engine(model, full_pages: int = 96, swa_pages: int = 48, l2_bytes: int = 0, **hicache) -> Engine:
+def engine(model, full_pages: int = 96, swa_pages: int = 48, l2_bytes: int = 0, **cache_kw) -> Engine:
     """A tiny engine (small steps and chunks, so prefills span several steps); close it."""
     sc = SchedulerConfig(max_tokens_per_step=64, chunk_tokens=24, max_running=4, dedup_min_tokens=16)
-    hc = HiCacheConfig(l2_bytes=l2_bytes, model_name="router-test", **hicache)
-    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, scheduler=sc, hicache=hc)
+    hc = TieredCacheConfig(l2_bytes=l2_bytes, model_name="router-test", **cache_kw)
+    ec = EngineConfig(max_prompt_tokens=400, max_new_tokens=64, scheduler=sc, cache_config=hc)
     return Engine(model, DualKVCache(CFG, full_pages, swa_pages), ec)
 
 

@@ -3,17 +3,17 @@ a byte of a stored value in the server's memory, remove a page."""
 
 from __future__ import annotations
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.groups import Group
 from gcache.integrations.vllm.keys import GroupTag, PageKeys, prompt_page_hashes
 from gcache.integrations.vllm.testing import BLOCK_SIZE
-from gcache.wire.keys import POOL_FULL
 from tests.support.raw_shm import LOOKUP, RawShm
 
 # One layer's page of the tiny models (gcache.integrations.vllm.testing): 2 kv heads, head size 32, fp32.
 PAGE_BYTES = 2 * BLOCK_SIZE * 2 * 32 * 4
 
 
-def page_keys(model, prompt, value_tags: dict, kind: str = POOL_FULL, pages=None) -> list[list[bytes]]:
+def page_keys(model, prompt, value_tags: dict, kind: str = AttentionKind.FULL, pages=None) -> list[list[bytes]]:
     """Per page of the prompt, the keys of its value in the group of `kind` (rank 0 of 1, no
     namespace); value_tags: a run's counters["value_tags"] (what the scheduler learned)."""
     (index, tag, segments), *more = [(int(g), t, n) for g, (k, t, n) in value_tags.items() if k == kind]

@@ -16,7 +16,7 @@ from gcache.server.config import ServerSettings, build_parser, load_settings
 from gcache.worker.engine.engine import EngineConfig
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.http import flags as worker_flags
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 
 # (config dataclass, its fields that are no flag, the parser its flags land in)
 WORKER_PARSER = "gcache-worker"
@@ -26,7 +26,7 @@ CLI_CONFIGS = [
     (worker_flags.WorkerFlags, (), WORKER_PARSER),
     (EngineConfig, worker_flags.ENGINE_NOT_FLAGS, WORKER_PARSER),
     (SchedulerConfig, worker_flags.SCHEDULER_NOT_FLAGS, WORKER_PARSER),
-    (HiCacheConfig, worker_flags.HICACHE_NOT_FLAGS, WORKER_PARSER),
+    (TieredCacheConfig, worker_flags.CACHE_NOT_FLAGS, WORKER_PARSER),
 ]
 
 
@@ -89,8 +89,8 @@ def test_the_worker_configs_from_default_flags_are_the_default_configs():
     args.prefetch_policy = "timeout"  # what check_role fills in for --role mixed
     sched = config_from_flags(SchedulerConfig, args, worker_flags.SCHEDULER_NOT_FLAGS)
     assert sched == SchedulerConfig()
-    hicache = config_from_flags(HiCacheConfig, args, worker_flags.HICACHE_NOT_FLAGS)
-    assert hicache == HiCacheConfig()
+    cache_config = config_from_flags(TieredCacheConfig, args, worker_flags.CACHE_NOT_FLAGS)
+    assert cache_config == TieredCacheConfig()
     econf = config_from_flags(EngineConfig, args, worker_flags.ENGINE_NOT_FLAGS)
     assert econf == EngineConfig()
 
@@ -106,10 +106,14 @@ def test_worker_flags_in_their_units_reach_the_configs():
         ["--l2-mib", "1.5", "--no-layerwise-load", "--no-prefix-cache", "--l3", "127.0.0.1:7600", "--mtp-layers", "2"]
     )
     args.prefetch_policy = "timeout"
-    hicache = config_from_flags(HiCacheConfig, args, worker_flags.HICACHE_NOT_FLAGS, model_name="m")
-    assert (hicache.l2_bytes, hicache.layerwise_load, hicache.l3_url) == (int(1.5 * (1 << 20)), False, "127.0.0.1:7600")
-    econf = config_from_flags(EngineConfig, args, worker_flags.ENGINE_NOT_FLAGS, hicache=hicache)
-    assert (econf.prefix_cache, econf.mtp_layers, econf.hicache.model_name) == (False, 2, "m")
+    cache_config = config_from_flags(TieredCacheConfig, args, worker_flags.CACHE_NOT_FLAGS, model_name="m")
+    assert (cache_config.l2_bytes, cache_config.layerwise_load, cache_config.l3_url) == (
+        int(1.5 * (1 << 20)),
+        False,
+        "127.0.0.1:7600",
+    )
+    econf = config_from_flags(EngineConfig, args, worker_flags.ENGINE_NOT_FLAGS, cache_config=cache_config)
+    assert (econf.prefix_cache, econf.mtp_layers, econf.cache_config.model_name) == (False, 2, "m")
 
 
 # ---- the helper's rules --------------------------------------------------------------------

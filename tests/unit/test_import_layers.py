@@ -113,13 +113,6 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# Circles through `if TYPE_CHECKING:` imports still to be broken (issue 30), each by name; delete
-# an entry when its circle is gone. The SWA tree's is being removed on the kvcache rooms' branch.
-ANNOTATION_CIRCLES_BEING_REMOVED = [
-    ["gcache.worker.kvcache.swa_radix_tree", "gcache.worker.kvcache.swa_tree_check"],
-]
-
-
 def test_every_module_has_a_room():
     for module in graph():
         room_of(module)
@@ -142,7 +135,7 @@ def test_no_import_circle():
 
 
 def test_no_import_circle_even_through_annotation_imports():
-    found = [c for c in circles(graph(annotations=True)) if c not in ANNOTATION_CIRCLES_BEING_REMOVED]
+    found = circles(graph(annotations=True))
     assert not found, (
         f"import circles through `if TYPE_CHECKING:` imports: {found}; move the shared contract "
         "(an ABC, a Protocol, a NamedTuple) below the modules that use it"

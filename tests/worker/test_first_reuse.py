@@ -17,8 +17,8 @@ import pytest
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.transformer import Model
 from tests.support.tiny_model import tiny_config
 
@@ -35,8 +35,10 @@ def model() -> Model:
 
 def engine(model, swa_pages: int, keep_spare: bool = True, prefix_cache: bool = True) -> Engine:
     sc = SchedulerConfig(max_tokens_per_step=256, chunk_tokens=256, max_running=4)
-    hc = dataclasses.replace(HiCacheConfig(), swa_keep_spare=keep_spare)
-    ec = EngineConfig(max_prompt_tokens=2048, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc, hicache=hc)
+    hc = dataclasses.replace(TieredCacheConfig(), swa_keep_spare=keep_spare)
+    ec = EngineConfig(
+        max_prompt_tokens=2048, max_new_tokens=64, prefix_cache=prefix_cache, scheduler=sc, cache_config=hc
+    )
     return Engine(model, DualKVCache(CFG, 600, swa_pages), ec)
 
 

@@ -20,12 +20,12 @@ from gcache.wire.keys import KeyBuilder
 from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.engine.scheduler import SchedulerConfig
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
 from gcache.worker.kvcache.kv_pool import DualKVCache
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
-from gcache.worker.kvcache.mtp_tails import POOL_MTP, MTPTails, seal
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.tiers.mtp_tails import POOL_MTP, MTPTails, seal
 from gcache.worker.model import mtp_tail
 from gcache.worker.model.mtp import MTPHead
 from gcache.worker.model.transformer import Model
@@ -62,7 +62,7 @@ def engines(model):
         swa_pages: int = 24,
         checkpoint_pages: int = 0,
     ):
-        hc = HiCacheConfig(
+        hc = TieredCacheConfig(
             l2_bytes=l2_bytes if cache else 0,
             l3_url=l3 if cache else "",
             model_name=MODEL_NAME,
@@ -75,7 +75,7 @@ def engines(model):
             max_new_tokens=64,
             prefix_cache=cache,
             scheduler=sc,
-            hicache=hc,
+            cache_config=hc,
             mtp_layers=mtp,
             mtp_prefix=prefix,
         )

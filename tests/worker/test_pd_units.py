@@ -11,10 +11,10 @@ from gcache.serving.errors import HTTPError
 from gcache.serving.handoff import KNOWN_POOLS, Handoff, Role, expected_pools, parse_pd_body
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.engine.request import SamplingParams
-from gcache.worker.http.pd_prefill import stored_prefix
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
+from gcache.worker.kvcache.tiers.host_cache import stored_prefix
 from gcache.worker.model.transformer import Model
-from tests.support.hicache_support import CFG, build_engine
+from tests.support.tiered_cache_support import CFG, build_engine
 
 PS, W = CFG.page_size, CFG.window
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=70)]
@@ -36,14 +36,14 @@ def run_one(engine, prompt, params, handed=()):
     "params", [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.8, seed=5)]
 )
 def test_a_request_continued_after_its_handed_first_token_equals_the_whole_run(model, params):
-    whole = run_one(build_engine(model, 64, 32, HiCacheConfig()), PROMPT, params)
-    for hc in (HiCacheConfig(), HiCacheConfig(l2_bytes=1 << 20)):
+    whole = run_one(build_engine(model, 64, 32, TieredCacheConfig()), PROMPT, params)
+    for hc in (TieredCacheConfig(), TieredCacheConfig(l2_bytes=1 << 20)):
         cont = run_one(build_engine(model, 64, 32, hc), PROMPT, params, handed=whole[:1])
         assert cont == whole  # the handed token, then the same tokens (same RNG draws)
 
 
 def test_handed_tokens_are_checked(model):
-    engine = build_engine(model, 64, 32, HiCacheConfig())
+    engine = build_engine(model, 64, 32, TieredCacheConfig())
     with pytest.raises(ValueError, match="handed"):
         engine.add_request(PROMPT, SamplingParams(max_tokens=1), handed=(5,))
     with pytest.raises(ValueError, match="handed"):

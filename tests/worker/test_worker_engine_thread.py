@@ -16,6 +16,7 @@ from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.engine_thread import EngineThread, Pending
 from gcache.worker.engine.messages import Accepted, Finished, Rejected, TextPiece
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from gcache.worker.engine.scheduler import EngineStoppedError
 from gcache.worker.http.flags import build_engine, parse_args
 from tests.support.engine_support import InEngine
 from tests.support.serving_support import WORKER_ARGS
@@ -133,3 +134,27 @@ def test_cancel_stops_computing_and_frees_the_pages(engine_thread):
     running, waiting, used, tree_full = engine_thread.in_engine.run(state)
     assert running == waiting == 0
     assert used == tree_full  # nothing left owned by the cancelled request
+
+
+def test_a_handler_asks_the_engine_thread_what_is_in_l3_and_never_reads_the_cache_itself(engine_thread):
+    """PD prefill's wait: the question rides the inbox and the cache answers on the engine
+    thread (the only reader of cache entries); a stopped engine refuses the question."""
+    et = engine_thread
+    asked_on: list[str] = []
+
+    def stored_in_l3(keys, swa_lo):
+        asked_on.append(threading.current_thread().name)
+        return len(keys) - swa_lo, True
+
+    et.engine.cache.stored_in_l3 = stored_in_l3
+    et.start()
+
+    async def ask():
+        return await et.ask_stored_in_l3(["a", "b", "c"], 1, WAIT_S)
+
+    got = asyncio.run(ask())
+    assert (got.pages, got.queued) == (2, True) and asked_on == [et.name]
+    et.stopping.set()
+    et.join(10)
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(ask())

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.common.attention import AttentionKind
+from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool, RequestKV
 
 CFG = ModelConfig()
@@ -82,13 +83,17 @@ def test_randomized_alloc_free_keeps_invariants(size, ops, seed):
 def test_dual_cache_shapes_and_page_bytes():
     kv = DualKVCache(CFG, 10, 4)
     assert kv.k_full.shape == (2, 10, 16, 2, 32) and kv.v_swa.shape == (12, 4, 16, 2, 32)
-    assert kv.bytes_per_page(FULL) == 2 * 2 * 16 * 2 * 32 * 4
-    assert kv.bytes_per_page(SWA) == 6 * kv.bytes_per_page(FULL)
+    assert kv.bytes_per_page(AttentionKind.FULL) == 2 * 2 * 16 * 2 * 32 * 4
+    assert kv.bytes_per_page(AttentionKind.SWA) == 6 * kv.bytes_per_page(AttentionKind.FULL)
     arrays = kv.k_full.nbytes + kv.v_full.nbytes + kv.k_swa.nbytes + kv.v_swa.nbytes
     assert kv.total_bytes() == arrays
-    assert kv.layer_slot[6] == (FULL, 0) and kv.layer_slot[13] == (FULL, 1) and kv.layer_slot[7] == (SWA, 6)
+    assert (
+        kv.layer_slot[6] == (AttentionKind.FULL, 0)
+        and kv.layer_slot[13] == (AttentionKind.FULL, 1)
+        and kv.layer_slot[7] == (AttentionKind.SWA, 6)
+    )
     full = DualKVCache(CFG.all_full(), 3, 3)
-    assert full.bytes_per_page(SWA) == 0 and full.k_swa.size == 0
+    assert full.bytes_per_page(AttentionKind.SWA) == 0 and full.k_swa.size == 0
     with pytest.raises(ValueError, match="kind"):
         kv.bytes_per_page("other")
 
@@ -103,7 +108,7 @@ def test_dual_cache_shapes_and_page_bytes():
 def test_from_budget_respects_the_budget(budget, ratio, pattern, dtype):
     cfg = {"hybrid": CFG, "all_full": CFG.all_full(), "all_swa": CFG.all_swa()}[pattern].with_dtype(dtype)
     full, swa = DualKVCache.pages_for_budget(cfg, budget, ratio)
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     assert full * bf + swa * bs <= budget
     if bf and bs:
         assert swa == int(full * ratio)

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from gcache import errors
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
-from tests.support.hicache_support import CFG
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
 from tests.support.serving_support import WorkerProc, post_json, request
+from tests.support.tiered_cache_support import CFG
 
 POLL_BOUND_S = 30.0  # a loaded 2-core machine probes every 2 s; this is only an upper bound
 

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from gcache.worker import backend
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model import weights as wmod
 from gcache.worker.model.transformer import Model
@@ -132,7 +133,7 @@ def _last_logits(model, toks):
 def test_swa_receptive_field_is_exact(layers, window):
     """All-SWA model: a token at distance d from the last position changes its logits iff
     d <= layers * (W - 1) (each SWA layer reaches back W - 1 positions)."""
-    cfg = ModelConfig(layers=layers, window=window, layer_pattern=(SWA,) * layers, dtype="float64")
+    cfg = ModelConfig(layers=layers, window=window, layer_pattern=(AttentionKind.SWA,) * layers, dtype="float64")
     model = Model(cfg, xp=np)
     n = layers * (window - 1) + 40
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, n)
@@ -157,7 +158,7 @@ def test_full_layers_see_tokens_outside_the_window():
 def test_all_swa_paged_ignores_out_of_window_pages():
     """The paged path of a 1-layer all-SWA model: out-of-window SWA pages are poisoned with
     NaN by run_paged, and a changed old token leaves the last logits bit-identical."""
-    cfg = dataclasses.replace(TINY, layers=1, layer_pattern=(SWA,))
+    cfg = dataclasses.replace(TINY, layers=1, layer_pattern=(AttentionKind.SWA,))
     model = Model(cfg, xp=np)
     toks = np.random.default_rng(9).integers(0, cfg.vocab_size, 100).tolist()
     other = list(toks)
@@ -336,7 +337,7 @@ def test_config_layouts():
     assert cfg.all_full().swa_layers == () and cfg.all_full().hidden == cfg.hidden
     assert ModelConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="layer_pattern"):
-        ModelConfig(layers=2, layer_pattern=(FULL,))
+        ModelConfig(layers=2, layer_pattern=(AttentionKind.FULL,))
     with pytest.raises(ValueError, match="kv_heads"):
         ModelConfig(heads=6, kv_heads=4)
     with pytest.raises(ValueError, match="dtype"):

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcache.serving.swa_window import swa_keep_pages, tail_pages, tail_start_page
+from gcache.serving.checkpoints import CheckpointRule
+from gcache.serving.swa_window import tail_pages, tail_start_page
 from gcache.worker.kvcache.kv_pool import PagePool
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
 
 PS = 4
 
@@ -44,9 +45,9 @@ def test_tail_pages_cover_the_w_tokens_before_the_match_point():
     assert tail_start_page(10, 16, 128) == 2 and tail_pages(10, 16, 128) == 8
     assert tail_pages(3, 16, 128) == 3  # short prefix: every page
     assert tail_pages(10, 4, 10) == 3  # W not a multiple of the page: round out
-    assert swa_keep_pages(12, 4, 8) == {10, 11}
-    assert swa_keep_pages(12, 4, 8, ends=[5]) == {3, 4, 10, 11}
-    assert swa_keep_pages(12, 4, 8, checkpoint_pages=4) == {2, 3, 6, 7, 10, 11}
+    assert CheckpointRule(4).keep_pages(12, 8) == {10, 11}
+    assert CheckpointRule(4).keep_pages(12, 8, ends=[5]) == {3, 4, 10, 11}
+    assert CheckpointRule(4, every=4).keep_pages(12, 8) == {2, 3, 6, 7, 10, 11}
 
 
 # ---- match ----------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Workload:
         if self.rng.random() < 0.5:
             keep = set(range(n))
         else:
-            keep = swa_keep_pages(n, PS, tree.window, [m.present_len // PS], self.rng.choice([0, 3]))
+            keep = CheckpointRule(PS, self.rng.choice([0, 3])).keep_pages(n, tree.window, [m.present_len // PS])
         new_swa = [i for i in range(done, n) if i in keep]
         f_need, s_need = n - done, len(new_swa)
         short_f = max(0, f_need - tree.full_pool.num_free)

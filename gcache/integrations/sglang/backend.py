@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.common.connect import connect
 from gcache.integrations.sglang.keys import PoolKeys, flat_page_keys, key_builder, pool_tag
 from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors, tensor_bytes
@@ -137,7 +138,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         return pages_present(stored, per_page)
 
     def _kv_pages(self) -> PoolPages:
-        pages = self._pages.get("full")
+        pages = self._pages.get(AttentionKind.FULL)
         if pages is None:
             raise RuntimeError("no host KV pool registered (register_mem_pool_host not called)")
         return pages
@@ -145,7 +146,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
     def _move_v1(self, page_hashes: list[str], host_indices: Any, writing: bool) -> list[bool]:
         if not page_hashes:
             return []
-        if "full" in self._logical:  # no KV bytes on this anchor: v2 pools carry the data
+        if AttentionKind.FULL in self._logical:  # no KV bytes on this anchor: v2 pools carry the data
             return [True] * len(page_hashes)
         pages = self._kv_pages()
         entry_keys, ptrs, sizes = pages.locate(page_hashes, host_indices)
@@ -179,7 +180,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
     def _exists(self, page_hashes: list[str]) -> int:
         if not page_hashes:
             return 0
-        if "full" in self._logical:
+        if AttentionKind.FULL in self._logical:
             return len(page_hashes)
         entry_keys, per_page = self._kv_entry_keys(page_hashes)
         return self.store.exists_prefix(entry_keys) // per_page
@@ -207,7 +208,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
     def _exists_v2(self, keys: list[str], pool_transfers: list[Any] | None) -> PoolTransferResult:
         if not keys:
             return PoolTransferResult(0, {}, [])
-        kv_logical = "full" in self._logical
+        kv_logical = AttentionKind.FULL in self._logical
         kv_keys, kv_per_page = ([], 1) if kv_logical else self._kv_entry_keys(keys)
         asks: list[bytes] = list(kv_keys)
         spans: list[tuple[Any, int, int, PoolPages | None]] = []

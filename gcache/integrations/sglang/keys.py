@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gcache.wire.keys import POOL_FULL, KeyBuilder
+from gcache.common.attention import AttentionKind
+from gcache.wire.keys import KeyBuilder
 
 LAYOUT_CODES = {"layer_first": "lf", "page_first": "pf", "page_first_direct": "pfd", "page_head": "ph"}
 # SGLang names its main KV pool "kv" (PoolName.KV) or "__default__".
@@ -38,7 +39,7 @@ class KeyLayoutError(ValueError):
 def pool_tag(pool_name: object) -> str:
     """SGLang's pool name (a PoolName or str) as the key's pool word."""
     name = str(getattr(pool_name, "value", pool_name))
-    return POOL_FULL if name in _KV_POOL_NAMES else name
+    return AttentionKind.FULL if name in _KV_POOL_NAMES else name
 
 
 def layout_code(layout: str) -> str:

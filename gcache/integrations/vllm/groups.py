@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.plan import tail_pages
-from gcache.wire.keys import POOL_FULL, POOL_SWA
 
 if TYPE_CHECKING:  # vLLM's type: Any to the type check (not installed in .venv)
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -26,7 +26,7 @@ class Group(NamedTuple):
     # The field shadows tuple.index(), which mypy reports; the name is the connector's word for
     # vLLM's group number (kept: the tests and the sides use it).
     index: int  # type: ignore[assignment]  # shadows tuple.index (above)
-    kind: str  # POOL_FULL or POOL_SWA
+    kind: AttentionKind
     layer_names: tuple[str, ...]
     layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part
     block_size: int
@@ -53,9 +53,9 @@ def groups_of(kv_cache_config: KVCacheConfig | None) -> list[Group]:
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
-            kind, tail = POOL_SWA, tail_pages(spec.sliding_window, spec.block_size)
+            kind, tail = AttentionKind.SWA, tail_pages(spec.sliding_window, spec.block_size)
         elif isinstance(spec, FullAttentionSpec):  # MLA too; a windowed spec without HMA keeps all KV
-            kind, tail = POOL_FULL, 0
+            kind, tail = AttentionKind.FULL, 0
         else:
             raise GroupError(
                 f"KV cache group {index} is {type(spec).__name__}; GCacheConnector serves full-attention "

@@ -10,6 +10,8 @@ is the longest cut every group can serve.
 
 from __future__ import annotations
 
+from gcache.serving.checkpoints import CheckpointRule
+
 
 def tail_pages(window: int, block_size: int) -> int:
     """Pages a sliding-window group needs before a cut (vLLM's SlidingWindowManager)."""
@@ -17,11 +19,8 @@ def tail_pages(window: int, block_size: int) -> int:
 
 
 def prompt_cuts(prompt_len: int, block_size: int, every: int) -> set[int]:
-    """The checkpoint cuts of a prompt, in pages."""
-    full = prompt_len // block_size
-    cuts = set(range(every, full + 1, every))
-    cuts.update(c for c in (full, (prompt_len - 1) // block_size) if c > 0)
-    return cuts
+    """The checkpoint cuts of a prompt, in pages (the checkpoint rule's prompt points)."""
+    return CheckpointRule(block_size, every).prompt_points(prompt_len)
 
 
 def tail_page_set(cuts: set[int], tail: int) -> set[int]:

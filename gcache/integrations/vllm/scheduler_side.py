@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm import plan
 from gcache.integrations.vllm.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
-from gcache.wire.keys import POOL_SWA
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -66,8 +66,8 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.groups = groups
-        self.full = [g for g in groups if g.kind != POOL_SWA]
-        self.swa = [g for g in groups if g.kind == POOL_SWA]
+        self.full = [g for g in groups if g.kind != AttentionKind.SWA]
+        self.swa = [g for g in groups if g.kind == AttentionKind.SWA]
         self.block_size = groups[0].block_size
         self.rank_keys = rank_keys
         self.tags: dict[int, GroupTag] | None = None  # group index -> GroupTag, from the workers' handshake
@@ -201,7 +201,7 @@ class SchedulerSide:
         pages = []
         for group in self.groups:
             row = track.block_ids[group.index] if group.index < len(track.block_ids) else []
-            wanted = None if group.kind != POOL_SWA else track.swa_pages[group.index]
+            wanted = None if group.kind != AttentionKind.SWA else track.swa_pages[group.index]
             for p in range(track.saved_upto, min(done, len(row))):
                 if (wanted is None or p in wanted) and row[p] != NULL_BLOCK:
                     pages.append(PageRef(group.index, track.hashes[p], row[p]))

@@ -13,12 +13,12 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.keys import GroupTag, PageKeys, mla_writer, value_tag
 from gcache.integrations.vllm.page_runs import PageRunsError, page_runs
 from gcache.integrations.vllm.staging import StagingPool
 from gcache.integrations.vllm.transfers import Page, Transfers
 from gcache.integrations.vllm.values import GroupValues
-from gcache.wire.keys import POOL_SWA
 
 if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
     import torch
@@ -145,7 +145,7 @@ class WorkerSide:
         pools = [StagingPool(mover.alloc_host(pool_bytes), slot_bytes) for _ in range(STAGING_POOLS)]
         for pool in pools:
             self.client.register_buffer(pool.base, pool.nbytes)
-        swa = {g.index for g in self.groups if g.kind == POOL_SWA}
+        swa = {g.index for g in self.groups if g.kind == AttentionKind.SWA}
         self.transfers = Transfers(mover, values, swa, pools[0], pools[1], self.store, self.stats, self.settings)
         log.info(
             "GCacheConnector worker: %s mover, values %s, staging %d MiB",
@@ -213,7 +213,7 @@ class WorkerSide:
             refs = [r for r in spec.pages if self._writes(r)]
             pages += self._pages(refs)
             req_ids += [spec.req_id] * len(refs)
-            swa = swa or any(self.groups[r.group].kind == POOL_SWA for r in refs)
+            swa = swa or any(self.groups[r.group].kind == AttentionKind.SWA for r in refs)
         # Sliding-window blocks leave the window and go back to vLLM's pool after this step.
         self._transfers().save(pages, req_ids, reused_next_step=swa)
 

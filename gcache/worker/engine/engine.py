@@ -46,13 +46,13 @@ from gcache.worker.engine.scheduler import QueueFullError, Scheduler, SchedulerC
 from gcache.worker.engine.speculative import MTPSpeculator
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager
-from gcache.worker.kvcache.hicache import HiCache
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
 from gcache.worker.kvcache.prefix_cache_off import NoPrefixCache
+from gcache.worker.kvcache.tiered_cache import TieredPrefixCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 
 if TYPE_CHECKING:  # the model room sits beside the engine's, not below it
-    from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+    from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
     from gcache.worker.model.base import BatchModel
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError"]
@@ -80,7 +80,7 @@ class EngineConfig:
     )
     mtp_prefix: str = "tiers"  # a speculative.MTPPrefix: where a request's MTP KV comes from
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
+    cache_config: TieredCacheConfig = field(default_factory=TieredCacheConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "preemptions_per_step_max", "tree_nodes_max"):
@@ -114,7 +114,7 @@ class Engine:
             )
         if cache is None:
             cache = (
-                HiCache(kv, config.hicache, nodes_max=config.tree_nodes_max)
+                TieredPrefixCache(kv, config.cache_config, nodes_max=config.tree_nodes_max)
                 if config.prefix_cache
                 else NoPrefixCache(kv)
             )
@@ -138,7 +138,7 @@ class Engine:
     @property
     def tree(self) -> SWARadixTree | None:
         """The L1 prefix tree (None without a prefix cache)."""
-        return getattr(self.cache, "tree", None)
+        return self.cache.l1_tree()
 
     # ---- submission -------------------------------------------------------------
     def add_request(

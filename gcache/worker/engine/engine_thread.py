@@ -7,6 +7,8 @@ loop (loop.call_soon_threadsafe, so nothing polls), one typed message each (mess
                          EngineStoppedError);
     TextPiece(text)      streamed requests only: new text that is safe to show;
     Finished(request)    finished (or cancelled); pending.output holds the final text.
+A handler's question (messages.StoredInL3) travels through the same inbox, is answered
+between steps and comes back on its future: cache entries are read on this thread only.
 Stop strings are checked here after every step, so a request stops on the step that
 produced its stop string. Step hooks (fn(engine)) run after every step and at least
 every IDLE_WAIT_S while idle; a hook that raises is logged and counted, never fatal.
@@ -20,11 +22,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gcache.serving.stop_text import OutputText
 from gcache.worker.engine.engine import Engine
-from gcache.worker.engine.messages import Accepted, EngineMessage, Finished, Rejected, TextPiece
+from gcache.worker.engine.messages import (
+    Accepted,
+    EngineMessage,
+    Finished,
+    L3Stored,
+    Rejected,
+    StoredInL3,
+    TextPiece,
+    resolve,
+)
 from gcache.worker.engine.request import FINISH_ABORT, FINISH_STOP, Request, SamplingParams
 from gcache.worker.engine.scheduler import EngineStoppedError, QueueFullError
 
@@ -69,7 +80,7 @@ class EngineThread(threading.Thread):
         self.engine = engine
         self.integrity_check_s = integrity_check_s
         self._last_check = time.monotonic()
-        self.inbox: queue.Queue[Pending] = queue.Queue(maxsize=max(1, inbox_max))
+        self.inbox: queue.Queue[Pending | StoredInL3] = queue.Queue(maxsize=max(1, inbox_max))
         self.cancels: collections.deque[Pending] = collections.deque()  # one entry per in-flight request at most
         self.waiters: dict[int, Pending] = {}
         self.stopping = threading.Event()
@@ -85,6 +96,19 @@ class EngineThread(threading.Thread):
             self.inbox.put_nowait(p)
         except queue.Full:
             raise QueueFullError("inbox is full") from None
+
+    async def ask_stored_in_l3(self, keys: Sequence[str], swa_lo: int, timeout_s: float) -> L3Stored:
+        """From a handler's loop: how much of keys' KV is in L3 (CacheManager.stored_in_l3),
+        answered by this thread between steps. Bounded: QueueFullError when the inbox is full,
+        asyncio.TimeoutError after timeout_s, EngineStoppedError when the engine is not running."""
+        if self.stopping.is_set() or not self.is_alive():
+            raise EngineStoppedError("engine is not running")
+        question = StoredInL3(tuple(keys), swa_lo, asyncio.get_running_loop().create_future())
+        try:
+            self.inbox.put_nowait(question)
+        except queue.Full:
+            raise QueueFullError("inbox is full") from None
+        return await asyncio.wait_for(question.answer, timeout_s)
 
     def cancel(self, p: Pending) -> None:
         """The handler gave up on p (client gone, timeout): stop computing it."""
@@ -130,6 +154,9 @@ class EngineThread(threading.Thread):
                 p = self.inbox.get(timeout=IDLE_WAIT_S) if block and i == 0 else self.inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(p, StoredInL3):
+                self._answer(p)
+                continue
             if p.cancelled:
                 continue
             if self.stopping.is_set():
@@ -142,6 +169,13 @@ class EngineThread(threading.Thread):
                 continue
             self.waiters[p.request.rid] = p
             p.post(Accepted())
+
+    def _answer(self, q: StoredInL3) -> None:
+        value = L3Stored(*self.engine.cache.stored_in_l3(q.keys, q.swa_lo))
+        try:
+            q.answer.get_loop().call_soon_threadsafe(resolve, q.answer, value)
+        except RuntimeError:  # the loop is closed (shutdown): nobody is asking any more
+            pass
 
     def _apply_cancels(self) -> None:
         while self.cancels:

@@ -33,7 +33,7 @@ class Histogram:
         self.n += 1
 
 
-# Cache-hierarchy figures (HiCache.stats()); everything not listed as a gauge is a counter.
+# Cache-hierarchy figures (TieredPrefixCache.stats()); everything not listed as a gauge is a counter.
 CACHE_GAUGES = {
     "l2_full_pages_used",
     "l2_swa_pages_used",

@@ -20,8 +20,8 @@ from gcache.wire.keys import page_hashes_array
 from gcache.worker.kvcache.kv_pool import RequestKV
 
 if TYPE_CHECKING:
-    from gcache.worker.kvcache.l3_store import Prefetch
-    from gcache.worker.kvcache.swa_tree_node import TreeNode
+    from gcache.worker.kvcache.swa_tree.node import TreeNode
+    from gcache.worker.kvcache.tiers.l3_store import Prefetch
     from gcache.worker.model.mtp import MTPState
 
 

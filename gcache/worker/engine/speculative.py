@@ -32,7 +32,7 @@ from gcache.worker.model.mtp import MTPHead
 
 if TYPE_CHECKING:
     from gcache.worker.kvcache.kv_pool import DualKVCache
-    from gcache.worker.kvcache.mtp_tails import MTPTails
+    from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
     from gcache.worker.model.mtp import MTPState
 
 
@@ -239,10 +239,11 @@ class MTPSpeculator(DecodingStrategy):
         """Step the MTP depths to each periodic checkpoint in (c_old, c_new) and write its tail
         there (after a long chunk the ring no longer holds its window). Only where every depth
         reaches the checkpoint (its next K tokens are known): a tail never waits for tokens."""
-        if self._tails() is None or not st.exact:
+        rule = self.cache.checkpoint_rule
+        if self._tails() is None or not st.exact or rule is None:
             return
         ps, n_tok = self.page_size, r.num_tokens
-        for npages in self.cache.periodic_checkpoints(c_old // ps, c_new // ps):
+        for npages in rule.periodic(c_old // ps, c_new // ps):
             p = npages * ps
             base = st.valid[0]
             if not base < p <= c_new or p + self.depths >= n_tok:
@@ -250,7 +251,7 @@ class MTPSpeculator(DecodingStrategy):
             self.head.step(st, hidden[base - c_old : p - c_old], base, p, r.tokens(), 0)
             self._snapshot_at(r, st, npages)
 
-    # ---- the mtp pool (kvcache/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
+    # ---- the mtp pool (kvcache/tiers/mtp_tails.py; the tail format: MTPHead.encode_tail) -----------
     def _tails(self) -> MTPTails | None:
         return self.cache.mtp if self.prefix is MTPPrefix.TIERS else None
 
@@ -271,12 +272,12 @@ class MTPSpeculator(DecodingStrategy):
         return st
 
     def _snapshot(self, r: Request, st: MTPState) -> None:
-        """Write the tails of r's end checkpoints (as HiCache._end_points: its whole pages, and
-        where a resend of the same tokens resumes) to the mtp pool."""
-        tails, ps, c = self._tails(), self.page_size, r.num_computed
-        if tails is None or not st.exact:
+        """Write the tails of r's end checkpoints (CheckpointRule.end_points: its whole pages,
+        and where a resend of the same tokens resumes) to the mtp pool."""
+        tails, rule = self._tails(), self.cache.checkpoint_rule
+        if tails is None or not st.exact or rule is None:
             return
-        for npages in {c // ps, (c - 1) // ps}:
+        for npages in set(rule.end_points(r.num_computed)):
             self._snapshot_at(r, st, npages)
 
     def _snapshot_at(self, r: Request, st: MTPState, npages: int) -> None:

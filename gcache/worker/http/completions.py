@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gcache.serving import openai_bodies
-from gcache.serving.openai_api import ParsedRequest
+from gcache.serving.openai_api import ParsedRequest, RequestKind
 from gcache.serving.stop_text import OutputText
 from gcache.serving.tokenizer import ByteTokenizer
 from gcache.worker.engine.request import FINISH_STOP, FinishReason, Request, SamplingParams
@@ -52,7 +52,7 @@ def extras(r: Request) -> dict[str, Any]:
     }
 
 
-def full_response(kind: str, r: Request, out: OutputText, model_name: str) -> dict[str, Any]:
+def full_response(kind: RequestKind, r: Request, out: OutputText, model_name: str) -> dict[str, Any]:
     return openai_bodies.full_body(
         kind,
         openai_bodies.response_id(kind, r.rid),

@@ -15,8 +15,8 @@ from gcache.worker.engine.engine import Engine, EngineConfig
 from gcache.worker.engine.scheduler import SchedulerConfig
 from gcache.worker.http.pd_flags import add_role_args, check_role
 from gcache.worker.http.publisher import add_publisher_args
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "model/presets"
 TINY_MTP_WEIGHTS = PRESETS_DIR / "tiny_mtp_stdlib.npz"
@@ -51,15 +51,15 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     kv = DualKVCache.from_budget(cfg, int(args.kv_budget_mib * (1 << 20)), args.swa_full_ratio, xp)
     sched = config_from_flags(SchedulerConfig, args, SCHEDULER_NOT_FLAGS)
     name = args.model_name or f"gcache-hybrid-{cfg.layers}l-{cfg.hidden}h"
-    hicache = config_from_flags(HiCacheConfig, args, HICACHE_NOT_FLAGS, model_name=name)
-    econf = config_from_flags(EngineConfig, args, ENGINE_NOT_FLAGS, scheduler=sched, hicache=hicache)
+    cache_config = config_from_flags(TieredCacheConfig, args, CACHE_NOT_FLAGS, model_name=name)
+    econf = config_from_flags(EngineConfig, args, ENGINE_NOT_FLAGS, scheduler=sched, cache_config=cache_config)
     return Engine(model, kv, econf), name
 
 
 # Fields of the engine's configs that are no gcache-worker flag (tuning, benches, tests;
-# model_name comes from --model-name, scheduler and hicache are the configs above).
+# model_name comes from --model-name, scheduler and cache_config are the configs above).
 SCHEDULER_NOT_FLAGS = ("aging_tokens_per_s", "max_wait_s", "dedup_min_tokens", "estimates_per_step", "scan_max")
-HICACHE_NOT_FLAGS = (
+CACHE_NOT_FLAGS = (
     "model_name",
     "prefetches_per_step",
     "swa_checkpoint_ends",
@@ -71,13 +71,13 @@ HICACHE_NOT_FLAGS = (
     "l3_protect_prefix",
     "hit_counts_max",
 )
-ENGINE_NOT_FLAGS = ("preemptions_per_step_max", "tree_nodes_max", "mtp_prefix", "scheduler", "hicache")
+ENGINE_NOT_FLAGS = ("preemptions_per_step_max", "tree_nodes_max", "mtp_prefix", "scheduler", "cache_config")
 
 
 @dataclass(frozen=True)
 class WorkerFlags:
     """gcache-worker's own flags, beside those of the engine's configs (EngineConfig,
-    SchedulerConfig, HiCacheConfig): the model, the KV pools and the HTTP side."""
+    SchedulerConfig, TieredCacheConfig): the model, the KV pools and the HTTP side."""
 
     host: str = field(default="127.0.0.1", metadata=flag())
     port: int = field(default=30000, metadata=flag())
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(ap, WorkerFlags)
     add_flags(ap, EngineConfig, not_flags=ENGINE_NOT_FLAGS)
     add_flags(ap, SchedulerConfig, not_flags=SCHEDULER_NOT_FLAGS)
-    add_flags(ap, HiCacheConfig, not_flags=HICACHE_NOT_FLAGS)
+    add_flags(ap, TieredCacheConfig, not_flags=CACHE_NOT_FLAGS)
     add_publisher_args(ap)  # --redis ...: publish cache state and load for gcache-router
     add_role_args(ap)  # --role prefill|decode|mixed
     return ap

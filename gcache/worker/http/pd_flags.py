@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gcache.serving.handoff import ROLES, Role
-from gcache.worker.kvcache.hicache_config import PrefetchPolicy, WritePolicy
+from gcache.worker.kvcache.tiered_config import PrefetchPolicy, WritePolicy
 
 HANDOFF_WAIT_S = 5.0  # a prefill answers at most this long after its first token (L3 writes)
 

@@ -18,6 +18,7 @@ import dataclasses
 
 from aiohttp import web
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.errors import HTTPError, error_response, json_response
 from gcache.serving.handoff import PD_DECODE_PATH, PD_PREFILL_PATH, Handoff, Role, expected_pools, parse_pd_body
 from gcache.serving.intake import serve_post
@@ -71,13 +72,8 @@ class PDRoutes:
     async def prefill(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, False, self._prefill)
 
-    def _l3(self):
-        cache = self.engine.cache
-        return getattr(cache, "l3", None), getattr(cache, "host", None)
-
     async def _prefill(self, request: web.Request, parsed: ParsedRequest, _h) -> web.StreamResponse:
-        l3, host = self._l3()
-        if l3 is None or not l3.available():
+        if not self.engine.cache.l3_available():
             return error_response(503, "L3 is unavailable: no handoff possible", headers={L3_DOWN_HEADER: "l3-down"})
         w, loop = self.w, asyncio.get_running_loop()
         params = dataclasses.replace(completions.sampling_params(parsed, w.tok), max_tokens=1)
@@ -114,7 +110,9 @@ class PDRoutes:
         piece = OutputText(w.tok, parsed.stop).feed([first])
         keys = page_hashes_array(parsed.prompt, self.ps)
         pools = expected_pools(len(parsed.prompt), self.ps, self.window)
-        stored = await wait_stored(host, keys, pools["swa"][0], self.handoff_wait_s)
+        stored = await wait_stored(
+            w.engine_thread.ask_stored_in_l3, keys, pools[AttentionKind.SWA][0], self.handoff_wait_s
+        )
         handoff = Handoff(
             model=w.model_name,
             page_size=self.ps,

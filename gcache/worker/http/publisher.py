@@ -76,7 +76,7 @@ class WorkerPublisher:
         self.keys = Keys(config.prefix)
         self.events = CacheEventLog(config.events_max)
         self.page_size, self.window = engine.page_size, engine.window
-        self.model = config.model or getattr(getattr(engine.cache, "config", None), "model_name", "") or "model"
+        self.model = config.model or engine.cache.key_model() or "model"
         self.redis = redis.Redis.from_url(
             config.redis_url,
             socket_timeout=config.redis_timeout_s,

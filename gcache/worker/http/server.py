@@ -96,9 +96,9 @@ class WorkerApp:
             "running": snap["running_requests"],
             "in_flight": self.limiter.in_flight,
         }
-        l3 = getattr(self.engine_thread.engine.cache, "l3", None)
+        l3 = self.engine_thread.engine.cache.l3_health()
         if l3 is not None:  # L3 is optional: an unreachable store does not make the worker unhealthy
-            body["l3"] = l3.health()
+            body["l3"] = l3
         return json_response(200 if ok else 503, body)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -300,10 +300,7 @@ def main(argv=None) -> int:
         handoff_wait_s=args.pd_handoff_wait_s,
         host_gauges=host_gauges(host),
     )
-    l3 = getattr(engine.cache, "l3", None)
-    if l3 is not None:
-        l3.probe()  # an unreachable store is logged now (and again when it answers)
-        l3.watch()
+    engine.cache.start()  # an unreachable L3 store is logged now (and again when it answers)
     engine_thread.start()
     publisher = None
 
@@ -311,11 +308,10 @@ def main(argv=None) -> int:
         nonlocal publisher
         publisher = start_publisher(args, engine_thread, bound_port=port)  # None without --redis
         tiers = "L1"
-        host_cache = getattr(engine.cache, "host", None)
-        if host_cache is not None:
-            tiers += f" + L2 ({host_cache.pool.total_bytes() >> 20} MiB)"
-        if l3 is not None:
-            health = l3.health()
+        l2_bytes, health = engine.cache.l2_bytes(), engine.cache.l3_health()
+        if l2_bytes:
+            tiers += f" + L2 ({l2_bytes >> 20} MiB)"
+        if health is not None:
             state = "up" if health["state"] == "up" else "UNREACHABLE at start: serving without it until it answers"
             tiers += f" + L3 ({args.l3}, {state})"
         print(

@@ -1,5 +1,7 @@
-"""The worker's prefix cache across tiers: device pools (kv_pool), the SWA radix tree
-(swa_radix_tree, swa_tree_*), the host pool (host_pool, host_cache), GCache as L3 (l3_store),
-layer-wise loads (layer_load), the CacheManager contract (cache_manager) with HiCache
-(hicache, with its write / prefetch rules in policies) and the no-cache manager
-(prefix_cache_off), and what a router needs to know of it (cache_events)."""
+"""The worker's prefix cache across tiers: the CacheManager contract (cache_manager) with the
+tiered cache (tiered_cache: TieredPrefixCache, coordinating the tiers; its config in
+tiered_config, its write / prefetch rules in policies, its SWA checkpoint policy in
+swa_checkpoints, its counters in cache_stats) and the no-cache manager (prefix_cache_off);
+device pools (kv_pool); the L1 index (swa_tree/); the tiers below the device (tiers/: host
+pool and cache, L3 store, layer-wise loads, MTP tails); and what a router needs to know of it
+(cache_events)."""

@@ -18,6 +18,9 @@ import threading
 from dataclasses import dataclass
 
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA, page_id
+from gcache.worker.kvcache.cache_manager import CacheManager
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
+from gcache.worker.kvcache.tiers.host_cache import HostCache
 
 L1_BITS, L2_BITS = L1_FULL | L1_SWA, L2_FULL | L2_SWA
 
@@ -40,13 +43,15 @@ class CacheEventLog:
         self.l3: dict[int, int] = {}
         self.resync = True  # the first batch is a snapshot
         self.stats = dict.fromkeys(("events", "dropped", "l3_dropped", "snapshots", "deltas", "drift", "rebuilds"), 0)
-        self.tree = self.host = None
+        self.tree: SWARadixTree | None = None
+        self.host: HostCache | None = None
 
     # ---- attach / detach (engine thread) ------------------------------------------------------
-    def attach(self, cache) -> None:
-        """Start observing `cache` (a HiCache; anything without a tree publishes nothing)."""
-        self.tree = getattr(cache, "tree", None)
-        self.host = getattr(cache, "host", None)
+    def attach(self, cache: CacheManager) -> None:
+        """Start observing `cache` (its L1 tree and L2 host cache; a cache without them
+        publishes nothing)."""
+        self.tree = cache.l1_tree()
+        self.host = cache.l2_cache()
         self.rebuild(attach=True)
 
     def detach(self) -> None:

@@ -18,17 +18,20 @@ it to the tree. Host pages are pinned while loaded, written to L3 or held for a 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.tiers import TIERS, Tier
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
-    from gcache.worker.kvcache.layer_load import LoadBatch
-    from gcache.worker.kvcache.mtp_tails import MTPTails
-    from gcache.worker.kvcache.swa_tree_node import TreeNode
+    from gcache.worker.kvcache.swa_tree.node import TreeNode
+    from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
+    from gcache.worker.kvcache.tiers.host_cache import HostCache
+    from gcache.worker.kvcache.tiers.layer_load import LoadBatch
+    from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,10 @@ class NoLoads:
 class CacheManager(ABC):
     """Owns every cached page in every tier; the engine's only way to the prefix cache."""
 
-    mtp: MTPTails | None = None  # the `mtp` pool (kvcache.mtp_tails.MTPTails) where the cache has one
+    mtp: MTPTails | None = None  # the `mtp` pool (kvcache.tiers.mtp_tails.MTPTails) where the cache has one
+    # Where the cache keeps SWA checkpoints (every C pages, ends, branch points); None: it keeps
+    # none. The MTP tails are written at the same points (Speculator).
+    checkpoint_rule: CheckpointRule | None = None
 
     @abstractmethod
     def match(self, req: Request) -> MatchResult:
@@ -141,11 +147,6 @@ class CacheManager(ABC):
         """(full, swa) device pages the cache owns (not counting requests' own)."""
         return 0, 0
 
-    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
-        """The page counts n, lo_page < n <= hi_page, that are checkpoints of every sequence
-        (every C pages; not ends or branch points): the MTP tails are written there too."""
-        return []
-
     def prefix_swa_pages(self, req: Request) -> list:
         """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's
         live ones before its window (spare pages in L1): valid until the next call into the
@@ -155,6 +156,43 @@ class CacheManager(ABC):
     def stats(self) -> dict:
         """Counters and gauges for /metrics (names without prefix)."""
         return {}
+
+    # ---- engine thread only: the tiers' own objects and entries ------------------------------
+    def l1_tree(self) -> SWARadixTree | None:
+        """The L1 prefix tree (None without one): the router publisher observes it."""
+        return None
+
+    def l2_cache(self) -> HostCache | None:
+        """The L2 host cache (None without one): the router publisher observes it."""
+        return None
+
+    def stored_in_l3(self, keys: Sequence[str], swa_lo: int) -> tuple[int, bool]:
+        """(leading pages of `keys` whose KV is in L3: full, and SWA from swa_lo on; whether
+        any page is still queued for L3). The PD prefill asks it through the engine thread
+        (EngineThread.ask_stored_in_l3): cache entries are read on the engine thread only."""
+        return 0, False
+
+    # ---- any thread: what the worker's outside asks (reads no cache entry) -------------------
+    def start(self) -> None:
+        """The worker serves: start background work (probe the L3 store, so an unreachable one
+        is logged now and again when it answers, and watch its health)."""
+        return None
+
+    def l3_available(self) -> bool:
+        """Whether an L3 store is configured and believed reachable now (its breaker)."""
+        return False
+
+    def l3_health(self) -> dict | None:
+        """The L3 store's health for /health (None without an L3)."""
+        return None
+
+    def l2_bytes(self) -> int:
+        """Bytes of the L2 host pool (0 without one)."""
+        return 0
+
+    def key_model(self) -> str:
+        """The model name the cache's L3 keys carry ("" where it keys none)."""
+        return ""
 
     def close(self) -> None:
         """Stop background threads (L3 writers, prefetchers)."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.worker import backend
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.integrity import require
 
 PAGES_MAX = 1 << 31  # page ids are stored as int32 in the engine's tables
@@ -98,8 +99,8 @@ class DualKVCache:
         self.config = config
         self.page_size = config.page_size
         self.window = config.window
-        self.full = PagePool(full_pages, FULL)
-        self.swa = PagePool(swa_pages, SWA)
+        self.full = PagePool(full_pages, AttentionKind.FULL)
+        self.swa = PagePool(swa_pages, AttentionKind.SWA)
         tail = (config.page_size, config.kv_heads, config.head_dim)
         nf, ns = len(config.full_layers), len(config.swa_layers)
         self.k_full = xp.zeros((nf, full_pages) + tail, dtype=config.dtype)
@@ -107,18 +108,18 @@ class DualKVCache:
         self.k_swa = xp.zeros((ns, swa_pages) + tail, dtype=config.dtype)
         self.v_swa = xp.zeros((ns, swa_pages) + tail, dtype=config.dtype)
         # global layer id -> (pool kind, index among that kind's layers)
-        self.layer_slot = {l: (FULL, j) for j, l in enumerate(config.full_layers)}
-        self.layer_slot.update({l: (SWA, j) for j, l in enumerate(config.swa_layers)})
+        self.layer_slot = {l: (AttentionKind.FULL, j) for j, l in enumerate(config.full_layers)}
+        self.layer_slot.update({l: (AttentionKind.SWA, j) for j, l in enumerate(config.swa_layers)})
 
     @staticmethod
-    def page_bytes(config: ModelConfig, kind: str) -> int:
+    def page_bytes(config: ModelConfig, kind: AttentionKind) -> int:
         """Bytes of K+V one page holds across all layers of `kind`."""
-        if kind not in (FULL, SWA):
+        if kind not in (AttentionKind.FULL, AttentionKind.SWA):
             raise ValueError(f"kind must be 'full' or 'swa', got {kind!r}")
-        n = len(config.full_layers if kind == FULL else config.swa_layers)
+        n = len(config.full_layers if kind == AttentionKind.FULL else config.swa_layers)
         return 2 * n * config.page_size * config.kv_heads * config.head_dim * config.itemsize
 
-    def bytes_per_page(self, kind: str) -> int:
+    def bytes_per_page(self, kind: AttentionKind) -> int:
         return self.page_bytes(self.config, kind)
 
     @classmethod
@@ -131,7 +132,7 @@ class DualKVCache:
             raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
         if not swa_full_ratio > 0:
             raise ValueError(f"swa_full_ratio must be > 0, got {swa_full_ratio!r}")
-        bf, bs = cls.page_bytes(config, FULL), cls.page_bytes(config, SWA)
+        bf, bs = cls.page_bytes(config, AttentionKind.FULL), cls.page_bytes(config, AttentionKind.SWA)
         full = int(budget_bytes // (bf + swa_full_ratio * bs))
         swa = int(full * swa_full_ratio) if bs else full  # free SWA pages: no reason to ration
         while full * bf + swa * bs > budget_bytes:  # float rounding can overshoot by a page
@@ -144,7 +145,9 @@ class DualKVCache:
         return cls(config, full, swa, xp)
 
     def total_bytes(self) -> int:
-        return self.full.num_pages * self.bytes_per_page(FULL) + self.swa.num_pages * self.bytes_per_page(SWA)
+        return self.full.num_pages * self.bytes_per_page(AttentionKind.FULL) + self.swa.num_pages * self.bytes_per_page(
+            AttentionKind.SWA
+        )
 
     def check_integrity(self) -> None:
         self.full.check_integrity()
@@ -249,4 +252,4 @@ class RequestKV:
 
     def held_bytes(self, kv: DualKVCache) -> int:
         f, s = self.held_pages()
-        return f * kv.bytes_per_page(FULL) + s * kv.bytes_per_page(SWA)
+        return f * kv.bytes_per_page(AttentionKind.FULL) + s * kv.bytes_per_page(AttentionKind.SWA)

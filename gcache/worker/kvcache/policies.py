@@ -1,7 +1,7 @@
 """The cache hierarchy's two policies as contracts: when pages go down (WriteRule) and how long
-a waiting request waits for its L3 prefetch (PrefetchRule). HiCache picks one of each by the
-names in HiCacheConfig (write_rule / prefetch_rule below) and asks it at fixed points; the
-page moves themselves stay HiCache's.
+a waiting request waits for its L3 prefetch (PrefetchRule). TieredPrefixCache picks one of each by the
+names in TieredCacheConfig (write_rule / prefetch_rule below) and asks it at fixed points; the
+page moves themselves stay TieredPrefixCache's.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from gcache.worker.kvcache.hicache_config import HiCacheConfig, PrefetchPolicy, WritePolicy
+from gcache.worker.kvcache.tiered_config import PrefetchPolicy, TieredCacheConfig, WritePolicy
 
 
 class WriteRule(ABC):
-    """The write policy: which computed pages HiCache copies from L1 down to L2 (and, from
+    """The write policy: which computed pages TieredPrefixCache copies from L1 down to L2 (and, from
     there, queues for L3), and when. Asked from the engine thread only."""
 
-    policy: WritePolicy  # the name this rule answers to (HiCacheConfig.write_policy)
+    policy: WritePolicy  # the name this rule answers to (TieredCacheConfig.write_policy)
 
     @property
     @abstractmethod
@@ -71,10 +71,10 @@ class WriteBack(WriteRule):
 
 class PrefetchRule(ABC):
     """The prefetch policy: whether the scheduler may admit a waiting request whose L3
-    prefetch is still running (HiCache.ready; a request without one, or whose prefetch is
+    prefetch is still running (TieredPrefixCache.ready; a request without one, or whose prefetch is
     done, is always ready). Asked from the engine thread, once per candidate per step."""
 
-    policy: PrefetchPolicy  # the name this rule answers to (HiCacheConfig.prefetch_policy)
+    policy: PrefetchPolicy  # the name this rule answers to (TieredCacheConfig.prefetch_policy)
 
     @abstractmethod
     def ready(self, started_s: float) -> bool:
@@ -112,7 +112,7 @@ class PrefetchTimeout(PrefetchRule):
         return time.monotonic() - started_s >= self.timeout_s
 
 
-def write_rule(config: HiCacheConfig) -> WriteRule:
+def write_rule(config: TieredCacheConfig) -> WriteRule:
     """The WriteRule config.write_policy names."""
     policy = WritePolicy(config.write_policy)
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -120,7 +120,7 @@ def write_rule(config: HiCacheConfig) -> WriteRule:
     return WriteBack() if policy is WritePolicy.WRITE_BACK else WriteThrough()
 
 
-def prefetch_rule(config: HiCacheConfig) -> PrefetchRule:
+def prefetch_rule(config: TieredCacheConfig) -> PrefetchRule:
     """The PrefetchRule config.prefetch_policy names."""
     policy = PrefetchPolicy(config.prefetch_policy)
     if policy is PrefetchPolicy.TIMEOUT:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gcache.common.attention import AttentionKind
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
@@ -52,8 +53,8 @@ class NoPrefixCache(CacheManager):
 
     def check_integrity(self, running, waiting=()) -> None:
         for kind, pool, owned in (
-            ("full", self.kv.full, [p for r in running for p in r.kv.full_pages]),
-            ("swa", self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None]),
+            (AttentionKind.FULL, self.kv.full, [p for r in running for p in r.kv.full_pages]),
+            (AttentionKind.SWA, self.kv.swa, [p for r in running for p in r.kv.swa_pages if p is not None]),
         ):
             require(len(owned) == len(set(owned)), f"a {kind} page is owned by two requests")
             require(pool.num_used == len(owned), f"{kind} pages: {pool.num_used} used, requests own {len(owned)}")

@@ -1,5 +1,5 @@
 """An MTP checkpoint tail: what a request needs to continue MTP drafting at prefix length P
-exactly as if it had prefilled the prefix itself (the `mtp` pool's value, kvcache/mtp_tails).
+exactly as if it had prefilled the prefix itself (the `mtp` pool's value, kvcache/tiers/mtp_tails).
 
 Content-addressed by the prefix's tokens only, so it must not depend on any token >= P.
 Depth d's KV at position i needs token x[i+d]: positions < P - K qualify at every depth.

@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.worker import backend
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
 from gcache.worker.model.base import MTPModel
 from gcache.worker.model.mtp import live_swa_page
@@ -37,7 +38,7 @@ class ChunkPlan(NamedTuple):
     tokens: np.ndarray
     positions: np.ndarray
     req: RequestKV
-    tables: dict[str, PageReads]
+    tables: dict[AttentionKind, PageReads]
 
 
 class Model(MTPModel):
@@ -129,7 +130,7 @@ class Model(MTPModel):
         x = self.embed(tokens)
         for layer, kind in enumerate(c.layer_pattern):
             q, k, v = self.qkv(layer, x, pos)
-            attn = self.attend(q, k, v, pos, pos, None if kind == FULL else c.window)
+            attn = self.attend(q, k, v, pos, pos, None if kind == AttentionKind.FULL else c.window)
             x = self.finish_layer(layer, x, attn)
         return x
 
@@ -177,7 +178,7 @@ class Model(MTPModel):
         if lo >= hi:
             return None, hi
         tables = {}
-        for kind, table, first in ((FULL, req_kv.full_pages, 0), (SWA, swa, swa_from)):
+        for kind, table, first in ((AttentionKind.FULL, req_kv.full_pages, 0), (AttentionKind.SWA, swa, swa_from)):
             read = xp.asarray(np.asarray(table[first : req_kv.pages_for(hi)], dtype=np.int64))
             tables[kind] = PageReads(None, None, read, np.arange(first * ps, hi))
         plan = ChunkPlan(np.asarray(tokens[lo:hi], dtype=np.int64), np.arange(lo, hi), req_kv, tables)
@@ -209,7 +210,7 @@ class Model(MTPModel):
             if layer_ready is not None:
                 layer_ready(layer)
             kind, j = kv.layer_slot[layer]
-            k_pool, v_pool = (kv.k_full, kv.v_full) if kind == FULL else (kv.k_swa, kv.v_swa)
+            k_pool, v_pool = (kv.k_full, kv.v_full) if kind == AttentionKind.FULL else (kv.k_swa, kv.v_swa)
             outs = []
             for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:]):
                 write_pages, write_slots, read_pages, kpos = plan.tables[kind]
@@ -219,7 +220,7 @@ class Model(MTPModel):
                 n = kpos.size  # slots past the chunk's end hold stale data: never read them
                 keys = k_pool[j, read_pages].reshape(-1, c.kv_heads, c.head_dim)[:n]
                 vals = v_pool[j, read_pages].reshape(-1, c.kv_heads, c.head_dim)[:n]
-                window = None if kind == FULL else c.window
+                window = None if kind == AttentionKind.FULL else c.window
                 outs.append(self.attend(q[lo:hi], keys, vals, plan.positions, kpos, window))
             x = self.finish_layer(layer, x, xp.concatenate(outs) if len(outs) > 1 else outs[0])
         return x, bounds
@@ -239,8 +240,8 @@ class Model(MTPModel):
         ps = c.page_size
         tables = {}
         for kind, table, first in (
-            (FULL, req.full_pages, 0),
-            (SWA, req.swa_pages, max(0, (start - c.window + 1) // ps)),
+            (AttentionKind.FULL, req.full_pages, 0),
+            (AttentionKind.SWA, req.swa_pages, max(0, (start - c.window + 1) // ps)),
         ):
             read = table[first : req.pages_for(end)]
             if any(p is None for p in read):

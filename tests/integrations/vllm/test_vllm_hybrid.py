@@ -14,8 +14,8 @@ import tempfile
 import pytest
 
 import gcache
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.testing import BLOCK_SIZE, prompt_tokens
-from gcache.wire.keys import POOL_FULL, POOL_SWA
 from tests.support.servers import ServerProcess
 from tests.support.vllm_store import PAGE_BYTES, flip_byte, page_keys
 from tests.support.vllm_support import gcache_spec, run_engine, same_first_token, same_output
@@ -47,9 +47,9 @@ def gemma(models, tmp_path_factory):
         out["b_every"] = run_engine(gcache_spec(model, url, [P + S, P], **every), work / "b-every")
         with gcache.Client(url, transport="tcp") as client:
             tags = out["a"]["counters"]["value_tags"]
-            swa = page_keys(model, P, tags, POOL_SWA)
+            swa = page_keys(model, P, tags, AttentionKind.SWA)
             out["swa_stored"] = [p for p, keys in enumerate(swa) if all(client.batch_is_exist(keys))]
-            full = page_keys(model, P, tags, POOL_FULL)
+            full = page_keys(model, P, tags, AttentionKind.FULL)
             out["full_stored"] = [p for p, keys in enumerate(full) if all(client.batch_is_exist(keys))]
         # A flipped byte in a full-attention page: vLLM reports per-block load errors only for
         # one KV group, so the hybrid load fails as a whole and vLLM recomputes the request.

@@ -1,10 +1,15 @@
-"""Node and match result of the SWA-aware radix tree (see swa_radix_tree.py)."""
+"""Node and match result of the SWA-aware radix tree (see tree.py), and the tree's state as
+eviction and the integrity check read it (TreeState)."""
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    from gcache.worker.kvcache.kv_pool import PagePool
 
 
 class MatchEnds(Enum):
@@ -80,3 +85,29 @@ class MatchResult:
     #                                    or not (>= prefix_len): the input branches off there.
     #                                    Keeping SWA for the W tokens before it makes that
     #                                    branch point matchable after insert.
+
+
+class TreeState(Protocol):
+    """The SWA radix tree's state, as the parts beside it read it (eviction.py, check.py):
+    SWARadixTree is the one implementation; the Protocol keeps them below the tree."""
+
+    root: TreeNode
+    num_nodes: int  # non-root nodes
+    nodes_max: int
+    full_pool: PagePool
+    swa_pool: PagePool
+    tail_max: int  # pages in a full window tail
+    full_lru: OrderedDict[TreeNode, None]  # oldest first; a parent after its children
+    swa_lru: OrderedDict[TreeNode, None]  # the nodes with live SWA, in the same order
+    full_owned: set[int]
+    swa_owned: set[int]
+    spare_owner: dict[int, TreeNode]  # spare SWA page id -> node holding it, oldest first
+    handles: Counter[TreeNode]  # outstanding lock() calls per node
+
+    def tail(self, end_page: int) -> int:
+        """Pages of the window tail of a prefix of end_page pages."""
+        ...
+
+    def live_run_at(self, node: TreeNode, upto: int, cap: int) -> int:
+        """Consecutive live SWA pages ending just before page `upto` of node, up to cap."""
+        ...

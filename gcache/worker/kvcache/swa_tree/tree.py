@@ -21,7 +21,7 @@ every child, since any access to a child passes through it; node count <= nodes_
 Spare SWA pages (the first-reuse fix): insert(spare=...) names pages whose SWA KV no
 checkpoint needs (a request left them behind its window). The tree keeps them live, so a
 later request that diverges inside that stretch still finds a window-safe point there, and
-eviction frees them before anything else (swa_tree_evict tier "spare"); a page stops being
+eviction frees them before anything else (swa_tree/eviction.py, tier "spare"); a page stops being
 spare once a request resumes on it (lock). Spare pages are never demoted to L2 (on_evict
 sees None for them): lower tiers keep SWA only for checkpoints.
 """
@@ -33,16 +33,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import tail_start_page
 from gcache.wire.keys import page_hashes_array
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.kv_pool import PagePool
-from gcache.worker.kvcache.swa_tree_check import check_tree
-from gcache.worker.kvcache.swa_tree_evict import SWAEvictionMixin
-from gcache.worker.kvcache.swa_tree_node import MatchEnds, MatchResult, TreeNode
+from gcache.worker.kvcache.swa_tree.check import check_tree
+from gcache.worker.kvcache.swa_tree.eviction import SWAEviction
+from gcache.worker.kvcache.swa_tree.node import MatchEnds, MatchResult, TreeNode
 
 
-class SWARadixTree(SWAEvictionMixin):
+class SWARadixTree:
     def __init__(
         self,
         page_size: int,
@@ -62,20 +63,20 @@ class SWARadixTree(SWAEvictionMixin):
         self.nodes_max = nodes_max
         if not isinstance(match_ends, MatchEnds):
             raise ValueError(f"match_ends must be a MatchEnds, got {match_ends!r}")
-        self.match_ends = match_ends  # where match() may end (swa_tree_node.MatchEnds)
+        self.match_ends = match_ends  # where match() may end (swa_tree/node.py: MatchEnds)
         self.root = TreeNode(None, 0, [], [], [])
         self.num_nodes = 0  # non-root nodes
-        self._tail_max = -(-window // page_size)  # pages in a full window tail
-        # Oldest first. A parent always sits after its children; _swa_lru holds exactly the
+        self.tail_max = -(-window // page_size)  # pages in a full window tail
+        # Oldest first. A parent always sits after its children; swa_lru holds exactly the
         # nodes with live SWA, in the same relative order.
-        self._full_lru: OrderedDict[TreeNode, None] = OrderedDict()
-        self._swa_lru: OrderedDict[TreeNode, None] = OrderedDict()
-        self._full_owned: set[int] = set()
-        self._swa_owned: set[int] = set()
+        self.full_lru: OrderedDict[TreeNode, None] = OrderedDict()
+        self.swa_lru: OrderedDict[TreeNode, None] = OrderedDict()
+        self.full_owned: set[int] = set()
+        self.swa_owned: set[int] = set()
         # Tree-owned SWA page ids no checkpoint needs -> the node holding them, oldest first:
         # evicted first, in this order (so eviction never scans the tree for them).
-        self._spare: dict[int, TreeNode] = {}
-        self._handles: Counter[TreeNode] = Counter()  # outstanding lock() calls per node
+        self.spare_owner: dict[int, TreeNode] = {}
+        self.handles: Counter[TreeNode] = Counter()  # outstanding lock() calls per node
         # Called with (page keys, full page ids, swa page ids or None) just before eviction
         # frees them to the pools: the hierarchy demotes them to host memory (write_back).
         self.on_evict: Callable[[list, list, list], None] | None = None
@@ -83,6 +84,7 @@ class SWARadixTree(SWAEvictionMixin):
         # obs.pages_stored(keys, swa_live) once pages or their SWA KV entered the tree,
         # obs.pages_evicted(keys, full_ids, swa_ids) like on_evict. Cheap, never touch the tree.
         self.observers: list = []
+        self.eviction = SWAEviction(self)  # the two-phase eviction (swa_tree/eviction.py)
 
     # ---- public API ----------------------------------------------------------------
     def match(self, tokens, max_len: int | None = None, keys: list | None = None) -> MatchResult:
@@ -110,9 +112,9 @@ class SWARadixTree(SWAEvictionMixin):
             while j < len(ck) and i < limit and ck[j] == keys[i]:
                 run = run + 1 if cs[j] is not None else 0
                 i, j = i + 1, j + 1
-                if any_page and run >= self._tail(i):
+                if any_page and run >= self.tail(i):
                     best_i, best_node, best_off = i, child, j
-            if not any_page and run >= self._tail(i):  # the one candidate: where the walk leaves child
+            if not any_page and run >= self.tail(i):  # the one candidate: where the walk leaves child
                 best_i, best_node, best_off = i, child, j
             if j < len(ck):
                 break
@@ -147,27 +149,27 @@ class SWARadixTree(SWAEvictionMixin):
         """Full lock on root..node, SWA lock on the pages of node's window tail. Call it
         right after match() with that match's node."""
         self._check_handle(node)
-        need = self._tail(node.end)
-        if self._live_run_at(node, len(node), need) < need:
+        need = self.tail(node.end)
+        if self.live_run_at(node, len(node), need) < need:
             raise ValueError("lock: the node's window tail has no live SWA KV (lock right after match)")
         n = node
         while n is not self.root:
             n.full_lock += 1
             n = n.parent
         self._add_swa_locks(node, need, +1)
-        self._handles[node] += 1
+        self.handles[node] += 1
 
     def unlock(self, node: TreeNode) -> None:
-        if self._handles.get(node, 0) == 0:
+        if self.handles.get(node, 0) == 0:
             raise ValueError("unlock: node holds no lock")
         n = node
         while n is not self.root:
             n.full_lock -= 1
             n = n.parent
-        self._add_swa_locks(node, self._tail(node.end), -1)
-        self._handles[node] -= 1
-        if not self._handles[node]:
-            del self._handles[node]
+        self._add_swa_locks(node, self.tail(node.end), -1)
+        self.handles[node] -= 1
+        if not self.handles[node]:
+            del self.handles[node]
 
     def insert(self, tokens, full_pages, swa_pages, keys: list | None = None, spare=()) -> int:
         """Cache a page-aligned sequence. The tree takes ownership of every page given:
@@ -196,9 +198,9 @@ class SWARadixTree(SWAEvictionMixin):
                 held = node.swa[j0 + k]
                 if s is not None and held is not None:
                     if i0 + k in spare and held == s:
-                        self._spare[held] = node
+                        self.spare_owner[held] = node
                     elif i0 + k not in spare:
-                        self._spare.pop(held, None)  # someone's checkpoint now
+                        self.spare_owner.pop(held, None)  # someone's checkpoint now
         last = segments[-1][0] if segments else self.root
         added = 0
         if present < len(keys):
@@ -207,15 +209,20 @@ class SWARadixTree(SWAEvictionMixin):
             if leaf is not None:
                 for j, sp in enumerate(leaf.swa):
                     if sp is not None and present + j in spare:
-                        self._spare[sp] = leaf
+                        self.spare_owner[sp] = leaf
         self.full_pool.free(free_full)
         self.swa_pool.free(free_swa)
         for node, _, _, _ in segments:  # a path node left as a leaf by the node-limit eviction
-            self._settle(node, [0, 0])
+            self.eviction.settle(node, [0, 0])
         while last.removed:
             last = last.parent
         self._touch(last)
         return added
+
+    def evict(self, full_pages_needed: int, swa_pages_needed: int) -> tuple[int, int]:
+        """Free at least the given numbers of pages where unlocked ones allow; returns
+        (full, swa) pages actually freed to the pools (SWAEviction.evict)."""
+        return self.eviction.evict(full_pages_needed, swa_pages_needed)
 
     def check_integrity(self, external_full_pages=None, external_swa_pages=None) -> None:
         """Assert every invariant. With external_* (pages outside owners hold, e.g. running
@@ -224,11 +231,11 @@ class SWARadixTree(SWAEvictionMixin):
         check_tree(self, external_full_pages, external_swa_pages)
 
     def cached_pages(self) -> tuple[int, int]:
-        return len(self._full_owned), len(self._swa_owned)
+        return len(self.full_owned), len(self.swa_owned)
 
     def spare_pages(self) -> int:
         """Live SWA pages the tree holds that no checkpoint needs (evicted first)."""
-        return len(self._spare)
+        return len(self.spare_owner)
 
     def checkpoints(self, tokens, keys: list | None = None) -> list[int]:
         """The window-safe points (tokens) on the cached path of `tokens`: the prefix lengths
@@ -244,7 +251,7 @@ class SWARadixTree(SWAEvictionMixin):
             while j < len(child) and i < len(keys) and child.keys[j] == keys[i]:
                 run = run + 1 if child.swa[j] is not None else 0
                 i, j = i + 1, j + 1
-                if run >= self._tail(i):
+                if run >= self.tail(i):
                     out.append(i * self.page_size)
             if j < len(child):
                 break
@@ -259,11 +266,11 @@ class SWARadixTree(SWAEvictionMixin):
             node = node.parent
         return [k for keys in reversed(chain) for k in keys]
 
-    def _evicting(self, keys: list, full_ids: list, swa_ids: list) -> None:
+    def evicting(self, keys: list, full_ids: list, swa_ids: list) -> None:
         """Pages are about to leave (full id given) or lose their SWA KV (full id None).
         Spare SWA is not demoted (lower tiers keep checkpoint SWA only)."""
         if self.on_evict is not None:
-            demote = [None if s in self._spare else s for s in swa_ids] if self._spare else swa_ids
+            demote = [None if s in self.spare_owner else s for s in swa_ids] if self.spare_owner else swa_ids
             if any(f is not None for f in full_ids) or any(s is not None for s in demote):
                 self.on_evict(keys, full_ids, demote)
         for obs in self.observers:
@@ -304,12 +311,12 @@ class SWARadixTree(SWAEvictionMixin):
             node = child
         return segments, i, (node, len(node))
 
-    def _tail(self, end_page: int) -> int:
+    def tail(self, end_page: int) -> int:
         # == end_page - tail_start_page(end_page, ...): every page while the prefix is
         # shorter than the window, then ceil(W / ps) pages
-        return end_page if end_page < self._tail_max else self._tail_max
+        return end_page if end_page < self.tail_max else self.tail_max
 
-    def _live_run_at(self, node: TreeNode, upto: int, cap: int) -> int:
+    def live_run_at(self, node: TreeNode, upto: int, cap: int) -> int:
         """Consecutive live SWA pages ending just before page `upto` of node, up to cap."""
         run, n, j = 0, node, upto
         while n is not self.root and run < cap:
@@ -325,7 +332,7 @@ class SWARadixTree(SWAEvictionMixin):
             j = len(n)
         return run
 
-    def _last_safe_offset(self, node: TreeNode, swa: list) -> int:
+    def last_safe_offset(self, node: TreeNode, swa: list) -> int:
         """Largest k <= len(swa) such that the path ending at page k of `node` (with page
         SWA states `swa`) is window-safe; 0 if none."""
         return self._last_safe_offset_at(node.parent, len(node.parent.keys), node.start, swa)
@@ -344,9 +351,9 @@ class SWARadixTree(SWAEvictionMixin):
     def _touch(self, node: TreeNode) -> None:
         """Most-recent for node and its ancestors, the root side last (parents after children)."""
         while node is not self.root:
-            self._full_lru.move_to_end(node)
+            self.full_lru.move_to_end(node)
             if node.live_swa:
-                self._swa_lru.move_to_end(node)
+                self.swa_lru.move_to_end(node)
             node = node.parent
 
     def _check_handle(self, node) -> None:
@@ -364,8 +371,8 @@ class SWARadixTree(SWAEvictionMixin):
             for j in range(len(n) - 1, -1, -1):
                 n.swa_locks[j] += delta
                 sp = n.swa[j]
-                if delta > 0 and self._spare and sp is not None:
-                    self._spare.pop(sp, None)  # a request resumed here: a checkpoint now
+                if delta > 0 and self.spare_owner and sp is not None:
+                    self.spare_owner.pop(sp, None)  # a request resumed here: a checkpoint now
                 require(n.swa_locks[j] >= 0, "SWA lock count went negative")
                 pages -= 1
                 if not pages:
@@ -375,11 +382,11 @@ class SWARadixTree(SWAEvictionMixin):
     # ---- insert helpers --------------------------------------------------------------
     def _check_page_ids(self, full_pages: list, swa_pages: list) -> None:
         for kind, pages, pool, owned in (
-            ("full", full_pages, self.full_pool, self._full_owned),
-            ("swa", swa_pages, self.swa_pool, self._swa_owned),
+            (AttentionKind.FULL, full_pages, self.full_pool, self.full_owned),
+            (AttentionKind.SWA, swa_pages, self.swa_pool, self.swa_owned),
         ):
             ids = [p for p in pages if p is not None]
-            if kind == "full" and len(ids) != len(pages):
+            if kind == AttentionKind.FULL and len(ids) != len(pages):
                 raise ValueError("insert: every page needs a full-attention page id")
             for p in ids:
                 if p in owned:  # allocated: the tree holds it (position checked later)
@@ -391,7 +398,7 @@ class SWARadixTree(SWAEvictionMixin):
 
     def _check_ownership(self, segments, present: int, full_pages: list, swa_pages: list) -> None:
         """A page the tree owns may only be handed back at the position the tree holds it."""
-        fo, so = self._full_owned, self._swa_owned
+        fo, so = self.full_owned, self.swa_owned
         for node, j0, i0, n in segments:
             nf, ns = node.full, node.swa
             for k in range(n):
@@ -411,12 +418,12 @@ class SWARadixTree(SWAEvictionMixin):
             return
         if node.swa[j] is None:  # revive the tombstone with the request's live SWA KV
             node.swa[j] = s
-            self._swa_owned.add(s)
+            self.swa_owned.add(s)
             node.live_swa += 1
             for obs in self.observers:
                 obs.pages_stored([node.keys[j]], [True])
             if node.live_swa == 1:
-                self._swa_lru[node] = None  # placed by the _touch that ends insert
+                self.swa_lru[node] = None  # placed by the _touch that ends insert
         else:
             free_swa.append(s)
 
@@ -428,7 +435,7 @@ class SWARadixTree(SWAEvictionMixin):
         keep = self._last_safe_offset_at(node, off, present, new_swa)
         needed = 1 + (0 < off < len(node))
         if keep and self.num_nodes + needed > self.nodes_max:
-            self._evict_nodes(self.num_nodes + needed - self.nodes_max, {s[0] for s in segments})
+            self.eviction.evict_nodes(self.num_nodes + needed - self.nodes_max, {s[0] for s in segments})
         if not keep or self.num_nodes + needed > self.nodes_max:
             keep = 0
         free_full.extend(full_pages[present + keep :])
@@ -441,22 +448,22 @@ class SWARadixTree(SWAEvictionMixin):
         )
         parent.children[leaf.keys[0]] = leaf
         self.num_nodes += 1
-        self._full_lru[leaf] = None
+        self.full_lru[leaf] = None
         if leaf.live_swa:
-            self._swa_lru[leaf] = None
-        self._full_owned.update(leaf.full)
-        self._swa_owned.update(s for s in leaf.swa if s is not None)
+            self.swa_lru[leaf] = None
+        self.full_owned.update(leaf.full)
+        self.swa_owned.update(s for s in leaf.swa if s is not None)
         for obs in self.observers:
             obs.pages_stored(leaf.keys, [s is not None for s in leaf.swa])
         return keep, leaf
 
     def _last_safe_offset_at(self, node: TreeNode, off: int, start: int, swa: list) -> int:
         """The same for pages `swa` hung below page `off` of node, starting at page `start`."""
-        run = self._live_run_at(node, off, self._tail_max) if node is not self.root else 0
+        run = self.live_run_at(node, off, self.tail_max) if node is not self.root else 0
         best = 0
         for j, s in enumerate(swa):
             run = run + 1 if s is not None else 0
-            if run >= self._tail(start + j + 1):
+            if run >= self.tail(start + j + 1):
                 best = j + 1
         return best
 
@@ -469,8 +476,8 @@ class SWARadixTree(SWAEvictionMixin):
         upper.swa_locks = node.swa_locks[:k]
         upper.full_lock = node.full_lock
         for sp in upper.swa:  # spare pages now held by the upper part
-            if sp is not None and sp in self._spare:
-                self._spare[sp] = upper
+            if sp is not None and sp in self.spare_owner:
+                self.spare_owner[sp] = upper
         node.parent.children[node.keys[0]] = upper
         for lst in (node.keys, node.full, node.swa, node.swa_locks):
             del lst[:k]
@@ -479,9 +486,9 @@ class SWARadixTree(SWAEvictionMixin):
         node.parent = upper
         upper.children[node.keys[0]] = node
         self.num_nodes += 1
-        self._full_lru[upper] = None
+        self.full_lru[upper] = None
         if upper.live_swa:
-            self._swa_lru[upper] = None
+            self.swa_lru[upper] = None
         if not node.live_swa:
-            self._swa_lru.pop(node, None)
+            self.swa_lru.pop(node, None)
         return upper

@@ -13,7 +13,6 @@ from gcache.worker.engine.scheduler import (
     SchedulerPolicy,
     TtftOrder,
 )
-from gcache.worker.kvcache.hicache_config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from gcache.worker.kvcache.policies import (
     BestEffort,
     PrefetchRule,
@@ -26,6 +25,7 @@ from gcache.worker.kvcache.policies import (
     prefetch_rule,
     write_rule,
 )
+from gcache.worker.kvcache.tiered_config import PrefetchPolicy, TieredCacheConfig, WritePolicy
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ from gcache.worker.kvcache.policies import (
     ],
 )
 def test_write_rule_by_name(name, cls, at_insert, at_evict, counts):
-    rule = write_rule(HiCacheConfig(write_policy=name, write_threshold=3))
+    rule = write_rule(TieredCacheConfig(write_policy=name, write_threshold=3))
     assert isinstance(rule, cls) and isinstance(rule, WriteRule) and rule.policy == name
     assert (rule.writes_at_insert, rule.writes_at_evict, rule.counts_hits) == (at_insert, at_evict, counts)
 
@@ -49,9 +49,9 @@ def test_selective_writes_only_pages_at_the_threshold():
 
 
 def test_prefetch_rule_by_name():
-    assert isinstance(prefetch_rule(HiCacheConfig(prefetch_policy="best_effort")), BestEffort)
-    assert isinstance(prefetch_rule(HiCacheConfig(prefetch_policy="wait_complete")), WaitComplete)
-    timeout = prefetch_rule(HiCacheConfig(prefetch_policy="timeout", prefetch_timeout_s=60))
+    assert isinstance(prefetch_rule(TieredCacheConfig(prefetch_policy="best_effort")), BestEffort)
+    assert isinstance(prefetch_rule(TieredCacheConfig(prefetch_policy="wait_complete")), WaitComplete)
+    timeout = prefetch_rule(TieredCacheConfig(prefetch_policy="timeout", prefetch_timeout_s=60))
     assert isinstance(timeout, PrefetchTimeout) and isinstance(timeout, PrefetchRule)
     assert timeout.timeout_s == 60 and timeout.policy == PrefetchPolicy.TIMEOUT
     assert BestEffort().ready(0.0) and not WaitComplete().ready(0.0)

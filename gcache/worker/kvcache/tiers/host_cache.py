@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.tiers import Tier
-from gcache.worker.config import FULL, SWA
 from gcache.worker.integrity import require
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 
 
 @dataclass
@@ -45,7 +46,7 @@ class HostCache:
         self.honor_pins = honor_pins  # False only in the regression test of failure mode 1
         self.lock = threading.Lock()
         self.entries: OrderedDict[str, HostPage] = OrderedDict()  # oldest first
-        self._reserved: dict[str, set[int]] = {FULL: set(), SWA: set()}
+        self._reserved: dict[AttentionKind, set[int]] = {AttentionKind.FULL: set(), AttentionKind.SWA: set()}
         self._pinned = 0  # entries with pins > 0 (a gauge read every engine step: no scan)
         self.stats = {"evicted_full": 0, "evicted_swa": 0, "reserve_failures": 0, "published": 0}
         # Observers of which pages L2 holds (the router publisher), called under self.lock:
@@ -107,7 +108,7 @@ class HostCache:
                 self._unpin(e)
 
     # ---- slots -----------------------------------------------------------------------------
-    def reserve(self, kind: str, n: int) -> list[int] | None:
+    def reserve(self, kind: AttentionKind, n: int) -> list[int] | None:
         """n free slots of `kind`, evicting unpinned LRU pages; None (nothing changes but
         evictions) if pinned pages leave too little room. Publish or cancel them."""
         pool = self.pool.pools[kind]
@@ -121,7 +122,7 @@ class HostCache:
             self._reserved[kind].update(slots)
             return slots
 
-    def cancel(self, kind: str, slots: list[int]) -> None:
+    def cancel(self, kind: AttentionKind, slots: list[int]) -> None:
         with self.lock:
             self._reserved[kind].difference_update(slots)
             self.pool.pools[kind].free(slots)
@@ -133,28 +134,28 @@ class HostCache:
         already holds goes back to the pool. An SWA page without a full page to hang on is
         dropped. Returns whether the entry exists afterwards (pinned once more if pin)."""
         with self.lock:
-            for kind, slot in ((FULL, full), (SWA, swa)):
+            for kind, slot in ((AttentionKind.FULL, full), (AttentionKind.SWA, swa)):
                 if slot is not None:
                     self._reserved[kind].remove(slot)
             e = self.entries.get(key)
-            give_back: dict[str, list[int]] = {FULL: [], SWA: []}
+            give_back: dict[AttentionKind, list[int]] = {AttentionKind.FULL: [], AttentionKind.SWA: []}
             if e is None:
                 if full is None:
                     if swa is not None:
-                        give_back[SWA].append(swa)
+                        give_back[AttentionKind.SWA].append(swa)
                     self._free(give_back)
                     return False
                 e = self.entries[key] = HostPage(full, swa, origin=origin, in_l3=in_l3)
                 self.stats["published"] += 1
             else:
                 if full is not None:
-                    give_back[FULL].append(full)
+                    give_back[AttentionKind.FULL].append(full)
                 if swa is not None:
                     if e.swa is None:
                         e.swa = swa
                         e.in_l3 = in_l3  # L3 has this page's full KV, not yet its SWA
                     else:
-                        give_back[SWA].append(swa)
+                        give_back[AttentionKind.SWA].append(swa)
                 if full is not None:
                     e.in_l3 = e.in_l3 or in_l3
             self.entries.move_to_end(key)
@@ -202,7 +203,7 @@ class HostCache:
             if lst:
                 self.pool.pools[kind].free(lst)
 
-    def _evict(self, kind: str, needed: int) -> None:
+    def _evict(self, kind: AttentionKind, needed: int) -> None:
         """Free `needed` slots of `kind` from unpinned pages, oldest first (caller holds lock).
         A full slot goes with its whole entry; an SWA slot alone turns the entry full-only."""
         freed = 0
@@ -212,20 +213,20 @@ class HostCache:
             e = self.entries[key]
             if e.pins and self.honor_pins:
                 continue
-            if kind == FULL:
+            if kind == AttentionKind.FULL:
                 if e.pins:  # honor_pins is off (failure-mode-1 test only)
                     self._pinned -= 1
                 del self.entries[key]
-                self.pool.pools[FULL].free([e.full])
+                self.pool.pools[AttentionKind.FULL].free([e.full])
                 if e.swa is not None:
-                    self.pool.pools[SWA].free([e.swa])
+                    self.pool.pools[AttentionKind.SWA].free([e.swa])
                     self.stats["evicted_swa"] += 1
                 self.stats["evicted_full"] += 1
                 freed += 1
                 for obs in self.observers:
                     obs.host_changed(key, False, False)
             elif e.swa is not None:
-                self.pool.pools[SWA].free([e.swa])
+                self.pool.pools[AttentionKind.SWA].free([e.swa])
                 e.swa = None
                 self.stats["evicted_swa"] += 1
                 freed += 1
@@ -250,16 +251,16 @@ class HostCache:
 
     def used_pages(self) -> tuple[int, int]:
         with self.lock:
-            return self.pool.pools[FULL].num_used, self.pool.pools[SWA].num_used
+            return self.pool.pools[AttentionKind.FULL].num_used, self.pool.pools[AttentionKind.SWA].num_used
 
     def check_integrity(self, expect_unpinned: bool = False) -> None:
         """Every host slot is free, reserved or held by exactly one entry; pins >= 0 (and 0
         everywhere when the caller knows nothing is in flight)."""
         with self.lock:
-            for kind in (FULL, SWA):
+            for kind in (AttentionKind.FULL, AttentionKind.SWA):
                 pool = self.pool.pools[kind]
                 pool.check_integrity()
-                held = [e.full if kind == FULL else e.swa for e in self.entries.values()]
+                held = [e.full if kind == AttentionKind.FULL else e.swa for e in self.entries.values()]
                 held = [s for s in held if s is not None]
                 require(len(held) == len(set(held)), f"a host {kind} slot is held by two pages")
                 reserved = self._reserved[kind]
@@ -274,3 +275,21 @@ class HostCache:
             for key, e in self.entries.items():
                 require(e.pins >= 0, f"host page {key[:12]} has negative pins")
                 require(not expect_unpinned or e.pins == 0, f"host page {key[:12]} still pinned when idle")
+
+
+def stored_prefix(host: HostCache, keys: Sequence[str], swa_lo: int) -> tuple[int, bool]:
+    """(leading pages of `keys` whose KV is in L3: full, and SWA from swa_lo on; whether any
+    page is still queued for L3). The L3 writer threads mark pages in_l3 when their write is
+    acknowledged; the PD prefill waits on this before it hands a request over."""
+    stored, counting, queued = 0, True, False
+    for i, k in enumerate(keys):
+        e = host.get(k)
+        if e is None:
+            counting = False
+            continue
+        queued = queued or e.l3_queued
+        if counting and e.in_l3 and not e.l3_queued and (i < swa_lo or e.swa is not None):
+            stored += 1
+        else:
+            counting = False
+    return stored, queued

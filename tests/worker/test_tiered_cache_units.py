@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gcache.common.attention import AttentionKind
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.wire.keys import TOKEN_ID_MAX, get_hash_str, page_hashes, page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.kvcache.host_cache import HostCache
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.host_cache import HostCache
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
 from tests.support.tiny_model import ONE_FULL_LAYER, TINY_MODEL
 
 CFG_KW = dict(TINY_MODEL, dtype="float64", layer_pattern=ONE_FULL_LAYER)
@@ -95,8 +96,8 @@ def host_cache(full: int = 4, swa: int = 2, honor_pins: bool = True) -> HostCach
 
 
 def put(cache: HostCache, key: str, with_swa: bool = False) -> bool:
-    full = cache.reserve(FULL, 1)
-    swa = cache.reserve(SWA, 1) if with_swa else None
+    full = cache.reserve(AttentionKind.FULL, 1)
+    swa = cache.reserve(AttentionKind.SWA, 1) if with_swa else None
     assert full is not None and (swa is not None or not with_swa)
     return cache.publish(key, full[0], swa[0] if swa else None, origin="l1")
 
@@ -108,11 +109,11 @@ def test_a_pinned_page_is_never_evicted():
     assert cache.pin(["a", "b", "zz"]) == ["a", "b"]  # absent keys are not pinned
     put(cache, "e")  # evicts the oldest unpinned page: c
     assert [k in cache for k in "abcde"] == [True, True, False, True, True]
-    assert cache.reserve(FULL, 3) is None  # pinned a and b leave too little room
+    assert cache.reserve(AttentionKind.FULL, 3) is None  # pinned a and b leave too little room
     assert [k in cache for k in "abde"] == [True, True, False, False]  # its evictions stand
     assert cache.stats["reserve_failures"] == 1
     cache.unpin(["a", "b"])
-    assert cache.reserve(FULL, 3) is not None  # now they may go, oldest first
+    assert cache.reserve(AttentionKind.FULL, 3) is not None  # now they may go, oldest first
     assert "a" not in cache and "b" in cache
     cache.check_integrity()
 
@@ -137,7 +138,7 @@ def test_publish_of_a_duplicate_frees_the_slot():
     assert cache.get("a").swa is not None and cache.used_pages() == (used[0], used[1] + 1)
     assert put(cache, "a", with_swa=True)  # both duplicate now
     assert cache.used_pages() == (used[0], used[1] + 1)
-    swa = cache.reserve(SWA, 1)
+    swa = cache.reserve(AttentionKind.SWA, 1)
     assert not cache.publish("orphan", None, swa[0], origin="l3")  # SWA with no full page: dropped
     assert cache.used_pages() == (used[0], used[1] + 1)
     cache.check_integrity()
@@ -145,10 +146,10 @@ def test_publish_of_a_duplicate_frees_the_slot():
 
 def test_reserved_slots_belong_to_no_entry_until_published():
     cache = host_cache(full=2)
-    slots = cache.reserve(FULL, 2)
+    slots = cache.reserve(AttentionKind.FULL, 2)
     cache.check_integrity()
-    assert cache.reserve(FULL, 1) is None  # reserved slots are not evictable
-    cache.cancel(FULL, slots)
+    assert cache.reserve(AttentionKind.FULL, 1) is None  # reserved slots are not evictable
+    cache.cancel(AttentionKind.FULL, slots)
     assert cache.used_pages() == (0, 0)
     cache.check_integrity()
 
@@ -160,7 +161,7 @@ def test_claim_for_l3_pins_until_finished():
     claimed = cache.claim_for_l3(["a", "b", "x"])
     assert [k for k, _, _ in claimed] == ["a", "b"]
     assert cache.claim_for_l3(["a"]) == []  # queued once
-    assert cache.reserve(FULL, 1) is None  # pinned while the write is pending
+    assert cache.reserve(AttentionKind.FULL, 1) is None  # pinned while the write is pending
     cache.finish_l3(["a", "b"], stored=True)
     assert cache.pins() == {} and cache.get("a").in_l3
     assert cache.claim_for_l3(["a"]) == []  # already in L3
@@ -180,11 +181,11 @@ def test_random_operations_keep_pinned_pages_and_integrity(ops):
     for op, i in ops:
         key = f"k{i}"
         if op in ("put", "put_swa"):
-            full = cache.reserve(FULL, 1)
-            swa = cache.reserve(SWA, 1) if op == "put_swa" else None
+            full = cache.reserve(AttentionKind.FULL, 1)
+            swa = cache.reserve(AttentionKind.SWA, 1) if op == "put_swa" else None
             if full is None:  # only when every full slot holds a pinned page
                 if swa:
-                    cache.cancel(SWA, swa)
+                    cache.cancel(AttentionKind.SWA, swa)
                 assert sum(1 for n in pins.values() if n) == 4
             else:
                 cache.publish(key, full[0], swa[0] if swa else None, origin="l1")
@@ -195,9 +196,9 @@ def test_random_operations_keep_pinned_pages_and_integrity(ops):
             cache.unpin([key])
             pins[key] -= 1
         elif op == "reserve_cancel":
-            got = cache.reserve(SWA, 1)
+            got = cache.reserve(AttentionKind.SWA, 1)
             if got is not None:
-                cache.cancel(SWA, got)
+                cache.cancel(AttentionKind.SWA, got)
         for k, n in pins.items():
             if n:
                 assert k in cache and cache.get(k).pins == n, f"pinned page {k} was evicted"
@@ -212,7 +213,7 @@ def test_check_integrity_raises_on_corruption(corrupt):
     if corrupt == "shared_slot":
         cache.entries["b"].full = cache.entries["a"].full
     elif corrupt == "leaked_slot":
-        cache.pool.pools[FULL].alloc(1)
+        cache.pool.pools[AttentionKind.FULL].alloc(1)
     elif corrupt == "negative_pins":
         cache.entries["a"].pins = -1
     else:
@@ -226,14 +227,14 @@ def test_check_integrity_raises_under_python_O():
     """IntegrityError is raised by require(), not assert: `python -O` keeps the check."""
     code = (
         "import numpy as np\n"
-        "from gcache.worker.config import FULL\n"
-        "from gcache.worker.kvcache.host_cache import HostCache\n"
-        "from gcache.worker.kvcache.host_pool import HostKVPool\n"
+        "from gcache.common.attention import AttentionKind\n"
+        "from gcache.worker.kvcache.tiers.host_cache import HostCache\n"
+        "from gcache.worker.kvcache.tiers.host_pool import HostKVPool\n"
         "from gcache.worker.integrity import IntegrityError\n"
         "from gcache.worker.config import ModelConfig\n"
         f"cfg = ModelConfig(**{CFG_KW!r})\n"
         "c = HostCache(HostKVPool(cfg, 2, 1, xp=np))\n"
-        "c.pool.pools[FULL].alloc(1)\n"
+        "c.pool.pools[AttentionKind.FULL].alloc(1)\n"
         "assert False, 'asserts must be off'\n"
         "try:\n"
         "    c.check_integrity()\n"

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.worker.config import FULL, SWA
-from gcache.worker.kvcache.host_cache import HostCache
+from gcache.common.attention import AttentionKind
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiers.host_cache import HostCache
 
 
 @dataclass
@@ -53,7 +53,9 @@ class LoadBatch:
         self.wait_s = 0.0  # time the forward spent waiting for layers
         self.copy_s = 0.0  # time the copies took (incl. throttle)
         self.bytes = sum(
-            len(ld.full[0]) * kv.bytes_per_page(FULL) + len(ld.swa[0]) * kv.bytes_per_page(SWA) for ld in loads
+            len(ld.full[0]) * kv.bytes_per_page(AttentionKind.FULL)
+            + len(ld.swa[0]) * kv.bytes_per_page(AttentionKind.SWA)
+            for ld in loads
         )
 
     def start(self) -> LoadBatch:
@@ -74,7 +76,7 @@ class LoadBatch:
                 kind, j = self.kv.layer_slot[layer]
                 pages = 0
                 for ld in self.loads:
-                    dev, slots = ld.full if kind == FULL else ld.swa
+                    dev, slots = ld.full if kind == AttentionKind.FULL else ld.swa
                     pool.load_layer(self.kv, kind, j, dev, slots)
                     pages += len(dev)
                 if self.throttle_bytes_per_s:

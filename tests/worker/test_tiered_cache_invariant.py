@@ -26,15 +26,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import gcache
-from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
-from gcache.worker.config import FULL, SWA
+from gcache.common.attention import AttentionKind
+from gcache.wire.keys import KeyBuilder
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import Request, SamplingParams
 from gcache.worker.integrity import IntegrityError
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.transformer import Model
-from tests.support.hicache_support import CFG, build_engine
 from tests.support.reference import check_against_reference
+from tests.support.tiered_cache_support import CFG, build_engine
 
 PS = CFG.page_size  # 8 tokens; the window is 4 pages
 STEPS_MAX = 20_000  # no loop runs longer: a hung engine fails, never stalls the suite
@@ -73,14 +73,14 @@ def engines(model):
         full_pages: int = 64,
         swa_pages: int = 24,
         prefix_cache: bool = True,
-        **hicache,
+        **cache_kw,
     ) -> Engine:
-        hicache.setdefault("prefetch_policy", "wait_complete")
-        hc = HiCacheConfig(
+        cache_kw.setdefault("prefetch_policy", "wait_complete")
+        hc = TieredCacheConfig(
             l2_bytes=l2_bytes if prefix_cache else 0,
             l3_url=l3 if prefix_cache else "",
             model_name=model_name,
-            **hicache,
+            **cache_kw,
         )
         engine = build_engine(model, full_pages, swa_pages, hc, prefix_cache)
         made.append(engine)
@@ -152,10 +152,10 @@ def assert_invariant(make, model: Model, reqs: list[Request]) -> None:
     assert sum(p.cached_tokens for p in ref) == 0
 
 
-def seed_l3(make, address: str, pages=(18,), **hicache) -> Engine:
+def seed_l3(make, address: str, pages=(18,), **cache_kw) -> Engine:
     """Another worker computes the shared text up to each of `pages` (each a checkpoint),
     and its L3 writes complete."""
-    writer = make(address, **hicache)
+    writer = make(address, **cache_kw)
     for p in pages:
         serve(writer, upto(p))
     drained(writer)
@@ -239,9 +239,9 @@ def chain() -> list[str]:
 @pytest.mark.parametrize(
     "pool, page, expected_pages",
     [
-        (POOL_FULL, 9, 6),  # full KV gone mid-chain: the hit ends at the checkpoint before it (6)
-        (POOL_SWA, 10, 18),  # an SWA page of checkpoint 12: resuming at 18 never needs it
-        (POOL_SWA, 16, 12),  # an SWA page of the end's window: back to checkpoint 12
+        (AttentionKind.FULL, 9, 6),  # full KV gone mid-chain: the hit ends at the checkpoint before it (6)
+        (AttentionKind.SWA, 10, 18),  # an SWA page of checkpoint 12: resuming at 18 never needs it
+        (AttentionKind.SWA, 16, 12),  # an SWA page of the end's window: back to checkpoint 12
     ],
 )
 def test_page_missing_in_the_middle_of_an_l3_chain(server, engines, model, pool, page, expected_pages):
@@ -263,7 +263,7 @@ def test_wrong_sized_l3_value_is_a_miss_from_there_on(server, engines, model, si
     short reads, longer ones do not fit the host page; both cut the chain at that page and
     leave the store usable (no suspect period: the next request still reads L3)."""
     seed_l3(engines, server.address, swa_checkpoint_pages=6)
-    key = l3_key(MODEL_NAME, chain()[9], POOL_FULL)
+    key = l3_key(MODEL_NAME, chain()[9], AttentionKind.FULL)
     with gcache.Client(server.address) as c:
         assert c.remove(key)
         assert c.put(key, os.urandom(size))  # values are immutable: remove, then put
@@ -288,7 +288,7 @@ def test_corrupt_disk_record_is_a_miss_never_wrong_bytes(server, engines, model)
     seed_l3(engines, server.address, swa_checkpoint_pages=6)
     admin_flush(server)
     server.stop(signal.SIGKILL)
-    key = l3_key(MODEL_NAME, chain()[9], POOL_FULL)
+    key = l3_key(MODEL_NAME, chain()[9], AttentionKind.FULL)
     segments = sorted(server.data_dir.glob("seg-*.log"))
     hits = [(seg, seg.read_bytes().find(key)) for seg in segments]
     hits = [(seg, at) for seg, at in hits if at >= 0]
@@ -341,7 +341,7 @@ def run_with_fault(engine: Engine, jobs, fault, later_jobs=()) -> list[Request]:
 
 def forget_l1_and_l2(engine: Engine) -> None:
     evict_l1(engine)
-    for kind in (FULL, SWA):
+    for kind in (AttentionKind.FULL, AttentionKind.SWA):
         evict_l2(engine, kind, engine.cache.host.pool.pools[kind].num_pages)
     assert engine.cache.host.used_pages() == (0, 0)
 
@@ -477,7 +477,9 @@ def hierarchy_workloads(draw):
         elif kind == "evict_l1":
             script.append(("evict_l1", draw(st.integers(0, 40)), draw(st.integers(0, 16))))
         elif kind == "evict_l2":
-            script.append(("evict_l2", draw(st.sampled_from([FULL, SWA])), draw(st.integers(1, 20))))
+            script.append(
+                ("evict_l2", draw(st.sampled_from([AttentionKind.FULL, AttentionKind.SWA])), draw(st.integers(1, 20)))
+            )
         elif kind == "restart":
             script.append(("restart",))
         elif kind == "turn" and n_req:
@@ -588,6 +590,6 @@ def test_integrity_check_catches_a_stray_host_pin_and_a_leaked_host_slot(engines
         e.check_integrity()
     e.cache.host.unpin([key])
     e.check_integrity()
-    e.cache.host.pool.pools[FULL].alloc(1)  # a slot nobody holds
+    e.cache.host.pool.pools[AttentionKind.FULL].alloc(1)  # a slot nobody holds
     with pytest.raises(IntegrityError, match="leaked"):
         e.check_integrity()

@@ -81,12 +81,12 @@ class _Tier:
 
 
 class MTPTails:
-    """The MTP tails of one worker's cache hierarchy (HiCache.mtp)."""
+    """The MTP tails of one worker's cache hierarchy (TieredPrefixCache.mtp)."""
 
     def __init__(self, l1_bytes: int, l2_bytes: int = 0, l3=None) -> None:
         self.l1 = _Tier(l1_bytes)
         self.l2 = _Tier(l2_bytes) if l2_bytes else None
-        self.l3 = l3  # kvcache.l3_store.L3Store or None
+        self.l3 = l3  # kvcache.tiers.l3_store.L3Store or None
         self.stats = dict.fromkeys(("puts", "bad", "l3_put_dropped", "l3_put_errors", "l3_get_errors"), 0)
         self._error_lock = threading.Lock()  # l3_put_errors is counted on the L3 writer threads
         self.stats.update({f"hits_{t.value}": 0 for t in (Tier.L1, Tier.L2, Tier.L3)})
@@ -150,7 +150,7 @@ class MTPTails:
             for k, b in dropped:
                 self.l2.put(k, b)
 
-    # the tree's observer protocol (swa_radix_tree.observers): its pages leave L1
+    # the tree's observer protocol (swa_tree.tree.SWARadixTree.observers): its pages leave L1
     def pages_stored(self, keys, swa_live) -> None:
         pass  # tails enter at put(), from the engine
 

@@ -37,12 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gcache import errors
+from gcache.common.attention import AttentionKind
 from gcache.common.breaker import Breaker
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
-from gcache.wire.keys import POOL_FULL, POOL_SWA, KeyBuilder
-from gcache.worker.config import FULL, SWA
-from gcache.worker.kvcache.host_cache import HostCache
+from gcache.wire.keys import KeyBuilder
+from gcache.worker.kvcache.tiers.host_cache import HostCache
 
 log = logging.getLogger("gcache.worker.l3")
 TOUCH_PAGES_MAX = 64  # prefix pages probed after a write (bounded work per write)
@@ -126,7 +126,7 @@ class L3Store:
             )
         )
         self.pool = host.pool
-        for kind in (FULL, SWA):
+        for kind in (AttentionKind.FULL, AttentionKind.SWA):
             if self.pool.page_bytes[kind] and self.pool.pools[kind].num_pages:
                 self.client.register_buffer(self.pool.buffer(kind))
         self._breaker = Breaker(config.suspect_s)
@@ -268,6 +268,11 @@ class L3Store:
             for k, v in by.items():
                 self.stats[k] += v
 
+    def stats_snapshot(self) -> dict[str, float]:
+        """A consistent copy of the counters (the writer and prefetch threads update them)."""
+        with self._lock:
+            return dict(self.stats)
+
     def write_queue_depth(self) -> int:
         return self._writes.qsize()
 
@@ -351,7 +356,10 @@ class L3Store:
         order = list(reversed(job.pages)) if self.config.protect_prefix else list(job.pages)
         keys, bufs, sizes = [], [], []
         for h, full, swa in order:  # slots captured at claim time: the pin keeps them this page's
-            for kind, slot, pool in ((FULL, full, POOL_FULL), (SWA, swa, POOL_SWA)):
+            for kind, slot, pool in (
+                (AttentionKind.FULL, full, AttentionKind.FULL),
+                (AttentionKind.SWA, swa, AttentionKind.SWA),
+            ):
                 if slot is None:
                     continue
                 keys.append(self.keys.key(h, pool))
@@ -364,7 +372,7 @@ class L3Store:
                 # Both pools: a chain resumes only at a checkpoint whose SWA tail is there too
                 # (the SWA keys that exist are its checkpoint tails; probing a missing key is free).
                 self.client.batch_is_exist(
-                    [self.keys.key(h, pool) for h in job.touch for pool in (POOL_FULL, POOL_SWA)]
+                    [self.keys.key(h, pool) for h in job.touch for pool in (AttentionKind.FULL, AttentionKind.SWA)]
                 )
                 self._count(touch_probes=1)
         except (errors.GCacheError, OSError) as exc:
@@ -379,7 +387,7 @@ class L3Store:
         )
         return all(ok)
 
-    def _buffer(self, kind: str, slot: int):
+    def _buffer(self, kind: AttentionKind, slot: int):
         if not self.pool.page_bytes[kind]:
             return b""  # a model with no layers of this kind: empty values
         return self.pool.address(kind, slot)
@@ -447,12 +455,14 @@ class L3Store:
             p.outcome = "failed"
             return
         chain = p.keys
-        full_keys = [self.keys.key(h, POOL_FULL) for h in chain[p.start :]]
+        full_keys = [self.keys.key(h, AttentionKind.FULL) for h in chain[p.start :]]
         n_full = self.client.batch_exists_prefix(full_keys)  # also keeps the chain warm
         if n_full == 0:
             p.outcome = "miss"
             return
-        swa_l3 = self.client.batch_is_exist([self.keys.key(h, POOL_SWA) for h in chain[p.start : p.start + n_full]])
+        swa_l3 = self.client.batch_is_exist(
+            [self.keys.key(h, AttentionKind.SWA) for h in chain[p.start : p.start + n_full]]
+        )
         in_l2 = {h: self.host.get(h) for h in chain[p.start : p.start + n_full]}
 
         def has_swa(i: int) -> bool:
@@ -482,11 +492,11 @@ class L3Store:
         for i in range(p.start, end):
             e = self.host.get(chain[i])
             if e is None:
-                want.append((i, FULL))
+                want.append((i, AttentionKind.FULL))
             if i >= tail and (e is None or e.swa is None) and swa_l3[i - p.start]:
-                want.append((i, SWA))
-        slots: dict[str, list[int]] = {}
-        for kind in (FULL, SWA):
+                want.append((i, AttentionKind.SWA))
+        slots: dict[AttentionKind, list[int]] = {}
+        for kind in (AttentionKind.FULL, AttentionKind.SWA):
             n = sum(1 for _, k in want if k == kind)
             got = self.host.reserve(kind, n) if n else []
             if got is None:  # L2 is pinned full: read nothing
@@ -497,7 +507,10 @@ class L3Store:
             slots[kind] = got
         it = {k: iter(v) for k, v in slots.items()}
         plan = [(i, kind, next(it[kind])) for i, kind in want]
-        keys = [self.keys.key(chain[i], POOL_FULL if kind == FULL else POOL_SWA) for i, kind, _ in plan]
+        keys = [
+            self.keys.key(chain[i], AttentionKind.FULL if kind == AttentionKind.FULL else AttentionKind.SWA)
+            for i, kind, _ in plan
+        ]
         bufs = [self._buffer(kind, s) if self.pool.page_bytes[kind] else bytearray(0) for _, kind, s in plan]
         sizes = [self.pool.page_bytes[kind] for _, kind, _ in plan]
         t0 = time.monotonic()
@@ -524,14 +537,14 @@ class L3Store:
                 continue
             if self.host.publish(
                 chain[i],
-                s if kind == FULL else None,
-                s if kind == SWA else None,
+                s if kind == AttentionKind.FULL else None,
+                s if kind == AttentionKind.SWA else None,
                 origin=Tier.L3,
                 in_l3=True,
-                pin=kind == FULL,
+                pin=kind == AttentionKind.FULL,
             ):
                 p.fetched.add(chain[i])
-                if kind == FULL:
+                if kind == AttentionKind.FULL:
                     pinned.append(chain[i])
         # Pinned pages cannot be evicted (nor lose their SWA), so this is what the request gets.
         n, swa = self.host.run(chain, p.start)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from gcache.common.attention import AttentionKind
 from gcache.worker.integrity import require
 
 if TYPE_CHECKING:
-    from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
-    from gcache.worker.kvcache.swa_tree_node import TreeNode
+    from gcache.worker.kvcache.swa_tree.node import TreeNode, TreeState
 
 
-def check_tree(tree, external_full=None, external_swa=None) -> None:
+def check_tree(tree: TreeState, external_full=None, external_swa=None) -> None:
     nodes = _walk_nodes(tree)
     require(
         len(nodes) == tree.num_nodes <= tree.nodes_max,
@@ -24,7 +24,7 @@ def check_tree(tree, external_full=None, external_swa=None) -> None:
     _check_ownership(tree, nodes, external_full, external_swa)
 
 
-def _walk_nodes(tree: SWARadixTree) -> list[TreeNode]:
+def _walk_nodes(tree: TreeState) -> list[TreeNode]:
     root = tree.root
     require(
         root.parent is None and not root.keys and not root.removed and root.full_lock == 0, "integrity check failed"
@@ -51,21 +51,21 @@ def _check_shape(tree, nodes) -> None:
         require(node.start == node.parent.end, f"node start {node.start} != parent end {node.parent.end}")
         require(node.live_swa == sum(s is not None for s in node.swa), "live SWA count is stale")
         if not node.children:
-            need = tree._tail(node.end)
+            need = tree.tail(node.end)
             require(node.swa[-1] is not None, "a leaf ends in an SWA tombstone")
-            require(tree._live_run_at(node, n, need) >= need, "a leaf does not end window-safe")
+            require(tree.live_run_at(node, n, need) >= need, "a leaf does not end window-safe")
 
 
 def _check_locks(tree, nodes) -> None:
     full: Counter[int] = Counter()
     swa: Counter[tuple[int, int]] = Counter()  # (node id, page index) -> count
-    for handle, count in tree._handles.items():
+    for handle, count in tree.handles.items():
         require(count > 0 and not handle.removed, "lock handle on a removed node")
         n = handle
         while n is not tree.root:
             full[id(n)] += count
             n = n.parent
-        n, left = handle, tree._tail(handle.end)
+        n, left = handle, tree.tail(handle.end)
         while left > 0:
             for j in range(len(n) - 1, -1, -1):
                 swa[(id(n), j)] += count
@@ -82,28 +82,30 @@ def _check_locks(tree, nodes) -> None:
 
 
 def _check_lru(tree, nodes) -> None:
-    require(set(tree._full_lru) == set(nodes), "full LRU does not hold exactly the tree's nodes")
-    require(set(tree._swa_lru) == {n for n in nodes if n.live_swa}, "SWA LRU != nodes with live SWA")
-    pos = {node: i for i, node in enumerate(tree._full_lru)}
+    require(set(tree.full_lru) == set(nodes), "full LRU does not hold exactly the tree's nodes")
+    require(set(tree.swa_lru) == {n for n in nodes if n.live_swa}, "SWA LRU != nodes with live SWA")
+    pos = {node: i for i, node in enumerate(tree.full_lru)}
     for node in nodes:
         if node.parent is not tree.root:
             require(pos[node] < pos[node.parent], "a parent is older than its child in the LRU")
-    swa_pos = [pos[n] for n in tree._swa_lru]
+    swa_pos = [pos[n] for n in tree.swa_lru]
     require(swa_pos == sorted(swa_pos), "SWA LRU order disagrees with the full LRU order")
 
 
 def _check_ownership(tree, nodes, external_full, external_swa) -> None:
     for kind, pool, owned, ext in (
-        ("full", tree.full_pool, tree._full_owned, external_full),
-        ("swa", tree.swa_pool, tree._swa_owned, external_swa),
+        (AttentionKind.FULL, tree.full_pool, tree.full_owned, external_full),
+        (AttentionKind.SWA, tree.swa_pool, tree.swa_owned, external_swa),
     ):
         pool.check_integrity()
-        pages = [p for n in nodes for p in (n.full if kind == "full" else n.swa) if p is not None]
+        pages = [p for n in nodes for p in (n.full if kind == AttentionKind.FULL else n.swa) if p is not None]
         require(len(pages) == len(set(pages)), f"a {kind} page is owned by two tree positions")
         require(set(pages) == owned, f"tree's {kind} ownership set is stale")
-        if kind == "swa":
-            require(set(tree._spare) <= owned, "a spare SWA page is not one the tree holds")
-            require(all(not n.removed and p in n.swa for p, n in tree._spare.items()), "a spare page's node is stale")
+        if kind == AttentionKind.SWA:
+            require(set(tree.spare_owner) <= owned, "a spare SWA page is not one the tree holds")
+            require(
+                all(not n.removed and p in n.swa for p, n in tree.spare_owner.items()), "a spare page's node is stale"
+            )
         require(all(pool.is_allocated(p) for p in pages), f"tree holds a free {kind} page")
         if ext is not None:
             ext = list(ext)

@@ -34,7 +34,7 @@ HIERARCHY = "cache hierarchy (L1 device / L2 host / L3 GCache)"  # gcache-worker
 
 
 @dataclass(frozen=True)
-class HiCacheConfig:
+class TieredCacheConfig:
     # Flags of gcache-worker are marked (gcache.common.flags), in the group HIERARCHY.
     l2_bytes: int = field(  # host pool size; 0 = no L2 (and so no L3)
         default=0,

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from gcache.common.attention import AttentionKind
 from gcache.worker import backend
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache, PagePool
 
-KINDS = (FULL, SWA)
+KINDS = (AttentionKind.FULL, AttentionKind.SWA)
 
 
 def _host_bytes(nbytes: int, xp) -> np.ndarray:
@@ -41,8 +42,11 @@ class HostKVPool:
         self.config = config
         self.xp = xp
         self.page_bytes = {k: DualKVCache.page_bytes(config, k) for k in KINDS}
-        self.pools = {FULL: PagePool(full_pages, "l2-full"), SWA: PagePool(swa_pages, "l2-swa")}
-        self.layers = {FULL: len(config.full_layers), SWA: len(config.swa_layers)}
+        self.pools = {
+            AttentionKind.FULL: PagePool(full_pages, "l2-full"),
+            AttentionKind.SWA: PagePool(swa_pages, "l2-swa"),
+        }
+        self.layers = {AttentionKind.FULL: len(config.full_layers), AttentionKind.SWA: len(config.swa_layers)}
         self._raw = {k: _host_bytes(self.pools[k].num_pages * self.page_bytes[k], xp) for k in KINDS}
         tail = (config.page_size, config.kv_heads, config.head_dim)
         # Typed views: [slot, K/V, layer of this kind, ps, kv_heads, head_dim].
@@ -57,14 +61,14 @@ class HostKVPool:
         return cls(config, full, swa, xp)
 
     # ---- addresses (for the store client) --------------------------------------------
-    def buffer(self, kind: str) -> np.ndarray:
+    def buffer(self, kind: AttentionKind) -> np.ndarray:
         """The flat byte buffer of a kind (register it with the store client once)."""
         return self._raw[kind]
 
-    def address(self, kind: str, slot: int) -> int:
+    def address(self, kind: AttentionKind, slot: int) -> int:
         return int(self._raw[kind].ctypes.data) + int(slot) * self.page_bytes[kind]
 
-    def slot_view(self, kind: str, slot: int) -> memoryview:
+    def slot_view(self, kind: AttentionKind, slot: int) -> memoryview:
         b = self.page_bytes[kind]
         # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
         return memoryview(self._raw[kind])[int(slot) * b : (int(slot) + 1) * b]  # type: ignore[arg-type]
@@ -73,11 +77,11 @@ class HostKVPool:
         return sum(self.pools[k].num_pages * self.page_bytes[k] for k in KINDS)
 
     # ---- copies ------------------------------------------------------------------------
-    def store_from_device(self, kv: DualKVCache, kind: str, dev_pages: list[int], slots: list[int]) -> None:
+    def store_from_device(self, kv: DualKVCache, kind: AttentionKind, dev_pages: list[int], slots: list[int]) -> None:
         """Device pages -> host slots, every layer of `kind` (one gather per K and V)."""
         if not dev_pages or not self.layers[kind]:
             return
-        k_pool, v_pool = (kv.k_full, kv.v_full) if kind == FULL else (kv.k_swa, kv.v_swa)
+        k_pool, v_pool = (kv.k_full, kv.v_full) if kind == AttentionKind.FULL else (kv.k_swa, kv.v_swa)
         idx = np.asarray(dev_pages, dtype=np.int64)
         dst = self.pages[kind]
         s = np.asarray(slots, dtype=np.int64)
@@ -85,11 +89,13 @@ class HostKVPool:
         dst[s, 0] = backend.to_numpy(k_pool[:, kv.xp.asarray(idx)]).swapaxes(0, 1)
         dst[s, 1] = backend.to_numpy(v_pool[:, kv.xp.asarray(idx)]).swapaxes(0, 1)
 
-    def load_layer(self, kv: DualKVCache, kind: str, layer_index: int, dev_pages: list[int], slots: list[int]) -> None:
+    def load_layer(
+        self, kv: DualKVCache, kind: AttentionKind, layer_index: int, dev_pages: list[int], slots: list[int]
+    ) -> None:
         """Host slots -> device pages for one layer of `kind` (its index among that kind)."""
         if not dev_pages:
             return
-        k_pool, v_pool = (kv.k_full, kv.v_full) if kind == FULL else (kv.k_swa, kv.v_swa)
+        k_pool, v_pool = (kv.k_full, kv.v_full) if kind == AttentionKind.FULL else (kv.k_swa, kv.v_swa)
         idx = kv.xp.asarray(np.asarray(dev_pages, dtype=np.int64))
         s = np.asarray(slots, dtype=np.int64)
         pages = self.pages[kind]

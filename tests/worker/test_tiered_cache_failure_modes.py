@@ -5,9 +5,9 @@ both outcomes: the fix-on run gives the right answer, the fix-off run shows the 
 So each test fails if its fix stops working, and also if the scenario stops exercising it.
 
   1. device-complete, host-deficient   fix: HostCache.honor_pins (pinned host pages stay)
-  2. host-complete, device-deficient   fix: HiCacheConfig.chunk_loads (load what fits)
-  3. L3 evicts prefix pages of hot chains  fix: HiCacheConfig.l3_protect_prefix
-  4. SWA retention for short sequences fix: HiCacheConfig.swa_checkpoint_ends
+  2. host-complete, device-deficient   fix: TieredCacheConfig.chunk_loads (load what fits)
+  3. L3 evicts prefix pages of hot chains  fix: TieredCacheConfig.l3_protect_prefix
+  4. SWA retention for short sequences fix: TieredCacheConfig.swa_checkpoint_ends
 
 Real parts only: real gcache-server processes wherever L3 is involved (the node's own
 S3-FIFO eviction in test 3), the tiny float64 model, every output compared token for token
@@ -28,14 +28,14 @@ import numpy as np
 import pytest
 
 import gcache
+from gcache.common.attention import AttentionKind
 from gcache.wire.keys import KeyBuilder, page_hashes_array
-from gcache.worker.config import FULL, SWA
 from gcache.worker.engine.engine import Engine
 from gcache.worker.engine.request import Request, SamplingParams
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
 from gcache.worker.kvcache.kv_pool import DualKVCache
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
 from gcache.worker.model.transformer import Model
-from tests.support.hicache_support import CFG, build_engine
+from tests.support.tiered_cache_support import CFG, build_engine
 
 PS, W = CFG.page_size, CFG.window
 MODEL_NAME = "failure-modes"
@@ -55,9 +55,12 @@ def make_engine(model):
     made: list[Engine] = []
 
     def make(
-        full_pages: int = 128, swa_pages: int = 32, hicache: HiCacheConfig | None = None, prefix_cache: bool = True
+        full_pages: int = 128,
+        swa_pages: int = 32,
+        cache_config: TieredCacheConfig | None = None,
+        prefix_cache: bool = True,
     ) -> Engine:
-        engine = build_engine(model, full_pages, swa_pages, hicache or HiCacheConfig(), prefix_cache)
+        engine = build_engine(model, full_pages, swa_pages, cache_config or TieredCacheConfig(), prefix_cache)
         made.append(engine)
         return engine
 
@@ -66,11 +69,13 @@ def make_engine(model):
         engine.close()
 
 
-def hicache(l2_full: int = 0, l2_swa: int = 0, l3: str = "", **kw) -> HiCacheConfig:
-    """A HiCacheConfig whose host pool has exactly l2_full full and l2_swa SWA slots."""
-    budget = l2_full * DualKVCache.page_bytes(CFG, FULL) + l2_swa * DualKVCache.page_bytes(CFG, SWA)
+def tiered_config(l2_full: int = 0, l2_swa: int = 0, l3: str = "", **kw) -> TieredCacheConfig:
+    """A TieredCacheConfig whose host pool has exactly l2_full full and l2_swa SWA slots."""
+    budget = l2_full * DualKVCache.page_bytes(CFG, AttentionKind.FULL) + l2_swa * DualKVCache.page_bytes(
+        CFG, AttentionKind.SWA
+    )
     ratio = l2_swa / l2_full if l2_full else 0.25
-    return HiCacheConfig(l2_bytes=budget, l2_swa_full_ratio=ratio, l3_url=l3, model_name=MODEL_NAME, **kw)
+    return TieredCacheConfig(l2_bytes=budget, l2_swa_full_ratio=ratio, l3_url=l3, model_name=MODEL_NAME, **kw)
 
 
 def tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -137,8 +142,8 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
     plain = make_engine(prefix_cache=False)
 
     # (a) L1 has the whole prefix, L2 has it minus its first pages.
-    l1_only = make_engine(hicache=hicache())
-    engine = make_engine(hicache=hicache(l2_full=16, l2_swa=12))
+    l1_only = make_engine(cache_config=tiered_config())
+    engine = make_engine(cache_config=tiered_config(l2_full=16, l2_swa=12))
     long_prompt, other = tokens(rng, 97), tokens(rng, 57)  # 12 and 7 computed pages
     extra = tokens(rng, 5)
     again = {}
@@ -159,8 +164,8 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
     outcome = {}
     for honor_pins in (True, False):
         node = server_factory(f"node-pins-{honor_pins}", memory="16MiB", disk="0")
-        config = hicache(l2_full=16, l2_swa=12, l3=node.address, prefetch_policy="best_effort", l3_timeout_s=60.0)
-        writer = make_engine(hicache=config)
+        config = tiered_config(l2_full=16, l2_swa=12, l3=node.address, prefetch_policy="best_effort", l3_timeout_s=60.0)
+        writer = make_engine(cache_config=config)
         writer.cache.host.honor_pins = honor_pins
         host, l3 = writer.cache.host, writer.cache.l3
         run(writer, tokens(rng, 17))  # connections opened while the node runs
@@ -190,7 +195,9 @@ def test_device_complete_host_deficient(model, server_factory, make_engine):
         writer.check_integrity()
         assert host.pins() == {}
 
-        reader = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete"))
+        reader = make_engine(
+            cache_config=tiered_config(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete")
+        )
         replay = run(reader, workload[0])
         assert replay.cached_by_tier == {"l1": 0, "l2": 0, "l3": 7 * PS}
         outcome[honor_pins] = (kept, stats, replay)
@@ -227,7 +234,7 @@ def test_host_complete_device_deficient(model, make_engine):
     got = {}
     for chunk_loads in (True, False):
         engine = make_engine(
-            full_pages=24, swa_pages=24, hicache=hicache(l2_full=64, l2_swa=32, chunk_loads=chunk_loads)
+            full_pages=24, swa_pages=24, cache_config=tiered_config(l2_full=64, l2_swa=32, chunk_loads=chunk_loads)
         )
         host = engine.cache.host
         done = [run(engine, x + [1], SamplingParams(max_tokens=1), no_pins)]
@@ -247,7 +254,7 @@ def test_host_complete_device_deficient(model, make_engine):
         done += [long_decode, q]
         for r in done:
             assert_exact(model, r, plain)
-        got[chunk_loads] = (q.cached_by_tier, engine.cache.counters["loads_cut_to_fit"])
+        got[chunk_loads] = (q.cached_by_tier, engine.cache.stats()["loads_cut_to_fit"])
 
     by_tier, cuts = got[True]
     assert by_tier == {"l1": 0, "l2": 6 * PS, "l3": 0} and cuts == 1  # 0 < 48 < 160: chunked
@@ -288,10 +295,10 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
         node = server_factory(
             f"node-hot-{protect}", memory="1MiB", disk="0", extra_args=["--eviction-policy", "s3fifo"]
         )
-        config = hicache(
+        config = tiered_config(
             l2_full=256, l2_swa=128, l3=node.address, prefetch_policy="wait_complete", l3_protect_prefix=protect
         )
-        worker = make_engine(full_pages=1024, swa_pages=64, hicache=config)
+        worker = make_engine(full_pages=1024, swa_pages=64, cache_config=config)
         done = [run(worker, tokens(rng, 45))]
         hot = done[0]
         for i in range(40):
@@ -312,7 +319,9 @@ def test_l3_keeps_prefix_pages_of_hot_chains(model, server_factory, make_engine)
             tail_swa = probe.batch_is_exist([keys.key(h, "swa") for h in chain[-W // PS :]])
         finally:
             probe.close()
-        fresh = make_engine(hicache=hicache(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete"))
+        fresh = make_engine(
+            cache_config=tiered_config(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete")
+        )
         resumed = run(fresh, follow_up(hot, tokens(rng, 3)))
         assert run(plain, resumed.prompt, resumed.params).output == resumed.output
         got[protect] = (present, tail_swa, resumed.cached_by_tier)
@@ -344,8 +353,8 @@ def test_swa_retention_short_sequences(model, server_factory, make_engine):
         rng = np.random.default_rng(4)
         node = server_factory(f"node-swa-{ends}", memory="16MiB", disk="0")
         kw = {} if ends else {"swa_checkpoint_ends": False, "swa_checkpoint_pages": 64}
-        config = hicache(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete", **kw)
-        worker, fresh = make_engine(hicache=config), make_engine(hicache=config)
+        config = tiered_config(l2_full=64, l2_swa=32, l3=node.address, prefetch_policy="wait_complete", **kw)
+        worker, fresh = make_engine(cache_config=config), make_engine(cache_config=config)
         turn1 = run(worker, tokens(rng, 41), SamplingParams(max_tokens=8))
         assert worker.cache.l3.drain(10.0)
         worker.cache.evict(HUGE, HUGE)

@@ -1,4 +1,6 @@
-"""The cache hierarchy: L1 (device pools + SWA radix tree), L2 (host pool), L3 (GCache).
+"""TieredPrefixCache: the prefix cache across tiers, L1 (device pools + SWA radix tree), L2
+(host pool), L3 (GCache). It coordinates the tiers; which SWA pages a request keeps is the
+checkpoint policy's (swa_checkpoints.py), the counters are CacheStats' (cache_stats.py).
 
 How a prefix moves (see cache_manager.py for the contract the engine relies on):
   * match: the L1 tree gives the longest window-safe prefix P1 on the device; L2 extends it
@@ -10,9 +12,9 @@ How a prefix moves (see cache_manager.py for the contract the engine relies on):
     fits (failure mode 2: never all-or-nothing).
   * write: pages entering the L1 tree go to L2 and L3 per the write policy; L1 eviction
     demotes pages under write_back.
-  * SWA checkpoints in every tier: a request keeps SWA KV only for its window and for the
-    window tails of its checkpoints (its end, its branch point off the tree, every C
-    pages); everything else goes back to the SWA pool as soon as it leaves the window.
+  * SWA checkpoints in every tier (SWACheckpoints): a request keeps SWA KV only for its window
+    and for the window tails of its checkpoints (its end, its branch point off the tree, every
+    C pages); everything else goes back to the SWA pool as soon as it leaves the window.
     So each tier holds a prefix's SWA cost O(W) per checkpoint, and a prefix is loadable
     from a tier up to its last checkpoint whose full pages are all there.
   * spare SWA in L1 (swa_keep_spare, the first-reuse fix): the SWA pages a request would
@@ -27,45 +29,38 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, cast
 
+from gcache.common.attention import AttentionKind
+from gcache.serving.checkpoints import CheckpointRule
 from gcache.serving.swa_window import last_safe_end, tail_start_page
 from gcache.serving.tiers import Tier
-from gcache.worker.config import FULL, SWA
 from gcache.worker.integrity import require
 from gcache.worker.kvcache.cache_manager import CacheManager, MatchResult, NoLoads
-from gcache.worker.kvcache.hicache_config import HiCacheConfig
-from gcache.worker.kvcache.host_cache import HostCache, HostPage
-from gcache.worker.kvcache.host_pool import HostKVPool
+from gcache.worker.kvcache.cache_stats import CacheStats
 from gcache.worker.kvcache.kv_pool import DualKVCache, RequestKV
-from gcache.worker.kvcache.l3_store import L3Config, L3Store
-from gcache.worker.kvcache.layer_load import LoadBatch, PageLoad
-from gcache.worker.kvcache.mtp_tails import MTPTails
 from gcache.worker.kvcache.policies import prefetch_rule, write_rule
-from gcache.worker.kvcache.swa_radix_tree import SWARadixTree
+from gcache.worker.kvcache.swa_checkpoints import SWACheckpoints
+from gcache.worker.kvcache.swa_tree.tree import SWARadixTree
+from gcache.worker.kvcache.tiered_config import TieredCacheConfig
+from gcache.worker.kvcache.tiers.host_cache import HostCache, HostPage, stored_prefix
+from gcache.worker.kvcache.tiers.host_pool import HostKVPool
+from gcache.worker.kvcache.tiers.l3_store import L3Config, L3Store
+from gcache.worker.kvcache.tiers.layer_load import LoadBatch, PageLoad
+from gcache.worker.kvcache.tiers.mtp_tails import MTPTails
 
 if TYPE_CHECKING:  # the engine room sits above this one: for annotations only
     from gcache.worker.engine.request import Request
 
-STAT_NAMES = (
-    "l2_load_pages",
-    "l2_load_bytes",
-    "l2_load_seconds",
-    "l2_load_wait_seconds",
-    "l2_write_pages",
-    "l2_write_bytes",
-    "l2_write_dropped",
-    "loads_cut_to_fit",
-    "l3_writes_skipped_down",
-)
 
-
-class HiCache(CacheManager):
+class TieredPrefixCache(CacheManager):
     def __init__(
-        self, kv: DualKVCache, config: HiCacheConfig | None = None, nodes_max: int = 1_000_000, l3_client=None
+        self, kv: DualKVCache, config: TieredCacheConfig | None = None, nodes_max: int = 1_000_000, l3_client=None
     ) -> None:
-        config = config if config is not None else HiCacheConfig()
+        config = config if config is not None else TieredCacheConfig()
         self.kv, self.config = kv, config
         self.write_rule, self.prefetch_rule = write_rule(config), prefetch_rule(config)
         self.ps, self.window = kv.page_size, kv.window
+        self.swa_checkpoints = SWACheckpoints(kv, config)  # which SWA pages a request keeps
+        self.checkpoint_rule: CheckpointRule = self.swa_checkpoints.rule
         self.tree = SWARadixTree(self.ps, self.window, kv.full, kv.swa, nodes_max=nodes_max)
         self.host: HostCache | None = None
         self.l3: L3Store | None = None
@@ -91,7 +86,7 @@ class HiCache(CacheManager):
         self._running: dict[int, Request] = {}  # rid -> request holding pages (for evict's trim)
         self._loads: list[PageLoad] = []
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective
-        self.counters: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
+        self.cache_stats = CacheStats()
 
     # ---- lookups ---------------------------------------------------------------------------
     def _limit_pages(self, req) -> int:
@@ -119,10 +114,6 @@ class HiCache(CacheManager):
             node=m.node,
             present_len=m.present_len,
         )
-
-    def periodic_checkpoints(self, lo_page: int, hi_page: int) -> list[int]:
-        c = self.config.swa_checkpoint_pages
-        return list(range((lo_page // c + 1) * c, hi_page + 1, c)) if c else []
 
     def prefix_swa_pages(self, req) -> list:
         own, tree = req.kv.swa_pages, self.tree.path_swa_pages(req.lock_node)
@@ -227,7 +218,7 @@ class HiCache(CacheManager):
             fit = 0  # all-or-nothing (only the regression test of failure mode 2 does this)
         end = last_safe_end(p1, max(0, fit), lambda i: swa[i - p1], ps, W)
         if end - p1 < want:
-            self.counters["loads_cut_to_fit"] += 1
+            self.cache_stats.add("loads_cut_to_fit")
         tail_lo = max(p1, tail_start_page(end, ps, W))
         if end > p1 and kvc.swa.num_free < end - tail_lo:
             self.evict(0, end - tail_lo - kvc.swa.num_free)
@@ -265,22 +256,21 @@ class HiCache(CacheManager):
             self.kv, self.host, self._loads, self.config.layerwise_load, self.config.load_throttle_bytes_per_s
         )
         self._loads = []
-        c = self.counters
-        c["l2_load_pages"] += sum(len(ld.full[0]) for ld in batch.loads)
-        c["l2_load_bytes"] += batch.bytes
+        self.cache_stats.add("l2_load_pages", sum(len(ld.full[0]) for ld in batch.loads))
+        self.cache_stats.add("l2_load_bytes", batch.bytes)
         batch.on_finish = self._load_finished
         return batch.start()
 
     def _load_finished(self, batch: LoadBatch) -> None:
-        self.counters["l2_load_seconds"] += batch.copy_s
-        self.counters["l2_load_wait_seconds"] += batch.wait_s
+        self.cache_stats.add("l2_load_seconds", batch.copy_s)
+        self.cache_stats.add("l2_load_wait_seconds", batch.wait_s)
 
     # ---- write -------------------------------------------------------------------------------
     def prepare_write(self, req, final: bool) -> None:
         ps, kv = self.ps, req.kv
         npages = req.num_computed // ps
         if final and not self.config.swa_keep_spare:
-            self._trim_to_checkpoints(req, npages)
+            self.swa_checkpoints.trim_to_checkpoints(req, npages)
         first = tail_start_page(npages, ps, self.window)
         if npages <= kv.owned_from:
             return  # nothing new
@@ -293,7 +283,11 @@ class HiCache(CacheManager):
             # of the same prompt resumes there) and the answer's (the next turn resumes there).
             self._write_through(req, keys, npages, end_is_checkpoint=final or len(req.output) <= 1)
         self.tree.insert(
-            tokens, kv.full_pages[:npages], kv.swa_pages[:npages], keys=keys, spare=self._spare(req, npages)
+            tokens,
+            kv.full_pages[:npages],
+            kv.swa_pages[:npages],
+            keys=keys,
+            spare=self.swa_checkpoints.spare(req, npages),
         )
         if final:
             kv.owned_from = npages  # the tree owns them now
@@ -314,12 +308,9 @@ class HiCache(CacheManager):
         kv = req.kv
         lo = kv.owned_from
         if end_is_checkpoint:
-            lo = min(lo, tail_start_page(min(self._end_points(req, npages)), self.ps, self.window))
+            lo = min(lo, self.swa_checkpoints.end_tail_start(req))
         idx = self.write_rule.at_insert(range(lo, npages), keys, self._hits)
-        swa = [
-            kv.swa_pages[i] if kv.swa_pages[i] is not None and self._keep(req, i, npages, end_is_checkpoint) else None
-            for i in range(npages)
-        ]
+        swa = self.swa_checkpoints.written_swa(req, npages, end_is_checkpoint)
         self._write_pages(keys, idx, kv.full_pages, swa, chain=keys)
 
     def _count_hits(self, keys: list[str], full_pages, swa_pages) -> None:
@@ -356,24 +347,26 @@ class HiCache(CacheManager):
                 new_full.append(i)
             if swa_ids[i] is not None and (e is None or e.swa is None):
                 new_swa.append(i)
-        picked = {FULL: new_full, SWA: new_swa}
-        slots: dict[str, list[int]] = {}
-        for kind in (FULL, SWA):
+        picked = {AttentionKind.FULL: new_full, AttentionKind.SWA: new_swa}
+        slots: dict[AttentionKind, list[int]] = {}
+        for kind in (AttentionKind.FULL, AttentionKind.SWA):
             got = host.reserve(kind, len(picked[kind])) if picked[kind] else []
             if got is None:  # L2 full of pinned pages: this write is dropped
-                self.counters["l2_write_dropped"] += len(picked[kind])
+                self.cache_stats.add("l2_write_dropped", len(picked[kind]))
                 picked[kind], got = [], []
             slots[kind] = got
-        new_full, new_swa = picked[FULL], picked[SWA]
-        pool.store_from_device(self.kv, FULL, [full_ids[i] for i in new_full], slots[FULL])
-        pool.store_from_device(self.kv, SWA, [swa_ids[i] for i in new_swa], slots[SWA])
-        full_of = dict(zip(new_full, slots[FULL]))
-        swa_of = dict(zip(new_swa, slots[SWA]))
+        new_full, new_swa = picked[AttentionKind.FULL], picked[AttentionKind.SWA]
+        pool.store_from_device(self.kv, AttentionKind.FULL, [full_ids[i] for i in new_full], slots[AttentionKind.FULL])
+        pool.store_from_device(self.kv, AttentionKind.SWA, [swa_ids[i] for i in new_swa], slots[AttentionKind.SWA])
+        full_of = dict(zip(new_full, slots[AttentionKind.FULL]))
+        swa_of = dict(zip(new_swa, slots[AttentionKind.SWA]))
         for i in sorted(set(new_full) | set(new_swa)):
             host.publish(keys[i], full_of.get(i), swa_of.get(i), origin=Tier.L1)
-        c = self.counters
-        c["l2_write_pages"] += len(new_full)
-        c["l2_write_bytes"] += len(new_full) * pool.page_bytes[FULL] + len(new_swa) * pool.page_bytes[SWA]
+        self.cache_stats.add("l2_write_pages", len(new_full))
+        self.cache_stats.add(
+            "l2_write_bytes",
+            len(new_full) * pool.page_bytes[AttentionKind.FULL] + len(new_swa) * pool.page_bytes[AttentionKind.SWA],
+        )
         if self.l3 is not None and (new_full or new_swa):
             self._write_l3(chain)
 
@@ -381,74 +374,15 @@ class HiCache(CacheManager):
         if self.l3 is None or self.host is None:  # cannot happen: called with an L3 only
             raise RuntimeError("invariant broken: called with an L3 only")
         if not self.l3.available():
-            self.counters["l3_writes_skipped_down"] += 1
+            self.cache_stats.add("l3_writes_skipped_down")
             return
         pages = self.host.claim_for_l3(chain)
         if pages and not self.l3.submit_write(pages, chain):
             self.host.finish_l3([h for h, _, _ in pages], False)
 
-    # ---- SWA checkpoints -------------------------------------------------------------------
-    def _keep(self, req, page: int, npages: int, end_is_checkpoint: bool = True) -> bool:
-        """Whether page's SWA KV is kept: it lies in the window tail of a checkpoint up to
-        npages: the end (a request or turn end; a re-lock point mid-decode is not one), the
-        branch point off the tree, every C pages."""
-        c = self.config
-        points = []
-        if c.swa_checkpoint_ends:  # off only in the regression test of failure mode 4
-            points.append(req.branch_page)
-            if end_is_checkpoint:
-                points += self._end_points(req, npages)
-        if c.swa_checkpoint_pages:
-            points.append((page // c.swa_checkpoint_pages + 1) * c.swa_checkpoint_pages)
-        return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
-
-    def _end_points(self, req, npages: int) -> tuple[int, int]:
-        """The resume points of an end: its whole pages, and the page a resend of the same
-        tokens resumes at (it must leave a token to compute, so a page-aligned end resumes
-        one page earlier and needs one more page of SWA)."""
-        return npages, min(npages, (req.num_computed - 1) // self.ps)
-
-    def _spare(self, req, npages: int) -> list[int]:
-        """Pages of req it owns with live SWA outside the window and every checkpoint tail:
-        spare for the tree (kept, evicted first)."""
-        kv = req.kv
-        if not self.config.swa_keep_spare:
-            return []
-        end = tail_start_page(npages, self.ps, self.window)
-        return [i for i in range(kv.owned_from, end) if kv.swa_pages[i] is not None and not self._keep(req, i, npages)]
-
+    # ---- SWA checkpoints (swa_checkpoints.py) ---------------------------------------------
     def trim_swa(self, req, pressure: bool = False) -> int:
-        """Free req's own SWA pages out of its window (one page of margin, so the end tail
-        of its whole pages stays) and, unless under pressure, outside its checkpoint tails.
-        With swa_keep_spare the latter wait until evict() needs them (first-reuse fix)."""
-        if not pressure and self.config.swa_keep_spare:
-            return 0
-        return self._trim(req, pressure)
-
-    def _trim(self, req, pressure: bool, limit: int | None = None) -> int:
-        """limit: free at most that many, oldest first (the pages nearest the request's end are
-        the likeliest divergence points of a later request: keep them longest)."""
-        kv, n = req.kv, req.num_computed
-        idx = kv.swa_out_of_window(n - self.ps)
-        if not pressure:
-            npages = n // self.ps
-            idx = [i for i in idx if not self._keep(req, i, npages)]
-        return self._free_swa(kv, idx if limit is None else idx[:limit])
-
-    def _trim_to_checkpoints(self, req, npages: int) -> None:
-        kv = req.kv
-        idx = [
-            i
-            for i in range(kv.owned_from, min(npages, kv.num_pages))
-            if kv.swa_pages[i] is not None and not self._keep(req, i, npages)
-        ]
-        self._free_swa(kv, idx)
-
-    def _free_swa(self, kv: RequestKV, idx: list[int]) -> int:
-        self.kv.swa.free([kv.swa_pages[i] for i in idx])
-        for i in idx:
-            kv.swa_pages[i] = None
-        return len(idx)
+        return self.swa_checkpoints.trim_swa(req, pressure)
 
     # ---- locks, release, eviction ----------------------------------------------------------
     def lock(self, node) -> None:
@@ -485,7 +419,7 @@ class HiCache(CacheManager):
                 if trimmed >= swa_pages:
                     break
                 if r.kv is not None:
-                    trimmed += self._trim(r, pressure=False, limit=swa_pages - trimmed)
+                    trimmed += self.swa_checkpoints.trim(r, pressure=False, limit=swa_pages - trimmed)
         f, s = self.tree.evict(full_pages, max(0, swa_pages - trimmed))
         return f, s + trimmed
 
@@ -531,22 +465,34 @@ class HiCache(CacheManager):
             require(self.host.pins() == expected, "host pins disagree with the loads and prefetches that hold them")
 
     def stats(self) -> dict:
-        out = dict(self.counters)
-        if self.host is not None:
-            f, s = self.host.used_pages()
-            out.update(
-                l2_full_pages_used=f,
-                l2_swa_pages_used=s,
-                l2_full_pages_total=self.host.pool.pools[FULL].num_pages,
-                l2_swa_pages_total=self.host.pool.pools[SWA].num_pages,
-                l2_pinned_pages=self.host.pinned_pages(),
-                l2_evicted_pages=self.host.stats["evicted_full"],
-            )
+        return self.cache_stats.report(self.host, self.l3)
+
+    # ---- the contract's accessors (cache_manager.py) ---------------------------------------
+    def l1_tree(self) -> SWARadixTree:
+        return self.tree
+
+    def l2_cache(self) -> HostCache | None:
+        return self.host
+
+    def stored_in_l3(self, keys, swa_lo: int) -> tuple[int, bool]:
+        return stored_prefix(self.host, keys, swa_lo) if self.host is not None else (0, False)
+
+    def start(self) -> None:
         if self.l3 is not None:
-            with self.l3._lock:
-                out.update({f"l3_{k}": v for k, v in self.l3.stats.items()})
-            out["l3_write_queue_depth"] = self.l3.write_queue_depth()
-        return out
+            self.l3.probe()
+            self.l3.watch()
+
+    def l3_available(self) -> bool:
+        return self.l3 is not None and self.l3.available()
+
+    def l3_health(self) -> dict | None:
+        return self.l3.health() if self.l3 is not None else None
+
+    def l2_bytes(self) -> int:
+        return self.host.pool.total_bytes() if self.host is not None else 0
+
+    def key_model(self) -> str:
+        return self.config.model_name
 
     def close(self) -> None:
         if self.l3 is not None:
