@@ -150,7 +150,7 @@ class CacheManager(ABC):
     def prefix_swa_pages(self, req: Request) -> list:
         """Read-only SWA page ids (None: not live) of req's pages, its own and the cache's
         live ones before its window (spare pages in L1): valid until the next call into the
-        cache. The MTP rebuild reads them (Speculator._new_state)."""
+        cache. The MTP rebuild reads them (MTPSpeculator._new_state)."""
         return list(req.held_kv.swa_pages)
 
     def stats(self) -> dict:
