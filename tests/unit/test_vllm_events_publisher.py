@@ -83,10 +83,10 @@ def pages(tokens: list[int], group: int = 0, kind: str = KIND_FULL, window=None,
     ]
 
 
-def source(store, limits=SourceLimits(), **kw):
+def source(store, limits: SourceLimits | None = None, **kw):
     sink = ListSink()
     pub = EventPublisher("kv@pod@m", lambda: sink, **kw)
-    return L3EventSource(store, pub.publish, limits, start_thread=False), pub, sink
+    return L3EventSource(store, pub.publish, limits or SourceLimits(), start_thread=False), pub, sink
 
 
 def sent(pub: EventPublisher, sink: ListSink, n: int) -> list[list[bytes]]:
