@@ -499,7 +499,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[],
         metavar="ENDPOINT",
         help="also subscribe to a GCache connector's L3 events (gcache_kv_events_endpoint; repeatable) and "
-        "write them into --redis's shared L3 view, pages of --block-size tokens (docs/kv-events.md)",
+        "write them into --redis's shared L3 view (docs/kv-events.md)",
     )
     return ap.parse_args(argv)
 
@@ -544,7 +544,6 @@ def main(argv=None) -> int:
                 endpoints=tuple(x.strip() for item in args.l3_events for x in item.split(",") if x.strip()),
                 redis_url=args.redis,
                 prefix=args.redis_prefix,
-                page_size=args.block_size,
             )
         except ValueError as e:
             print(f"gcache-router kv-events: {e}", file=sys.stderr)

@@ -40,7 +40,7 @@ class L3EventsConfig:
     endpoints: tuple[str, ...]
     redis_url: str
     prefix: str = "gcache:router"
-    page_size: int = 16  # the router's page size: events of another block size are not counted
+    page_size: int | None = None  # events of another block size are not counted (None: the first event's)
     topic: str = ""  # subscribe prefix ("" = every topic)
     interval_s: float = 0.1
     redis_timeout_s: float = 0.5
@@ -56,7 +56,7 @@ class L3EventsConfig:
                 raise ValueError(f"--l3-events must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), got {e!r}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("--l3-events needs --redis redis://HOST:PORT/DB")
-        if not 1 <= self.page_size <= 1 << 14 or not 0.01 <= self.interval_s <= 60:
+        if not 1 <= (self.page_size or 1) <= 1 << 14 or not 0.01 <= self.interval_s <= 60:
             raise ValueError("page size in [1, 16384], interval in [0.01, 60] s")
         if not 1 <= self.l3_pages_max <= 1 << 26 or not 1 <= self.rcvhwm <= 1 << 24:
             raise ValueError("l3_pages_max in [1, 2^26], rcvhwm in [1, 2^24]")
@@ -128,7 +128,7 @@ class L3Subscriber:
         self.keys = Keys(config.prefix)
         self.sources = [EngineEvents(config.limits, shared_l3=True) for _ in config.endpoints]
         for src in self.sources:
-            src.page_size = config.page_size  # the router's page ids: another block size is not matched
+            src.page_size = config.page_size  # None: learnt from the first full-attention event
         self.union = L3Union(self.sources)
         self.redis = redis.Redis.from_url(
             config.redis_url,

@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="ENDPOINT",
         help="a GCache vLLM connector's L3 event endpoint (gcache_kv_events_endpoint; repeatable, or "
         "comma-separated): what it stores in and drops from GCache's L3 goes into --redis's shared L3 view "
-        "(docs/kv-events.md); events of a block size other than --page-size are not counted",
+        "(docs/kv-events.md); pages of the first event's block size count",
     )
     add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)
@@ -134,7 +134,6 @@ def start_l3_events(args, config: RouterConfig) -> list:
         endpoints=eps,
         redis_url=config.redis_url,
         prefix=config.redis_prefix,
-        page_size=config.page_size,
         redis_timeout_s=config.redis_timeout_s,
         l3_pages_max=config.l3_pages_max,
     )
