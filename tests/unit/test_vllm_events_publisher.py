@@ -176,6 +176,10 @@ def test_a_page_is_announced_only_once_the_store_holds_every_value_of_it(server)
     src.saved(ps)
     src.run_once()
     assert src.stats["confirm_rounds"] == 1 and src.stats["announced"] == 0
+    # Another request's lookup misses page 0 while its save is in flight: it stays pending.
+    src.missing([ps[0]])
+    src.run_once()
+    assert (ps[0].group_idx, ps[0].block_hash) in src.pending and src.stats["removed_missing"] == 0
     # The saves land (asynchronously, as the worker side's): page 0 whole, page 1 half.
     for key in list(ps[0].keys) + [ps[1].keys[0]]:
         client.put(key, b"x" * 64)

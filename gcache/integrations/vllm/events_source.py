@@ -168,7 +168,7 @@ class L3EventSource:
         by_group: dict[int, list[BlockHash]] = {}
         for page in pages:
             key = (page.group_idx, page.block_hash)
-            self.pending.pop(key, None)
+            # (a pending page stays pending: its save may still be in flight)
             if key in self.announced:
                 del self.announced[key]
                 by_group.setdefault(page.group_idx, []).append(page.block_hash)
