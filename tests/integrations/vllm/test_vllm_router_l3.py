@@ -19,7 +19,7 @@ import pytest
 
 from gcache.common.processes import free_port
 from gcache.router.config import RouterConfig
-from gcache.router.core import RouterCore
+from gcache.router.core import RouterCore, RouteRequest
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 from gcache.serving.tiers import Tier
 from tests.integrations.vllm.test_vllm_router import (
@@ -107,7 +107,7 @@ def credit(redis_url: str, prompt: list[int]) -> dict:
     core = RouterCore(RouterConfig(redis_url=redis_url, refresh_interval_s=0, page_size=BLOCK, policy="cache_aware"))
     try:
         assert core.refresh()
-        return core.explain(prompt)
+        return core.explain(RouteRequest({"hf:": prompt}, model=MODEL))  # a vLLM server's tokens
     finally:
         core.close()
 
