@@ -131,3 +131,60 @@ def test_a_subscriber_from_the_docs_sees_the_pages_the_engine_saved(models, serv
         run.kill()
         gcache_sub.close()
         vllm_sub.close()
+
+
+def test_a_hybrid_engine_announces_its_sliding_group_with_kind_and_window(models, server, tmp_path):
+    """Gemma2 (sliding window 32, full attention): the full group's pages all, with vLLM's own
+    hashes; the sliding group's checkpoint tails, said to be "sliding_window", window 32, each
+    run chained to the page before it."""
+    pytest.importorskip("zmq")
+    g_port, v_port = free_port(), free_port()
+    prompt = prompt_tokens(9 * BLOCK_SIZE + 3, seed=21)
+    spec = dict(
+        gcache_spec(models["gemma2"], server.address, [prompt, prompt], gcache_kv_events_endpoint=f"tcp://*:{g_port}"),
+        kv_events={"endpoint": f"tcp://*:{v_port}"},
+        gates=[1],
+    )
+    gcache_sub = DocSubscriber(f"tcp://127.0.0.1:{g_port}")
+    vllm_sub = DocSubscriber(f"tcp://127.0.0.1:{v_port}")
+    run = EngineRun(spec, tmp_path / "engine")
+    try:
+        deadline = time.monotonic() + WAIT_S
+
+        def kinds() -> dict:
+            out: dict = {}
+            for e in gcache_sub.events("BlockStored"):
+                out.setdefault((e["group_idx"], e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"]), [])
+                out[(e["group_idx"], e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"])].append(e)
+            return out
+
+        def full_pages() -> int:
+            return sum(
+                len(e["block_hashes"]) for (_, kind, _), evs in kinds().items() if kind == "full_attention" for e in evs
+            )
+
+        while not ((run.gates / "ready-1").exists() and full_pages() >= 9 and len(kinds()) == 2):
+            assert run.proc.poll() is None, f"engine exited:\n{run._tail()}"
+            assert time.monotonic() < deadline, f"no hybrid announcements: {gcache_sub.messages}\n{run._tail()}"
+            time.sleep(0.1)
+            gcache_sub.drain()
+            vllm_sub.drain()
+        groups = kinds()
+        (full_key,) = [k for k in groups if k[1] == "full_attention"]
+        (swa_key,) = [k for k in groups if k[1] == "sliding_window"]
+        assert full_key[2] is None and swa_key[2] == 32 and full_key[0] != swa_key[0]
+        full = stored_hashes(groups[full_key], full_key[0])
+        own = stored_hashes(vllm_sub.events("BlockStored"), full_key[0])[:9]
+        assert full == own, (full, own)
+        for e in groups[swa_key]:
+            first = full.index(e["block_hashes"][0])  # a sliding page is a page of the prompt
+            assert e["block_hashes"] == full[first : first + len(e["block_hashes"])]
+            assert e["parent_block_hash"] == (full[first - 1] if first else None)
+            assert e["token_ids"] == prompt[first * BLOCK_SIZE : (first + len(e["block_hashes"])) * BLOCK_SIZE]
+        assert 0 < len(stored_hashes(groups[swa_key], swa_key[0])) < 9  # checkpoint tails only
+        run.open_gate(1)
+        run.result()
+    finally:
+        run.kill()
+        gcache_sub.close()
+        vllm_sub.close()
