@@ -36,6 +36,10 @@ batch, events per batch, hashes per event, held blocks, chain entries, dirty pag
 the held blocks exceed pages_max the oldest are dropped (a dropped block is no longer
 credited: a bound can cost hits, never route to a page that is gone).
 
+Shared-L3 mode (`shared_l3=True`, l3_events.py): the events of GCache's vLLM connectors
+(medium "GCACHE", locality "REMOTE" or unset) instead of an engine's own, and the flags are the
+shared L3 view's (L3_FULL / L3_SWA, same rules); every other medium is ignored.
+
 Sequence: a gap in the ZMQ sequence numbers (vLLM's PUB drops when a subscriber lags) or a
 restart (the number goes back) means removals may have been missed: everything held is
 cleared (`gaps`, `restarts`), as after AllBlocksCleared. What is cleared is relearned from
@@ -52,12 +56,13 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA
+from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
 
 FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 SWA_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAMBA_KINDS = frozenset({"mamba"})
 TIER_OF_MEDIUM = {None: 1, "GPU": 1, "CPU": 2}  # L1, L2; anything else is not this engine's own memory
+L3_MEDIUM, L3_TIER = "GCACHE", 3  # GCache's connectors' L3 events (docs/kv-events.md): the shared L3
 EXTRA_DOMAIN = b"gcache-router:extra-keys\x00"  # digests of blocks with extra keys (never a text prompt's)
 
 STORED_FIELDS = (
@@ -208,8 +213,9 @@ class EngineEvents:
     Thread-safe: apply_* (the subscriber thread) and take / failed / clear (the publisher
     thread) take one lock; each holds it for one batch at most."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, shared_l3: bool = False) -> None:
         self.limits = limits or Limits()
+        self.shared_l3 = shared_l3
         self.lock = threading.Lock()
         self.chain: OrderedDict = OrderedDict()  # vLLM hash -> our 32-byte digest
         self.held: OrderedDict = OrderedDict()  # (rank, group, tier, vLLM hash) -> page id
@@ -235,7 +241,8 @@ class EngineEvents:
             return 0
         sliding = [g for g, grp in self.groups.items() if grp.kind not in FULL_KINDS]
         out = 0
-        for tier, full_bit, swa_bit in ((1, L1_FULL, L1_SWA), (2, L2_FULL, L2_SWA)):
+        tiers = ((L3_TIER, L3_FULL, L3_SWA),) if self.shared_l3 else ((1, L1_FULL, L1_SWA), (2, L2_FULL, L2_SWA))
+        for tier, full_bit, swa_bit in tiers:
             full = any(t == tier and self.groups.get(g, Group("full_attention", 0)).kind in FULL_KINDS for t, g in h)
             if not full:
                 continue
@@ -405,9 +412,15 @@ class EngineEvents:
             self.dirty.clear()
         return g
 
+    def _tier(self, ev: dict) -> int | None:
+        """The tier an event's blocks are in, or None when this translator does not track it."""
+        if self.shared_l3:
+            return L3_TIER if ev["medium"] == L3_MEDIUM and ev["locality"] in (None, "REMOTE") else None
+        return TIER_OF_MEDIUM.get(ev["medium"]) if ev["locality"] in (None, "LOCAL") else None
+
     def _store(self, rank: int, ev: dict) -> None:
-        tier = TIER_OF_MEDIUM.get(ev["medium"])
-        if tier is None or ev["locality"] not in (None, "LOCAL"):
+        tier = self._tier(ev)
+        if tier is None:
             self.stats["ignored_media"] += 1
             return
         g = self._group(ev)
@@ -461,8 +474,8 @@ class EngineEvents:
         self._touch(pid)
 
     def _remove(self, rank: int, ev: dict) -> None:
-        tier = TIER_OF_MEDIUM.get(ev["medium"])
-        if tier is None or ev["locality"] not in (None, "LOCAL"):
+        tier = self._tier(ev)
+        if tier is None:
             self.stats["ignored_media"] += 1
             return
         for h in ev["hashes"]:

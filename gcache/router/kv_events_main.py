@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from gcache.router.engines import EngineInfo, with_info
 from gcache.router.kv_events import EngineEvents, Limits
+from gcache.router.zmq_sub import subscribe_loop
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
 from gcache.serving.safe_json import parse_json
 
@@ -213,36 +214,16 @@ class Translator:
 
     # ---- the event stream (subscriber thread) ----------------------------------------------------
     def _sub_loop(self) -> None:
-        import zmq
-
-        ctx = zmq.Context.instance()
-        socks = []
-        for ep in self.config.events:
-            s = ctx.socket(zmq.SUB)
-            s.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
-            s.setsockopt(zmq.MAXMSGSIZE, self.config.limits.batch_bytes_max + 4096)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-            if self.config.bind:
-                s.bind(ep)
-            else:
-                s.connect(ep)
-            socks.append(s)
-        poller = zmq.Poller()
-        for s in socks:
-            poller.register(s, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                for s, _ in poller.poll(200):
-                    for _ in range(1000):  # drain, but let the stop flag in
-                        try:
-                            frames = s.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self.receive(frames, source=socks.index(s))
-        finally:
-            for s in socks:
-                s.close(0)
+        c = self.config
+        subscribe_loop(
+            c.events,
+            lambda frames, source: self.receive(frames, source),
+            self._stop,
+            topic=c.topic,
+            bind=c.bind,
+            rcvhwm=c.rcvhwm,
+            max_bytes=c.limits.batch_bytes_max,
+        )
 
     def receive(self, frames, source: int = 0) -> None:
         """One ZMQ message from the engine (also the tests' entry point)."""
@@ -512,6 +493,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--backlog", type=int, default=10_000, help="event messages buffered (ZMQ high-water mark)")
     ap.add_argument("--pages-max", type=int, default=Limits.pages_max, help="blocks tracked (oldest dropped beyond)")
+    ap.add_argument(
+        "--l3-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="also subscribe to a GCache connector's L3 events (gcache_kv_events_endpoint; repeatable) and "
+        "write them into --redis's shared L3 view (docs/kv-events.md)",
+    )
     return ap.parse_args(argv)
 
 
@@ -546,6 +535,20 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"gcache-router kv-events: {e}", file=sys.stderr)
         return 2
+    l3 = None
+    if args.l3_events:
+        from gcache.router.l3_events import L3EventsConfig, L3Subscriber
+
+        try:
+            l3_cfg = L3EventsConfig(
+                endpoints=tuple(x.strip() for item in args.l3_events for x in item.split(",") if x.strip()),
+                redis_url=args.redis,
+                prefix=args.redis_prefix,
+            )
+        except ValueError as e:
+            print(f"gcache-router kv-events: {e}", file=sys.stderr)
+            return 2
+        l3 = L3Subscriber(l3_cfg)
     tr = Translator(cfg)
     print(
         f"gcache-router kv-events: {cfg.engine_url} events {','.join(cfg.events)} -> {cfg.redis_url} as {cfg.url}",
@@ -561,4 +564,6 @@ def main(argv=None) -> int:
             pass
     finally:
         tr.stop()
+        if l3 is not None:
+            l3.stop()
     return 0

@@ -7,6 +7,7 @@ gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools fr
 gcache-router --port 8000 --redis redis://127.0.0.1:6379/0 --tokenizer /models/m \
     --vllm http://127.0.0.1:8001@tcp://127.0.0.1:5557 --vllm http://127.0.0.1:8002@tcp://127.0.0.1:5558   # vLLM servers
 gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 --redis redis://...  # or beside each
+gcache-router --port 8000 --redis redis://... --l3-events tcp://127.0.0.1:5600   # GCache connectors' L3 events
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "this router translates its KV events into --redis (one router per engine at a time, by a lease; "
         "`gcache-router kv-events` does the same beside the engine)",
     )
+    ap.add_argument(
+        "--l3-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="a GCache vLLM connector's L3 event endpoint (gcache_kv_events_endpoint; repeatable, or "
+        "comma-separated): what it stores in and drops from GCache's L3 goes into --redis's shared L3 view "
+        "(docs/kv-events.md); pages of the first event's block size count",
+    )
     add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)
 
@@ -102,6 +112,34 @@ def start_translators(args, config: RouterConfig) -> list:
     return [Translator(c) for c in cfgs]
 
 
+def endpoints(specs: list[str]) -> tuple[str, ...]:
+    """--l3-events A --l3-events B,C -> (A, B, C)."""
+    return tuple(x.strip() for item in specs for x in item.split(",") if x.strip())
+
+
+def start_l3_events(args, config: RouterConfig) -> list:
+    """The --l3-events subscriber (ValueError for bad flags)."""
+    eps = endpoints(args.l3_events)
+    if not eps:
+        return []
+    if not config.redis_url:
+        raise ValueError("--l3-events needs --redis (the shared L3 view is written there)")
+    try:
+        import zmq  # noqa: F401  (pyzmq: installed with vLLM)
+    except ImportError:
+        raise ValueError("--l3-events needs pyzmq (pip install pyzmq)") from None
+    from gcache.router.l3_events import L3EventsConfig, L3Subscriber
+
+    cfg = L3EventsConfig(
+        endpoints=eps,
+        redis_url=config.redis_url,
+        prefix=config.redis_prefix,
+        redis_timeout_s=config.redis_timeout_s,
+        l3_pages_max=config.l3_pages_max,
+    )
+    return [L3Subscriber(cfg)]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["kv-events"]:  # the translator beside a vLLM server (kv_events_main.py)
@@ -126,7 +164,7 @@ def main(argv=None) -> int:
         if pd is not None:
             cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
         tokenizers = load_tokenizers(config)
-        translators = start_translators(args, config)
+        subscribers = start_translators(args, config) + start_l3_events(args, config)
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2
@@ -155,8 +193,8 @@ def main(argv=None) -> int:
         print(f"gcache-router: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     finally:
-        for tr in translators:
-            tr.stop()
+        for sub in subscribers:  # --vllm translators, the --l3-events subscriber
+            sub.stop()
         for core in cores:
             core.close()
     return 0

@@ -109,6 +109,7 @@ class RedisSync:
                 "bad_worker_urls",
                 "workers_dropped",
                 "l3_reads",
+                "l3_removed",
                 "redis_epochs",
             ),
             0,
@@ -273,17 +274,27 @@ class RedisSync:
 
     # ---- the shared L3 -----------------------------------------------------------------
     def _l3(self, view: ClusterView) -> None:
+        """The shared L3 view: everything on the first read, then what was added or removed
+        since (the :gone sets, gcache.serving.l3_index). A page is in at most one of a set and
+        its :gone set at a time, so one read's adds and removals never contradict."""
         since = view.l3_since_ms
+        k = self.keys
         p = self.r.pipeline(transaction=True)
-        for key in (self.keys.l3_full, self.keys.l3_swa):
+        for key in (k.l3_full, k.l3_swa):
             if since is None:
                 p.zrevrange(key, 0, self.l3_pages_max - 1, withscores=True)
             else:
                 p.zrangebyscore(key, since - L3_SKEW_MS, "+inf", start=0, num=self.l3_pages_max, withscores=True)
-        full, swa = p.execute()
+        if since is not None:
+            for key in (k.l3_full_gone, k.l3_swa_gone):
+                p.zrangebyscore(key, since - L3_SKEW_MS, "+inf", start=0, num=self.l3_pages_max, withscores=True)
+        full, swa, *gone = p.execute()
         self.stats["l3_reads"] += 1
         items = [(int(s), id_from_bytes(m), L3_FULL) for m, s in full if _l3_member_ok(m, s)]
         items += [(int(s), id_from_bytes(m), L3_SWA) for m, s in swa if _l3_member_ok(m, s)]
+        removals = []
+        for bit, entries in zip((L3_FULL, L3_SWA), gone):
+            removals += [(int(s), id_from_bytes(m), -bit) for m, s in entries if _l3_member_ok(m, s)]
         items.sort()
         for i in range(0, len(items), L3_APPLY_CHUNK):
             with view.lock:
@@ -293,9 +304,19 @@ class RedisSync:
                     l3.move_to_end(pid)
                 while len(l3) > self.l3_pages_max:
                     l3.popitem(last=False)
+        for i in range(0, len(removals), L3_APPLY_CHUNK):
+            with view.lock:
+                l3 = view.l3
+                for _, pid, bit in removals[i : i + L3_APPLY_CHUNK]:
+                    left = l3.get(pid, 0) & ~-bit
+                    if left:
+                        l3[pid] = left
+                    elif l3.pop(pid, None) is not None:
+                        self.stats["l3_removed"] += 1
+        newest = max([x[0] for x in items[-1:]] + [x[0] for x in removals], default=None)
         with view.lock:  # only once everything is in: a failed read re-reads from the old mark
-            if items:
-                view.l3_since_ms = max(items[-1][0], view.l3_since_ms or 0)
+            if newest is not None:
+                view.l3_since_ms = max(newest, view.l3_since_ms or 0)
             elif view.l3_since_ms is None:
                 view.l3_since_ms = 0
 

@@ -6,6 +6,9 @@ Keys (prefix P):
   P:pages:<url>    HASH  8-byte page id -> 1 flags byte: the worker's current cache state
   P:ev:<url>       STREAM (MAXLEN ~): one entry per flush, absolute new flags per page
   P:l3, P:l3swa    ZSET  page id -> report time (ms): pages known to be in the shared L3
+  P:l3:gone, P:l3swa:gone  ZSET  page id -> removal time (ms): pages known to have left it
+                   (a router reading the L3 sets incrementally learns removals from these;
+                   written by gcache.serving.l3_index, the one writer of the four)
 
 A page id is the first 8 bytes of the SGLang page hash (gcache.wire.keys), so it names a whole
 prefix, like the hash itself; a worker and a router compute it from the same tokens.
@@ -104,6 +107,14 @@ class Keys:
     @property
     def l3_swa(self) -> str:
         return f"{self.prefix}:l3swa"
+
+    @property
+    def l3_full_gone(self) -> str:
+        return f"{self.prefix}:l3:gone"
+
+    @property
+    def l3_swa_gone(self) -> str:
+        return f"{self.prefix}:l3swa:gone"
 
 
 @dataclass(frozen=True)

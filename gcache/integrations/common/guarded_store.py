@@ -60,6 +60,11 @@ class GuardedStore:
         self.remove_corrupt = remove_corrupt
         self._breaker = Breaker(suspect_s)
 
+    @property
+    def down(self) -> bool:
+        """The store failed and has not answered since (a miss now says nothing about its contents)."""
+        return self._breaker.is_down()
+
     # -- the guard -------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[..., T], failed: T, *args: Any) -> T:

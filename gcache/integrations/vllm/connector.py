@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from gcache.integrations.common.connect import connect
 from gcache.integrations.common.guarded_store import GuardedStore
+from gcache.integrations.vllm.events_setup import L3Events, l3_events
 from gcache.integrations.vllm.groups import groups_of, required
 from gcache.integrations.vllm.interval_stats import SummedIntervalStats
 from gcache.integrations.vllm.keys import PageKeys, rank_keys
@@ -49,6 +50,14 @@ if TYPE_CHECKING:  # vLLM's and torch's types: Any to the type check (not instal
 
 log = logging.getLogger("gcache.integrations.vllm")
 T = TypeVar("T")
+
+
+def _external_hash(h: bytes) -> int | bytes:
+    """A block hash as vLLM's own KV events carry it (an int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out: int | bytes = maybe_convert_block_hash(h)
+    return out
 
 
 @dataclass
@@ -76,12 +85,14 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self.events: L3Events | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A cache miss is never a request error: vLLM reads the policy right after
                 # building this connector, so set it here.
                 log.info("GCacheConnector: kv_load_failure_policy=recompute (a failed load is recomputed)")
                 transfer.kv_load_failure_policy = "recompute"
+            self.events = l3_events(self.settings, self.store, model)
             self.scheduler_side = SchedulerSide(
                 self.settings,
                 self.groups,
@@ -90,6 +101,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self.stats,
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
+                events=self.events.source if self.events is not None else None,
+                hash_of=_external_hash,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -228,6 +241,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return GCacheConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self.events is not None:
+            self._safely("events", None, self.events.close)
         if self.worker_side is not None:
             self._safely("shutdown", None, self.worker_side.close)
         self.client.close()

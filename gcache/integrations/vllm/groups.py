@@ -31,6 +31,8 @@ class Group(NamedTuple):
     layer_ids: tuple[int, ...]  # the model's layer numbers: the key's "@g" part
     block_size: int
     tail: int  # sliding-window groups: pages needed before a cut; 0 for full attention
+    spec_kind: str = ""  # vLLM's KVCacheSpecKind value (what its KV events call the group)
+    window: int | None = None  # a sliding-window group's window, in tokens
 
 
 def _layer_id(name: str) -> int:
@@ -46,7 +48,7 @@ def required(kv_cache_config: KVCacheConfig | None) -> KVCacheConfig:
 
 
 def groups_of(kv_cache_config: KVCacheConfig | None) -> list[Group]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_spec_kind
 
     kv_cache_config = required(kv_cache_config)
     groups = []
@@ -70,6 +72,8 @@ def groups_of(kv_cache_config: KVCacheConfig | None) -> list[Group]:
                 layer_ids=tuple(_layer_id(n) for n in names),
                 block_size=spec.block_size,
                 tail=tail,
+                spec_kind=str(get_kv_cache_spec_kind(spec).value),
+                window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
             )
         )
     sizes = {g.block_size for g in groups}

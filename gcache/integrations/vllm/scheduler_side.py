@@ -18,10 +18,14 @@ from typing import TYPE_CHECKING
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm import plan
+from gcache.integrations.vllm.events_source import L3EventSource, Page
+from gcache.integrations.vllm.events_wire import KIND_FULL, KIND_SWA
 from gcache.integrations.vllm.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
+    from collections.abc import Callable, Sequence
+
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -50,6 +54,10 @@ class Track:
     hit: tuple[int, int] | None = None  # (local pages, end pages) of the last lookup
     loading: frozenset[int] = frozenset()  # the blocks its load in flight fills
     no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
+    # KV events (events_source): vLLM's own block hashes and the prompt's tokens (references to
+    # the request's lists, not copies); None when its pages are not announced.
+    block_hashes: Sequence[bytes] | None = None
+    tokens: Sequence[int] = ()
 
 
 class SchedulerSide:
@@ -63,6 +71,8 @@ class SchedulerSide:
         *,
         load: bool,
         save: bool,
+        events: L3EventSource | None = None,
+        hash_of: Callable[[bytes], int | bytes] = bytes,
     ) -> None:
         self.settings = settings
         self.groups = groups
@@ -78,6 +88,8 @@ class SchedulerSide:
         self.tracks: dict[str, Track] = {}
         self.pending_loads: list[LoadSpec] = []
         self.saving: set[str] = set()  # requests with saves planned: their blocks wait for them
+        self.events = events  # the L3 as vLLM KV events (None: off)
+        self.hash_of = hash_of  # vLLM's block hash -> what its events carry (maybe_convert_block_hash)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -99,8 +111,52 @@ class SchedulerSide:
             every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
             cuts = plan.prompt_cuts(len(prompt), self.block_size, every)
             track.swa_pages = {g.index: plan.tail_page_set(cuts, g.tail) for g in self.swa}
+            if self.events is not None and self._announceable(request, items):
+                track.block_hashes, track.tokens = request.block_hashes, prompt
             self.tracks[request.request_id] = track
         return track
+
+    def _announceable(self, request: Request, items: list[MMItem]) -> bool:
+        """Its pages can be announced as vLLM names them: one vLLM block hash per page (vLLM
+        may hash at a finer block size), and no extra keys (images, a cache salt), which a
+        consumer could not match from the event's tokens alone (docs/kv-events.md)."""
+        hashes = getattr(request, "block_hashes", None)
+        n = getattr(request, "num_tokens", len(request.prompt_token_ids or ()))
+        if items or getattr(request, "cache_salt", None) or not isinstance(hashes, list):
+            return False
+        return len(hashes) == n // self.block_size
+
+    def _event_pages(self, track: Track, refs: list[tuple[Group, int]]) -> list[Page]:
+        hashes, bs = track.block_hashes, self.block_size
+        if hashes is None:
+            return []
+        return [
+            Page(
+                group.index,
+                group.spec_kind or (KIND_SWA if group.kind == POOL_SWA else KIND_FULL),
+                group.window,
+                bs,
+                self.hash_of(hashes[p]),
+                self.hash_of(hashes[p - 1]) if p else None,
+                track.tokens[p * bs : (p + 1) * bs],
+                self._keys([track.hashes[p]], group),
+            )
+            for group, p in refs
+            if p < len(hashes)
+        ]
+
+    def _missing(self, track: Track, refs: list[tuple[Group, int]]) -> None:
+        """Pages a lookup found absent (the store answered): withdrawn if they were announced."""
+        if self.events is None or track.block_hashes is None or not refs or self.store.down:
+            return
+        hashes = track.block_hashes
+        self.events.missing(
+            [
+                Page(group.index, "", None, self.block_size, self.hash_of(hashes[p]), None, (), ())
+                for group, p in refs
+                if p < len(hashes)
+            ]
+        )
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -138,9 +194,12 @@ class SchedulerSide:
         start = time.perf_counter()
         self.stats.count("lookups")
         full_end = most
+        gone: list[tuple[Group, int]] = []  # the first page each group lacks (KV events)
         for group in self.full:  # every layer and rank of each page: the prefix they all hold
             per_page = self._per_page(group)
             found = self.store.exists_prefix(self._keys(track.hashes[local:full_end], group))
+            if local + found // per_page < full_end:
+                gone.append((group, local + found // per_page))
             full_end = local + found // per_page
         swa: list[tuple[int, list[bool]]] = []
         if self.swa and full_end > local:
@@ -155,6 +214,9 @@ class SchedulerSide:
                 page_flags = flags[at : at + n]
                 present = [all(page_flags[i : i + per_page]) for i in range(0, n, per_page)]
                 swa.append((group.tail, present))
+                wanted = track.swa_pages.get(group.index, set())
+                gone += [(group, local + i) for i, there in enumerate(present) if not there and local + i in wanted]
+        self._missing(track, gone)
         end = plan.best_cut(local, full_end, swa)
         self.stats.count("lookup_s", time.perf_counter() - start)
         if end <= local:
@@ -199,15 +261,19 @@ class SchedulerSide:
         if not self.save or self.tags is None or done <= track.saved_upto:
             return None
         pages = []
+        page_nos: list[int] = []
         for group in self.groups:
             row = track.block_ids[group.index] if group.index < len(track.block_ids) else []
             wanted = None if group.kind != AttentionKind.SWA else track.swa_pages[group.index]
             for p in range(track.saved_upto, min(done, len(row))):
                 if (wanted is None or p in wanted) and row[p] != NULL_BLOCK:
                     pages.append(PageRef(group.index, track.hashes[p], row[p]))
+                    page_nos.append(p)
         track.saved_upto = done
         if not pages:
             return None
+        if self.events is not None and track.block_hashes is not None:
+            self.events.saved(self._event_pages(track, [(self.groups[r.group], p) for r, p in zip(pages, page_nos)]))
         self.saving.add(req_id)
         return SaveSpec(req_id, tuple(pages))
 

@@ -37,6 +37,13 @@ class ConnectorSettings(StoreSettings):
     save_queue_jobs_max: int = 64  # steps whose puts wait; beyond: that step's saves are dropped
     load_queue_jobs_max: int = 256  # async loads waiting
     async_load_min_tokens: int = 512  # hits this long load between steps; shorter ones in the step
+    # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
+    kv_events_endpoint: str | None = None  # e.g. "tcp://*:5600"; None: no events
+    kv_events_topic: str | None = None  # default kv@<pod>@<model>
+    kv_events_pod: str | None = None  # default the host name
+    kv_events_pages_max: int = 1 << 18  # announced pages remembered (LRU); the oldest withdrawn beyond
+    kv_events_queue_max: int = 4096  # notices and event batches waiting; beyond: dropped, counted
+    kv_events_confirm_s: float = 30.0  # a saved page not in the store after this is never announced
 
     KNOWN = STORE_KEYS + (
         "gcache_model",
@@ -48,6 +55,12 @@ class ConnectorSettings(StoreSettings):
         "gcache_save_queue_jobs_max",
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
+        "gcache_kv_events_endpoint",
+        "gcache_kv_events_topic",
+        "gcache_kv_events_pod",
+        "gcache_kv_events_pages_max",
+        "gcache_kv_events_queue_max",
+        "gcache_kv_events_confirm_s",
     )
 
     @property
@@ -63,6 +76,12 @@ class ConnectorSettings(StoreSettings):
         layout = extra.extra.get("gcache_layout", cls.layout)
         if layout not in LAYOUTS:
             raise SettingsError(f"kv_connector_extra_config['gcache_layout'] must be one of {LAYOUTS}, got {layout!r}")
+        endpoint = extra.name("gcache_kv_events_endpoint")
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise SettingsError(
+                "kv_connector_extra_config['gcache_kv_events_endpoint'] must be a ZMQ endpoint "
+                f"(tcp://*:PORT, ipc://PATH), got {endpoint!r}"
+            )
         return cls(
             **cls.store_fields(extra, environ),
             model=extra.name("gcache_model"),
@@ -74,4 +93,10 @@ class ConnectorSettings(StoreSettings):
             save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
             load_queue_jobs_max=extra.integer("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16),
             async_load_min_tokens=extra.integer("gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30),
+            kv_events_endpoint=endpoint,
+            kv_events_topic=extra.name("gcache_kv_events_topic"),
+            kv_events_pod=extra.name("gcache_kv_events_pod"),
+            kv_events_pages_max=extra.integer("gcache_kv_events_pages_max", cls.kv_events_pages_max, 1, 1 << 26),
+            kv_events_queue_max=extra.integer("gcache_kv_events_queue_max", cls.kv_events_queue_max, 1, 1 << 20),
+            kv_events_confirm_s=extra.number("gcache_kv_events_confirm_s", cls.kv_events_confirm_s, 0.1, 86400.0),
         )

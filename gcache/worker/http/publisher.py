@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gcache.serving.l3_index import queue_l3
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
 from gcache.worker.kvcache.cache_events import CacheEventLog
 
@@ -173,11 +174,7 @@ class WorkerPublisher:
                     maxlen=self.config.stream_max,
                     approximate=True,
                 )
-        for key, bit in ((k.l3_full, 1), (k.l3_swa, 2)):
-            members = {id_bytes(pid): now_ms for pid, f in batch.l3 if f & bit}
-            if members:
-                p.zadd(key, members)
-                p.zremrangebyrank(key, 0, -(self.config.l3_pages_max + 1))
+        queue_l3(p, k, batch.l3, (), now_ms, self.config.l3_pages_max)  # its L3 writes (adds only)
         reg = Registration(
             url,
             self.model,

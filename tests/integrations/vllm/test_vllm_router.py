@@ -153,12 +153,14 @@ class Http(Proc):
         wait_until(ok, f"{self.name} healthy\n{self.log()}", timeout_s, 0.5)
 
 
-def vllm_server(name: str, model_dir, work, events: str, core: int = 0) -> Http:
+def vllm_server(name: str, model_dir, work, events: str, core: int = 0, extra: tuple[str, ...] = ()) -> Http:
+    """extra: more vLLM flags (e.g. --kv-transfer-config for the GCache connector)."""
     from gcache.integrations.vllm.testing import engine_env
 
     d = work / name
     d.mkdir()
     env = engine_env(d)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env["PYTHONPATH"]])  # gcache from this checkout
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core in a child process
     env["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))  # one core each, not both on core 0
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "topic": f"kv@{name}@{MODEL}"}
@@ -166,7 +168,7 @@ def vllm_server(name: str, model_dir, work, events: str, core: int = 0) -> Http:
     cmd += ["--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
     cmd += ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]
-    return Http(name, cmd, work, env)
+    return Http(name, cmd + list(extra), work, env)
 
 
 def translator(name: str, engine: Http, events: str, redis_url: str, work) -> Proc:

@@ -1,0 +1,221 @@
+"""GCache's L3 events (its vLLM connectors', docs/kv-events.md) into the routers' shared L3 view.
+
+    gcache-router --redis redis://... --l3-events tcp://engine-a:5600 --l3-events tcp://engine-b:5600
+    gcache-router kv-events --engine ... --events ... --redis ... --l3-events tcp://127.0.0.1:5600
+
+With vLLM engines only (no gcache-worker writes P:l3), this is what tells routers what the L3
+holds, so `cache_aware`'s tier weights credit L3 on servers registered with --l3. Each
+endpoint (one connector) is translated by its own kv_events.EngineEvents in shared-L3 mode
+(medium GCACHE -> L3_FULL / L3_SWA, page ids re-chained from the events' token ids, exactly
+as an engine's own events); the union over the connectors is written through the one L3
+writer (gcache.serving.l3_index), adds and removals, so a page some connector withdraws
+leaves the view only when no other connector still announces it.
+
+Faults: a malformed frame, batch or event is dropped and counted (EngineEvents); a sequence
+gap or restart clears that connector's part (it may have missed removals); Redis down -> the
+next good write rewrites the whole union; bounded by each EngineEvents' limits and
+l3_pages_max in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gcache.router.kv_events import EngineEvents, Limits
+from gcache.router.zmq_sub import subscribe_loop
+from gcache.serving.l3_index import queue_l3
+from gcache.serving.redis_layout import Keys
+
+log = logging.getLogger("gcache.router.l3_events")
+
+RETRY_MAX_S = 0.5
+
+
+@dataclass(frozen=True)
+class L3EventsConfig:
+    endpoints: tuple[str, ...]
+    redis_url: str
+    prefix: str = "gcache:router"
+    page_size: int | None = None  # events of another block size are not counted (None: the first event's)
+    topic: str = ""  # subscribe prefix ("" = every topic)
+    interval_s: float = 0.1
+    redis_timeout_s: float = 0.5
+    l3_pages_max: int = 1 << 20  # cap of each L3 set in Redis
+    rcvhwm: int = 10_000
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("--l3-events needs at least one endpoint")
+        for e in self.endpoints:
+            if not e.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--l3-events must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), got {e!r}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("--l3-events needs --redis redis://HOST:PORT/DB")
+        if not 1 <= (self.page_size or 1) <= 1 << 14 or not 0.01 <= self.interval_s <= 60:
+            raise ValueError("page size in [1, 16384], interval in [0.01, 60] s")
+        if not 1 <= self.l3_pages_max <= 1 << 26 or not 1 <= self.rcvhwm <= 1 << 24:
+            raise ValueError("l3_pages_max in [1, 2^26], rcvhwm in [1, 2^24]")
+
+
+class L3Union:
+    """Several connectors' L3 views -> what to add to and remove from the shared one."""
+
+    def __init__(self, sources: list[EngineEvents]) -> None:
+        self.sources = sources
+        self.mirrors: list[dict[int, int]] = [{} for _ in sources]  # what each source credits
+        self.written: dict[int, int] = {}  # the union as last written to Redis
+        self.rewrite = True  # the next changes() rewrites the whole union
+
+    def changes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(adds, removals); the caller calls done() once Redis has them, or
+        failed() (then everything is written again)."""
+        touched: set[int] = set()
+        for src, mirror in zip(self.sources, self.mirrors):
+            batch = src.take()
+            if batch.full:
+                touched.update(mirror)
+                mirror.clear()
+            for pid, f in batch.pages:
+                touched.add(pid)
+                if f:
+                    mirror[pid] = f
+                else:
+                    mirror.pop(pid, None)
+        if self.rewrite:
+            touched.update(self.written)
+            for mirror in self.mirrors:
+                touched.update(mirror)
+        adds, removes = [], []
+        for pid in touched:
+            now = 0
+            for mirror in self.mirrors:
+                now |= mirror.get(pid, 0)
+            old = self.written.get(pid, 0)
+            if now and (self.rewrite or now & ~old):
+                adds.append((pid, now))
+            if old & ~now:
+                removes.append((pid, old & ~now))
+        return adds, removes
+
+    def done(self, adds: list[tuple[int, int]], removes: list[tuple[int, int]]) -> None:
+        for pid, f in adds:
+            self.written[pid] = f
+        for pid, f in removes:
+            left = self.written.get(pid, 0) & ~f
+            if left:
+                self.written[pid] = left
+            else:
+                self.written.pop(pid, None)
+        self.rewrite = False
+
+    def failed(self) -> None:
+        """Redis did not take them: the mirrors stay (they are the sources' truth); rewrite all."""
+        self.rewrite = True
+
+
+class L3Subscriber:
+    def __init__(
+        self, config: L3EventsConfig, clock: Callable[[], float] = time.monotonic, start_threads: bool = True
+    ) -> None:
+        import redis
+
+        self.config, self.clock = config, clock
+        self.keys = Keys(config.prefix)
+        self.sources = [EngineEvents(config.limits, shared_l3=True) for _ in config.endpoints]
+        for src in self.sources:
+            src.page_size = config.page_size  # None: learnt from the first full-attention event
+        self.union = L3Union(self.sources)
+        self.redis = redis.Redis.from_url(
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            retry_on_timeout=False,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        )
+        self._redis_errors = (redis.RedisError, OSError)
+        self.counters = dict.fromkeys(("flushes", "flush_errors", "added", "removed", "rewrites"), 0)
+        self._lock = threading.Lock()  # flush() from the thread or a test
+        self._stop = threading.Event()
+        self._down = False
+        self._threads: list[threading.Thread] = []
+        if start_threads:
+            for target, name in ((self._sub_loop, "l3-events-sub"), (self._pub_loop, "l3-events-pub")):
+                t = threading.Thread(target=target, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _sub_loop(self) -> None:
+        c = self.config
+        subscribe_loop(
+            c.endpoints,
+            self.receive,
+            self._stop,
+            topic=c.topic,
+            rcvhwm=c.rcvhwm,
+            max_bytes=c.limits.batch_bytes_max,
+        )
+
+    def receive(self, frames, source: int = 0) -> None:
+        """One ZMQ message from connector `source` (also the tests' entry point). Never raises."""
+        self.sources[source].apply_frame(frames, now=self.clock())
+
+    def flush(self) -> bool:
+        """Write what changed (or everything, after a failure); False if Redis failed."""
+        with self._lock:
+            rewrite = self.union.rewrite
+            adds, removes = self.union.changes()
+            if not adds and not removes:
+                if rewrite:
+                    self.union.done([], [])
+                return True
+            try:
+                p = self.redis.pipeline(transaction=True)
+                queue_l3(p, self.keys, adds, removes, int(time.time() * 1000), self.config.l3_pages_max)
+                p.execute()
+            except self._redis_errors as e:
+                self.union.failed()
+                self.counters["flush_errors"] += 1
+                if not self._down:
+                    log.warning("l3-events: Redis write failed (%s); will rewrite the L3 view when it is back", e)
+                self._down = True
+                return False
+            self.union.done(adds, removes)
+            if self._down:
+                log.warning("l3-events: Redis is back; L3 view rewritten")
+            self._down = False
+            self.counters["flushes"] += 1
+            self.counters["rewrites"] += int(rewrite)
+            self.counters["added"] += len(adds)
+            self.counters["removed"] += len(removes)
+            return True
+
+    def _pub_loop(self) -> None:
+        pause = self.config.interval_s
+        while not self._stop.is_set():
+            try:
+                ok = self.flush()
+            except Exception:  # a bug, not Redis: keep going
+                ok = False
+                log.exception("l3-events: flush crashed; will keep retrying")
+            pause = self.config.interval_s if ok else min(RETRY_MAX_S, max(pause, 0.05) * 2)
+            self._stop.wait(pause)
+
+    def stats(self) -> dict:
+        out: dict = dict(self.counters)
+        for i, src in enumerate(self.sources):
+            for k, v in src.stats.items():
+                out[f"events_{k}"] = out.get(f"events_{k}", 0) + v
+            out[f"pages_{i}"] = src.pages()
+        out["pages"] = len(self.union.written)
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.redis.close()
