@@ -1,9 +1,9 @@
 """How much of a prompt a worker could resume from, per tier, from the router's view of it.
 
-Window-safe (what the worker's HiCache.match will really load): a resume point p needs full
+Window-safe (what the worker's TieredPrefixCache.match will really load): a resume point p needs full
 KV for every page before p and SWA KV for the pages covering the W tokens before p (its
 window tail), i.e. p is one of the worker's published checkpoints. L1 is matched from page
-0; L2 extends from the L1 point exactly as HiCache does (`last_safe_end` over the host
+0; L2 extends from the L1 point exactly as the worker's cache does (`last_safe_end` over the host
 pages); the shared L3 extends from there; all three through swa_window.last_safe_end. Raw
 overlap (what SWA-unaware routers count) is the run of pages with full KV, SWA ignored.
 """

@@ -133,7 +133,7 @@ class SchedulerSide:
         return [
             Page(
                 group.index,
-                group.spec_kind or (KIND_SWA if group.kind == POOL_SWA else KIND_FULL),
+                group.spec_kind or (KIND_SWA if group.kind == AttentionKind.SWA else KIND_FULL),
                 group.window,
                 bs,
                 self.hash_of(hashes[p]),

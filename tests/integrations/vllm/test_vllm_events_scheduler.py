@@ -16,7 +16,7 @@ from gcache.integrations.vllm.plan import prompt_cuts, tail_page_set, tail_pages
 from gcache.integrations.vllm.scheduler_side import SchedulerSide
 from gcache.integrations.vllm.settings import ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.wire.keys import POOL_FULL, POOL_SWA
+from gcache.common.attention import AttentionKind
 
 BS = 16
 WINDOW = 24
@@ -59,9 +59,9 @@ def vhash(p: int, salt: bytes = b"") -> bytes:
 
 
 def side(hybrid: bool):
-    groups = [Group(0, POOL_FULL, ("l0",), (0,), BS, 0, "full_attention", None)]
+    groups = [Group(0, AttentionKind.FULL, ("l0",), (0,), BS, 0, "full_attention", None)]
     if hybrid:
-        groups.append(Group(1, POOL_SWA, ("l1",), (1,), BS, tail_pages(WINDOW, BS), "sliding_window", WINDOW))
+        groups.append(Group(1, AttentionKind.SWA, ("l1",), (1,), BS, tail_pages(WINDOW, BS), "sliding_window", WINDOW))
     settings = ConnectorSettings(url="127.0.0.1:1", checkpoint_pages=4)
     store, events = Store(), Events()
     s = SchedulerSide(
