@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events_source import Page
 from gcache.integrations.vllm.groups import Group
 from gcache.integrations.vllm.keys import GroupTag, rank_keys
@@ -16,7 +17,6 @@ from gcache.integrations.vllm.plan import prompt_cuts, tail_page_set, tail_pages
 from gcache.integrations.vllm.scheduler_side import SchedulerSide
 from gcache.integrations.vllm.settings import ConnectorSettings
 from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.common.attention import AttentionKind
 
 BS = 16
 WINDOW = 24
