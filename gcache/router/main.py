@@ -93,7 +93,7 @@ def start_translators(args, config: RouterConfig) -> list:
     if not config.redis_url:
         raise ValueError("--vllm needs --redis (the translators publish there; every router reads it)")
     try:
-        import zmq  # noqa: F401  (pyzmq: installed with vLLM)
+        import zmq  # noqa: F401  (pyzmq: a dependency of gcache and of vLLM)
     except ImportError:
         raise ValueError("--vllm needs pyzmq (pip install pyzmq)") from None
     from gcache.router.kv_events_main import Translator, TranslatorConfig
@@ -125,7 +125,7 @@ def start_l3_events(args, config: RouterConfig) -> list:
     if not config.redis_url:
         raise ValueError("--l3-events needs --redis (the shared L3 view is written there)")
     try:
-        import zmq  # noqa: F401  (pyzmq: installed with vLLM)
+        import zmq  # noqa: F401  (pyzmq: a dependency of gcache and of vLLM)
     except ImportError:
         raise ValueError("--l3-events needs pyzmq (pip install pyzmq)") from None
     from gcache.router.l3_events import L3EventsConfig, L3Subscriber

@@ -206,7 +206,6 @@ def test_redis_restarted_empty_gets_the_whole_view_again(redis_proc):
 
 
 def test_over_real_zmq_from_the_connectors_publisher(redis_proc):
-    pytest.importorskip("zmq")  # pyzmq: the vLLM venv
     from gcache.integrations.vllm.events_publisher import EventPublisher, ZmqSink
 
     port = free_port()
