@@ -15,7 +15,7 @@ Reported per (scenario, load), over the trace slices (min / median / max): prefi
 TTFT P90 of each policy relative to the report's formula in the same slice (< 1: better),
 and the hit rates by tier.
 
-  .venv/bin/python -m bench.router.tiers                    # 5 slices x 1000 requests, all + half, loads 0.5,0.9
+  .venv/bin/python -m bench.router.tiers                    # 5 slices x 2000 records, all + half, loads 0.5,0.9
   .venv/bin/python -m bench.router.tiers --l1-frac 0.1      # small engine memory: the L3 matters more
 """
 
@@ -47,8 +47,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
     ap.add_argument("--slices", type=int, default=5, help="trace slices (each its own figures)")
-    ap.add_argument("--requests", type=int, default=1000, help="trace records per slice")
-    ap.add_argument("--stride", type=int, default=2000, help="slice s reads records from s x stride")
+    ap.add_argument("--requests", type=int, default=2000, help="trace records per slice")
+    ap.add_argument("--stride", type=int, default=2400, help="slice s reads records from s x stride")
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--scenarios", default="all,half", help="all: connector on every engine; half: on half")
     ap.add_argument("--l1-frac", type=float, default=0.5, help="aggregate engine memory / working set")

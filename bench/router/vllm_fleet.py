@@ -4,7 +4,7 @@ gcache-server (their shared L3), one redis-server, and one `gcache-router kv-eve
 per engine (what each engine holds, into Redis, for the gcache-router arms).
 
 `reset()` puts the fleet back in one state before each arm: a fresh gcache-server (same port;
-an empty L3), one direct warm-up request per engine (its connector reconnects; the same prompt
+an empty L3) and redis-server (an empty shared L3 view), one direct warm-up request per engine (its connector reconnects; the same prompt
 every time, shorter than a block), then every engine's prefix cache reset (vLLM's
 /reset_prefix_cache, dev mode) and one more such request, whose step carries the
 AllBlocksCleared to the translators. `counters()` reads each engine's /metrics: local and external
@@ -225,6 +225,10 @@ class Fleet:
         if any(self.connectors):
             self.store.stop()
             self.store.start()
+        # an empty Redis too: the shared L3 view there (written from the connectors' L3 events)
+        # has no "cleared" of its own; the translators re-register their engines (a Redis restart
+        # is one of their faults: they resync)
+        self.redis.restart()
         for e in self.engines:
             self._tiny_request(e)  # after the store restart: the connector reconnects
         for e in self.engines:
