@@ -14,6 +14,8 @@ The other routers, each from its own venv (bench/router/setup_routers.sh; skippe
   vllm_router     vllm-router 0.1.17 cache_aware (the same algorithm, vLLM's fork);
   vllm_router_kv  vllm-router 0.1.17 kv_aware, fed by every engine's vLLM KV events
                   (--kv-event-source URL=ENDPOINT): what the engines really hold.
+And a control, not run by default: report_l3ev, the report's scoring with the L3 events
+subscribed (what subscribing costs the router, without the credit).
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ class Arm:
     name: str
     kind: str  # "gcache" | "sglang" | "vllm_router"
     args: tuple[str, ...]
+    l3_events: bool = False  # gcache-router subscribes to the connectors' L3 events (when it can)
 
 
 ARMS: dict[str, Arm] = {
     "round_robin": Arm("round_robin", "gcache", ("--policy", "round_robin")),
     "least_load": Arm("least_load", "gcache", ("--policy", "least_load")),
     "report": Arm("report", "gcache", ("--policy", "cache_aware", "--tier-weights", "1,0.8,0")),
-    "tier_aware": Arm("tier_aware", "gcache", ("--policy", "cache_aware", "--tier-weights", "1,0.8,0.5")),
+    "tier_aware": Arm("tier_aware", "gcache", ("--policy", "cache_aware", "--tier-weights", "1,0.8,0.5"), True),
+    # a control: the report's scoring with the L3 events subscribed (their cost without their credit)
+    "report_l3ev": Arm("report_l3ev", "gcache", ("--policy", "cache_aware", "--tier-weights", "1,0.8,0"), True),
     "sglang": Arm("sglang", "sglang", ("--policy", "cache_aware")),
     "vllm_router": Arm("vllm_router", "vllm_router", ("--policy", "cache_aware")),
     "vllm_router_kv": Arm("vllm_router_kv", "vllm_router", ("--policy", "kv_aware")),
@@ -83,7 +88,7 @@ def command(arm: Arm, fleet: Fleet, port: int, prometheus_port: int, l3_events: 
         cmd = [sys.executable, "-m", "gcache.router.main", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--redis", fleet.redis.url, "--tokenizer", str(fleet.model_dir), "--request-timeout-s", "300"]
         cmd += list(arm.args)
-        if arm.name == "tier_aware" and l3_events:
+        if arm.l3_events and l3_events:
             for e in fleet.engines:
                 if e.l3_events:
                     cmd += ["--l3-events", e.l3_events]
