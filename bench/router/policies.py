@@ -45,7 +45,8 @@ from bench.router.jobs import Job, run_all  # noqa: E402
 from bench.router.report import print_targets, print_workload  # noqa: E402
 from bench.router.workloads import chat_turns, trace_slice  # noqa: E402
 from bench.worker.ttft_cost import add_cost_args, load_cost  # noqa: E402
-from gcache.worker.config import FULL, SWA, ModelConfig  # noqa: E402
+from gcache.common.attention import AttentionKind  # noqa: E402
+from gcache.worker.config import ModelConfig  # noqa: E402
 from gcache.worker.engine.scheduler import SchedulerConfig  # noqa: E402
 from gcache.worker.kvcache.kv_pool import DualKVCache  # noqa: E402
 
@@ -145,7 +146,7 @@ def build_workload(name: str, seed: int, args):
 
 def budgets_for(turns, cfg: ModelConfig, workers: int, args, checkpoint_pages: int) -> tuple[Budgets, dict]:
     hits, pages = oracle_hit_tokens(turns, cfg.page_size)
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     ws = pages * bf
     longest = max(-(-(len(t.prompt) + t.max_tokens) // cfg.page_size) for t in turns)
     floor = int((longest + 64) * (bf + bs * args.l1_swa_ratio) * 1.1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.common.stats import median_range
+from gcache.common.attention import AttentionKind
 from gcache.common.units import MiB
-from gcache.worker.config import FULL, SWA
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
 BASE, OURS = "least_load", "cache_aware"
@@ -37,7 +37,7 @@ def rate(x) -> str:
 
 def print_workload(name, seeds_at, workers, policies, results, st) -> None:
     cfg, args = st["cfg"][name], st["args"]
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     tiers = "L1 + L2 + shared L3 (gcache-server)" if args.l3 else "L1 + L2 per worker, no L3"
     print(
         f"\n=== {name}: W={cfg.window}, page {cfg.page_size} tokens, KV bytes/page full {bf} SWA {bs}; {tiers}; "

@@ -23,9 +23,10 @@ import numpy as np
 
 from bench.hicache.cluster import Budgets, Setup, Worker
 from bench.router.sim import Cluster, SimConfig
+from gcache.common.attention import AttentionKind
 from gcache.tools.devcluster.local_redis import LocalRedis
 from gcache.wire.keys import page_hashes_array
-from gcache.worker.config import FULL, SWA, ModelConfig
+from gcache.worker.config import ModelConfig
 from gcache.worker.engine.request import SamplingParams
 from gcache.worker.kvcache.kv_pool import DualKVCache
 
@@ -74,7 +75,7 @@ def _case_for(policy: str, st: dict, redis_url: str) -> dict:
     with redis.Redis.from_url(redis_url) as c:
         c.flushdb()
     cfg = ModelConfig(dtype="float32")
-    bf, bs = DualKVCache.page_bytes(cfg, FULL), DualKVCache.page_bytes(cfg, SWA)
+    bf, bs = DualKVCache.page_bytes(cfg, AttentionKind.FULL), DualKVCache.page_bytes(cfg, AttentionKind.SWA)
     budgets = Budgets(FULL_PAGES * bf + SWA_PAGES * bs, 0, 0, l1_swa_full_ratio=SWA_PAGES / FULL_PAGES)
     workers = [Worker(cfg, Setup("L1"), budgets, st["sched"], st["cost"], st["timing"], "", 64) for _ in range(2)]
     cluster = Cluster(workers, st["wiring"], redis_url, policy, SimConfig(), cfg.page_size, cfg.window)

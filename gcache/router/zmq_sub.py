@@ -26,7 +26,7 @@ def subscribe_loop(
 ) -> None:
     import zmq
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socks = []
     try:
         for ep in endpoints:

@@ -9,10 +9,6 @@ from typing import Any
 
 from gcache.common.attention import AttentionKind
 
-# Deprecated spellings of AttentionKind.FULL / .SWA, kept only for bench/router (another branch
-# works there); new code uses the enum.
-FULL = AttentionKind.FULL
-SWA = AttentionKind.SWA
 DTYPES = ("float32", "float64")
 MTP_LAYERS_MAX = 3
 

@@ -42,7 +42,7 @@ class ZmqSink:
         import zmq
 
         self._zmq = zmq
-        self.socket = zmq.Context.instance().socket(zmq.PUB)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
         self.socket.setsockopt(zmq.LINGER, 0)
         if "*" in endpoint or endpoint.startswith("ipc://"):
