@@ -60,6 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "`gcache-router kv-events` does the same beside the engine)",
     )
     ap.add_argument(
+        "--vllm-l3",
+        action="append",
+        default=[],
+        metavar="URL@ENDPOINT",
+        help="as --vllm, for a server that runs the GCache connector: it is registered as loading the "
+        "shared L3, so cache_aware credits L3 hits to it (--l3-events says what the L3 holds)",
+    )
+    ap.add_argument(
         "--l3-events",
         action="append",
         default=[],
@@ -74,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def vllm_engines(specs: list[str]) -> list[tuple[str, str]]:
     """--vllm URL@ENDPOINT,... -> [(url, endpoint)]."""
-    out = []
+    out: list[tuple[str, str]] = []
     for spec in (x.strip() for item in specs for x in item.split(",")):
         if not spec:
             continue
@@ -87,7 +95,8 @@ def vllm_engines(specs: list[str]) -> list[tuple[str, str]]:
 
 def start_translators(args, config: RouterConfig) -> list:
     """The in-router translators of --vllm (ValueError for bad flags)."""
-    engines = vllm_engines(args.vllm)
+    engines = [(u, e, False) for u, e in vllm_engines(args.vllm)]
+    engines += [(u, e, True) for u, e in vllm_engines(args.vllm_l3)]
     if not engines:
         return []
     if not config.redis_url:
@@ -106,8 +115,9 @@ def start_translators(args, config: RouterConfig) -> list:
             prefix=config.redis_prefix,
             redis_timeout_s=config.redis_timeout_s,
             lease=True,
+            l3=l3,
         )
-        for url, endpoint in engines
+        for url, endpoint, l3 in engines
     ]
     return [Translator(c) for c in cfgs]
 

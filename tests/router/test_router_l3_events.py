@@ -245,3 +245,18 @@ def test_over_real_zmq_from_the_connectors_publisher(redis_proc):
     sub2.stop()
     sub.stop()
     pub.close()
+
+
+def test_vllm_l3_servers_are_registered_as_loading_the_shared_l3_and_vllm_ones_are_not(redis_proc):
+    from gcache.router.main import parse_args, start_translators
+
+    plain, with_l3 = (f"http://127.0.0.1:{free_port()}@tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    args = parse_args(["--redis", redis_proc.url, "--vllm", plain, "--vllm-l3", with_l3])
+    translators = start_translators(args, RouterConfig.from_args(args))
+    try:
+        got = {t.config.engine_url: t.config.l3 for t in translators}
+        assert got == {plain.rpartition("@")[0]: False, with_l3.rpartition("@")[0]: True}
+        assert all(t.info().l3 == t.config.l3 for t in translators)  # what the registration carries
+    finally:
+        for t in translators:
+            t.stop()
