@@ -116,6 +116,7 @@ def start_translators(args, config: RouterConfig) -> list:
             redis_timeout_s=config.redis_timeout_s,
             lease=True,
             l3=l3,
+            block_size=config.page_size,  # published until the engine's first event says
         )
         for url, endpoint, l3 in engines
     ]

