@@ -27,6 +27,7 @@ from gcache.router.config import RouterConfig
 from gcache.router.engines import GCACHE_WORKER, EngineInfo
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
+from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 
 log = logging.getLogger("gcache.router")
@@ -55,15 +56,7 @@ class RouterCore:
         self.redis = None
         self.sync: RedisSync | None = None
         if config.redis_url:
-            import redis
-
-            self.redis = redis.Redis.from_url(
-                config.redis_url,
-                socket_timeout=config.redis_timeout_s,
-                socket_connect_timeout=config.redis_timeout_s,
-                retry_on_timeout=False,
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-            )
+            self.redis, _ = fail_fast_redis(config.redis_url, config.redis_timeout_s)
             self.sync = RedisSync(
                 self.redis,
                 Keys(config.redis_prefix),

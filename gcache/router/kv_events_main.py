@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from gcache.router.engines import EngineInfo, with_info
 from gcache.router.kv_events import EngineEvents, Limits
 from gcache.router.zmq_sub import subscribe_loop
+from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
 from gcache.serving.safe_json import parse_json
 
@@ -160,19 +161,10 @@ class Translator:
     def __init__(
         self, config: TranslatorConfig, clock: Callable[[], float] = time.monotonic, start_threads: bool = True
     ) -> None:
-        import redis
-
         self.config, self.clock = config, clock
         self.state = EngineEvents(config.limits)
         self.keys = Keys(config.prefix)
-        self.redis = redis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
-            retry_on_timeout=False,
-            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-        )
-        self._redis_errors = (redis.RedisError, OSError)
+        self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
         self.models: tuple[str, ...] = config.models
         self.load = WorkerLoad()
         self._progress: tuple = ()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from gcache.router.kv_events import EngineEvents, Limits
 from gcache.router.zmq_sub import subscribe_loop
 from gcache.serving.l3_index import queue_l3
+from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys
 
 log = logging.getLogger("gcache.router.l3_events")
@@ -122,22 +123,13 @@ class L3Subscriber:
     def __init__(
         self, config: L3EventsConfig, clock: Callable[[], float] = time.monotonic, start_threads: bool = True
     ) -> None:
-        import redis
-
         self.config, self.clock = config, clock
         self.keys = Keys(config.prefix)
         self.sources = [EngineEvents(config.limits, shared_l3=True) for _ in config.endpoints]
         for src in self.sources:
             src.page_size = config.page_size  # None: learnt from the first full-attention event
         self.union = L3Union(self.sources)
-        self.redis = redis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
-            retry_on_timeout=False,
-            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-        )
-        self._redis_errors = (redis.RedisError, OSError)
+        self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
         self.counters = dict.fromkeys(("flushes", "flush_errors", "added", "removed", "rewrites"), 0)
         self._lock = threading.Lock()  # flush() from the thread or a test
         self._stop = threading.Event()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcache.serving.l3_index import queue_l3
+from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
 from gcache.worker.kvcache.cache_events import CacheEventLog
 
@@ -70,22 +71,13 @@ class WorkerPublisher:
     def __init__(
         self, engine, config: PublisherConfig, start_thread: bool = True, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        import redis
-
         self.config, self.clock = config, clock
         self.url = config.advertise_url.rstrip("/")
         self.keys = Keys(config.prefix)
         self.events = CacheEventLog(config.events_max)
         self.page_size, self.window = engine.page_size, engine.window
         self.model = config.model or engine.cache.key_model() or "model"
-        self.redis = redis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
-            retry_on_timeout=False,
-            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-        )
-        self._redis_errors = (redis.RedisError, OSError)
+        self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
         self._attached = False
         self._load = WorkerLoad()
         self._load_at: float | None = None
