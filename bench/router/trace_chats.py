@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.router.workloads import extended_turn
 from gcache.integrations.vllm.testing_chat import CORPUS
 
 WORDS = tuple(sorted(set(re.findall(r"[a-z]+", CORPUS.lower()))))
@@ -59,12 +60,7 @@ def conversations(
         for i, line in enumerate(f):
             rec = json.loads(line)
             ids = tuple(int(x) for x in rec["hash_ids"])
-            after = -1
-            for n in range(len(ids), 1, -1):  # the longest earlier chain this one extends
-                j = last_of.get(ids[:n])
-                if j is not None:
-                    after = j
-                    break
+            after = extended_turn(last_of, ids)
             root = conv_of[after] if after >= 0 else i
             conv_of.append(root)
             if root >= offset:

@@ -47,12 +47,7 @@ def trace_slice(
     last_of: dict[tuple, int] = {}  # complete-block chain -> latest turn that sent it
     for rec in records:
         ids = tuple(int(x) for x in rec["hash_ids"])
-        after = -1
-        for n in range(len(ids), 1, -1):  # the longest earlier chain this one extends
-            j = last_of.get(ids[:n])
-            if j is not None:
-                after = j
-                break
+        after = extended_turn(last_of, ids)
         tokens = block_token_ids(np.asarray(ids, dtype=np.int64), block_tokens, vocab)
         length = max(1, min(prompt_tokens_max, rec["input_length"] * block_tokens // 512))
         out = int(min(output_tokens_max, max(1, rec["output_length"] * block_tokens // 512)))
@@ -61,6 +56,16 @@ def trace_slice(
         if complete >= 2:
             last_of[ids[:complete]] = len(turns) - 1
     return turns
+
+
+def extended_turn(last_of: dict[tuple, int], ids: tuple[int, ...]) -> int:
+    """The latest earlier record whose block chain this one extends (the longest such chain;
+    -1: none). last_of maps each complete-block chain prefix to the latest record that sent it."""
+    for n in range(len(ids), 1, -1):
+        j = last_of.get(ids[:n])
+        if j is not None:
+            return j
+    return -1
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
