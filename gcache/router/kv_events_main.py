@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcache.router.engines import EngineInfo, with_info
+from gcache.router.event_bridge import EventBridge
 from gcache.router.kv_events import EngineEvents, Limits
 from gcache.router.zmq_sub import subscribe_loop
 from gcache.serving.redis_client import fail_fast_redis
@@ -59,7 +60,6 @@ log = logging.getLogger("gcache.router.kv_events")
 HSET_CHUNK = 10_000
 WORKERS_FORGET_MS = 3_600_000
 METRICS_BYTES_MAX = 4 << 20
-RETRY_MAX_S = 0.5
 IDLE_S = 1.0  # token counters still this long: the engine runs nothing, whatever its gauges say
 STALE_SETTLE_S = 2.0  # work the engine's /metrics shows within this of an event is that event's
 
@@ -155,8 +155,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class Translator:
+class Translator(EventBridge):
     """The events subscriber, the engine probe and the Redis publisher of one engine."""
+
+    name = "kv-events"
+    log = log
 
     def __init__(
         self, config: TranslatorConfig, clock: Callable[[], float] = time.monotonic, start_threads: bool = True
@@ -193,16 +196,10 @@ class Translator:
             ),
             0,
         )
-        self._stop = threading.Event()
         self._down = False
         self.holder = config.holder or os.urandom(8).hex()
         self.leading = not config.lease  # publishes (a lone translator always does)
-        self._threads: list[threading.Thread] = []
-        if start_threads:
-            for target, name in ((self._sub_loop, "kv-events-sub"), (self._pub_loop, "kv-events-pub")):
-                t = threading.Thread(target=target, name=name, daemon=True)
-                t.start()
-                self._threads.append(t)
+        self._start(config.interval_s, start_threads)
 
     # ---- the event stream (subscriber thread) ----------------------------------------------------
     def _sub_loop(self) -> None:
@@ -420,24 +417,11 @@ class Translator:
         p.execute()
         self._registered = False
 
-    def _pub_loop(self) -> None:
-        pause = self.config.interval_s
-        while not self._stop.is_set():
-            try:
-                ok = self.flush()
-            except Exception:  # a bug, not Redis: keep publishing (else routers drop the engine)
-                ok = False
-                log.exception("kv-events: flush crashed; will keep retrying")
-            pause = self.config.interval_s if ok else min(RETRY_MAX_S, max(pause, 0.05) * 2)
-            self._stop.wait(pause)
-
     def stats(self) -> dict:
         return {**self.counters, **{f"events_{k}": v for k, v in self.state.stats.items()}, "pages": self.state.pages()}
 
     def stop(self, deregister: bool = True) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._join()
         if deregister:
             try:
                 if self.config.lease:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gcache.router.event_bridge import EventBridge
 from gcache.router.kv_events import EngineEvents, Limits
 from gcache.router.zmq_sub import subscribe_loop
 from gcache.serving.l3_index import queue_l3
@@ -32,8 +33,6 @@ from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys
 
 log = logging.getLogger("gcache.router.l3_events")
-
-RETRY_MAX_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,12 @@ class L3Union:
         self.rewrite = True
 
 
-class L3Subscriber:
+class L3Subscriber(EventBridge):
+    """The connectors' L3 events (one EngineEvents per endpoint) into the shared L3 view in Redis."""
+
+    name = "l3-events"
+    log = log
+
     def __init__(
         self, config: L3EventsConfig, clock: Callable[[], float] = time.monotonic, start_threads: bool = True
     ) -> None:
@@ -132,14 +136,8 @@ class L3Subscriber:
         self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
         self.counters = dict.fromkeys(("flushes", "flush_errors", "added", "removed", "rewrites"), 0)
         self._lock = threading.Lock()  # flush() from the thread or a test
-        self._stop = threading.Event()
         self._down = False
-        self._threads: list[threading.Thread] = []
-        if start_threads:
-            for target, name in ((self._sub_loop, "l3-events-sub"), (self._pub_loop, "l3-events-pub")):
-                t = threading.Thread(target=target, name=name, daemon=True)
-                t.start()
-                self._threads.append(t)
+        self._start(config.interval_s, start_threads)
 
     def _sub_loop(self) -> None:
         c = self.config
@@ -186,17 +184,6 @@ class L3Subscriber:
             self.counters["removed"] += len(removes)
             return True
 
-    def _pub_loop(self) -> None:
-        pause = self.config.interval_s
-        while not self._stop.is_set():
-            try:
-                ok = self.flush()
-            except Exception:  # a bug, not Redis: keep going
-                ok = False
-                log.exception("l3-events: flush crashed; will keep retrying")
-            pause = self.config.interval_s if ok else min(RETRY_MAX_S, max(pause, 0.05) * 2)
-            self._stop.wait(pause)
-
     def stats(self) -> dict:
         out: dict = dict(self.counters)
         for i, src in enumerate(self.sources):
@@ -207,7 +194,5 @@ class L3Subscriber:
         return out
 
     def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._join()
         self.redis.close()
