@@ -25,6 +25,7 @@ import numpy as np
 
 from gcache.router.config import RouterConfig
 from gcache.router.engines import GCACHE_WORKER, EngineInfo
+from gcache.router.event_bridge import EventBridge
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
 from gcache.serving.redis_client import fail_fast_redis
@@ -55,6 +56,7 @@ class RouterCore:
         self._thread: threading.Thread | None = None
         self.redis = None
         self.sync: RedisSync | None = None
+        self.bridges: list[EventBridge] = []  # this process's --vllm translators, --l3-events subscriber (/metrics)
         if config.redis_url:
             self.redis, _ = fail_fast_redis(config.redis_url, config.redis_timeout_s)
             self.sync = RedisSync(
@@ -416,6 +418,8 @@ class RouterCore:
             lines.append(f"gcache_router_view_l3_pages {len(self.view.l3)}")
         for w in h["workers"]:
             lines.append(f'gcache_router_inflight{{worker="{w["url"]}"}} {w["inflight"]}')
+        for bridge in self.bridges:
+            lines += bridge.metric_lines()
         return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,21 @@ class EventBridge(ABC):
     def flush(self) -> bool:
         """Write what changed to Redis; False if Redis failed."""
 
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters and gauges by name (numbers): what the router's /metrics shows."""
+
+    @property
+    @abstractmethod
+    def source(self) -> str:
+        """What this bridge reads (an engine's URL, the L3 endpoints): the metrics' label."""
+
+    def metric_lines(self) -> list[str]:
+        """Prometheus lines of stats(), gcache_router_<name>_<stat>{source="..."}."""
+        prefix = "gcache_router_" + self.name.replace("-", "_")
+        label = self.source.replace("\\", "\\\\").replace('"', '\\"')
+        return [f'{prefix}_{k}{{source="{label}"}} {v}' for k, v in sorted(self.stats().items())]
+
     def _pub_loop(self) -> None:
         pause = self._interval_s
         while not self._stop.is_set():

@@ -420,6 +420,10 @@ class Translator(EventBridge):
     def stats(self) -> dict:
         return {**self.counters, **{f"events_{k}": v for k, v in self.state.stats.items()}, "pages": self.state.pages()}
 
+    @property
+    def source(self) -> str:
+        return self.config.url
+
     def stop(self, deregister: bool = True) -> None:
         self._join()
         if deregister:

@@ -193,6 +193,10 @@ class L3Subscriber(EventBridge):
         out["pages"] = len(self.union.written)
         return out
 
+    @property
+    def source(self) -> str:
+        return ",".join(self.config.endpoints)
+
     def stop(self) -> None:
         self._join()
         self.redis.close()

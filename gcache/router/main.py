@@ -176,6 +176,7 @@ def main(argv=None) -> int:
             cores[1].policy = DecodeLoad(cores[1].config)  # decode pool: load and free KV
         tokenizers = load_tokenizers(config)
         subscribers = start_translators(args, config) + start_l3_events(args, config)
+        cores[0].bridges = subscribers  # their counters on /metrics
     except ValueError as e:
         print(f"gcache-router: {e}", file=sys.stderr)
         return 2

@@ -260,3 +260,22 @@ def test_vllm_l3_servers_are_registered_as_loading_the_shared_l3_and_vllm_ones_a
     finally:
         for t in translators:
             t.stop()
+
+
+def test_the_routers_metrics_show_the_l3_subscribers_counters(redis_proc):
+    sub = subscriber(redis_proc)
+    core = router(redis_proc)
+    core.bridges = [sub]
+    t = toks(3 * BS, seed=2)
+    f = Frames()
+    sub.receive(f(stored(t, seed=2)))
+    sub.receive([b"kv@a@m", b"short"])  # a message of two frames, not three: counted, not applied
+    assert sub.flush()
+    label = f'source="{sub.source}"'
+    lines = set(core.metrics_text().splitlines())
+    assert f"gcache_router_l3_events_added{{{label}}} 3" in lines
+    assert f"gcache_router_l3_events_pages{{{label}}} 3" in lines
+    assert f"gcache_router_l3_events_events_bad_frames{{{label}}} 1" in lines
+    assert f"gcache_router_l3_events_events_stored_blocks{{{label}}} 3" in lines
+    sub.stop()
+    core.close()
