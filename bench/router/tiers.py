@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.common.paths import CONVERSATION_TRACE
-from bench.common.stats import spread
+from bench.common.stats import median_range, spread
 from bench.router.tier_sim import (
     POLICY_KNOBS,
     TierCosts,
@@ -120,11 +120,6 @@ def rel(out, s, scen, load, p, metric) -> float:
     return metric(a) / metric(b) if metric(b) else float("nan")
 
 
-def fmt3(values, f="{:.3f}") -> str:
-    lo, mid, hi = spread(values)
-    return f"{f.format(mid)} [{f.format(lo)}..{f.format(hi)}]"
-
-
 def report(args, out) -> None:
     slices = range(args.slices)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -133,13 +128,13 @@ def report(args, out) -> None:
     ws = [x["ws_pages"] for x in out["slices"]]
     print(
         f"trace {args.trace.name}: {args.slices} slices x {args.requests} records (stride {args.stride}); "
-        f"working set {fmt3(ws, '{:.0f}')} pages of {args.page_size} tokens; "
-        f"conversations per slice {fmt3([x['conversations'] for x in out['slices']], '{:.0f}')}"
+        f"working set {median_range(ws, '{:.0f}'.format)} pages of {args.page_size} tokens; "
+        f"conversations per slice {median_range([x['conversations'] for x in out['slices']], '{:.0f}'.format)}"
     )
     raised = sum(x["l1_raised"] for x in out["slices"])
     print(
         f"{args.engines} engines, L1 {args.l1_frac} x working set in all (per engine "
-        f"{fmt3([x['l1_pages'] for x in out['slices']], '{:.0f}')} pages"
+        f"{median_range([x['l1_pages'] for x in out['slices']], '{:.0f}'.format)} pages"
         + (f"; raised to the longest prompt in {raised} slices" if raised else "")
         + f"), L3 {args.l3_frac} x working set; cost per token L1 0 / L3 {args.l3_ratio} / recompute 1; "
         f"report = cache_aware tier weights 1,0.8,0; tier_aware = 1,0.8,{args.l3_weight}"
@@ -158,7 +153,7 @@ def report(args, out) -> None:
                 cost = [rel(out, s, scen, load, p, lambda r: r.prefill_cost) for s in slices]
                 p90 = [rel(out, s, scen, load, p, lambda r: r.ttft(90)) for s in slices]
                 print(
-                    f"{p:<12} {spread(l1)[1]:>7.1%} {spread(l3)[1]:>7.1%} {fmt3(cost):>32} {fmt3(p90):>28} "
+                    f"{p:<12} {spread(l1)[1]:>7.1%} {spread(l3)[1]:>7.1%} {median_range(cost, '{:.3f}'.format):>32} {median_range(p90, '{:.3f}'.format):>28} "
                     f"{spread([r.ttft(50) for r in runs])[1] * 1e3:>8.1f} "
                     f"{spread([r.ttft(90) for r in runs])[1] * 1e3:>8.1f}"
                 )

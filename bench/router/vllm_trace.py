@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench.common.paths import CONVERSATION_TRACE
-from bench.common.stats import spread
+from bench.common.stats import median_range, spread
 from bench.router.router_arms import ARMS, DEFAULT_ARMS, gcache_router_has_l3_events, start, unavailable
 from bench.router.trace_chats import Conversation, block_text, conversations, prompt_text, working_set_blocks
 from bench.router.trace_client import Sent, replay
@@ -121,9 +121,7 @@ def print_summary(results: list[dict], arms: list[str]) -> None:
             continue
 
         def col(key, scale=1.0, pct=False):
-            lo, mid, hi = spread([r[key] * scale for r in rs])
-            f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.0f}")
-            return f"{f(mid)} [{f(lo)}..{f(hi)}]"
+            return median_range([r[key] * scale for r in rs], "{:.1%}".format if pct else "{:.0f}".format)
 
         print(
             f"  {arm:<15} {col('hit', pct=True):>22} {col('l1', pct=True):>22} {col('l3', pct=True):>22} "
