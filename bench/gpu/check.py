@@ -98,7 +98,7 @@ class Tensors:
         if self.torch is not None:
             typed = buf.view(self.torch.bfloat16)
             return [typed.as_strided(shape, strides, l * stride["L"]) for l in range(dims["L"])]
-        from gcache.integrations.vllm.numpy_view import NumpyView
+        from gcache.integrations.vllm.transfer.numpy_view import NumpyView
 
         typed = buf.view(np.uint16)
         return [
@@ -213,8 +213,8 @@ class Check:
         return buf, self.t.views(buf, layout, dims)
 
     def group(self, views, blocks: int, segment_bytes_max: int):
-        from gcache.integrations.vllm.page_runs import page_runs
-        from gcache.integrations.vllm.values import GroupValues
+        from gcache.integrations.vllm.transfer.page_runs import page_runs
+        from gcache.integrations.vllm.transfer.values import GroupValues
 
         return GroupValues([page_runs(v, blocks) for v in views], segment_bytes_max=segment_bytes_max)
 
@@ -236,7 +236,7 @@ class Check:
 
     @staticmethod
     def value_keys(prefix: str, blocks, values, slot_addresses):
-        from gcache.integrations.vllm.keys import segment_keys
+        from gcache.integrations.vllm.kv.keys import segment_keys
 
         keys, addresses, sizes = [], [], []
         for block, address in zip(blocks, slot_addresses):
@@ -251,7 +251,7 @@ class Check:
     # ---- 2. round trips ----
     def round_trips(self) -> None:
         import gcache
-        from gcache.integrations.vllm.staging import StagingPool
+        from gcache.integrations.vllm.transfer.staging import StagingPool
 
         s = self.scale
         for seed, (layout, transport) in enumerate([(lay, "shm") for lay in LAYOUTS] + [("LBNHC", "tcp")]):
@@ -301,7 +301,7 @@ class Check:
 
     # ---- 3. ordering ----
     def ordering(self) -> None:
-        from gcache.integrations.vllm.staging import StagingPool
+        from gcache.integrations.vllm.transfer.staging import StagingPool
 
         t, m = self.t, self.mover
         dims = self.dims(layers=4)
@@ -366,7 +366,7 @@ class Check:
 
     # ---- 4. throughput through the store ----
     def throughput(self) -> None:
-        from gcache.integrations.vllm.staging import StagingPool
+        from gcache.integrations.vllm.transfer.staging import StagingPool
 
         s, m, client = self.scale, self.mover, self.client
         page, ws, runs = s["page"], s["working_set"], s["runs"]
@@ -468,13 +468,13 @@ class Check:
 
     # ---- 5. copy methods ----
     def copy_methods(self) -> None:
-        from gcache.integrations.vllm.staging import StagingPool
+        from gcache.integrations.vllm.transfer.staging import StagingPool
 
         if self.args.dry_run:
             self.report["figures"]["copy_methods"] = "dry run: the host mover's native memmoves only"
             print("  (dry run: the host mover's native memmoves; on a GPU every copy method the process has)")
             return
-        from gcache.integrations.vllm.movers.cuda import CudaMover
+        from gcache.integrations.vllm.transfer.movers.cuda import CudaMover
 
         reasons = self.mover.reasons
         order = [m for m in ("native-loop", "cupy", "vllm", "native-batch") if reasons.get(m) is None]
@@ -528,7 +528,7 @@ class Check:
             self.report["figures"]["host_memory"] = "dry run: mmap'd host memory"
             print("  (dry run: mmap'd host memory; on a GPU torch-pinned vs cudaHostRegister'ed)")
             return
-        from gcache.integrations.vllm.movers.cuda import CudaMover
+        from gcache.integrations.vllm.transfer.movers.cuda import CudaMover
 
         nbytes = self.scale["working_set"]
         table = {}
@@ -704,12 +704,12 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     if args.dry_run:
-        from gcache.integrations.vllm.movers.host import HostMover
+        from gcache.integrations.vllm.transfer.movers.host import HostMover
 
         tensors, mover = Tensors("cpu"), HostMover()
     else:
         try:
-            from gcache.integrations.vllm.movers.cuda import CudaMover, CudaUnavailableError
+            from gcache.integrations.vllm.transfer.movers.cuda import CudaMover, CudaUnavailableError
 
             mover = CudaMover()
         except CudaUnavailableError as exc:

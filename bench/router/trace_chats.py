@@ -7,7 +7,7 @@ reads it. Only conversations of at least `min_turns` turns are kept, in the orde
 from record `offset` on, until `requests` turns are taken (the last one may be cut short).
 
 Each 512-token block id becomes `words` words drawn (seeded by the id) from the tiny chat
-model's training text (gcache.integrations.vllm.testing_chat.CORPUS: each word is 1-4 tokens
+model's training text (gcache.testing.vllm_chat.CORPUS: each word is 1-4 tokens
 of its BPE), starting with a space and ending with a full stop, so a block tokenizes the same
 wherever it stands and equal block ids give equal token prefixes. A prompt is its record's
 first `max_blocks` blocks.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.router.workloads import extended_turn
-from gcache.integrations.vllm.testing_chat import CORPUS
+from gcache.testing.vllm_chat import CORPUS
 
 WORDS = tuple(sorted(set(re.findall(r"[a-z]+", CORPUS.lower()))))
 

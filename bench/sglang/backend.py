@@ -42,7 +42,7 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from bench.common.stats import spread  # noqa: E402
-from gcache.integrations.sglang.testing import HostPoolStandIn, load_sglang_storage  # noqa: E402
+from gcache.testing.sglang_modules import HostPoolStandIn, load_sglang_storage  # noqa: E402
 from gcache.tools.devcluster.local_server import LocalServer  # noqa: E402
 from gcache.wire.keys import page_hashes  # noqa: E402
 

@@ -39,7 +39,7 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from bench.common.stats import spread  # noqa: E402
-from gcache.integrations.sglang.embedding_testing import (  # noqa: E402
+from gcache.testing.sglang_embedding import (  # noqa: E402
     load_controller_module,
     make_controller,
     stage_into_pool,

@@ -110,11 +110,11 @@ EC = dict(ec_connector="GCacheECConnector", ec_module_path="gcache.integrations.
 
 
 def engine(spec: dict, work: Path) -> dict:
-    """One engine process over `spec` (gcache.integrations.vllm.testing), its JSON answer."""
+    """One engine process over `spec` (gcache.testing.vllm_models), its JSON answer."""
     import subprocess
 
     from bench.common.paths import REPO
-    from gcache.integrations.vllm.testing import engine_env
+    from gcache.testing.vllm_models import engine_env
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "spec.json").write_text(json.dumps(spec))
@@ -122,7 +122,7 @@ def engine(spec: dict, work: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])  # keep engine_env's shim
     with open(work / "engine.log", "wb") as log:
         code = subprocess.call(
-            [sys.executable, "-m", "gcache.integrations.vllm.testing", str(work / "spec.json"), str(work / "out.json")],
+            [sys.executable, "-m", "gcache.testing.vllm_models", str(work / "spec.json"), str(work / "out.json")],
             cwd=REPO,
             env=env,
             stdout=log,
@@ -135,8 +135,8 @@ def engine(spec: dict, work: Path) -> dict:
 
 
 def bench_engine(args) -> int:
-    from gcache.integrations.vllm.testing import write_model
-    from gcache.integrations.vllm.testing_mm import prompt
+    from gcache.testing.vllm_mm import prompt
+    from gcache.testing.vllm_models import write_model
     from gcache.tools.devcluster.local_server import LocalServer
 
     counts = [int(n) for n in args.images.split(",")]

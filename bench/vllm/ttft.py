@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.common.paths import REPO
 from bench.common.stats import spread
-from gcache.integrations.vllm.testing import engine_env, prompt_tokens, write_model
+from gcache.testing.vllm_models import engine_env, prompt_tokens, write_model
 from gcache.tools.devcluster.local_server import LocalServer
 
 MODEL = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
@@ -42,7 +42,7 @@ def engine(spec: dict, work: Path) -> dict:
     env["PYTHONPATH"] = str(REPO)
     with open(work / "engine.log", "wb") as log:
         code = subprocess.call(
-            [sys.executable, "-m", "gcache.integrations.vllm.testing", str(work / "spec.json"), str(work / "out.json")],
+            [sys.executable, "-m", "gcache.testing.vllm_models", str(work / "spec.json"), str(work / "out.json")],
             cwd=REPO,
             env=env,
             stdout=log,

@@ -29,11 +29,11 @@ import numpy as np
 
 import gcache
 from bench.common.stats import spread
-from gcache.integrations.vllm.movers.host import HostMover
-from gcache.integrations.vllm.numpy_view import NumpyView
-from gcache.integrations.vllm.page_runs import page_runs
-from gcache.integrations.vllm.staging import StagingPool
-from gcache.integrations.vllm.values import GroupValues
+from gcache.integrations.vllm.transfer.movers.host import HostMover
+from gcache.integrations.vllm.transfer.numpy_view import NumpyView
+from gcache.integrations.vllm.transfer.page_runs import page_runs
+from gcache.integrations.vllm.transfer.staging import StagingPool
+from gcache.integrations.vllm.transfer.values import GroupValues
 from gcache.tools.devcluster.local_server import LocalServer
 
 

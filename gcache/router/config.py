@@ -149,7 +149,7 @@ class RouterConfig:
     stream_read_max: int = 2000  # stream entries read per worker per refresh
     l3_pages_max: int = 1 << 20
     roles: tuple[str, ...] = ()  # registered workers of these roles only (PD pools); () = every role
-    # vLLM servers (gcache.router.engines): the model's own tokenizer, by served model name
+    # vLLM servers (gcache.serving.announce.engines): the model's own tokenizer, by served model name
     # ("" = the default, also for workers that registered nothing), a model directory each
     tokenizers: tuple[tuple[str, str], ...] = field(
         default=(),

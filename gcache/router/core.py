@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from gcache.router.config import RouterConfig
-from gcache.router.engines import GCACHE_WORKER, EngineInfo
-from gcache.router.event_bridge import EventBridge
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
+from gcache.serving.announce.bridge import EventBridge
+from gcache.serving.announce.engines import GCACHE_WORKER, EngineInfo
 from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 
@@ -173,7 +173,7 @@ class RouterCore:
             return {}
         return {u: dict(info, picked=(u == choice.url), mode=choice.mode) for u, info in choice.scores.items()}
 
-    # ---- engines (gcache.router.engines) -------------------------------------------------
+    # ---- engines (gcache.serving.announce.engines) -------------------------------------------------
     def tokenizer_key(self, url: str, info: EngineInfo) -> str:
         """How a worker tokenizes: "" = the byte tokenizer (gcache-worker); "hf:NAME" / "hf:" =
         the --tokenizer given for model NAME / the default one (a vLLM server; without any

@@ -105,7 +105,7 @@ def start_translators(args, config: RouterConfig) -> list:
         import zmq  # noqa: F401  (pyzmq: a dependency of gcache and of vLLM)
     except ImportError:
         raise ValueError("--vllm needs pyzmq (pip install pyzmq)") from None
-    from gcache.router.kv_events_main import Translator, TranslatorConfig
+    from gcache.router.ingest.translator import Translator, TranslatorConfig
 
     cfgs = [
         TranslatorConfig(
@@ -139,7 +139,7 @@ def start_l3_events(args, config: RouterConfig) -> list:
         import zmq  # noqa: F401  (pyzmq: a dependency of gcache and of vLLM)
     except ImportError:
         raise ValueError("--l3-events needs pyzmq (pip install pyzmq)") from None
-    from gcache.router.l3_events import L3EventsConfig, L3Subscriber
+    from gcache.router.ingest.l3_events import L3EventsConfig, L3Subscriber
 
     cfg = L3EventsConfig(
         endpoints=eps,
@@ -153,8 +153,8 @@ def start_l3_events(args, config: RouterConfig) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["kv-events"]:  # the translator beside a vLLM server (kv_events_main.py)
-        from gcache.router.kv_events_main import main as kv_events_main
+    if argv[:1] == ["kv-events"]:  # the translator beside a vLLM server (ingest/translator.py)
+        from gcache.router.ingest.translator import main as kv_events_main
 
         return kv_events_main(argv[1:])
     args = parse_args(argv)

@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gcache.router.engines import GCACHE_WORKER, EngineInfo, parse_info
+from gcache.serving.announce.engines import GCACHE_WORKER, EngineInfo, parse_info
 from gcache.serving.redis_layout import (
     FLAGS_ALL,
     L3_FULL,

@@ -1,6 +1,6 @@
 // cuda_copy: a batch of host <-> device copies queued on a CUDA stream in one call, the GIL
 // released: the vLLM connector's GPU mover when vLLM's own swap_blocks_batch is not in the
-// process (gcache/integrations/vllm/movers/cuda.py).
+// process (gcache/integrations/vllm/transfer/movers/cuda.py).
 //
 // No CUDA header and no CUDA library at build time: the functions come from the CUDA libraries
 // the process has already loaded (torch or cupy load them), found at first use by name among the

@@ -20,14 +20,14 @@ import pytest
 
 import gcache
 from gcache.integrations.common.guarded_store import GuardedStore
-from gcache.integrations.vllm.keys import segment_keys
-from gcache.integrations.vllm.movers.stand_in import StandInDevice
-from gcache.integrations.vllm.page_runs import page_runs
-from gcache.integrations.vllm.settings import ConnectorSettings
-from gcache.integrations.vllm.staging import StagingPool
-from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.integrations.vllm.transfers import Page, Transfers
-from gcache.integrations.vllm.values import GroupValues
+from gcache.integrations.vllm.kv.keys import segment_keys
+from gcache.integrations.vllm.kv.settings import ConnectorSettings
+from gcache.integrations.vllm.kv.stats import ConnectorStats
+from gcache.integrations.vllm.transfer.movers.stand_in import StandInDevice
+from gcache.integrations.vllm.transfer.page_runs import page_runs
+from gcache.integrations.vllm.transfer.staging import StagingPool
+from gcache.integrations.vllm.transfer.transfers import Page, Transfers
+from gcache.integrations.vllm.transfer.values import GroupValues
 from tests.unit.test_vllm_page_runs_unit import View
 
 LAYERS, BLOCKS, H, N, C = 3, 16, 2, 8, 16

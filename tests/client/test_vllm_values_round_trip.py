@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import gcache
-from gcache.integrations.vllm.keys import segment_keys
-from gcache.integrations.vllm.movers.host import HostMover
-from gcache.integrations.vllm.page_runs import page_runs
-from gcache.integrations.vllm.staging import StagingPool
-from gcache.integrations.vllm.values import GroupValues
+from gcache.integrations.vllm.kv.keys import segment_keys
+from gcache.integrations.vllm.transfer.movers.host import HostMover
+from gcache.integrations.vllm.transfer.page_runs import page_runs
+from gcache.integrations.vllm.transfer.staging import StagingPool
+from gcache.integrations.vllm.transfer.values import GroupValues
 from tests.unit.test_vllm_page_runs_unit import View
 
 BLOCKS, H, N, C = 12, 2, 16, 32

@@ -10,7 +10,7 @@ In any other Python (the main .venv's `pytest`), torch / sglang are absent and t
 folder is left out of collection. With GCACHE_SGLANG_GROUP=1 and the packages missing
 (the setup script could not install them), test_sglang_available.py alone runs
 and skips with the reason. The sglang package is registered without running its
-heavy __init__ (gcache.integrations.sglang.testing.load_sglang_storage).
+heavy __init__ (gcache.testing.sglang_modules.load_sglang_storage).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if MISSING:
         collect_ignore.append("test_sglang_available.py")
 
 if not MISSING:
-    from gcache.integrations.sglang.testing import HostPoolStandIn, load_sglang_storage
+    from gcache.testing.sglang_modules import HostPoolStandIn, load_sglang_storage
 
     DYNAMIC = {
         "backend_name": "gcache",
@@ -97,7 +97,7 @@ if not MISSING:
         """host_pool(layout, ...) -> a CPU MHA host pool running SGLang's own page code.
 
         SGLang's MHATokenToKVPoolHost cannot be built on this CPU-only machine (see
-        gcache/integrations/sglang/testing.py): this stand-in runs its methods unchanged.
+        gcache/testing/sglang_modules.py): this stand-in runs its methods unchanged.
         """
 
         def make(

@@ -1,7 +1,7 @@
 """GCacheHiCacheStorage through SGLang 0.5.23's real StorageBackendFactory and a real gcache-server.
 
 Host pools: SGLang's MHATokenToKVPoolHost cannot be built on this CPU-only machine, so
-HostPoolStandIn runs SGLang's own page methods (see gcache/integrations/sglang/testing.py).
+HostPoolStandIn runs SGLang's own page methods (see gcache/testing/sglang_modules.py).
 Every round trip is checked byte for byte against SGLang's get_data_page, and the store
 is read with a raw gcache.Client under the exact keys the README documents.
 """

@@ -4,7 +4,7 @@ gcache-server processes.
 
 The controller is SGLang's class, driven the way its encoder server drives it (batch_is_exist,
 prefetch, check_prefetch_progress, get_pool_views; insert_batch after a ViT forward). Two
-things a CPU-only machine lacks are stood in for (gcache/integrations/sglang/embedding_testing.py):
+things a CPU-only machine lacks are stood in for (gcache/testing/sglang_embedding.py):
 pinned pools (SGLang's _create_pools is asked for unpinned ones) and the CUDA copy of a ViT
 output into the pool (stage_into_pool does store_to_pool_async + wait_store_to_pool's work with
 SGLang's own page-run copy). Item hashes are SGLang's hash_feature of the preprocessed tensor.
@@ -23,14 +23,14 @@ import pytest
 import torch
 
 import gcache
-from gcache.integrations.sglang.embedding_testing import (
+from gcache.integrations.sglang.embedding_values import HEADER_BYTES, SEGMENT_BYTES, Header
+from gcache.testing.sglang_embedding import (
     load_controller_module,
     make_controller,
     pool_embedding,
     sglang_item_hash,
     stage_into_pool,
 )
-from gcache.integrations.sglang.embedding_values import HEADER_BYTES, SEGMENT_BYTES, Header
 from tests.support.raw_shm import LOOKUP, RawShm
 
 MODEL = "llava-tiny"

@@ -15,9 +15,9 @@ import pytest
 
 from gcache.router.config import RouterConfig, parse_length_buckets, parse_tokenizer_arg
 from gcache.router.core import RouterCore, RouteRequest
-from gcache.router.engines import EngineInfo, parse_info, with_info
 from gcache.router.policies import Candidate, Prompt, image_home_of
 from gcache.router.state import WorkerView
+from gcache.serving.announce.engines import EngineInfo, parse_info, with_info
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, Registration, WorkerLoad, page_ids
 
 A, B, C = "http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9103"

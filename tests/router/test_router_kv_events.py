@@ -1,4 +1,4 @@
-"""vLLM KV events -> page flags (gcache.router.kv_events), no processes: batches built as vLLM
+"""vLLM KV events -> page flags (gcache.router.ingest.kv_events), no processes: batches built as vLLM
 0.32 encodes them (msgpack; events as maps tagged by "type", or as arrays, the tag first).
 
 The property everything rests on: a page the translator names from a BlockStored has the id
@@ -11,7 +11,7 @@ import random
 import msgpack
 import pytest
 
-from gcache.router.kv_events import EngineEvents, Limits
+from gcache.router.ingest.kv_events import EngineEvents, Limits
 from gcache.router.match import match_worker
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, page_ids
 

@@ -1,4 +1,4 @@
-"""The kv-events translator (gcache.router.kv_events_main) between a stand-in vLLM server and a
+"""The kv-events translator (gcache.router.ingest.translator) between a stand-in vLLM server and a
 real redis-server, read by real RouterCores: the same shared state a gcache-worker publishes.
 
 The engine is a stub (its /metrics and /v1/models answers, its ZMQ messages fed to receive());
@@ -16,7 +16,7 @@ import redis
 
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore, RouteRequest
-from gcache.router.kv_events_main import Translator, TranslatorConfig, parse_metrics
+from gcache.router.ingest.translator import Translator, TranslatorConfig, parse_metrics
 from gcache.serving.redis_layout import Keys, page_ids
 from tests.support.router_support import ManualClock
 

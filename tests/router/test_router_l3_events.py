@@ -1,4 +1,4 @@
-"""GCache's L3 events into the routers' shared L3 view (gcache.router.l3_events): a real
+"""GCache's L3 events into the routers' shared L3 view (gcache.router.ingest.l3_events): a real
 redis-server, and for the wire a real ZMQ PUB (the connector's own publisher) and the
 subscriber's real SUB socket.
 
@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from gcache.common.processes import free_port
-from gcache.integrations.vllm.events_wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
+from gcache.integrations.vllm.events.wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
-from gcache.router.l3_events import L3EventsConfig, L3Subscriber
+from gcache.router.ingest.l3_events import L3EventsConfig, L3Subscriber
 from gcache.serving.redis_layout import L3_FULL, L3_SWA, Keys, id_bytes, page_ids
 from tests.support.waiting import wait_until
 
@@ -206,7 +206,7 @@ def test_redis_restarted_empty_gets_the_whole_view_again(redis_proc):
 
 
 def test_over_real_zmq_from_the_connectors_publisher(redis_proc):
-    from gcache.integrations.vllm.events_publisher import EventPublisher, ZmqSink
+    from gcache.integrations.vllm.events.publisher import EventPublisher, ZmqSink
 
     port = free_port()
     pub = EventPublisher("kv@pod@m", lambda: ZmqSink(f"tcp://*:{port}"))

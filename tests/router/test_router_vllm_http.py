@@ -24,9 +24,9 @@ from gcache.common.processes import free_port
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
 from gcache.router.engine_prompts import NotRenderable, first_image
-from gcache.router.engines import EngineInfo
 from gcache.router.server import make_app
 from gcache.router.state import WorkerView
+from gcache.serving.announce.engines import EngineInfo
 from gcache.serving.redis_layout import Registration, WorkerLoad
 from tests.support.serving_support import post_json, request
 

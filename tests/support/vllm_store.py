@@ -4,12 +4,12 @@ a byte of a stored value in the server's memory, remove a page."""
 from __future__ import annotations
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm.groups import Group
-from gcache.integrations.vllm.keys import GroupTag, PageKeys, prompt_page_hashes
-from gcache.integrations.vllm.testing import BLOCK_SIZE
+from gcache.integrations.vllm.kv.groups import Group
+from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys, prompt_page_hashes
+from gcache.testing.vllm_models import BLOCK_SIZE
 from tests.support.raw_shm import LOOKUP, RawShm
 
-# One layer's page of the tiny models (gcache.integrations.vllm.testing): 2 kv heads, head size 32, fp32.
+# One layer's page of the tiny models (gcache.testing.vllm_models): 2 kv heads, head size 32, fp32.
 PAGE_BYTES = 2 * BLOCK_SIZE * 2 * 32 * 4
 
 

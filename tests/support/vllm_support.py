@@ -1,6 +1,6 @@
 """The vLLM group's helpers: does this Python have vLLM, and one engine process run.
 
-An engine runs as `python -m gcache.integrations.vllm.testing SPEC OUT` in the group's venv
+An engine runs as `python -m gcache.testing.vllm_models SPEC OUT` in the group's venv
 (single-process mode, loopback only, its files under the test's tmp dir): a fresh process
 per run, so a second run's hits can only come from the store. `EngineRun` starts one and
 lets the test act between two prompts (`wait_gate(i)`, change the store, `open_gate(i)`).
@@ -57,7 +57,7 @@ class EngineRun:
     """One engine process over `spec`; result() waits for it and returns its JSON answer."""
 
     def __init__(self, spec: dict, work: Path):
-        from gcache.integrations.vllm.testing import engine_env
+        from gcache.testing.vllm_models import engine_env
 
         work.mkdir(parents=True, exist_ok=True)
         self.work = work
@@ -71,7 +71,7 @@ class EngineRun:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gcache.integrations.vllm.testing", str(self.spec_path), str(self.out_path)],
+            [sys.executable, "-m", "gcache.testing.vllm_models", str(self.spec_path), str(self.out_path)],
             cwd=REPO_ROOT,
             env=env,
             stdout=self._log,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gcache.integrations.vllm import plan
-from gcache.integrations.vllm.groups import Group
-from gcache.integrations.vllm.keys import (
+from gcache.integrations.vllm.kv import plan
+from gcache.integrations.vllm.kv.groups import Group
+from gcache.integrations.vllm.kv.keys import (
     GroupTag,
     MMItem,
     PageKeys,
@@ -18,7 +18,7 @@ from gcache.integrations.vllm.keys import (
     segment_keys,
     value_tag,
 )
-from gcache.integrations.vllm.settings import ConnectorSettings, SettingsError
+from gcache.integrations.vllm.kv.settings import ConnectorSettings, SettingsError
 from gcache.wire.keys import page_hashes
 
 

@@ -1,4 +1,4 @@
-"""The CUDA mover (gcache/integrations/vllm/movers/cuda.py) and its native copy loop
+"""The CUDA mover (gcache/integrations/vllm/transfer/movers/cuda.py) and its native copy loop
 (gcache_native/client/cuda_copy.cpp) without a GPU.
 
 Here, in this process: the module imports without torch or CUDA, the copy method is chosen in
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from gcache import _native
-from gcache.integrations.vllm.movers import cuda
+from gcache.integrations.vllm.transfer.movers import cuda
 from tests.support import REPO_ROOT
 
 
@@ -179,10 +179,10 @@ torch.__dict__.update(
 )
 sys.modules["torch"] = torch
 
-from gcache.integrations.vllm.movers.cuda import CudaMover
-from gcache.integrations.vllm.page_runs import page_runs
-from gcache.integrations.vllm.staging import StagingPool
-from gcache.integrations.vllm.values import GroupValues
+from gcache.integrations.vllm.transfer.movers.cuda import CudaMover
+from gcache.integrations.vllm.transfer.page_runs import page_runs
+from gcache.integrations.vllm.transfer.staging import StagingPool
+from gcache.integrations.vllm.transfer.values import GroupValues
 from tests.unit.test_vllm_page_runs_unit import View
 
 out = {}

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gcache._native import copy_ranges
-from gcache.integrations.vllm.numpy_view import NumpyView as View
-from gcache.integrations.vllm.page_runs import PageRunsError, page_runs
+from gcache.integrations.vllm.transfer.numpy_view import NumpyView as View
+from gcache.integrations.vllm.transfer.page_runs import PageRunsError, page_runs
 
 B, H, N, C = 5, 3, 4, 8
 

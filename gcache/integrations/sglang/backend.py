@@ -21,13 +21,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.common.connect import connect
+from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.sglang.keys import PoolKeys, flat_page_keys, key_builder, pool_tag
 from gcache.integrations.sglang.pools import PoolPages, is_logical, pool_tensors, tensor_bytes
 from gcache.integrations.sglang.prefix import fold, leading_pages, pages_present
@@ -53,6 +53,7 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.builder = key_builder(storage_config, self.settings.namespace)
         self.stats = BackendStats(bool(storage_config.enable_storage_metrics))
+        self._safely = EngineBoundary("GCache backend", log)  # every engine hook: never raises into it
         self.client = connect(self.settings, "GCache backend")
         self.store = SGLangStore(self.client, self.settings.suspect_s, self.stats)
         self.mem_pool_host: Any = None
@@ -99,13 +100,6 @@ class GCacheHiCacheStorage(HiCacheStorage):
         self._add_pool(host_pool, host_pool_name)
 
     # -- the boundary: nothing raises into SGLang --------------------------------
-
-    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except Exception as exc:  # our bug or bad input: SGLang's storage threads must live on
-            log.error("GCache backend %s failed: %s", what, exc, exc_info=True)
-            return failed
 
     def _remember(self, keys: list[bytes]) -> None:
         with self._written_lock:

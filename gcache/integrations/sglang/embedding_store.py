@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreF
 
 from gcache._native import copy_ranges
 from gcache.integrations.common.connect import connect
+from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.extra_config import SettingsError
 from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.sglang.embedding_settings import CONFIG_ENV, EmbeddingSettings
@@ -169,6 +170,7 @@ class GCacheEmbeddingStore(EmbeddingStore):
             )
         self.keys = EmbeddingKeys(model, self.settings.namespace)
         self.stats = EmbeddingStats()
+        self._safely = EngineBoundary("GCache embedding store", log)  # every engine hook: never raises into it
         self.client = connect(self.settings, "GCache embedding store")
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         self.staging_bytes = self.settings.staging_mib << 20
@@ -182,13 +184,6 @@ class GCacheEmbeddingStore(EmbeddingStore):
         )
 
     # -- the boundary: nothing raises into SGLang ---------------------------------------
-
-    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except Exception as exc:  # our bug or bad input: SGLang's io thread must live on
-            log.error("GCache embedding store %s failed: %s", what, exc, exc_info=True)
-            return failed
 
     # -- registration ---------------------------------------------------------------------
 

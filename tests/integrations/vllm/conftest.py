@@ -9,7 +9,7 @@ It runs in its own venv (tests/integrations/vllm/setup_venv.sh builds .venv-vllm
 In any other Python (the main .venv, the SGLang group's .venv-sglang) vLLM is absent and
 this folder is left out of collection. With GCACHE_VLLM_GROUP=1 and the packages missing
 (the setup script could not install them), test_vllm_available.py alone runs and skips
-with the reason. Engines are tiny local models (gcache.integrations.vllm.testing) in
+with the reason. Engines are tiny local models (gcache.testing.vllm_models) in
 single-process mode; each run is a fresh process.
 """
 
@@ -33,8 +33,8 @@ if MISSING:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Tiny models written once per session: llama, llama_other (another seed), gemma2,
-    mistral, llava and llava_mistral (multimodal, a llama or all-sliding text tower: testing_mm)."""
-    from gcache.integrations.vllm.testing import write_model
+    mistral, llava and llava_mistral (multimodal, a llama or all-sliding text tower: gcache.testing.vllm_mm)."""
+    from gcache.testing.vllm_models import write_model
 
     root = tmp_path_factory.mktemp("models")
     return {

@@ -1,5 +1,5 @@
 """The vLLM group's router tests' engines: the tiny chat model (now
-gcache.integrations.vllm.testing_chat, shared with bench/router/vllm_trace.py; re-exported
+gcache.testing.vllm_chat, shared with bench/router/vllm_trace.py; re-exported
 here) and events_run, one engine with KV events on over given prompts.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gcache.integrations.vllm.testing_chat import (  # noqa: F401  (re-exported for the tests)
+from gcache.testing.vllm_chat import (  # noqa: F401  (re-exported for the tests)
     BOS_ID,
     CHAT_TEMPLATE,
     EOS_ID,
@@ -31,7 +31,7 @@ def events_run(kind: str, work, steps: list) -> dict:
     import threading
     import time
 
-    from gcache.integrations.vllm.testing import BLOCK_SIZE, engine_env, write_model
+    from gcache.testing.vllm_models import BLOCK_SIZE, engine_env, write_model
 
     work = Path(work)
     os.environ.update(engine_env(work))

@@ -11,8 +11,8 @@ import pytest
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from gcache.integrations.vllm.connector import GCacheConnector
 from gcache.integrations.vllm.ec.connector import GCacheECConnector
+from gcache.integrations.vllm.kv.connector import GCacheConnector
 
 BUILDERS = [
     pytest.param(GCacheConnector.build_kv_connector_stats, KVConnectorStats, id="kv"),

@@ -22,7 +22,7 @@ import tempfile
 
 import pytest
 
-from gcache.integrations.vllm.testing_mm import data_url, prompt, write_png
+from gcache.testing.vllm_mm import data_url, prompt, write_png
 from tests.support.servers import ServerProcess
 from tests.support.vllm_store import flip_byte
 from tests.support.vllm_support import CONNECTOR, EngineRun, ec_spec, run_engine, same_output

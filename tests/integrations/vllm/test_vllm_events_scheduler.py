@@ -10,13 +10,13 @@ import logging
 from types import SimpleNamespace
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm.events_source import Page
-from gcache.integrations.vllm.groups import Group
-from gcache.integrations.vllm.keys import GroupTag, rank_keys
-from gcache.integrations.vllm.plan import prompt_cuts, tail_page_set, tail_pages
-from gcache.integrations.vllm.scheduler_side import SchedulerSide
-from gcache.integrations.vllm.settings import ConnectorSettings
-from gcache.integrations.vllm.stats import ConnectorStats
+from gcache.integrations.vllm.events.source import Page
+from gcache.integrations.vllm.kv.groups import Group
+from gcache.integrations.vllm.kv.keys import GroupTag, rank_keys
+from gcache.integrations.vllm.kv.plan import prompt_cuts, tail_page_set, tail_pages
+from gcache.integrations.vllm.kv.scheduler_side import SchedulerSide
+from gcache.integrations.vllm.kv.settings import ConnectorSettings
+from gcache.integrations.vllm.kv.stats import ConnectorStats
 
 BS = 16
 WINDOW = 24

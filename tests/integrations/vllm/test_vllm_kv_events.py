@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from gcache.common.processes import free_port
-from gcache.integrations.vllm.testing import BLOCK_SIZE, prompt_tokens
+from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
 from tests.support.vllm_support import EngineRun, gcache_spec
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(1500)]

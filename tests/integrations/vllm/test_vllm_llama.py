@@ -14,7 +14,7 @@ import tempfile
 import pytest
 
 import gcache
-from gcache.integrations.vllm.testing import BLOCK_SIZE, prompt_tokens
+from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
 from tests.support.servers import ServerProcess
 from tests.support.vllm_store import PAGE_BYTES, flip_byte, page_keys
 from tests.support.vllm_support import EngineRun, gcache_spec, run_engine, same_first_token, same_output

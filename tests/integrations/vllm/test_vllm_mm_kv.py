@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from gcache.integrations.vllm.testing import BLOCK_SIZE
-from gcache.integrations.vllm.testing_mm import prompt
+from gcache.testing.vllm_mm import prompt
+from gcache.testing.vllm_models import BLOCK_SIZE
 from tests.support.vllm_support import CONNECTOR, ec_spec, run_engine, same_output
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(1800)]

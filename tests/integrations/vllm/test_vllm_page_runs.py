@@ -13,8 +13,8 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides, create_kv_cache_views
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from gcache.integrations.vllm.movers.host import HostMover
-from gcache.integrations.vllm.page_runs import page_runs
+from gcache.integrations.vllm.transfer.movers.host import HostMover
+from gcache.integrations.vllm.transfer.page_runs import page_runs
 
 BLOCKS, HEADS, HEAD, BLOCK_SIZE, LAYERS = 6, 2, 8, 32, 2
 

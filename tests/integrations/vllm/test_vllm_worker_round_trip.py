@@ -23,12 +23,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 import gcache
 from gcache.integrations.common.guarded_store import GuardedStore
-from gcache.integrations.vllm.groups import Group
-from gcache.integrations.vllm.keys import PageKeys
-from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
-from gcache.integrations.vllm.settings import ConnectorSettings
-from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.integrations.vllm.worker_side import LayoutError, WorkerSide
+from gcache.integrations.vllm.kv.groups import Group
+from gcache.integrations.vllm.kv.keys import PageKeys
+from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.integrations.vllm.kv.settings import ConnectorSettings
+from gcache.integrations.vllm.kv.stats import ConnectorStats
+from gcache.integrations.vllm.kv.worker_side import LayoutError, WorkerSide
 
 BLOCKS, HEADS, HEAD, BLOCK_SIZE, LAYERS = 8, 2, 8, 32, 2
 WAIT_S = 60.0
@@ -173,7 +173,7 @@ def test_values_over_the_value_limit_round_trip_in_segments(server):
 def test_a_mamba_group_stops_the_start_with_a_message():
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from gcache.integrations.vllm.groups import GroupError, groups_of
+    from gcache.integrations.vllm.kv.groups import GroupError, groups_of
 
     mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
     config = KVCacheConfig(

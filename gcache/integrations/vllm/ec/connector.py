@@ -17,7 +17,6 @@ does both.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 from gcache.integrations.common.connect import connect
+from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.vllm.ec.keys import ItemKeys
 from gcache.integrations.vllm.ec.scheduler_side import ECSchedulerSide
@@ -97,6 +97,9 @@ class GCacheECConnector(ECConnectorBase):
         ec_config = vllm_config.ec_transfer_config
         self.settings = ECSettings.from_extra_config(ec_config.ec_connector_extra_config)
         self.stats = ECStats()
+        self._safely = EngineBoundary(
+            "GCacheECConnector", log, lambda: self.stats.count("store_errors")
+        )  # every engine hook: never raises into it
         self.client: Client | None = None
         self.store: GuardedStore | None = None
         self.scheduler_side: ECSchedulerSide | None = None
@@ -126,14 +129,6 @@ class GCacheECConnector(ECConnectorBase):
             self.worker_side = ECWorkerSide(self.settings, self.store, self.stats, save=writes)
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
-
-    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except Exception as exc:  # our bug or bad input: vLLM's engine must live on
-            self.stats.count("store_errors")
-            log.error("GCacheECConnector %s failed: %s", what, exc, exc_info=True)
-            return failed
 
     def _scheduler(self) -> ECSchedulerSide:
         if self.scheduler_side is None:

@@ -27,7 +27,7 @@ import hashlib
 import re
 from typing import NamedTuple
 
-from gcache.integrations.vllm.keys import model_tag
+from gcache.integrations.vllm.kv.keys import model_tag
 from gcache.wire.protocol import KEY_BYTES_MAX
 
 _HEX_ID = re.compile(r"^[0-9a-f]{32,128}$")

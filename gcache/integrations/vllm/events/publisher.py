@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from gcache.integrations.vllm.events_wire import Event, event_batch
+from gcache.integrations.vllm.events.wire import Event, event_batch
 
 log = logging.getLogger("gcache.integrations.vllm.events")
 

@@ -31,7 +31,7 @@ import numpy as np
 from gcache.wire.keys import KeyBuilder, page_hashes_array
 
 if TYPE_CHECKING:
-    from gcache.integrations.vllm.groups import Group
+    from gcache.integrations.vllm.kv.groups import Group
 
 _BAD = re.compile(r"[^A-Za-z0-9._-]+")
 MODEL_NAME_MAX = 96  # longer names are shortened to a prefix plus a hash

@@ -47,15 +47,15 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.router.engines import EngineInfo, with_info
-from gcache.router.event_bridge import EventBridge
-from gcache.router.kv_events import EngineEvents, Limits
-from gcache.router.zmq_sub import subscribe_loop
+from gcache.router.ingest.kv_events import EngineEvents, Limits
+from gcache.router.ingest.zmq_sub import subscribe_loop
+from gcache.serving.announce.bridge import EventBridge
+from gcache.serving.announce.engines import EngineInfo, with_info
 from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
 from gcache.serving.safe_json import parse_json
 
-log = logging.getLogger("gcache.router.kv_events")
+log = logging.getLogger("gcache.router.ingest.kv_events")
 
 HSET_CHUNK = 10_000
 WORKERS_FORGET_MS = 3_600_000
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
         return 2
     l3 = None
     if args.l3_events:
-        from gcache.router.l3_events import L3EventsConfig, L3Subscriber
+        from gcache.router.ingest.l3_events import L3EventsConfig, L3Subscriber
 
         try:
             l3_cfg = L3EventsConfig(

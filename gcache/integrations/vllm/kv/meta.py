@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 if TYPE_CHECKING:
-    from gcache.integrations.vllm.keys import GroupTag
+    from gcache.integrations.vllm.kv.keys import GroupTag
 
 
 class PageRef(NamedTuple):

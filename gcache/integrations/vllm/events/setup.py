@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gcache.integrations.vllm.events_publisher import EventPublisher, ZmqSink
-from gcache.integrations.vllm.events_source import L3EventSource, SourceLimits, Store
-from gcache.integrations.vllm.settings import ConnectorSettings
+from gcache.integrations.vllm.events.publisher import EventPublisher, ZmqSink
+from gcache.integrations.vllm.events.source import L3EventSource, SourceLimits, Store
+
+if TYPE_CHECKING:  # the settings are read, never built here: events stay below the connector
+    from gcache.integrations.vllm.kv.settings import ConnectorSettings
 
 log = logging.getLogger("gcache.integrations.vllm.events")
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm import plan
-from gcache.integrations.vllm.events_source import L3EventSource, Page
-from gcache.integrations.vllm.events_wire import KIND_FULL, KIND_SWA
-from gcache.integrations.vllm.keys import MMItem, prompt_page_hashes
-from gcache.integrations.vllm.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.integrations.vllm.events.source import L3EventSource, Page
+from gcache.integrations.vllm.events.wire import KIND_FULL, KIND_SWA
+from gcache.integrations.vllm.kv import plan
+from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes
+from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
     from collections.abc import Callable, Sequence
@@ -32,10 +32,10 @@ if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv
     from vllm.v1.request import Request
 
     from gcache.integrations.common.guarded_store import GuardedStore
-    from gcache.integrations.vllm.groups import Group
-    from gcache.integrations.vllm.keys import GroupTag, PageKeys
-    from gcache.integrations.vllm.settings import ConnectorSettings
-    from gcache.integrations.vllm.stats import ConnectorStats
+    from gcache.integrations.vllm.kv.groups import Group
+    from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys
+    from gcache.integrations.vllm.kv.settings import ConnectorSettings
+    from gcache.integrations.vllm.kv.stats import ConnectorStats
 
 log = logging.getLogger("gcache.integrations.vllm")
 NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
@@ -54,7 +54,7 @@ class Track:
     hit: tuple[int, int] | None = None  # (local pages, end pages) of the last lookup
     loading: frozenset[int] = frozenset()  # the blocks its load in flight fills
     no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
-    # KV events (events_source): vLLM's own block hashes and the prompt's tokens (references to
+    # KV events (events/source.py): vLLM's own block hashes and the prompt's tokens (references to
     # the request's lists, not copies); None when its pages are not announced.
     block_hashes: Sequence[bytes] | None = None
     tokens: Sequence[int] = ()

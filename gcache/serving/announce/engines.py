@@ -33,8 +33,8 @@ class EngineInfo:
     bucket: int | None = None
     l3: bool = False
 
-    def to_dict(self) -> dict:
-        d: dict = {"kind": self.kind, "models": list(self.models)}
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {"kind": self.kind, "models": list(self.models)}
         if self.bucket is not None:
             d["bucket"] = self.bucket
         if self.l3:
@@ -65,7 +65,7 @@ def parse_info(raw: bytes) -> EngineInfo:
     return EngineInfo(d["kind"], names, bucket, d.get("l3") is True)
 
 
-def with_info(reg_json: bytes, info: EngineInfo, extra: dict | None = None) -> bytes:
+def with_info(reg_json: bytes, info: EngineInfo, extra: dict[str, object] | None = None) -> bytes:
     """A registration's JSON with the engine object (and `extra` keys, e.g. the translator's
     counters, for people and tools: routers read only "engine") added."""
     d = json.loads(reg_json)

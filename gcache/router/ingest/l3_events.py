@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.router.event_bridge import EventBridge
-from gcache.router.kv_events import EngineEvents, Limits
-from gcache.router.zmq_sub import subscribe_loop
+from gcache.router.ingest.kv_events import EngineEvents, Limits
+from gcache.router.ingest.zmq_sub import subscribe_loop
+from gcache.serving.announce.bridge import EventBridge
 from gcache.serving.l3_index import queue_l3
 from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys
 
-log = logging.getLogger("gcache.router.l3_events")
+log = logging.getLogger("gcache.router.ingest.l3_events")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from gcache.integrations.vllm.movers.base import BlockMover, Stream
+from gcache.integrations.vllm.transfer.movers.base import BlockMover, Stream
 
 METHODS = ("vllm", "native-batch", "native-loop", "cupy")
 AUTO_ORDER = ("vllm", "native-loop", "cupy")  # native-batch: asked for only (see the module doc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm.plan import tail_pages
+from gcache.integrations.vllm.kv.plan import tail_pages
 
 if TYPE_CHECKING:  # vLLM's type: Any to the type check (not installed in .venv)
     from vllm.v1.kv_cache_interface import KVCacheConfig

@@ -14,22 +14,22 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm.keys import GroupTag, PageKeys, mla_writer, value_tag
-from gcache.integrations.vllm.page_runs import PageRunsError, page_runs
-from gcache.integrations.vllm.staging import StagingPool
-from gcache.integrations.vllm.transfers import Page, Transfers
-from gcache.integrations.vllm.values import GroupValues
+from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys, mla_writer, value_tag
+from gcache.integrations.vllm.transfer.page_runs import PageRunsError, page_runs
+from gcache.integrations.vllm.transfer.staging import StagingPool
+from gcache.integrations.vllm.transfer.transfers import Page, Transfers
+from gcache.integrations.vllm.transfer.values import GroupValues
 
 if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
     import torch
 
     import gcache
     from gcache.integrations.common.guarded_store import GuardedStore
-    from gcache.integrations.vllm.groups import Group
-    from gcache.integrations.vllm.meta import GCacheConnectorMetadata, PageRef
-    from gcache.integrations.vllm.movers.base import BlockMover
-    from gcache.integrations.vllm.settings import ConnectorSettings
-    from gcache.integrations.vllm.stats import ConnectorStats
+    from gcache.integrations.vllm.kv.groups import Group
+    from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, PageRef
+    from gcache.integrations.vllm.kv.settings import ConnectorSettings
+    from gcache.integrations.vllm.kv.stats import ConnectorStats
+    from gcache.integrations.vllm.transfer.movers.base import BlockMover
 
 log = logging.getLogger("gcache.integrations.vllm")
 CLOSE_TIMEOUT_S = 30.0
@@ -44,12 +44,12 @@ def mover_for(device: torch.device) -> BlockMover:
     """The mover for KV on `device` (a torch.device): host memcpys on CPU, DMA on a GPU."""
     device_type = device.type
     if device_type == "cpu":
-        from gcache.integrations.vllm.movers.host import HostMover
+        from gcache.integrations.vllm.transfer.movers.host import HostMover
 
         return HostMover()
     if device_type == "cuda":
         try:
-            from gcache.integrations.vllm.movers.cuda import CudaMover
+            from gcache.integrations.vllm.transfer.movers.cuda import CudaMover
         except ImportError as exc:
             raise LayoutError(f"KV on a GPU needs the CUDA mover, which cannot load here: {exc}") from exc
         try:

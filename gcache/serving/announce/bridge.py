@@ -1,4 +1,4 @@
-"""What the KV-event translator (kv_events_main.Translator) and the L3 subscriber
+"""What the KV-event translator (translator.Translator) and the L3 subscriber
 (l3_events.L3Subscriber) share: a ZMQ stream in, Redis out, on two threads.
 
 The subscriber thread feeds every message to receive(); the publisher thread calls flush()
@@ -31,14 +31,14 @@ class EventBridge(ABC):
 
     @abstractmethod
     def _sub_loop(self) -> None:
-        """Receive until self._stop is set (gcache.router.zmq_sub.subscribe_loop)."""
+        """Receive until self._stop is set (gcache.router.ingest.zmq_sub.subscribe_loop)."""
 
     @abstractmethod
     def flush(self) -> bool:
         """Write what changed to Redis; False if Redis failed."""
 
     @abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters and gauges by name (numbers): what the router's /metrics shows."""
 
     @property

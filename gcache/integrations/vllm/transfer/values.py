@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from gcache.integrations.vllm.page_runs import PageRuns
+from gcache.integrations.vllm.transfer.page_runs import PageRuns
 
 
 class Copies(NamedTuple):

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from gcache.integrations.common.job_queue import JobQueue
-from gcache.integrations.vllm.movers.base import BlockMover, Event
-from gcache.integrations.vllm.values import Copies
+from gcache.integrations.vllm.transfer.movers.base import BlockMover, Event
+from gcache.integrations.vllm.transfer.values import Copies
 
 if TYPE_CHECKING:
     from gcache.integrations.common.guarded_store import GuardedStore
-    from gcache.integrations.vllm.settings import ConnectorSettings
-    from gcache.integrations.vllm.staging import StagingPool
-    from gcache.integrations.vllm.stats import ConnectorStats
-    from gcache.integrations.vllm.values import GroupValues
+    from gcache.integrations.vllm.kv.settings import ConnectorSettings
+    from gcache.integrations.vllm.kv.stats import ConnectorStats
+    from gcache.integrations.vllm.transfer.staging import StagingPool
+    from gcache.integrations.vllm.transfer.values import GroupValues
 
 log = logging.getLogger("gcache.integrations.vllm")
 LOAD_SLOT_WAIT_S = 30.0  # longest the loader waits for load slots held by synchronous loads

@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 
 from gcache._native import copy_ranges
-from gcache.integrations.vllm.movers.base import BlockMover, Event, Stream
+from gcache.integrations.vllm.transfer.movers.base import BlockMover, Event, Stream
 
 
 class HostMover(BlockMover):

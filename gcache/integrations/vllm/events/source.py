@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from gcache.integrations.vllm.events_wire import BlockHash, Event, StoredRun, block_removed, block_stored
+from gcache.integrations.vllm.events.wire import BlockHash, Event, StoredRun, block_removed, block_stored
 
 log = logging.getLogger("gcache.integrations.vllm.events")
 
@@ -40,7 +40,7 @@ class Page(NamedTuple):
     """One saved page of one KV cache group, as vLLM names it."""
 
     group_idx: int
-    kind: str  # events_wire.KIND_FULL / KIND_SWA
+    kind: str  # wire.KIND_FULL / KIND_SWA
     window: int | None
     block_size: int
     block_hash: BlockHash

@@ -14,7 +14,6 @@ starts. From then on no hook raises into vLLM: a store failure is a miss or a fa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,16 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from gcache.integrations.common.connect import connect
+from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.guarded_store import GuardedStore
-from gcache.integrations.vllm.events_setup import L3Events, l3_events
-from gcache.integrations.vllm.groups import groups_of, required
+from gcache.integrations.vllm.events.setup import L3Events, l3_events
 from gcache.integrations.vllm.interval_stats import SummedIntervalStats
-from gcache.integrations.vllm.keys import PageKeys, rank_keys
-from gcache.integrations.vllm.meta import GCacheConnectorMetadata, GCacheHandshake
-from gcache.integrations.vllm.scheduler_side import SchedulerSide
-from gcache.integrations.vllm.settings import LAYOUTS, ConnectorSettings
-from gcache.integrations.vllm.stats import ConnectorStats
-from gcache.integrations.vllm.worker_side import WorkerSide
+from gcache.integrations.vllm.kv.groups import groups_of, required
+from gcache.integrations.vllm.kv.keys import PageKeys, rank_keys
+from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, GCacheHandshake
+from gcache.integrations.vllm.kv.scheduler_side import SchedulerSide
+from gcache.integrations.vllm.kv.settings import LAYOUTS, ConnectorSettings
+from gcache.integrations.vllm.kv.stats import ConnectorStats
+from gcache.integrations.vllm.kv.worker_side import WorkerSide
 
 if TYPE_CHECKING:  # vLLM's and torch's types: Any to the type check (not installed in .venv)
     import torch
@@ -81,6 +81,9 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         is_mla = bool(getattr(model_config, "use_mla", False))
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.stats = ConnectorStats()
+        self._safely = EngineBoundary(
+            "GCacheConnector", log, lambda: self.stats.count("store_errors")
+        )  # every engine hook: never raises into it
         self.client = connect(self.settings, "GCacheConnector")
         self.store = GuardedStore(self.client, self.settings.suspect_s, self.stats, log, remove_corrupt=True)
         self.scheduler_side: SchedulerSide | None = None
@@ -121,14 +124,6 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
-
-    def _safely(self, what: str, failed: T, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except Exception as exc:  # our bug or bad input: vLLM's engine must live on
-            self.stats.count("store_errors")
-            log.error("GCacheConnector %s failed: %s", what, exc, exc_info=True)
-            return failed
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

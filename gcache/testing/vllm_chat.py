@@ -79,9 +79,9 @@ def write_tokenizer(where: str | Path) -> Path:
 
 
 def write_chat_model(where: str | Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """A tiny model (gcache.integrations.vllm.testing.write_model) that `vllm serve` can run
+    """A tiny model (gcache.testing.vllm_models.write_model) that `vllm serve` can run
     with its own tokenizer and chat template."""
-    from gcache.integrations.vllm.testing import write_model
+    from gcache.testing.vllm_models import write_model
 
     path = write_model(kind, where, seed=seed, **overrides)
     write_tokenizer(path)

@@ -4,14 +4,14 @@ used by the connector itself).
 `write_model(kind, dir)` writes a config.json plus seeded random safetensors weights (not
 vLLM's load_format="dummy", whose near-zero weights make the output ignore the KV):
 "llama" (full attention), "gemma2" (alternating sliding/full, window 32), "mistral" (every
-layer sliding, window 32); "llava" is testing_mm.write_llava (a tiny multimodal model).
-`python -m gcache.integrations.vllm.testing SPEC.json OUT.json` runs one engine process
+layer sliding, window 32); "llava" is vllm_mm.write_llava (a tiny multimodal model).
+`python -m gcache.testing.vllm_models SPEC.json OUT.json` runs one engine process
 (single-process mode, loopback only) over the spec's prompts and writes tokens, logprobs,
 cached-token counts and the connectors' counters (the KV connector's and the encoder
 cache's: a spec may configure either or both).
 
 Multimodal specs ("mm": true) have prompts {"text": "w1 <image> w2", "images": [IMAGE...]}
-(IMAGE: {"seed": s} noise from testing_mm.image, or {"file": path} a PIL image read from a
+(IMAGE: {"seed": s} noise from vllm_mm.image, or {"file": path} a PIL image read from a
 file) or {"text": ..., "urls": [url...]} (served through LLM.chat, vLLM's media loader:
 file:// under spec["media_dir"], data: URLs).
 """
@@ -59,9 +59,9 @@ def model_config(kind: str, layers: int = 2, **overrides: Any) -> Any:  # a tran
 
 def write_model(kind: str, where: str | Path, *, layers: int | None = None, seed: int = 0, **overrides: Any) -> Path:
     """A tiny model with seeded random weights (std 0.2; Gemma2's tied embeddings 0.05) in `path`.
-    kind "llava" (or "llava-mistral", "llava-gemma2"): testing_mm.write_llava."""
+    kind "llava" (or "llava-mistral", "llava-gemma2"): vllm_mm.write_llava."""
     if kind.startswith("llava"):  # overrides: write_llava's (image_size, vision_hidden, vision_layers)
-        from gcache.integrations.vllm.testing_mm import TEXT_WIDTH, write_llava
+        from gcache.testing.vllm_mm import TEXT_WIDTH, write_llava
 
         text = kind.partition("-")[2] or "llama"
         text_config = model_config(text, layers or 2, hidden_size=TEXT_WIDTH)
@@ -111,9 +111,9 @@ def engine_env(work: Path) -> dict[str, str]:
     )
     for sub in ("rpc", "tmp"):
         (work / sub).mkdir(parents=True, exist_ok=True)
-    from gcache.integrations.vllm.testing_mm import write_shim
+    from gcache.testing.vllm_mm import write_shim
 
-    shim = write_shim(work / "pyshim")  # vLLM's LLaVA without torchvision (testing_mm)
+    shim = write_shim(work / "pyshim")  # vLLM's LLaVA without torchvision (vllm_mm)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -210,7 +210,7 @@ def _mm_request(llm: Any, prompt: dict[str, Any], params: Any, spec: dict[str, A
     """One multimodal prompt: generate() with PIL images, or chat() with image URLs."""
     from PIL import Image
 
-    from gcache.integrations.vllm.testing_mm import image
+    from gcache.testing.vllm_mm import image
 
     if "urls" in prompt:
         content = [{"type": "image_url", "image_url": {"url": u}} for u in prompt["urls"]]

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gcache._native import copy_ranges
-from gcache.integrations.vllm.movers.host import HostMover
+from gcache.integrations.vllm.transfer.movers.host import HostMover
 
 
 class StandInStream:

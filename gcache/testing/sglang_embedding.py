@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
-from gcache.integrations.sglang.testing import SGLANG_VERSION, load_sglang_storage, sglang_root
+from gcache.testing.sglang_modules import SGLANG_VERSION, load_sglang_storage, sglang_root
 
 # SGLang's objects (the controller, its pools and entries, Modality, tensors, dtypes) are
 # untyped here: Any.
