@@ -226,7 +226,10 @@ def test_admin_health_endpoints(server):
 
 
 def test_sigterm_lets_a_request_in_flight_finish(server_factory):
-    node = server_factory("inflight")
+    # A grace far above any scheduling stall: on a loaded machine the test itself can be starved
+    # for seconds between the SIGTERM and its last bytes; what is checked is that the request
+    # finishes, not how fast.
+    node = server_factory("inflight", extra_args=("--shutdown-grace-s", "120"))
     value = os.urandom(256 << 10)
     idle = RawConnection(node.port)
     assert idle.ping()
