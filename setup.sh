@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything GCache needs into ./.venv, from nothing:
 # redis-server (for the side-by-side bench and its tests), the Python package
-# with its native core compiled by its own build, and the test/bench extras.
+# with its native core compiled by its own build, and the test/bench/docs extras
+# (docs: mkdocs + its Material theme, for the docs site's strict build in .ci/run).
+
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -35,7 +37,7 @@ fi
 # pyproject's SPDX `license` string needs it
 .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 echo "setup: building and installing gcache (compiles gcache_native/, about a minute)"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q -e ".[test,bench,docs]"
 
 # pyverbs comes from the distribution (the pip package needs rdma-core's build
 # tree); it is importable from the venv when both are the same Python version.
