@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from gcache.common.processes import free_port
-from gcache.integrations.vllm.events.wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
 from gcache.router.ingest.l3_events import L3EventsConfig, L3Subscriber
+from gcache.serving.announce.wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
 from gcache.serving.redis_layout import L3_FULL, L3_SWA, Keys, id_bytes, page_ids
 from tests.support.waiting import wait_until
 

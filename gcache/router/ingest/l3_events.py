@@ -7,9 +7,11 @@ With vLLM engines only (no gcache-worker writes P:l3), this is what tells router
 holds, so `cache_aware`'s tier weights credit L3 on servers registered with --l3. Each
 endpoint (one connector) is translated by its own kv_events.EngineEvents in shared-L3 mode
 (medium GCACHE -> L3_FULL / L3_SWA, page ids re-chained from the events' token ids, exactly
-as an engine's own events); the union over the connectors is written through the one L3
-writer (gcache.serving.l3_index), adds and removals, so a page some connector withdraws
-leaves the view only when no other connector still announces it.
+as an engine's own events), all of them over ONE kv_events.Chain: the L3 is one namespace, so
+a page engine B stores on a prefix engine A announced (B loaded it from the L3) is named
+from A's announcement, not dropped as an orphan. The union over the connectors is written
+through the one writer (gcache.serving.announce.writer), adds and removals, so a page some
+connector withdraws leaves the view only when no other connector still announces it.
 
 Faults: a malformed frame, batch or event is dropped and counted (EngineEvents); a sequence
 gap or restart clears that connector's part (it may have missed removals); Redis down -> the
@@ -25,12 +27,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.router.ingest.kv_events import EngineEvents, Limits
+from gcache.router.ingest.kv_events import Chain, EngineEvents, Limits
 from gcache.router.ingest.zmq_sub import subscribe_loop
 from gcache.serving.announce.bridge import EventBridge
-from gcache.serving.l3_index import queue_l3
+from gcache.serving.announce.writer import AnnounceWriter
 from gcache.serving.redis_client import fail_fast_redis
-from gcache.serving.redis_layout import Keys
+from gcache.serving.redis_layout import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger("gcache.router.ingest.l3_events")
 
@@ -39,7 +41,7 @@ log = logging.getLogger("gcache.router.ingest.l3_events")
 class L3EventsConfig:
     endpoints: tuple[str, ...]
     redis_url: str
-    prefix: str = "gcache:router"
+    prefix: str = DEFAULT_PREFIX
     page_size: int | None = None  # events of another block size are not counted (None: the first event's)
     topic: str = ""  # subscribe prefix ("" = every topic)
     interval_s: float = 0.1
@@ -129,11 +131,13 @@ class L3Subscriber(EventBridge):
     ) -> None:
         self.config, self.clock = config, clock
         self.keys = Keys(config.prefix)
-        self.sources = [EngineEvents(config.limits, shared_l3=True) for _ in config.endpoints]
+        self.chain = Chain(config.limits.chain_max)  # one chain namespace for every connector
+        self.sources = [EngineEvents(config.limits, shared_l3=True, chain=self.chain) for _ in config.endpoints]
         for src in self.sources:
             src.page_size = config.page_size  # None: learnt from the first full-attention event
         self.union = L3Union(self.sources)
         self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
+        self.writer = AnnounceWriter(self.redis, self.keys, "", l3_pages_max=config.l3_pages_max)  # the L3 view only
         self.counters = dict.fromkeys(("flushes", "flush_errors", "added", "removed", "rewrites"), 0)
         self._lock = threading.Lock()  # flush() from the thread or a test
         self._down = False
@@ -164,9 +168,7 @@ class L3Subscriber(EventBridge):
                     self.union.done([], [])
                 return True
             try:
-                p = self.redis.pipeline(transaction=True)
-                queue_l3(p, self.keys, adds, removes, int(time.time() * 1000), self.config.l3_pages_max)
-                p.execute()
+                self.writer.write_l3(adds, removes)
             except self._redis_errors as e:
                 self.union.failed()
                 self.counters["flush_errors"] += 1

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events.source import L3EventSource, Page
-from gcache.integrations.vllm.events.wire import KIND_FULL, KIND_SWA
 from gcache.integrations.vllm.kv import plan
 from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
     from collections.abc import Callable, Sequence
