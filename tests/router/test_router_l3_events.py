@@ -144,6 +144,36 @@ def test_a_page_two_connectors_announce_leaves_only_when_both_withdraw_it(redis_
     sub.stop()
 
 
+def test_a_page_stored_on_a_prefix_another_connector_announced_is_named_not_orphaned(redis_proc):
+    """The L3 is one namespace: engine B loaded pages 0-1 from it (A announced them) and
+    stored pages 2-3 on them; B's run names page 1 as its parent, which B never announced.
+    Every connector's translation shares one chain, so B's pages are named (vLLM's block
+    hashes agree across engines), and the view holds all four pages, no orphan."""
+    r = redis.Redis.from_url(redis_proc.url)
+    k = Keys()
+    sub = subscriber(redis_proc, n=2)
+    core = router(redis_proc)
+    t = toks(4 * BS, seed=4)
+    ids = page_ids(t, BS)
+    a, b = Frames(b"kv@host@m"), Frames(b"kv@host@m")  # same host and model: the same topic
+    sub.receive(a(stored(t[: 2 * BS], seed=4)), source=0)
+    sub.receive(b(stored(t, seed=4, first=2)), source=1)
+    assert sub.flush()
+    assert in_redis(r, k.l3_full) == in_redis(r, k.l3_swa) == set(ids)
+    assert view_l3(core) == dict.fromkeys(ids, BOTH)
+    stats = sub.stats()
+    assert stats["events_orphans"] == 0 and stats["events_stored_blocks"] == 4, stats
+    # A withdraws its pages: B never announced 0-1, so they leave; B's 2-3 stay (B vouches).
+    sub.receive(a(block_removed(0, [vh(0, 4), vh(1, 4)])), source=0)
+    assert sub.flush() and in_redis(r, k.l3_full) == set(ids[2:])
+    # A parent no connector ever announced is still an orphan (counted, never named).
+    sub.receive(b(stored(toks(4 * BS, seed=5), seed=5, first=2)), source=1)
+    assert sub.flush() and sub.stats()["events_orphans"] == 2
+    assert in_redis(r, k.l3_full) == set(ids[2:])
+    sub.stop()
+    core.close()
+
+
 def test_hostile_frames_are_dropped_and_counted_and_good_ones_still_count(redis_proc):
     r = redis.Redis.from_url(redis_proc.url)
     k = Keys()
