@@ -1,7 +1,9 @@
 """GCache's L3 events (its vLLM connectors', docs/kv-events.md) into the routers' shared L3 view.
 
-    gcache-router --redis redis://... --l3-events tcp://engine-a:5600 --l3-events tcp://engine-b:5600
-    gcache-router kv-events --engine ... --events ... --redis ... --l3-events tcp://127.0.0.1:5600
+    gcache-router --redis redis://... --l3-events ipc:///tmp/gcache-l3-a.kv --l3-events ipc:///tmp/gcache-l3-b.kv
+    gcache-router kv-events --engine ... --events ... --redis ... --l3-events ipc:///tmp/gcache-l3-a.kv
+
+(ipc:// when the engines share the router's host; tcp://HOST:PORT to reach another host.)
 
 With vLLM engines only (no gcache-worker writes P:l3), this is what tells routers what the L3
 holds, so `cache_aware`'s tier weights credit L3 on servers registered with --l3. Each
@@ -55,7 +57,7 @@ class L3EventsConfig:
             raise ValueError("--l3-events needs at least one endpoint")
         for e in self.endpoints:
             if not e.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"--l3-events must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), got {e!r}")
+                raise ValueError(f"--l3-events must be a ZMQ endpoint (ipc://PATH, tcp://HOST:PORT), got {e!r}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("--l3-events needs --redis redis://HOST:PORT/DB")
         if not 1 <= (self.page_size or 1) <= 1 << 14 or not 0.01 <= self.interval_s <= 60:

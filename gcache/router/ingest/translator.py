@@ -1,9 +1,11 @@
 """`gcache-router kv-events`: beside a vLLM OpenAI server, its KV events into the routers' Redis.
 
     vllm serve MODEL --port 8001 --kv-events-config \\
-        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
-    gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 \\
-        --redis redis://127.0.0.1:6379/0
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "ipc:///tmp/vllm-8001.kv"}'
+    gcache-router kv-events --engine http://127.0.0.1:8001 --events ipc:///tmp/vllm-8001.kv \\
+        --redis redis://127.0.0.1:6379/0 --block-size 16
+
+(An ipc:// endpoint stays on the host; vLLM's `tcp://*:PORT` would listen on every interface.)
 
 It subscribes to the engine's ZMQ event stream, turns BlockStored / BlockRemoved /
 AllBlocksCleared into page flags under GCache's page ids (kv_events.py), and publishes them
@@ -93,7 +95,7 @@ class TranslatorConfig:
         if not valid_worker_url(self.engine_url.rstrip("/")) or not valid_worker_url(url):
             raise ValueError("--engine / --advertise-url must be http(s)://HOST:PORT")
         if not self.events:
-            raise ValueError("give the engine's KV-event endpoint: --events tcp://HOST:PORT (or ipc://PATH)")
+            raise ValueError("give the engine's KV-event endpoint: --events ipc://PATH (or tcp://HOST:PORT)")
         for e in self.events:
             if not e.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"--events must be a ZMQ endpoint (tcp://, ipc://), got {e!r}")
@@ -427,7 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         required=True,
         action="append",
         metavar="ENDPOINT",
-        help="its --kv-events-config endpoint to subscribe to (tcp://HOST:PORT, ipc://PATH); one per "
+        help="its --kv-events-config endpoint to subscribe to (ipc://PATH, tcp://HOST:PORT); one per "
         "data-parallel rank",
     )
     ap.add_argument("--redis", required=True, metavar="redis://HOST:PORT/DB")
@@ -440,7 +442,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bucket", type=int, default=None, help="the router's --length-buckets group it serves (0 = shortest)"
     )
     ap.add_argument("--l3", action="store_true", help="it runs the GCache connector (loads the shared L3)")
-    ap.add_argument("--block-size", type=int, default=16, help="its block size, until its first event says")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="the engine's --block-size: the page size its registration carries until its first event says",
+    )
     ap.add_argument("--interval-s", type=float, default=0.1, help="publish and probe period")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="registration TTL (the translator's heartbeat)")
     ap.add_argument("--engine-down-s", type=float, default=2.0, help="engine silent this long -> deregistered")

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 
-from gcache.common.processes import free_port
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore, RouteRequest
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
@@ -42,9 +41,10 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(2400)]
 PAGES = 10
 
 
-def engine(name: str, model_dir, work, events: str, l3_port: int, store: str, core: int) -> Http:
-    """vllm_server (test_vllm_router) with the GCache connector and its L3 events."""
-    extra = {"gcache_url": store, "gcache_model": MODEL, "gcache_kv_events_endpoint": f"tcp://*:{l3_port}"}
+def engine(name: str, model_dir, work, events: str, l3_events: str, store: str, core: int) -> Http:
+    """vllm_server (test_vllm_router) with the GCache connector and its L3 events on
+    `l3_events` (an ipc:// endpoint: it binds, on this host only)."""
+    extra = {"gcache_url": store, "gcache_model": MODEL, "gcache_kv_events_endpoint": l3_events}
     kv = dict(
         kv_connector="GCacheConnector",
         kv_connector_module_path="gcache.integrations.vllm",
@@ -67,7 +67,7 @@ def stack(tmp_path_factory, models):
     try:
         engines, sidecars = {}, {}
         for i, name in enumerate(("a", "b")):
-            events, l3 = f"ipc://{work}/{name}.sock", free_port()
+            events, l3 = f"ipc://{work}/{name}.sock", f"ipc://{work}/{name}-l3.sock"
             e = engine(f"engine-{name}", model_dir, work, events, l3, store.address, core=i)
             procs.append(e)
             engines[name] = (e, events, l3)
@@ -78,7 +78,7 @@ def stack(tmp_path_factory, models):
             "router",
             [sys.executable, "-m", "gcache.router.main", "--redis", redis.url, "--tokenizer", str(model_dir)]
             + ["--redis-stale-s", "1", "--worker-grace-s", "10", "--request-timeout-s", "300"]
-            + ["--page-size", str(BLOCK), "--vllm-l3", f"{b.url}@{b_events}", "--l3-events", f"tcp://127.0.0.1:{b_l3}"],
+            + ["--page-size", str(BLOCK), "--vllm-l3", f"{b.url}@{b_events}", "--l3-events", b_l3],
             work,
         )
         procs.append(r)
@@ -87,7 +87,7 @@ def stack(tmp_path_factory, models):
         a, a_events, a_l3 = engines["a"]
         cmd = [sys.executable, "-m", "gcache.router.main", "kv-events", "--engine", a.url, "--events", a_events]
         cmd += ["--redis", redis.url, "--block-size", str(BLOCK), "--interval-s", "0.05", "--ttl-s", "2"]
-        cmd += ["--engine-down-s", "2", "--l3", "--l3-events", f"tcp://127.0.0.1:{a_l3}"]
+        cmd += ["--engine-down-s", "2", "--l3", "--l3-events", a_l3]
         sidecars["a"] = Proc("kv-events-a", cmd, work)
         procs.append(sidecars["a"])
         wait_until(lambda: len(workers_seen(r)) == 2, f"the router sees 2 engines\n{r.log()}", 300, 0.5)
