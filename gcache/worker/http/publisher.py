@@ -195,7 +195,7 @@ class WorkerPublisher(EventBridge):
 def sample_load(engine) -> WorkerLoad:
     """Running / waiting requests, prompt tokens still to compute, tokens held by running ones."""
     sched = engine.scheduler
-    running, waiting = list(sched.running), list(sched.waiting)
+    running, waiting = list(engine.batcher.running), list(sched.waiting)
     queued = sum(r.uncached_estimate for r in waiting)
     queued += sum(r.to_compute for r in running if not r.is_decoding)
     active = sum(r.num_tokens for r in running)
