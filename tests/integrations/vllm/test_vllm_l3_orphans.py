@@ -17,10 +17,8 @@ import sys
 import pytest
 
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
-from tests.integrations.vllm.test_vllm_router import BLOCK, ENGINE_START_S, Http, Proc, wait_until, workers_seen
-from tests.integrations.vllm.test_vllm_router_l3 import complete, engine
-from tests.support.redis_support import start_redis
-from tests.support.servers import ServerProcess
+from tests.integrations.vllm.test_vllm_router import BLOCK, ENGINE_START_S, Http, wait_until, workers_seen
+from tests.integrations.vllm.test_vllm_router_l3 import complete, engines_on_one_store
 from tests.support.serving_support import request
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(2400)]
@@ -31,36 +29,18 @@ TURN_PAGES = 3  # new full pages each turn adds
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, models):
-    pytest.importorskip("zmq", reason="pyzmq (vLLM's dependency) is not in this Python")
-    from tests.integrations.vllm.router_models import write_chat_model
-
-    work = tmp_path_factory.mktemp("orph")
-    model_dir = write_chat_model(work / "model")
-    redis = start_redis()
-    store = ServerProcess(work / "store", memory="256MiB").start()
-    procs: list[Proc] = []
-    try:
-        engines, specs, l3_events = {}, [], []
-        for i, name in enumerate(("a", "b")):
-            events, l3 = f"ipc://{work}/{name}.sock", f"ipc://{work}/{name}-l3.sock"
-            e = engine(f"engine-{name}", model_dir, work, events, l3, store.address, core=i)
-            procs.append(e)
-            engines[name] = e
-            specs += ["--vllm-l3", f"{e.url}@{events}"]
-            l3_events += ["--l3-events", l3]
-        cmd = [sys.executable, "-m", "gcache.router.main", "--redis", redis.url, "--tokenizer", str(model_dir)]
+    with engines_on_one_store(tmp_path_factory, "orph") as s:
+        cmd = [sys.executable, "-m", "gcache.router.main", "--redis", s.redis.url, "--tokenizer", str(s.model_dir)]
         cmd += ["--redis-stale-s", "1", "--worker-grace-s", "10", "--request-timeout-s", "300"]
-        r = Http("router", cmd + ["--block-size", str(BLOCK)] + specs + l3_events, work)
-        procs.append(r)
-        for e in engines.values():
+        cmd += ["--block-size", str(BLOCK)]
+        for e, events, l3 in s.engines.values():  # the documented command: one router, both connectors
+            cmd += ["--vllm-l3", f"{e.url}@{events}", "--l3-events", l3]
+        r = Http("router", cmd, s.work)
+        s.procs.append(r)
+        for e, _, _ in s.engines.values():
             e.wait_healthy(ENGINE_START_S)
         wait_until(lambda: len(workers_seen(r)) == 2, f"the router sees 2 engines\n{r.log()}", 300, 0.5)
-        yield dict(engines=engines, router=r, redis=redis)
-    finally:
-        for p in procs:
-            p.kill()
-        store.kill()
-        redis.close()
+        yield dict(engines={name: e for name, (e, _, _) in s.engines.items()}, router=r, redis=s.redis)
 
 
 def l3_metric(r: Http, name: str) -> int:
