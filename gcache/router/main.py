@@ -85,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[],
         metavar="ENDPOINT",
         help="a GCache vLLM connector's L3 event endpoint (gcache_kv_events_endpoint; repeatable, or "
-        "comma-separated): what it stores in and drops from GCache's L3 goes into --redis's shared L3 view "
-        "(docs/kv-events.md); pages of the first event's block size count",
+        "comma-separated; give every connector's: the L3 is one namespace): what it stores in and drops from "
+        "GCache's L3 goes into --redis's shared L3 view (docs/kv-events.md); pages of --block-size count "
+        "(default: the first event's)",
     )
     add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)

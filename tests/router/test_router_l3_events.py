@@ -292,6 +292,31 @@ def test_vllm_l3_servers_are_registered_as_loading_the_shared_l3_and_vllm_ones_a
             t.stop()
 
 
+def test_block_size_flag_sets_the_translators_and_the_l3_subscribers_page_size(redis_proc, tmp_path):
+    """gcache-router --block-size: what a --vllm translator registers before the engine's first
+    event, and the only block size --l3-events counts; without it, --page-size and the first
+    event's."""
+    from gcache.router.main import parse_args, start_l3_events, start_translators
+
+    spec = f"http://127.0.0.1:{free_port()}@ipc://{tmp_path}/vllm.kv"
+    for flags, translator_bs, l3_bs in (
+        (["--block-size", "32"], 32, 32),
+        (["--page-size", "8"], 8, None),
+    ):
+        args = parse_args(["--redis", redis_proc.url, "--vllm", spec, "--l3-events", f"ipc://{tmp_path}/l3.kv", *flags])
+        config = RouterConfig.from_args(args)
+        bridges = start_translators(args, config) + start_l3_events(args, config)
+        try:
+            assert [b.config.block_size for b in bridges[:1]] == [translator_bs]
+            assert bridges[1].config.page_size == l3_bs
+        finally:
+            for b in bridges:
+                b.stop()
+    args = parse_args(["--redis", redis_proc.url, "--vllm", spec, "--block-size", "0"])
+    with pytest.raises(ValueError, match="--block-size"):
+        start_translators(args, RouterConfig.from_args(args))
+
+
 def test_the_routers_metrics_show_the_l3_subscribers_counters(redis_proc):
     sub = subscriber(redis_proc)
     core = router(redis_proc)

@@ -461,8 +461,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ENDPOINT",
-        help="also subscribe to a GCache connector's L3 events (gcache_kv_events_endpoint; repeatable) and "
-        "write them into --redis's shared L3 view (docs/kv-events.md)",
+        help="also subscribe to the GCache connectors' L3 events (gcache_kv_events_endpoint; repeatable: give "
+        "every connector's, the L3 is one namespace) and write them into --redis's shared L3 view "
+        "(docs/kv-events.md)",
     )
     return ap.parse_args(argv)
 
