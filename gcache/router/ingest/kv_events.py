@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from gcache.serving.announce.wire import (
     FULL_KINDS,
+    LOCALITY,
     MAMBA_KINDS,
     MEDIUM,
     SWA_KINDS,
@@ -274,7 +275,7 @@ class EngineEvents:
     def _tier(self, ev: Stored | Removed) -> int | None:
         """The tier an event's blocks are in, or None when this translator does not track it."""
         if self.shared_l3:
-            return L3_TIER if ev.medium == MEDIUM and ev.locality in (None, "REMOTE") else None
+            return L3_TIER if ev.medium == MEDIUM and ev.locality in (None, LOCALITY) else None
         return TIER_OF_MEDIUM.get(ev.medium) if ev.locality in (None, "LOCAL") else None
 
     def _store(self, rank: int, ev: Stored) -> None:
