@@ -32,7 +32,9 @@ Shared-L3 mode (`shared_l3=True`, l3_events.py): the events of GCache's vLLM con
 shared L3 view's (L3_FULL / L3_SWA, same rules); every other medium is ignored. The
 connectors' translations share one Chain: the L3 is one namespace, so a page engine B stores
 on a prefix engine A announced is named from A's announcement (vLLM's block hashes agree
-across engines: sha256 with its fixed default seed, or one PYTHONHASHSEED).
+across engines: sha256 with its fixed default seed, or one PYTHONHASHSEED). B's store may
+arrive first (independent sockets): it waits, bounded (Chain.park, ORPHAN_WAIT_S), and is an
+orphan only if no event names its parent by then.
 
 Sequence: a gap in the ZMQ sequence numbers (vLLM's PUB drops when a subscriber lags) or a
 restart (the number goes back) means removals may have been missed: everything held is
@@ -44,8 +46,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gcache.serving.announce.wire import (
     FULL_KINDS,
@@ -66,6 +69,7 @@ from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FUL
 
 TIER_OF_MEDIUM = {None: 1, "GPU": 1, "CPU": 2}  # L1, L2; anything else is not this engine's own memory
 L3_TIER = 3  # GCache's connectors' L3 events (medium wire.MEDIUM): the shared L3
+ORPHAN_WAIT_S = 2.0  # a parked store (Chain) waits this long for another connector to name its parent
 EXTRA_DOMAIN = b"gcache-router:extra-keys\x00"  # digests of blocks with extra keys (never a text prompt's)
 
 STATS = (
@@ -113,17 +117,32 @@ class Group:
     window: int  # tokens (sliding); 1 for mamba; 0 for full
 
 
+class Parked(NamedTuple):
+    """A store whose parent no event named yet, waiting for another connector's to name it."""
+
+    owner: EngineEvents
+    rank: int
+    ev: Stored
+    since: float | None  # the caller's clock (None: never expires by time, only by the bound)
+    withdrawn: set  # its hashes removed since (by its owner): not held when it is named
+
+
 class Chain:
     """vLLM block hash -> GCache's 32-byte chain digest: content knowledge, a bounded LRU.
 
     One Chain may serve several EngineEvents (the L3 subscriber's connectors: the shared L3 is
     one namespace, and a page one engine stores may extend a prefix another announced); they
-    then share its lock, which guards the chain and every sharer's state."""
+    then share its lock, which guards the chain and every sharer's state. Their streams are
+    independent sockets, so B's store may arrive before A's announcement of its parent: with
+    parked_max > 0 such a store waits (at most parked_max of them, for ORPHAN_WAIT_S) and is
+    held once another event names its parent; one that waits out is counted an orphan."""
 
-    def __init__(self, entries_max: int) -> None:
+    def __init__(self, entries_max: int, parked_max: int = 0) -> None:
         self.entries_max = entries_max
         self.lock = threading.Lock()
         self.digests: OrderedDict = OrderedDict()
+        self.parked_max = parked_max
+        self.parked: deque[Parked] = deque()
 
     def get(self, h) -> bytes | None:
         return self.digests.get(h)
@@ -139,6 +158,48 @@ class Chain:
         self.digests.move_to_end(h)
         while len(self.digests) > self.entries_max:
             self.digests.popitem(last=False)
+
+    # ---- parked stores (caller holds the lock) -------------------------------------------
+    def park(self, owner: EngineEvents, rank: int, ev: Stored, now: float | None) -> bool:
+        """Keep an orphan store for later; False when this chain does not park."""
+        if not self.parked_max:
+            return False
+        self.parked.append(Parked(owner, rank, ev, now, set()))
+        while len(self.parked) > self.parked_max:
+            self._give_up(self.parked.popleft())
+        return True
+
+    def settle(self, now: float | None) -> None:
+        """Hold the parked stores whose parent is now named (a named one may name the next:
+        repeat while any is); count those that waited out ORPHAN_WAIT_S as orphans."""
+        progress = True
+        while progress and self.parked:
+            progress = False
+            waiting: deque[Parked] = deque()
+            for p in self.parked:
+                if p.ev.parent in self.digests:
+                    p.owner._learn(p.ev)
+                    p.owner._store(p.rank, p.ev, skip=p.withdrawn)
+                    progress = True
+                elif now is not None and p.since is not None and now - p.since > ORPHAN_WAIT_S:
+                    self._give_up(p)
+                else:
+                    waiting.append(p)
+            self.parked = waiting
+
+    def withdraw(self, owner: EngineEvents, rank: int, group: int, hashes: list) -> None:
+        """owner removed these blocks: a parked store of them must not hold them later."""
+        for p in self.parked:
+            if p.owner is owner and p.rank == rank and p.ev.group == group:
+                p.withdrawn.update(h for h in hashes if h in p.ev.hashes)
+
+    def unpark(self, owner: EngineEvents, rank: int | None = None) -> None:
+        """owner's state (or one rank's) was cleared: its parked stores go with it."""
+        self.parked = deque(p for p in self.parked if p.owner is not owner or (rank is not None and p.rank != rank))
+
+    @staticmethod
+    def _give_up(p: Parked) -> None:
+        p.owner.stats["orphans"] += len(p.ev.hashes)
 
 
 class EngineEvents:
@@ -160,6 +221,7 @@ class EngineEvents:
         self.resync = True  # the first take is a snapshot
         self.last_seq: dict[bytes, int] = {}  # per topic
         self.last_event_at: float | None = None  # caller's clock, set by apply_frame
+        self._now: float | None = None  # the batch being applied: its caller's clock
         self.stats = dict.fromkeys(STATS, 0)
 
     # ---- what the router needs to know ------------------------------------------------------
@@ -202,9 +264,9 @@ class EngineEvents:
             self.last_seq[topic] = seq
             if now is not None:
                 self.last_event_at = now
-        self.apply_batch(payload)
+        self.apply_batch(payload, now)
 
-    def apply_batch(self, payload: bytes) -> None:
+    def apply_batch(self, payload: bytes, now: float | None = None) -> None:
         """One msgpack EventBatch. Never raises."""
         try:
             events, rank = decode_batch(payload, self.limits)
@@ -220,6 +282,7 @@ class EngineEvents:
             except (Malformed, TypeError, ValueError, OverflowError):
                 self.stats["malformed"] += 1
         with self.lock:
+            self._now = now  # when a store parked in pass 2 started waiting
             # Pass 1: learn every digest this batch can name (content knowledge only), so that a
             # sliding group's store, which may skip blocks, finds the full group's names.
             for ev in parsed:
@@ -234,6 +297,7 @@ class EngineEvents:
                 elif isinstance(ev, Cleared):
                     self.stats["cleared"] += 1
                     self._clear_locked(rank)
+            self.chain.settle(now)  # stores parked for a parent this batch may have named
 
     # ---- state (caller holds the lock) ----------------------------------------------------------
     def _learn(self, ev: Stored) -> None:
@@ -278,7 +342,7 @@ class EngineEvents:
             return L3_TIER if ev.medium == MEDIUM and ev.locality in (None, LOCALITY) else None
         return TIER_OF_MEDIUM.get(ev.medium) if ev.locality in (None, "LOCAL") else None
 
-    def _store(self, rank: int, ev: Stored) -> None:
+    def _store(self, rank: int, ev: Stored, skip: set | frozenset = frozenset()) -> None:
         tier = self._tier(ev)
         if tier is None:
             self.stats["ignored_media"] += 1
@@ -294,7 +358,11 @@ class EngineEvents:
             self.stats["other_block_size"] += 1  # a partial block, or a group of another size
             return
         orphan = ev.parent is not None and ev.parent not in self.chain
+        if orphan and self.chain.park(self, rank, ev, self._now):
+            return  # another connector's event may name its parent (Chain.settle)
         for h in ev.hashes:
+            if h in skip:
+                continue
             d = self.chain.get(h)
             if d is None:  # never named: its parent was never seen, or a skipped-block store's
                 self.stats["orphans" if orphan else "unresolved"] += 1
@@ -338,6 +406,8 @@ class EngineEvents:
         if tier is None:
             self.stats["ignored_media"] += 1
             return
+        if self.chain.parked:
+            self.chain.withdraw(self, rank, ev.group, ev.hashes)
         for h in ev.hashes:
             key = (rank, ev.group, tier, h)
             pid = self.held.pop(key, None)
@@ -356,6 +426,8 @@ class EngineEvents:
         self.dirty[pid] = None
 
     def _clear_locked(self, rank: int | None = None) -> None:
+        if self.chain.parked:
+            self.chain.unpark(self, rank)
         if rank is None:
             self.held.clear()
             self.holders.clear()

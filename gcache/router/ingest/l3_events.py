@@ -11,7 +11,8 @@ endpoint (one connector) is translated by its own kv_events.EngineEvents in shar
 (medium GCACHE -> L3_FULL / L3_SWA, page ids re-chained from the events' token ids, exactly
 as an engine's own events), all of them over ONE kv_events.Chain: the L3 is one namespace, so
 a page engine B stores on a prefix engine A announced (B loaded it from the L3) is named
-from A's announcement, not dropped as an orphan. The union over the connectors is written
+from A's announcement, not dropped as an orphan (arriving before A's, it waits for it:
+kv_events.Chain.park). The union over the connectors is written
 through the one writer (gcache.serving.announce.writer), adds and removals, so a page some
 connector withdraws leaves the view only when no other connector still announces it.
 
@@ -37,6 +38,8 @@ from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger("gcache.router.ingest.l3_events")
+
+PARKED_MAX = 4096  # stores waiting for another connector's event to name their parent
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,8 @@ class L3Subscriber(EventBridge):
     ) -> None:
         self.config, self.clock = config, clock
         self.keys = Keys(config.prefix)
-        self.chain = Chain(config.limits.chain_max)  # one chain namespace for every connector
+        # one chain namespace for every connector; a store may wait for another's event
+        self.chain = Chain(config.limits.chain_max, parked_max=PARKED_MAX)
         self.sources = [EngineEvents(config.limits, shared_l3=True, chain=self.chain) for _ in config.endpoints]
         for src in self.sources:
             src.page_size = config.page_size  # None: learnt from the first full-attention event
@@ -162,6 +166,8 @@ class L3Subscriber(EventBridge):
 
     def flush(self) -> bool:
         """Write what changed (or everything, after a failure); False if Redis failed."""
+        with self.chain.lock:
+            self.chain.settle(self.clock())  # parked stores that waited out: orphans
         with self._lock:
             rewrite = self.union.rewrite
             adds, removes = self.union.changes()
@@ -195,6 +201,7 @@ class L3Subscriber(EventBridge):
                 out[f"events_{k}"] = out.get(f"events_{k}", 0) + v
             out[f"pages_{i}"] = src.pages()
         out["pages"] = len(self.union.written)
+        out["parked"] = len(self.chain.parked)
         return out
 
     @property
