@@ -56,7 +56,7 @@ class ScriptedModel(SimulatedModel):
         self.engine = engine
 
     def forward_batch(self, chunks, kv, all_logits: bool = False, layer_ready=None) -> list:
-        by_kv = {id(r.kv): r for r in self.engine.scheduler.running}
+        by_kv = {id(r.kv): r for r in self.engine.batcher.running}
         reqs = [by_kv[id(c[2])] for c in chunks]
         cache = self.engine.cache
         loaded = cache.cache_stats.counters["l2_load_bytes"] if isinstance(cache, TieredPrefixCache) else 0

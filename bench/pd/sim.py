@@ -105,8 +105,9 @@ class SimWorker:
 
     def load(self) -> float:
         s = self.engine.scheduler
-        queued = sum(r.uncached_estimate for r in s.waiting) + sum(r.to_compute for r in s.running if r.output == [])
-        return len(s.running) + len(s.waiting) + queued / 2048
+        running = self.engine.batcher.running
+        queued = sum(r.uncached_estimate for r in s.waiting) + sum(r.to_compute for r in running if r.output == [])
+        return len(running) + len(s.waiting) + queued / 2048
 
     def busy(self) -> bool:
         return self.engine.has_work()
@@ -329,7 +330,7 @@ def run(
                 res.makespan_s = max(res.makespan_s, r.finished_s)
             if w in dec:
                 unpin_admitted(w)
-                res.running_samples.append(len(w.engine.scheduler.running))
+                res.running_samples.append(len(w.engine.batcher.running))
                 if mode == "pd_device":
                     try_prealloc(dec.index(w), w.clock())
                 start_reads(dec.index(w), w.clock())

@@ -267,7 +267,7 @@ def simulate(turns: list[Turn], cluster: Cluster, policy: str, arrivals: np.ndar
 
 def _tick(cluster: Cluster, res: RunResult) -> None:
     cluster.tick()
-    loads = [len(w.engine.scheduler.running) + len(w.engine.scheduler.waiting) for w in cluster.workers]
+    loads = [len(w.engine.batcher.running) + len(w.engine.scheduler.waiting) for w in cluster.workers]
     if sum(loads):
         res.load_max_sum += max(loads)
         res.load_mean_sum += sum(loads) / len(loads)

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field, fields
 
 from gcache.common.flags import add_flags, flag
-from gcache.serving.redis_layout import valid_worker_url
+from gcache.serving.redis_layout import DEFAULT_PREFIX, valid_worker_url
 
 
 class RouterPolicy(enum.StrEnum):
@@ -47,7 +47,7 @@ class RouterConfig:
             group=ROUTING,
         ),
     )
-    redis_prefix: str = field(default="gcache:router", metadata=flag("namespace of every Redis key", group=ROUTING))
+    redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=flag("namespace of every Redis key", group=ROUTING))
     policy: str = field(  # a RouterPolicy (or its string)
         default=RouterPolicy.CACHE_AWARE, metadata=flag(choices=POLICIES, group=ROUTING)
     )

@@ -27,7 +27,7 @@ from gcache.router.config import RouterConfig
 from gcache.router.policies import Candidate, Choice, LeastLoad, Mode, Prompt, make_policy
 from gcache.router.state import ClusterView, RedisSync
 from gcache.serving.announce.bridge import EventBridge
-from gcache.serving.announce.engines import GCACHE_WORKER, EngineInfo
+from gcache.serving.announce.engines import GCACHE_WORKER, EngineInfo, EngineKind
 from gcache.serving.redis_client import fail_fast_redis
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 
@@ -182,7 +182,7 @@ class RouterCore:
         names = self.config.tokenizer_names
         w = self.view.workers.get(url)
         unregistered = w is None or w.reg is None
-        if info.kind == "vllm" or (unregistered and "" in names):
+        if info.kind == EngineKind.VLLM or (unregistered and "" in names):
             for m in info.models:
                 if m in names:
                     return "hf:" + m
@@ -214,14 +214,14 @@ class RouterCore:
         if model is None:
             return set(urls)
         exact = {u for u in urls if model in self._names(u)}
-        return exact or {u for u in urls if self._info(u).kind != "vllm"}
+        return exact or {u for u in urls if self._info(u).kind != EngineKind.VLLM}
 
     def has_engines(self) -> bool:
         """Whether any known worker is a vLLM server (or --tokenizer says unregistered ones are)."""
         if "" in self.config.tokenizer_names:
             return True
         with self.view.lock:
-            return any(w.info.kind == "vllm" for w in self.view.workers.values())
+            return any(w.info.kind == EngineKind.VLLM for w in self.view.workers.values())
 
     def _info(self, url: str) -> EngineInfo:
         w = self.view.workers.get(url)
@@ -299,7 +299,7 @@ class RouterCore:
                     self.inflight_tokens.get(u, 0),
                     reg,
                     w.flags if reg is not None and w is not None else {},  # (reg implies w)
-                    self._info(u).kind != "vllm" or self._info(u).l3,
+                    self._info(u).kind != EngineKind.VLLM or self._info(u).l3,
                 )
             )
         return out, healthy, key_of

@@ -4,10 +4,13 @@ gcache-router --port 8000 --redis redis://127.0.0.1:6379/0            # workers 
 gcache-router --port 8000 --workers http://127.0.0.1:30001,http://127.0.0.1:30002 --policy round_robin
 gcache-router --port 8000 --prefill-workers http://127.0.0.1:30011 --decode-workers http://127.0.0.1:30012  # PD
 gcache-router --port 8000 --pd --redis redis://127.0.0.1:6379/0    # PD pools from Redis, by the workers' --role
-gcache-router --port 8000 --redis redis://127.0.0.1:6379/0 --tokenizer /models/m \
-    --vllm http://127.0.0.1:8001@tcp://127.0.0.1:5557 --vllm http://127.0.0.1:8002@tcp://127.0.0.1:5558   # vLLM servers
-gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 --redis redis://...  # or beside each
-gcache-router --port 8000 --redis redis://... --l3-events tcp://127.0.0.1:5600   # GCache connectors' L3 events
+gcache-router --port 8000 --redis redis://127.0.0.1:6379/0 --tokenizer /models/m --block-size 16 \
+    --vllm http://127.0.0.1:8001@ipc:///tmp/vllm-a.kv --vllm http://127.0.0.1:8002@ipc:///tmp/vllm-b.kv   # vLLM servers
+gcache-router kv-events --engine http://127.0.0.1:8001 --events ipc:///tmp/vllm-a.kv --redis redis://...  # or beside each
+gcache-router --port 8000 --redis redis://... --l3-events ipc:///tmp/gcache-l3-a.kv   # GCache connectors' L3 events
+
+The KV-event endpoints are ipc:// paths: they stay on the host (a tcp://*:PORT endpoint would
+accept every interface); a router on another host subscribes to tcp://HOST:PORT instead.
 """
 
 from __future__ import annotations
@@ -68,13 +71,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "shared L3, so cache_aware credits L3 hits to it (--l3-events says what the L3 holds)",
     )
     ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the vLLM servers' --block-size: the page size their registrations carry before their first "
+        "KV event says it, and the only block size --l3-events counts (default: --page-size for --vllm, the "
+        "first event's for --l3-events)",
+    )
+    ap.add_argument(
         "--l3-events",
         action="append",
         default=[],
         metavar="ENDPOINT",
         help="a GCache vLLM connector's L3 event endpoint (gcache_kv_events_endpoint; repeatable, or "
-        "comma-separated): what it stores in and drops from GCache's L3 goes into --redis's shared L3 view "
-        "(docs/kv-events.md); pages of the first event's block size count",
+        "comma-separated; give every connector's: the L3 is one namespace): what it stores in and drops from "
+        "GCache's L3 goes into --redis's shared L3 view (docs/kv-events.md); pages of --block-size count "
+        "(default: the first event's)",
     )
     add_pd_args(ap)  # --pd, --prefill-workers, --decode-workers, ...
     return ap.parse_args(argv)
@@ -88,7 +101,7 @@ def vllm_engines(specs: list[str]) -> list[tuple[str, str]]:
             continue
         url, sep, endpoint = spec.rpartition("@")
         if not sep or not url or not endpoint:
-            raise ValueError(f"--vllm wants URL@ENDPOINT (http://HOST:PORT@tcp://HOST:PORT), got {spec!r}")
+            raise ValueError(f"--vllm wants URL@ENDPOINT (http://HOST:PORT@ipc:///PATH), got {spec!r}")
         out.append((url.rstrip("/"), endpoint))
     return out
 
@@ -116,7 +129,7 @@ def start_translators(args, config: RouterConfig) -> list:
             redis_timeout_s=config.redis_timeout_s,
             lease=True,
             l3=l3,
-            block_size=config.page_size,  # published until the engine's first event says
+            block_size=block_size(args) or config.page_size,  # published until the engine's first event says
         )
         for url, endpoint, l3 in engines
     ]
@@ -147,8 +160,16 @@ def start_l3_events(args, config: RouterConfig) -> list:
         prefix=config.redis_prefix,
         redis_timeout_s=config.redis_timeout_s,
         l3_pages_max=config.l3_pages_max,
+        page_size=block_size(args),
     )
     return [L3Subscriber(cfg)]
+
+
+def block_size(args) -> int | None:
+    """--block-size, checked (None when not given)."""
+    if args.block_size is not None and not 1 <= args.block_size <= 1 << 14:
+        raise ValueError(f"--block-size must be in [1, 16384], got {args.block_size}")
+    return args.block_size
 
 
 def main(argv=None) -> int:

@@ -275,7 +275,7 @@ class RedisSync:
     # ---- the shared L3 -----------------------------------------------------------------
     def _l3(self, view: ClusterView) -> None:
         """The shared L3 view: everything on the first read, then what was added or removed
-        since (the :gone sets, gcache.serving.l3_index). A page is in at most one of a set and
+        since (the :gone sets, gcache.serving.announce.l3_view). A page is in at most one of a set and
         its :gone set at a time, so one read's adds and removals never contradict."""
         since = view.l3_since_ms
         k = self.keys

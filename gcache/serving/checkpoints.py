@@ -7,7 +7,7 @@ page-aligned end resumes one page earlier) and the point where it branched off a
 Resuming at checkpoint p needs the SWA KV of p's window tail (swa_window.tail_start_page), so a
 cache holds O(W) SWA per checkpoint. The worker's cache (kvcache/swa_checkpoints.py), the
 speculator's MTP tails (engine/speculative.py) and the vLLM connector's plan
-(integrations/vllm/plan.py) all take their points from here.
+(integrations/vllm/kv/plan.py) all take their points and tails from here.
 """
 
 from __future__ import annotations
@@ -55,6 +55,17 @@ class CheckpointRule:
         whole, resend = self.end_points(num_tokens)
         return self.points(whole, (resend,))
 
+    def in_a_tail(self, page: int, num_pages: int, window: int, ends: Iterable[int] = ()) -> bool:
+        """Whether `page` lies in the window tail of a checkpoint p, page < p <= num_pages: one of
+        `ends` (num_pages itself only when among them: a re-lock point mid-decode is no
+        checkpoint) or a periodic one. The periodic one to ask is the first after `page`: a
+        later one's tail starts no earlier."""
+        points = list(ends)
+        periodic = self.next_periodic(page)
+        if periodic is not None:
+            points.append(periodic)
+        return any(page < p <= num_pages and tail_start_page(p, self.page_size, window) <= page for p in points)
+
     def keep_pages(self, num_pages: int, window: int, ends: Iterable[int] = ()) -> set[int]:
         """Page indices whose SWA KV a sequence of num_pages whole pages keeps for the prefix
         cache: the window tails of its checkpoints (points(num_pages, ends)). Everything else can
@@ -65,3 +76,8 @@ class CheckpointRule:
         for end in self.points(num_pages, ends):
             keep.update(range(tail_start_page(end, self.page_size, window), end))
         return keep
+
+    def prompt_keep_pages(self, num_tokens: int, window: int) -> set[int]:
+        """keep_pages of a prompt: the window tails of its prompt_points."""
+        whole, resend = self.end_points(num_tokens)
+        return self.keep_pages(whole, window, (resend,))

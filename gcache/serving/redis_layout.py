@@ -8,7 +8,7 @@ Keys (prefix P):
   P:l3, P:l3swa    ZSET  page id -> report time (ms): pages known to be in the shared L3
   P:l3:gone, P:l3swa:gone  ZSET  page id -> removal time (ms): pages known to have left it
                    (a router reading the L3 sets incrementally learns removals from these;
-                   written by gcache.serving.l3_index, the one writer of the four)
+                   written by gcache.serving.announce.writer, the one writer)
 
 A page id is the first 8 bytes of the SGLang page hash (gcache.wire.keys), so it names a whole
 prefix, like the hash itself; a worker and a router compute it from the same tokens.
@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike
 from gcache.wire.keys import page_hashes_array
 
 FORMAT_VERSION = 1
+DEFAULT_PREFIX = "gcache:router"  # every Redis key's namespace unless --redis-prefix says otherwise
 L1_FULL, L1_SWA, L2_FULL, L2_SWA = 1, 2, 4, 8
 FLAGS_ALL = L1_FULL | L1_SWA | L2_FULL | L2_SWA
 L3_FULL, L3_SWA = 1, 2  # the shared L3 view's flags
@@ -85,7 +86,7 @@ def decode_records(raw: bytes) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Keys:
-    prefix: str = "gcache:router"
+    prefix: str = DEFAULT_PREFIX
 
     @property
     def workers(self) -> str:

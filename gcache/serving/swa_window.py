@@ -21,6 +21,11 @@ def tail_pages(end_page: int, page_size: int, window: int) -> int:
     return end_page - tail_start_page(end_page, page_size, window)
 
 
+def window_pages(page_size: int, window: int) -> int:
+    """The pages of the window tail of an end past the window: ceil(W / page_size)."""
+    return -(-window // page_size)
+
+
 def last_safe_end(start_page: int, full_pages: int, has_swa: Callable[[int], bool], page_size: int, window: int) -> int:
     """Largest end page E in [start_page, start_page + full_pages] a request can resume at
     when pages [0, start_page) are already covered (start_page is 0 or a window-safe point of

@@ -267,7 +267,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     if spec.get("served_model_name"):
         mm_args["served_model_name"] = spec["served_model_name"]
-    if spec.get("kv_events"):  # vLLM's own KV events (e.g. {"endpoint": "tcp://*:5557"})
+    if spec.get("kv_events"):  # vLLM's own KV events (e.g. {"endpoint": "ipc:///tmp/vllm.kv"})
         from vllm.config import KVEventsConfig
 
         mm_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **spec["kv_events"])

@@ -9,17 +9,20 @@ are dropped and counted; Redis restarted empty gets the whole view again."""
 from __future__ import annotations
 
 import random
+import time
 
 import msgpack
 import pytest
 import redis
 
 from gcache.common.processes import free_port
-from gcache.integrations.vllm.events.wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore
+from gcache.router.ingest.kv_events import ORPHAN_WAIT_S
 from gcache.router.ingest.l3_events import L3EventsConfig, L3Subscriber
+from gcache.serving.announce.wire import KIND_FULL, StoredRun, block_removed, block_stored, event_batch
 from gcache.serving.redis_layout import L3_FULL, L3_SWA, Keys, id_bytes, page_ids
+from tests.support.router_support import ManualClock
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.process  # redis-server
@@ -62,14 +65,14 @@ class Frames:
         return [self.topic, (self.seq - 1).to_bytes(8, "big"), event_batch(1.0, list(events))]
 
 
-def subscriber(rp, n: int = 1, endpoints=None, **kw) -> L3Subscriber:
+def subscriber(rp, n: int = 1, endpoints=None, clock=time.monotonic, **kw) -> L3Subscriber:
     cfg = L3EventsConfig(
         endpoints=endpoints or tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(n)),
         redis_url=rp.url,
         page_size=BS,
         **kw,
     )
-    return L3Subscriber(cfg, start_threads=endpoints is not None)
+    return L3Subscriber(cfg, clock=clock, start_threads=endpoints is not None)
 
 
 def in_redis(r, key: str) -> set[int]:
@@ -141,6 +144,67 @@ def test_a_page_two_connectors_announce_leaves_only_when_both_withdraw_it(redis_
     sub.receive(a(block_removed(0, [])), source=0)
     assert sub.flush() and in_redis(r, k.l3_full) == {ids[0]}  # b's page 0 stays
     assert sub.stats()["events_gaps"] == 1
+    sub.stop()
+
+
+def test_a_page_stored_on_a_prefix_another_connector_announced_is_named_not_orphaned(redis_proc):
+    """The L3 is one namespace: engine B loaded pages 0-1 from it (A announced them) and
+    stored pages 2-3 on them; B's run names page 1 as its parent, which B never announced.
+    Every connector's translation shares one chain, so B's pages are named (vLLM's block
+    hashes agree across engines), in either arrival order (the two streams are independent
+    sockets: a store whose parent is not named yet waits for ORPHAN_WAIT_S)."""
+    r = redis.Redis.from_url(redis_proc.url)
+    k = Keys()
+    clock = ManualClock()
+    sub = subscriber(redis_proc, n=2, clock=clock)
+    core = router(redis_proc)
+    t = toks(4 * BS, seed=4)
+    ids = page_ids(t, BS)
+    a, b = Frames(b"kv@host@m"), Frames(b"kv@host@m")  # same host and model: the same topic
+    sub.receive(a(stored(t[: 2 * BS], seed=4)), source=0)
+    sub.receive(b(stored(t, seed=4, first=2)), source=1)
+    assert sub.flush()
+    assert in_redis(r, k.l3_full) == in_redis(r, k.l3_swa) == set(ids)
+    assert view_l3(core) == dict.fromkeys(ids, BOTH)
+    stats = sub.stats()
+    assert stats["events_orphans"] == 0 and stats["events_stored_blocks"] == 4 and stats["parked"] == 0, stats
+    # A withdraws its pages: B never announced 0-1, so they leave; B's 2-3 stay (B vouches).
+    sub.receive(a(block_removed(0, [vh(0, 4), vh(1, 4)])), source=0)
+    assert sub.flush() and in_redis(r, k.l3_full) == set(ids[2:])
+    sub.stop()
+    core.close()
+
+
+def test_a_store_that_arrives_before_its_parents_announcement_waits_for_it(redis_proc):
+    """B's store comes first (parked, not credited), A's announcement of its parent next: all
+    four pages are named. A page B withdrew while waiting is not held. A parent nobody names
+    within ORPHAN_WAIT_S: the store is an orphan (counted, never credited)."""
+    r = redis.Redis.from_url(redis_proc.url)
+    k = Keys()
+    clock = ManualClock()
+    sub = subscriber(redis_proc, n=2, clock=clock)
+    t = toks(5 * BS, seed=6)
+    ids = page_ids(t, BS)
+    a, b = Frames(b"kv@a@m"), Frames(b"kv@b@m")
+    sub.receive(b(stored(t, seed=6, first=2)), source=1)  # pages 2-4, parent page 1
+    sub.receive(b(block_removed(0, [vh(4, 6)])), source=1)  # B withdraws page 4 meanwhile
+    assert sub.flush() and in_redis(r, k.l3_full) == set() and sub.stats()["parked"] == 1
+    clock.advance(1.0)
+    sub.receive(a(stored(t[: 2 * BS], seed=6)), source=0)  # pages 0-1
+    assert sub.flush() and in_redis(r, k.l3_full) == set(ids[:4])
+    stats = sub.stats()
+    assert stats["parked"] == 0 and stats["events_orphans"] == 0 and stats["events_stored_blocks"] == 4, stats
+    # Nobody names this one's parent: it waits, then counts as orphans (never credited).
+    sub.receive(b(stored(toks(4 * BS, seed=5), seed=5, first=2)), source=1)
+    assert sub.flush() and sub.stats()["parked"] == 1 and sub.stats()["events_orphans"] == 0
+    clock.advance(ORPHAN_WAIT_S + 0.1)
+    assert sub.flush() and sub.stats()["parked"] == 0 and sub.stats()["events_orphans"] == 2
+    assert in_redis(r, k.l3_full) == set(ids[:4])
+    # A sequence gap on B drops its parked stores with the rest of its part.
+    sub.receive(b(stored(toks(4 * BS, seed=8), seed=8, first=2)), source=1)
+    b.seq += 3
+    sub.receive(b(block_removed(0, [])), source=1)
+    assert sub.flush() and sub.stats()["parked"] == 0 and sub.stats()["events_gaps"] == 1
     sub.stop()
 
 
@@ -260,6 +324,31 @@ def test_vllm_l3_servers_are_registered_as_loading_the_shared_l3_and_vllm_ones_a
     finally:
         for t in translators:
             t.stop()
+
+
+def test_block_size_flag_sets_the_translators_and_the_l3_subscribers_page_size(redis_proc, tmp_path):
+    """gcache-router --block-size: what a --vllm translator registers before the engine's first
+    event, and the only block size --l3-events counts; without it, --page-size and the first
+    event's."""
+    from gcache.router.main import parse_args, start_l3_events, start_translators
+
+    spec = f"http://127.0.0.1:{free_port()}@ipc://{tmp_path}/vllm.kv"
+    for flags, translator_bs, l3_bs in (
+        (["--block-size", "32"], 32, 32),
+        (["--page-size", "8"], 8, None),
+    ):
+        args = parse_args(["--redis", redis_proc.url, "--vllm", spec, "--l3-events", f"ipc://{tmp_path}/l3.kv", *flags])
+        config = RouterConfig.from_args(args)
+        bridges = start_translators(args, config) + start_l3_events(args, config)
+        try:
+            assert [b.config.block_size for b in bridges[:1]] == [translator_bs]
+            assert bridges[1].config.page_size == l3_bs
+        finally:
+            for b in bridges:
+                b.stop()
+    args = parse_args(["--redis", redis_proc.url, "--vllm", spec, "--block-size", "0"])
+    with pytest.raises(ValueError, match="--block-size"):
+        start_translators(args, RouterConfig.from_args(args))
 
 
 def test_the_routers_metrics_show_the_l3_subscribers_counters(redis_proc):

@@ -17,7 +17,10 @@ PYTHON_LAYERS: list[tuple[list[str], str]] = [
     (["gcache"], "the facade: `gcache.Client`, `__version__`"),
     (["gcache.server", "gcache.master", "gcache.cli"], "the daemons and the operators' CLI"),
     (["gcache.serving"], "the worker <-> router contract, HTTP pieces"),
-    (["gcache.serving.announce"], "what an engine holds, announced to the routers: kinds, the event bridge"),
+    (
+        ["gcache.serving.announce"],
+        "what an engine holds, announced to the routers: the KV-event wire, the Redis writer, the bridge loop, engine kinds",
+    ),
     (["gcache.router.ingest"], "the router's ingest: vLLM's KV events and GCache's L3 events into Redis"),
     (["gcache.worker", "gcache.router"], "worker foundation (config, backend, integrity); the router"),
     (["gcache.worker.kvcache"], "the prefix cache across tiers"),

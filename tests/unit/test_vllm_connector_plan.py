@@ -22,19 +22,20 @@ from gcache.integrations.vllm.kv.settings import ConnectorSettings, SettingsErro
 from gcache.wire.keys import page_hashes
 
 
-def test_tail_pages_follow_vllms_sliding_window_manager():
-    assert plan.tail_pages(32, 32) == 1  # cdiv(31, 32)
-    assert plan.tail_pages(33, 32) == 1
-    assert plan.tail_pages(34, 32) == 2
-    assert plan.tail_pages(4096, 16) == 256
+def test_sliding_tail_pages_follow_vllms_sliding_window_manager():
+    assert plan.sliding_tail_pages(32, 32) == 1  # cdiv(31, 32)
+    assert plan.sliding_tail_pages(33, 32) == 1
+    assert plan.sliding_tail_pages(34, 32) == 2
+    assert plan.sliding_tail_pages(4096, 16) == 256
+    assert plan.sliding_tail_pages(1, 16) == 1  # at least one page
 
 
 def test_prompt_cuts_are_every_c_pages_and_the_prompt_end():
     assert plan.prompt_cuts(600, 32, 16) == {16, 18}  # 600 // 32 == 599 // 32 == 18
     assert plan.prompt_cuts(576, 32, 16) == {16, 18, 17}  # 576 = 18 pages: a repeat resumes at 17
     assert plan.prompt_cuts(20, 32, 16) == set()  # no full page
-    assert plan.tail_page_set({16, 18}, 1) == {15, 17}
-    assert plan.tail_page_set({2}, 4) == {0, 1}
+    assert plan.prompt_tail_pages(600, 32, 16, tail=1) == {15, 17}  # cuts {16, 18}, a 1-page tail
+    assert plan.prompt_tail_pages(70, 32, 0, tail=4) == {0, 1}  # cut {2}, a 4-page tail
 
 
 def test_best_cut_needs_every_sliding_group_tail():

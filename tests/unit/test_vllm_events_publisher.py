@@ -19,9 +19,9 @@ from gcache import Client
 from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.vllm.events.publisher import EventPublisher
 from gcache.integrations.vllm.events.source import L3EventSource, Page, SourceLimits
-from gcache.integrations.vllm.events.wire import KIND_FULL, KIND_SWA
 from gcache.integrations.vllm.kv.stats import ConnectorStats
 from gcache.router.ingest.kv_events import EngineEvents
+from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 from gcache.serving.redis_layout import L3_FULL, L3_SWA, page_ids
 from tests.support.waiting import wait_until
 

@@ -98,7 +98,7 @@ def run(engine: Engine, prompt, params: SamplingParams = GREEDY4, extra_check=No
         if not engine.has_work():
             return r
         step_checked(engine, extra_check)
-    raise AssertionError(f"engine still busy: {engine.scheduler.running} {engine.scheduler.waiting}")
+    raise AssertionError(f"engine still busy: {engine.batcher.running} {engine.scheduler.waiting}")
 
 
 def max_logit_error(model: Model, r: Request) -> float:

@@ -115,7 +115,7 @@ def test_cancel_stops_computing_and_frees_the_pages(engine_thread):
     gate = threading.Event()  # the engine waits after its first token until the test has cancelled
 
     def hold(engine):
-        if not gate.is_set() and any(r.output for r in engine.scheduler.running):
+        if not gate.is_set() and any(r.output for r in engine.batcher.running):
             gate.wait(WAIT_S)
 
     def cancel(p):
@@ -129,7 +129,7 @@ def test_cancel_stops_computing_and_frees_the_pages(engine_thread):
 
     def state(e):
         e.check_integrity()
-        return len(e.scheduler.running), len(e.scheduler.waiting), e.kv.full.num_used, e.cache.cached_pages()[0]
+        return len(e.batcher.running), len(e.scheduler.waiting), e.kv.full.num_used, e.cache.cached_pages()[0]
 
     running, waiting, used, tree_full = engine_thread.in_engine.run(state)
     assert running == waiting == 0

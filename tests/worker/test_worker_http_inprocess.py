@@ -34,7 +34,7 @@ class Gate:
         self.reached = threading.Event()
 
     def __call__(self, engine) -> None:
-        if self.armed.is_set() and not self.open.is_set() and any(r.output for r in engine.scheduler.running):
+        if self.armed.is_set() and not self.open.is_set() and any(r.output for r in engine.batcher.running):
             self.reached.set()
             self.open.wait(WAIT_S)
 
@@ -68,7 +68,7 @@ class InProcessWorker:
 
         def state(e):
             e.check_integrity()
-            return len(e.scheduler.running), len(e.scheduler.waiting), e.kv.full.num_used, e.cache.cached_pages()[0]
+            return len(e.batcher.running), len(e.scheduler.waiting), e.kv.full.num_used, e.cache.cached_pages()[0]
 
         deadline = time.monotonic() + WAIT_S
         while True:

@@ -98,13 +98,14 @@ def test_every_plan_respects_budget_cap_slots_and_uses_the_whole_step(policy):
         for i in range(int(rng.integers(0, 12))):
             r = req(int(rng.integers(1, 600)), float(rng.random() * 10), 31 * i + trial)
             s.submit(r)
+        running: list = []  # the Batcher's list
         for r in list(s.waiting[: int(rng.integers(0, len(s.waiting) + 1))]):
-            if len(s.running) < s.config.max_running:  # a running prefill, partly computed
+            if len(running) < s.config.max_running:  # a running prefill, partly computed
                 s.waiting.remove(r)
                 r.state = RequestState.RUNNING
-                s.running.append(r)
+                running.append(r)
         budget = int(rng.integers(0, 512))
-        plan = s.plan(now=10.0 + rng.random() * 40, budget=budget)
+        plan = s.plan(now=10.0 + rng.random() * 40, budget=budget, running=running)
         total = sum(ch.tokens for ch in plan)
         assert total <= budget
         assert len({ch.req.rid for ch in plan}) == len(plan)
@@ -114,10 +115,10 @@ def test_every_plan_respects_budget_cap_slots_and_uses_the_whole_step(policy):
         if any(ch.tokens > cap for ch in plan):
             assert all(ch.tokens >= min(cap, s.need_of(ch.req)) for ch in plan)
         admitted = [ch.req for ch in plan if ch.req.state is RequestState.WAITING]
-        assert len(admitted) <= s.config.max_running - len(s.running)
+        assert len(admitted) <= s.config.max_running - len(running)
         if total < budget:  # work-conserving: everyone who could take more got all of it
-            free = s.config.max_running - len(s.running)
-            eligible = s.running + (s.waiting[:free] if free > 0 else [])
+            free = s.config.max_running - len(running)
+            eligible = running + (s.waiting[:free] if free > 0 else [])
             planned = {ch.req.rid: ch.tokens for ch in plan}
             for r in eligible:
                 if r.state is RequestState.RUNNING or len(admitted) < free:
@@ -227,7 +228,7 @@ def test_a_prefill_that_others_wait_for_outranks_shorter_work():
         assert leader.to_compute == 401 - 128
         held = [eng.add_request(doc + [2 + i], P) for i in range(followers)]
         other = eng.add_request(fresh, P)  # 200 uncached: shorter than the leader's 273
-        plan = [ch.req for ch in eng.scheduler.plan(clock(), 128)]
+        plan = [ch.req for ch in eng.scheduler.plan(clock(), 128, eng.batcher.running)]
         assert not set(held) & set(plan)  # followers wait for the leader's prefill
         assert plan[0] is (leader if followers else other)
         eng.run_until_idle(on_step=eng.check_integrity)
@@ -243,7 +244,7 @@ def test_waiting_requests_that_share_an_uncached_prefix_rank_as_one_group():
         eng, clock = sim_engine("ttft", dedup_min_tokens=16)
         group = [eng.add_request(doc + [10 + i], P) for i in range(burst)]
         other = eng.add_request(fresh, P)  # 250 < 401, but > 401 / 3
-        plan = [ch.req for ch in eng.scheduler.plan(clock(), 128)]
+        plan = [ch.req for ch in eng.scheduler.plan(clock(), 128, eng.batcher.running)]
         assert plan[0] is (group[0] if burst > 1 else other)
         assert not set(group[1:]) & set(plan)
         eng.run_until_idle(on_step=eng.check_integrity)

@@ -1,15 +1,6 @@
 """vLLM's KV events turned into the router's page flags: what one engine holds, by page id.
 
-vLLM (`--kv-events-config`, distributed/kv_events.py) publishes on ZMQ a multipart message
-per scheduler step: (topic, 8-byte big-endian sequence number, msgpack `EventBatch`), an
-EventBatch being [ts, [event, ...], data_parallel_rank]. Events (vLLM 0.32 encodes each as
-a map tagged by "type"; older vLLM and SGLang as an array, the tag first; both are read):
-
-  BlockStored       block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                    lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window, locality, ownership, session_id
-  BlockRemoved      block_hashes, medium, group_idx, locality, ownership
-  AllBlocksCleared  (nothing)
+The events' format (vLLM 0.32's, decoded and bounds-checked) is gcache.serving.announce.wire.
 
 vLLM's block hashes are its own (sha256 over its own serialisation, seeded, truncated to 64
 bits); the router names a page by GCache's chain (gcache.wire.keys: sha256(parent digest ||
@@ -38,7 +29,12 @@ credited: a bound can cost hits, never route to a page that is gone).
 
 Shared-L3 mode (`shared_l3=True`, l3_events.py): the events of GCache's vLLM connectors
 (medium "GCACHE", locality "REMOTE" or unset) instead of an engine's own, and the flags are the
-shared L3 view's (L3_FULL / L3_SWA, same rules); every other medium is ignored.
+shared L3 view's (L3_FULL / L3_SWA, same rules); every other medium is ignored. The
+connectors' translations share one Chain: the L3 is one namespace, so a page engine B stores
+on a prefix engine A announced is named from A's announcement (vLLM's block hashes agree
+across engines: sha256 with its fixed default seed, or one PYTHONHASHSEED). B's store may
+arrive first (independent sockets): it waits, bounded (Chain.park, ORPHAN_WAIT_S), and is an
+orphan only if no event names its parent by then.
 
 Sequence: a gap in the ZMQ sequence numbers (vLLM's PUB drops when a subscriber lags) or a
 restart (the number goes back) means removals may have been missed: everything held is
@@ -49,39 +45,33 @@ the next stores (vLLM also re-reports reused blocks when kv_cache_report_mode is
 from __future__ import annotations
 
 import hashlib
-import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import msgpack
-
+from gcache.serving.announce.wire import (
+    FULL_KINDS,
+    LOCALITY,
+    MAMBA_KINDS,
+    MEDIUM,
+    SWA_KINDS,
+    Cleared,
+    Malformed,
+    Removed,
+    Stored,
+    WireLimits,
+    decode_batch,
+    decode_event,
+    parse_frames,
+)
 from gcache.serving.redis_layout import L1_FULL, L1_SWA, L2_FULL, L2_SWA, L3_FULL, L3_SWA
 
-FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-SWA_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-MAMBA_KINDS = frozenset({"mamba"})
 TIER_OF_MEDIUM = {None: 1, "GPU": 1, "CPU": 2}  # L1, L2; anything else is not this engine's own memory
-L3_MEDIUM, L3_TIER = "GCACHE", 3  # GCache's connectors' L3 events (docs/kv-events.md): the shared L3
+L3_TIER = 3  # GCache's connectors' L3 events (medium wire.MEDIUM): the shared L3
+ORPHAN_WAIT_S = 2.0  # a parked store (Chain) waits this long for another connector to name its parent
 EXTRA_DOMAIN = b"gcache-router:extra-keys\x00"  # digests of blocks with extra keys (never a text prompt's)
 
-STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-)
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 STATS = (
     "frames",
     "batches",
@@ -106,26 +96,13 @@ STATS = (
 )
 
 
-class Malformed(ValueError):
-    """An event (or batch) that is not what vLLM publishes."""
-
-
 @dataclass(frozen=True)
-class Limits:
-    batch_bytes_max: int = 64 << 20  # one msgpack EventBatch
-    events_per_batch_max: int = 1 << 16
-    hashes_per_event_max: int = 1 << 14
-    block_size_max: int = 1 << 14
-    groups_max: int = 64
-    ranks_max: int = 1024
+class Limits(WireLimits):
+    """What one message may carry (WireLimits), and what the translation holds."""
+
     pages_max: int = 1 << 20  # (rank, group, tier, block) entries held; oldest dropped beyond
     chain_max: int = 1 << 21  # vLLM hash -> our digest entries (content, kept past removal)
     dirty_max: int = 1 << 16  # pages changed between two takes; beyond: the next take is a snapshot
-
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            if not 1 <= getattr(self, name) <= 1 << 30:
-                raise ValueError(f"{name} must be in [1, 2^30]")
 
 
 @dataclass
@@ -140,71 +117,89 @@ class Group:
     window: int  # tokens (sliding); 1 for mamba; 0 for full
 
 
-def _hash_key(h):
-    """A vLLM block hash as a dict key: an int in [0, 2^64) or bytes (at most 64)."""
-    if isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64:
-        return h
-    if isinstance(h, bytes) and 0 < len(h) <= 64:
-        return h
-    raise Malformed("block hash must be an int in [0, 2^64) or bytes")
+class Parked(NamedTuple):
+    """A store whose parent no event named yet, waiting for another connector's to name it."""
+
+    owner: EngineEvents
+    rank: int
+    ev: Stored
+    since: float | None  # the caller's clock (None: never expires by time, only by the bound)
+    withdrawn: set  # its hashes removed since (by its owner): not held when it is named
 
 
-def _opt_int(v, lo: int, hi: int, what: str):
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise Malformed(f"{what} must be an int in [{lo}, {hi}]")
-    return v
+class Chain:
+    """vLLM block hash -> GCache's 32-byte chain digest: content knowledge, a bounded LRU.
 
+    One Chain may serve several EngineEvents (the L3 subscriber's connectors: the shared L3 is
+    one namespace, and a page one engine stores may extend a prefix another announced); they
+    then share its lock, which guards the chain and every sharer's state. Their streams are
+    independent sockets, so B's store may arrive before A's announcement of its parent: with
+    parked_max > 0 such a store waits (at most parked_max of them, for ORPHAN_WAIT_S) and is
+    held once another event names its parent; one that waits out is counted an orphan."""
 
-def _opt_str(v, what: str, n: int = 256):
-    if v is None:
-        return None
-    if not isinstance(v, str) or len(v) > n:
-        raise Malformed(f"{what} must be a short string")
-    return v
+    def __init__(self, entries_max: int, parked_max: int = 0) -> None:
+        self.entries_max = entries_max
+        self.lock = threading.Lock()
+        self.digests: OrderedDict = OrderedDict()
+        self.parked_max = parked_max
+        self.parked: deque[Parked] = deque()
 
+    def get(self, h) -> bytes | None:
+        return self.digests.get(h)
 
-def _fields(raw, names: tuple[str, ...]) -> dict:
-    """An event's fields from its map form (tag under "type") or array form (tag first)."""
-    if isinstance(raw, dict):
-        return {k: raw.get(k) for k in names}
-    if isinstance(raw, (list, tuple)):
-        vals = list(raw[1:])
-        if len(vals) > len(names):
-            raise Malformed("event has more fields than its type")
-        return dict(zip(names, vals + [None] * (len(names) - len(vals))))
-    raise Malformed("event must be a map or an array")
+    def __contains__(self, h) -> bool:
+        return h in self.digests
 
+    def __len__(self) -> int:
+        return len(self.digests)
 
-def _tag(raw) -> str:
-    if isinstance(raw, dict):
-        t = raw.get("type")
-    elif isinstance(raw, (list, tuple)) and raw:
-        t = raw[0]
-    else:
-        t = None
-    if not isinstance(t, str):
-        raise Malformed("event has no type tag")
-    return t
+    def put(self, h, digest: bytes) -> None:
+        self.digests[h] = digest
+        self.digests.move_to_end(h)
+        while len(self.digests) > self.entries_max:
+            self.digests.popitem(last=False)
 
+    # ---- parked stores (caller holds the lock) -------------------------------------------
+    def park(self, owner: EngineEvents, rank: int, ev: Stored, now: float | None) -> bool:
+        """Keep an orphan store for later; False when this chain does not park."""
+        if not self.parked_max:
+            return False
+        self.parked.append(Parked(owner, rank, ev, now, set()))
+        while len(self.parked) > self.parked_max:
+            self._give_up(self.parked.popleft())
+        return True
 
-def decode_batch(payload: bytes, limits: Limits) -> tuple[list, int]:
-    """(events, data-parallel rank) of one msgpack EventBatch; Malformed if it is none."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) > limits.batch_bytes_max:
-        raise Malformed("batch too large")
-    try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)  # limits: len(payload)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many kinds for hostile input
-        raise Malformed(f"not msgpack: {type(e).__name__}") from None
-    if isinstance(obj, dict):  # a map-encoded EventBatch (not vLLM's, but cheap to accept)
-        obj = [obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")]
-    if not isinstance(obj, list) or not 2 <= len(obj) <= 3 or not isinstance(obj[1], list):
-        raise Malformed("an EventBatch is [ts, [events], dp_rank]")
-    if len(obj[1]) > limits.events_per_batch_max:
-        raise Malformed("too many events in one batch")
-    rank = _opt_int(obj[2] if len(obj) == 3 else None, 0, limits.ranks_max - 1, "data_parallel_rank") or 0
-    return obj[1], rank
+    def settle(self, now: float | None) -> None:
+        """Hold the parked stores whose parent is now named (a named one may name the next:
+        repeat while any is); count those that waited out ORPHAN_WAIT_S as orphans."""
+        progress = True
+        while progress and self.parked:
+            progress = False
+            waiting: deque[Parked] = deque()
+            for p in self.parked:
+                if p.ev.parent in self.digests:
+                    p.owner._learn(p.ev)
+                    p.owner._store(p.rank, p.ev, skip=p.withdrawn)
+                    progress = True
+                elif now is not None and p.since is not None and now - p.since > ORPHAN_WAIT_S:
+                    self._give_up(p)
+                else:
+                    waiting.append(p)
+            self.parked = waiting
+
+    def withdraw(self, owner: EngineEvents, rank: int, group: int, hashes: list) -> None:
+        """owner removed these blocks: a parked store of them must not hold them later."""
+        for p in self.parked:
+            if p.owner is owner and p.rank == rank and p.ev.group == group:
+                p.withdrawn.update(h for h in hashes if h in p.ev.hashes)
+
+    def unpark(self, owner: EngineEvents, rank: int | None = None) -> None:
+        """owner's state (or one rank's) was cleared: its parked stores go with it."""
+        self.parked = deque(p for p in self.parked if p.owner is not owner or (rank is not None and p.rank != rank))
+
+    @staticmethod
+    def _give_up(p: Parked) -> None:
+        p.owner.stats["orphans"] += len(p.ev.hashes)
 
 
 class EngineEvents:
@@ -213,11 +208,11 @@ class EngineEvents:
     Thread-safe: apply_* (the subscriber thread) and take / failed / clear (the publisher
     thread) take one lock; each holds it for one batch at most."""
 
-    def __init__(self, limits: Limits | None = None, shared_l3: bool = False) -> None:
+    def __init__(self, limits: Limits | None = None, shared_l3: bool = False, chain: Chain | None = None) -> None:
         self.limits = limits or Limits()
         self.shared_l3 = shared_l3
-        self.lock = threading.Lock()
-        self.chain: OrderedDict = OrderedDict()  # vLLM hash -> our 32-byte digest
+        self.chain = chain if chain is not None else Chain(self.limits.chain_max)  # vLLM hash -> our digest
+        self.lock = self.chain.lock
         self.held: OrderedDict = OrderedDict()  # (rank, group, tier, vLLM hash) -> page id
         self.holders: dict[int, dict] = {}  # page id -> {(tier, group): count}
         self.groups: dict[int, Group] = {}
@@ -226,6 +221,7 @@ class EngineEvents:
         self.resync = True  # the first take is a snapshot
         self.last_seq: dict[bytes, int] = {}  # per topic
         self.last_event_at: float | None = None  # caller's clock, set by apply_frame
+        self._now: float | None = None  # the batch being applied: its caller's clock
         self.stats = dict.fromkeys(STATS, 0)
 
     # ---- what the router needs to know ------------------------------------------------------
@@ -255,16 +251,10 @@ class EngineEvents:
     def apply_frame(self, frames, now: float | None = None) -> None:
         """One ZMQ multipart message (topic, seq, payload). Never raises."""
         self.stats["frames"] += 1
-        if not isinstance(frames, (list, tuple)) or len(frames) != 3:
+        try:
+            topic, seq, payload = parse_frames(frames)
+        except Malformed:
             self.stats["bad_frames"] += 1
-            return
-        topic, seq_raw, payload = (bytes(f) for f in frames)
-        if len(seq_raw) != 8 or len(topic) > 4096:
-            self.stats["bad_frames"] += 1
-            return
-        seq = int.from_bytes(seq_raw, "big", signed=True)
-        if seq < 0:
-            self.stats["bad_frames"] += 1  # vLLM's replay end marker, never on the PUB stream
             return
         with self.lock:
             last = self.last_seq.get(topic)
@@ -274,9 +264,9 @@ class EngineEvents:
             self.last_seq[topic] = seq
             if now is not None:
                 self.last_event_at = now
-        self.apply_batch(payload)
+        self.apply_batch(payload, now)
 
-    def apply_batch(self, payload: bytes) -> None:
+    def apply_batch(self, payload: bytes, now: float | None = None) -> None:
         """One msgpack EventBatch. Never raises."""
         try:
             events, rank = decode_batch(payload, self.limits)
@@ -288,116 +278,50 @@ class EngineEvents:
         for raw in events:
             self.stats["events"] += 1
             try:
-                parsed.append(self._parse(raw))
+                parsed.append(decode_event(raw, self.limits))
             except (Malformed, TypeError, ValueError, OverflowError):
                 self.stats["malformed"] += 1
         with self.lock:
+            self._now = now  # when a store parked in pass 2 started waiting
             # Pass 1: learn every digest this batch can name (content knowledge only), so that a
             # sliding group's store, which may skip blocks, finds the full group's names.
             for ev in parsed:
-                if ev[0] == "stored":
-                    self._learn(ev[1])
+                if isinstance(ev, Stored):
+                    self._learn(ev)
             # Pass 2: what is held, in order.
             for ev in parsed:
-                if ev[0] == "stored":
-                    self._store(rank, ev[1])
-                elif ev[0] == "removed":
-                    self._remove(rank, ev[1])
-                elif ev[0] == "cleared":
+                if isinstance(ev, Stored):
+                    self._store(rank, ev)
+                elif isinstance(ev, Removed):
+                    self._remove(rank, ev)
+                elif isinstance(ev, Cleared):
                     self.stats["cleared"] += 1
                     self._clear_locked(rank)
-
-    def _parse(self, raw) -> tuple:
-        tag = _tag(raw)
-        lim = self.limits
-        if tag == "AllBlocksCleared":
-            return ("cleared",)
-        if tag == "BlockRemoved":
-            f = _fields(raw, REMOVED_FIELDS)
-            hashes = f["block_hashes"]
-            if not isinstance(hashes, list) or len(hashes) > lim.hashes_per_event_max:
-                raise Malformed("block_hashes must be a bounded list")
-            return (
-                "removed",
-                dict(
-                    hashes=[_hash_key(h) for h in hashes],
-                    medium=_opt_str(f["medium"], "medium"),
-                    group=_opt_int(f["group_idx"], 0, lim.groups_max - 1, "group_idx") or 0,
-                    locality=_opt_str(f["locality"], "locality"),
-                ),
-            )
-        if tag != "BlockStored":
-            raise Malformed(f"unknown event type {tag[:40]!r}")
-        f = _fields(raw, STORED_FIELDS)
-        hashes, tokens = f["block_hashes"], f["token_ids"]
-        if not isinstance(hashes, list) or not 0 < len(hashes) <= lim.hashes_per_event_max:
-            raise Malformed("block_hashes must be a non-empty bounded list")
-        bs = _opt_int(f["block_size"], 1, lim.block_size_max, "block_size")
-        if bs is None:
-            raise Malformed("block_size missing")
-        if not isinstance(tokens, list) or len(tokens) % bs or len(tokens) < bs * len(hashes):
-            raise Malformed("token_ids must cover whole blocks, at least one per hash")
-        if len(tokens) > bs * lim.hashes_per_event_max:
-            raise Malformed("too many token ids")
-        try:
-            token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
-        except struct.error:
-            raise Malformed("token ids must be ints in [0, 2^32)") from None
-        extra = f["extra_keys"]
-        if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
-            raise Malformed("extra_keys must have one entry per block hash")
-        kind = _opt_str(f["kv_cache_spec_kind"], "kv_cache_spec_kind", 64) or "full_attention"
-        window = _opt_int(f["kv_cache_spec_sliding_window"], 1, 1 << 30, "kv_cache_spec_sliding_window")
-        if kind in SWA_KINDS and window is None:
-            raise Malformed("a sliding-window block without its window")
-        parent = f["parent_block_hash"]
-        return (
-            "stored",
-            dict(
-                hashes=[_hash_key(h) for h in hashes],
-                parent=None if parent is None else _hash_key(parent),
-                tokens=token_bytes,
-                n_blocks=len(tokens) // bs,
-                block_size=bs,
-                extra=[e is not None and e != [] for e in extra] if extra is not None else [False] * len(hashes),
-                lora=f["lora_name"] is not None or f["lora_id"] is not None,
-                medium=_opt_str(f["medium"], "medium"),
-                locality=_opt_str(f["locality"], "locality"),
-                group=_opt_int(f["group_idx"], 0, lim.groups_max - 1, "group_idx") or 0,
-                kind=kind,
-                window=window or 0,
-            ),
-        )
+            self.chain.settle(now)  # stores parked for a parent this batch may have named
 
     # ---- state (caller holds the lock) ----------------------------------------------------------
-    def _chain_put(self, h, digest: bytes) -> None:
-        self.chain[h] = digest
-        self.chain.move_to_end(h)
-        while len(self.chain) > self.limits.chain_max:
-            self.chain.popitem(last=False)
-
-    def _learn(self, ev: dict) -> None:
+    def _learn(self, ev: Stored) -> None:
         """Digests of a store whose token ids cover exactly its blocks (no skipped ones)."""
-        hashes, bs = ev["hashes"], ev["block_size"]
-        if ev["n_blocks"] != len(hashes):
+        hashes, bs = ev.hashes, ev.block_size
+        if ev.n_blocks != len(hashes):
             return  # a sliding group skipped blocks: its hashes are named by pass 1's others
-        known = b"" if ev["parent"] is None else self.chain.get(ev["parent"])
+        known = b"" if ev.parent is None else self.chain.get(ev.parent)
         if known is None:
             return
         prior: bytes = known
-        tokens, step = ev["tokens"], 4 * bs
+        tokens, step = ev.tokens, 4 * bs
         for i, h in enumerate(hashes):
             raw = tokens[i * step : (i + 1) * step]
-            if ev["extra"][i] or ev["lora"]:
+            if ev.extra[i] or ev.lora:
                 d = hashlib.sha256(EXTRA_DOMAIN + prior + raw).digest()
             else:
                 d = hashlib.sha256(prior + raw).digest()
-            self._chain_put(h, d)
+            self.chain.put(h, d)
             prior = d
 
-    def _group(self, ev: dict) -> Group | None:
-        g = self.groups.get(ev["group"])
-        kind, window = ev["kind"], ev["window"]
+    def _group(self, ev: Stored) -> Group | None:
+        g = self.groups.get(ev.group)
+        kind, window = ev.kind, ev.window
         if kind in FULL_KINDS:
             window = 0
         elif kind in MAMBA_KINDS:
@@ -407,18 +331,18 @@ class EngineEvents:
         if g is None or g.kind != kind or g.window != window:
             if len(self.groups) >= self.limits.groups_max and g is None:
                 return None
-            self.groups[ev["group"]] = g = Group(kind, window)
+            self.groups[ev.group] = g = Group(kind, window)
             self.resync = True  # every page's flags may change (a new sliding group)
             self.dirty.clear()
         return g
 
-    def _tier(self, ev: dict) -> int | None:
+    def _tier(self, ev: Stored | Removed) -> int | None:
         """The tier an event's blocks are in, or None when this translator does not track it."""
         if self.shared_l3:
-            return L3_TIER if ev["medium"] == L3_MEDIUM and ev["locality"] in (None, "REMOTE") else None
-        return TIER_OF_MEDIUM.get(ev["medium"]) if ev["locality"] in (None, "LOCAL") else None
+            return L3_TIER if ev.medium == MEDIUM and ev.locality in (None, LOCALITY) else None
+        return TIER_OF_MEDIUM.get(ev.medium) if ev.locality in (None, "LOCAL") else None
 
-    def _store(self, rank: int, ev: dict) -> None:
+    def _store(self, rank: int, ev: Stored, skip: set | frozenset = frozenset()) -> None:
         tier = self._tier(ev)
         if tier is None:
             self.stats["ignored_media"] += 1
@@ -429,17 +353,21 @@ class EngineEvents:
             return
         if g.kind in FULL_KINDS:
             if self.page_size is None:
-                self.page_size = ev["block_size"]
-        if ev["block_size"] != (self.page_size or ev["block_size"]):
+                self.page_size = ev.block_size
+        if ev.block_size != (self.page_size or ev.block_size):
             self.stats["other_block_size"] += 1  # a partial block, or a group of another size
             return
-        orphan = ev["parent"] is not None and ev["parent"] not in self.chain
-        for h in ev["hashes"]:
+        orphan = ev.parent is not None and ev.parent not in self.chain
+        if orphan and self.chain.park(self, rank, ev, self._now):
+            return  # another connector's event may name its parent (Chain.settle)
+        for h in ev.hashes:
+            if h in skip:
+                continue
             d = self.chain.get(h)
             if d is None:  # never named: its parent was never seen, or a skipped-block store's
                 self.stats["orphans" if orphan else "unresolved"] += 1
                 continue
-            self._hold((rank, ev["group"], tier, h), int.from_bytes(d[:8], "big"))
+            self._hold((rank, ev.group, tier, h), int.from_bytes(d[:8], "big"))
             self.stats["stored_blocks"] += 1
 
     def _hold(self, key: tuple, pid: int) -> None:
@@ -473,13 +401,15 @@ class EngineEvents:
                 del self.holders[pid]
         self._touch(pid)
 
-    def _remove(self, rank: int, ev: dict) -> None:
+    def _remove(self, rank: int, ev: Removed) -> None:
         tier = self._tier(ev)
         if tier is None:
             self.stats["ignored_media"] += 1
             return
-        for h in ev["hashes"]:
-            key = (rank, ev["group"], tier, h)
+        if self.chain.parked:
+            self.chain.withdraw(self, rank, ev.group, ev.hashes)
+        for h in ev.hashes:
+            key = (rank, ev.group, tier, h)
             pid = self.held.pop(key, None)
             if pid is not None:
                 self._release(key, pid)
@@ -496,6 +426,8 @@ class EngineEvents:
         self.dirty[pid] = None
 
     def _clear_locked(self, rank: int | None = None) -> None:
+        if self.chain.parked:
+            self.chain.unpark(self, rank)
         if rank is None:
             self.held.clear()
             self.holders.clear()

@@ -1,15 +1,20 @@
 """GCache's L3 events (its vLLM connectors', docs/kv-events.md) into the routers' shared L3 view.
 
-    gcache-router --redis redis://... --l3-events tcp://engine-a:5600 --l3-events tcp://engine-b:5600
-    gcache-router kv-events --engine ... --events ... --redis ... --l3-events tcp://127.0.0.1:5600
+    gcache-router --redis redis://... --l3-events ipc:///tmp/gcache-l3-a.kv --l3-events ipc:///tmp/gcache-l3-b.kv
+    gcache-router kv-events --engine ... --events ... --redis ... --l3-events ipc:///tmp/gcache-l3-a.kv
+
+(ipc:// when the engines share the router's host; tcp://HOST:PORT to reach another host.)
 
 With vLLM engines only (no gcache-worker writes P:l3), this is what tells routers what the L3
 holds, so `cache_aware`'s tier weights credit L3 on servers registered with --l3. Each
 endpoint (one connector) is translated by its own kv_events.EngineEvents in shared-L3 mode
 (medium GCACHE -> L3_FULL / L3_SWA, page ids re-chained from the events' token ids, exactly
-as an engine's own events); the union over the connectors is written through the one L3
-writer (gcache.serving.l3_index), adds and removals, so a page some connector withdraws
-leaves the view only when no other connector still announces it.
+as an engine's own events), all of them over ONE kv_events.Chain: the L3 is one namespace, so
+a page engine B stores on a prefix engine A announced (B loaded it from the L3) is named
+from A's announcement, not dropped as an orphan (arriving before A's, it waits for it:
+kv_events.Chain.park). The union over the connectors is written
+through the one writer (gcache.serving.announce.writer), adds and removals, so a page some
+connector withdraws leaves the view only when no other connector still announces it.
 
 Faults: a malformed frame, batch or event is dropped and counted (EngineEvents); a sequence
 gap or restart clears that connector's part (it may have missed removals); Redis down -> the
@@ -25,21 +30,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.router.ingest.kv_events import EngineEvents, Limits
+from gcache.router.ingest.kv_events import Chain, EngineEvents, Limits
 from gcache.router.ingest.zmq_sub import subscribe_loop
 from gcache.serving.announce.bridge import EventBridge
-from gcache.serving.l3_index import queue_l3
+from gcache.serving.announce.writer import AnnounceWriter
 from gcache.serving.redis_client import fail_fast_redis
-from gcache.serving.redis_layout import Keys
+from gcache.serving.redis_layout import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger("gcache.router.ingest.l3_events")
+
+PARKED_MAX = 4096  # stores waiting for another connector's event to name their parent
 
 
 @dataclass(frozen=True)
 class L3EventsConfig:
     endpoints: tuple[str, ...]
     redis_url: str
-    prefix: str = "gcache:router"
+    prefix: str = DEFAULT_PREFIX
     page_size: int | None = None  # events of another block size are not counted (None: the first event's)
     topic: str = ""  # subscribe prefix ("" = every topic)
     interval_s: float = 0.1
@@ -53,7 +60,7 @@ class L3EventsConfig:
             raise ValueError("--l3-events needs at least one endpoint")
         for e in self.endpoints:
             if not e.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"--l3-events must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), got {e!r}")
+                raise ValueError(f"--l3-events must be a ZMQ endpoint (ipc://PATH, tcp://HOST:PORT), got {e!r}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("--l3-events needs --redis redis://HOST:PORT/DB")
         if not 1 <= (self.page_size or 1) <= 1 << 14 or not 0.01 <= self.interval_s <= 60:
@@ -129,11 +136,14 @@ class L3Subscriber(EventBridge):
     ) -> None:
         self.config, self.clock = config, clock
         self.keys = Keys(config.prefix)
-        self.sources = [EngineEvents(config.limits, shared_l3=True) for _ in config.endpoints]
+        # one chain namespace for every connector; a store may wait for another's event
+        self.chain = Chain(config.limits.chain_max, parked_max=PARKED_MAX)
+        self.sources = [EngineEvents(config.limits, shared_l3=True, chain=self.chain) for _ in config.endpoints]
         for src in self.sources:
             src.page_size = config.page_size  # None: learnt from the first full-attention event
         self.union = L3Union(self.sources)
         self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
+        self.writer = AnnounceWriter(self.redis, self.keys, "", l3_pages_max=config.l3_pages_max)  # the L3 view only
         self.counters = dict.fromkeys(("flushes", "flush_errors", "added", "removed", "rewrites"), 0)
         self._lock = threading.Lock()  # flush() from the thread or a test
         self._down = False
@@ -156,6 +166,8 @@ class L3Subscriber(EventBridge):
 
     def flush(self) -> bool:
         """Write what changed (or everything, after a failure); False if Redis failed."""
+        with self.chain.lock:
+            self.chain.settle(self.clock())  # parked stores that waited out: orphans
         with self._lock:
             rewrite = self.union.rewrite
             adds, removes = self.union.changes()
@@ -164,9 +176,7 @@ class L3Subscriber(EventBridge):
                     self.union.done([], [])
                 return True
             try:
-                p = self.redis.pipeline(transaction=True)
-                queue_l3(p, self.keys, adds, removes, int(time.time() * 1000), self.config.l3_pages_max)
-                p.execute()
+                self.writer.write_l3(adds, removes)
             except self._redis_errors as e:
                 self.union.failed()
                 self.counters["flush_errors"] += 1
@@ -191,6 +201,7 @@ class L3Subscriber(EventBridge):
                 out[f"events_{k}"] = out.get(f"events_{k}", 0) + v
             out[f"pages_{i}"] = src.pages()
         out["pages"] = len(self.union.written)
+        out["parked"] = len(self.chain.parked)
         return out
 
     @property

@@ -1,9 +1,11 @@
 """`gcache-router kv-events`: beside a vLLM OpenAI server, its KV events into the routers' Redis.
 
     vllm serve MODEL --port 8001 --kv-events-config \\
-        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
-    gcache-router kv-events --engine http://127.0.0.1:8001 --events tcp://127.0.0.1:5557 \\
-        --redis redis://127.0.0.1:6379/0
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "ipc:///tmp/vllm-8001.kv"}'
+    gcache-router kv-events --engine http://127.0.0.1:8001 --events ipc:///tmp/vllm-8001.kv \\
+        --redis redis://127.0.0.1:6379/0 --block-size 16
+
+(An ipc:// endpoint stays on the host; vLLM's `tcp://*:PORT` would listen on every interface.)
 
 It subscribes to the engine's ZMQ event stream, turns BlockStored / BlockRemoved /
 AllBlocksCleared into page flags under GCache's page ids (kv_events.py), and publishes them
@@ -50,15 +52,14 @@ from dataclasses import dataclass
 from gcache.router.ingest.kv_events import EngineEvents, Limits
 from gcache.router.ingest.zmq_sub import subscribe_loop
 from gcache.serving.announce.bridge import EventBridge
-from gcache.serving.announce.engines import EngineInfo, with_info
+from gcache.serving.announce.engines import EngineInfo, EngineKind, with_info
+from gcache.serving.announce.writer import AnnounceWriter
 from gcache.serving.redis_client import fail_fast_redis
-from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
+from gcache.serving.redis_layout import DEFAULT_PREFIX, Keys, Registration, WorkerLoad, valid_worker_url
 from gcache.serving.safe_json import parse_json
 
 log = logging.getLogger("gcache.router.ingest.kv_events")
 
-HSET_CHUNK = 10_000
-WORKERS_FORGET_MS = 3_600_000
 METRICS_BYTES_MAX = 4 << 20
 IDLE_S = 1.0  # token counters still this long: the engine runs nothing, whatever its gauges say
 STALE_SETTLE_S = 2.0  # work the engine's /metrics shows within this of an event is that event's
@@ -69,7 +70,7 @@ class TranslatorConfig:
     engine_url: str
     events: tuple[str, ...]
     redis_url: str
-    prefix: str = "gcache:router"
+    prefix: str = DEFAULT_PREFIX
     topic: str = ""  # subscribe prefix ("" = every topic)
     bind: bool = False  # bind the SUB socket (vLLM's endpoint then connects to it)
     advertise_url: str = ""  # the URL routers use ("" = engine_url)
@@ -94,7 +95,7 @@ class TranslatorConfig:
         if not valid_worker_url(self.engine_url.rstrip("/")) or not valid_worker_url(url):
             raise ValueError("--engine / --advertise-url must be http(s)://HOST:PORT")
         if not self.events:
-            raise ValueError("give the engine's KV-event endpoint: --events tcp://HOST:PORT (or ipc://PATH)")
+            raise ValueError("give the engine's KV-event endpoint: --events ipc://PATH (or tcp://HOST:PORT)")
         for e in self.events:
             if not e.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"--events must be a ZMQ endpoint (tcp://, ipc://), got {e!r}")
@@ -168,6 +169,9 @@ class Translator(EventBridge):
         self.state = EngineEvents(config.limits)
         self.keys = Keys(config.prefix)
         self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
+        self.writer = AnnounceWriter(
+            self.redis, self.keys, config.url, ttl_s=config.ttl_s, stream_max=config.stream_max
+        )
         self.models: tuple[str, ...] = config.models
         self.load = WorkerLoad()
         self._progress: tuple = ()
@@ -175,7 +179,6 @@ class Translator(EventBridge):
         self.engine_up = False
         self._down_since: float | None = None
         self._registered = False
-        self._epoch, self._seq = "", 0
         self._page_size = config.block_size
         self._window = 1
         self._base: tuple[float, float] | None = None  # (computed prompt tokens, requests) at the last event
@@ -303,7 +306,7 @@ class Translator(EventBridge):
 
     # ---- Redis ----------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
-        return EngineInfo("vllm", self.models, self.config.bucket, self.config.l3)
+        return EngineInfo(EngineKind.VLLM, self.models, self.config.bucket, self.config.l3)
 
     def flush(self) -> bool:
         """Probe the engine, then write what changed (or everything) to Redis; False if Redis failed.
@@ -349,50 +352,29 @@ class Translator(EventBridge):
         return True
 
     def _write(self, batch) -> bool:
-        k, url, now_ms = self.keys, self.config.url, int(time.time() * 1000)
-        p = self.redis.pipeline(transaction=True)
-        if batch.full:
-            epoch, seq = os.urandom(8).hex(), 0
-            p.delete(k.pages(url))
-            for i in range(0, len(batch.pages), HSET_CHUNK):
-                chunk = batch.pages[i : i + HSET_CHUNK]
-                p.hset(k.pages(url), mapping={id_bytes(pid): bytes([f]) for pid, f in chunk})
-            p.xadd(k.events(url), {"e": epoch, "s": 0, "r": 1}, maxlen=self.config.stream_max, approximate=True)
-        else:
-            epoch, seq = self._epoch, self._seq
-            if batch.pages:
-                seq += 1
-                sets = {id_bytes(pid): bytes([f]) for pid, f in batch.pages if f}
-                dels = [id_bytes(pid) for pid, f in batch.pages if not f]
-                if sets:
-                    p.hset(k.pages(url), mapping=sets)  # type: ignore[arg-type]  # redis-py: Mapping is invariant in its key type
-                if dels:
-                    p.hdel(k.pages(url), *dels)
-                p.xadd(
-                    k.events(url),
-                    {"e": epoch, "s": seq, "d": encode_records(batch.pages)},
-                    maxlen=self.config.stream_max,
-                    approximate=True,
-                )
+        """One MULTI (announce.writer); False if a delta found the registration gone."""
         model = self.models[0] if self.models else "vllm"
-        reg = Registration(
-            url, model, self._page_size, self._window, epoch, seq, now_ms, self.load, self.state.stats["dropped_dirty"]
-        )
-        p.set(
-            k.reg(url),
-            with_info(reg.to_json(), self.info(), {"translator": self.stats()}),
-            px=int(self.config.ttl_s * 1000),
-            xx=not batch.full,
-        )
-        p.zadd(k.workers, {url: now_ms})
-        p.zremrangebyscore(k.workers, "-inf", now_ms - WORKERS_FORGET_MS)
-        results = p.execute()
-        if not batch.full and not results[-3]:
+
+        def registration(epoch: str, seq: int, now_ms: int) -> bytes:
+            reg = Registration(
+                self.config.url,
+                model,
+                self._page_size,
+                self._window,
+                epoch,
+                seq,
+                now_ms,
+                self.load,
+                self.state.stats["dropped_dirty"],
+            )
+            return with_info(reg.to_json(), self.info(), {"translator": self.stats()})
+
+        if not self.writer.write(batch.full, batch.pages, registration):
             return False
         if batch.full:
             self.counters["resyncs"] += 1
         self.counters["records_sent"] += len(batch.pages)
-        self._epoch, self._seq, self._registered = epoch, seq, True
+        self._registered = True
         return True
 
     def _lease(self) -> bool:
@@ -410,11 +392,7 @@ class Translator(EventBridge):
 
     def deregister(self) -> None:
         """Remove the engine from Redis: routers stop sending to it at once."""
-        k, url = self.keys, self.config.url
-        p = self.redis.pipeline(transaction=True)
-        p.delete(k.reg(url), k.pages(url), k.events(url))
-        p.zrem(k.workers, url)
-        p.execute()
+        self.writer.deregister()
         self._registered = False
 
     def stats(self) -> dict:
@@ -451,11 +429,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         required=True,
         action="append",
         metavar="ENDPOINT",
-        help="its --kv-events-config endpoint to subscribe to (tcp://HOST:PORT, ipc://PATH); one per "
+        help="its --kv-events-config endpoint to subscribe to (ipc://PATH, tcp://HOST:PORT); one per "
         "data-parallel rank",
     )
     ap.add_argument("--redis", required=True, metavar="redis://HOST:PORT/DB")
-    ap.add_argument("--redis-prefix", default="gcache:router")
+    ap.add_argument("--redis-prefix", default=DEFAULT_PREFIX)
     ap.add_argument("--topic", default="", help="subscribe to this topic prefix (default: every topic)")
     ap.add_argument("--bind", action="store_true", help="bind the endpoint (the engine's publisher connects)")
     ap.add_argument("--advertise-url", default="", help="the URL routers send requests to (default: --engine)")
@@ -464,7 +442,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bucket", type=int, default=None, help="the router's --length-buckets group it serves (0 = shortest)"
     )
     ap.add_argument("--l3", action="store_true", help="it runs the GCache connector (loads the shared L3)")
-    ap.add_argument("--block-size", type=int, default=16, help="its block size, until its first event says")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="the engine's --block-size: the page size its registration carries until its first event says",
+    )
     ap.add_argument("--interval-s", type=float, default=0.1, help="publish and probe period")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="registration TTL (the translator's heartbeat)")
     ap.add_argument("--engine-down-s", type=float, default=2.0, help="engine silent this long -> deregistered")
@@ -478,8 +461,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ENDPOINT",
-        help="also subscribe to a GCache connector's L3 events (gcache_kv_events_endpoint; repeatable) and "
-        "write them into --redis's shared L3 view (docs/kv-events.md)",
+        help="also subscribe to the GCache connectors' L3 events (gcache_kv_events_endpoint; repeatable: give "
+        "every connector's, the L3 is one namespace) and write them into --redis's shared L3 view "
+        "(docs/kv-events.md)",
     )
     return ap.parse_args(argv)
 

@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 
 from gcache.serving.redis_layout import REGISTRATION_BYTES_MAX
 
-KINDS = ("", "vllm")
+
+class EngineKind(StrEnum):
+    """Who answers at a registered URL (the registration's "engine" kind)."""
+
+    GCACHE_WORKER = ""  # the bundled gcache-worker: byte tokenizer, any model name
+    VLLM = "vllm"  # a vLLM OpenAI server: its model's tokenizer, the request's model honoured
+
+
+KINDS = tuple(k.value for k in EngineKind)
 MODELS_MAX = 16
 NAME_CHARS_MAX = 256
 BUCKETS_MAX = 64
@@ -28,13 +37,16 @@ BUCKETS_MAX = 64
 
 @dataclass(frozen=True)
 class EngineInfo:
-    kind: str = ""  # "" = gcache-worker
+    kind: EngineKind = EngineKind.GCACHE_WORKER
     models: tuple[str, ...] = ()
     bucket: int | None = None
     l3: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", EngineKind(self.kind))  # ValueError for an unknown kind
+
     def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = {"kind": self.kind, "models": list(self.models)}
+        d: dict[str, object] = {"kind": self.kind.value, "models": list(self.models)}
         if self.bucket is not None:
             d["bucket"] = self.bucket
         if self.l3:
@@ -62,7 +74,7 @@ def parse_info(raw: bytes) -> EngineInfo:
     bucket = d.get("bucket")
     if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < BUCKETS_MAX:
         bucket = None
-    return EngineInfo(d["kind"], names, bucket, d.get("l3") is True)
+    return EngineInfo(EngineKind(d["kind"]), names, bucket, d.get("l3") is True)
 
 
 def with_info(reg_json: bytes, info: EngineInfo, extra: dict[str, object] | None = None) -> bytes:

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 
 class Batcher:
-    """Owns who holds pages: the running list's admissions, reservations and departures."""
+    """Owns who holds pages: the running list (admission order), its admissions,
+    reservations and departures. The scheduler owns only the waiting queue's order."""
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Batcher:
         self.page_size, self.window = kv.page_size, kv.window
         self.preemptions_per_step_max = preemptions_per_step_max
         self._preemptions_left = 0
+        self.running: list[Request] = []
 
     # ---- the next batch ------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, int]]:
@@ -52,7 +54,7 @@ class Batcher:
         sched = self.scheduler
         self._preemptions_left = self.preemptions_per_step_max
         batch: list[tuple[Request, int]] = []
-        decodes = [r for r in sched.running if r.is_decoding]
+        decodes = [r for r in self.running if r.is_decoding]
         budget = sched.config.max_tokens_per_step
         for r in decodes:
             n = self.decoding.decode_tokens(r)
@@ -64,7 +66,7 @@ class Batcher:
             budget -= n
         budget = max(0, budget)
         admitting = True
-        for chunk in sched.plan(self.clock(), budget):
+        for chunk in sched.plan(self.clock(), budget, self.running):
             r = chunk.req
             if r.state is RequestState.WAITING:
                 if not admitting or not self.cache.ready(r):
@@ -90,7 +92,7 @@ class Batcher:
         # prefills the plan left out: otherwise one holding the pages that request waits
         # for gets nothing either, and no step runs until max_wait_s reorders the plan.
         in_batch = {id(r) for r, _ in batch}
-        for r in [r for r in sched.running if not r.is_decoding and id(r) not in in_batch]:
+        for r in [r for r in self.running if not r.is_decoding and id(r) not in in_batch]:
             n = min(budget, r.to_compute)
             if n > 0 and r.state is RequestState.RUNNING and self._reserve(r, n, may_preempt=False):
                 batch.append((r, n))
@@ -105,9 +107,9 @@ class Batcher:
         only the L1 part of the match counts as room already held."""
         ps = self.page_size
         not_on_device = r.num_tokens - self.cache.match(r).l1_len
-        need_full = -(-(not_on_device + 1) // ps) + len(self.scheduler.running) + 1
+        need_full = -(-(not_on_device + 1) // ps) + len(self.running) + 1
         swa_cap = -(-(self.window + self.scheduler.config.chunk_tokens) // ps) + 2
-        need_swa = min(need_full, swa_cap + len(self.scheduler.running))
+        need_swa = min(need_full, swa_cap + len(self.running))
         short_full = max(0, need_full - self.kv.full.num_free)
         short_swa = max(0, need_swa - self.kv.swa.num_free)
         if short_full or short_swa:
@@ -115,7 +117,7 @@ class Batcher:
                 self.scheduler.tree_changed()
             short_full = max(0, need_full - self.kv.full.num_free)
             short_swa = max(0, need_swa - self.kv.swa.num_free)
-        return not short_full and not short_swa or not self.scheduler.running
+        return not short_full and not short_swa or not self.running
 
     def _admit(self, r: Request) -> None:
         m = self.cache.prepare_load(r)
@@ -129,7 +131,7 @@ class Batcher:
         r.prefix_cached = False
         r.state = RequestState.RUNNING
         self.scheduler.waiting.remove(r)
-        self.scheduler.running.append(r)
+        self.running.append(r)
 
     def _reserve_prefill(self, r: Request, n: int, may_preempt: bool) -> int:
         """Pages for a prefill chunk of up to n tokens; returns the tokens reserved (0: none).
@@ -146,7 +148,7 @@ class Batcher:
     def _reserve(self, r: Request, n: int, may_preempt: bool) -> bool:
         """Pages for r's next n tokens. False if it cannot have them now (r may be preempted)."""
         target = r.num_computed + n
-        for _ in range(2 * len(self.scheduler.running) + 4):
+        for _ in range(2 * len(self.running) + 4):
             kv = r.held_kv
             if kv.grow(self.kv, target):
                 return True
@@ -160,7 +162,7 @@ class Batcher:
                 continue
             if not may_preempt or self._preemptions_left <= 0:
                 return False
-            victim = self.scheduler.running[-1]
+            victim = self.running[-1]
             self.release(victim, preempted=True)
             if victim is r:
                 return False
@@ -170,7 +172,7 @@ class Batcher:
         """Last resort before preempting: drop every running request's own out-of-window SWA,
         checkpoint tails included (those prefixes are then cached only up to an earlier
         checkpoint, but nobody needs them to continue)."""
-        return sum(self.cache.trim_swa(r, pressure=True) for r in self.scheduler.running)
+        return sum(self.cache.trim_swa(r, pressure=True) for r in self.running)
 
     # ---- departures ------------------------------------------------------------------------
     def release(self, r: Request, preempted: bool) -> None:
@@ -179,7 +181,7 @@ class Batcher:
         self.cache.release(r)
         r.prefix_cached = False
         r.state = RequestState.WAITING
-        self.scheduler.running.remove(r)
+        self.running.remove(r)
         self.scheduler.requeue(r)
         if preempted:
             r.preemptions += 1
@@ -194,7 +196,7 @@ class Batcher:
         self.decoding.forget(r)
         self.cache.release(r)
         r.state, r.finish_reason, r.finished_s = RequestState.FINISHED, reason, self.clock()
-        self.scheduler.running.remove(r)
+        self.running.remove(r)
         self.metrics.inc("requests_total")
         self.metrics.inc("prompt_tokens_total", len(r.prompt))
 
@@ -223,7 +225,7 @@ class Batcher:
         """Every request leaves with finish_reason 'abort' (shutdown); returns the waiting
         ones (the running ones go back to waiting first, and so are among them)."""
         out: list[Request] = []
-        for r in list(self.scheduler.running):
+        for r in list(self.running):
             self.release(r, preempted=False)
         for r in list(self.scheduler.waiting):
             self.cache.drop_waiting(r)

@@ -185,7 +185,7 @@ class Engine:
         return [int(t) for t in ids]
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.batcher.running)
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -303,7 +303,7 @@ class Engine:
         """Pools, every cache tier, and the engine's own rule: every used page has exactly
         one owner. Raises IntegrityError (also under python -O)."""
         self.kv.check_integrity()
-        running = self.scheduler.running
+        running = self.batcher.running
         for r in running:
             kv = r.kv
             require(r.state is RequestState.RUNNING and kv is not None, f"{r} runs without pages")
@@ -329,7 +329,7 @@ class Engine:
         tf, ts = self.cache.cached_pages()
         self.metrics.set_gauges(
             waiting_requests=len(self.scheduler.waiting),
-            running_requests=len(self.scheduler.running),
+            running_requests=len(self.batcher.running),
             full_pool_pages_used=self.kv.full.num_used,
             full_pool_pages_total=self.kv.full.num_pages,
             swa_pool_pages_used=self.kv.swa.num_used,

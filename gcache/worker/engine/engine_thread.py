@@ -187,7 +187,7 @@ class EngineThread(threading.Thread):
 
     def _report(self, finished: list[Request]) -> None:
         """Feed new tokens to each request's output text; end requests whose stop string appeared."""
-        for r in list(self.engine.scheduler.running):
+        for r in list(self.engine.batcher.running):
             p = self.waiters.get(r.rid)
             if p is None or len(r.output) == p.fed:
                 continue

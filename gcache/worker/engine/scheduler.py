@@ -1,5 +1,8 @@
 """Which prefill chunks run in the next step. Two policies that differ ONLY in ordering.
 
+The scheduler owns the waiting queue and its order; the running list is the Batcher's
+(batcher.py: who holds pages), handed to plan() each step.
+
 Shared by both policies (so a benchmark of one against the other measures the order alone):
   * budgeting (`_fill`): walk the order; each request takes as much of what is left of the
     step's prefill budget as it can use, up to chunk_tokens (like vLLM's
@@ -31,7 +34,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -156,14 +159,14 @@ ORDERINGS: dict[str, type[Ordering]] = {SchedulerPolicy.TTFT: TtftOrder, Schedul
 
 
 class Scheduler:
-    """Owns the waiting queue (arrival order) and the running list (admission order)."""
+    """Owns the waiting queue (arrival order) and the order prefill candidates are served in;
+    the running list (admission order) is the Batcher's."""
 
     def __init__(self, config: SchedulerConfig, estimate_uncached: Callable[[Request], int]) -> None:
         self.config = config
         self.ordering: Ordering = ORDERINGS[SchedulerPolicy(config.policy)]()
         self.estimate_uncached = estimate_uncached
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
         self.epoch = 0  # bumped by the engine whenever the tree's contents change
         self._waiters: dict[int, int] = {}  # rid -> waiting requests its prefill would serve
         self._prefix_keys: dict[int, PrefixKey] = {}  # rid -> cached _prefix_key
@@ -187,21 +190,25 @@ class Scheduler:
         self.epoch += 1
 
     # ---- planning ----------------------------------------------------------------
-    def plan(self, now: float, budget: int) -> list[Chunk]:
-        """Prefill chunks for this step, in the order the engine should admit/run them."""
+    def plan(self, now: float, budget: int, running: Sequence[Request] = ()) -> list[Chunk]:
+        """Prefill chunks for this step, in the order the engine should admit/run them.
+        running: the requests holding pages (the Batcher's list): their prefills compete,
+        and they fill running slots."""
         if budget <= 0:
             return []
-        prefilling = [r for r in self.running if not r.is_decoding]
+        prefilling = [r for r in running if not r.is_decoding]
         self._refresh_estimates()
         order = self.ordering.order(self, prefilling, now)
-        return self._fill(order[: self.config.scan_max], prefilling, now, budget)
+        free_slots = self.config.max_running - len(running)
+        return self._fill(order[: self.config.scan_max], prefilling, now, budget, free_slots)
 
-    def _fill(self, order: list[Request], prefilling: list[Request], now: float, budget: int) -> list[Chunk]:
+    def _fill(
+        self, order: list[Request], prefilling: list[Request], now: float, budget: int, free_slots: int
+    ) -> list[Chunk]:
         """The shared budgeting. Pass 1: in order, each takes all it can use of what is left,
         up to chunk_tokens; waiting requests need a free running slot and no in-flight leader.
         Pass 2: budget still left goes to the same requests in the same order, uncapped (a
         cap below the step budget makes room for the next request; it never idles a step)."""
-        free_slots = self.config.max_running - len(self.running)
         in_flight = list(prefilling)  # requests computing uncached tokens
         chosen: list[Request] = []
         grants: list[int] = []

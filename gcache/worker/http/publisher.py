@@ -2,41 +2,38 @@
 
 The engine thread only runs `on_step` (a step hook): the first call attaches the cache
 observers (cache_events.py) and snapshots the cache; later calls sample the load every
-interval_s. A background thread runs `flush()`: one MULTI per flush writes the page changes
-(hash + stream entry), the registration with its TTL and the L3 reports (layout in
-gcache/serving/redis_layout.py). Redis down or slow never blocks the engine: only flush() talks to
-Redis, with a timeout, and after a failure the next good flush is a full resync (Redis may
-have restarted empty); meanwhile the event buffer stays bounded (drop + count + resync).
+interval_s. The announce bridge's flush thread (direct mode: gcache.serving.announce.bridge)
+runs `flush()`: one MULTI per flush, written by the one writer (announce.writer), holds the
+page changes (hash + stream entry), the registration with its TTL and the L3 reports (layout
+in gcache/serving/redis_layout.py). Redis down or slow never blocks the engine: only flush()
+talks to Redis, with a timeout, and after a failure the next good flush is a full resync
+(Redis may have restarted empty); meanwhile the event buffer stays bounded (drop + count +
+resync).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gcache.serving.l3_index import queue_l3
+from gcache.serving.announce.bridge import EventBridge
+from gcache.serving.announce.writer import AnnounceWriter
 from gcache.serving.redis_client import fail_fast_redis
-from gcache.serving.redis_layout import Keys, Registration, WorkerLoad, encode_records, id_bytes, valid_worker_url
+from gcache.serving.redis_layout import DEFAULT_PREFIX, Keys, Registration, WorkerLoad, valid_worker_url
 from gcache.worker.kvcache.cache_events import CacheEventLog
 
 log = logging.getLogger("gcache.worker.http.publisher")
-
-HSET_CHUNK = 10_000  # fields per HSET inside a resync transaction
-RETRY_MAX_S = 0.5  # longest pause between flush attempts while Redis is down (routers
-#                           route by least load until this worker re-registers after a restart)
-WORKERS_FORGET_MS = 3_600_000  # discovery entries not refreshed for an hour are removed
 
 
 @dataclass(frozen=True)
 class PublisherConfig:
     redis_url: str
     advertise_url: str
-    prefix: str = "gcache:router"
+    prefix: str = DEFAULT_PREFIX
     interval_s: float = 0.1  # flush / load-sample period (0: sample load at every on_step)
     ttl_s: float = 3.0  # registration TTL: a dead worker disappears after this
     events_max: int = 16384  # dirty pages buffered between flushes (then: drop + resync)
@@ -67,7 +64,12 @@ class PublisherConfig:
                 raise ValueError(f"{name} must be in [1, 2^26]")
 
 
-class WorkerPublisher:
+class WorkerPublisher(EventBridge):
+    """The worker's cache and load, announced to the routers (the bridge's direct mode)."""
+
+    name = "router-publisher"
+    log = log
+
     def __init__(
         self, engine, config: PublisherConfig, start_thread: bool = True, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -78,19 +80,22 @@ class WorkerPublisher:
         self.page_size, self.window = engine.page_size, engine.window
         self.model = config.model or engine.cache.key_model() or "model"
         self.redis, self._redis_errors = fail_fast_redis(config.redis_url, config.redis_timeout_s)
+        self.writer = AnnounceWriter(
+            self.redis,
+            self.keys,
+            self.url,
+            ttl_s=config.ttl_s,
+            stream_max=config.stream_max,
+            l3_pages_max=config.l3_pages_max,
+        )
         self._attached = False
         self._load = WorkerLoad()
         self._load_at: float | None = None
         self._rebuilt_at = clock()
-        self._epoch, self._seq = "", 0
         self._flush_lock = threading.Lock()
-        self._stop = threading.Event()
         self._down = False
         self.counters = dict.fromkeys(("flushes", "flush_errors", "flush_crashes", "resyncs", "records_sent"), 0)
-        self._thread = None
-        if start_thread:
-            self._thread = threading.Thread(target=self._loop, name="router-publisher", daemon=True)
-            self._thread.start()
+        self._start(config.interval_s, start_thread, subscribe=False)
 
     # ---- engine thread ---------------------------------------------------------------------------
     def on_step(self, engine) -> None:
@@ -138,89 +143,45 @@ class WorkerPublisher:
             return True
 
     def _write(self, batch) -> bool:
-        """One MULTI. A delta only refreshes an existing registration (SET XX); returns False
-        if there was none (then nothing points routers at the partial state it wrote)."""
-        k, url, now_ms = self.keys, self.url, int(time.time() * 1000)
-        p = self.redis.pipeline(transaction=True)
-        if batch.full:
-            epoch, seq = os.urandom(8).hex(), 0
-            p.delete(k.pages(url))
-            for i in range(0, len(batch.pages), HSET_CHUNK):
-                p.hset(k.pages(url), mapping={id_bytes(pid): bytes([f]) for pid, f in batch.pages[i : i + HSET_CHUNK]})
-            p.xadd(k.events(url), {"e": epoch, "s": 0, "r": 1}, maxlen=self.config.stream_max, approximate=True)
-        else:
-            epoch, seq = self._epoch, self._seq
-            if batch.pages:
-                seq += 1
-                sets = {id_bytes(pid): bytes([f]) for pid, f in batch.pages if f}
-                dels = [id_bytes(pid) for pid, f in batch.pages if not f]
-                if sets:
-                    # redis-py types mapping as Mapping[EncodableT, EncodableT]: its invariant key
-                    # type rejects a dict[bytes, bytes]
-                    p.hset(k.pages(url), mapping=sets)  # type: ignore[arg-type]
-                if dels:
-                    p.hdel(k.pages(url), *dels)
-                p.xadd(
-                    k.events(url),
-                    {"e": epoch, "s": seq, "d": encode_records(batch.pages)},
-                    maxlen=self.config.stream_max,
-                    approximate=True,
-                )
-        queue_l3(p, k, batch.l3, (), now_ms, self.config.l3_pages_max)  # its L3 writes (adds only)
-        reg = Registration(
-            url,
-            self.model,
-            self.page_size,
-            self.window,
-            epoch,
-            seq,
-            now_ms,
-            self._load,
-            self.events.stats["dropped"],
-            self.config.role,
-        )
-        p.set(k.reg(url), reg.to_json(), px=int(self.config.ttl_s * 1000), xx=not batch.full)
-        p.zadd(k.workers, {url: now_ms})
-        p.zremrangebyscore(k.workers, "-inf", now_ms - WORKERS_FORGET_MS)  # long-gone URLs
-        results = p.execute()
-        if not batch.full and not results[-3]:
+        """One MULTI (announce.writer); False if a delta found our registration gone."""
+
+        def registration(epoch: str, seq: int, now_ms: int) -> bytes:
+            reg = Registration(
+                self.url,
+                self.model,
+                self.page_size,
+                self.window,
+                epoch,
+                seq,
+                now_ms,
+                self._load,
+                self.events.stats["dropped"],
+                self.config.role,
+            )
+            return reg.to_json()
+
+        if not self.writer.write(batch.full, batch.pages, registration, batch.l3):  # its L3 writes: adds only
             return False
         if batch.full:
             self.counters["resyncs"] += 1
-        self._epoch, self._seq = epoch, seq
         return True
-
-    def _loop(self) -> None:
-        pause = self.config.interval_s or 0.05
-        while not self._stop.is_set():
-            try:
-                ok = self.flush()
-            except Exception:  # a bug, not Redis: keep the thread (else routers drop this worker)
-                ok = False
-                self.counters["flush_crashes"] += 1
-                if self.counters["flush_crashes"] == 1:
-                    log.exception("publisher: flush crashed; will keep retrying")
-            pause = (self.config.interval_s or 0.05) if ok else min(RETRY_MAX_S, max(pause, 0.05) * 2)
-            self._stop.wait(pause)
 
     # ---- shutdown ------------------------------------------------------------------------------------
     def stop(self, deregister: bool = True) -> None:
         """Stop the thread, stop observing, and (by default) remove this worker from Redis so
         routers stop sending to it at once. Bounded by the Redis timeout; errors are ignored."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5 * self.config.redis_timeout_s + 1)
+        self._join(timeout_s=5 * self.config.redis_timeout_s + 1)
         self.events.detach()
         if deregister:
-            k = self.keys
             try:
-                p = self.redis.pipeline(transaction=True)
-                p.delete(k.reg(self.url), k.pages(self.url), k.events(self.url))
-                p.zrem(k.workers, self.url)
-                p.execute()
+                self.writer.deregister()
             except self._redis_errors as e:
                 log.warning("publisher: could not deregister %s (%s)", self.url, e)
         self.redis.close()
+
+    @property
+    def source(self) -> str:
+        return self.url
 
     def stats(self) -> dict:
         """Counters: flushes, errors, resyncs, records sent, events seen / dropped, pending."""
@@ -234,7 +195,7 @@ class WorkerPublisher:
 def sample_load(engine) -> WorkerLoad:
     """Running / waiting requests, prompt tokens still to compute, tokens held by running ones."""
     sched = engine.scheduler
-    running, waiting = list(sched.running), list(sched.waiting)
+    running, waiting = list(engine.batcher.running), list(sched.waiting)
     queued = sum(r.uncached_estimate for r in waiting)
     queued += sum(r.to_compute for r in running if not r.is_decoding)
     active = sum(r.num_tokens for r in running)
@@ -250,7 +211,7 @@ def add_publisher_args(ap: argparse.ArgumentParser) -> None:
         metavar="redis://HOST:PORT/DB",
         help="publish this worker's cache and load to this Redis for gcache-router",
     )
-    g.add_argument("--redis-prefix", default="gcache:router", help="namespace of the Redis keys (as the routers)")
+    g.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="namespace of the Redis keys (as the routers)")
     g.add_argument(
         "--advertise-url", default="", help="the URL routers use to reach this worker (default http://HOST:PORT)"
     )

@@ -32,15 +32,12 @@ class SWACheckpoints:
         """Whether page's SWA KV is kept: it lies in the window tail of a checkpoint up to
         npages: the end (a request or turn end; a re-lock point mid-decode is not one), the
         branch point off the tree, every C pages."""
-        points = []
+        ends: list[int] = []
         if self.ends:
-            points.append(req.branch_page)
+            ends.append(req.branch_page)
             if end_is_checkpoint:
-                points += self.end_points(req)
-        periodic = self.rule.next_periodic(page)
-        if periodic is not None:
-            points.append(periodic)
-        return any(page < p <= npages and tail_start_page(p, self.ps, self.window) <= page for p in points)
+                ends += self.end_points(req)
+        return self.rule.in_a_tail(page, npages, self.window, ends)
 
     def end_points(self, req: Request) -> tuple[int, int]:
         """The resume points of req's end (CheckpointRule.end_points: its whole pages, and the

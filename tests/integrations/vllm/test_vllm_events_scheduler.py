@@ -13,7 +13,7 @@ from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events.source import Page
 from gcache.integrations.vllm.kv.groups import Group
 from gcache.integrations.vllm.kv.keys import GroupTag, rank_keys
-from gcache.integrations.vllm.kv.plan import prompt_cuts, tail_page_set, tail_pages
+from gcache.integrations.vllm.kv.plan import prompt_tail_pages, sliding_tail_pages
 from gcache.integrations.vllm.kv.scheduler_side import SchedulerSide
 from gcache.integrations.vllm.kv.settings import ConnectorSettings
 from gcache.integrations.vllm.kv.stats import ConnectorStats
@@ -61,7 +61,9 @@ def vhash(p: int, salt: bytes = b"") -> bytes:
 def side(hybrid: bool):
     groups = [Group(0, AttentionKind.FULL, ("l0",), (0,), BS, 0, "full_attention", None)]
     if hybrid:
-        groups.append(Group(1, AttentionKind.SWA, ("l1",), (1,), BS, tail_pages(WINDOW, BS), "sliding_window", WINDOW))
+        groups.append(
+            Group(1, AttentionKind.SWA, ("l1",), (1,), BS, sliding_tail_pages(WINDOW, BS), "sliding_window", WINDOW)
+        )
     settings = ConnectorSettings(url="127.0.0.1:1", checkpoint_pages=4)
     store, events = Store(), Events()
     s = SchedulerSide(
@@ -126,7 +128,7 @@ def test_a_hybrid_models_sliding_group_announces_its_checkpoint_tails_only():
     n = 9 * BS + 3
     schedule(s, request("r1", n), 2)
     swa = sorted(p.block_hash for p in events.saved_pages if p.group_idx == 1)
-    tails = tail_page_set(prompt_cuts(n, BS, 4), tail_pages(WINDOW, BS))
+    tails = prompt_tail_pages(n, BS, 4, sliding_tail_pages(WINDOW, BS))
     assert swa == sorted(hint(p) for p in tails) and len(tails) < 9
     assert {(p.kind, p.window) for p in events.saved_pages if p.group_idx == 1} == {("sliding_window", WINDOW)}
 

@@ -14,7 +14,6 @@ import time
 import msgpack
 import pytest
 
-from gcache.common.processes import free_port
 from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
 from tests.support.vllm_support import EngineRun, gcache_spec
 
@@ -66,7 +65,7 @@ def stored_hashes(events: list[dict], group: int = 0) -> list:
 
 def test_a_subscriber_from_the_docs_sees_the_pages_the_engine_saved(models, server, tmp_path):
     pytest.importorskip("zmq")
-    g_port, v_port = free_port(), free_port()
+    g_ep, v_ep = f"ipc://{tmp_path}/gcache-l3.kv", f"ipc://{tmp_path}/vllm.kv"  # binds, on this host only
     prompt = prompt_tokens(4 * BLOCK_SIZE + 5, seed=11)  # 4 whole pages
     follow = prompt[: 4 * BLOCK_SIZE] + prompt_tokens(BLOCK_SIZE + 3, seed=12)  # one new page after them
     spec = dict(
@@ -75,14 +74,14 @@ def test_a_subscriber_from_the_docs_sees_the_pages_the_engine_saved(models, serv
             server.address,
             [prompt, follow, follow],  # the third: the engine waits at its gate while we read
             gcache_model="tiny",
-            gcache_kv_events_endpoint=f"tcp://*:{g_port}",
+            gcache_kv_events_endpoint=g_ep,
             gcache_kv_events_pod="pod-a",
         ),
-        kv_events={"endpoint": f"tcp://*:{v_port}", "topic": "vllm"},
+        kv_events={"endpoint": v_ep, "topic": "vllm"},
         gates=[1, 2],
     )
-    gcache_sub = DocSubscriber(f"tcp://127.0.0.1:{g_port}")
-    vllm_sub = DocSubscriber(f"tcp://127.0.0.1:{v_port}")
+    gcache_sub = DocSubscriber(g_ep)
+    vllm_sub = DocSubscriber(v_ep)
     run = EngineRun(spec, tmp_path / "engine")
     try:
 
@@ -138,15 +137,15 @@ def test_a_hybrid_engine_announces_its_sliding_group_with_kind_and_window(models
     hashes; the sliding group's checkpoint tails, said to be "sliding_window", window 32, each
     run chained to the page before it."""
     pytest.importorskip("zmq")
-    g_port, v_port = free_port(), free_port()
+    g_ep, v_ep = f"ipc://{tmp_path}/gcache-l3.kv", f"ipc://{tmp_path}/vllm.kv"  # binds, on this host only
     prompt = prompt_tokens(9 * BLOCK_SIZE + 3, seed=21)
     spec = dict(
-        gcache_spec(models["gemma2"], server.address, [prompt, prompt], gcache_kv_events_endpoint=f"tcp://*:{g_port}"),
-        kv_events={"endpoint": f"tcp://*:{v_port}"},
+        gcache_spec(models["gemma2"], server.address, [prompt, prompt], gcache_kv_events_endpoint=g_ep),
+        kv_events={"endpoint": v_ep},
         gates=[1],
     )
-    gcache_sub = DocSubscriber(f"tcp://127.0.0.1:{g_port}")
-    vllm_sub = DocSubscriber(f"tcp://127.0.0.1:{v_port}")
+    gcache_sub = DocSubscriber(g_ep)
+    vllm_sub = DocSubscriber(v_ep)
     run = EngineRun(spec, tmp_path / "engine")
     try:
         deadline = time.monotonic() + WAIT_S

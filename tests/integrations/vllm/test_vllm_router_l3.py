@@ -15,14 +15,18 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from gcache.common.processes import free_port
 from gcache.router.config import RouterConfig
 from gcache.router.core import RouterCore, RouteRequest
 from gcache.serving.redis_layout import Keys, id_bytes, page_ids
 from gcache.serving.tiers import Tier
+from gcache.tools.devcluster.local_redis import LocalRedis
 from tests.integrations.vllm.test_vllm_router import (
     BLOCK,
     ENGINE_START_S,
@@ -42,9 +46,10 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(2400)]
 PAGES = 10
 
 
-def engine(name: str, model_dir, work, events: str, l3_port: int, store: str, core: int) -> Http:
-    """vllm_server (test_vllm_router) with the GCache connector and its L3 events."""
-    extra = {"gcache_url": store, "gcache_model": MODEL, "gcache_kv_events_endpoint": f"tcp://*:{l3_port}"}
+def engine(name: str, model_dir, work, events: str, l3_events: str, store: str, core: int) -> Http:
+    """vllm_server (test_vllm_router) with the GCache connector and its L3 events on
+    `l3_events` (an ipc:// endpoint: it binds, on this host only)."""
+    extra = {"gcache_url": store, "gcache_model": MODEL, "gcache_kv_events_endpoint": l3_events}
     kv = dict(
         kv_connector="GCacheConnector",
         kv_connector_module_path="gcache.integrations.vllm",
@@ -54,23 +59,47 @@ def engine(name: str, model_dir, work, events: str, l3_port: int, store: str, co
     return vllm_server(name, model_dir, work, events, core, extra=("--kv-transfer-config", json.dumps(kv)))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, models):
+class Stack(NamedTuple):
+    work: Path
+    model_dir: Path
+    redis: LocalRedis
+    store: ServerProcess
+    engines: dict[str, tuple[Http, str, str]]  # name -> (server, its KV events, its L3 events)
+    procs: list[Proc]  # killed at the end, with the engines (the caller's additions)
+
+
+@contextmanager
+def engines_on_one_store(tmp_path_factory, tag: str) -> Iterator[Stack]:
+    """A redis-server, a gcache-server and engines a and b (engine()) on it, their KV and L3
+    events on ipc:// endpoints in the work folder; everything killed at the end."""
     pytest.importorskip("zmq", reason="pyzmq (vLLM's dependency) is not in this Python")
     from tests.integrations.vllm.router_models import write_chat_model
 
-    work = tmp_path_factory.mktemp("vl3")
+    work = tmp_path_factory.mktemp(tag)
     model_dir = write_chat_model(work / "model")
     redis = start_redis()
     store = ServerProcess(work / "store", memory="256MiB").start()
     procs: list[Proc] = []
     try:
-        engines, sidecars = {}, {}
+        engines = {}
         for i, name in enumerate(("a", "b")):
-            events, l3 = f"ipc://{work}/{name}.sock", free_port()
+            events, l3 = f"ipc://{work}/{name}.sock", f"ipc://{work}/{name}-l3.sock"
             e = engine(f"engine-{name}", model_dir, work, events, l3, store.address, core=i)
             procs.append(e)
             engines[name] = (e, events, l3)
+        yield Stack(work, model_dir, redis, store, engines, procs)
+    finally:
+        for p in procs:
+            p.kill()
+        store.kill()
+        redis.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, models):
+    with engines_on_one_store(tmp_path_factory, "vl3") as s:
+        work, model_dir, redis, engines, procs = s.work, s.model_dir, s.redis, s.engines, s.procs
+        sidecars = {}
         # Both forms: A through a `kv-events --l3 --l3-events` sidecar, B through the router's
         # README command (`--vllm-l3 URL@ENDPOINT --l3-events ENDPOINT`, no sidecar).
         b, b_events, b_l3 = engines["b"]
@@ -78,7 +107,7 @@ def stack(tmp_path_factory, models):
             "router",
             [sys.executable, "-m", "gcache.router.main", "--redis", redis.url, "--tokenizer", str(model_dir)]
             + ["--redis-stale-s", "1", "--worker-grace-s", "10", "--request-timeout-s", "300"]
-            + ["--page-size", str(BLOCK), "--vllm-l3", f"{b.url}@{b_events}", "--l3-events", f"tcp://127.0.0.1:{b_l3}"],
+            + ["--page-size", str(BLOCK), "--vllm-l3", f"{b.url}@{b_events}", "--l3-events", b_l3],
             work,
         )
         procs.append(r)
@@ -87,16 +116,11 @@ def stack(tmp_path_factory, models):
         a, a_events, a_l3 = engines["a"]
         cmd = [sys.executable, "-m", "gcache.router.main", "kv-events", "--engine", a.url, "--events", a_events]
         cmd += ["--redis", redis.url, "--block-size", str(BLOCK), "--interval-s", "0.05", "--ttl-s", "2"]
-        cmd += ["--engine-down-s", "2", "--l3", "--l3-events", f"tcp://127.0.0.1:{a_l3}"]
+        cmd += ["--engine-down-s", "2", "--l3", "--l3-events", a_l3]
         sidecars["a"] = Proc("kv-events-a", cmd, work)
         procs.append(sidecars["a"])
         wait_until(lambda: len(workers_seen(r)) == 2, f"the router sees 2 engines\n{r.log()}", 300, 0.5)
-        yield dict(a=engines["a"][0], b=engines["b"][0], router=r, redis=redis, sidecars=sidecars, store=store)
-    finally:
-        for p in procs:
-            p.kill()
-        store.kill()
-        redis.close()
+        yield dict(a=engines["a"][0], b=engines["b"][0], router=r, redis=redis, sidecars=sidecars, store=s.store)
 
 
 def complete(port: int, prompt: list[int]):

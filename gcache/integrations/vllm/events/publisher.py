@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from gcache.integrations.vllm.events.wire import Event, event_batch
+from gcache.serving.announce.wire import Event, event_batch, frames
 
 log = logging.getLogger("gcache.integrations.vllm.events")
 
@@ -106,7 +106,7 @@ class EventPublisher:
                     return
                 payload = event_batch(self.clock(), events, self.rank)
                 try:
-                    sink.send([self.topic, self.seq.to_bytes(8, "big"), payload])
+                    sink.send(frames(self.topic, self.seq, payload))
                 except Exception as exc:  # noqa: BLE001 - a send failure must not end the thread
                     self.stats["send_errors"] += 1
                     if self.stats["send_errors"] == 1:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from gcache.integrations.vllm.events.wire import BlockHash, Event, StoredRun, block_removed, block_stored
+from gcache.serving.announce.wire import BlockHash, Event, StoredRun, block_removed, block_stored
 
 log = logging.getLogger("gcache.integrations.vllm.events")
 

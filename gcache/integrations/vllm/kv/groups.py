@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from gcache.common.attention import AttentionKind
-from gcache.integrations.vllm.kv.plan import tail_pages
+from gcache.integrations.vllm.kv.plan import sliding_tail_pages
 
 if TYPE_CHECKING:  # vLLM's type: Any to the type check (not installed in .venv)
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -55,7 +55,7 @@ def groups_of(kv_cache_config: KVCacheConfig | None) -> list[Group]:
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
-            kind, tail = AttentionKind.SWA, tail_pages(spec.sliding_window, spec.block_size)
+            kind, tail = AttentionKind.SWA, sliding_tail_pages(spec.sliding_window, spec.block_size)
         elif isinstance(spec, FullAttentionSpec):  # MLA too; a windowed spec without HMA keeps all KV
             kind, tail = AttentionKind.FULL, 0
         else:

@@ -3,19 +3,28 @@
 A page is one vLLM block of one KV cache group. Full-attention groups keep every page.
 Sliding-window groups keep only the window tails of *checkpoints*: the cuts at every C pages
 and at the prompt's end (the cut a repeat of the prompt resumes at, (len - 1) // block_size,
-and the one a longer prompt resumes at, len // block_size). Resuming at cut n needs, per
-sliding-window group, the `tail` pages before n (vLLM's cdiv(window - 1, block_size)); a hit
-is the longest cut every group can serve.
+and the one a longer prompt resumes at, len // block_size): the checkpoint rule
+(gcache.serving.checkpoints), its points and window tails. Resuming at cut n needs, per
+sliding-window group, the pages of n's window tail (vLLM's cdiv(window - 1, block_size)); a
+hit is the longest cut every group can serve.
 """
 
 from __future__ import annotations
 
 from gcache.serving.checkpoints import CheckpointRule
+from gcache.serving.swa_window import window_pages
 
 
-def tail_pages(window: int, block_size: int) -> int:
-    """Pages a sliding-window group needs before a cut (vLLM's SlidingWindowManager)."""
-    return max(1, -(-(window - 1) // block_size))
+def rule_window(window: int) -> int:
+    """A vLLM sliding window in the checkpoint rule's terms (the tokens before a cut): vLLM's
+    window counts the token being computed, so a cut needs window - 1 tokens before it
+    (SlidingWindowManager), and at least one page."""
+    return max(1, window - 1)
+
+
+def sliding_tail_pages(window: int, block_size: int) -> int:
+    """Pages a sliding-window group needs before a cut past its window (a Group's tail)."""
+    return window_pages(block_size, rule_window(window))
 
 
 def prompt_cuts(prompt_len: int, block_size: int, every: int) -> set[int]:
@@ -23,9 +32,11 @@ def prompt_cuts(prompt_len: int, block_size: int, every: int) -> set[int]:
     return CheckpointRule(block_size, every).prompt_points(prompt_len)
 
 
-def tail_page_set(cuts: set[int], tail: int) -> set[int]:
-    """Every page some cut's window tail covers."""
-    return {p for c in cuts for p in range(max(0, c - tail), c)}
+def prompt_tail_pages(prompt_len: int, block_size: int, every: int, tail: int) -> set[int]:
+    """The pages a sliding-window group whose cuts need `tail` pages (its Group.tail) saves of
+    a prompt: the window tails of the prompt's cuts (the rule's prompt_keep_pages; a tail of
+    T pages is a window of T * block_size tokens in the rule's terms)."""
+    return CheckpointRule(block_size, every).prompt_keep_pages(prompt_len, tail * block_size)
 
 
 def best_cut(local: int, full_end: int, swa: list[tuple[int, list[bool]]]) -> int:

@@ -5,7 +5,7 @@ A hit is counted from vLLM's own (block-aligned) local hit on: full-attention pa
 be stored (one batch_exists_prefix over every rank and segment of their values), and each
 sliding-window group must hold the window tail before the cut (plan.best_cut). Saves cover
 the prompt's pages as the forward computes them (chunk by chunk under chunked prefill);
-sliding-window groups save only checkpoint tails (plan.prompt_cuts), in the step that
+sliding-window groups save only checkpoint tails (plan.prompt_tail_pages), in the step that
 computes them, before vLLM frees out-of-window blocks.
 """
 
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events.source import L3EventSource, Page
-from gcache.integrations.vllm.events.wire import KIND_FULL, KIND_SWA
 from gcache.integrations.vllm.kv import plan
 from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
     from collections.abc import Callable, Sequence
@@ -109,8 +109,9 @@ class SchedulerSide:
             hashes = prompt_page_hashes(prompt, self.block_size, getattr(request, "cache_salt", None), items)
             track = Track(prompt_len=len(prompt), hashes=hashes)
             every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
-            cuts = plan.prompt_cuts(len(prompt), self.block_size, every)
-            track.swa_pages = {g.index: plan.tail_page_set(cuts, g.tail) for g in self.swa}
+            track.swa_pages = {
+                g.index: plan.prompt_tail_pages(len(prompt), self.block_size, every, g.tail) for g in self.swa
+            }
             if self.events is not None and self._announceable(request, items):
                 track.block_hashes, track.tokens = request.block_hashes, prompt
             self.tracks[request.request_id] = track

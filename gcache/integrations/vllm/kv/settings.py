@@ -38,7 +38,7 @@ class ConnectorSettings(StoreSettings):
     load_queue_jobs_max: int = 256  # async loads waiting
     async_load_min_tokens: int = 512  # hits this long load between steps; shorter ones in the step
     # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
-    kv_events_endpoint: str | None = None  # e.g. "tcp://*:5600"; None: no events
+    kv_events_endpoint: str | None = None  # e.g. "ipc:///tmp/gcache-l3.kv" (binds, host only); None: no events
     kv_events_topic: str | None = None  # default kv@<pod>@<model>
     kv_events_pod: str | None = None  # default the host name
     kv_events_pages_max: int = 1 << 18  # announced pages remembered (LRU); the oldest withdrawn beyond
@@ -80,7 +80,7 @@ class ConnectorSettings(StoreSettings):
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise SettingsError(
                 "kv_connector_extra_config['gcache_kv_events_endpoint'] must be a ZMQ endpoint "
-                f"(tcp://*:PORT, ipc://PATH), got {endpoint!r}"
+                f"(ipc://PATH, tcp://*:PORT), got {endpoint!r}"
             )
         return cls(
             **cls.store_fields(extra, environ),

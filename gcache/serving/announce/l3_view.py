@@ -1,9 +1,8 @@
-"""The shared L3 view in Redis: its one writer (the layout is in redis_layout.py).
+"""The shared L3 view in Redis: how its changes are queued (the layout is in redis_layout.py).
 
-Two writers feed it: a gcache-worker's publisher (its L3 store's writes: adds only) and the
-router's L3-events subscriber (GCache's vLLM connectors' KV events: adds and removals). Both
-queue their changes on a Redis pipeline through `queue_l3`, so the keys, scores and caps are
-written one way:
+Two producers feed it, both through writer.AnnounceWriter: a gcache-worker's publisher (its
+L3 store's writes: adds only) and the router's L3-events subscriber (GCache's vLLM
+connectors' KV events: adds and removals). `queue_l3` writes the keys, scores and caps one way:
   an add     ZADD P:l3 / P:l3swa (score: now, ms), ZREM from the matching :gone set;
   a removal  ZREM from P:l3 / P:l3swa, ZADD P:l3:gone / P:l3swa:gone (score: now, ms),
 so a router that reads by score since its last read (router/state.py) sees both, in order.
