@@ -5,7 +5,8 @@ Sliding-window groups keep only the window tails of *checkpoints*: the cuts at e
 and at the prompt's end (the cut a repeat of the prompt resumes at, (len - 1) // block_size,
 and the one a longer prompt resumes at, len // block_size). Resuming at cut n needs, per
 sliding-window group, the `tail` pages before n (vLLM's cdiv(window - 1, block_size)); a hit
-is the longest cut every group can serve.
+is the longest cut every group can serve. A state group (state_groups.py) serves cut n only with
+its state at exactly n (its "page" n - 1): the search runs from the right.
 """
 
 from __future__ import annotations
@@ -28,14 +29,20 @@ def tail_page_set(cuts: set[int], tail: int) -> set[int]:
     return {p for c in cuts for p in range(max(0, c - tail), c)}
 
 
-def best_cut(local: int, full_end: int, swa: list[tuple[int, list[bool]]]) -> int:
-    """The longest cut n in (local, full_end] that every sliding-window group can serve, or local.
+def best_cut(
+    local: int, full_end: int, swa: list[tuple[int, list[bool]]], states: list[list[bool]] | None = None
+) -> int:
+    """The longest cut n in (local, full_end] that every sliding-window and state group can
+    serve, or local.
 
     swa: per sliding-window group (tail, present) where present[i] says page local + i is
     stored. Pages before `local` are vLLM's own (its local prefix hit), so they count as there.
+    states: per state group, present[i] says its state at cut local + i + 1 is stored.
     """
     for n in range(full_end, local, -1):
-        if all(all(present[p - local] for p in range(max(local, n - tail), n)) for tail, present in swa):
+        if all(present[n - 1 - local] for present in states or ()) and all(
+            all(present[p - local] for p in range(max(local, n - tail), n)) for tail, present in swa
+        ):
             return n
     return local
 
