@@ -69,6 +69,7 @@ class Track:
     cache_salt: str | None = None
     items: tuple[MMItem, ...] = ()
     state_upto: int = 0
+    state_boundaries: int = 0  # boundaries whose states were planned for saving (bounded per request)
 
 
 class SchedulerSide:
@@ -324,6 +325,14 @@ class SchedulerSide:
         past the prompt for decode-time states)."""
         if not self.save or self.tags is None:
             return []
+        room = self.settings.state_boundaries_max - track.state_boundaries
+        boundaries = sorted({o.page for o in offers})
+        if len(boundaries) > room:  # the per-request bound: the earliest boundaries are kept
+            kept = set(boundaries[: max(0, room)])
+            self.stats.count("state_values_over_bound", sum(o.page not in kept for o in offers))
+            offers = [o for o in offers if o.page in kept]
+            if not offers:
+                return []
         furthest = max(o.page for o in offers) + 1
         rehash = None
         if track.items:
@@ -332,6 +341,7 @@ class SchedulerSide:
         if not extend_hashes(track.hashes, track.all_tokens, furthest, self.block_size, track.seed, rehash):
             return []
         track.state_upto = max(track.state_upto, furthest)
+        track.state_boundaries += len({o.page for o in offers})
         self.stats.count("state_values_offered", len(offers))
         return [PageRef(o.group, track.hashes[o.page], o.block_id) for o in offers]
 

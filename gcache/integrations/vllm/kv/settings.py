@@ -37,6 +37,7 @@ class ConnectorSettings(StoreSettings):
     save_queue_jobs_max: int = 64  # steps whose puts wait; beyond: that step's saves are dropped
     load_queue_jobs_max: int = 256  # async loads waiting
     async_load_min_tokens: int = 512  # hits this long load between steps; shorter ones in the step
+    state_boundaries_max: int = 64  # boundary states saved per request (hybrids); later offers dropped
     # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
     kv_events_endpoint: str | None = None  # e.g. "tcp://*:5600"; None: no events
     kv_events_topic: str | None = None  # default kv@<pod>@<model>
@@ -55,6 +56,7 @@ class ConnectorSettings(StoreSettings):
         "gcache_save_queue_jobs_max",
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
+        "gcache_state_boundaries_max",
         "gcache_kv_events_endpoint",
         "gcache_kv_events_topic",
         "gcache_kv_events_pod",
@@ -93,6 +95,7 @@ class ConnectorSettings(StoreSettings):
             save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
             load_queue_jobs_max=extra.integer("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16),
             async_load_min_tokens=extra.integer("gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30),
+            state_boundaries_max=extra.integer("gcache_state_boundaries_max", cls.state_boundaries_max, 0, 1 << 20),
             kv_events_endpoint=endpoint,
             kv_events_topic=extra.name("gcache_kv_events_topic"),
             kv_events_pod=extra.name("gcache_kv_events_pod"),
