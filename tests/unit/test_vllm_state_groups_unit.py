@@ -79,3 +79,15 @@ def test_state_values_store_unpadded_bytes_and_tags_name_the_layout():
         spec._replace(shapes=((160, 3), (4, 32, 16))),
     ):
         assert state_tag(other, values, layers) != tag
+
+
+def test_state_settings_are_read_and_bad_ones_refused():
+    import pytest
+
+    from gcache.integrations.vllm.kv.settings import ConnectorSettings, SettingsError
+
+    url = {"gcache_url": "127.0.0.1:7600"}
+    s = ConnectorSettings.from_extra_config({**url, "gcache_state_admission": "ends", "gcache_state_boundaries_max": 3})
+    assert (s.state_admission, s.state_boundaries_max) == ("ends", 3)
+    with pytest.raises(SettingsError, match="gcache_state_admission"):
+        ConnectorSettings.from_extra_config({**url, "gcache_state_admission": "some"})

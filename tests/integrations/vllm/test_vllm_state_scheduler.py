@@ -139,3 +139,25 @@ def test_a_hit_needs_the_state_at_exactly_the_cut_and_loads_it_into_the_boundary
         (1, hashes[0], 3),
         (1, hashes[1], 4),
     }
+
+
+def test_ends_admission_keeps_the_prompt_end_decode_boundaries_and_the_branch_point():
+    tokens = list(range(1, 120))
+    hashes = prompt_page_hashes(tokens, BS)
+    full_keys = rank_keys("m", None, 1, False)[0]
+    # (pages stored before the lookup: the branch point, boundaries whose states are saved)
+    for stored, boundaries in ((0, [5, 6]), (2, [2, 5, 6])):
+        s = side(state_admission="ends")
+        s.store.held.update(full_keys.value_keys(h, s.groups[1], GroupTag("kv", 1))[0] for h in hashes[:stored])  # type: ignore[attr-defined]
+        s.matched_tokens(request(tokens, 90), 0)  # prompt 90: its last full boundary is 80 (5 pages)
+        offers = {"r": [(0, 1, 32), (0, 2, 48), (0, 3, 80), (0, 4, 96)]}  # 96: reached decoding
+        meta = s.build_meta(output(new=[("r", [[0] * 6, list(range(10, 16))], 0)], offers=offers, scheduled={"r": 96}))
+        assert [h for h, _ in saved(meta, 0)] == [hashes[b - 1] for b in boundaries]
+
+
+def test_states_are_not_cached_without_align_mode_or_with_speculative_blocks():
+    from gcache.integrations.vllm.kv.state_groups import why_not_served
+
+    assert why_not_served([STATE]) is None
+    assert "align" in (why_not_served([STATE._replace(cache_mode="none")]) or "")
+    assert "speculative" in (why_not_served([STATE._replace(speculative_blocks=1)]) or "")

@@ -24,7 +24,13 @@ from gcache.integrations.vllm.events.wire import KIND_FULL, KIND_SWA
 from gcache.integrations.vllm.kv import plan
 from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes, salt_hash
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
-from gcache.integrations.vllm.kv.state_groups import StateOffer, boundary_offers, extend_hashes
+from gcache.integrations.vllm.kv.state_groups import (
+    StateOffer,
+    admitted,
+    boundary_offers,
+    extend_hashes,
+    why_not_served,
+)
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
     from collections.abc import Callable, Sequence
@@ -70,6 +76,7 @@ class Track:
     items: tuple[MMItem, ...] = ()
     state_upto: int = 0
     state_boundaries: int = 0  # boundaries whose states were planned for saving (bounded per request)
+    branch: int = 0  # the end of the stored prefix its lookup found, in pages (a prefix seen before)
 
 
 class SchedulerSide:
@@ -91,9 +98,9 @@ class SchedulerSide:
         self.full = [g for g in groups if g.kind == AttentionKind.FULL]
         self.swa = [g for g in groups if g.kind == AttentionKind.SWA]
         self.states = [g for g in groups if g.kind == AttentionKind.STATE]
-        if any(g.state is not None and g.state.cache_mode != "align" for g in self.states):
-            # mamba_cache_mode "none" (prefix caching off): no boundary states exist to save or load.
-            log.warning("GCacheConnector: Mamba state without prefix caching (mamba_cache_mode none): nothing cached")
+        why = why_not_served([g.state for g in self.states if g.state is not None])
+        if why:
+            log.warning("GCacheConnector: %s; nothing is loaded or saved", why)
             load = save = False
         self.block_size = groups[0].block_size
         self.rank_keys = rank_keys
@@ -244,6 +251,7 @@ class SchedulerSide:
         elif self.states:
             states = [[] for _ in self.states]  # nothing to serve past vLLM's own hit
         self._missing(track, gone)
+        track.branch = full_end
         end = plan.best_cut(local, full_end, swa, states)
         self.stats.count("lookup_s", time.perf_counter() - start)
         if end <= local:
@@ -324,6 +332,9 @@ class SchedulerSide:
         """The boundary states vLLM offers this step, as pages to save (their hashes extended
         past the prompt for decode-time states)."""
         if not self.save or self.tags is None:
+            return []
+        offers = admitted(offers, self.settings.state_admission, track.prompt_len, self.block_size, track.branch)
+        if not offers:
             return []
         room = self.settings.state_boundaries_max - track.state_boundaries
         boundaries = sorted({o.page for o in offers})

@@ -72,6 +72,29 @@ def state_tag(state: StateSpec, values: GroupValues, layers: list[Any]) -> str:
     return f"{state.state_kind}-b{values.value_bytes}n{len(layers)}-{digest}s{values.segments}"
 
 
+def why_not_served(states: Sequence[StateSpec]) -> str | None:
+    """Why these state groups cannot be cached (None: they can)."""
+    if any(s.cache_mode != ALIGN for s in states):
+        return "mamba_cache_mode is not 'align' (prefix caching off): vLLM keeps no boundary states"
+    if any(s.speculative_blocks for s in states):
+        return "speculative decoding with state groups is not served yet (its running slots move)"
+    return None
+
+
+ADMISSIONS = ("offered", "ends")
+
+
+def admitted(offers: list[StateOffer], rule: str, prompt_len: int, block_size: int, branch: int) -> list[StateOffer]:
+    """The offers a request saves. "offered": all. "ends" (Marconi's placement, as far as vLLM
+    offers): the prompt's last full boundary, boundaries reached while decoding (a follow-up
+    turn resumes at the answer), and the branch point (`branch`: the end of the stored prefix
+    the lookup found, a prefix seen before); a long prompt's other chunk ends are dropped."""
+    if rule == "offered":
+        return offers
+    prompt_end = prompt_len // block_size
+    return [o for o in offers if o.page + 1 in (prompt_end, branch) or (o.page + 1) * block_size > prompt_len]
+
+
 class StateOffer(NamedTuple):
     group: int
     block_id: int  # the exact block vLLM offers (never resolved positionally)
