@@ -36,7 +36,18 @@ class Store:
         return [k in self.held for k in keys]
 
 
-def side(**settings):
+class Events:
+    def __init__(self) -> None:
+        self.saved_pages: list = []
+
+    def saved(self, pages) -> None:
+        self.saved_pages += pages
+
+    def missing(self, pages) -> None:
+        pass
+
+
+def side(events=None, **settings):
     groups = [
         Group(0, AttentionKind.STATE, ("l0",), (0,), BS, 0, "mamba", None, STATE),
         Group(1, AttentionKind.FULL, ("l1",), (1,), BS, 0, "full_attention", None),
@@ -49,6 +60,7 @@ def side(**settings):
         ConnectorStats(),
         load=True,
         save=True,
+        events=events,
     )
     s.set_tags({0: {0: GroupTag("st", 1), 1: GroupTag("kv", 1)}})
     return s
@@ -161,3 +173,17 @@ def test_states_are_not_cached_without_align_mode_or_with_speculative_blocks():
     assert why_not_served([STATE]) is None
     assert "align" in (why_not_served([STATE._replace(cache_mode="none")]) or "")
     assert "speculative" in (why_not_served([STATE._replace(speculative_blocks=1)]) or "")
+
+
+def test_a_state_models_pages_are_not_announced():
+    """Its pages resume nothing without the states, which KV events do not carry."""
+    events = Events()
+    s = side(events=events)
+    tokens = list(range(1, 41))
+    req = request(tokens, 40)
+    req.block_hashes, req.num_tokens = [bytes([i]) * 32 for i in range(2)], 40
+    s.matched_tokens(req, 0)
+    meta = s.build_meta(
+        output(new=[("r", [[0, 2, 5], [10, 11, 12]], 0)], offers={"r": [(0, 7, 32)]}, scheduled={"r": 40})
+    )
+    assert saved(meta, 1) and events.saved_pages == []

@@ -139,7 +139,9 @@ class SchedulerSide:
             every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
             cuts = plan.prompt_cuts(len(prompt), self.block_size, every)
             track.swa_pages = {g.index: plan.tail_page_set(cuts, g.tail) for g in self.swa}
-            if self.events is not None and self._announceable(request, items):
+            # A state model's pages resume nothing without their states, which the events do not
+            # carry yet: not announced, so a router never credits a prefix no engine can resume.
+            if self.events is not None and not self.states and self._announceable(request, items):
                 track.block_hashes, track.tokens = request.block_hashes, prompt
             self.tracks[request.request_id] = track
         return track
