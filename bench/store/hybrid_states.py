@@ -223,12 +223,13 @@ RUNS = (  # (label, eviction, admission)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", default="conversation,synthetic")
+    parser.add_argument("--trace-dir", type=Path, default=TRACE_DIR, help="where NAME_trace.jsonl lie")
     parser.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     parser.add_argument("--fraction", type=float, default=0.1, help="capacity / working set")
     parser.add_argument("--state-units", type=float, default=6.0, help="a state's size in pages")
     args = parser.parse_args(argv)
     for name in args.traces.split(","):
-        requests = load_requests(TRACE_DIR / f"{name}_trace.jsonl", args.limit)
+        requests = load_requests(args.trace_dir / f"{name}_trace.jsonl", args.limit)
         capacity = args.fraction * working_set_units(requests, args.state_units)
         print(
             f"{name}: {len(requests)} requests, capacity {capacity:.0f} units "

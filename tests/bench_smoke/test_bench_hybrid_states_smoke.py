@@ -40,7 +40,17 @@ def test_lru_under_pressure_loses_the_state_and_with_it_the_hit():
     assert hs.simulate(requests, 8, "clairvoyant", "every", 6) == pytest.approx(B / (3 * (2 * B + 10)))
 
 
-def test_a_tiny_run_on_the_traces(capsys):
-    assert hs.main(["--limit", "200"]) == 0
+def test_a_tiny_run_on_a_trace_file(tmp_path, capsys):
+    import json
+    import random
+
+    rng = random.Random(5)
+    lines = []
+    for i in range(300):  # a few shared system prompts, then private blocks
+        head = [rng.randrange(4)]
+        chain = head + [1000 + i * 10 + k for k in range(rng.randrange(1, 6))]
+        lines.append(json.dumps({"timestamp": i, "input_length": len(chain) * B - 7, "hash_ids": chain}))
+    (tmp_path / "tiny_trace.jsonl").write_text("\n".join(lines) + "\n")
+    assert hs.main(["--traces", "tiny", "--trace-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "conversation: 200 requests" in out and "of clairvoyant" in out
+    assert "tiny: 300 requests" in out and "of clairvoyant" in out
