@@ -14,3 +14,4 @@ import enum
 class AttentionKind(enum.StrEnum):
     FULL = "full"  # attends to every earlier position: keeps KV for every page
     SWA = "swa"  # sliding window: needs KV only for the window before a position
+    STATE = "state"  # a recurrent layer's state (Mamba, gated delta net): one value per boundary

@@ -166,6 +166,8 @@ def _connector_counters(llm: Any) -> dict[str, Any]:
         side = getattr(conn, "scheduler_side", None)
         if side is not None and side.tags is not None:  # what the workers' handshake named
             out["value_tags"] = {str(g): [side.groups[g].kind, t.tag, t.segments] for g, t in side.tags.items()}
+        if side is not None:
+            out["block_size"] = side.block_size  # hybrids: what vLLM forced it up to
         groups = scheduler.kv_cache_config.kv_cache_groups
         out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
     except Exception as exc:
@@ -271,6 +273,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm.config import KVEventsConfig
 
         mm_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **spec["kv_events"])
+    if spec.get("harness_patches"):  # vllm_hybrid_models: test-harness patches, before the engine starts
+        from gcache.testing.vllm_hybrid_models import apply_harness_patches
+
+        apply_harness_patches(spec["harness_patches"])
+    engine_args = dict(spec.get("engine_args", {}))  # e.g. prefix_cache_retention_interval
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -279,7 +286,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=spec.get("max_model_len", 2048),
-        block_size=BLOCK_SIZE,
+        block_size=engine_args.pop("block_size", BLOCK_SIZE),  # None: vLLM's (hybrids force it up)
         seed=0,
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
         distributed_executor_backend="uni",
@@ -287,6 +294,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kv_transfer_config=kv,
         ec_transfer_config=ec,
         **mm_args,
+        **engine_args,
     )
     init_s = time.perf_counter() - started
     params = SamplingParams(

@@ -36,7 +36,7 @@ PYTHON_LAYERS: list[tuple[list[str], str]] = [
         ],
         "vLLM: moving pages; the L3 events; vLLM's connector-stats contract",
     ),
-    (["gcache.integrations.vllm.kv"], "vLLM's KV connector: its two halves, plan, groups, keys"),
+    (["gcache.integrations.vllm.kv"], "vLLM's KV connector: its two halves, plan, groups (state groups too), keys"),
     (["gcache.integrations.vllm.ec"], "vLLM's encoder-cache connector"),
     (["gcache.integrations.vllm", "gcache.integrations.sglang"], "the vLLM and SGLang adapters' front doors"),
     (["gcache.integrations"], "engine adapters"),

@@ -1,7 +1,7 @@
 """The connector's worker side over vLLM 0.32's own KV views (create_kv_cache_views, what
 allocate_kv_cache calls) on CPU tensors, through a real gcache-server: in each of the six
 KVCacheLayouts, with kernel-block splitting, with two KV cache groups aliasing one allocation
-(the hybrid manager's pools) and with an MLA spec, pages saved from some blocks and loaded
+(the hybrid manager's pools), with an MLA spec and with state (Mamba) layers' raw padded views, pages saved from some blocks and loaded
 into others come back byte-exact, blocks not loaded stay as they were, and the value tag
 names what differs (the page's byte order, the kernel block size)."""
 
@@ -27,6 +27,7 @@ from gcache.integrations.vllm.kv.groups import Group
 from gcache.integrations.vllm.kv.keys import PageKeys
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
 from gcache.integrations.vllm.kv.settings import ConnectorSettings
+from gcache.integrations.vllm.kv.state_groups import StateSpec
 from gcache.integrations.vllm.kv.stats import ConnectorStats
 from gcache.integrations.vllm.kv.worker_side import LayoutError, WorkerSide
 
@@ -170,22 +171,58 @@ def test_values_over_the_value_limit_round_trip_in_segments(server):
     assert LAYERS * spec.page_size_bytes == 4096 and tags[0].segments == 3  # 1500 + 1500 + 1096
 
 
-def test_a_mamba_group_stops_the_start_with_a_message():
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+def test_state_values_round_trip_unpadded_and_leave_the_padding_alone(server):
+    """A state layer as vLLM hands it to a connector: raw int8 [blocks, 1, 1, state bytes] over a
+    page padded up to the attention page. A value holds the unpadded bytes of every layer."""
+    content, padded = 600, 1024
+    raw = torch.zeros(LAYERS * BLOCKS * padded, dtype=torch.int8)
+    names = [f"model.layers.{i}.mixer" for i in range(LAYERS)]
+    views = {
+        n: raw[i * BLOCKS * padded :].as_strided((BLOCKS, 1, 1, content), (padded, content, content, 1))
+        for i, n in enumerate(names)
+    }
+    state = StateSpec("mamba2", ((3, 40), (2, 8, 8)), ("float32", "float32"), "default", "align", 0)
+    group = Group(0, "state", tuple(names), tuple(range(LAYERS)), BLOCK_SIZE, 0, state=state)
+    tags = round_trip(server, [group], {0: views}, raw, {0: [(1, 6), (3, 0)]})
+    assert tags[0].tag.startswith(f"mamba2-b{LAYERS * content}n{LAYERS}-")
+    pads = raw.view(LAYERS * BLOCKS, padded)[:, content:]
+    assert not pads.any()  # the padding was neither stored nor written
 
-    from gcache.integrations.vllm.kv.groups import GroupError, groups_of
 
-    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
-    config = KVCacheConfig(
+def config_with(spec):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
         num_blocks=BLOCKS,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec_full()),
-            KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+            KVCacheGroupSpec(["model.layers.1.mixer"], spec),
         ],
     )
-    with pytest.raises(GroupError, match="KV cache group 1 is MambaSpec; GCacheConnector serves full-attention"):
-        groups_of(config)
+
+
+def test_a_mamba_group_is_a_state_group_keyed_by_its_layout():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from gcache.integrations.vllm.kv.groups import groups_of
+
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((3, 8), (4, 8, 2)), dtypes=(torch.float16, torch.float32))
+    full, state = groups_of(config_with(mamba))
+    assert (full.kind, state.kind) == ("full", "state")
+    assert state.state is not None
+    assert state.state.shapes == ((3, 8), (4, 8, 2)) and state.state.dtypes == ("float16", "float32")
+    assert state.state.state_kind == "mamba2" and state.layer_ids == (1,)
+
+
+def test_a_kind_still_unsupported_stops_the_start_naming_it():
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    from gcache.integrations.vllm.kv.groups import GroupError, groups_of
+
+    cross = CrossAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    with pytest.raises(GroupError, match=r"group 1 is CrossAttentionSpec, which GCacheConnector does not serve"):
+        groups_of(config_with(cross))
 
 
 def test_kv_on_a_device_the_connector_cannot_move_stops_the_start(server):

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from gcache.common.attention import AttentionKind
 from gcache.integrations.common.connect import connect
 from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.guarded_store import GuardedStore
@@ -60,6 +61,17 @@ def _external_hash(h: bytes) -> int | bytes:
     return out
 
 
+def _warn_state_retention(groups: list[Any], vllm_config: VllmConfig) -> None:
+    """vLLM's default prefix_cache_retention_interval (0) keeps, and offers, only a prompt's last
+    boundary state: states reached while decoding are never saved (continuations miss)."""
+    interval = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", None)
+    if interval == 0 and any(g.kind == AttentionKind.STATE for g in groups):
+        log.warning(
+            "GCacheConnector: prefix_cache_retention_interval=0 offers no decode-time Mamba states; "
+            "set it to None so a continuation can hit past its first prompt"
+        )
+
+
 @dataclass
 class GCacheConnectorStats(SummedIntervalStats, KVConnectorStats):
     """Counter changes over an interval (sums when vLLM aggregates workers or intervals)."""
@@ -90,6 +102,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: WorkerSide | None = None
         self.events: L3Events | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _warn_state_retention(self.groups, vllm_config)
             if transfer.kv_load_failure_policy != "recompute":
                 # A cache miss is never a request error: vLLM reads the policy right after
                 # building this connector, so set it here.

@@ -6,7 +6,8 @@ and at the prompt's end (the cut a repeat of the prompt resumes at, (len - 1) //
 and the one a longer prompt resumes at, len // block_size): the checkpoint rule
 (gcache.serving.checkpoints), its points and window tails. Resuming at cut n needs, per
 sliding-window group, the pages of n's window tail (vLLM's cdiv(window - 1, block_size)); a
-hit is the longest cut every group can serve.
+hit is the longest cut every group can serve. A state group (state_groups.py) serves cut n only
+with its state at exactly n (its "page" n - 1): the search runs from the right.
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ def prompt_tail_pages(prompt_len: int, block_size: int, every: int, tail: int) -
     return CheckpointRule(block_size, every).prompt_keep_pages(prompt_len, tail * block_size)
 
 
-def best_cut(local: int, full_end: int, swa: list[tuple[int, list[bool]]]) -> int:
-    """The longest cut n in (local, full_end] that every sliding-window group can serve, or local.
+def best_cut(
+    local: int, full_end: int, swa: list[tuple[int, list[bool]]], states: list[list[bool]] | None = None
+) -> int:
+    """The longest cut n in (local, full_end] that every sliding-window and state group can
+    serve, or local.
 
     swa: per sliding-window group (tail, present) where present[i] says page local + i is
     stored. Pages before `local` are vLLM's own (its local prefix hit), so they count as there.
+    states: per state group, present[i] says its state at cut local + i + 1 is stored.
     """
     for n in range(full_end, local, -1):
-        if all(all(present[p - local] for p in range(max(local, n - tail), n)) for tail, present in swa):
+        if all(present[n - 1 - local] for present in states or ()) and all(
+            all(present[p - local] for p in range(max(local, n - tail), n)) for tail, present in swa
+        ):
             return n
     return local
 

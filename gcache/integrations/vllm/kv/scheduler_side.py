@@ -6,7 +6,9 @@ be stored (one batch_exists_prefix over every rank and segment of their values),
 sliding-window group must hold the window tail before the cut (plan.best_cut). Saves cover
 the prompt's pages as the forward computes them (chunk by chunk under chunked prefill);
 sliding-window groups save only checkpoint tails (plan.prompt_tail_pages), in the step that
-computes them, before vLLM frees out-of-window blocks.
+computes them, before vLLM frees out-of-window blocks. State groups (state_groups.py) save
+the boundary states vLLM offers, prompt and decode alike (with the attention pages up to the
+furthest one), and a hit needs every state group's state at exactly the cut.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from typing import TYPE_CHECKING
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events.source import L3EventSource, Page
 from gcache.integrations.vllm.kv import plan
-from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes
+from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes, salt_hash
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.integrations.vllm.kv.state_groups import (
+    StateOffer,
+    admitted,
+    boundary_offers,
+    extend_hashes,
+    why_not_served,
+)
 from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
@@ -39,6 +48,7 @@ if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv
 
 log = logging.getLogger("gcache.integrations.vllm")
 NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
+UNPLACED = -1  # a state load's block when vLLM gave none: the worker fails that load
 TRACKED_MAX = 65536  # requests tracked at once; beyond that new ones are neither loaded nor saved
 
 
@@ -58,6 +68,15 @@ class Track:
     # the request's lists, not copies); None when its pages are not announced.
     block_hashes: Sequence[bytes] | None = None
     tokens: Sequence[int] = ()
+    # State groups: the request's tokens so far (vLLM's growing list, not a copy), to extend
+    # `hashes` past the prompt for decode-time states; the pages up to the furthest state offered.
+    all_tokens: Sequence[int] = ()
+    seed: str | None = None  # the chain's seed (cache salt)
+    cache_salt: str | None = None
+    items: tuple[MMItem, ...] = ()
+    state_upto: int = 0
+    state_boundaries: int = 0  # boundaries whose states were planned for saving (bounded per request)
+    branch: int = 0  # the end of the stored prefix its lookup found, in pages (a prefix seen before)
 
 
 class SchedulerSide:
@@ -76,8 +95,13 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.groups = groups
-        self.full = [g for g in groups if g.kind != AttentionKind.SWA]
+        self.full = [g for g in groups if g.kind == AttentionKind.FULL]
         self.swa = [g for g in groups if g.kind == AttentionKind.SWA]
+        self.states = [g for g in groups if g.kind == AttentionKind.STATE]
+        why = why_not_served([g.state for g in self.states if g.state is not None])
+        if why:
+            log.warning("GCacheConnector: %s; nothing is loaded or saved", why)
+            load = save = False
         self.block_size = groups[0].block_size
         self.rank_keys = rank_keys
         self.tags: dict[int, GroupTag] | None = None  # group index -> GroupTag, from the workers' handshake
@@ -108,11 +132,17 @@ class SchedulerSide:
             ]
             hashes = prompt_page_hashes(prompt, self.block_size, getattr(request, "cache_salt", None), items)
             track = Track(prompt_len=len(prompt), hashes=hashes)
+            if self.states:
+                track.all_tokens = getattr(request, "all_token_ids", prompt)
+                track.cache_salt = getattr(request, "cache_salt", None)
+                track.seed, track.items = salt_hash(track.cache_salt), tuple(items)
             every = 1 if self.settings.swa_every_page else self.settings.checkpoint_pages
             track.swa_pages = {
                 g.index: plan.prompt_tail_pages(len(prompt), self.block_size, every, g.tail) for g in self.swa
             }
-            if self.events is not None and self._announceable(request, items):
+            # A state model's pages resume nothing without their states, which the events do not
+            # carry yet: not announced, so a router never credits a prefix no engine can resume.
+            if self.events is not None and not self.states and self._announceable(request, items):
                 track.block_hashes, track.tokens = request.block_hashes, prompt
             self.tracks[request.request_id] = track
         return track
@@ -203,10 +233,11 @@ class SchedulerSide:
                 gone.append((group, local + found // per_page))
             full_end = local + found // per_page
         swa: list[tuple[int, list[bool]]] = []
-        if self.swa and full_end > local:
+        states: list[list[bool]] = []
+        if (self.swa or self.states) and full_end > local:
             asks: list[bytes] = []
             spans: list[tuple[Group, int, int, int]] = []
-            for group in self.swa:
+            for group in self.swa + self.states:  # a state "page" p: the state at cut p + 1
                 keys = self._keys(track.hashes[local:full_end], group)
                 spans.append((group, len(asks), len(keys), self._per_page(group)))
                 asks += keys
@@ -214,21 +245,31 @@ class SchedulerSide:
             for group, at, n, per_page in spans:
                 page_flags = flags[at : at + n]
                 present = [all(page_flags[i : i + per_page]) for i in range(0, n, per_page)]
+                if group.kind == AttentionKind.STATE:
+                    states.append(present)
+                    continue
                 swa.append((group.tail, present))
                 wanted = track.swa_pages.get(group.index, set())
                 gone += [(group, local + i) for i, there in enumerate(present) if not there and local + i in wanted]
+        elif self.states:
+            states = [[] for _ in self.states]  # nothing to serve past vLLM's own hit
         self._missing(track, gone)
-        end = plan.best_cut(local, full_end, swa)
+        track.branch = full_end
+        end = plan.best_cut(local, full_end, swa, states)
         self.stats.count("lookup_s", time.perf_counter() - start)
         if end <= local:
             track.hit = None
             return 0, False
         track.hit = (local, end)
         tokens = end * bs - num_computed_tokens
-        # vLLM reports per-block load errors only for one KV cache group; hybrid models load
-        # between steps, where a failure recomputes the request.
-        asynchronous = len(self.groups) > 1 or tokens >= self.settings.async_load_min_tokens
-        return tokens, asynchronous
+        return tokens, self.loads_asynchronously(tokens)
+
+    def loads_asynchronously(self, tokens: int) -> bool:
+        """Whether a hit of `tokens` loads between steps. vLLM reports per-block load errors only
+        for one KV cache group: hybrid models load between steps, where a failure recomputes the
+        request. State groups must: a state loaded in start_load_kv lands after vLLM copied the
+        not-yet-loaded boundary slot into the running slot (wrong outputs)."""
+        return bool(self.states) or len(self.groups) > 1 or tokens >= self.settings.async_load_min_tokens
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         track = self.tracks.get(request.request_id)
@@ -245,11 +286,16 @@ class SchedulerSide:
         pages = []
         for group in self.groups:
             row = blocks.blocks[group.index]
+            if group.kind == AttentionKind.STATE:  # the state at the cut, into its boundary slot
+                last = row[end - 1] if end - 1 < len(row) else None
+                block_id = UNPLACED if last is None or last.is_null else last.block_id
+                pages.append(PageRef(group.index, track.hashes[end - 1], block_id))
+                continue
             for p in range(local, end):
                 block = row[p]
                 if not block.is_null:  # a sliding-window group gets only the window tail
                     pages.append(PageRef(group.index, track.hashes[p], block.block_id))
-        asynchronous = len(self.groups) > 1 or num_external_tokens >= self.settings.async_load_min_tokens
+        asynchronous = self.loads_asynchronously(num_external_tokens)
         self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous))
         track.loading = frozenset(p.block_id for p in pages)
         self.stats.count("hit_tokens", num_external_tokens)
@@ -257,36 +303,74 @@ class SchedulerSide:
 
     # -- steps --------------------------------------------------------------------------
 
-    def _plan_saves(self, req_id: str, track: Track, computed_after: int) -> SaveSpec | None:
-        done = min(computed_after, track.prompt_len) // self.block_size
-        if not self.save or self.tags is None or done <= track.saved_upto:
+    def _plan_saves(
+        self, req_id: str, track: Track, computed_after: int, states: Sequence[PageRef] = ()
+    ) -> SaveSpec | None:
+        # Attention pages: the prompt's, and past it up to the furthest boundary state offered.
+        limit = max(track.prompt_len, track.state_upto * self.block_size)
+        done = min(computed_after, limit) // self.block_size
+        if not self.save or self.tags is None or (done <= track.saved_upto and not states):
             return None
-        pages = []
+        pages = list(states)
         page_nos: list[int] = []
-        for group in self.groups:
+        for group in self.full + self.swa:  # never a state group's positional table
             row = track.block_ids[group.index] if group.index < len(track.block_ids) else []
             wanted = None if group.kind != AttentionKind.SWA else track.swa_pages[group.index]
             for p in range(track.saved_upto, min(done, len(row))):
                 if (wanted is None or p in wanted) and row[p] != NULL_BLOCK:
                     pages.append(PageRef(group.index, track.hashes[p], row[p]))
                     page_nos.append(p)
-        track.saved_upto = done
+        track.saved_upto = max(track.saved_upto, done)
         if not pages:
             return None
-        if self.events is not None and track.block_hashes is not None:
-            self.events.saved(self._event_pages(track, [(self.groups[r.group], p) for r, p in zip(pages, page_nos)]))
+        if self.events is not None and track.block_hashes is not None and page_nos:
+            attention = pages[len(states) :]
+            self.events.saved(
+                self._event_pages(track, [(self.groups[r.group], p) for r, p in zip(attention, page_nos)])
+            )
         self.saving.add(req_id)
         return SaveSpec(req_id, tuple(pages))
 
+    def _state_saves(self, track: Track, offers: list[StateOffer]) -> list[PageRef]:
+        """The boundary states vLLM offers this step, as pages to save (their hashes extended
+        past the prompt for decode-time states)."""
+        if not self.save or self.tags is None:
+            return []
+        offers = admitted(offers, self.settings.state_admission, track.prompt_len, self.block_size, track.branch)
+        if not offers:
+            return []
+        room = self.settings.state_boundaries_max - track.state_boundaries
+        boundaries = sorted({o.page for o in offers})
+        if len(boundaries) > room:  # the per-request bound: the earliest boundaries are kept
+            kept = set(boundaries[: max(0, room)])
+            self.stats.count("state_values_over_bound", sum(o.page not in kept for o in offers))
+            offers = [o for o in offers if o.page in kept]
+            if not offers:
+                return []
+        furthest = max(o.page for o in offers) + 1
+        rehash = None
+        if track.items:
+            salt, items = track.cache_salt, track.items
+            rehash = lambda tokens: prompt_page_hashes(tokens, self.block_size, salt, items)  # noqa: E731
+        if not extend_hashes(track.hashes, track.all_tokens, furthest, self.block_size, track.seed, rehash):
+            return []
+        track.state_upto = max(track.state_upto, furthest)
+        track.state_boundaries += len({o.page for o in offers})
+        self.stats.count("state_values_offered", len(offers))
+        return [PageRef(o.group, track.hashes[o.page], o.block_id) for o in offers]
+
     def build_meta(self, out: SchedulerOutput) -> GCacheConnectorMetadata:
         saves = []
+        offers = boundary_offers(out, {g.index for g in self.states}, self.block_size) if self.states else {}
         for new in out.scheduled_new_reqs:
             track = self.tracks.get(new.req_id)
             if track is None:
                 continue
             track.block_ids = [list(ids) for ids in new.block_ids]
             track.saved_upto = new.num_computed_tokens // self.block_size  # hits are stored already
-            spec = self._plan_saves(new.req_id, track, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+            states = self._state_saves(track, offers.pop(new.req_id)) if new.req_id in offers else []
+            computed = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+            spec = self._plan_saves(new.req_id, track, computed, states)
             if spec:
                 saves.append(spec)
         cached = out.scheduled_cached_reqs
@@ -301,7 +385,15 @@ class SchedulerSide:
             elif new_ids is not None:
                 for group, ids in enumerate(new_ids):
                     track.block_ids[group].extend(ids)
-            spec = self._plan_saves(req_id, track, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+            states = self._state_saves(track, offers.pop(req_id)) if req_id in offers else []
+            computed = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
+            spec = self._plan_saves(req_id, track, computed, states)
+            if spec:
+                saves.append(spec)
+        for req_id, left in offers.items():  # offered for a request not scheduled this step
+            track = self.tracks.get(req_id)
+            states = self._state_saves(track, left) if track is not None else []
+            spec = self._plan_saves(req_id, track, 0, states) if track is not None and states else None
             if spec:
                 saves.append(spec)
         loads, self.pending_loads = self.pending_loads, []

@@ -13,6 +13,7 @@ from typing import Any
 
 from gcache.integrations.common.extra_config import URL_ENV, ExtraConfig, SettingsError
 from gcache.integrations.common.store_settings import STORE_KEYS, StoreSettings
+from gcache.integrations.vllm.kv.state_groups import ADMISSIONS
 
 __all__ = ["URL_ENV", "ConnectorSettings", "SettingsError", "LAYOUTS"]
 
@@ -37,6 +38,8 @@ class ConnectorSettings(StoreSettings):
     save_queue_jobs_max: int = 64  # steps whose puts wait; beyond: that step's saves are dropped
     load_queue_jobs_max: int = 256  # async loads waiting
     async_load_min_tokens: int = 512  # hits this long load between steps; shorter ones in the step
+    state_boundaries_max: int = 64  # boundary states saved per request (hybrids); later offers dropped
+    state_admission: str = "offered"  # which offered states to save: "offered" (all) or "ends"
     # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
     kv_events_endpoint: str | None = None  # e.g. "ipc:///tmp/gcache-l3.kv" (binds, host only); None: no events
     kv_events_topic: str | None = None  # default kv@<pod>@<model>
@@ -55,6 +58,8 @@ class ConnectorSettings(StoreSettings):
         "gcache_save_queue_jobs_max",
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
+        "gcache_state_boundaries_max",
+        "gcache_state_admission",
         "gcache_kv_events_endpoint",
         "gcache_kv_events_topic",
         "gcache_kv_events_pod",
@@ -76,6 +81,11 @@ class ConnectorSettings(StoreSettings):
         layout = extra.extra.get("gcache_layout", cls.layout)
         if layout not in LAYOUTS:
             raise SettingsError(f"kv_connector_extra_config['gcache_layout'] must be one of {LAYOUTS}, got {layout!r}")
+        admission = extra.extra.get("gcache_state_admission", cls.state_admission)
+        if admission not in ADMISSIONS:
+            raise SettingsError(
+                f"kv_connector_extra_config['gcache_state_admission'] must be one of {ADMISSIONS}, got {admission!r}"
+            )
         endpoint = extra.name("gcache_kv_events_endpoint")
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise SettingsError(
@@ -93,6 +103,8 @@ class ConnectorSettings(StoreSettings):
             save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
             load_queue_jobs_max=extra.integer("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16),
             async_load_min_tokens=extra.integer("gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30),
+            state_admission=admission,
+            state_boundaries_max=extra.integer("gcache_state_boundaries_max", cls.state_boundaries_max, 0, 1 << 20),
             kv_events_endpoint=endpoint,
             kv_events_topic=extra.name("gcache_kv_events_topic"),
             kv_events_pod=extra.name("gcache_kv_events_pod"),

@@ -25,6 +25,9 @@ COUNTERS = (
     "save_pages_dropped",  # the put queue was full
     "save_pages_dropped_staging",  # no free save slots
     "swa_values_saved",
+    "state_values_offered",  # boundary states vLLM offered that the scheduler planned to save
+    "state_values_queued",  # ...that the worker queued for the store
+    "state_values_over_bound",  # offered past a request's gcache_state_boundaries_max: not saved
     "store_errors",
     "calls_while_suspect",
     "corrupt_values_removed",  # values that failed their checksum, removed from the store

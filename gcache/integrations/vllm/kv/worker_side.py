@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys, mla_writer, value_tag
+from gcache.integrations.vllm.kv.state_groups import state_tag
 from gcache.integrations.vllm.transfer.page_runs import PageRunsError, page_runs
 from gcache.integrations.vllm.transfer.staging import StagingPool
 from gcache.integrations.vllm.transfer.transfers import Page, Transfers
@@ -74,6 +75,8 @@ def group_values(
     layers = [
         (group.layer_ids[i], [(int(o), int(n)) for o, n in zip(runs[i].offsets, runs[i].lengths)]) for i in values.kept
     ]
+    if group.state is not None:  # raw state bytes: the tag names what they depend on
+        return values, GroupTag(state_tag(group.state, values, layers), values.segments)
     tag = value_tag(
         first.order,
         first.kernel_block_size,
@@ -111,6 +114,7 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.async_done: set[str] = set()
         self.async_failed: set[str] = set()
+        self.has_state = any(g.kind == AttentionKind.STATE for g in groups)
 
     # -- registration -------------------------------------------------------------------
 
@@ -183,6 +187,10 @@ class WorkerSide:
                 log.error("GCache connector: load of %s refused: %s", spec.req_id, exc)
                 self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages})
                 continue
+            if any(r.block_id < 0 for r in spec.pages):  # a state vLLM gave no slot for: recompute
+                log.error("GCache connector: load of %s has a state without a block; not loaded", spec.req_id)
+                self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages if r.block_id >= 0})
+                continue
             if spec.asynchronous:
                 self._transfers().load_later(spec.req_id, pages)
             else:
@@ -196,7 +204,7 @@ class WorkerSide:
     def _failed(self, req_id: str, asynchronous: bool, blocks: set[int]) -> None:
         if asynchronous:
             self.async_done.add(req_id)
-            if len(self.groups) > 1:  # vLLM reports block errors of one group only: recompute the request
+            if len(self.groups) > 1 or self.has_state:  # block errors of one group only: recompute the request
                 self.async_failed.add(req_id)
             else:
                 self.load_errors |= blocks
@@ -207,15 +215,19 @@ class WorkerSide:
         """After the step's forward was queued (wait_for_save): this step's pages to the store."""
         pages: list[Page] = []
         req_ids: list[str] = []
-        swa = False
+        reused = False
+        states = 0
         for spec in meta.saves:
             self.saving.add(spec.req_id)
             refs = [r for r in spec.pages if self._writes(r)]
             pages += self._pages(refs)
             req_ids += [spec.req_id] * len(refs)
-            swa = swa or any(self.groups[r.group].kind == AttentionKind.SWA for r in refs)
-        # Sliding-window blocks leave the window and go back to vLLM's pool after this step.
-        self._transfers().save(pages, req_ids, reused_next_step=swa)
+            reused = reused or any(self.groups[r.group].kind != AttentionKind.FULL for r in refs)
+            states += sum(self.groups[r.group].kind == AttentionKind.STATE for r in refs)
+        self.stats.count("state_values_queued", states)
+        # Sliding-window blocks leave the window and go back to vLLM's pool after this step; an
+        # offered boundary state's bytes are guaranteed only until the end of this step.
+        self._transfers().save(pages, req_ids, reused_next_step=reused)
 
     def preempted(self, meta: GCacheConnectorMetadata) -> None:
         if meta.preempted:  # their blocks are freed and reused from this step on
