@@ -121,11 +121,17 @@ class Prefetcher:
         return handed
 
     def cancel(self, req_id: str) -> None:
-        """The request finished, was aborted or gave its prefetch up: its slots go back (now,
-        or when its read returns)."""
+        """The request finished, was aborted, or its prefetch took too long: its slots go back
+        (now, or when its read returns)."""
+        if self.drop(req_id):
+            self.stats.count("prefetch_cancelled")
+
+    def drop(self, req_id: str) -> bool:
+        """cancel() without counting it (a prefetch that found nothing to load); False when
+        the request had none."""
         entry = self.entries.pop(req_id, None)
         if entry is None:
-            return
+            return False
         spare: list[int] = []
         with self._lock:
             entry.cancelled = True
@@ -134,7 +140,7 @@ class Prefetcher:
                 entry.slots = [[] for _ in entry.slots]
         if spare:
             self.pool.give_back(spare)
-        self.stats.count("prefetch_cancelled")
+        return True
 
     def give_back(self, slots: list[int]) -> None:
         """A load's slots, once the worker's copy from them completed (any thread)."""

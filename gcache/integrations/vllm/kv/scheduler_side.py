@@ -193,6 +193,7 @@ class SchedulerSide:
             return
         self.tags = dict(tags[0])
         log.info("GCacheConnector scheduler: value tags %s", self.tags)
+        self._prefetch()  # its staging is allocated (and faulted in) now, not by the first request
 
     def _tag(self, group: Group) -> GroupTag:
         if self.tags is None:
@@ -267,9 +268,11 @@ class SchedulerSide:
                 prefetcher.cancel(req_id)  # the store is slow: recomputed, never looked up again now
                 self.stats.count("prefetch_timeouts")
                 return 0, False
+        if entry.staged_end < most:  # the first page it could not read (KV events withdraw it)
+            self._missing(track, [(g, entry.staged_end) for g in self.full])
         end = min(entry.staged_end, most)
         if end <= local:
-            prefetcher.cancel(req_id)
+            prefetcher.drop(req_id)  # nothing staged past vLLM's own pages: a miss
             return 0, False
         track.staged = True
         return end, False
@@ -353,7 +356,7 @@ class SchedulerSide:
         track = self.tracks.get(request.request_id)
         if track is None or num_external_tokens <= 0 or track.hit is None:
             if self.prefetcher is not None:  # no load: its staging goes back
-                self.prefetcher.cancel(request.request_id)
+                self.prefetcher.drop(request.request_id)
             return
         local, end = track.hit
         track.hit = None
@@ -451,7 +454,7 @@ class SchedulerSide:
             loads=loads,
             saves=saves,
             preempted=preempted,
-            idle=out.total_num_scheduled_tokens == 0,
+            idle=not any(out.num_scheduled_tokens.values()),
         )
 
     def worker_output(self, output: KVConnectorOutput) -> None:
