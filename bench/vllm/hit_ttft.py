@@ -2,6 +2,7 @@
 decoding while the hit arrives): what the connector's load path and its sync/async choice cost.
 
     .venv-vllm/bin/python -m bench.vllm.hit_ttft [--tokens 1024 4096] [--rounds 3] [--repeats 4]
+        [--extra gcache_prefetch=false,gcache_async_load_min_tokens=512]
 
 Engine A stores each prompt once; then, in interleaved rounds, a fresh engine B per cell runs
 the prompt `repeats` times (vLLM's own prefix cache reset between them, so every run is a
@@ -15,6 +16,7 @@ WAITING_FOR_REMOTE_KVS, step times with and without loads).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -39,9 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--extra", default="", help="extra kv_connector_extra_config, k=v,k=v (ints)")
+    ap.add_argument("--extra", default="", help="extra kv_connector_extra_config, k=v,k=v (v as JSON)")
     args = ap.parse_args(argv)
-    extra = {k: int(v) for k, v in (kv.split("=") for kv in args.extra.split(",") if kv)}
+    extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.extra.split(",") if kv)}
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-hit-", dir=os.environ.get("GCACHE_BENCH_DIR")))
     model = write_model("llama", work / "llama", layers=args.layers, **MODEL)
     top = max(args.tokens)
