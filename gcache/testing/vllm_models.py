@@ -8,7 +8,10 @@ layer sliding, window 32); "llava" is vllm_mm.write_llava (a tiny multimodal mod
 `python -m gcache.testing.vllm_models SPEC.json OUT.json` runs one engine process
 (single-process mode, loopback only) over the spec's prompts and writes tokens, logprobs,
 cached-token counts and the connectors' counters (the KV connector's and the encoder
-cache's: a spec may configure either or both).
+cache's: a spec may configure either or both). A spec with "busy" ({"count", "tokens",
+"max_tokens", "warm_steps", "seed"}) times each prompt while that many other requests decode;
+"together": true runs all prompts in one generate call (a small KV cache preempts some);
+"abort_prompts": [i, ...] adds prompt i and aborts it at once (its result: {"aborted": true}).
 
 Multimodal specs ("mm": true) have prompts {"text": "w1 <image> w2", "images": [IMAGE...]}
 (IMAGE: {"seed": s} noise from vllm_mm.image, or {"file": path} a PIL image read from a
@@ -238,6 +241,58 @@ def _mm_request(llm: Any, prompt: dict[str, Any], params: Any, spec: dict[str, A
     return llm.generate([request], params, use_tqdm=False)
 
 
+BUSY_STEPS_MAX = 100_000  # a busy run's steps at most (each background request decodes its tokens)
+
+
+def _generate_busy(llm: Any, prompt: list[int], params: Any, busy: dict[str, Any], tag: str) -> tuple[Any, float]:
+    """One prompt while busy["count"] other requests decode: they are added and stepped
+    busy["warm_steps"] times (prefilled, decoding) first; the prompt's seconds run from its
+    arrival to its output. The background requests are aborted after it (bounded steps)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    background = SamplingParams(temperature=0, max_tokens=busy.get("max_tokens", 1024), ignore_eos=True)
+    ids = [f"busy-{tag}-{i}" for i in range(busy.get("count", 8))]
+    seed = busy.get("seed", 1000)
+    for i, rid in enumerate(ids):
+        engine.add_request(
+            rid, TokensPrompt(prompt_token_ids=prompt_tokens(busy.get("tokens", 64), seed + i)), background
+        )
+    for _ in range(busy.get("warm_steps", 4)):
+        engine.step()
+    hit_id = f"hit-{tag}"
+    t0 = time.perf_counter()
+    engine.add_request(hit_id, TokensPrompt(prompt_token_ids=prompt), params)
+    out = None
+    for _ in range(BUSY_STEPS_MAX):
+        for o in engine.step():
+            if o.request_id == hit_id and o.finished:
+                out = o
+        if out is not None:
+            break
+    seconds = time.perf_counter() - t0
+    if out is None:
+        raise RuntimeError(f"the prompt did not finish in {BUSY_STEPS_MAX} steps")
+    engine.abort_request(ids)
+    for _ in range(BUSY_STEPS_MAX):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return out, seconds
+
+
+def _result(out: Any, seconds: float) -> dict[str, Any]:  # out: vllm.RequestOutput
+    comp = out.outputs[0]
+    return dict(
+        tokens=list(comp.token_ids),
+        logprobs=[sorted([[int(t), float(lp.logprob)] for t, lp in step.items()]) for step in (comp.logprobs or [])],
+        num_cached_tokens=int(out.num_cached_tokens or 0),
+        num_prompt_tokens=len(out.prompt_token_ids or ()),
+        seconds=seconds,
+    )
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine over spec["prompts"] (one generate call each, in order)."""
     from vllm import LLM, SamplingParams
@@ -302,6 +357,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     results = []
     gates = set(spec.get("gates", ()))
+    if spec.get("together"):  # one batch: the engine schedules them side by side
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        results = [_result(out, seconds) for out in outs]
+        _flush_saves()
+        return dict(results=results, init_s=init_s, counters=_connector_counters(llm))
+    aborted = set(spec.get("abort_prompts", ()))
     for i, prompt in enumerate(spec["prompts"]):
         if i in gates:
             _gate(Path(spec["gate_dir"]), i)
@@ -309,24 +372,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             _reset_prefix_cache(llm)
             if mm:  # nor its encoder cache
                 _reset_encoder_cache(llm)
+        if i in aborted:  # arrives (the connector's on_new_request) and is aborted before a step
+            llm.llm_engine.add_request(f"aborted-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+            llm.llm_engine.abort_request([f"aborted-{i}"])
+            results.append(dict(aborted=True))
+            continue
         t0 = time.perf_counter()
-        if mm:
+        if spec.get("busy"):  # other requests decode while this prompt arrives
+            out, seconds = _generate_busy(
+                llm, prompt, params, dict(spec["busy"], seed=spec["busy"].get("seed", 1000) + 100 * i), str(i)
+            )
+        elif mm:
             (out,) = _mm_request(llm, prompt, params, spec)
+            seconds = time.perf_counter() - t0
         else:
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        comp = out.outputs[0]
-        results.append(
-            dict(
-                tokens=list(comp.token_ids),
-                logprobs=[
-                    sorted([[int(t), float(lp.logprob)] for t, lp in step.items()]) for step in (comp.logprobs or [])
-                ],
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                num_prompt_tokens=len(out.prompt_token_ids or ()),
-                seconds=seconds,
-            )
-        )
+            seconds = time.perf_counter() - t0
+        results.append(_result(out, seconds))
         if ec is not None:  # per prompt, after its saves landed: what the encoder cache did (cumulative)
             _flush_saves()
             results[-1]["ec"] = _ec_counters(llm)

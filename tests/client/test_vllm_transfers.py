@@ -26,7 +26,7 @@ from gcache.integrations.vllm.kv.stats import ConnectorStats
 from gcache.integrations.vllm.transfer.movers.stand_in import StandInDevice
 from gcache.integrations.vllm.transfer.page_runs import page_runs
 from gcache.integrations.vllm.transfer.staging import StagingPool
-from gcache.integrations.vllm.transfer.transfers import Page, Transfers
+from gcache.integrations.vllm.transfer.transfers import Page, Staged, Transfers
 from gcache.integrations.vllm.transfer.values import GroupValues
 from tests.unit.test_vllm_page_runs_unit import View
 
@@ -221,6 +221,60 @@ def test_a_sync_load_lands_before_the_forward_reads(rig):
     rig.device.launch(rig.device.compute, lambda: seen.append(int(rig.kv[:, 11].min())))  # the forward
     rig.device.run_all(rig.device.compute)
     assert seen == [21]
+
+
+def _staged(rig, fills: list[int]):
+    """Values a prefetch read already: slots of the rig's save pool filled as pages, and a
+    release that records when it ran (the slots must outlive the copy from them)."""
+    slots = rig.t.save_pool.take(len(fills))
+    addresses = rig.t.save_pool.addresses(slots)
+    for fill, address in zip(fills, addresses):
+        at = int(address) - rig.t.save_pool.base
+        rig.t.save_pool.memory[at : at + rig.values.value_bytes] = bytes([fill]) * rig.values.value_bytes
+    released = []
+    return Staged(addresses, lambda: released.append(slots)), released
+
+
+def test_a_staged_sync_load_lands_before_the_forward_and_releases_after_its_copy(rig):
+    staged, released = _staged(rig, [41, 42])
+    rig.write(5, 0)  # vLLM's queued work on the blocks, before the load
+    rig.write(6, 0)
+    rig.t.load_staged_now([Page(0, [], 5), Page(0, [], 6)], staged)
+    assert released == []  # the copy is queued, not run: the slots are still read from
+    seen = []
+    rig.device.launch(rig.device.compute, lambda: seen.append((int(rig.kv[:, 5].min()), int(rig.kv[:, 6].max()))))
+    rig.device.run_all(rig.device.compute)
+    assert seen == [(41, 42)]
+    rig.t.take_loaded()  # the next step reaps landed copies
+    assert len(released) == 1
+    assert rig.stats.snapshot()["staged_values_loaded"] == 2
+
+
+def test_a_staged_async_load_reports_done_after_its_copy_and_releases(rig):
+    staged, released = _staged(rig, [51])
+    rig.write(7, 0)
+    rig.t.load_later("req", [Page(0, [], 7)], staged)
+    rig.t.wait_loaded(WAIT_S)
+    assert _loaded(rig) == [("req", set())]
+    assert len(released) == 1
+    rig.device.run_all(rig.device.compute)
+    assert rig.kv[:, 7].min() == rig.kv[:, 7].max() == 51
+
+
+def test_a_sync_load_larger_than_half_the_pool_goes_in_chunks(server):
+    rig = Rig(server, slots=4)  # 2 slots per chunk
+    try:
+        fills = {b: 60 + b for b in range(1, 5)}
+        pages = _stored_pages(rig, fills)
+        rig.device.run_all(rig.device.compute)
+        targets = [Page(0, p.keys, 10 + i) for i, p in enumerate(pages)]
+        assert rig.t.load_now(targets) == set()
+        rig.device.run_all(rig.device.compute)
+        assert [int(rig.kv[:, 10 + i].min()) for i in range(4)] == [61, 62, 63, 64]
+        rig.t.take_loaded()
+        assert rig.t.load_pool.free_slots() == rig.t.load_pool.slot_count
+    finally:
+        rig.close()
 
 
 def test_missing_and_short_values_fail_their_blocks_and_leave_them_untouched(rig):

@@ -1,9 +1,9 @@
 """GCacheConnector in a real vLLM engine, Llama-style model (one full-attention KV group).
 
 One store, then fresh engine processes in turn: a connector-less baseline, A (cold: saves),
-another model (never hits A's pages), and B, which serves four prompts and between them has
-the store changed under it: a page's bytes flipped in the server's memory, a middle page
-removed, the server killed. B's every output equals the baseline's exactly (tokens and
+another model (never hits A's pages), and B (prefetch off: the worker reads the store),
+which serves four prompts and between them has the store changed under it: a page's bytes
+flipped in the server's memory, a middle page removed, the server killed. B's every output equals the baseline's exactly (tokens and
 top-3 logprobs); only its hit counts differ.
 """
 
@@ -45,7 +45,11 @@ def runs(models, tmp_path_factory):
             out["stored"] = client.batch_is_exist(
                 [k for p in (P1, P2, P3, P4) for ks in page_keys(model, p, tags) for k in ks]
             )
-        spec = dict(gcache_spec(model, url, [P1 + S1, P2, P3, P4], gcache_suspect_s=600), gates=[1, 2, 3])
+        # The lookup-and-load path (the worker reads the store); test_vllm_prefetch.py runs the
+        # prefetch path, which reads the store when a request arrives.
+        spec = dict(
+            gcache_spec(model, url, [P1 + S1, P2, P3, P4], gcache_suspect_s=600, gcache_prefetch=False), gates=[1, 2, 3]
+        )
         b = EngineRun(spec, work / "b")
         try:
             b.wait_gate(1)

@@ -31,6 +31,7 @@ from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.guarded_store import GuardedStore
 from gcache.integrations.vllm.events.setup import L3Events, l3_events
 from gcache.integrations.vllm.interval_stats import SummedIntervalStats
+from gcache.integrations.vllm.kv import link
 from gcache.integrations.vllm.kv.groups import groups_of, required
 from gcache.integrations.vllm.kv.keys import PageKeys, rank_keys
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, GCacheHandshake
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # vLLM's and torch's types: Any to the type check (not instal
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -101,6 +103,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self.events: L3Events | None = None
+        self.block_pool: BlockPool | None = None  # vLLM's, on the scheduler side (prefetch skips what it holds)
+        engine_id = str(transfer.engine_id)  # the same for both halves of one engine
         if role == KVConnectorRole.SCHEDULER:
             _warn_state_retention(self.groups, vllm_config)
             if transfer.kv_load_failure_policy != "recompute":
@@ -119,6 +123,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 save=transfer.is_kv_producer,
                 events=self.events.source if self.events is not None else None,
                 hash_of=_external_hash,
+                find_link=lambda: link.find(engine_id),
+                register_buffer=self.client.register_buffer,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -126,7 +132,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
             keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
             self.worker_side = WorkerSide(
-                self.settings, self.groups, keys, self.client, self.store, self.stats, config.num_blocks
+                self.settings, self.groups, keys, self.client, self.store, self.stats, config.num_blocks, engine_id
             )
         log.info(
             "GCacheConnector (%s): store %s, groups %s, keys ...%s",
@@ -151,7 +157,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: a dropped save is a later miss
 
     def counters(self) -> dict[str, float]:
-        return self.stats.snapshot()
+        gauges = self.scheduler_side.gauges() if self.scheduler_side is not None else {}
+        return {**self.stats.snapshot(), **gauges}
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Worker side: waits (bounded) for every queued save; True when all were written.
@@ -170,8 +177,31 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ----------------------------------------------------------------
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.block_pool = gpu_block_pool
+
+    def on_new_request(self, request: Request) -> None:
+        """The earliest hook: the prefix's read starts now, past what vLLM holds itself."""
+        self._safely("arrival", None, self._scheduler().arrived, request, self._local_pages(request))
+
+    def _local_pages(self, request: Request) -> int:
+        """Leading prompt pages vLLM's own prefix cache holds for every group (0 when its
+        block hashes are not one per page)."""
+        pool, hashes = self.block_pool, getattr(request, "block_hashes", None)
+        block_size = self.groups[0].block_size
+        if pool is None or not isinstance(hashes, list) or len(hashes) != request.num_tokens // block_size:
+            return 0
+        group_ids = [g.index for g in self.groups]
+        pages = 0
+        for h in hashes:
+            if pool.get_cached_block(h, group_ids) is None:
+                break
+            pages += 1
+        return pages
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._safely("lookup", (0, False), self._scheduler().matched_tokens, request, num_computed_tokens)
+        miss: tuple[int | None, bool] = (0, False)
+        return self._safely("lookup", miss, self._scheduler().matched_tokens, request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # A failure here would leave vLLM waiting for tokens nobody loads: plan no load, and
@@ -198,11 +228,15 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().register(kv_caches)  # a layout we cannot address fails the start
 
     def get_handshake_metadata(self) -> GCacheHandshake | None:
-        return GCacheHandshake(self.worker_side.handshake()) if self.worker_side is not None else None
+        side = self.worker_side
+        return GCacheHandshake(side.handshake(), dict(side.value_bytes)) if side is not None else None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self.scheduler_side is not None:
             tags = {rank: m.tags for rank, m in metadata.items() if isinstance(m, GCacheHandshake)}
+            for m in metadata.values():
+                if isinstance(m, GCacheHandshake):
+                    self.scheduler_side.value_bytes = dict(m.value_bytes)
             self.scheduler_side.set_tags(tags)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -230,7 +264,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         nothing: tuple[set[str], set[str], set[str]] = (set(), set(), set())
-        sent, recving, failed = self._safely("results", nothing, self._worker().transfer_results, finished_req_ids)
+        meta = self._connector_metadata
+        idle = isinstance(meta, GCacheConnectorMetadata) and meta.idle
+        sent, recving, failed = self._safely(
+            "results", nothing, self._worker().transfer_results, finished_req_ids, idle
+        )
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -249,6 +287,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return GCacheConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self.scheduler_side is not None:
+            self._safely("prefetch", None, self.scheduler_side.close)
         if self.events is not None:
             self._safely("events", None, self.events.close)
         if self.worker_side is not None:

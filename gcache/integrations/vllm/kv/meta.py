@@ -22,6 +22,7 @@ class LoadSpec(NamedTuple):
     req_id: str
     pages: tuple[PageRef, ...]
     asynchronous: bool  # loaded between steps (the request waits in WAITING_FOR_REMOTE_KVS)
+    staged: tuple[int, ...] = ()  # per page, its prefetch staging slot (link.WorkerLink); () none
 
 
 class SaveSpec(NamedTuple):
@@ -34,6 +35,7 @@ class GCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
+    idle: bool = False  # the step runs no forward: the worker may wait briefly for a load in flight
 
 
 @dataclass
@@ -42,3 +44,4 @@ class GCacheHandshake(KVConnectorHandshakeMetadata):
     (keys.GroupTag), which only the worker can know (layout, kernel block size, segments)."""
 
     tags: dict[int, GroupTag] = field(default_factory=dict)  # group index -> GroupTag
+    value_bytes: dict[int, int] = field(default_factory=dict)  # group index -> one value's bytes

@@ -9,6 +9,12 @@ sliding-window groups save only checkpoint tails (plan.prompt_tail_pages), in th
 computes them, before vLLM frees out-of-window blocks. State groups (state_groups.py) save
 the boundary states vLLM offers, prompt and decode alike (with the attention pages up to the
 furthest one), and a hit needs every state group's state at exactly the cut.
+
+A request's prefix is prefetched when it arrives (prefetch.py, where the worker shares this
+process): the first ask answers "not yet" until the read returns, then plans a copy from
+staging. Each load runs in the step or between steps by its measured cost (load_choice.py).
+The async tax is counted: steps spent in WAITING_FOR_REMOTE_KVS, and the step times of other
+requests with loads running and without.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from typing import TYPE_CHECKING
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.events.source import L3EventSource, Page
 from gcache.integrations.vllm.kv import plan
+from gcache.integrations.vllm.kv.async_tax import AsyncTax
 from gcache.integrations.vllm.kv.keys import MMItem, prompt_page_hashes, salt_hash
+from gcache.integrations.vllm.kv.load_choice import LoadCosts, choose_async
 from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef, SaveSpec
+from gcache.integrations.vllm.kv.prefetch import Prefetcher
 from gcache.integrations.vllm.kv.state_groups import (
     StateOffer,
     admitted,
@@ -30,6 +39,7 @@ from gcache.integrations.vllm.kv.state_groups import (
     extend_hashes,
     why_not_served,
 )
+from gcache.integrations.vllm.transfer.staging import StagingPool
 from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 
 if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv)
@@ -43,6 +53,7 @@ if TYPE_CHECKING:  # vLLM's types: Any to the type check (not installed in .venv
     from gcache.integrations.common.guarded_store import GuardedStore
     from gcache.integrations.vllm.kv.groups import Group
     from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys
+    from gcache.integrations.vllm.kv.link import WorkerLink
     from gcache.integrations.vllm.kv.settings import ConnectorSettings
     from gcache.integrations.vllm.kv.stats import ConnectorStats
 
@@ -50,6 +61,7 @@ log = logging.getLogger("gcache.integrations.vllm")
 NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
 UNPLACED = -1  # a state load's block when vLLM gave none: the worker fails that load
 TRACKED_MAX = 65536  # requests tracked at once; beyond that new ones are neither loaded nor saved
+IDLE_PREFETCH_WAIT_S = 0.05  # an idle engine's scheduler waits this long per ask for a prefetch
 
 
 @dataclass
@@ -64,6 +76,8 @@ class Track:
     hit: tuple[int, int] | None = None  # (local pages, end pages) of the last lookup
     loading: frozenset[int] = frozenset()  # the blocks its load in flight fills
     no_load: bool = False  # a load of it failed: vLLM recomputes it, and it is not looked up again
+    staged: bool = False  # its hit is in prefetch staging (planned from the prefetch, not a lookup)
+    asynchronous: bool = False  # the last hit's load runs between steps
     # KV events (events/source.py): vLLM's own block hashes and the prompt's tokens (references to
     # the request's lists, not copies); None when its pages are not announced.
     block_hashes: Sequence[bytes] | None = None
@@ -92,6 +106,8 @@ class SchedulerSide:
         save: bool,
         events: L3EventSource | None = None,
         hash_of: Callable[[bytes], int | bytes] = bytes,
+        find_link: Callable[[], WorkerLink | None] = lambda: None,
+        register_buffer: Callable[[int, int], object] = lambda base, size: None,
     ) -> None:
         self.settings = settings
         self.groups = groups
@@ -114,6 +130,14 @@ class SchedulerSide:
         self.saving: set[str] = set()  # requests with saves planned: their blocks wait for them
         self.events = events  # the L3 as vLLM KV events (None: off)
         self.hash_of = hash_of  # vLLM's block hash -> what its events carry (maybe_convert_block_hash)
+        self.value_bytes: dict[int, int] = {}  # per group: one value's bytes (the workers' handshake)
+        self.costs = LoadCosts()
+        self.find_link = find_link  # the worker in this process, if any (link.py)
+        self.register_buffer = register_buffer  # the client's, for the prefetch staging
+        self.prefetcher: Prefetcher | None = None
+        self._prefetch_checked = False  # whether prefetch was set up (or found impossible)
+        self.tax = AsyncTax(stats, self.costs)
+        self._idle_wait_left = IDLE_PREFETCH_WAIT_S  # this step's scheduler may still wait this long
 
     # -- requests -----------------------------------------------------------------------
 
@@ -200,6 +224,7 @@ class SchedulerSide:
             return
         self.tags = dict(tags[0])
         log.info("GCacheConnector scheduler: value tags %s", self.tags)
+        self._prefetch()  # its staging is allocated (and faulted in) now, not by the first request
 
     def _tag(self, group: Group) -> GroupTag:
         if self.tags is None:
@@ -213,13 +238,115 @@ class SchedulerSide:
     def _per_page(self, group: Group) -> int:
         return self._tag(group).segments * len(self.rank_keys)
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    # -- prefetch ---------------------------------------------------------------------
+
+    def _prefetch(self) -> Prefetcher | None:
+        """The prefetcher, set up on first use: only with the worker in this process (its
+        staging memory), tensor parallel size 1, and full-attention groups only."""
+        if self._prefetch_checked or self.tags is None:
+            return self.prefetcher
+        self._prefetch_checked = True
+        linked = self.find_link() if self.settings.prefetch and self.load else None
+        why = None
+        if linked is None:
+            why = "off, or the worker is in another process"
+        elif self.swa or any(g.kind != AttentionKind.FULL for g in self.groups) or len(self.rank_keys) != 1:
+            why = "only for full-attention models at tensor parallel size 1"
+        else:
+            slot = max(linked.value_bytes.values())
+            nbytes = self.settings.prefetch_mib << 20
+            if nbytes < slot:
+                why = f"gcache_prefetch_mib holds no {slot}-byte value"
+            else:
+                pool = StagingPool(linked.alloc_host(nbytes), slot)
+                self.register_buffer(pool.base, pool.nbytes)
+                self.prefetcher = Prefetcher(
+                    pool, self.store, self.stats, linked.segment_spans, self.settings.prefetch_requests_max
+                )
+                linked.staging, linked.give_back = pool, self.prefetcher.give_back
+        log.info("GCacheConnector scheduler: prefetch %s", why or f"on, {self.settings.prefetch_mib} MiB staging")
+        return self.prefetcher
+
+    def arrived(self, request: Request, local_pages: int) -> None:
+        """vLLM's on_new_request: starts reading the prefix past the pages vLLM holds itself."""
+        track = self._track(request)
+        prefetcher = self._prefetch() if track is not None and not track.no_load else None
+        if prefetcher is None or track is None:
+            return
+        most = (track.prompt_len - 1) // self.block_size
+        if most <= local_pages:
+            return
+        groups = [g.index for g in self.groups]
+        keys = [[self._keys([track.hashes[p]], g) for g in self.groups] for p in range(local_pages, most)]
+        prefetcher.start(request.request_id, local_pages, groups, keys)
+
+    def _from_prefetch(self, req_id: str, track: Track, local: int, most: int) -> tuple[int | None, bool] | None:
+        """The hit from the request's prefetch: None when it has none (ask the store), (None,
+        False) while it reads (vLLM asks again next step), else (pages end, False)."""
+        prefetcher = self.prefetcher
+        entry = prefetcher.get(req_id) if prefetcher is not None else None
+        if prefetcher is None or entry is None:
+            return None
+        if not entry.done.is_set():
+            left = self.settings.prefetch_wait_s - (time.monotonic() - entry.started)
+            if left > 0 and self._idle_wait_left > 0 and not self.tax.others_running(req_id):
+                started = time.monotonic()  # nobody else waits on this step (bounded per step)
+                entry.done.wait(min(left, self._idle_wait_left))
+                self._idle_wait_left -= time.monotonic() - started
+            if not entry.done.is_set():
+                if left > 0:
+                    return None, False
+                prefetcher.cancel(req_id)  # the store is slow: recomputed, never looked up again now
+                self.stats.count("prefetch_timeouts")
+                return 0, False
+        if entry.staged_end < most:  # the first page it could not read (KV events withdraw it)
+            self._missing(track, [(g, entry.staged_end) for g in self.full])
+        end = min(entry.staged_end, most)
+        if end <= local:
+            prefetcher.drop(req_id)  # nothing staged past vLLM's own pages: a miss
+            return 0, False
+        track.staged = True
+        return end, False
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def loads_asynchronously(self, req_id: str, tokens: int, pages: int, staged: bool) -> bool:
+        """Whether a hit of `pages` pages loads between steps (load_choice.py). State groups
+        must: a state loaded in start_load_kv lands after vLLM copied the not-yet-loaded boundary
+        slot into the running slot (wrong outputs)."""
+        if self.states or len(self.groups) > 1:
+            # vLLM reports per-block load errors only for one KV cache group; hybrid models load
+            # between steps, where a failure recomputes the request.
+            return True
+        if self.settings.async_load_min_tokens is not None:  # the fixed rule, when set
+            return tokens >= self.settings.async_load_min_tokens
+        nbytes = pages * len(self.rank_keys) * sum(self.value_bytes.get(g.index, 0) for g in self.groups)
+        return choose_async(
+            self.costs.load_seconds(nbytes, staged),
+            self.costs.recent_step_s(),
+            self.tax.others_running(req_id),
+            self.settings.load_step_fraction,
+            self.settings.sync_load_max_s,
+        )
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         track = self._track(request)  # saving needs it too (a kv_producer never loads)
         if track is None or not self.load or track.no_load or self.tags is None:
             return 0, False
         bs = self.block_size
         local = num_computed_tokens // bs
         most = (track.prompt_len - 1) // bs  # vLLM computes at least the prompt's last token
+        track.staged = False
+        staged = self._from_prefetch(request.request_id, track, local, most)
+        if staged is not None:
+            end, _ = staged
+            if end is None or end <= local:
+                track.hit = None
+                return (None, False) if end is None else (0, False)
+            track.hit = (local, end)
+            tokens = end * bs - num_computed_tokens
+            track.asynchronous = self.loads_asynchronously(request.request_id, tokens, end - local, staged=True)
+            return tokens, track.asynchronous
         if most <= local:
             return 0, False
         start = time.perf_counter()
@@ -262,18 +389,14 @@ class SchedulerSide:
             return 0, False
         track.hit = (local, end)
         tokens = end * bs - num_computed_tokens
-        return tokens, self.loads_asynchronously(tokens)
-
-    def loads_asynchronously(self, tokens: int) -> bool:
-        """Whether a hit of `tokens` loads between steps. vLLM reports per-block load errors only
-        for one KV cache group: hybrid models load between steps, where a failure recomputes the
-        request. State groups must: a state loaded in start_load_kv lands after vLLM copied the
-        not-yet-loaded boundary slot into the running slot (wrong outputs)."""
-        return bool(self.states) or len(self.groups) > 1 or tokens >= self.settings.async_load_min_tokens
+        track.asynchronous = self.loads_asynchronously(request.request_id, tokens, end - local, staged=False)
+        return tokens, track.asynchronous
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         track = self.tracks.get(request.request_id)
         if track is None or num_external_tokens <= 0 or track.hit is None:
+            if self.prefetcher is not None:  # no load: its staging goes back
+                self.prefetcher.drop(request.request_id)
             return
         local, end = track.hit
         track.hit = None
@@ -284,6 +407,7 @@ class SchedulerSide:
             )
             end = min(end, local + count)
         pages = []
+        at: list[tuple[int, int]] = []  # (page, group) of each PageRef
         for group in self.groups:
             row = blocks.blocks[group.index]
             if group.kind == AttentionKind.STATE:  # the state at the cut, into its boundary slot
@@ -295,9 +419,20 @@ class SchedulerSide:
                 block = row[p]
                 if not block.is_null:  # a sliding-window group gets only the window tail
                     pages.append(PageRef(group.index, track.hashes[p], block.block_id))
-        asynchronous = self.loads_asynchronously(num_external_tokens)
-        self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous))
+                    at.append((p, group.index))
+        slots: tuple[int, ...] = ()
+        if track.staged and self.prefetcher is not None:
+            handed = self.prefetcher.take(request.request_id, local, end)
+            if all(a in handed for a in at):
+                slots = tuple(handed[a] for a in at)
+                self.stats.count("loads_staged")
+            elif handed:  # cannot happen (the hit is the staged prefix): loaded from the store
+                self.prefetcher.give_back(list(handed.values()))
+        asynchronous = track.asynchronous
+        self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous, slots))
         track.loading = frozenset(p.block_id for p in pages)
+        if asynchronous:
+            self.tax.park(request.request_id, time.perf_counter())
         self.stats.count("hit_tokens", num_external_tokens)
         self.stats.count("loads_async" if asynchronous else "loads_sync")
 
@@ -360,12 +495,18 @@ class SchedulerSide:
         return [PageRef(o.group, track.hashes[o.page], o.block_id) for o in offers]
 
     def build_meta(self, out: SchedulerOutput) -> GCacheConnectorMetadata:
+        now = time.perf_counter()
+        cached = out.scheduled_cached_reqs
+        running = {new.req_id for new in out.scheduled_new_reqs} | set(cached.req_ids)
+        self.tax.step(running, {spec.req_id for spec in self.pending_loads}, now)
+        self._idle_wait_left = IDLE_PREFETCH_WAIT_S
         saves = []
         offers = boundary_offers(out, {g.index for g in self.states}, self.block_size) if self.states else {}
         for new in out.scheduled_new_reqs:
             track = self.tracks.get(new.req_id)
             if track is None:
                 continue
+            self.tax.scheduled(new.req_id, now)
             track.block_ids = [list(ids) for ids in new.block_ids]
             track.saved_upto = new.num_computed_tokens // self.block_size  # hits are stored already
             states = self._state_saves(track, offers.pop(new.req_id)) if new.req_id in offers else []
@@ -373,12 +514,12 @@ class SchedulerSide:
             spec = self._plan_saves(new.req_id, track, computed, states)
             if spec:
                 saves.append(spec)
-        cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             track = self.tracks.get(req_id)
             if track is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            self.tax.scheduled(req_id, now)
             if req_id in cached.resumed_req_ids:  # after a preemption: new blocks, from its hit on
                 track.block_ids = [list(ids) for ids in (new_ids or ())]
                 track.saved_upto = cached.num_computed_tokens[i] // self.block_size
@@ -397,13 +538,20 @@ class SchedulerSide:
             if spec:
                 saves.append(spec)
         loads, self.pending_loads = self.pending_loads, []
+        preempted = frozenset(getattr(out, "preempted_req_ids", None) or ())
+        if preempted:
+            self.stats.count("requests_preempted", len(preempted))
         return GCacheConnectorMetadata(
-            loads=loads, saves=saves, preempted=frozenset(getattr(out, "preempted_req_ids", None) or ())
+            loads=loads,
+            saves=saves,
+            preempted=preempted,
+            idle=not any(out.num_scheduled_tokens.values()),
         )
 
     def worker_output(self, output: KVConnectorOutput) -> None:
         """The worker's report of a step: a request whose load failed is not loaded again (a
         retry would find the same pages and fail the same way)."""
+        self._observe_loads(getattr(output, "kv_connector_stats", None))
         failed = set(getattr(output, "failed_recving", None) or ())
         bad_blocks = set(getattr(output, "invalid_block_ids", None) or ())
         if not failed and not bad_blocks:
@@ -419,9 +567,34 @@ class SchedulerSide:
                 )
                 track.saved_upto = min(track.saved_upto, first)
 
+    def _observe_loads(self, worker_stats: object) -> None:
+        """The workers' load times this step (their connector stats): the load choice's rates."""
+        data = getattr(worker_stats, "data", None)
+        if isinstance(data, dict):
+            self.costs.observe_load(data.get("bytes_loaded", 0), data.get("load_s", 0), staged=False)
+            self.costs.observe_load(data.get("staged_bytes_loaded", 0), data.get("staged_load_s", 0), staged=True)
+
+    def gauges(self) -> dict[str, float]:
+        """What is held now (not counters): prefetches in flight, staging slots free of all."""
+        p = self.prefetcher
+        if p is None:
+            return {}
+        return {
+            "prefetch_in_flight": p.in_flight(),
+            "prefetch_slots_free": p.pool.free_slots(),
+            "prefetch_slots": p.pool.slot_count,
+        }
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close(5.0)
+
     def finished(self, request: Request) -> bool:
         """True when the request's blocks must wait for its saves (the worker reports them)."""
         self.tracks.pop(request.request_id, None)
+        self.tax.finished(request.request_id)
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(request.request_id)
         if request.request_id in self.saving:
             self.saving.discard(request.request_id)
             return True

@@ -37,7 +37,17 @@ class ConnectorSettings(StoreSettings):
     swa_every_page: bool = False  # store every sliding-window page (the benchmark's baseline)
     save_queue_jobs_max: int = 64  # steps whose puts wait; beyond: that step's saves are dropped
     load_queue_jobs_max: int = 256  # async loads waiting
-    async_load_min_tokens: int = 512  # hits this long load between steps; shorter ones in the step
+    # Sync (in the step) or async (between steps) per load, from measured costs (load_choice.py);
+    # a number here restores the fixed rule: hits this long load between steps, shorter in the step.
+    async_load_min_tokens: int | None = None
+    load_step_fraction: float = 0.5  # busy engine: a load in the step may add this much of a step
+    sync_load_max_s: float = 0.25  # idle engine: a load longer than this runs between steps
+    idle_wait_s: float = 0.01  # an empty step waits this long for a load in flight (report it now)
+    # Prefetch (prefetch.py): a request's stored prefix read into staging when it arrives.
+    prefetch: bool = True
+    prefetch_mib: int = 256  # staging memory for prefetched values
+    prefetch_requests_max: int = 32  # prefetches queued or running at once
+    prefetch_wait_s: float = 2.0  # the longest a request waits for its prefetch; then recomputed
     state_boundaries_max: int = 64  # boundary states saved per request (hybrids); later offers dropped
     state_admission: str = "offered"  # which offered states to save: "offered" (all) or "ends"
     # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
@@ -60,6 +70,13 @@ class ConnectorSettings(StoreSettings):
         "gcache_async_load_min_tokens",
         "gcache_state_boundaries_max",
         "gcache_state_admission",
+        "gcache_load_step_fraction",
+        "gcache_sync_load_max_s",
+        "gcache_idle_wait_s",
+        "gcache_prefetch",
+        "gcache_prefetch_mib",
+        "gcache_prefetch_requests_max",
+        "gcache_prefetch_wait_s",
         "gcache_kv_events_endpoint",
         "gcache_kv_events_topic",
         "gcache_kv_events_pod",
@@ -102,7 +119,18 @@ class ConnectorSettings(StoreSettings):
             swa_every_page=extra.flag("gcache_swa_every_page", cls.swa_every_page),
             save_queue_jobs_max=extra.integer("gcache_save_queue_jobs_max", cls.save_queue_jobs_max, 1, 1 << 16),
             load_queue_jobs_max=extra.integer("gcache_load_queue_jobs_max", cls.load_queue_jobs_max, 1, 1 << 16),
-            async_load_min_tokens=extra.integer("gcache_async_load_min_tokens", cls.async_load_min_tokens, 0, 1 << 30),
+            async_load_min_tokens=(
+                None
+                if extra.extra.get("gcache_async_load_min_tokens") is None
+                else extra.integer("gcache_async_load_min_tokens", 0, 0, 1 << 30)
+            ),
+            load_step_fraction=extra.number("gcache_load_step_fraction", cls.load_step_fraction, 0.0, 100.0),
+            sync_load_max_s=extra.number("gcache_sync_load_max_s", cls.sync_load_max_s, 0.0, 600.0),
+            idle_wait_s=extra.number("gcache_idle_wait_s", cls.idle_wait_s, 0.0, 1.0),
+            prefetch=extra.flag("gcache_prefetch", cls.prefetch),
+            prefetch_mib=extra.integer("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20),
+            prefetch_requests_max=extra.integer("gcache_prefetch_requests_max", cls.prefetch_requests_max, 1, 1 << 16),
+            prefetch_wait_s=extra.number("gcache_prefetch_wait_s", cls.prefetch_wait_s, 0.0, 600.0),
             state_admission=admission,
             state_boundaries_max=extra.integer("gcache_state_boundaries_max", cls.state_boundaries_max, 0, 1 << 20),
             kv_events_endpoint=endpoint,

@@ -31,8 +31,35 @@ COUNTERS = (
     "store_errors",
     "calls_while_suspect",
     "corrupt_values_removed",  # values that failed their checksum, removed from the store
+    # Prefetch (prefetch.py): started when a request arrives, read into staging.
+    "prefetches",
+    "prefetch_refused",  # no room (staging or prefetches in flight): looked up when asked instead
+    "prefetch_cancelled",  # the request finished, was aborted, or its hit was smaller
+    "prefetch_timeouts",  # the store took longer than gcache_prefetch_wait_s: recomputed
+    "prefetch_pages_staged",
+    "prefetch_bytes_staged",
+    "loads_staged",  # loads copied from prefetch staging (no store call in the step)
+    "staged_values_loaded",
+    "staged_bytes_loaded",
+    # The async tax: a load between steps parks its request in WAITING_FOR_REMOTE_KVS...
+    "remote_waits",  # requests that left it (scheduled after their load)
+    "remote_wait_steps",  # engine steps they spent there, summed
+    # ...and a load in the step makes the others' step longer: steps that ran other requests,
+    # with a load in the step or in flight, and without.
+    "steps_loading",
+    "steps_plain",
+    "requests_preempted",  # vLLM preempted them (their blocks were freed; resumed later)
 )
-SECONDS = ("load_s", "save_s", "lookup_s")
+SECONDS = (
+    "load_s",
+    "save_s",
+    "lookup_s",
+    "prefetch_s",
+    "staged_load_s",
+    "remote_wait_s",  # time in WAITING_FOR_REMOTE_KVS, summed over remote_waits
+    "step_loading_s",  # summed over steps_loading
+    "step_plain_s",  # summed over steps_plain
+)
 
 
 class ConnectorStats(Counters):

@@ -5,6 +5,7 @@ Registration reads where every layer's pages lie (page_runs: any of vLLM's six l
 blocks, layers sharing a view), picks the mover for the tensors' device (HostMover for CPU KV,
 CudaMover for a GPU), allocates the staging pools once and registers them with the client,
 and computes each group's key tag, which the scheduler receives through vLLM's handshake.
+It also publishes a link.WorkerLink for a scheduler in the same process (its prefetch staging).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gcache.common.attention import AttentionKind
+from gcache.integrations.vllm.kv import link
 from gcache.integrations.vllm.kv.keys import GroupTag, PageKeys, mla_writer, value_tag
 from gcache.integrations.vllm.kv.state_groups import state_tag
 from gcache.integrations.vllm.transfer.page_runs import PageRunsError, page_runs
 from gcache.integrations.vllm.transfer.staging import StagingPool
-from gcache.integrations.vllm.transfer.transfers import Page, Transfers
+from gcache.integrations.vllm.transfer.transfers import Page, Staged, Transfers
 from gcache.integrations.vllm.transfer.values import GroupValues
 
 if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
@@ -27,7 +29,7 @@ if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv
     import gcache
     from gcache.integrations.common.guarded_store import GuardedStore
     from gcache.integrations.vllm.kv.groups import Group
-    from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, PageRef
+    from gcache.integrations.vllm.kv.meta import GCacheConnectorMetadata, LoadSpec, PageRef
     from gcache.integrations.vllm.kv.settings import ConnectorSettings
     from gcache.integrations.vllm.kv.stats import ConnectorStats
     from gcache.integrations.vllm.transfer.movers.base import BlockMover
@@ -99,8 +101,11 @@ class WorkerSide:
         store: GuardedStore,
         stats: ConnectorStats,
         num_blocks: int,
+        engine_id: str = "",
     ) -> None:
         self.settings = settings
+        self.engine_id = engine_id
+        self.link: link.WorkerLink | None = None
         self.groups = groups
         self.keys = keys  # this rank's PageKeys
         self.client = client
@@ -108,6 +113,7 @@ class WorkerSide:
         self.stats = stats
         self.num_blocks = num_blocks
         self.tags: dict[int, GroupTag] = {}
+        self.value_bytes: dict[int, int] = {}  # per group: one value's bytes (the handshake's too)
         self.transfers: Transfers | None = None
         self.saving: set[str] = set()  # requests whose saves the scheduler waits for
         self.finished_saving: set[str] = set()  # ...that vLLM says finished: report once copied
@@ -151,6 +157,11 @@ class WorkerSide:
             self.client.register_buffer(pool.base, pool.nbytes)
         swa = {g.index for g in self.groups if g.kind == AttentionKind.SWA}
         self.transfers = Transfers(mover, values, swa, pools[0], pools[1], self.store, self.stats, self.settings)
+        self.value_bytes = {g: v.value_bytes for g, v in values.items()}
+        self.link = link.WorkerLink(
+            mover.alloc_host, dict(self.value_bytes), {g: v.segment_spans() for g, v in values.items()}
+        )
+        link.publish(self.engine_id, self.link)
         log.info(
             "GCacheConnector worker: %s mover, values %s, staging %d MiB",
             mover.describe(),
@@ -191,7 +202,9 @@ class WorkerSide:
                 log.error("GCache connector: load of %s has a state without a block; not loaded", spec.req_id)
                 self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages if r.block_id >= 0})
                 continue
-            if spec.asynchronous:
+            if spec.staged:
+                self._load_staged(spec, pages)
+            elif spec.asynchronous:
                 self._transfers().load_later(spec.req_id, pages)
             else:
                 try:
@@ -200,6 +213,24 @@ class WorkerSide:
                     log.exception("GCache connector: a load failed")
                     failed = {p.block_id for p in pages}
                 self.load_errors |= failed
+
+    def _load_staged(self, spec: LoadSpec, pages: list[Page]) -> None:
+        """Values the scheduler's prefetch staged in this process: a copy into the blocks."""
+        linked = self.link
+        if linked is None or linked.staging is None or linked.give_back is None:  # cannot happen: the scheduler saw it
+            log.error("GCache connector: a staged load of %s without the prefetch staging", spec.req_id)
+            self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages})
+            return
+        slots, give_back = list(spec.staged), linked.give_back
+        staged = Staged(linked.staging.addresses(slots), lambda: give_back(slots))
+        if spec.asynchronous:
+            self._transfers().load_later(spec.req_id, pages, staged)
+            return
+        try:
+            self._transfers().load_staged_now(pages, staged)
+        except Exception:  # our bug: these blocks are recomputed
+            log.exception("GCache connector: a staged load failed")
+            self.load_errors |= {p.block_id for p in pages}
 
     def _failed(self, req_id: str, asynchronous: bool, blocks: set[int]) -> None:
         if asynchronous:
@@ -235,10 +266,14 @@ class WorkerSide:
 
     # -- reports ------------------------------------------------------------------------
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving)."""
+    def transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving). `idle`: the step ran no
+        forward, so nobody waits while it waits (bounded) for a load in flight to finish: the
+        load is reported in this step rather than the next (and its thread runs meanwhile)."""
         self.finished_saving |= set(finished_req_ids) & self.saving
         transfers = self._transfers()
+        if idle and self.settings.idle_wait_s > 0:
+            transfers.wait_loaded(self.settings.idle_wait_s)
         sent = self.finished_saving - transfers.copies_pending(self.finished_saving)
         self.finished_saving -= sent
         self.saving -= sent
@@ -260,6 +295,8 @@ class WorkerSide:
         return self.transfers is None or self.transfers.flush(timeout_s)
 
     def close(self) -> None:
+        if self.link is not None:
+            link.withdraw(self.engine_id, self.link)
         if self.transfers is not None:
             self.transfers.flush(CLOSE_TIMEOUT_S)
             self.transfers.close(CLOSE_TIMEOUT_S)

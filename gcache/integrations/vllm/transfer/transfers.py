@@ -16,16 +16,21 @@ chunks, and for each chunk the load stream waits for that event, one batched cop
 values into the blocks, and the thread waits for the copy before reusing the slots. A value that
 is missing, short, or fails its checksum (the client verifies XXH3 on the slot's bytes before
 anything reaches the device) is never copied: its blocks are reported failed and vLLM
-recomputes them. Synchronous loads (short hits of one-group models) run the same way inside
-start_load, with the compute stream waiting for the copy before the forward.
+recomputes them. Synchronous loads run the same way inside start_load, with the compute stream
+waiting for the copy before the forward.
+
+Staged loads (the scheduler's prefetch read the values already, kv/prefetch.py) skip the read:
+one batched copy from the staged slots into the blocks, in the step or on the loader thread;
+the slots go back (`release`) once that copy completed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -64,6 +69,14 @@ class LoadJob(NamedTuple):
     req_id: str
     pages: list[Page]
     after: Event  # event on the compute stream when the load was planned
+    staged: Staged | None = None  # the values are in staging already: copy only
+
+
+class Staged(NamedTuple):
+    """Values a prefetch read already: where each page's value lies, and who gets the memory back."""
+
+    addresses: np.ndarray  # int64, one per page
+    release: Callable[[], None]  # once the copy from them completed
 
 
 def _concat(parts: list[Copies]) -> Copies:
@@ -101,8 +114,10 @@ class Transfers:
         self._lock = threading.Lock()
         self._copies: list[tuple[Event, frozenset[str]]] = []  # (copy event, request ids) not known complete
         self._last_copy: Event | None = None  # the save stream's newest event
-        self._landing: list[tuple[Event, list[int]]] = []  # synchronous loads: (copy event, load slots)
+        self._landing: list[tuple[Event, Callable[[], None]]] = []  # synchronous loads: (copy event, release)
         self._done: list[tuple[str, set[int]]] = []  # asynchronous loads: (request id, failed blocks)
+        self._loads_running = 0  # asynchronous loads submitted, not in _done yet
+        self._done_cv = threading.Condition(self._lock)
 
     # -- saves --------------------------------------------------------------------------
 
@@ -214,7 +229,9 @@ class Transfers:
 
     def _scatter(self, pages: list[Page], slots: list[int], ok: list[int], after: Event) -> Event:
         """Queues the copies of the pages read whole into their blocks; the copy's event."""
-        addresses = self.load_pool.addresses(slots)
+        return self._scatter_from(pages, self.load_pool.addresses(slots), ok, after)
+
+    def _scatter_from(self, pages: list[Page], addresses: np.ndarray, ok: list[int], after: Event) -> Event:
         parts: list[Copies] = []
         for g, values in self.values.items():
             mine = [i for i in ok if pages[i].group == g]
@@ -227,42 +244,82 @@ class Transfers:
         return self.mover.record(self.load_stream)
 
     def load_now(self, pages: list[Page]) -> set[int]:
-        """A synchronous load, before this step's forward: the blocks that failed."""
+        """A synchronous load, before this step's forward: the blocks that failed. A load larger
+        than half the load pool goes in chunks (each chunk's copy completes before its slots
+        are read into again)."""
         self._reap_landed()
-        slots = self.load_pool.take(len(pages))
-        if slots is None:
-            self.stats.count("load_values_no_staging", len(pages))
-            return {p.block_id for p in pages}
+        chunk = max(1, self.load_pool.slot_count // 2)  # leaves room for the loader thread
+        failed: set[int] = set()
         start = time.perf_counter()
-        try:
-            ok, failed = self._fetch(pages, slots)
-        except Exception:
-            self.load_pool.give_back(slots)
-            raise
         compute = self.mover.compute_stream()
-        copied = self._scatter(pages, slots, ok, self.mover.record(compute))
-        self.mover.wait_event(compute, copied)  # the forward reads the blocks after the copy
-        with self._lock:
-            self._landing.append((copied, slots))
+        for at in range(0, len(pages), chunk):
+            part = pages[at : at + chunk]
+            slots = self.load_pool.take(len(part))
+            if slots is None:
+                self.stats.count("load_values_no_staging", len(pages) - at)
+                failed |= {p.block_id for p in pages[at:]}
+                break
+            try:
+                ok, bad = self._fetch(part, slots)
+            except Exception:
+                self.load_pool.give_back(slots)
+                raise
+            failed |= bad
+            copied = self._scatter(part, slots, ok, self.mover.record(compute))
+            self.mover.wait_event(compute, copied)  # the forward reads the blocks after the copy
+            if at + chunk < len(pages):
+                self.mover.synchronize(copied)
+                self.load_pool.give_back(slots)
+            else:
+                with self._lock:
+                    self._landing.append((copied, functools.partial(self.load_pool.give_back, slots)))
         self.stats.count("load_s", time.perf_counter() - start)
         return failed
 
+    def load_staged_now(self, pages: list[Page], staged: Staged) -> None:
+        """A synchronous load of staged values, before this step's forward (a copy only)."""
+        self._reap_landed()
+        start = time.perf_counter()
+        compute = self.mover.compute_stream()
+        try:
+            copied = self._scatter_from(pages, staged.addresses, list(range(len(pages))), self.mover.record(compute))
+        except Exception:
+            staged.release()
+            raise
+        self.mover.wait_event(compute, copied)
+        with self._lock:
+            self._landing.append((copied, staged.release))
+        self._count_staged(pages, time.perf_counter() - start)
+
+    def _count_staged(self, pages: list[Page], seconds: float) -> None:
+        self.stats.count("staged_values_loaded", len(pages))
+        self.stats.count("staged_bytes_loaded", sum(self.values[p.group].value_bytes for p in pages))
+        self.stats.count("staged_load_s", seconds)
+
     def _reap_landed(self) -> None:
         with self._lock:
-            landed = [(ev, slots) for ev, slots in self._landing if self.mover.query(ev)]
+            landed = [(ev, release) for ev, release in self._landing if self.mover.query(ev)]
             self._landing = [x for x in self._landing if x not in landed]
-        for _, slots in landed:
-            self.load_pool.give_back(slots)
+        for _, release in landed:
+            release()
 
-    def load_later(self, req_id: str, pages: list[Page]) -> None:
+    def load_later(self, req_id: str, pages: list[Page], staged: Staged | None = None) -> None:
         """An asynchronous load; its outcome comes back from take_loaded()."""
-        job = LoadJob(req_id, pages, self.mover.record(self.mover.compute_stream()))
+        job = LoadJob(req_id, pages, self.mover.record(self.mover.compute_stream()), staged)
+        with self._lock:
+            self._loads_running += 1
         if not self.loader.submit(job):
             self.stats.count("loads_refused_queue_full")
+            if staged is not None:
+                staged.release()
             with self._lock:
+                self._loads_running -= 1
                 self._done.append((req_id, {p.block_id for p in pages}))
 
     def _load_async(self, job: LoadJob) -> None:
+        if job.staged is not None:
+            self._load_staged_async(job, job.staged)
+            return
         failed: set[int] = set()
         start = time.perf_counter()
         try:
@@ -285,8 +342,33 @@ class Transfers:
             failed = {p.block_id for p in job.pages}
         finally:
             self.stats.count("load_s", time.perf_counter() - start)
-            with self._lock:
-                self._done.append((job.req_id, failed))
+            self._finish(job.req_id, failed)
+
+    def _load_staged_async(self, job: LoadJob, staged: Staged) -> None:
+        failed: set[int] = set()
+        start = time.perf_counter()
+        try:
+            self.mover.synchronize(
+                self._scatter_from(job.pages, staged.addresses, list(range(len(job.pages))), job.after)
+            )
+            self._count_staged(job.pages, time.perf_counter() - start)
+        except Exception:  # our bug: these blocks are recomputed
+            log.exception("GCache connector: a staged load failed")
+            failed = {p.block_id for p in job.pages}
+        finally:
+            staged.release()
+            self._finish(job.req_id, failed)
+
+    def _finish(self, req_id: str, failed: set[int]) -> None:
+        with self._lock:
+            self._loads_running -= 1
+            self._done.append((req_id, failed))
+            self._done_cv.notify_all()
+
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Waits (bounded) until an asynchronous load in flight finishes; at once when none is."""
+        with self._done_cv:
+            self._done_cv.wait_for(lambda: self._done or not self._loads_running, timeout_s)
 
     def _take_load_slots(self, count: int) -> list[int] | None:
         deadline = time.monotonic() + LOAD_SLOT_WAIT_S

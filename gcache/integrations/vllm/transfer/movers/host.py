@@ -14,7 +14,10 @@ class HostMover(BlockMover):
     name = "host"
 
     def alloc_host(self, nbytes: int) -> memoryview:
-        return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]  # page-aligned, zero-filled
+        # Page-aligned, zero-filled, and faulted in now: a fresh engine's first load would
+        # otherwise pay a page fault per 4 KiB of staging (64 MiB: ~50 ms, 3x the copy).
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return memoryview(mmap.mmap(-1, max(nbytes, 1), flags=flags))[:nbytes]
 
     def new_stream(self, purpose: str) -> Stream:
         return purpose
