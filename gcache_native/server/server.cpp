@@ -228,10 +228,14 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
       b->has_res = true;
       continue;
     }
-    if (name == "leases" || name == "reservations") {
-      std::vector<uint64_t>& ids = name == "leases" ? b->leases : b->reservations;
+    if (name == "vfy") {
+      if (!r.read_bool(&b->reader_verifies)) return bad("\"vfy\" must be a boolean");
+      continue;
+    }
+    if (name == "leases" || name == "reservations" || name == "bad") {
+      std::vector<uint64_t>& ids = name == "leases" ? b->leases : name == "bad" ? b->bad : b->reservations;
       uint32_t n;
-      if (!r.read_array(&n)) return bad("\"leases\"/\"reservations\" must be arrays");
+      if (!r.read_array(&n)) return bad("\"leases\"/\"reservations\"/\"bad\" must be arrays");
       if (n > batch_keys_max) return Reply::fail(FrameStatus::LimitExceeded, "too many ids in one RELEASE");
       ids.resize(n);
       for (uint32_t k = 0; k < n; ++k)
@@ -956,6 +960,14 @@ Reply Server::handle_get(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
     if (!store_->acquire(b.keys[i], &lease)) {
+      out.integer(-1);
+      continue;
+    }
+    // A value a one-sided writer committed is checked once, before its bytes
+    // leave: a bad one is removed and answered as a miss (docs/security.md).
+    if (!store_->verify_leased(&lease)) {
+      store_->release(lease);
+      metrics_->misses++;
       out.integer(-1);
       continue;
     }

@@ -2,7 +2,7 @@
 // same-host client maps the arena (SHM_ATTACH over the Unix socket), asks
 // where values are (LOOKUP, under a lease) and copies them itself; a put
 // reserves arena blocks (RESERVE), the client writes them, and COMMIT
-// publishes them after checking their checksums. With RDMA the same answers
+// publishes them with the client's checksums, unread (every reader checks). With RDMA the same answers
 // carry the arena's remote address and rkey, and the client reads and writes
 // with RDMA instead of memcpy.
 #include <sys/socket.h>
@@ -188,13 +188,22 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
     if (!store_->acquire(b.keys[i], &lease)) continue;
+    const bool inline_fits = lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax;
+    // A value a one-sided writer committed is checked here when its bytes go
+    // in this answer, or to a reader that does not check leased values itself
+    // (a client from before "vfy"): a bad one is removed and answered a miss.
+    if (!lease.verified && (inline_fits || !b.reader_verifies || !b.has_ck) && !store_->verify_leased(&lease)) {
+      store_->release(lease);
+      metrics_->misses++;
+      continue;
+    }
     total += lease.length;
     lens[i] = int64_t(lease.length);
     sums[i] = sum_for_reader(lease, b);
     if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
     // An empty value always counts as inline (0 <= inline_max): it has no
     // bytes to copy, so it never takes a lease; "lens" 0 says it is there.
-    if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
+    if (inline_fits) {
       inline_total += lease.length;
       inlined[i] = 1;
       c->leases.push_back(lease);
@@ -243,7 +252,10 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
 Reply Server::handle_release(Connection* c, const FrameHeader& h) {
   const BatchMeta& b = c->batch;
   uint64_t released = 0;
-  for (uint64_t id : b.leases) released += c->shm.release_lease(store_, id) ? 1 : 0;
+  for (uint64_t id : b.leases) {
+    c->shm.verify_reported(store_, id, b.bad, store_->arena_base());  // "bad": the reader's copy did not match
+    released += c->shm.release_lease(store_, id) ? 1 : 0;
+  }
   for (uint64_t id : b.reservations) {
     ShmSession::ReserveGroup group;
     if (!c->shm.take_reservation(id, &group)) continue;
@@ -369,8 +381,10 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     const Reservation& r = group.reservations[i];
     if (r.data == nullptr) continue;
-    const PutStatus s = store_->commit_put(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
-                                           PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
+    // Published without reading the block: the writer's sum is taken on trust
+    // and every reader checks it (docs/security.md, "Checksums a writer declares").
+    const PutStatus s = store_->commit_unverified(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
+                                                  PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) stored_bytes += r.length;
   }

@@ -1,21 +1,24 @@
 """Operations of the one-sided transports (docs/protocol.md, "Shared memory and RDMA").
 
 A read is one LOOKUP round trip (offsets, lengths, checksums, under a lease),
-then the client copies the values out of the arena itself, then drops the
-lease with a RELEASE that needs no answer. A leased block is never reused, so
-bytes copied while the lease provably held are the value's bytes: the lease
-began after the LOOKUP was sent, so a copy over before `sent + lease` (this
-process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
-none. A later copy, or a client with verify_checksums, checks every value's
-checksum (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
-written bytes), then a COMMIT that publishes the blocks; the server checks the
-checksums again. How bytes move is the connection's `arena` (gcache.client.arena.Arena):
-memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
+then the client copies the values out of the arena itself, checking each
+value's checksum in the same pass, then drops the lease with a RELEASE that
+needs no answer. Every leased value is checked: a COMMIT publishes a writer's
+bytes with the sum that writer declared, unread by the node (one memory pass
+per put), so the reader is where a lying or torn write is caught
+(docs/security.md, "Checksums a writer declares"). The LOOKUP says so ("vfy");
+a value whose bytes do not match is never a hit, and its arena offset goes
+back in the RELEASE ("bad") for the node to check and remove. Values that come
+inline in the answer were checked by the node. A write is a RESERVE (arena
+blocks to write), the copy (hashing the written bytes), then a COMMIT that
+publishes the blocks. How bytes move is the connection's `arena`
+(gcache.client.arena.Arena): memcpy over the mapped memfd (shm) or RDMA READ /
+WRITE (rdma).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 
 from gcache import errors
 from gcache._native import verify_views
@@ -41,21 +44,19 @@ from gcache.wire.protocol import (
 )
 
 
-def release_frame(lease: int) -> bytes:
-    """RELEASE of one lease, answered by nothing (FLAG_NO_REPLY): reads stay one round trip."""
-    meta = encode_meta({"leases": [lease]})
+def release_frame(lease: int, bad_offsets: Sequence[int] = ()) -> bytes:
+    """RELEASE of one lease, answered by nothing (FLAG_NO_REPLY): reads stay one round trip.
+    `bad_offsets`: arena offsets of leased values whose copy did not match its sum."""
+    meta = encode_meta({"leases": [lease], "bad": list(bad_offsets)} if bad_offsets else {"leases": [lease]})
     return encode_header(Opcode.RELEASE, 0, len(meta), 0, flags=FLAG_NO_REPLY) + meta
 
 
 # Values up to this size come back inside the LOOKUP answer, unleased: below it a
 # socket copy costs less than a lease, a copy and a RELEASE.
 INLINE_BYTES_MAX = 16 * 1024
-# msgpack of the map entry "inline_max": INLINE_BYTES_MAX (a uint16), appended to a
-# one-key request map (encode_keys_meta's) instead of packing a dict per call.
-_INLINE_MAX_FIELD = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big")
-# A lease is trusted for this share of its length: the server's deadline and this
-# process's clock may run at slightly different rates.
-LEASE_TRUST = 0.9
+# msgpack of the map entries "inline_max": INLINE_BYTES_MAX (a uint16) and "vfy": true,
+# appended to a one-key request map (encode_keys_meta's) instead of packing a dict per call.
+_LOOKUP_FIELDS = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big") + b"\xa3vfy\xc3"
 
 
 def _arena(conn: Connection) -> Arena:
@@ -74,22 +75,18 @@ class LookupOp(_ValuesOp):
     def __init__(self, result: BatchResult, lo: int, hi: int, targets: list | None, verify: bool):
         super().__init__(result, lo, hi, verify_checksums=verify)
         self.targets = targets
-        self.sent_at = 0.0
 
     def part(self, lo, hi):
         targets = None if self.targets is None else self.targets[lo - self.lo : hi - self.lo]
         return LookupOp(self.result, lo, hi, targets, self.verify)
 
-    def frame(self, request_id, epoch=None):
-        self.sent_at = time.monotonic()  # the server's lease starts after this
-        return super().frame(request_id, epoch)
-
     def request_meta_bytes(self, epoch):
-        # "ck": this client reads "cks" (the kind of each value's sum).
+        # "ck": this client reads "cks" (the kind of each value's sum); "vfy": it checks
+        # every leased value's sum itself (so the node need not read them first).
         if self.hi - self.lo == 1:  # a single GET: no dict packed per call
             meta = encode_keys_meta(self.keys, epoch, ck=True)  # a fixmap of 2 or 3 entries
-            return bytes((meta[0] + 1,)) + meta[1:] + _INLINE_MAX_FIELD
-        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1}, epoch)
+            return bytes((meta[0] + 2,)) + meta[1:] + _LOOKUP_FIELDS
+        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1, "vfy": True}, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -112,17 +109,18 @@ class LookupOp(_ValuesOp):
                 any_inline = True
         if inline_bytes != payload_len:
             raise errors.ProtocolError(f"LOOKUP answer payload is {payload_len} bytes, not its inline values")
+        bad_leased: list[int] = []
         try:
             bad = self._read_inline(conn, lens, sums, kinds, inlined) if any_inline else []
             if lease:
                 leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
                 arena = _arena(conn)
                 arena.check_answer(meta)
-                bad += self._read_leased(arena, offsets, leased, sums, kinds)
+                bad_leased = self._read_leased(arena, offsets, leased, sums, kinds)
         finally:
-            if lease:
-                conn.send([release_frame(lease)])
-        for j in bad:
+            if lease:  # the bad ones' offsets: the node checks them itself and removes them
+                conn.send([release_frame(lease, [offsets[j] for j in bad_leased])])
+        for j in bad + bad_leased:
             self.result.bad_checksum.append(self.lo + j)
             values[self.lo + j] = None
 
@@ -168,21 +166,16 @@ class LookupOp(_ValuesOp):
         return [checked[k][0] for k in bad]
 
     def _read_leased(self, arena: Arena, offsets, leased, sums, kinds) -> list[int]:
-        """The leased values (size >= 0 in `leased`), copied out of the arena."""
-        trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
+        """The leased values (size >= 0 in `leased`), copied out of the arena and checked
+        in the same pass; returns the indices whose bytes did not match (not hits)."""
         if self.targets is None:
-            values, bad = arena.read_values(offsets, leased, sums, self.verify, kinds)
+            values, bad = arena.read_values(offsets, leased, sums, True, kinds)
             for j, value in enumerate(values):
                 if leased[j] >= 0:
                     self.result.values[self.lo + j] = value
-        else:
-            dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
-            bad = arena.read_into(offsets, leased, sums, dests, self.verify, kinds)
-            values = [d if d is None else d[:n] for d, n in zip(dests, leased)]
-        if not self.verify and time.monotonic() > trusted_until:
-            # The lease may have ended mid-copy: those bytes must prove themselves.
-            bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums, kinds)
-        return bad
+            return list(bad)
+        dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
+        return list(arena.read_into(offsets, leased, sums, dests, True, kinds))
 
     def read_values(self, conn, lens, sums, payload_len):  # not used: on_response reads
         raise NotImplementedError
@@ -235,8 +228,9 @@ class ReserveOp(Operation):
 
 
 class CommitOp(Operation):
-    """PUT through the arena, second half: publish the blocks written (the server
-    verifies every checksum; the reservation's epoch decides staleness)."""
+    """PUT through the arena, second half: publish the blocks written with their sums
+    (the node does not read them again: readers check; the reservation's epoch
+    decides staleness)."""
 
     opcode = Opcode.COMMIT
 
