@@ -106,6 +106,7 @@ struct Server::Connection {
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
   std::vector<uint8_t> scratch;
+  ReadAhead in;  // every read of a frame goes through it (server/io.h)
   MsgpackWriter out{kFrameHeaderBytes};
   BatchMeta batch;
   std::vector<Lease> leases;

@@ -77,7 +77,7 @@ void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
     const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
-    recv_exact(c->timer, c->scratch.data(), chunk, c->deadline_us);
+    c->in.read(c->timer, c->scratch.data(), chunk, c->deadline_us);
     n -= chunk;
   }
 }
@@ -567,6 +567,8 @@ void Server::serve(Connection* c) {
 // reservation expiry (to expire it). Also the stop signal, when idle.
 Server::Flow Server::await_frame(Connection* c) {
   if (c->shm.next_deadline_us() != 0 && expire_shm(c)) return Flow::Close;
+  // The next frame is here already (a client that pipelines): no poll.
+  if (c->in.buffered() > 0) return set_activity(c, Activity::Busy) ? Flow::Proceed : Flow::Close;
   // Auth off, a connection waiting with nothing held may be closed to make room (admission.cpp).
   const bool holds_nothing = !auth_on() && c->shm.next_deadline_us() == 0 && c->rdma_id == 0;
   if (!set_activity(c, holds_nothing ? Activity::Idle : Activity::Busy)) return Flow::Close;
@@ -602,21 +604,22 @@ int64_t Server::frame_deadline_us(const Connection* c, int64_t first_byte_us, ui
   return deadline;
 }
 
-// Reads one frame header once poll() said bytes are there, and sets the
+// Reads one frame header once poll() said bytes are there (or they are
+// buffered), and sets the
 // frame's deadline (c->deadline_us) from it. *start_us: when the request
 // started, for its latency histogram.
 Server::Flow Server::read_frame_header(Connection* c, FrameHeader* h, int64_t* start_us) {
   uint8_t header_bytes[kFrameHeaderBytes];
-  // First byte: a clean EOF here is an ordinary close.
-  ssize_t got;
-  do got = recv(c->fd, header_bytes, kFrameHeaderBytes, MSG_DONTWAIT);
-  while (got < 0 && errno == EINTR);
-  if (got == 0) return Flow::Close;
-  if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Flow::Retry : Flow::Close;
+  if (c->in.buffered() == 0) {
+    // One recv for the header, the metadata after it, and whatever else has
+    // arrived. A clean EOF here is an ordinary close.
+    const ssize_t got = c->in.fill(c->fd);
+    if (got == 0) return Flow::Close;
+    if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Flow::Retry : Flow::Close;
+  }
   const int64_t first_byte_us = now_us();
   c->deadline_us = frame_deadline_us(c, first_byte_us, kFrameHeaderBytes);
-  if (size_t(got) < kFrameHeaderBytes)
-    recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
+  c->in.read(c->timer, header_bytes, kFrameHeaderBytes, c->deadline_us);
   *start_us = now_us();
   *h = parse_frame_header(header_bytes);
   if (unauthenticated(c)) c->spoke.store(true, std::memory_order_relaxed);
@@ -731,7 +734,7 @@ void Server::read_meta(Connection* c, const FrameHeader& h) {
       throw ConnectionLost{false};
     }
     c->meta.resize(got + chunk);
-    recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
+    c->in.read(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
 }
@@ -924,7 +927,7 @@ PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consu
   ChecksumStream landed(b.checksum_kind);
   uint8_t sum_bytes[8];  // with "trail": the value's sum, read with the value's last piece
   if (begun == PutStatus::Stored)
-    recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
+    c->in.read(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
   budget.release();  // the bytes have arrived
   if (begun != PutStatus::Stored) {
     discard(c, len + trail);
