@@ -421,6 +421,25 @@ std::pair<int64_t, std::shared_ptr<const std::string>> Server::cluster_map() con
 void Server::start() {
   if (stopping_ || started_.exchange(true)) return;
   accept_thread_ = std::thread([this] { accept_loop(); });
+  scrub_thread_ = std::thread([this] { scrub_loop(); });
+}
+
+// A COMMIT publishes a value with its writer's sum, unread (one memory pass
+// per put); this thread reads it later, off every request's path, so a
+// shared-memory reader of a checked value copies it without hashing
+// (docs/security.md, "Checksums a writer declares").
+void Server::scrub_loop() {
+  constexpr size_t kScrubBatch = 16;  // values per store call: the lock is held per value, not per batch
+  constexpr int kScrubIdleMs = 20;    // nothing waiting: look again after this (the stop signal wakes it)
+  pollfd wake{wake_fds_[0], POLLIN, 0};
+  while (!stopping_) {
+    try {
+      if (store_->scrub(kScrubBatch) > 0) continue;
+    } catch (const std::exception&) {
+      metrics_->errors_internal++;
+    }
+    (void)poll(&wake, 1, kScrubIdleMs);
+  }
 }
 
 void Server::stop(double grace_s) {
@@ -431,6 +450,7 @@ void Server::stop(double grace_s) {
     (void)!write(wake_fds_[1], &byte, 1);
   }
   if (accept_thread_.joinable()) accept_thread_.join();
+  if (scrub_thread_.joinable()) scrub_thread_.join();
   if (listen_fd_ >= 0) {
     close(listen_fd_);
     listen_fd_ = -1;

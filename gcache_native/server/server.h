@@ -135,6 +135,8 @@ class Server {
   enum class Flow { Proceed, Retry, Close };
 
   void accept_loop();
+  // Checks the values COMMIT published unread (Store::scrub), in batches, until stop.
+  void scrub_loop();
   void reap_finished();
   // One connection's thread: await_frame, read_frame_header, check_frame,
   // dispatch, in a loop; end_connection when it ends.
@@ -203,6 +205,7 @@ class Server {
   int wake_fds_[2] = {-1, -1};  // written once on stop; every poll() watches [0]
   uint16_t port_ = 0;
   std::thread accept_thread_;
+  std::thread scrub_thread_;  // scrub_loop: checks values COMMIT published unread
   std::atomic<bool> started_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> stop_deadline_us_{0};

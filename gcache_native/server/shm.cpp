@@ -184,6 +184,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   std::vector<uint8_t> kinds(b.has_ck ? n : 0, 0);
   std::vector<int64_t> lens(n, -1);
   std::vector<uint8_t> inlined(n, 0);
+  std::vector<uint8_t> verified(b.reader_verifies ? n : 0, 0);
   uint64_t total = 0, inline_total = 0;
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
@@ -198,6 +199,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
       continue;
     }
     total += lease.length;
+    if (b.reader_verifies) verified[i] = lease.verified ? 1 : 0;
     lens[i] = int64_t(lease.length);
     sums[i] = sum_for_reader(lease, b);
     if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
@@ -226,7 +228,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   const uint32_t rkey = rdma_rkey_.load();
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0) + (b.has_ck ? 1 : 0));
+  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0) + (b.has_ck ? 1 : 0) + (b.reader_verifies ? 1 : 0));
   out.str("offs");
   out.array(uint32_t(n));
   for (uint64_t o : offsets) out.uint(o);
@@ -243,6 +245,11 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
     out.str("inl");
     out.array(uint32_t(n));
     for (uint8_t x : inlined) out.boolean(x != 0);
+  }
+  if (b.reader_verifies) {  // "vf": the node checked it (a leased copy of it needs no hash)
+    out.str("vf");
+    out.array(uint32_t(n));
+    for (uint8_t x : verified) out.boolean(x != 0);
   }
   if (rkey) write_rdma_fields(out, rdma_addr_.load(), rkey);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, inline_total);

@@ -10,6 +10,7 @@
 #include "store/store.h"
 
 #include <algorithm>
+#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -74,6 +75,10 @@ struct Store::Impl {
   std::mutex disk_mu;  // order: disk_mu, then mu
   std::mutex mu;
   std::atomic<uint64_t> put_batches{0};
+  // Keys of values published unverified, oldest first, for scrub() (under
+  // mu). Bounded: a key past the bound is not queued, its readers check it.
+  static constexpr size_t kUnverifiedQueueMax = 65536;
+  std::deque<std::string> unverified;
   uint64_t flush_written = 0, flush_total = 0;  // gauges of the flush in progress (or the last one)
 
   static std::unique_ptr<DiskSegments> open_disk(const StoreConfig& c, Metrics* m) {
@@ -650,6 +655,7 @@ struct Store::Impl {
     index.insert(e);
     attach_memory(e, r.offset, r.block_bytes);
     e->verified = verified;
+    if (!verified && unverified.size() < kUnverifiedQueueMax) unverified.push_back(e->key);
     policy->insert(e, hint);
     bump(metrics->puts_stored);
     return PutStatus::Stored;
@@ -853,6 +859,27 @@ bool Store::verify_leased(Lease* lease, bool recheck) {
     if (had_disk_copy) s.write_tombstone(bad_key);
   }
   return false;
+}
+
+size_t Store::scrub(size_t max_values) {
+  Impl& s = *impl_;
+  size_t looked_at = 0;
+  for (; looked_at < max_values; ++looked_at) {
+    Lease lease;
+    {
+      std::lock_guard<std::mutex> guard(s.mu);
+      if (s.unverified.empty()) break;
+      const std::string key = std::move(s.unverified.front());
+      s.unverified.pop_front();
+      Entry* e = s.find(key);
+      // Gone, checked by a reader meanwhile, or only on disk (a load checks it).
+      if (e == nullptr || e->verified || !e->in_memory || e->doomed()) continue;
+      s.lease(e, &lease);  // pins the block; no read is counted, the policy is not told
+    }
+    verify_leased(&lease);
+    release(lease);
+  }
+  return looked_at;
 }
 
 bool Store::remove(std::string_view key) {

@@ -317,32 +317,48 @@ def test_writer_racing_evictions_never_returns_wrong_bytes(server_factory, sock_
     assert gauges(node.address)["put_reserved_bytes"] == 0
 
 
-def test_bytes_changed_in_the_arena_are_never_a_hit_and_leave(server_factory, sock_dir):
+def test_bytes_changed_in_the_arena_are_never_a_hit_to_a_checking_reader(server_factory, sock_dir, monkeypatch):
     BIG = 64 * KIB  # over shm_ops.INLINE_BYTES_MAX: copied out of the arena under a lease
-    # Every leased value is checked as it is copied (COMMIT does not read blocks). Here
-    # the block really holds other bytes (written through the mapping, as a reused block
-    # or a local scribbler would): the reader never returns them, reports the offset in
-    # its RELEASE, and the node checks the block itself and removes the value.
+    # A value the node has checked ("vf") is copied without a hash while its lease
+    # provably holds (as a GET_BATCH is sent); a copy that ends after the lease, a value
+    # not checked yet, or a client with verify_checksums checks every value. Here the
+    # block really holds other bytes (written through the mapping, as a reused block
+    # would): a checking reader never returns them, reports the offset in its RELEASE,
+    # and the node checks the block itself and removes the value.
+    from gcache.client.transports import shm_ops
+
     node, sock = start(server_factory, sock_dir)
+
+    def scribble(key: bytes) -> None:
+        with RawShm(sock) as raw:
+            raw.attach()
+            frame = raw.request(LOOKUP, {"keys": [key]})  # no "vfy": the node checks it first
+            off = frame.meta["offs"][0]
+            raw.arena[off : off + 4] = b"BBBB"
+            raw.release(leases=[frame.meta["lease"]], no_reply=False)
+
     with (
         gcache.Client(node.address, transport="shm") as c,
         gcache.Client(node.address, transport="shm", verify_checksums=True) as checked,
     ):
         assert c.put(b"k", b"A" * BIG) and c.put(b"ok", b"C" * 100)  # "k" is leased, "ok" inline
-        with RawShm(sock) as raw:
-            raw.attach()
-            frame = raw.request(LOOKUP, {"keys": [b"k"]})
-            off = frame.meta["offs"][0]
-            raw.arena[off : off + 4] = b"BBBB"
-            raw.release(leases=[frame.meta["lease"]], no_reply=False)
+        scribble(b"k")
         assert checked.get(b"ok") == b"C" * 100
         with pytest.raises(errors.ChecksumMismatchError) as info:
-            c.get_batch([b"k", b"ok"])  # no verify_checksums: leased values are checked anyway
+            checked.get_batch([b"k", b"ok"])
         assert info.value.results == [None, b"C" * 100]
         wait_until(lambda: counters(node.address)["checksum_failures_read"] == 1, "the bad value reported")
         assert c.get(b"k") is None and checked.get(b"k") is None  # removed: a miss from now on
         assert c.batch_get_into([b"k", b"ok"], [bytearray(BIG), bytearray(100)]) == [None, 100]
-    assert gauges(node.address)["leases_active"] == 0
+        # The lease counted as lapsed for every copy: even without verify_checksums.
+        assert c.put(b"k2", b"D" * BIG)
+        scribble(b"k2")
+        monkeypatch.setattr(shm_ops, "LEASE_TRUST", 0.0)
+        buf = bytearray(BIG)
+        with pytest.raises(errors.ChecksumMismatchError) as got:
+            c.batch_get_into([b"k2", b"ok"], [buf, bytearray(100)])
+        assert got.value.results == [None, 100]
+    wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the leases dropped")
 
 
 def test_a_false_bad_report_removes_nothing(server_factory, sock_dir):
@@ -376,7 +392,8 @@ def test_small_values_come_inline_and_large_ones_leased(server_factory, sock_dir
         assert frame.meta["lens"] == [len(large), len(small), -1, 0] and frame.payload == small
         off = frame.meta["offs"][0]
         assert bytes(raw.arena[off : off + len(large)]) == large
-        assert gauges(node.address)["leases_active"] == 1  # only the large value stays leased
+        # Only the large value stays leased (the inline ones' leases end once sent).
+        wait_until(lambda: gauges(node.address)["leases_active"] == 1, "the inline values' leases dropped")
         raw.release(leases=[frame.meta["lease"]])
         assert raw.request(PING, {}).status == OK
         assert gauges(node.address)["leases_active"] == 0

@@ -3,13 +3,19 @@
 A read is one LOOKUP round trip (offsets, lengths, checksums, under a lease),
 then the client copies the values out of the arena itself, checking each
 value's checksum in the same pass, then drops the lease with a RELEASE that
-needs no answer. Every leased value is checked: a COMMIT publishes a writer's
-bytes with the sum that writer declared, unread by the node (one memory pass
-per put), so the reader is where a lying or torn write is caught
-(docs/security.md, "Checksums a writer declares"). The LOOKUP says so ("vfy");
-a value whose bytes do not match is never a hit, and its arena offset goes
-back in the RELEASE ("bad") for the node to check and remove. Values that come
-inline in the answer were checked by the node. A write is a RESERVE (arena
+needs no answer. A COMMIT publishes a writer's bytes with the sum that writer
+declared, unread by the node (one memory pass per put); the node checks them
+later (its scrubber, or a read that sends them), and until then the reader is
+where a lying or torn write is caught (docs/security.md, "Checksums a writer
+declares"). The LOOKUP says this client checks ("vfy"); the answer says which
+values the node has checked ("vf"). A batch with any unchecked value is hashed
+in the copy loop; one of checked values only, copied while its lease provably
+held (the lease began after the LOOKUP was sent, so a copy over before `sent +
+lease`, this process's clock less a margin), needs no hash, as a GET_BATCH read
+needs none; a later copy, or a client with verify_checksums, checks every
+value. A value whose bytes do not match is never a hit, and its arena offset
+goes back in the RELEASE ("bad") for the node to check and remove. Values that
+come inline in the answer were checked by the node. A write is a RESERVE (arena
 blocks to write), the copy (hashing the written bytes), then a COMMIT that
 publishes the blocks. How bytes move is the connection's `arena`
 (gcache.client.arena.Arena): memcpy over the mapped memfd (shm) or RDMA READ /
@@ -18,6 +24,7 @@ WRITE (rdma).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from gcache import errors
@@ -57,6 +64,9 @@ INLINE_BYTES_MAX = 16 * 1024
 # msgpack of the map entries "inline_max": INLINE_BYTES_MAX (a uint16) and "vfy": true,
 # appended to a one-key request map (encode_keys_meta's) instead of packing a dict per call.
 _LOOKUP_FIELDS = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big") + b"\xa3vfy\xc3"
+# A lease is trusted for this share of its length: the server's deadline and this
+# process's clock may run at slightly different rates.
+LEASE_TRUST = 0.9
 
 
 def _arena(conn: Connection) -> Arena:
@@ -75,10 +85,15 @@ class LookupOp(_ValuesOp):
     def __init__(self, result: BatchResult, lo: int, hi: int, targets: list | None, verify: bool):
         super().__init__(result, lo, hi, verify_checksums=verify)
         self.targets = targets
+        self.sent_at = 0.0
 
     def part(self, lo, hi):
         targets = None if self.targets is None else self.targets[lo - self.lo : hi - self.lo]
         return LookupOp(self.result, lo, hi, targets, self.verify)
+
+    def frame(self, request_id, epoch=None):
+        self.sent_at = time.monotonic()  # the server's lease starts after this
+        return super().frame(request_id, epoch)
 
     def request_meta_bytes(self, epoch):
         # "ck": this client reads "cks" (the kind of each value's sum); "vfy": it checks
@@ -116,7 +131,11 @@ class LookupOp(_ValuesOp):
                 leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
                 arena = _arena(conn)
                 arena.check_answer(meta)
-                bad_leased = self._read_leased(arena, offsets, leased, sums, kinds)
+                checked = meta.get("vf")  # absent (an older node): it checked every value at COMMIT
+                unchecked = isinstance(checked, list) and not all(
+                    checked[j] for j, size in enumerate(leased) if size >= 0 and j < len(checked)
+                )
+                bad_leased = self._read_leased(arena, offsets, leased, sums, kinds, unchecked)
         finally:
             if lease:  # the bad ones' offsets: the node checks them itself and removes them
                 conn.send([release_frame(lease, [offsets[j] for j in bad_leased])])
@@ -165,17 +184,25 @@ class LookupOp(_ValuesOp):
         )
         return [checked[k][0] for k in bad]
 
-    def _read_leased(self, arena: Arena, offsets, leased, sums, kinds) -> list[int]:
-        """The leased values (size >= 0 in `leased`), copied out of the arena and checked
-        in the same pass; returns the indices whose bytes did not match (not hits)."""
+    def _read_leased(self, arena: Arena, offsets, leased, sums, kinds, unchecked: bool) -> list[int]:
+        """The leased values (size >= 0 in `leased`), copied out of the arena; hashed in
+        the same pass when any is `unchecked` by the node (or with verify_checksums).
+        Returns the indices whose bytes did not match (not hits)."""
+        trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
+        hash_now = self.verify or unchecked
         if self.targets is None:
-            values, bad = arena.read_values(offsets, leased, sums, True, kinds)
+            values, bad = arena.read_values(offsets, leased, sums, hash_now, kinds)
             for j, value in enumerate(values):
                 if leased[j] >= 0:
                     self.result.values[self.lo + j] = value
-            return list(bad)
-        dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
-        return list(arena.read_into(offsets, leased, sums, dests, True, kinds))
+        else:
+            dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
+            bad = arena.read_into(offsets, leased, sums, dests, hash_now, kinds)
+            values = [d if d is None else d[:n] for d, n in zip(dests, leased)]
+        if not hash_now and time.monotonic() > trusted_until:
+            # The lease may have ended mid-copy: those bytes must prove themselves.
+            bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums, kinds)
+        return list(bad)
 
     def read_values(self, conn, lens, sums, payload_len):  # not used: on_response reads
         raise NotImplementedError
