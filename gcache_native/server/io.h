@@ -63,8 +63,11 @@ class ReadAhead {
   // what recv returns (0: the peer closed; -1: errno says why).
   ssize_t fill(int fd);
   // Exactly n bytes into buf (hashed into `landed` as they are copied or
-  // land), then tail_n bytes into tail: buffered bytes first, the rest with
-  // recv_exact (same deadline and stall rules).
+  // land), then tail_n bytes into tail: buffered bytes first; a small rest
+  // (under kBytes / 2) through the buffer, refilled by a blocking recv that
+  // may bring the next values too (several small values per system call);
+  // a large rest straight into buf with recv_exact (same deadline and stall
+  // rules throughout).
   void read(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed = nullptr,
             void* tail = nullptr, size_t tail_n = 0);
 
