@@ -42,6 +42,7 @@ struct Entry {
   // value published by a COMMIT (a one-sided writer's sum, taken on trust,
   // docs/security.md) until a reader checks it (Store::verify_leased).
   bool verified = true;
+  bool check_queued = false;  // in the Store's queue for scrub() (at most once at a time)
 
   // The two tiers are independent: a value is in memory, on disk, or both
   // (in neither only while a load from disk is in flight, pinned). Both flags

@@ -421,13 +421,13 @@ std::pair<int64_t, std::shared_ptr<const std::string>> Server::cluster_map() con
 void Server::start() {
   if (stopping_ || started_.exchange(true)) return;
   accept_thread_ = std::thread([this] { accept_loop(); });
-  scrub_thread_ = std::thread([this] { scrub_loop(); });
+  if (config_.shm_scrub) scrub_thread_ = std::thread([this] { scrub_loop(); });
 }
 
 // A COMMIT publishes a value with its writer's sum, unread (one memory pass
-// per put); this thread reads it later, off every request's path, so a
-// shared-memory reader of a checked value copies it without hashing
-// (docs/security.md, "Checksums a writer declares").
+// per put). Once a shared-memory reader has copied it (hashing it itself),
+// this thread checks it, off every request's path, so its later readers copy
+// it without hashing (docs/security.md, "Checksums a writer declares").
 void Server::scrub_loop() {
   constexpr size_t kScrubBatch = 16;  // values per store call: the lock is held per value, not per batch
   constexpr int kScrubIdleMs = 20;    // nothing waiting: look again after this (the stop signal wakes it)

@@ -58,6 +58,7 @@ struct ServerConfig {
   // LOOKUP lease or a RESERVE reservation lasts.
   std::string unix_socket_path;
   double shm_lease_s = 10;
+  bool shm_scrub = true;    // a thread checks values COMMIT published unread (Server::scrub_loop)
   std::string instance_id;  // random per start, reported by PING: a client can tell two paths lead to one server
 };
 

@@ -211,6 +211,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
       c->leases.push_back(lease);
     } else {
       offsets[i] = uint64_t(lease.data - base);
+      if (!lease.verified && config_.shm_scrub) store_->queue_check(lease);  // read: worth checking once
       kept.push_back(lease);
     }
   }

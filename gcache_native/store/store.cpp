@@ -75,8 +75,9 @@ struct Store::Impl {
   std::mutex disk_mu;  // order: disk_mu, then mu
   std::mutex mu;
   std::atomic<uint64_t> put_batches{0};
-  // Keys of values published unverified, oldest first, for scrub() (under
-  // mu). Bounded: a key past the bound is not queued, its readers check it.
+  // Keys of unverified values a reader has copied (queue_check), oldest
+  // first, for scrub() (under mu). Bounded: a key past the bound is not
+  // queued, and its readers go on checking it themselves.
   static constexpr size_t kUnverifiedQueueMax = 65536;
   std::deque<std::string> unverified;
   uint64_t flush_written = 0, flush_total = 0;  // gauges of the flush in progress (or the last one)
@@ -655,7 +656,6 @@ struct Store::Impl {
     index.insert(e);
     attach_memory(e, r.offset, r.block_bytes);
     e->verified = verified;
-    if (!verified && unverified.size() < kUnverifiedQueueMax) unverified.push_back(e->key);
     policy->insert(e, hint);
     bump(metrics->puts_stored);
     return PutStatus::Stored;
@@ -861,6 +861,16 @@ bool Store::verify_leased(Lease* lease, bool recheck) {
   return false;
 }
 
+void Store::queue_check(const Lease& lease) {
+  if (lease.verified) return;
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  Entry* e = lease.entry;
+  if (e->verified || e->check_queued || e->doomed() || s.unverified.size() >= Impl::kUnverifiedQueueMax) return;
+  e->check_queued = true;
+  s.unverified.push_back(e->key);
+}
+
 size_t Store::scrub(size_t max_values) {
   Impl& s = *impl_;
   size_t looked_at = 0;
@@ -872,6 +882,7 @@ size_t Store::scrub(size_t max_values) {
       const std::string key = std::move(s.unverified.front());
       s.unverified.pop_front();
       Entry* e = s.find(key);
+      if (e != nullptr) e->check_queued = false;
       // Gone, checked by a reader meanwhile, or only on disk (a load checks it).
       if (e == nullptr || e->verified || !e->in_memory || e->doomed()) continue;
       s.lease(e, &lease);  // pins the block; no read is counted, the policy is not told

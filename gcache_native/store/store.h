@@ -143,10 +143,14 @@ class Store {
   // valid until released), counted in checksum_failures_read, and false
   // returned: the caller answers a miss.
   bool verify_leased(Lease* lease, bool recheck = false);
-  // Checks up to `max_values` values published unverified (oldest first), as
-  // verify_leased does, off every request's path: a shared-memory reader of a
-  // checked value then copies it without hashing. Returns how many keys it
-  // looked at (0: none waiting). Counts no reads, moves nothing in the policy.
+  // A reader copies this unverified leased value and hashes it itself: queue
+  // it for scrub() (once, bounded), so its later readers need not. A value
+  // no one reads is never read again by the node (one pass per put).
+  void queue_check(const Lease& lease);
+  // Checks up to `max_values` queued values (oldest first), as verify_leased
+  // does, off every request's path: a shared-memory reader of a checked value
+  // then copies it without hashing. Returns how many keys it looked at (0:
+  // none waiting). Counts no reads, moves nothing in the policy.
   size_t scrub(size_t max_values);
 
   // One EXISTS batch, keys in the client's order: present[i] = key i has a value

@@ -222,3 +222,22 @@ def test_the_scrubber_checks_committed_values_so_readers_copy_them_unhashed(serv
     assert counters(node)["checksum_failures_read"] == 1
     with gcache.Client(node.address, transport="shm") as c:
         assert c.get_batch([b"honest", b"liar"]) == [value, None]
+
+
+def test_without_the_scrubber_every_leased_copy_is_hashed_and_a_lie_is_caught_by_its_reader(server_factory, sock_dir):
+    node, sock = start(server_factory, sock_dir, extra=["--no-shm-scrub"])
+    honest, lying = os.urandom(LARGE), os.urandom(LARGE)
+    with gcache.Client(node.address, transport="shm") as c:
+        assert c.put(b"honest", honest)
+    with RawShm(sock) as raw:
+        raw.attach()
+        lie(raw, {b"liar": lying})
+        frame = raw.request(LOOKUP, {"keys": [b"honest", b"liar"], "ck": XXH3, "vfy": True})
+        assert frame.meta["vf"] == [False, False]  # nobody has read them: unchecked
+        raw.release(leases=[frame.meta["lease"]])
+    with gcache.Client(node.address, transport="shm") as c:
+        with pytest.raises(errors.ChecksumMismatchError) as info:  # found by the reader's copy
+            c.get_batch([b"honest", b"liar"])
+        assert info.value.results == [honest, None]
+        wait_until(lambda: counters(node)["checksum_failures_read"] == 1, "the reader's report")
+        assert c.get_batch([b"honest", b"liar"]) == [honest, None]  # removed: a miss now
