@@ -430,16 +430,28 @@ void Server::start() {
 // it without hashing (docs/security.md, "Checksums a writer declares").
 void Server::scrub_loop() {
   constexpr size_t kScrubBatch = 16;  // values per store call: the lock is held per value, not per batch
-  constexpr int kScrubIdleMs = 20;    // nothing waiting: look again after this (the stop signal wakes it)
-  pollfd wake{wake_fds_[0], POLLIN, 0};
-  while (!stopping_) {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(scrub_mu_);
+      scrub_cv_.wait(lock, [this] { return scrub_wanted_ || stopping_; });
+      if (stopping_) return;
+      scrub_wanted_ = false;
+    }
     try {
-      if (store_->scrub(kScrubBatch) > 0) continue;
+      while (!stopping_ && store_->scrub(kScrubBatch) > 0) {
+      }
     } catch (const std::exception&) {
       metrics_->errors_internal++;
     }
-    (void)poll(&wake, 1, kScrubIdleMs);
   }
+}
+
+void Server::wake_scrubber() {
+  {
+    std::lock_guard<std::mutex> lock(scrub_mu_);
+    scrub_wanted_ = true;
+  }
+  scrub_cv_.notify_one();
 }
 
 void Server::stop(double grace_s) {
@@ -450,6 +462,10 @@ void Server::stop(double grace_s) {
     (void)!write(wake_fds_[1], &byte, 1);
   }
   if (accept_thread_.joinable()) accept_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(scrub_mu_);  // stopping_ is set: the scrubber sees it once woken
+  }
+  scrub_cv_.notify_all();
   if (scrub_thread_.joinable()) scrub_thread_.join();
   if (listen_fd_ >= 0) {
     close(listen_fd_);

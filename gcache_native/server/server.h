@@ -138,6 +138,7 @@ class Server {
   void accept_loop();
   // Checks the values COMMIT published unread (Store::scrub), in batches, until stop.
   void scrub_loop();
+  void wake_scrubber();  // a value was queued for it
   void reap_finished();
   // One connection's thread: await_frame, read_frame_header, check_frame,
   // dispatch, in a loop; end_connection when it ends.
@@ -207,6 +208,9 @@ class Server {
   uint16_t port_ = 0;
   std::thread accept_thread_;
   std::thread scrub_thread_;  // scrub_loop: checks values COMMIT published unread
+  std::mutex scrub_mu_;       // guards scrub_wanted_; scrub_cv_ wakes the thread (or stop)
+  std::condition_variable scrub_cv_;
+  bool scrub_wanted_ = false;
   std::atomic<bool> started_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> stop_deadline_us_{0};

@@ -2,9 +2,9 @@
 // same-host client maps the arena (SHM_ATTACH over the Unix socket), asks
 // where values are (LOOKUP, under a lease) and copies them itself; a put
 // reserves arena blocks (RESERVE), the client writes them, and COMMIT
-// publishes them with the client's checksums, unread (every reader checks). With RDMA the same answers
-// carry the arena's remote address and rkey, and the client reads and writes
-// with RDMA instead of memcpy.
+// publishes them with the client's checksums, unread (every reader checks).
+// With RDMA the same answers carry the arena's remote address and rkey, and
+// the client reads and writes with RDMA instead of memcpy.
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -211,7 +211,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
       c->leases.push_back(lease);
     } else {
       offsets[i] = uint64_t(lease.data - base);
-      if (!lease.verified && config_.shm_scrub) store_->queue_check(lease);  // read: worth checking once
+      if (!lease.verified && config_.shm_scrub && store_->queue_check(lease)) wake_scrubber();  // read: check it once
       kept.push_back(lease);
     }
   }

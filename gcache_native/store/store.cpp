@@ -861,14 +861,15 @@ bool Store::verify_leased(Lease* lease, bool recheck) {
   return false;
 }
 
-void Store::queue_check(const Lease& lease) {
-  if (lease.verified) return;
+bool Store::queue_check(const Lease& lease) {
+  if (lease.verified) return false;
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   Entry* e = lease.entry;
-  if (e->verified || e->check_queued || e->doomed() || s.unverified.size() >= Impl::kUnverifiedQueueMax) return;
+  if (e->verified || e->check_queued || e->doomed() || s.unverified.size() >= Impl::kUnverifiedQueueMax) return false;
   e->check_queued = true;
   s.unverified.push_back(e->key);
+  return true;
 }
 
 size_t Store::scrub(size_t max_values) {

@@ -146,7 +146,8 @@ class Store {
   // A reader copies this unverified leased value and hashes it itself: queue
   // it for scrub() (once, bounded), so its later readers need not. A value
   // no one reads is never read again by the node (one pass per put).
-  void queue_check(const Lease& lease);
+  // Returns true when it queued the value (the caller may wake scrub()'s thread).
+  bool queue_check(const Lease& lease);
   // Checks up to `max_values` queued values (oldest first), as verify_leased
   // does, off every request's path: a shared-memory reader of a checked value
   // then copies it without hashing. Returns how many keys it looked at (0:
