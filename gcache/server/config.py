@@ -210,6 +210,16 @@ class ServerSettings:
             group=LOCAL,
         ),
     )
+    shm_scrub: bool = field(
+        default=True,
+        metadata=flag(
+            "once a shared-memory reader has copied a value a shared-memory PUT committed "
+            "unread, a node thread checks it off the request path, so its later readers copy "
+            "it without hashing (default on; off: such readers hash every copy; docs/security.md, "
+            "'Checksums a writer declares')",
+            group=LOCAL,
+        ),
+    )
     rdma_device: str = field(  # "" = no RDMA
         default="",
         metadata=flag(
@@ -420,6 +430,7 @@ class ServerSettings:
             "disk_exclusive": self.disk_exclusive,
             "unix_socket_path": self.unix_socket_path(),
             "shm_lease_s": self.shm_lease_s,
+            "shm_scrub": self.shm_scrub,
             "instance_id": secrets.token_hex(8),
         }
 

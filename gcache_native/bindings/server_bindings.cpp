@@ -141,7 +141,7 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "connections_per_address_max", "connections_per_tenant_max", "meta_buffer_bytes_max",
       "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
       "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive",
-      "unix_socket_path", "shm_lease_s", "instance_id", "preauth_connections_max",
+      "unix_socket_path", "shm_lease_s", "shm_scrub", "instance_id", "preauth_connections_max",
       "preauth_connections_per_address_max"};
   // clang-format on
   for (auto item : config) {
@@ -184,6 +184,7 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "disk_exclusive") sc->disk_exclusive = py::cast<bool>(v);
     else if (key == "unix_socket_path") vc->unix_socket_path = py::cast<std::string>(v);
     else if (key == "shm_lease_s") vc->shm_lease_s = py::cast<double>(v);
+    else if (key == "shm_scrub") vc->shm_scrub = py::cast<bool>(v);
     else if (key == "instance_id") vc->instance_id = py::cast<std::string>(v);
   }
   if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600)) throw py::value_error("shm_lease_s must be in (0, 3600]");
@@ -278,7 +279,7 @@ preauth_connections_per_address_max (both at least 1), connections_per_address_m
 meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max, eviction_policy
 ("chain", "s3fifo", "lru"), eviction_ghost_factor, eviction_fresh_weight (0 =
 tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md), unix_socket_path ("" = none),
-shm_lease_s, instance_id (docs/protocol.md, "Shared memory and RDMA"). Unknown keys
+shm_lease_s, shm_scrub, instance_id (docs/protocol.md, "Shared memory and RDMA"). Unknown keys
 and out-of-range values raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")

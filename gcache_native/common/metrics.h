@@ -45,6 +45,7 @@ struct Histogram {
   X(lease_skips)                 \
   X(checksum_failures)           \
   X(checksum_failures_put)       \
+  X(checksum_failures_read)      \
   X(disk_errors)                 \
   X(torn_records_skipped)        \
   X(segments_reclaimed)          \

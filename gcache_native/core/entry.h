@@ -38,6 +38,11 @@ struct Entry {
   uint64_t length = 0;
   uint64_t checksum = 0;  // of the value, by checksum_kind
   ChecksumKind checksum_kind = ChecksumKind::Xxh64;
+  // The node has seen the memory copy's bytes hash to `checksum`: false for a
+  // value published by a COMMIT (a one-sided writer's sum, taken on trust,
+  // docs/security.md) until a reader checks it (Store::verify_leased).
+  bool verified = true;
+  bool check_queued = false;  // in the Store's queue for scrub() (at most once at a time)
 
   // The two tiers are independent: a value is in memory, on disk, or both
   // (in neither only while a load from disk is in flight, pinned). Both flags

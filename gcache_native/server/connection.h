@@ -35,11 +35,13 @@ struct BatchMeta {
   std::vector<uint64_t> sums;
   std::vector<uint64_t> leases;        // RELEASE: lease ids
   std::vector<uint64_t> reservations;  // RELEASE: reservation ids
+  std::vector<uint64_t> bad;           // RELEASE: arena offsets of leased values whose bytes did not match
   int64_t epoch = 0;                   // the client's cluster-map epoch, if has_epoch
   uint64_t res = 0;                    // COMMIT: the reservation id, if has_res
   uint64_t inline_max = 0;             // LOOKUP: values up to this size come in the payload, unleased
   bool chain_continues = false;        // RESERVE "cont": same put batch (chain) as the previous RESERVE
   bool chain_ends = true;              // RESERVE "last": holds the batch's last value
+  bool reader_verifies = false;        // LOOKUP "vfy": the client checks every leased value's sum itself
   // "ck": the kind of "sums" (PUT_BATCH, COMMIT), or on a read (GET_BATCH,
   // LOOKUP) that the client reads "cks"; absent: xxh64, a peer from before XXH3.
   ChecksumKind checksum_kind = ChecksumKind::Xxh64;
@@ -52,6 +54,8 @@ struct BatchMeta {
     sums.clear();
     leases.clear();
     reservations.clear();
+    bad.clear();
+    reader_verifies = false;
     inline_max = 0;
     chain_continues = false;
     chain_ends = true;
@@ -102,6 +106,7 @@ struct Server::Connection {
   std::atomic<bool> finished{false};
   std::vector<uint8_t> meta;
   std::vector<uint8_t> scratch;
+  ReadAhead in;  // every read of a frame goes through it (server/io.h)
   MsgpackWriter out{kFrameHeaderBytes};
   BatchMeta batch;
   std::vector<Lease> leases;

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 
 #include "common/checksum.h"
@@ -183,4 +184,61 @@ void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us) {
     }
   }
 }
+
+ssize_t ReadAhead::fill(int fd) {
+  if (buf_.empty()) buf_.resize(kBytes);
+  pos_ = end_ = 0;
+  ssize_t got;
+  do got = recv(fd, buf_.data(), buf_.size(), MSG_DONTWAIT);
+  while (got < 0 && errno == EINTR);
+  if (got > 0) end_ = size_t(got);
+  return got;
+}
+
+size_t ReadAhead::take(void* out, size_t n) {
+  const size_t k = std::min(n, buffered());
+  if (k > 0) std::memcpy(out, buf_.data() + pos_, k);
+  pos_ += k;
+  return k;
+}
+
+// One recv of at least one byte and at most n, under recv_exact's stall and
+// deadline rules: it returns as soon as anything has arrived.
+static size_t recv_some(SocketTimer& t, void* buf, size_t n, int64_t deadline_us) {
+  const int64_t started = now_us();
+  for (;;) {
+    arm(t, SO_RCVTIMEO, &t.rcv_s, deadline_us, started);
+    const ssize_t r = recv(t.fd, buf, n, 0);
+    if (r > 0) return size_t(r);
+    if (r == 0) throw ConnectionLost{false};
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw ConnectionLost{false};
+  }
+}
+
+void ReadAhead::read(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed, void* tail,
+                     size_t tail_n) {
+  auto* p = static_cast<uint8_t*>(buf);
+  auto* q = static_cast<uint8_t*>(tail);
+  for (;;) {
+    const size_t from_buffer = take(p, n);
+    if (landed != nullptr && from_buffer > 0) landed->update(p, from_buffer);
+    p += from_buffer;
+    n -= from_buffer;
+    if (n == 0) {
+      const size_t k = take(q, tail_n);
+      q += k;
+      tail_n -= k;
+    }
+    if (n == 0 && tail_n == 0) return;
+    // What is left is small (a small value of a batch, the rest of a header):
+    // one recv into the buffer may bring it and the next ones. A large rest
+    // goes straight from the socket to its place (the arena), no copy.
+    if (n + tail_n >= kBytes / 2) break;
+    if (buf_.empty()) buf_.resize(kBytes);
+    pos_ = 0;
+    end_ = recv_some(t, buf_.data(), buf_.size(), deadline_us);  // the buffer was empty: take() drained it
+  }
+  recv_exact(t, p, n, deadline_us, landed, q, tail_n);
+}
+
 }  // namespace gcache

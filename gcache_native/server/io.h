@@ -2,10 +2,12 @@
 // and gathered writes under a stall timeout and a per-transfer deadline.
 #pragma once
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace gcache {
 
@@ -47,5 +49,32 @@ constexpr size_t kLandedChunkBytes = 256 << 10;
 // Writes every byte of iov[0..count) before deadline_us (0 = none); the
 // iovecs are consumed in place.
 void send_all(SocketTimer& t, iovec* iov, size_t count, int64_t deadline_us);
+
+// Bytes read from a connection ahead of what its frame has consumed: one
+// recv brings a frame's header and metadata together (and a small payload,
+// and frames the client sent behind it), where reading them apart cost a
+// system call each. Every read of a frame takes buffered bytes first.
+class ReadAhead {
+ public:
+  static constexpr size_t kBytes = 16 << 10;  // a few frames' metadata; payloads beyond go socket -> arena
+
+  size_t buffered() const { return end_ - pos_; }
+  // With nothing buffered: one non-blocking recv of up to kBytes. Returns
+  // what recv returns (0: the peer closed; -1: errno says why).
+  ssize_t fill(int fd);
+  // Exactly n bytes into buf (hashed into `landed` as they are copied or
+  // land), then tail_n bytes into tail: buffered bytes first; a small rest
+  // (under kBytes / 2) through the buffer, refilled by a blocking recv that
+  // may bring the next values too (several small values per system call);
+  // a large rest straight into buf with recv_exact (same deadline and stall
+  // rules throughout).
+  void read(SocketTimer& t, void* buf, size_t n, int64_t deadline_us, ChecksumStream* landed = nullptr,
+            void* tail = nullptr, size_t tail_n = 0);
+
+ private:
+  size_t take(void* out, size_t n);  // up to n buffered bytes; returns how many
+  std::vector<uint8_t> buf_;         // allocated by the first fill
+  size_t pos_ = 0, end_ = 0;
+};
 
 }  // namespace gcache

@@ -77,7 +77,7 @@ void discard(Server::Connection* c, uint64_t n) {
   if (c->scratch.empty()) c->scratch.resize(kScratchBytes);
   while (n > 0) {
     const size_t chunk = n < c->scratch.size() ? size_t(n) : c->scratch.size();
-    recv_exact(c->timer, c->scratch.data(), chunk, c->deadline_us);
+    c->in.read(c->timer, c->scratch.data(), chunk, c->deadline_us);
     n -= chunk;
   }
 }
@@ -228,10 +228,14 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
       b->has_res = true;
       continue;
     }
-    if (name == "leases" || name == "reservations") {
-      std::vector<uint64_t>& ids = name == "leases" ? b->leases : b->reservations;
+    if (name == "vfy") {
+      if (!r.read_bool(&b->reader_verifies)) return bad("\"vfy\" must be a boolean");
+      continue;
+    }
+    if (name == "leases" || name == "reservations" || name == "bad") {
+      std::vector<uint64_t>& ids = name == "leases" ? b->leases : name == "bad" ? b->bad : b->reservations;
       uint32_t n;
-      if (!r.read_array(&n)) return bad("\"leases\"/\"reservations\" must be arrays");
+      if (!r.read_array(&n)) return bad("\"leases\"/\"reservations\"/\"bad\" must be arrays");
       if (n > batch_keys_max) return Reply::fail(FrameStatus::LimitExceeded, "too many ids in one RELEASE");
       ids.resize(n);
       for (uint32_t k = 0; k < n; ++k)
@@ -417,6 +421,37 @@ std::pair<int64_t, std::shared_ptr<const std::string>> Server::cluster_map() con
 void Server::start() {
   if (stopping_ || started_.exchange(true)) return;
   accept_thread_ = std::thread([this] { accept_loop(); });
+  if (config_.shm_scrub) scrub_thread_ = std::thread([this] { scrub_loop(); });
+}
+
+// A COMMIT publishes a value with its writer's sum, unread (one memory pass
+// per put). Once a shared-memory reader has copied it (hashing it itself),
+// this thread checks it, off every request's path, so its later readers copy
+// it without hashing (docs/security.md, "Checksums a writer declares").
+void Server::scrub_loop() {
+  constexpr size_t kScrubBatch = 16;  // values per store call: the lock is held per value, not per batch
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(scrub_mu_);
+      scrub_cv_.wait(lock, [this] { return scrub_wanted_ || stopping_; });
+      if (stopping_) return;
+      scrub_wanted_ = false;
+    }
+    try {
+      while (!stopping_ && store_->scrub(kScrubBatch) > 0) {
+      }
+    } catch (const std::exception&) {
+      metrics_->errors_internal++;
+    }
+  }
+}
+
+void Server::wake_scrubber() {
+  {
+    std::lock_guard<std::mutex> lock(scrub_mu_);
+    scrub_wanted_ = true;
+  }
+  scrub_cv_.notify_one();
 }
 
 void Server::stop(double grace_s) {
@@ -427,6 +462,11 @@ void Server::stop(double grace_s) {
     (void)!write(wake_fds_[1], &byte, 1);
   }
   if (accept_thread_.joinable()) accept_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(scrub_mu_);  // stopping_ is set: the scrubber sees it once woken
+  }
+  scrub_cv_.notify_all();
+  if (scrub_thread_.joinable()) scrub_thread_.join();
   if (listen_fd_ >= 0) {
     close(listen_fd_);
     listen_fd_ = -1;
@@ -563,6 +603,8 @@ void Server::serve(Connection* c) {
 // reservation expiry (to expire it). Also the stop signal, when idle.
 Server::Flow Server::await_frame(Connection* c) {
   if (c->shm.next_deadline_us() != 0 && expire_shm(c)) return Flow::Close;
+  // The next frame is here already (a client that pipelines): no poll.
+  if (c->in.buffered() > 0) return set_activity(c, Activity::Busy) ? Flow::Proceed : Flow::Close;
   // Auth off, a connection waiting with nothing held may be closed to make room (admission.cpp).
   const bool holds_nothing = !auth_on() && c->shm.next_deadline_us() == 0 && c->rdma_id == 0;
   if (!set_activity(c, holds_nothing ? Activity::Idle : Activity::Busy)) return Flow::Close;
@@ -598,21 +640,22 @@ int64_t Server::frame_deadline_us(const Connection* c, int64_t first_byte_us, ui
   return deadline;
 }
 
-// Reads one frame header once poll() said bytes are there, and sets the
+// Reads one frame header once poll() said bytes are there (or they are
+// buffered), and sets the
 // frame's deadline (c->deadline_us) from it. *start_us: when the request
 // started, for its latency histogram.
 Server::Flow Server::read_frame_header(Connection* c, FrameHeader* h, int64_t* start_us) {
   uint8_t header_bytes[kFrameHeaderBytes];
-  // First byte: a clean EOF here is an ordinary close.
-  ssize_t got;
-  do got = recv(c->fd, header_bytes, kFrameHeaderBytes, MSG_DONTWAIT);
-  while (got < 0 && errno == EINTR);
-  if (got == 0) return Flow::Close;
-  if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Flow::Retry : Flow::Close;
+  if (c->in.buffered() == 0) {
+    // One recv for the header, the metadata after it, and whatever else has
+    // arrived. A clean EOF here is an ordinary close.
+    const ssize_t got = c->in.fill(c->fd);
+    if (got == 0) return Flow::Close;
+    if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Flow::Retry : Flow::Close;
+  }
   const int64_t first_byte_us = now_us();
   c->deadline_us = frame_deadline_us(c, first_byte_us, kFrameHeaderBytes);
-  if (size_t(got) < kFrameHeaderBytes)
-    recv_exact(c->timer, header_bytes + got, kFrameHeaderBytes - size_t(got), c->deadline_us);
+  c->in.read(c->timer, header_bytes, kFrameHeaderBytes, c->deadline_us);
   *start_us = now_us();
   *h = parse_frame_header(header_bytes);
   if (unauthenticated(c)) c->spoke.store(true, std::memory_order_relaxed);
@@ -727,7 +770,7 @@ void Server::read_meta(Connection* c, const FrameHeader& h) {
       throw ConnectionLost{false};
     }
     c->meta.resize(got + chunk);
-    recv_exact(c->timer, c->meta.data() + got, chunk, c->deadline_us);
+    c->in.read(c->timer, c->meta.data() + got, chunk, c->deadline_us);
     got += chunk;
   }
 }
@@ -920,7 +963,7 @@ PutStatus Server::put_one(Connection* c, size_t i, PutHint hint, uint64_t* consu
   ChecksumStream landed(b.checksum_kind);
   uint8_t sum_bytes[8];  // with "trail": the value's sum, read with the value's last piece
   if (begun == PutStatus::Stored)
-    recv_exact(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
+    c->in.read(c->timer, put.reservation().data, size_t(len), c->deadline_us, &landed, sum_bytes, size_t(trail));
   budget.release();  // the bytes have arrived
   if (begun != PutStatus::Stored) {
     discard(c, len + trail);
@@ -956,6 +999,14 @@ Reply Server::handle_get(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
     if (!store_->acquire(b.keys[i], &lease)) {
+      out.integer(-1);
+      continue;
+    }
+    // A value a one-sided writer committed is checked once, before its bytes
+    // leave: a bad one is removed and answered as a miss (docs/security.md).
+    if (!store_->verify_leased(&lease)) {
+      store_->release(lease);
+      metrics_->misses++;
       out.integer(-1);
       continue;
     }

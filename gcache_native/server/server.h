@@ -58,6 +58,7 @@ struct ServerConfig {
   // LOOKUP lease or a RESERVE reservation lasts.
   std::string unix_socket_path;
   double shm_lease_s = 10;
+  bool shm_scrub = true;    // a thread checks values COMMIT published unread (Server::scrub_loop)
   std::string instance_id;  // random per start, reported by PING: a client can tell two paths lead to one server
 };
 
@@ -135,6 +136,9 @@ class Server {
   enum class Flow { Proceed, Retry, Close };
 
   void accept_loop();
+  // Checks the values COMMIT published unread (Store::scrub), in batches, until stop.
+  void scrub_loop();
+  void wake_scrubber();  // a value was queued for it
   void reap_finished();
   // One connection's thread: await_frame, read_frame_header, check_frame,
   // dispatch, in a loop; end_connection when it ends.
@@ -203,6 +207,10 @@ class Server {
   int wake_fds_[2] = {-1, -1};  // written once on stop; every poll() watches [0]
   uint16_t port_ = 0;
   std::thread accept_thread_;
+  std::thread scrub_thread_;  // scrub_loop: checks values COMMIT published unread
+  std::mutex scrub_mu_;       // guards scrub_wanted_; scrub_cv_ wakes the thread (or stop)
+  std::condition_variable scrub_cv_;
+  bool scrub_wanted_ = false;
   std::atomic<bool> started_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> stop_deadline_us_{0};

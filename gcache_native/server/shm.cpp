@@ -2,9 +2,9 @@
 // same-host client maps the arena (SHM_ATTACH over the Unix socket), asks
 // where values are (LOOKUP, under a lease) and copies them itself; a put
 // reserves arena blocks (RESERVE), the client writes them, and COMMIT
-// publishes them after checking their checksums. With RDMA the same answers
-// carry the arena's remote address and rkey, and the client reads and writes
-// with RDMA instead of memcpy.
+// publishes them with the client's checksums, unread (every reader checks).
+// With RDMA the same answers carry the arena's remote address and rkey, and
+// the client reads and writes with RDMA instead of memcpy.
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -184,22 +184,34 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   std::vector<uint8_t> kinds(b.has_ck ? n : 0, 0);
   std::vector<int64_t> lens(n, -1);
   std::vector<uint8_t> inlined(n, 0);
+  std::vector<uint8_t> verified(b.reader_verifies ? n : 0, 0);
   uint64_t total = 0, inline_total = 0;
   for (size_t i = 0; i < n; ++i) {
     Lease lease;
     if (!store_->acquire(b.keys[i], &lease)) continue;
+    const bool inline_fits = lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax;
+    // A value a one-sided writer committed is checked here when its bytes go
+    // in this answer, or to a reader that does not check leased values itself
+    // (a client from before "vfy"): a bad one is removed and answered a miss.
+    if (!lease.verified && (inline_fits || !b.reader_verifies || !b.has_ck) && !store_->verify_leased(&lease)) {
+      store_->release(lease);
+      metrics_->misses++;
+      continue;
+    }
     total += lease.length;
+    if (b.reader_verifies) verified[i] = lease.verified ? 1 : 0;
     lens[i] = int64_t(lease.length);
     sums[i] = sum_for_reader(lease, b);
     if (b.has_ck) kinds[i] = uint8_t(lease.checksum_kind);
     // An empty value always counts as inline (0 <= inline_max): it has no
     // bytes to copy, so it never takes a lease; "lens" 0 says it is there.
-    if (lease.length <= inline_max && inline_total + lease.length <= kLookupInlineBytesMax) {
+    if (inline_fits) {
       inline_total += lease.length;
       inlined[i] = 1;
       c->leases.push_back(lease);
     } else {
       offsets[i] = uint64_t(lease.data - base);
+      if (!lease.verified && config_.shm_scrub && store_->queue_check(lease)) wake_scrubber();  // read: check it once
       kept.push_back(lease);
     }
   }
@@ -217,7 +229,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   const uint32_t rkey = rdma_rkey_.load();
   MsgpackWriter& out = c->out;
   out.clear();
-  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0) + (b.has_ck ? 1 : 0));
+  out.map(4 + (b.inline_max > 0 ? 1 : 0) + (rkey ? 2 : 0) + (b.has_ck ? 1 : 0) + (b.reader_verifies ? 1 : 0));
   out.str("offs");
   out.array(uint32_t(n));
   for (uint64_t o : offsets) out.uint(o);
@@ -235,6 +247,11 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
     out.array(uint32_t(n));
     for (uint8_t x : inlined) out.boolean(x != 0);
   }
+  if (b.reader_verifies) {  // "vf": the node checked it (a leased copy of it needs no hash)
+    out.str("vf");
+    out.array(uint32_t(n));
+    for (uint8_t x : verified) out.boolean(x != 0);
+  }
   if (rkey) write_rdma_fields(out, rdma_addr_.load(), rkey);
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok, &c->leases, inline_total);
   return {};
@@ -243,7 +260,10 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
 Reply Server::handle_release(Connection* c, const FrameHeader& h) {
   const BatchMeta& b = c->batch;
   uint64_t released = 0;
-  for (uint64_t id : b.leases) released += c->shm.release_lease(store_, id) ? 1 : 0;
+  for (uint64_t id : b.leases) {
+    c->shm.verify_reported(store_, id, b.bad, store_->arena_base());  // "bad": the reader's copy did not match
+    released += c->shm.release_lease(store_, id) ? 1 : 0;
+  }
   for (uint64_t id : b.reservations) {
     ShmSession::ReserveGroup group;
     if (!c->shm.take_reservation(id, &group)) continue;
@@ -369,8 +389,10 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   for (size_t i = 0; i < n; ++i) {
     const Reservation& r = group.reservations[i];
     if (r.data == nullptr) continue;
-    const PutStatus s = store_->commit_put(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
-                                           PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
+    // Published without reading the block: the writer's sum is taken on trust
+    // and every reader checks it (docs/security.md, "Checksums a writer declares").
+    const PutStatus s = store_->commit_unverified(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
+                                                  PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) stored_bytes += r.length;
   }

@@ -25,6 +25,18 @@ bool ShmSession::release_lease(Store* store, uint64_t id) {
   return true;
 }
 
+size_t ShmSession::verify_reported(Store* store, uint64_t id, std::vector<uint64_t> offsets, const uint8_t* base) {
+  auto it = leases_.find(id);
+  if (it == leases_.end() || offsets.empty()) return 0;
+  std::sort(offsets.begin(), offsets.end());
+  size_t bad = 0;
+  for (Lease& l : it->second.leases) {
+    const uint64_t off = uint64_t(l.data - base);
+    if (std::binary_search(offsets.begin(), offsets.end(), off) && !store->verify_leased(&l, true)) ++bad;
+  }
+  return bad;
+}
+
 uint64_t ShmSession::add_reservation(ReserveGroup&& group) {
   const uint64_t id = next_id_++;
   reserves_.emplace(id, std::move(group));

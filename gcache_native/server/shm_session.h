@@ -41,6 +41,11 @@ class ShmSession {
   // Takes ownership of `leases` (released by release_lease, expiry or release_all); returns its id.
   uint64_t add_leases(std::vector<Lease>&& leases, int64_t deadline_us);
   bool release_lease(Store* store, uint64_t id);  // false: unknown or already released
+  // A reader found the leased values of group `id` at these arena offsets
+  // (from `base`) bad: the node checks each itself (Store::verify_leased), so a
+  // false report costs one hash of a value the reporter leased and changes
+  // nothing. Returns how many were bad (removed).
+  size_t verify_reported(Store* store, uint64_t id, std::vector<uint64_t> offsets, const uint8_t* base);
 
   bool can_reserve() const { return reserves_.size() < kReserveGroupsMax; }
   uint64_t add_reservation(ReserveGroup&& group);

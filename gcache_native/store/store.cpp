@@ -10,6 +10,7 @@
 #include "store/store.h"
 
 #include <algorithm>
+#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -74,6 +75,11 @@ struct Store::Impl {
   std::mutex disk_mu;  // order: disk_mu, then mu
   std::mutex mu;
   std::atomic<uint64_t> put_batches{0};
+  // Keys of unverified values a reader has copied (queue_check), oldest
+  // first, for scrub() (under mu). Bounded: a key past the bound is not
+  // queued, and its readers go on checking it themselves.
+  static constexpr size_t kUnverifiedQueueMax = 65536;
+  std::deque<std::string> unverified;
   uint64_t flush_written = 0, flush_total = 0;  // gauges of the flush in progress (or the last one)
 
   static std::unique_ptr<DiskSegments> open_disk(const StoreConfig& c, Metrics* m) {
@@ -113,7 +119,10 @@ struct Store::Impl {
 
   // ---- tier membership; every counter change goes through these four ----
   // (the tier's own counters, and the owner's account)
+  // Every copy that enters memory other than by a COMMIT was checked on its
+  // way in (a PUT hashed as it landed, a disk load): publish() says otherwise.
   void attach_memory(Entry* e, uint64_t offset, uint64_t block) {
+    e->verified = true;
     memory.attach(e, offset, block);
     if (OwnerAccount* a = account_of(e->owner)) a->memory += e->length;
   }
@@ -353,6 +362,7 @@ struct Store::Impl {
     out->length = e->length;
     out->checksum = e->checksum;
     out->checksum_kind = e->checksum_kind;
+    out->verified = e->verified;
   }
 
   // ---- loads from disk (the get path of a disk-only value) ----
@@ -616,6 +626,41 @@ struct Store::Impl {
   }
   static void unlink_file(const std::string& path) { ::remove(path.c_str()); }
 
+  // The end of every put: frees the reservation's block on a bad sum
+  // (ChecksumMismatch), a bad key or a lost race (Exists), else publishes it
+  // as the key's value; `verified`: the node has seen the bytes match.
+  PutStatus publish(std::string_view key, const Reservation& r, const ValueChecksum& declared, const PutHint& hint,
+                    bool sound, bool verified) {
+    const uint64_t key_hash = key_hash_of(key);
+    std::lock_guard<std::mutex> guard(mu);
+    if (!memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("commit_put: unknown reservation");
+    index.unreserve(r.index_cost);
+    if (OwnerAccount* a = account_of(r.owner)) a->reserved -= r.length;
+    if (!sound || key.empty() || key.size() > kKeyBytesMax) {
+      memory.free(r.offset, r.block_bytes);
+      if (!sound) bump(metrics->checksum_failures_put);
+      return sound ? PutStatus::KeyInvalid : PutStatus::ChecksumMismatch;
+    }
+    if (find(key)) {  // a concurrent put of the same key won
+      memory.free(r.offset, r.block_bytes);
+      bump(metrics->puts_exists);
+      return PutStatus::Exists;
+    }
+    Entry* e = new Entry;
+    e->key = std::string(key);
+    e->key_hash = key_hash;
+    e->owner = r.owner != 0 ? r.owner : hint.owner;
+    e->length = r.length;
+    e->checksum = declared.sum;
+    e->checksum_kind = declared.kind;
+    index.insert(e);
+    attach_memory(e, r.offset, r.block_bytes);
+    e->verified = verified;
+    policy->insert(e, hint);
+    bump(metrics->puts_stored);
+    return PutStatus::Stored;
+  }
+
   // Store::check_integrity with the locks held.
   void check_locked() const;
 };
@@ -690,38 +735,17 @@ uint64_t Store::new_put_batch() { return impl_->put_batches.fetch_add(1, std::me
 PutStatus Store::commit_put(std::string_view key, const Reservation& r, const ValueChecksum& declared,
                             const PutHint& hint, const uint64_t* landed) {
   GCACHE_CHECK_AFTER_OP();
-  Impl& s = *impl_;
   GCACHE_ASSERT(landed == nullptr || *landed == checksum_of(declared.kind, r.data, r.length));
   // Outside the lock: the big read, unless the caller hashed the bytes as they landed.
   const bool known_kind = checksum_kind_valid(uint8_t(declared.kind));
   const bool sound = known_kind && (landed ? *landed : checksum_of(declared.kind, r.data, r.length)) == declared.sum;
-  const uint64_t key_hash = key_hash_of(key);
-  std::lock_guard<std::mutex> guard(s.mu);
-  if (!s.memory.unreserve(r.offset, r.block_bytes)) throw std::logic_error("commit_put: unknown reservation");
-  s.index.unreserve(r.index_cost);
-  if (OwnerAccount* a = s.account_of(r.owner)) a->reserved -= r.length;
-  if (!sound || key.empty() || key.size() > kKeyBytesMax) {
-    s.memory.free(r.offset, r.block_bytes);
-    if (!sound) bump(s.metrics->checksum_failures_put);
-    return sound ? PutStatus::KeyInvalid : PutStatus::ChecksumMismatch;
-  }
-  if (s.find(key)) {  // a concurrent put of the same key won
-    s.memory.free(r.offset, r.block_bytes);
-    bump(s.metrics->puts_exists);
-    return PutStatus::Exists;
-  }
-  Entry* e = new Entry;
-  e->key = std::string(key);
-  e->key_hash = key_hash;
-  e->owner = r.owner != 0 ? r.owner : hint.owner;
-  e->length = r.length;
-  e->checksum = declared.sum;
-  e->checksum_kind = declared.kind;
-  s.index.insert(e);
-  s.attach_memory(e, r.offset, r.block_bytes);
-  s.policy->insert(e, hint);
-  bump(s.metrics->puts_stored);
-  return PutStatus::Stored;
+  return impl_->publish(key, r, declared, hint, sound, true);
+}
+
+PutStatus Store::commit_unverified(std::string_view key, const Reservation& r, const ValueChecksum& declared,
+                                   const PutHint& hint) {
+  GCACHE_CHECK_AFTER_OP();
+  return impl_->publish(key, r, declared, hint, checksum_kind_valid(uint8_t(declared.kind)), false);
 }
 
 void Store::abort_put(const Reservation& r) {
@@ -810,6 +834,64 @@ std::vector<OwnerUsage> Store::owner_usage() {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> guard(s.mu);
   return s.owners.usage();
+}
+
+bool Store::verify_leased(Lease* lease, bool recheck) {
+  if (lease->verified && !recheck) return true;
+  GCACHE_CHECK_AFTER_OP();
+  Impl& s = *impl_;
+  // Outside the lock: the lease keeps the block's place (never moved or freed).
+  const bool sound = checksum_of(lease->checksum_kind, lease->data, lease->length) == lease->checksum;
+  Impl::Locks l(s);
+  Entry* e = lease->entry;
+  if (sound) {
+    e->verified = true;
+    lease->verified = true;
+    return true;
+  }
+  if (e->doomed()) return false;  // removed meanwhile (or found bad by another reader)
+  bump(s.metrics->checksum_failures_read);
+  if (e->on_disk) s.hold_disk(l);  // the unlink and its tombstone go together (may drop mu)
+  if (!e->doomed()) {              // leased: unlink only dooms it, the block stays until the last release
+    const bool had_disk_copy = e->on_disk;
+    std::string bad_key = e->key;
+    s.unlink(e);
+    if (had_disk_copy) s.write_tombstone(bad_key);
+  }
+  return false;
+}
+
+bool Store::queue_check(const Lease& lease) {
+  if (lease.verified) return false;
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> guard(s.mu);
+  Entry* e = lease.entry;
+  if (e->verified || e->check_queued || e->doomed() || s.unverified.size() >= Impl::kUnverifiedQueueMax) return false;
+  e->check_queued = true;
+  s.unverified.push_back(e->key);
+  return true;
+}
+
+size_t Store::scrub(size_t max_values) {
+  Impl& s = *impl_;
+  size_t looked_at = 0;
+  for (; looked_at < max_values; ++looked_at) {
+    Lease lease;
+    {
+      std::lock_guard<std::mutex> guard(s.mu);
+      if (s.unverified.empty()) break;
+      const std::string key = std::move(s.unverified.front());
+      s.unverified.pop_front();
+      Entry* e = s.find(key);
+      if (e != nullptr) e->check_queued = false;
+      // Gone, checked by a reader meanwhile, or only on disk (a load checks it).
+      if (e == nullptr || e->verified || !e->in_memory || e->doomed()) continue;
+      s.lease(e, &lease);  // pins the block; no read is counted, the policy is not told
+    }
+    verify_leased(&lease);
+    release(lease);
+  }
+  return looked_at;
 }
 
 bool Store::remove(std::string_view key) {

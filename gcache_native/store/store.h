@@ -88,6 +88,7 @@ struct Lease {
   uint64_t length = 0;
   uint64_t checksum = 0;  // of the value, by checksum_kind
   ChecksumKind checksum_kind = ChecksumKind::Xxh64;
+  bool verified = true;  // false: its bytes were never checked against `checksum` (commit_unverified)
 };
 
 class Store {
@@ -118,6 +119,14 @@ class Store {
   // (chain) the value belongs to.
   PutStatus commit_put(std::string_view key, const Reservation& r, const ValueChecksum& declared,
                        const PutHint& hint = {}, const uint64_t* landed = nullptr);
+  // Publishes the block with the writer's declared checksum without reading
+  // it (a one-sided COMMIT: one memory pass per put). The value is marked
+  // unverified: every reader checks it before a byte reaches its caller
+  // (verify_leased, or the client's copy), so a writer that lies about its
+  // sum only turns its own value into a miss. ChecksumMismatch for a kind
+  // this node cannot compute; otherwise as commit_put.
+  PutStatus commit_unverified(std::string_view key, const Reservation& r, const ValueChecksum& declared,
+                              const PutHint& hint = {});
   void abort_put(const Reservation& r);
   // A fresh id for one put batch: the values committed with it are one prefix
   // chain, in order (PutHint).
@@ -128,6 +137,22 @@ class Store {
   // Returns false on a miss.
   bool acquire(std::string_view key, Lease* out);
   void release(const Lease& lease);
+  // Checks a leased value's bytes against its checksum (outside the lock; a
+  // no-op for a verified one unless `recheck`: a reader reported its copy bad).
+  // Sound: the value is marked verified. Bad: it is removed (the lease stays
+  // valid until released), counted in checksum_failures_read, and false
+  // returned: the caller answers a miss.
+  bool verify_leased(Lease* lease, bool recheck = false);
+  // A reader copies this unverified leased value and hashes it itself: queue
+  // it for scrub() (once, bounded), so its later readers need not. A value
+  // no one reads is never read again by the node (one pass per put).
+  // Returns true when it queued the value (the caller may wake scrub()'s thread).
+  bool queue_check(const Lease& lease);
+  // Checks up to `max_values` queued values (oldest first), as verify_leased
+  // does, off every request's path: a shared-memory reader of a checked value
+  // then copies it without hashing. Returns how many keys it looked at (0:
+  // none waiting). Counts no reads, moves nothing in the policy.
+  size_t scrub(size_t max_values);
 
   // One EXISTS batch, keys in the client's order: present[i] = key i has a value
   // (either tier); returns how many leading keys are present. The eviction

@@ -240,7 +240,12 @@ def test_bench_per_transport_beside_the_machine(server):
         for key, (lo, mid, hi) in t["spread"].items():
             assert lo <= mid <= hi, (name, key)
             assert mid == pytest.approx(t["measures"][key]), (name, key)
-        assert set(t["spread"]) == {"put_gbps", "get_gbps", "latency_p50_us", "latency_p99_us"}
+        assert set(t["spread"]) == {"put_gbps", "get_gbps", "latency_p50_us", "latency_p99_us"} | {
+            "put_cpu_us",
+            "get_cpu_us",
+            "latency_cpu_us",
+        }
+        assert all(t["measures"][k] > 0 for k in ("put_cpu_us", "get_cpu_us", "latency_cpu_us"))  # client CPU per call
         if workloads is not None:
             for w in ("put", "get"):
                 assert workloads[w]["verified"] is True and workloads[w]["misses"] == 0

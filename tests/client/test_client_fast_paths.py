@@ -106,7 +106,7 @@ def test_one_buffer_views_refuse_what_slice_view_refuses(offsets, sizes):
 @pytest.mark.parametrize("key", [b"k", b"x" * 255, b"y" * 256, b"z" * KEY_BYTES_MAX])
 def test_one_key_lookup_map_is_the_dict_msgpack_packs(key, epoch):
     op = LookupOp(BatchResult([key]), 0, 1, None, verify=False)
-    meta = {"keys": [key], "inline_max": INLINE_BYTES_MAX, "ck": 1}
+    meta = {"keys": [key], "inline_max": INLINE_BYTES_MAX, "ck": 1, "vfy": True}
     if epoch is not None:
         meta["epoch"] = epoch
     assert msgpack.unpackb(op.request_meta_bytes(epoch), raw=False) == meta

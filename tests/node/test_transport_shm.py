@@ -22,7 +22,7 @@ from gcache._native import xxh64
 from gcache.client.transports.shm import ShmTransport
 from tests.support import REPO_ROOT, waiting
 from tests.support.raw_protocol import BAD_FRAME, OK, PING, RawConnection, raw_auth
-from tests.support.raw_shm import COMMIT, FORBIDDEN, LOOKUP, RESERVE, RawShm
+from tests.support.raw_shm import COMMIT, FORBIDDEN, LOOKUP, RELEASE, RESERVE, RawShm
 
 KIB, MIB = 1024, 1024 * 1024
 WAIT_S = 30  # bound on every wait for the server to act on its own
@@ -188,7 +188,7 @@ def test_leases_expire_and_a_late_reservation_closes_its_connection(server_facto
         assert tcp.get(b"late") is None
 
 
-def test_commit_verifies_checksums_and_bad_requests_change_nothing(server_factory, sock_dir):
+def test_commit_trusts_declared_sums_readers_check_and_bad_requests_change_nothing(server_factory, sock_dir):
     node, sock = start(server_factory, sock_dir)
     with RawShm(sock) as raw:
         raw.attach()
@@ -200,8 +200,11 @@ def test_commit_verifies_checksums_and_bad_requests_change_nothing(server_factor
         raw.arena[offs[1] : offs[1] + 5] = b"world"
         sums = [xxh64(b"hello"), xxh64(b"other"), 0]
         answer = raw.request(COMMIT, {"res": res, "sums": sums})
-        assert answer.status == OK and answer.meta["st"][:2] == [0, 3]  # STORED, CHECKSUM_MISMATCH
+        # COMMIT does not read the blocks (one memory pass per put): both are published,
+        # and the first reader (here a GET over the socket) finds "bad" a miss.
+        assert answer.status == OK and answer.meta["st"][:2] == [0, 0]
         assert raw.get([b"good", b"bad"]) == [b"hello", None]
+        assert counters(node.address)["checksum_failures_read"] == 1
         # Unknown or already used reservation ids, a wrong number of sums, missing
         # fields: BAD_FRAME, and the connection stays usable.
         for meta in ({"res": res, "sums": sums}, {"res": 999, "sums": []}, {"sums": []}, {"res": 1}):
@@ -309,40 +312,70 @@ def test_writer_racing_evictions_never_returns_wrong_bytes(server_factory, sock_
     assert problems == []
     c = counters(node.address)
     assert c["evictions_memory"] > 0, "the race needs evictions"
-    assert gauges(node.address)["leases_active"] == 0 and gauges(node.address)["put_reserved_bytes"] == 0
+    # The clients' last RELEASEs (no reply) and closes are handled after they return.
+    wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the readers' leases dropped")
+    assert gauges(node.address)["put_reserved_bytes"] == 0
 
 
-def test_bytes_changed_after_a_lease_lapsed_are_never_a_hit(server_factory, sock_dir, monkeypatch):
+def test_bytes_changed_in_the_arena_are_never_a_hit_to_a_checking_reader(server_factory, sock_dir, monkeypatch):
     BIG = 64 * KIB  # over shm_ops.INLINE_BYTES_MAX: copied out of the arena under a lease
-    # A copy that ends after its lease could have met a reused block: such bytes are
-    # checked against the value's xxh64 (as are all of them with verify_checksums).
-    # Here the block really holds other bytes (written through the mapping, as a
-    # reused block would), and the lease is made to count as lapsed for every copy.
+    # A value the node has checked ("vf") is copied without a hash while its lease
+    # provably holds (as a GET_BATCH is sent); a copy that ends after the lease, a value
+    # not checked yet, or a client with verify_checksums checks every value. Here the
+    # block really holds other bytes (written through the mapping, as a reused block
+    # would): a checking reader never returns them, reports the offset in its RELEASE,
+    # and the node checks the block itself and removes the value.
     from gcache.client.transports import shm_ops
 
     node, sock = start(server_factory, sock_dir)
+
+    def scribble(key: bytes) -> None:
+        with RawShm(sock) as raw:
+            raw.attach()
+            frame = raw.request(LOOKUP, {"keys": [key]})  # no "vfy": the node checks it first
+            off = frame.meta["offs"][0]
+            raw.arena[off : off + 4] = b"BBBB"
+            raw.release(leases=[frame.meta["lease"]], no_reply=False)
+
     with (
         gcache.Client(node.address, transport="shm") as c,
         gcache.Client(node.address, transport="shm", verify_checksums=True) as checked,
     ):
         assert c.put(b"k", b"A" * BIG) and c.put(b"ok", b"C" * 100)  # "k" is leased, "ok" inline
-        with RawShm(sock) as raw:
-            raw.attach()
-            frame = raw.request(LOOKUP, {"keys": [b"k"]})
-            off = frame.meta["offs"][0]
-            raw.arena[off : off + 4] = b"BBBB"
-            raw.release(leases=[frame.meta["lease"]], no_reply=False)
+        scribble(b"k")
         assert checked.get(b"ok") == b"C" * 100
         with pytest.raises(errors.ChecksumMismatchError) as info:
             checked.get_batch([b"k", b"ok"])
         assert info.value.results == [None, b"C" * 100]
+        wait_until(lambda: counters(node.address)["checksum_failures_read"] == 1, "the bad value reported")
+        assert c.get(b"k") is None and checked.get(b"k") is None  # removed: a miss from now on
+        assert c.batch_get_into([b"k", b"ok"], [bytearray(BIG), bytearray(100)]) == [None, 100]
+        # The lease counted as lapsed for every copy: even without verify_checksums.
+        assert c.put(b"k2", b"D" * BIG)
+        scribble(b"k2")
         monkeypatch.setattr(shm_ops, "LEASE_TRUST", 0.0)
-        with pytest.raises(errors.ChecksumMismatchError):
-            c.get(b"k")
         buf = bytearray(BIG)
-        with pytest.raises(errors.ChecksumMismatchError) as info:
-            c.batch_get_into([b"k", b"ok"], [buf, bytearray(100)])
-        assert info.value.results == [None, 100]
+        with pytest.raises(errors.ChecksumMismatchError) as got:
+            c.batch_get_into([b"k2", b"ok"], [buf, bytearray(100)])
+        assert got.value.results == [None, 100]
+    wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the leases dropped")
+
+
+def test_a_false_bad_report_removes_nothing(server_factory, sock_dir):
+    # RELEASE "bad" only makes the node check the block itself: a reader that reports
+    # a sound value costs one hash and changes nothing.
+    node, sock = start(server_factory, sock_dir)
+    value = os.urandom(64 * KIB)
+    with gcache.Client(node.address, transport="shm") as c:
+        assert c.put(b"k", value)
+    with RawShm(sock) as raw:
+        raw.attach()
+        frame = raw.request(LOOKUP, {"keys": [b"k"], "ck": 1, "vfy": True})
+        assert frame.meta["lens"] == [len(value)] and frame.meta["lease"]
+        assert raw.request(RELEASE, {"leases": [frame.meta["lease"]], "bad": frame.meta["offs"]}).status == OK
+    assert counters(node.address)["checksum_failures_read"] == 0
+    with gcache.Client(node.address, transport="tcp") as tcp:
+        assert tcp.get(b"k") == value
 
 
 def test_small_values_come_inline_and_large_ones_leased(server_factory, sock_dir):
@@ -359,7 +392,8 @@ def test_small_values_come_inline_and_large_ones_leased(server_factory, sock_dir
         assert frame.meta["lens"] == [len(large), len(small), -1, 0] and frame.payload == small
         off = frame.meta["offs"][0]
         assert bytes(raw.arena[off : off + len(large)]) == large
-        assert gauges(node.address)["leases_active"] == 1  # only the large value stays leased
+        # Only the large value stays leased (the inline ones' leases end once sent).
+        wait_until(lambda: gauges(node.address)["leases_active"] == 1, "the inline values' leases dropped")
         raw.release(leases=[frame.meta["lease"]])
         assert raw.request(PING, {}).status == OK
         assert gauges(node.address)["leases_active"] == 0

@@ -63,8 +63,8 @@ class RdmaArena(Arena):
     """A server's registered arena through one queue pair, with the MappedArena interface.
 
     Every value read is checked against its checksum while it is copied out of staging
-    (the `verify` argument notwithstanding): the lease proof the shm transport may use
-    instead is not taken over a network, so `lease_s` is infinite (no second check)."""
+    (the `verify` argument notwithstanding), as the shm transport checks every leased
+    value: a COMMIT publishes a writer's declared sums unread. `lease_s` is infinite."""
 
     lease_s = float("inf")
 

@@ -1,21 +1,31 @@
 """Operations of the one-sided transports (docs/protocol.md, "Shared memory and RDMA").
 
 A read is one LOOKUP round trip (offsets, lengths, checksums, under a lease),
-then the client copies the values out of the arena itself, then drops the
-lease with a RELEASE that needs no answer. A leased block is never reused, so
-bytes copied while the lease provably held are the value's bytes: the lease
-began after the LOOKUP was sent, so a copy over before `sent + lease` (this
-process's clock, less a margin) needs no checksum, as a GET_BATCH read needs
-none. A later copy, or a client with verify_checksums, checks every value's
-checksum (in the copy loop); a value whose bytes do not match is never a hit. A write is a RESERVE (arena blocks to write), the copy (hashing the
-written bytes), then a COMMIT that publishes the blocks; the server checks the
-checksums again. How bytes move is the connection's `arena` (gcache.client.arena.Arena):
-memcpy over the mapped memfd (shm) or RDMA READ / WRITE (rdma).
+then the client copies the values out of the arena itself, checking each
+value's checksum in the same pass, then drops the lease with a RELEASE that
+needs no answer. A COMMIT publishes a writer's bytes with the sum that writer
+declared, unread by the node (one memory pass per put); the node checks them
+later (its scrubber, or a read that sends them), and until then the reader is
+where a lying or torn write is caught (docs/security.md, "Checksums a writer
+declares"). The LOOKUP says this client checks ("vfy"); the answer says which
+values the node has checked ("vf"). A batch with any unchecked value is hashed
+in the copy loop; one of checked values only, copied while its lease provably
+held (the lease began after the LOOKUP was sent, so a copy over before `sent +
+lease`, this process's clock less a margin), needs no hash, as a GET_BATCH read
+needs none; a later copy, or a client with verify_checksums, checks every
+value. A value whose bytes do not match is never a hit, and its arena offset
+goes back in the RELEASE ("bad") for the node to check and remove. Values that
+come inline in the answer were checked by the node. A write is a RESERVE (arena
+blocks to write), the copy (hashing the written bytes), then a COMMIT that
+publishes the blocks. How bytes move is the connection's `arena`
+(gcache.client.arena.Arena): memcpy over the mapped memfd (shm) or RDMA READ /
+WRITE (rdma).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from gcache import errors
 from gcache._native import verify_views
@@ -41,18 +51,19 @@ from gcache.wire.protocol import (
 )
 
 
-def release_frame(lease: int) -> bytes:
-    """RELEASE of one lease, answered by nothing (FLAG_NO_REPLY): reads stay one round trip."""
-    meta = encode_meta({"leases": [lease]})
+def release_frame(lease: int, bad_offsets: Sequence[int] = ()) -> bytes:
+    """RELEASE of one lease, answered by nothing (FLAG_NO_REPLY): reads stay one round trip.
+    `bad_offsets`: arena offsets of leased values whose copy did not match its sum."""
+    meta = encode_meta({"leases": [lease], "bad": list(bad_offsets)} if bad_offsets else {"leases": [lease]})
     return encode_header(Opcode.RELEASE, 0, len(meta), 0, flags=FLAG_NO_REPLY) + meta
 
 
 # Values up to this size come back inside the LOOKUP answer, unleased: below it a
 # socket copy costs less than a lease, a copy and a RELEASE.
 INLINE_BYTES_MAX = 16 * 1024
-# msgpack of the map entry "inline_max": INLINE_BYTES_MAX (a uint16), appended to a
-# one-key request map (encode_keys_meta's) instead of packing a dict per call.
-_INLINE_MAX_FIELD = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big")
+# msgpack of the map entries "inline_max": INLINE_BYTES_MAX (a uint16) and "vfy": true,
+# appended to a one-key request map (encode_keys_meta's) instead of packing a dict per call.
+_LOOKUP_FIELDS = b"\xaainline_max\xcd" + INLINE_BYTES_MAX.to_bytes(2, "big") + b"\xa3vfy\xc3"
 # A lease is trusted for this share of its length: the server's deadline and this
 # process's clock may run at slightly different rates.
 LEASE_TRUST = 0.9
@@ -85,11 +96,12 @@ class LookupOp(_ValuesOp):
         return super().frame(request_id, epoch)
 
     def request_meta_bytes(self, epoch):
-        # "ck": this client reads "cks" (the kind of each value's sum).
+        # "ck": this client reads "cks" (the kind of each value's sum); "vfy": it checks
+        # every leased value's sum itself (so the node need not read them first).
         if self.hi - self.lo == 1:  # a single GET: no dict packed per call
             meta = encode_keys_meta(self.keys, epoch, ck=True)  # a fixmap of 2 or 3 entries
-            return bytes((meta[0] + 1,)) + meta[1:] + _INLINE_MAX_FIELD
-        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1}, epoch)
+            return bytes((meta[0] + 2,)) + meta[1:] + _LOOKUP_FIELDS
+        return encode_request_meta({"keys": self.keys, "inline_max": INLINE_BYTES_MAX, "ck": 1, "vfy": True}, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
@@ -112,17 +124,22 @@ class LookupOp(_ValuesOp):
                 any_inline = True
         if inline_bytes != payload_len:
             raise errors.ProtocolError(f"LOOKUP answer payload is {payload_len} bytes, not its inline values")
+        bad_leased: list[int] = []
         try:
             bad = self._read_inline(conn, lens, sums, kinds, inlined) if any_inline else []
             if lease:
                 leased = [-1 if inl else size for size, inl in zip(lens, inlined)]
                 arena = _arena(conn)
                 arena.check_answer(meta)
-                bad += self._read_leased(arena, offsets, leased, sums, kinds)
+                checked = meta.get("vf")  # absent (an older node): it checked every value at COMMIT
+                unchecked = isinstance(checked, list) and not all(
+                    checked[j] for j, size in enumerate(leased) if size >= 0 and j < len(checked)
+                )
+                bad_leased = self._read_leased(arena, offsets, leased, sums, kinds, unchecked)
         finally:
-            if lease:
-                conn.send([release_frame(lease)])
-        for j in bad:
+            if lease:  # the bad ones' offsets: the node checks them itself and removes them
+                conn.send([release_frame(lease, [offsets[j] for j in bad_leased])])
+        for j in bad + bad_leased:
             self.result.bad_checksum.append(self.lo + j)
             values[self.lo + j] = None
 
@@ -167,22 +184,25 @@ class LookupOp(_ValuesOp):
         )
         return [checked[k][0] for k in bad]
 
-    def _read_leased(self, arena: Arena, offsets, leased, sums, kinds) -> list[int]:
-        """The leased values (size >= 0 in `leased`), copied out of the arena."""
+    def _read_leased(self, arena: Arena, offsets, leased, sums, kinds, unchecked: bool) -> list[int]:
+        """The leased values (size >= 0 in `leased`), copied out of the arena; hashed in
+        the same pass when any is `unchecked` by the node (or with verify_checksums).
+        Returns the indices whose bytes did not match (not hits)."""
         trusted_until = self.sent_at + arena.lease_s * LEASE_TRUST
+        hash_now = self.verify or unchecked
         if self.targets is None:
-            values, bad = arena.read_values(offsets, leased, sums, self.verify, kinds)
+            values, bad = arena.read_values(offsets, leased, sums, hash_now, kinds)
             for j, value in enumerate(values):
                 if leased[j] >= 0:
                     self.result.values[self.lo + j] = value
         else:
             dests = [self._dest(j, size) if size >= 0 else None for j, size in enumerate(leased)]
-            bad = arena.read_into(offsets, leased, sums, dests, self.verify, kinds)
+            bad = arena.read_into(offsets, leased, sums, dests, hash_now, kinds)
             values = [d if d is None else d[:n] for d, n in zip(dests, leased)]
-        if not self.verify and time.monotonic() > trusted_until:
+        if not hash_now and time.monotonic() > trusted_until:
             # The lease may have ended mid-copy: those bytes must prove themselves.
             bad = verify_views([v if leased[j] >= 0 else None for j, v in enumerate(values)], sums, kinds)
-        return bad
+        return list(bad)
 
     def read_values(self, conn, lens, sums, payload_len):  # not used: on_response reads
         raise NotImplementedError
@@ -235,8 +255,9 @@ class ReserveOp(Operation):
 
 
 class CommitOp(Operation):
-    """PUT through the arena, second half: publish the blocks written (the server
-    verifies every checksum; the reservation's epoch decides staleness)."""
+    """PUT through the arena, second half: publish the blocks written with their sums
+    (the node does not read them again: readers check; the reservation's epoch
+    decides staleness)."""
 
     opcode = Opcode.COMMIT
 

@@ -13,11 +13,15 @@ from gcache.tools.storebench.runner import spread
 # (key, workload, field, label, scale, unit, higher_is_better)
 MEASURES = (
     ("put_gbps", "put", "gbps", "PUT from a caller's buffer", 1.0, "GB/s", True),
+    ("put_cpu_us", "put", "cpu_us_per_call", "PUT client CPU per call", 1.0, "us", False),
     ("get_gbps", "get", "gbps", "GET into a caller's buffer", 1.0, "GB/s", True),
+    ("get_cpu_us", "get", "cpu_us_per_call", "GET client CPU per call", 1.0, "us", False),
     ("exists_p50_us", "exists", "p50_us", "batch_is_exist p50", 1e-3, "ms", False),
     ("exists_p99_us", "exists", "p99_us", "batch_is_exist p99", 1e-3, "ms", False),
     ("latency_p50_us", "latency", "p50_us", "single GET p50", 1.0, "us", False),
     ("latency_p99_us", "latency", "p99_us", "single GET p99", 1.0, "us", False),
+    ("latency_cpu_us", "latency", "cpu_us_per_call", "single GET client CPU per call", 1.0, "us", False),
+    ("exists_cpu_us", "exists", "cpu_us_per_call", "batch_is_exist client CPU per call", 1e-3, "ms", False),
 )
 
 # (measure, against, comparison, bound): the issue's targets, ratio = gcache / against
@@ -69,7 +73,7 @@ def measure_values(workloads: dict) -> dict:
     """{measure key: median over the rounds} for the workloads a system ran."""
     out = {}
     for key, workload, field, *_ in MEASURES:
-        if workload in workloads:
+        if field in workloads.get(workload, {}):  # an older report may lack a field
             out[key] = workloads[workload][field]
     return out
 
@@ -80,7 +84,7 @@ def measure_rounds(workloads: dict) -> dict:
     out = {}
     for key, workload, field, *_ in MEASURES:
         runs = workloads.get(workload, {}).get("runs")
-        if runs:
+        if runs and all(field in r for r in runs):
             out[key] = {r.get("round", i): r[field] for i, r in enumerate(runs)}
     return out
 

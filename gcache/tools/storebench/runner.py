@@ -90,12 +90,16 @@ def _process_workers(spec, name, cfg, workers, key_prefix) -> list[WorkerResult]
     return results  # type: ignore[return-value]
 
 
-def summarize(results: list[WorkerResult]) -> dict:
-    """One timed loop across all workers. Rates add up over concurrent workers."""
+def summarize(results: list[WorkerResult], shared_process: bool = False) -> dict:
+    """One timed loop across all workers. Rates add up over concurrent workers.
+    `shared_process`: the workers are threads of this process, whose CPU clock each
+    per-call reading counts for all of them: their sum is divided by the worker count."""
     lat = np.array([s for r in results for s in r.latencies_s] or [0.0]) * 1e6
     gbps = sum(r.bytes / r.seconds for r in results if r.seconds > 0) / 1e9
     calls_per_s = sum(r.calls / r.seconds for r in results if r.seconds > 0)
     keys_per_s = sum(r.keys / r.seconds for r in results if r.seconds > 0)
+    calls = sum(r.calls for r in results)
+    cpu_s = sum(r.cpu_seconds for r in results) / (len(results) if shared_process else 1)
     return {
         "calls": sum(r.calls for r in results),
         "keys": sum(r.keys for r in results),
@@ -109,6 +113,7 @@ def summarize(results: list[WorkerResult]) -> dict:
         "p99_us": float(np.percentile(lat, 99)),
         "mean_us": float(lat.mean()),
         "max_us": float(lat.max()),
+        "cpu_us_per_call": cpu_s / calls * 1e6 if calls else 0.0,
         "verified": all(r.verified for r in results),
     }
 
@@ -121,10 +126,10 @@ def run_workload(
     if workers < 1:
         raise ValueError("need at least one worker")
     run = _process_workers if mode == "processes" else _thread_workers
-    return summarize(run(spec, name, cfg, workers, key_prefix))
+    return summarize(run(spec, name, cfg, workers, key_prefix), shared_process=mode != "processes")
 
 
-MEDIAN_FIELDS = ("gbps", "calls_per_s", "keys_per_s", "p50_us", "p99_us", "mean_us", "max_us")
+MEDIAN_FIELDS = ("gbps", "calls_per_s", "keys_per_s", "p50_us", "p99_us", "mean_us", "max_us", "cpu_us_per_call")
 TOTAL_FIELDS = ("calls", "keys", "bytes", "misses", "seconds")
 
 
@@ -137,10 +142,11 @@ def spread(values: list[float]) -> list[float]:
 def combine_repeats(runs: list[dict]) -> dict:
     """Rates and latencies: median over the rounds. Counts: totals over the rounds. `runs`
     keeps every round's own figures (each with its `round`)."""
-    out = {f: statistics.median(r[f] for r in runs) for f in MEDIAN_FIELDS}
+    fields = [f for f in MEDIAN_FIELDS if all(f in r for r in runs)]  # a peer's report may lack one
+    out = {f: statistics.median(r[f] for r in runs) for f in fields}
     out.update({f: sum(r[f] for r in runs) for f in TOTAL_FIELDS})
     out["verified"] = all(r["verified"] for r in runs)
-    out["spread"] = {f: spread([r[f] for r in runs]) for f in MEDIAN_FIELDS}
+    out["spread"] = {f: spread([r[f] for r in runs]) for f in fields}
     out["repeats"] = len(runs)
     out["runs"] = runs
     return out

@@ -6,7 +6,9 @@ get      a working set put and read once (warm), then read in a loop
 exists   one batched existence check over `exists_keys` keys, half present
 latency  single-key GETs of small values, one at a time
 
-Only the store calls are timed; preparation, warm-up and clean-up are not.
+Only the store calls are timed; preparation, warm-up and clean-up are not. Each timed call
+also takes the process's CPU time (time.process_time: every thread of the client process,
+its copy pool and a peer's own threads included), for the client CPU per call.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ class WorkerResult:
     keys: int = 0
     bytes: int = 0
     seconds: float = 0.0  # time spent inside timed store calls
+    cpu_seconds: float = 0.0  # this process's CPU time (all its threads) across the timed calls
     misses: int = 0  # keys not found / not stored / wrong answer
     verified: bool = True  # bytes read back equal the bytes put
     latencies_s: list[float] = field(default_factory=list)
 
-    def record(self, elapsed_s: float) -> None:
+    def record(self, elapsed_s: float, cpu_s: float = 0.0) -> None:
         self.calls += 1
         self.seconds += elapsed_s
+        self.cpu_seconds += cpu_s
         if len(self.latencies_s) < LATENCY_SAMPLES_MAX:
             self.latencies_s.append(elapsed_s)
 
@@ -135,9 +139,9 @@ def run_put(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerResult
     ctx.barrier.wait(BARRIER_TIMEOUT_S)
     while not _done(result, cfg):
         keys = _take(stream, cfg.batch)
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         stored = peer.put_from(keys, buf, cfg.value_size)
-        result.record(time.perf_counter() - start)
+        result.record(time.perf_counter() - start, time.process_time() - cpu)
         result.keys += cfg.batch
         result.bytes += stored * cfg.value_size
         result.misses += cfg.batch - stored
@@ -172,9 +176,9 @@ def run_get(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerResult
     while not _done(result, cfg):
         keys = working_set[i % batches]
         i += 1
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         hits = peer.get_into(keys, out, cfg.value_size)
-        result.record(time.perf_counter() - start)
+        result.record(time.perf_counter() - start, time.process_time() - cpu)
         result.keys += cfg.batch
         result.bytes += hits * cfg.value_size
         result.misses += cfg.batch - hits
@@ -199,9 +203,9 @@ def run_exists(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerRes
     result.verified &= peer.exists(keys) == present  # warm call
     ctx.barrier.wait(BARRIER_TIMEOUT_S)
     while not _done(result, cfg):
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         found = peer.exists(keys)
-        result.record(time.perf_counter() - start)
+        result.record(time.perf_counter() - start, time.process_time() - cpu)
         result.keys += len(keys)
         result.misses += found != present
         ctx.on_tick()
@@ -228,9 +232,9 @@ def run_latency(peer: Peer, cfg: WorkloadConfig, ctx: WorkerContext) -> WorkerRe
     while not _done(result, cfg):
         key = keys[i % len(keys)]
         i += 1
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         value = peer.get_one(key)
-        result.record(time.perf_counter() - start)
+        result.record(time.perf_counter() - start, time.process_time() - cpu)
         result.keys += 1
         if value is None or len(value) != size:
             result.misses += 1
