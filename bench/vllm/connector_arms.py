@@ -223,6 +223,8 @@ class LMCache(Arm):
             str(self.CHUNK),
             "--supported-transfer-mode",
             "auto",
+            "--eviction-policy",
+            "LRU",
         ]
         log_path = work / "lmcache-server.log"
         with open(log_path, "ab") as log:

@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def short(exc: BaseException) -> str:
+    """The last line of an error (a process's log tail can be long)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1][-300:] if lines else ''}"
+
+
 def label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
@@ -137,7 +143,7 @@ def one_arm(arm: Arm, rnd: int, args, models: dict, work: Path) -> dict[str, Any
                 arm.stop()
         except (EngineFailed, RuntimeError, TimeoutError, OSError) as exc:
             for name in ps:
-                out[f"{name} idle"] = out[f"{name} busy"] = {"error": str(exc)}
+                out[f"{name} idle"] = out[f"{name} busy"] = {"error": short(exc)}
     if args.tp_requests and arm.name in args.arm_list:
         out["throughput"] = throughput(arm, args, models, work / "throughput")
     return out
@@ -160,7 +166,7 @@ def throughput(arm: Arm, args, models: dict, work: Path) -> dict[str, Any]:
         finally:
             arm.stop()
     except (EngineFailed, RuntimeError, TimeoutError, OSError) as exc:
-        return {"error": str(exc)}
+        return {"error": short(exc)}
     wall = 0.0
     results: dict[str, Any] = {}
     for w in range(len(per_engine[0])):
