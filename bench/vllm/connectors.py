@@ -35,6 +35,7 @@ from typing import Any
 
 from bench.common.paths import CONVERSATION_TRACE
 from bench.vllm.connector_arms import ARMS, NOT_RUNNABLE, Arm
+from bench.vllm.connector_collect import assemble, collect
 from bench.vllm.connector_report import report
 from bench.vllm.connector_runs import EngineFailed, run_engine, run_engines
 from bench.vllm.connector_trace import slice_of, waves_for, working_set_tokens
@@ -65,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tp-store-fraction", type=float, default=0.25, help="store size / the replay's KV")
     ap.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a new temp dir)")
+    ap.add_argument(
+        "--from-work", action="store_true", help="run nothing: the tables from --work's engine files (a cut-short run)"
+    )
     args = ap.parse_args(argv)
     args.arm_list = [a for a in args.arms.split(",") if a]
     args.hybrid_list = [a for a in args.hybrid_arms.split(",") if a]
@@ -167,14 +171,7 @@ def throughput(arm: Arm, args, models: dict, work: Path) -> dict[str, Any]:
             arm.stop()
     except (EngineFailed, RuntimeError, TimeoutError, OSError) as exc:
         return {"error": short(exc)}
-    wall = 0.0
-    results: dict[str, Any] = {}
-    for w in range(len(per_engine[0])):
-        stamps = [o["jobs"][0]["waves"][w] for o in outs]
-        wall += max(s["end"] for s in stamps) - min(s["start"] for s in stamps)
-        for e, s in enumerate(stamps):
-            for req, res in zip(per_engine[e][w], s["results"]):
-                results[f"{req['key'][0]}-{req['key'][1]}"] = dict(res, prompt=len(req["prompt"]))
+    wall, results = assemble(per_engine, [o for o in outs])
     return dict(wall_s=wall, results=results, store_bytes=int(ws_bytes * args.tp_store_fraction), ws_bytes=ws_bytes)
 
 
@@ -186,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     layers = 2 if args.tiny else args.layers
     tp_len = args.tp_max_blocks * args.tp_block_tokens + args.tp_max_tokens + 64
     longest = max(args.length_list + [args.hybrid_length, tp_len])
-    llama = write_model("llama", work / "llama", layers=layers, max_position_embeddings=longest + 1024, **dims)
-    gemma = write_model("gemma2", work / "gemma2", layers=4, max_position_embeddings=longest + 1024)
+    llama, gemma = work / "llama", work / "gemma2"
+    if not args.from_work:  # a running bench's engines may be reading these
+        write_model("llama", llama, layers=layers, max_position_embeddings=longest + 1024, **dims)
+        write_model("gemma2", gemma, layers=4, max_position_embeddings=longest + 1024)
     busy_room = (BUSY_PROMPT_TOKENS + 1024) * args.busy
     models = dict(
         llama=dict(model=str(llama), max_model_len=longest + 64, kv_cache_bytes=256 << 20),
@@ -209,7 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     started = time.time()
     load = [os.getloadavg()]
-    for rnd in range(args.rounds):
+    if args.from_work:
+        rounds = collect(work)
+        args.rounds = len(rounds)
+        tp = dict(ws_bytes=0, store_bytes=0)
+        if args.tp_requests:
+            convs = slice_of(args.trace, args.tp_requests, args.tp_max_blocks)
+            ws = working_set_tokens(convs, args.tp_block_tokens) * models["kv_bytes_per_token"]
+            tp = dict(ws_bytes=ws, store_bytes=int(ws * args.tp_store_fraction))
+        for r in rounds:
+            for cells in r.values():
+                if "throughput" in cells:
+                    cells["throughput"].update(tp)
+        arms = [a for a in arms if any(a.name in r for r in rounds)]
+    for rnd in range(0 if args.from_work else args.rounds):
         order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         this: dict[str, Any] = {}
         for arm in order:
@@ -217,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             this[arm.name] = one_arm(arm, rnd, args, models, work / f"r{rnd}" / arm.name)
             load.append(os.getloadavg())
         rounds.append(this)
+        partial = dict(args={k: str(v) for k, v in vars(args).items()}, rounds=rounds, load=load)
+        (work / "results.json").write_text(json.dumps(partial))
     results = dict(
         args={k: str(v) for k, v in vars(args).items()}, models=models, rounds=rounds, skipped=skipped, load=load
     )

@@ -245,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
-        time.sleep(STATS_LOG_WAIT_S)  # the last interval's connector stats reach the logs
+        # A save that lands after an engine's last step is reported with its next step's
+        # stats: one more request each (shorter than a block: it stores nothing), then vLLM's
+        # next stats log.
+        for _ in range(2):
+            for e in fleet.engines:
+                fleet._tiny_request(e)
+            time.sleep(1.0)
+        time.sleep(STATS_LOG_WAIT_S)
         fleet.check_alive()
         conn = [connector_counters(fleet.work / f"engine-{e.index}.log") for e in fleet.engines]
         client = Client(fleet.store.address)

@@ -7,6 +7,9 @@ outputs equal to the no-connector run, the throughput replay's cached tokens), n
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,17 +18,25 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(1800)]
 PROMPT = 256  # tokens: 8 blocks of 32, of which a fresh engine can take 7 (the last is computed)
 
 
-def test_bench_runs_recompute_and_gcache_arms(tmp_path, capsys):
+@pytest.fixture
+def short_dir():
+    """Engines' sockets live under the work dir: pytest's paths are long for a Unix socket."""
+    path = Path(tempfile.mkdtemp(prefix="bconn-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_bench_runs_recompute_and_gcache_arms(short_dir, capsys):
     from bench.vllm import connectors
 
     argv = ["--arms", "recompute,gcache", "--hybrid-arms", "", "--tiny", "--rounds", "1", "--repeats", "2"]
-    argv += ["--lengths", str(PROMPT), "--busy", "2", "--work", str(tmp_path)]
+    argv += ["--lengths", str(PROMPT), "--busy", "2", "--work", str(short_dir)]
     argv += ["--tp-requests", "6", "--tp-max-blocks", "4", "--tp-block-tokens", "32", "--tp-max-tokens", "4"]
     assert connectors.main(argv) == 0
     text = capsys.readouterr().out
     assert "| 256 idle TTFT P50 (s) |" in text and "| 256 busy TTFT P50 (s) |" in text
     assert "LMCacheConnectorV1: no CPU path" in text  # what cannot run is listed, with the reason
-    (rnd,) = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    (rnd,) = json.loads((short_dir / "results.json").read_text())["rounds"]
     for cell in ("256 idle", "256 busy"):
         ref = rnd["recompute"][cell]
         got = rnd["gcache"][cell]
