@@ -29,7 +29,8 @@ from gcache.testing.vllm_models import BLOCK_SIZE, _flush_saves, _reset_prefix_c
 
 BARRIER_TIMEOUT_S = 900.0
 STEPS_MAX = 100_000  # a hit request finishes in far fewer engine steps
-SETTLE_S = 2.0  # a peer without flush(): its queued saves get this long before the process exits
+SETTLE_S = 2.0
+BATCHED_TOKENS_MIN = 8192  # a peer without flush(): its queued saves get this long before the process exits
 
 
 def patch_dispatcher() -> None:
@@ -83,7 +84,8 @@ def make_llm(spec: dict[str, Any]) -> Any:
         dtype="float32",
         enforce_eager=True,
         max_model_len=spec["max_model_len"],
-        max_num_batched_tokens=spec.get("max_num_batched_tokens", spec["max_model_len"]),
+        # a wave's batch unchunked: ExampleConnector fails on a chunked prefill (docs/vllm-connectors.md)
+        max_num_batched_tokens=max(spec["max_model_len"], BATCHED_TOKENS_MIN),
         block_size=BLOCK_SIZE,
         seed=0,
         kv_cache_memory_bytes=spec["kv_cache_bytes"],
@@ -103,8 +105,11 @@ def greedy(max_tokens: int) -> Any:
 def store(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], greedy(1), use_tqdm=False)
-    return dict(cached=[int(o.num_cached_tokens or 0) for o in outs])
+    cached = []
+    for p in job["prompts"]:  # one at a time: each prefill in one step, as B will look it up
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=p)], greedy(1), use_tqdm=False)
+        cached.append(int(o.num_cached_tokens or 0))
+    return dict(cached=cached)
 
 
 def hit(llm: Any, job: dict[str, Any]) -> dict[str, Any]:

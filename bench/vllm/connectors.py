@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,8 @@ def throughput(arm: Arm, args, models: dict, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: the finally blocks stop the stores
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-vllm-connectors-", dir=os.environ.get("GCACHE_BENCH_DIR")))
     work.mkdir(parents=True, exist_ok=True)
     dims = TINY if args.tiny else LLAMA
