@@ -153,7 +153,6 @@ class Mooncake(Arm):
                 f"--rpc_port={master_port}",
                 "--rpc_address=127.0.0.1",
                 "--enable_metric_reporting=false",
-                "--default_kv_lease_ttl=100ms",
             ],
         )
         self._wait_port(master_port, self.python(own_python))

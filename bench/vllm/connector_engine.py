@@ -141,9 +141,9 @@ def hit(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
                     ttft = time.perf_counter() - t0
                 if o.finished:
                     done = o
-            if done is not None:
+            if done is not None or not engine.has_unfinished_requests():
                 break
-        if done is None or ttft is None:
+        if done is None or ttft is None:  # vLLM failed it (a connector's load failed: failure_policy=fail)
             raise RuntimeError(f"{rid} did not finish in {STEPS_MAX} steps")
         if busy_ids:
             engine.abort_request(busy_ids)
