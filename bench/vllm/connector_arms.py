@@ -207,7 +207,7 @@ class LMCache(Arm):
 
     def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         work.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port, http_port = free_port(), free_port()
         gb = max(capacity_bytes, 16 << 20) / (1 << 30)
         argv = [
             str(CACHE / "venv-peer-lmcache" / "bin" / "lmcache"),
@@ -224,11 +224,17 @@ class LMCache(Arm):
             "auto",
             "--eviction-policy",
             "LRU",
+            "--http-host",  # its HTTP server defaults to port 8080: often taken on a shared machine
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--disable-observability",
         ]
         log_path = work / "lmcache-server.log"
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=work)
-        wait_listening(self.proc, port, START_TIMEOUT_S, "lmcache server", lambda: log_path.read_text()[-2000:])
+        for p in (port, http_port):  # the HTTP server comes up last; a bind failure there stops it
+            wait_listening(self.proc, p, START_TIMEOUT_S, "lmcache server", lambda: log_path.read_text()[-2000:])
         spec = dict(
             connector="LMCacheMPConnector",
             module_path="lmcache.integration.vllm.lmcache_mp_connector",
