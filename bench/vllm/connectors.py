@@ -56,12 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hybrid-arms", default="recompute,mooncake,lmcache,gcache", help="'' skips the hybrid cells")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="hits per cell per round (P50/P90 over these)")
-    ap.add_argument("--lengths", default="1024,4096", help="prompt tokens of the TTFT cells")
+    ap.add_argument("--lengths", default="1024,4096", help="prompt tokens of the TTFT cells ('': none)")
     ap.add_argument("--hybrid-length", type=int, default=4096)
     ap.add_argument("--busy", type=int, default=8, help="requests decoding in B during a busy cell (0: idle only)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tiny", action="store_true", help="the 2-layer hidden-128 model (the smoke test)")
-    ap.add_argument("--tp-requests", type=int, default=32, help="trace turns in the throughput replay (0: skip)")
+    ap.add_argument("--tp-requests", type=int, default=96, help="trace turns in the throughput replay (0: skip)")
     ap.add_argument("--tp-max-blocks", type=int, default=12, help="trace blocks per prompt at most")
     ap.add_argument("--tp-block-tokens", type=int, default=64, help="tokens per trace block")
     ap.add_argument("--tp-max-tokens", type=int, default=16, help="output tokens per trace turn")
@@ -130,7 +130,7 @@ def one_arm(arm: Arm, rnd: int, args, models: dict, work: Path) -> dict[str, Any
     """Every cell of one arm in one round: its own store per part, stopped right after."""
     out: dict[str, Any] = {}
     prompts = {label(n): prompt_tokens(n, 7 + n) for n in args.length_list}
-    parts = [("llama", arm.name in args.arm_list)]
+    parts = [("llama", arm.name in args.arm_list and bool(args.length_list))]
     parts.append(("hybrid", arm.name in args.hybrid_list))
     for part, wanted in parts:
         if not wanted:
