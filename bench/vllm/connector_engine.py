@@ -171,7 +171,9 @@ def waves(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     gate_dir = Path(job["gate_dir"])
     if job.get("warmup_tokens", WARMUP_TOKENS):  # a fresh engine's first batches are slow: not the connector's
-        prompt = TokensPrompt(prompt_token_ids=prompt_tokens(job.get("warmup_tokens", WARMUP_TOKENS), 4242))
+        # one prompt per engine: ExampleConnector's engines race on one prompt's folder
+        tokens = prompt_tokens(job.get("warmup_tokens", WARMUP_TOKENS), 4242 + job["engine"])
+        prompt = TokensPrompt(prompt_token_ids=tokens)
         llm.generate([prompt] * 4, greedy(2), use_tqdm=False)
         _reset_prefix_cache(llm)
     out = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,12 @@ def run_engines(arm: Engine, base: dict[str, Any], jobs_each: list[list[dict[str
     """Several engines at once (the throughput replay); all stopped if one fails."""
     runs = [EngineRun(arm, base, jobs, work / f"engine-{i}") for i, jobs in enumerate(jobs_each)]
     try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while any(r.proc.poll() is None for r in runs) and time.monotonic() < deadline:
+            failed = [r for r in runs if r.proc.poll() not in (None, 0)]
+            if failed:  # the others would wait for it at their next barrier
+                return [failed[0].result()]  # raises EngineFailed with its log line
+            time.sleep(0.5)
         return [r.result() for r in runs]
     finally:
         for r in runs:
