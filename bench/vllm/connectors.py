@@ -47,6 +47,7 @@ LLAMA = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 BUSY_PROMPT_TOKENS = 64
 STORE_BYTES_TTFT = 1 << 30  # the TTFT cells: every store holds all prompts
+WARMUP_TOKENS = 256  # the replay's untimed warm-up prompt per engine (at most half the context)
 HIT_TOKENS = 8  # greedy tokens per hit (compared with the no-connector run)
 
 
@@ -161,8 +162,9 @@ def throughput(arm: Arm, args, models: dict, work: Path) -> dict[str, Any]:
     per_engine = waves_for(convs, 2, args.tp_block_tokens, args.tp_max_tokens)
     gate = work / "gate"
     gate.mkdir(parents=True, exist_ok=True)
+    warmup = min(WARMUP_TOKENS, models["throughput"]["max_model_len"] // 2)
     jobs_each = [
-        [dict(kind="waves", waves=w, gate_dir=str(gate), engine=i, engines=2, think_s=0.5)]
+        [dict(kind="waves", waves=w, gate_dir=str(gate), engine=i, engines=2, think_s=0.5, warmup_tokens=warmup)]
         for i, w in enumerate(per_engine)
     ]
     try:
