@@ -193,14 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.from_work:  # a running bench's engines may be reading these
         write_model("llama", llama, layers=layers, max_position_embeddings=longest + 1024, **dims)
         write_model("gemma2", gemma, layers=4, max_position_embeddings=longest + 1024)
-    busy_room = (BUSY_PROMPT_TOKENS + 1024) * args.busy
     models = dict(
         llama=dict(model=str(llama), max_model_len=longest + 64, kv_cache_bytes=256 << 20),
         hybrid=dict(model=str(gemma), max_model_len=longest + 64, kv_cache_bytes=256 << 20),
         throughput=dict(model=str(llama), max_model_len=tp_len, kv_cache_bytes=64 << 20),
         kv_bytes_per_token=kv_bytes_per_token(dims, layers),
         dims=dict(dims, layers=layers, params=int((llama / "params.txt").read_text())),
-        busy_room_tokens=busy_room,
     )
     skipped: dict[str, str] = dict(NOT_RUNNABLE)
     arms: list[Arm] = []
