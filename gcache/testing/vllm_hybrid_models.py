@@ -106,6 +106,6 @@ def apply_harness_patches(names: list[str]) -> None:
         elif name == "gcache_sync_state_loads":
             from gcache.integrations.vllm.kv.scheduler_side import SchedulerSide
 
-            SchedulerSide.loads_asynchronously = lambda self, *args: False  # type: ignore[method-assign]
+            SchedulerSide.loads_asynchronously = lambda self, *args, **kwargs: False  # type: ignore[method-assign]
         else:
             raise ValueError(f"unknown harness patch {name!r}")

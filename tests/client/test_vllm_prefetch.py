@@ -8,7 +8,6 @@ prefetch and changes nothing; no slot is ever lost."""
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 
@@ -18,29 +17,12 @@ from gcache.integrations.vllm.kv.prefetch import Prefetcher
 from gcache.integrations.vllm.kv.stats import ConnectorStats
 from gcache.integrations.vllm.transfer.movers.host import HostMover
 from gcache.integrations.vllm.transfer.staging import StagingPool
+from tests.support.gated_store import GatedStore
 
 VALUE = 4096
 SEGMENTS = 2  # each value in two segments, as a value over the node's limit is stored
 SPANS = {0: [(0, VALUE // 2), (VALUE // 2, VALUE // 2)]}
 WAIT_S = 60.0  # generous bounds: outcomes, never timing, are asserted
-
-
-class SlowStore:
-    """The store with reads held at a gate (a slow store: look at the state mid-read)."""
-
-    def __init__(self, store):
-        self.store = store
-        self.gate = threading.Event()
-        self.gate.set()
-        self.reading = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def get_into(self, *args):
-        self.reading.set()
-        assert self.gate.wait(WAIT_S)
-        return self.store.get_into(*args)
 
 
 def page_keys(name: str, page: int) -> list[list[bytes]]:
@@ -51,7 +33,7 @@ class Rig:
     def __init__(self, server, slots: int = 8, requests_max: int = 4):
         self.client = gcache.Client(server.address, transport="tcp", verify_checksums=True)
         self.stats = ConnectorStats()
-        self.store = SlowStore(GuardedStore(self.client, 5.0, self.stats, logging.getLogger("test")))
+        self.store = GatedStore(GuardedStore(self.client, 5.0, self.stats, logging.getLogger("test")), "get_into")
         self.pool = StagingPool(HostMover().alloc_host(slots * VALUE), VALUE)
         self.client.register_buffer(self.pool.base, self.pool.nbytes)
         self.p = Prefetcher(self.pool, self.store, self.stats, SPANS, requests_max)
@@ -119,7 +101,7 @@ def test_a_prefetch_cancelled_while_the_store_is_slow_gives_its_slots_back_when_
         rig.put("c", p)
     rig.store.gate.clear()
     assert rig.start("r1", "c", 0, 3)
-    assert rig.store.reading.wait(WAIT_S)
+    assert rig.store.started.wait(WAIT_S)
     assert not rig.p.get("r1").done.is_set()
     assert rig.pool.free_slots() == rig.pool.slot_count - 3
     entry = rig.p.get("r1")
@@ -135,7 +117,7 @@ def test_take_before_the_read_returns_hands_nothing_and_loses_nothing(rig):
     rig.put("d", 0)
     rig.store.gate.clear()
     assert rig.start("r1", "d", 0, 1)
-    assert rig.store.reading.wait(WAIT_S)
+    assert rig.store.started.wait(WAIT_S)
     entry = rig.p.get("r1")
     assert rig.p.take("r1", 0, 1) == {}
     rig.store.gate.set()

@@ -12,7 +12,6 @@ as it was; a full staging pool or put queue drops saves (counted) and never bloc
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import numpy as np
@@ -28,28 +27,11 @@ from gcache.integrations.vllm.transfer.page_runs import page_runs
 from gcache.integrations.vllm.transfer.staging import StagingPool
 from gcache.integrations.vllm.transfer.transfers import Page, Staged, Transfers
 from gcache.integrations.vllm.transfer.values import GroupValues
+from tests.support.gated_store import GatedStore
 from tests.unit.test_vllm_page_runs_unit import View
 
 LAYERS, BLOCKS, H, N, C = 3, 16, 2, 8, 16
 WAIT_S = 60.0  # generous bounds: outcomes, never timing, are asserted
-
-
-class GatedStore:
-    """The store with puts held at a gate (to look at the state while a put is in flight)."""
-
-    def __init__(self, store):
-        self.store = store
-        self.gate = threading.Event()
-        self.gate.set()
-        self.put_started = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def put_from(self, *args):
-        self.put_started.set()
-        assert self.gate.wait(WAIT_S)
-        return self.store.put_from(*args)
 
 
 class Rig:
@@ -61,7 +43,7 @@ class Rig:
         self.values = GroupValues([page_runs(View(self.kv[i]), BLOCKS) for i in range(LAYERS)], value_bytes_max)
         self.stats = ConnectorStats()
         self.client = gcache.Client(server.address, transport="tcp", verify_checksums=True)
-        self.store = GatedStore(GuardedStore(self.client, 5.0, self.stats, logging.getLogger("test")))
+        self.store = GatedStore(GuardedStore(self.client, 5.0, self.stats, logging.getLogger("test")), "put_from")
         pools = [
             StagingPool(self.device.alloc_host(slots * self.values.value_bytes), self.values.value_bytes)
             for _ in (0, 1)
@@ -142,7 +124,7 @@ def test_a_finished_request_is_released_at_its_copy_not_after_its_put(rig):
     rig.store.gate.clear()
     rig.write(2, 3)
     rig.t.save([rig.page(2, "f")], ["done"], reused_next_step=False)
-    assert rig.store.put_started.wait(WAIT_S)  # the saver synchronized the copy, then began the put
+    assert rig.store.started.wait(WAIT_S)  # the saver synchronized the copy, then began the put
     assert rig.t.copies_pending({"done"}) == set()  # released though the put has not finished
     assert rig.stored("f") is None
     rig.store.gate.set()
@@ -156,7 +138,7 @@ def test_a_request_whose_copy_has_not_run_is_not_released(server):
         rig.store.gate.clear()
         # A put job ahead holds the saver thread, so the second save's copy stays queued.
         rig.t.save([rig.page(1, "first")], ["r0"], reused_next_step=False)
-        assert rig.store.put_started.wait(WAIT_S)
+        assert rig.store.started.wait(WAIT_S)
         rig.write(6, 4)
         rig.t.save([rig.page(6, "second")], ["r1"], reused_next_step=False)
         assert rig.t.copies_pending({"r1"}) == {"r1"}
@@ -317,7 +299,7 @@ def test_a_full_put_queue_drops_the_step_and_never_waits(server):
     try:
         rig.store.gate.clear()
         rig.t.save([rig.page(0, "q0")], ["r"], reused_next_step=False)
-        assert rig.store.put_started.wait(WAIT_S)  # the thread holds job 1; the queue is empty
+        assert rig.store.started.wait(WAIT_S)  # the thread holds job 1; the queue is empty
         rig.t.save([rig.page(1, "q1")], ["r"], reused_next_step=False)  # queued
         rig.t.save([rig.page(2, "q2")], ["r"], reused_next_step=False)  # full: dropped
         assert rig.stats.snapshot()["save_pages_dropped"] == 1
