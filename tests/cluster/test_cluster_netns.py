@@ -192,9 +192,14 @@ def test_up_removes_leftovers_of_a_crashed_run(tmp_path):
     old = netns.NetnsNetwork.create(d)
     ns, _, _ = old.add_node("n1", 0)
     straggler = subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        ["ip", "netns", "exec", ns, sys.executable, "-c", "import time; print('in', flush=True); time.sleep(60)"],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
     )
     try:
+        # Inside the namespace before the new run looks (under load `ip netns exec` can still be
+        # starting, and then fails with 255 when the namespace goes, instead of being killed).
+        assert straggler.stdout is not None and straggler.stdout.readline() == b"in\n"
         new = netns.NetnsNetwork.create(d)  # what up() does first: the old run's pieces go
         assert straggler.wait(timeout=10) == -signal.SIGKILL
         assert netns.leftovers(new.tag) == {
@@ -206,6 +211,8 @@ def test_up_removes_leftovers_of_a_crashed_run(tmp_path):
         if straggler.poll() is None:
             straggler.kill()
             straggler.wait(5)
+        if straggler.stdout is not None:
+            straggler.stdout.close()
         netns.teardown_tag(netns.tag_for(d))
     assert netns.leftovers(netns.tag_for(d)) == {"namespaces": [], "links": []}
 
