@@ -62,6 +62,18 @@ def state_key(block: int) -> bytes:
 PAGE_COST = BLOCK_TOKENS  # set by --page-cost; -1: the tokens of the chain it heads
 
 
+STATE_COST = "prefix"  # set by --state-cost
+
+
+def state_cost(bounds: list[int], i: int) -> int:
+    """A state's cost: its whole prefix, or ("marginal") the tokens since the request's
+    previous saved boundary (what a miss costs when the state before it is there)."""
+    k = bounds[i]
+    if STATE_COST == "marginal":
+        return (k - (bounds[i - 1] if i else 0)) * BLOCK_TOKENS
+    return k * BLOCK_TOKENS
+
+
 def page_cost(at: int, blocks: int) -> int:
     return (blocks - at) * BLOCK_TOKENS if PAGE_COST < 0 else PAGE_COST
 
@@ -97,10 +109,10 @@ def replay(requests: list[Request], capacity_units: float, policy: str, worth: b
             if bounds:
                 keys = [state_key(chain[k - 1]) for k in bounds]
                 flags, _ = store.exists(keys)
-                todo = [(keys[i], k) for i, (ok, k) in enumerate(zip(flags, bounds)) if not ok]
+                todo = [(keys[i], k, state_cost(bounds, i)) for i, (ok, k) in enumerate(zip(flags, bounds)) if not ok]
                 if todo:
-                    cost = [(int(ValueKind.STATE_CHECKPOINT), k * BLOCK_TOKENS) for _, k in todo]
-                    store.put_batch([key for key, _ in todo], [state_value] * len(todo), worth=cost if worth else None)
+                    cost = [(int(ValueKind.STATE_CHECKPOINT), c) for _, _, c in todo]
+                    store.put_batch([t[0] for t in todo], [state_value] * len(todo), worth=cost if worth else None)
             seen.update(chain[: req.full_blocks])
     finally:
         store.close()
@@ -126,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=3, help="consecutive slices replayed on their own")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--page-cost", type=int, default=BLOCK_TOKENS, help="a page's cost in the worth runs")
+    parser.add_argument("--state-cost", choices=("prefix", "marginal"), default="prefix")
     args = parser.parse_args(argv)
-    global PAGE_COST
-    PAGE_COST = args.page_cost
+    global PAGE_COST, STATE_COST
+    PAGE_COST, STATE_COST = args.page_cost, args.state_cost
     report: dict = {"load": os.getloadavg(), "traces": {}}
     for name in args.traces.split(","):
         requests = load_requests(args.trace_dir / f"{name}_trace.jsonl", args.limit)

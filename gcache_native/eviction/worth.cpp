@@ -9,6 +9,11 @@ namespace gcache {
 namespace {
 constexpr double kMeanGain = 1.0 / 64;  // the running mean follows the last ~64 worth values
 constexpr size_t kOwnerScanMax = 64;    // values looked at per class for one owner's victim
+// A weight doubles per 4 doublings of cost per byte and stays within [1/4, 4]:
+// on the hybrid traces a steeper or wider weight loses to recency (a shallow,
+// cheap state is the one reused most; docs/hybrid-models.md).
+constexpr double kClassesPerDoubling = 4;
+constexpr double kLog2WeightMax = 2;
 
 uint64_t pages_of(uint64_t bytes) { return std::max<uint64_t>(1, bytes / 4096); }
 }  // namespace
@@ -20,7 +25,10 @@ uint8_t WorthPolicy::class_of(uint64_t cost, uint64_t bytes) {
 
 double WorthPolicy::score(const Entry* e) const {
   const double age = double(tick_ - std::min(tick_, e->touched) + 1);
-  return e->worth_class == 0 ? age : age * std::exp2(mean_class_ - double(e->worth_class));
+  if (e->worth_class == 0) return age;
+  const double exponent =
+      std::clamp((double(e->worth_class) - mean_class_) / kClassesPerDoubling, -kLog2WeightMax, kLog2WeightMax);
+  return age * std::exp2(-exponent);
 }
 
 void WorthPolicy::insert(Entry* e, const PutHint& hint) {

@@ -6,10 +6,12 @@
 // A value with a worth goes to one of 31 LRU lists by its cost per byte:
 // class c = round(log2(cost per KiB)) + 16, clamped to 1..31 (a state
 // checkpoint that spares a long prefix per byte sits above the page of one
-// block). Class c weighs 2^(c - m), m the running mean class of the worth
-// values put lately: the victim is the value of greatest age / weight, age
-// counted in 4 KiB pages put since its last insert or use; the wrapped
-// policy's next value counts with weight 1 (a value of typical worth).
+// block). Class c weighs 2^((c - m) / 4), within [1/4, 4], m the running mean
+// class of the worth values put lately: the victim is the value of greatest
+// age / weight, age counted in 4 KiB pages put since its last insert or use;
+// the wrapped policy's next value counts with weight 1 (a value of typical
+// worth). The bound is measured: steeper weights lose to recency on the
+// hybrid traces (docs/hybrid-models.md).
 // A GreedyDual-Size-style order (priority = cost/size, aged by a clock), in
 // CAMP's form: rounded classes of LRU lists, O(classes) per step. With no
 // value carrying a worth, every call goes straight to the wrapped policy.

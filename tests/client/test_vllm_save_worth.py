@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from gcache.common.attention import AttentionKind
 from gcache.integrations.vllm.kv.groups import Group
+from gcache.integrations.vllm.kv.settings import ConnectorSettings
 from gcache.integrations.vllm.kv.worker_side import value_worth
 from gcache.wire.worth import ValueKind, Worth
 from tests.client.test_vllm_transfers import Rig
@@ -36,3 +37,9 @@ def test_saves_carry_their_worth_to_the_node(server):
         assert rig.stored("silent") is not None and rig.stored("state") is not None
     finally:
         rig.close()
+
+
+def test_the_connector_says_worth_only_when_asked():
+    url = {"gcache_url": "127.0.0.1:1"}
+    assert ConnectorSettings.from_extra_config(url).put_worth is False
+    assert ConnectorSettings.from_extra_config({**url, "gcache_put_worth": True}).put_worth is True

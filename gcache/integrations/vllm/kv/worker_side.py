@@ -183,7 +183,8 @@ class WorkerSide:
         for ref in refs:
             group = self.groups[ref.group]
             keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
-            out.append(Page(ref.group, keys, ref.block_id, value_worth(group, ref.tokens)))
+            worth = value_worth(group, ref.tokens) if self.settings.put_worth else None
+            out.append(Page(ref.group, keys, ref.block_id, worth))
         return out
 
     def _writes(self, ref: PageRef) -> bool:
