@@ -15,7 +15,7 @@ prefill tokens, a state at boundary k spares 512 k. Sizes: a page is 2 KiB, a st
 set (every full block's page and state). Rounds: the whole trace, then each of `--windows`
 consecutive slices on its own (its own working set); min/median/max are over the rounds.
 
-    .venv/bin/python -m bench.store.hybrid_eviction                      # both traces, ~5 min
+    .venv/bin/python -m bench.store.hybrid_eviction                      # both traces, ~2 min at load 7
     .venv/bin/python -m bench.store.hybrid_eviction --limit 600 --windows 2   # smoke
 """
 
