@@ -3,6 +3,9 @@ gcache-server, the Python client and raw frames. A costly state survives cheap p
 the same bytes; without the field the order is as before; a malformed field is refused
 with BAD_FRAME, stores nothing and leaves the connection usable."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 import gcache
@@ -75,3 +78,24 @@ def test_the_client_checks_worth_before_sending(server):
         with pytest.raises(errors.InvalidArgumentError, match="cost must be"):
             client.batch_put_from([b"a"], [VALUE], worth=[(1, -3)])
         assert client.batch_is_exist([b"a", b"b"]) == [False, False]
+
+
+def test_a_malformed_worth_on_reserve_reserves_nothing(server_factory):
+    # The one-sided put (RESERVE + COMMIT over shared memory) carries the same field.
+    from tests.support.raw_shm import RESERVE, RawShm
+
+    path = tempfile.mkdtemp(prefix="gcw")  # short: a socket path fits 107 bytes
+    sock = str(Path(path) / "n.sock")
+    node = server_factory(extra_args=["--unix-socket", sock])
+    with RawShm(sock) as raw:
+        raw.attach()
+        bad = raw.request(RESERVE, {"keys": [b"a", b"b"], "lens": [PAGE, PAGE], "worth": {"v": 1, "kind": [2]}})
+        assert bad.status == FrameStatus.BAD_FRAME and 'one "kind" and one "cost" per key' in bad.meta["error"]
+        good = raw.request(
+            RESERVE, {"keys": [b"a", b"b"], "lens": [PAGE, PAGE], "worth": {"v": 1, "kind": [2, 1], "cost": [8, 1]}}
+        )
+        assert good.status == FrameStatus.OK and good.meta["st"] == [PutStatus.STORED] * 2 and good.meta["res"]
+        raw.release(reservations=[good.meta["res"]])
+    with gcache.Client(node.address, transport="tcp") as client:
+        assert client.batch_is_exist([b"a", b"b"]) == [False, False]
+        assert client.stats()["gauges"]["memory_worth_values"] == 0
