@@ -115,7 +115,7 @@ def test_states_come_from_the_offers_and_decode_boundaries_extend_the_chain():
 
 
 def test_a_request_saves_at_most_its_bound_of_boundaries():
-    s = side(state_boundaries_max=1)
+    s = side(state_boundaries_max=1, state_admission="offered")
     tokens = list(range(1, 80))
     s.matched_tokens(request(tokens, 70), 0)
     meta = s.build_meta(
