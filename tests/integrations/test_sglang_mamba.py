@@ -71,7 +71,7 @@ def test_a_mamba_prefix_needs_its_kv_pages_and_the_state_at_its_end(sgl, server,
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (4, [4])
     assert result.extra_pool_hit_pages[kv] == 8
     # A KV page missing before the state: nothing is restorable past it.
-    assert raw.remove(f"{hashes[1]}.full-pf-k_org-model_0_1".encode()) is True
+    assert raw.remove(f"{hashes[1]}.full-pf-bfloat16-k_org-model_0_1".encode()) is True
     result = backend.batch_exists_v2(hashes, probe)
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (0, [])
     raw.close()
@@ -79,7 +79,7 @@ def test_a_mamba_prefix_needs_its_kv_pages_and_the_state_at_its_end(sgl, server,
 
 def mamba_key(page_hash: str, entry: int) -> bytes:
     """A Mamba entry's key (entry 0: the temporal state, 1: the conv state)."""
-    return f"{page_hash}.mamba-pf-kv@g{entry}_org-model_0_1".encode()
+    return f"{page_hash}.mamba-pf-bfloat16.float32-kv@g{entry}_org-model_0_1".encode()
 
 
 def test_mamba_states_round_trip_byte_for_byte(sgl, server, storage_config, attach, host_pool):
