@@ -12,14 +12,15 @@ import time
 
 from gcache import errors
 from gcache.client import deadline as call_deadline
-from gcache.client import pipeline
+from gcache.client import native_core, pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
+from gcache.client.native_core import NativeCall, NativeExists, NativeGet, NativePut, NativeRemove
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
 from gcache.client.transports.choose import open_transport
 from gcache.wire.auth import resolve_token
-from gcache.wire.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
+from gcache.wire.protocol import BATCH_KEYS_MAX, ChecksumKind, Opcode, normalize_key, normalize_keys
 
 RETRIES_MAX = 10
 PIPELINE_DEPTH_MAX = 64
@@ -66,6 +67,11 @@ class ServerClient(Client):
         else tcp. $GCACHE_TRANSPORT sets what "auto" means. `client.transport`
         names the one in use. Every method behaves the same on each.
     copy_threads: threads a one-sided copy may use (0 = by size, up to the cores).
+
+    Calls run on the native client core (gcache.client.native_core: framing, the
+    shared-memory cycle and the checksums in C++, the GIL released) over tcp and shm;
+    $GCACHE_CLIENT_CORE=python forces the Python reference path. Where the core cannot
+    serve (not built, rdma) a warning says so once and the reference path runs.
 
     An address "gcache://master:port[,master:port...]" gives a ClusterClient
     (gcache.client.cluster_client) instead: the same interface over a whole cluster.
@@ -127,6 +133,7 @@ class ServerClient(Client):
         self._pool = ConnectionPool(self._transport.connect, pool_size, timeout_s)
         if first is not None:
             self._pool.adopt(first)
+        self._native = native_core.usable_for(self._transport.name)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -159,7 +166,7 @@ class ServerClient(Client):
 
     # -- the retry loop -------------------------------------------------------
 
-    def _run(self, ops: list, result: BatchResult, depth: int | None = None) -> None:
+    def _run(self, ops: list | NativeCall, result: BatchResult, depth: int | None = None) -> None:
         # One deadline for the whole call: a ClusterClient's (its part of a larger call),
         # else call_timeout_s from now. Every wait below is capped by it.
         deadline = call_deadline.current()
@@ -169,7 +176,7 @@ class ServerClient(Client):
         else:
             self._run_until(ops, result, depth, deadline)
 
-    def _run_until(self, ops: list, result: BatchResult, depth: int | None, deadline) -> None:
+    def _run_until(self, ops: list | NativeCall, result: BatchResult, depth: int | None, deadline) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
         depth = min(depth or self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
@@ -180,7 +187,10 @@ class ServerClient(Client):
                 deadline.check(self.address, "waiting for a connection")
                 conn = self._pool.acquire()
                 conn.begin_call(deadline)
-                pipeline.run(conn, ops, depth, epoch)
+                if isinstance(ops, NativeCall):
+                    ops.run(conn, epoch, depth)
+                else:
+                    pipeline.run(conn, ops, depth, epoch)
                 break
             except errors.ConnectionError as exc:
                 self._pool.discard_idle()  # their server likely went away too
@@ -240,14 +250,23 @@ class ServerClient(Client):
             # A value over a chunk (one-sided puts): one frame at a time, so each
             # reservation may wait for room instead of queueing behind another.
             depth = 1 if self._transport.put_chunk_bytes and max(sizes) > chunk else None
-            self._run(self._transport.put_ops(result, slices, views), result, depth)
+            if self._native:
+                kind = int(getattr(self._transport, "put_kind", ChecksumKind.XXH3))  # shm: the arena's, per connection
+                self._run(NativePut(result, slices, views, kind), result, depth)
+            else:
+                self._run(self._transport.put_ops(result, slices, views), result, depth)
         return result.values
 
     # -- gets -------------------------------------------------------------------
 
-    def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list:
+    def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list | NativeCall:
         sizes = None if targets is None else [len(t) for t in targets]
-        return self._transport.get_ops(result, self._split(len(keys), sizes), self.verify_checksums, targets)
+        slices = self._split(len(keys), sizes)
+        verify = self.verify_checksums
+        if self._native:
+            transport = self._transport
+            return NativeGet(result, slices, verify, targets, lambda s: transport.get_ops(result, s, verify, targets))
+        return self._transport.get_ops(result, slices, verify, targets)
 
     def get(self, key):
         """The value as bytes, or None on a miss. get_into avoids the copy into bytes."""
@@ -272,7 +291,11 @@ class ServerClient(Client):
     def _exists(self, keys: list[bytes]) -> BatchResult:
         result = BatchResult(keys)
         if keys:
-            self._run([ExistsOp(result, lo, hi) for lo, hi in self._split(len(keys))], result)
+            slices = self._split(len(keys))
+            if self._native:
+                self._run(NativeExists(result, slices), result)
+            else:
+                self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result)
         return result
 
     def batch_is_exist(self, keys) -> list[bool]:
@@ -291,7 +314,11 @@ class ServerClient(Client):
     def batch_remove(self, keys) -> list[bool]:
         result = BatchResult(normalize_keys(keys))
         if result.keys:
-            self._run([RemoveOp(result, lo, hi) for lo, hi in self._split(len(result.keys))], result)
+            slices = self._split(len(result.keys))
+            if self._native:
+                self._run(NativeRemove(result, slices), result)
+            else:
+                self._run([RemoveOp(result, lo, hi) for lo, hi in slices], result)
         return result.values
 
     # -- control ------------------------------------------------------------------
