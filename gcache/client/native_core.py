@@ -29,6 +29,7 @@ from gcache import errors
 from gcache.client import pipeline
 from gcache.client.connection import Connection
 from gcache.client.operations import BatchResult, Operation, PutOp, record_put_statuses
+from gcache.client.transports import shm_ops
 from gcache.wire.protocol import ChecksumKind, FrameStatus, PutStatus, RemoveStatus, decode_meta
 
 CORE_ENV = "GCACHE_CLIENT_CORE"  # "python": the reference path; "native" (default)
@@ -121,13 +122,7 @@ def _deadline_left(conn: Connection, doing: str) -> float:
 def _failure(conn: Connection, exc: Exception, doing: str, op: Operation | None = None) -> Exception:
     """The gcache error the reference path raises for the same failure."""
     kind, message, err, status, meta_bytes, in_sync = exc.args
-    if kind == "timeout":
-        if conn.deadline is not None and conn.deadline.left() <= 0:
-            conn.broken = True
-            try:
-                conn.deadline.check(conn.address, doing)
-            except errors.GCacheError as timeout:
-                return timeout
+    if kind == "timeout":  # no progress for the socket's timeout (capped by the deadline), as the reference
         return conn._fail(BlockingIOError(), doing)
     if kind == "closed":
         return conn._closed_by_peer(doing)
@@ -199,8 +194,9 @@ class NativeGet(NativeCall):
         if arena is None:
             values, too_small, bad = core.get(self.result.keys[lo:hi], targets, self.verify, epoch, left)
         else:
+            trusted_s = arena.lease_s * shm_ops.LEASE_TRUST  # the share of a lease a copy may rely on
             values, too_small, bad = core.get(
-                self.result.keys[lo:hi], targets, self.verify, epoch, left, arena.native, arena.lease_s, arena.threads
+                self.result.keys[lo:hi], targets, self.verify, epoch, left, arena.native, trusted_s, arena.threads
             )
         result = self.result
         result.values[lo:hi] = values

@@ -96,7 +96,7 @@ class CoreConnection {
   // (values, too_small [(index, size)], bad [index]): values are int sizes (into targets) or
   // bytes (targets None), None for a miss; a too-small or bad one is None too.
   py::tuple get(const py::list& keys, const py::object& targets, bool verify, int64_t epoch, double deadline_left_s,
-                const std::shared_ptr<CoreArena>& arena, double lease_s, int threads) {
+                const std::shared_ptr<CoreArena>& arena, double trusted_s, int threads) {
     const Keys k = key_views(keys);
     const size_t n = k.size();
     std::unique_ptr<Buffers> into;
@@ -135,7 +135,7 @@ class CoreConnection {
     saved = PyEval_SaveThread();
     bool ok;
     try {
-      ok = arena ? shm_get(ch_, *arena, ShmOptions{lease_s, threads}, k, sink, verify, epoch, &answer, &error)
+      ok = arena ? shm_get(ch_, *arena, ShmOptions{trusted_s, threads}, k, sink, verify, epoch, &answer, &error)
                  : tcp_get(ch_, k, sink, verify, epoch, &answer, &error);
     } catch (...) {
       PyEval_RestoreThread(saved);
@@ -232,7 +232,7 @@ void bind_client_core(py::module_& m) {
   py::class_<CoreConnection>(m, "CoreConnection", "The native client core on one connection's socket fd.")
       .def(py::init<int>(), py::arg("fd"))
       .def("get", &CoreConnection::get, py::arg("keys"), py::arg("targets"), py::arg("verify"), py::arg("epoch"),
-           py::arg("deadline_left_s"), py::arg("arena") = none, py::arg("lease_s") = 0.0, py::arg("threads") = 0)
+           py::arg("deadline_left_s"), py::arg("arena") = none, py::arg("trusted_s") = 0.0, py::arg("threads") = 0)
       .def("put", &CoreConnection::put, py::arg("keys"), py::arg("values"), py::arg("kind"), py::arg("epoch"),
            py::arg("extra") = py::bytes(), py::arg("extra_count") = 0, py::arg("deadline_left_s") = -1.0,
            py::arg("arena") = none, py::arg("first") = true, py::arg("last") = true, py::arg("threads") = 0)

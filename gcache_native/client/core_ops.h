@@ -74,7 +74,7 @@ class CoreArena {
 };
 
 struct ShmOptions {
-  double lease_s = 0;  // how long the node keeps a LOOKUP lease
+  double trusted_s = 0;  // how long after sending a LOOKUP its lease surely holds (a share of the lease)
   int threads = 0;     // copy threads (0: by size)
 };
 

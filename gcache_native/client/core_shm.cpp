@@ -18,8 +18,6 @@ namespace {
 
 // Values up to this size come back inside the LOOKUP answer (shm_ops.INLINE_BYTES_MAX).
 constexpr uint64_t kInlineBytesMax = 16 << 10;
-// A lease is trusted for this share of its length (shm_ops.LEASE_TRUST).
-constexpr double kLeaseTrust = 0.9;
 
 void send_release(Channel& ch, int64_t lease, const std::vector<uint64_t>& bad) {
   RequestFrame f;
@@ -139,7 +137,7 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   }
   const bool hash_now = verify || unchecked;
   shm_copy::run_items(items, opt.threads, hash_now ? shm_copy::Hash::Destination : shm_copy::Hash::None);
-  const int64_t trusted_until = sent_at + int64_t(opt.lease_s * kLeaseTrust * 1e9);
+  const int64_t trusted_until = sent_at + int64_t(opt.trusted_s * 1e9);
   const bool late = !hash_now && now_ns() > trusted_until;  // the lease may have ended mid-copy
   for (size_t k = 0; k < items.size(); ++k) {
     const size_t j = index[k];
