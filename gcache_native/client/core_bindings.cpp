@@ -114,8 +114,7 @@ class CoreConnection {
     PyThreadState* saved = nullptr;
     if (targets.is_none()) {
       // Bytes mode: the GIL is taken back just to make the bytes objects once the sizes are known.
-      sink.allocate = [&made, &out_of_memory, &saved](const std::vector<int64_t>& sizes,
-                                                      std::vector<uint8_t*>* dests) {
+      sink.allocate = [&made, &out_of_memory, &saved](const std::vector<int64_t>& sizes, std::vector<uint8_t*>* dests) {
         PyEval_RestoreThread(saved);
         for (size_t j = 0; j < sizes.size(); ++j) {
           if (sizes[j] < 0) continue;

@@ -136,9 +136,9 @@ bool Channel::read_reply(uint64_t request_id, Opcode op, FrameHeader* h, ReplyFi
   }
   if (h->request_id != request_id || h->opcode != uint8_t(op) || !(h->flags & kFlagResponse)) {
     e->kind = ErrorKind::Protocol;
-    e->message = "the server answered request " + std::to_string(h->request_id) + " op " +
-                 std::to_string(h->opcode) + ", expected " + std::to_string(request_id) + " op " +
-                 std::to_string(int(op)) + ": responses are out of order";
+    e->message = "the server answered request " + std::to_string(h->request_id) + " op " + std::to_string(h->opcode) +
+                 ", expected " + std::to_string(request_id) + " op " + std::to_string(int(op)) +
+                 ": responses are out of order";
     return false;
   }
   std::string error;

@@ -16,8 +16,7 @@ void RequestFrame::epoch(int64_t e) {
   writer_.uint(uint64_t(e));
 }
 
-const std::vector<uint8_t>& RequestFrame::finish(Opcode op, uint64_t request_id, uint64_t payload_len,
-                                                 uint16_t flags) {
+const std::vector<uint8_t>& RequestFrame::finish(Opcode op, uint64_t request_id, uint64_t payload_len, uint16_t flags) {
   std::vector<uint8_t>& buf = writer_.buffer();
   build_frame_header(buf.data(), uint8_t(op), flags, request_id, uint32_t(writer_.body_size()), FrameStatus::Ok,
                      payload_len);

@@ -43,8 +43,18 @@ void append_extra(MsgpackWriter& w, const ExtraEntries& extra);
 // The response-map fields the core uses; `has` says which were present.
 struct ReplyFields {
   enum Field : uint32_t {
-    kLens = 1, kSums = 2, kCks = 4, kSt = 8, kOffs = 16, kInl = 32, kVf = 64, kEx = 128,
-    kLease = 256, kRes = 512, kPrefix = 1024, kCk = 2048,
+    kLens = 1,
+    kSums = 2,
+    kCks = 4,
+    kSt = 8,
+    kOffs = 16,
+    kInl = 32,
+    kVf = 64,
+    kEx = 128,
+    kLease = 256,
+    kRes = 512,
+    kPrefix = 1024,
+    kCk = 2048,
   };
   uint32_t has = 0;
   std::vector<int64_t> lens, st, offs;

@@ -45,8 +45,7 @@ struct PutAnswer {
 };
 
 // Over TCP: values travel in the frames.
-bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_t epoch, GetAnswer* out,
-             CoreError* e);
+bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_t epoch, GetAnswer* out, CoreError* e);
 bool tcp_put(Channel& ch, const Keys& keys, const std::vector<iovec>& values, ChecksumKind kind, int64_t epoch,
              const ExtraEntries& extra, PutAnswer* out, CoreError* e);
 bool tcp_exists(Channel& ch, const Keys& keys, int64_t epoch, std::vector<uint8_t>* present, int64_t* prefix,
@@ -75,16 +74,16 @@ class CoreArena {
 
 struct ShmOptions {
   double trusted_s = 0;  // how long after sending a LOOKUP its lease surely holds (a share of the lease)
-  int threads = 0;     // copy threads (0: by size)
+  int threads = 0;       // copy threads (0: by size)
 };
 
 // Over shared memory: LOOKUP, copy out (hashed in the same pass when needed), RELEASE.
 bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& keys, ValueSink& sink, bool verify,
              int64_t epoch, GetAnswer* out, CoreError* e);
 // RESERVE, copy in (hashing the source in the same pass), COMMIT.
-bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& keys,
-             const std::vector<iovec>& values, ChecksumKind kind, int64_t epoch, const ExtraEntries& extra, bool first,
-             bool last, PutAnswer* out, CoreError* e);
+bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& keys, const std::vector<iovec>& values,
+             ChecksumKind kind, int64_t epoch, const ExtraEntries& extra, bool first, bool last, PutAnswer* out,
+             CoreError* e);
 
 // Shared by both: a protocol error with `message`.
 bool protocol_error(CoreError* e, std::string message);

@@ -81,8 +81,8 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   for (size_t j = 0; j < n; ++j)
     if (r.lens[j] >= 0 && r.inl[j]) inline_bytes += uint64_t(r.lens[j]);
   if (inline_bytes != h.payload_len)
-    return protocol_error(e, "LOOKUP answer payload is " + std::to_string(h.payload_len) +
-                                 " bytes, not its inline values");
+    return protocol_error(
+        e, "LOOKUP answer payload is " + std::to_string(h.payload_len) + " bytes, not its inline values");
   const int64_t lease = r.lease;
   out->sizes = r.lens;
   out->outcome.assign(n, Outcome::Miss);
@@ -92,10 +92,8 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   } else {
     for (size_t j = 0; j < n; ++j) {
       if (r.lens[j] < 0) continue;
-      if (uint64_t(r.lens[j]) > sink.targets[j].iov_len)
-        out->outcome[j] = Outcome::TooSmall;
-      else
-        dests[j] = static_cast<uint8_t*>(sink.targets[j].iov_base);
+      if (uint64_t(r.lens[j]) > sink.targets[j].iov_len) out->outcome[j] = Outcome::TooSmall;
+      else dests[j] = static_cast<uint8_t*>(sink.targets[j].iov_base);
     }
   }
   // Inline values, in key order (checked by the node before it sent them).
@@ -153,9 +151,9 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   return true;
 }
 
-bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& keys,
-             const std::vector<iovec>& values, ChecksumKind kind, int64_t epoch, const ExtraEntries& extra, bool first,
-             bool last, PutAnswer* out, CoreError* e) {
+bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& keys, const std::vector<iovec>& values,
+             ChecksumKind kind, int64_t epoch, const ExtraEntries& extra, bool first, bool last, PutAnswer* out,
+             CoreError* e) {
   const size_t n = keys.size();
   const uint64_t rid = next_request_id();
   RequestFrame f;

@@ -124,8 +124,7 @@ bool send_trailed(Channel& ch, const std::vector<uint8_t>& head, const std::vect
 
 }  // namespace
 
-bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_t epoch, GetAnswer* out,
-             CoreError* e) {
+bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_t epoch, GetAnswer* out, CoreError* e) {
   const size_t n = keys.size();
   const uint64_t rid = next_request_id();
   RequestFrame f;

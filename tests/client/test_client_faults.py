@@ -11,7 +11,6 @@ from gcache import Client, errors
 from tests.support.servers import ServerProcess
 from tests.support.slots import busy_connection
 
-
 # Every test runs on the native client core and on the Python reference path.
 pytestmark = pytest.mark.usefixtures("client_core")
 

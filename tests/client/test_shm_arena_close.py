@@ -10,7 +10,6 @@ import pytest
 from gcache import errors
 from gcache.client.transports.shm import MappedArena
 
-
 # Every test runs on the native client core and on the Python reference path.
 pytestmark = pytest.mark.usefixtures("client_core")
 
