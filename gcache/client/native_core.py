@@ -110,13 +110,18 @@ def _core(conn: Connection):
 
 
 def _deadline_left(conn: Connection, doing: str) -> float:
-    """Caps the socket's waits by the call's deadline (as the reference does before a
-    wait); the seconds left of it, -1 for none."""
-    if conn.buffered_bytes():  # cannot happen: every answer is read whole
+    """Caps the socket's waits by the call's deadline, as the reference does before a
+    wait; returns the seconds left of it (-1: none)."""
+    if conn._pos != conn._end:  # cannot happen: every answer is read whole
         conn.broken = True
         raise errors.ProtocolError(f"connection to {conn.address} holds unread bytes")
-    conn._cap_wait(doing)
-    return -1.0 if conn.deadline is None else max(0.0, conn.deadline.left())
+    deadline = conn.deadline
+    if deadline is None:
+        return -1.0
+    left = deadline.left()
+    if left < conn.timeout_s:  # near the deadline (or past it: raises TimeoutError)
+        conn._cap_wait(doing)
+    return max(0.0, left)
 
 
 def _failure(conn: Connection, exc: Exception, doing: str, op: Operation | None = None) -> Exception:
