@@ -241,7 +241,9 @@ class ServerClient(Client):
 
     # -- puts -------------------------------------------------------------------
 
-    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_views(self, keys: list[bytes], views: list[memoryview], extra_meta: dict | None = None) -> list[bool]:
+        """Stores views[i] under keys[i]; `extra_meta`: more entries for every PUT_BATCH /
+        RESERVE map (an optional field the node understands), on either path."""
         result = BatchResult(keys)
         if keys:
             sizes = [len(v) for v in views]
@@ -252,9 +254,14 @@ class ServerClient(Client):
             depth = 1 if self._transport.put_chunk_bytes and max(sizes) > chunk else None
             if self._native:
                 kind = int(getattr(self._transport, "put_kind", ChecksumKind.XXH3))  # shm: the arena's, per connection
-                self._run(NativePut(result, slices, views, kind), result, depth)
+                extra = native_core.encode_extra_entries(extra_meta)
+                self._run(NativePut(result, slices, views, kind, extra), result, depth)
             else:
-                self._run(self._transport.put_ops(result, slices, views), result, depth)
+                ops = self._transport.put_ops(result, slices, views)
+                if extra_meta:
+                    for op in ops:
+                        op.extra = extra_meta
+                self._run(ops, result, depth)
         return result.values
 
     # -- gets -------------------------------------------------------------------

@@ -144,6 +144,9 @@ class Operation(ABC):
     """
 
     opcode: Opcode
+    # More request-map entries (an optional field the node understands), set by the caller;
+    # the operations that store values (PUT_BATCH, RESERVE) send them.
+    extra: dict | None = None
 
     def __init__(self, result: BatchResult, lo: int = 0, hi: int = 0):
         self.result = result
@@ -243,6 +246,8 @@ class PutOp(Operation):
             # overlaps the server storing frame k.
             kind = int(self.kind)
             meta["sums"] = [xxh64(v) for v in self.values] if kind == 0 else [checksum(v, kind) for v in self.values]
+        if self.extra:
+            meta.update(self.extra)
         return encode_request_meta(meta, epoch)
 
     def payload(self) -> list:

@@ -224,3 +224,26 @@ def test_a_core_error_keeps_the_connection_contract(monkeypatch):
     client.close()
     listener.close()
     thread.join(10)
+
+
+@pytest.mark.usefixtures("client_core")
+@pytest.mark.parametrize("size", [10, 64 << 10])  # sums in the map; sums trailing the values
+def test_extra_put_entries_go_out_on_either_path(size):
+    """ServerClient._put_views(..., extra_meta): the same map entries on the native and the reference path."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    seen: list = []
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            _serve_one(conn, {"st": [0], "ck": 1}, seen)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with gcache.Client(f"127.0.0.1:{listener.getsockname()[1]}", transport="tcp", retries=0) as c:
+        assert c._put_views([b"k"], [memoryview(b"v" * size)], extra_meta={"vk": 2, "rc": 0.25}) == [True]
+    thread.join(10)
+    listener.close()
+    assert seen[0]["vk"] == 2 and seen[0]["rc"] == 0.25 and seen[0]["keys"] == [b"k"]

@@ -221,9 +221,10 @@ class ReserveOp(Operation):
         self.commit: CommitOp | None = None
 
     def request_meta_bytes(self, epoch):
-        return encode_request_meta(
-            {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first, "last": self.last}, epoch
-        )
+        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first, "last": self.last}
+        if self.extra:
+            meta.update(self.extra)
+        return encode_request_meta(meta, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo
