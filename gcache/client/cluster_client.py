@@ -457,12 +457,12 @@ class ClusterClient(Client):
 
     # -- puts -----------------------------------------------------------------------
 
-    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_views(self, keys: list[bytes], views: list[memoryview], extra_meta: dict | None = None) -> list[bool]:
         # Routed by owner; a put whose owner is down returns False, like one the
-        # node did not admit.
+        # node did not admit. `extra_meta`: as ServerClient._put_views.
         def put_part(client, idx):
             # Keys and views are already checked: skip batch_put_from's second pass.
-            return client._put_views(_pick(keys, idx), _pick(views, idx))
+            return client._put_views(_pick(keys, idx), _pick(views, idx), extra_meta)
 
         return self._batch(keys, False, put_part).values
 
