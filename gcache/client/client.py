@@ -187,10 +187,10 @@ class ServerClient(Client):
                 deadline.check(self.address, "waiting for a connection")
                 conn = self._pool.acquire()
                 conn.begin_call(deadline)
-                if isinstance(ops, NativeCall):
-                    ops.run(conn, epoch, depth)
-                else:
+                if isinstance(ops, list):  # the reference path (a list's check, not the ABC's)
                     pipeline.run(conn, ops, depth, epoch)
+                else:
+                    ops.run(conn, epoch, depth)
                 break
             except errors.ConnectionError as exc:
                 self._pool.discard_idle()  # their server likely went away too
@@ -237,6 +237,13 @@ class ServerClient(Client):
             slices.append((lo, n))
         return slices
 
+    def _native_for(self, slices: list[tuple[int, int]]) -> bool:
+        """Whether the native core runs a call of these frames: every call over shm (its
+        RESERVE / COMMIT and LOOKUP cycles run frame after frame either way); over tcp a call
+        of one frame, the common case, while the reference pipeline keeps several frames of
+        one call in flight at once."""
+        return self._native and (len(slices) == 1 or self._transport.name == "shm")
+
     # -- buffers --------------------------------------------------------------
 
     # -- puts -------------------------------------------------------------------
@@ -252,7 +259,7 @@ class ServerClient(Client):
             # A value over a chunk (one-sided puts): one frame at a time, so each
             # reservation may wait for room instead of queueing behind another.
             depth = 1 if self._transport.put_chunk_bytes and max(sizes) > chunk else None
-            if self._native:
+            if self._native_for(slices):
                 kind = int(getattr(self._transport, "put_kind", ChecksumKind.XXH3))  # shm: the arena's, per connection
                 extra = native_core.encode_extra_entries(extra_meta)
                 self._run(NativePut(result, slices, views, kind, extra), result, depth)
@@ -270,7 +277,7 @@ class ServerClient(Client):
         sizes = None if targets is None else [len(t) for t in targets]
         slices = self._split(len(keys), sizes)
         verify = self.verify_checksums
-        if self._native:
+        if self._native_for(slices):
             transport = self._transport
             return NativeGet(result, slices, verify, targets, lambda s: transport.get_ops(result, s, verify, targets))
         return self._transport.get_ops(result, slices, verify, targets)
@@ -299,7 +306,7 @@ class ServerClient(Client):
         result = BatchResult(keys)
         if keys:
             slices = self._split(len(keys))
-            if self._native:
+            if self._native_for(slices):
                 self._run(NativeExists(result, slices), result)
             else:
                 self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result)
@@ -322,7 +329,7 @@ class ServerClient(Client):
         result = BatchResult(normalize_keys(keys))
         if result.keys:
             slices = self._split(len(result.keys))
-            if self._native:
+            if self._native_for(slices):
                 self._run(NativeRemove(result, slices), result)
             else:
                 self._run([RemoveOp(result, lo, hi) for lo, hi in slices], result)

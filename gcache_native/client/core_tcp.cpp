@@ -1,7 +1,8 @@
 // The native client core over TCP: GET_BATCH, PUT_BATCH, EXISTS_BATCH and
 // REMOVE_BATCH, one frame each (docs/protocol.md). A PUT of large values
-// ("trail": each value followed by its sum) hashes on a helper thread, group
-// by group ahead of the send, so the socket never waits for XXH3.
+// ("trail": each value followed by its sum) hashes group by group: on a helper
+// thread ahead of the send where cores allow, so the socket never waits for
+// XXH3, else each group just before it is sent, while it is in cache.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -25,8 +26,16 @@ namespace {
 constexpr uint64_t kTrailValueBytesMin = 16 << 10;
 // Sent per sendmsg when trailing; hashed ahead of the send while the previous group goes out.
 constexpr uint64_t kHashGroupBytes = 1 << 20;
-// A PUT this large hashes on a helper thread; a smaller one hashes each group just before sending it.
+// A PUT this large hashes on a helper thread, when the machine has a core to spare for it; otherwise
+// each group is hashed just before it is sent (the kernel's copy then reads it from cache: one memory
+// pass; the helper costs a second one, worth it only when the socket would otherwise wait).
 constexpr uint64_t kHelperHashBytesMin = 4 << 20;
+constexpr unsigned kHelperHashCoresMin = 4;
+
+bool hash_on_helper(uint64_t total) {
+  static const unsigned cores = std::thread::hardware_concurrency();  // once: it reads sysfs
+  return total >= kHelperHashBytesMin && cores >= kHelperHashCoresMin;
+}
 
 bool send_frame(Channel& ch, const std::vector<uint8_t>& head, const std::vector<iovec>* payload, CoreError* e) {
   std::vector<iovec> iov;
@@ -103,7 +112,7 @@ bool send_trailed(Channel& ch, const std::vector<uint8_t>& head, const std::vect
                   uint64_t total, CoreError* e) {
   std::vector<uint64_t> sums(values.size());  // little-endian host: the wire's byte order
   std::unique_ptr<HashAhead> ahead;
-  if (total >= kHelperHashBytesMin) ahead = std::make_unique<HashAhead>(values, kind, &sums);
+  if (hash_on_helper(total)) ahead = std::make_unique<HashAhead>(values, kind, &sums);
   std::vector<iovec> iov{iovec{const_cast<uint8_t*>(head.data()), head.size()}};
   uint64_t group = 0;
   for (size_t i = 0; i < values.size(); ++i) {

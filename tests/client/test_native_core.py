@@ -110,7 +110,8 @@ def test_every_operation_answers_as_the_reference(node, monkeypatch, transport, 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_batch_over_several_frames_answers_as_the_reference(node, monkeypatch, transport):
-    """Frames of 3 keys / 100 KiB: slices, shm RESERVE chunks, answers in key order."""
+    """Frames of 3 keys / 100 KiB: slices, shm RESERVE chunks, answers in key order. (Over tcp a
+    call of several frames runs on the reference pipeline, which keeps several in flight.)"""
     n, size = 20, 40 << 10
     values = [_pattern(size, i) for i in range(n)]
     answers = []
