@@ -28,7 +28,7 @@ from collections.abc import Callable
 from gcache import errors
 from gcache.client import pipeline
 from gcache.client.connection import Connection
-from gcache.client.operations import BatchResult, Operation, PutOp, record_put_statuses
+from gcache.client.operations import _OLD_NODE_HINT, BatchResult, Operation, PutOp, record_put_statuses
 from gcache.client.transports import shm_ops
 from gcache.wire.protocol import ChecksumKind, FrameStatus, PutStatus, RemoveStatus, decode_meta
 
@@ -243,9 +243,8 @@ class NativePut(NativeCall):
                 and all(st == PutStatus.CHECKSUM_MISMATCH for st in statuses)
             ):
                 conn.broken = True  # as the reference (pipeline.run marks it)
-                raise errors.ProtocolError(
-                    "every value of this PUT failed its checksum: " + _old_node_hint()
-                )  # a node from before XXH3 checked XXH3 sums as xxh64
+                # a node from before XXH3 checked XXH3 sums as xxh64
+                raise errors.ProtocolError(f"every value of this PUT failed its checksum: {_OLD_NODE_HINT}")
         else:
             last = len(self.slices) - 1
             statuses, _ = core.put(
@@ -265,12 +264,6 @@ class NativePut(NativeCall):
 
     def reference_op(self, lo, hi):
         return PutOp(self.result, lo, hi, self.views[lo:hi], self.kind)
-
-
-def _old_node_hint() -> str:
-    from gcache.client.operations import _OLD_NODE_HINT
-
-    return _OLD_NODE_HINT
 
 
 class NativeExists(NativeCall):

@@ -150,13 +150,6 @@ bool Channel::read_reply(uint64_t request_id, Opcode op, FrameHeader* h, ReplyFi
   return true;
 }
 
-bool Channel::take_buffered(uint64_t n, const uint8_t** data) {
-  if (end_ - pos_ < n) return false;
-  *data = buf_ + pos_;
-  pos_ += n;
-  return true;
-}
-
 bool Channel::read_into(std::vector<iovec>& iov, CoreError* e) {
   size_t first = 0;
   size_t left = 0;

@@ -58,8 +58,6 @@ class Channel {
   bool skip(uint64_t n, CoreError* e);
   // Bytes read from the socket past the last answer (must be 0 when a call ends).
   size_t buffered() const { return end_ - pos_; }
-  // Points *data at n buffered bytes when that many are buffered (small inline values).
-  bool take_buffered(uint64_t n, const uint8_t** data);
 
  private:
   bool fill(size_t need, CoreError* e);  // at least `need` bytes buffered
