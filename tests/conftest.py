@@ -128,3 +128,12 @@ def redis_proc():
     r = start_redis()
     yield r
     r.close()
+
+
+@pytest.fixture(params=["native", "python"])
+def client_core(request, monkeypatch):
+    """Runs a test once on the native client core and once on the Python reference path
+    ($GCACHE_CLIENT_CORE, gcache.client.native_core), so both answer the same bytes,
+    statuses, errors and misses."""
+    monkeypatch.setenv("GCACHE_CLIENT_CORE", request.param)
+    return request.param

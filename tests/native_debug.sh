@@ -4,7 +4,7 @@
 # operation) into build/native-debug, apart from the release module in gcache/
 # (left untouched), lays a copy of the package with the debug module in
 # build/debug-tree, and runs the store and node tests there (store, disk,
-# eviction, server, protocol and shm test files; or the pytest arguments given).
+# eviction, server, protocol and shm test files, the native client core's; or the pytest arguments given).
 # Exits non-zero when the build or a test fails.
 #
 #   bash tests/native_debug.sh                      # the default test files
@@ -53,6 +53,6 @@ if [ "$#" -gt 0 ]; then
   args=("$@")
 else
   mapfile -t args < <(find tests -name 'test_store_*.py' -o -name 'test_eviction_*.py' -o -name 'test_server_*.py' \
-    -o -name 'test_protocol_*.py' -o -name 'test_transport_shm.py' | sort)
+    -o -name 'test_protocol_*.py' -o -name 'test_transport_shm.py' -o -name 'test_native_core.py' | sort)
 fi
 "$py" -m pytest -q -p no:cacheprovider "${args[@]}"

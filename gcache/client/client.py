@@ -13,14 +13,15 @@ from collections.abc import Sequence
 
 from gcache import errors
 from gcache.client import deadline as call_deadline
-from gcache.client import pipeline
+from gcache.client import native_core, pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
+from gcache.client.native_core import NativeCall, NativeExists, NativeGet, NativePut, NativeRemove
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
 from gcache.client.transports.choose import open_transport
 from gcache.wire.auth import resolve_token
-from gcache.wire.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
+from gcache.wire.protocol import BATCH_KEYS_MAX, ChecksumKind, Opcode, normalize_key, normalize_keys
 from gcache.wire.worth import Worth
 
 RETRIES_MAX = 10
@@ -68,6 +69,11 @@ class ServerClient(Client):
         else tcp. $GCACHE_TRANSPORT sets what "auto" means. `client.transport`
         names the one in use. Every method behaves the same on each.
     copy_threads: threads a one-sided copy may use (0 = by size, up to the cores).
+
+    Calls run on the native client core (gcache.client.native_core: framing, the
+    shared-memory cycle and the checksums in C++, the GIL released) over tcp and shm;
+    $GCACHE_CLIENT_CORE=python forces the Python reference path. Where the core cannot
+    serve (not built, rdma) a warning says so once and the reference path runs.
 
     An address "gcache://master:port[,master:port...]" gives a ClusterClient
     (gcache.client.cluster_client) instead: the same interface over a whole cluster.
@@ -129,6 +135,7 @@ class ServerClient(Client):
         self._pool = ConnectionPool(self._transport.connect, pool_size, timeout_s)
         if first is not None:
             self._pool.adopt(first)
+        self._native = native_core.usable_for(self._transport.name)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -161,7 +168,7 @@ class ServerClient(Client):
 
     # -- the retry loop -------------------------------------------------------
 
-    def _run(self, ops: list, result: BatchResult, depth: int | None = None) -> None:
+    def _run(self, ops: list | NativeCall, result: BatchResult, depth: int | None = None) -> None:
         # One deadline for the whole call: a ClusterClient's (its part of a larger call),
         # else call_timeout_s from now. Every wait below is capped by it.
         deadline = call_deadline.current()
@@ -171,7 +178,7 @@ class ServerClient(Client):
         else:
             self._run_until(ops, result, depth, deadline)
 
-    def _run_until(self, ops: list, result: BatchResult, depth: int | None, deadline) -> None:
+    def _run_until(self, ops: list | NativeCall, result: BatchResult, depth: int | None, deadline) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
         depth = min(depth or self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
@@ -182,7 +189,10 @@ class ServerClient(Client):
                 deadline.check(self.address, "waiting for a connection")
                 conn = self._pool.acquire()
                 conn.begin_call(deadline)
-                pipeline.run(conn, ops, depth, epoch)
+                if isinstance(ops, list):  # the reference path (a list's check, not the ABC's)
+                    pipeline.run(conn, ops, depth, epoch)
+                else:
+                    ops.run(conn, epoch, depth)
                 break
             except errors.ConnectionError as exc:
                 self._pool.discard_idle()  # their server likely went away too
@@ -229,6 +239,13 @@ class ServerClient(Client):
             slices.append((lo, n))
         return slices
 
+    def _native_for(self, slices: list[tuple[int, int]]) -> bool:
+        """Whether the native core runs a call of these frames: every call over shm (its
+        RESERVE / COMMIT and LOOKUP cycles run frame after frame either way); over tcp a call
+        of one frame, the common case, while the reference pipeline keeps several frames of
+        one call in flight at once."""
+        return self._native and (len(slices) == 1 or self._transport.name == "shm")
+
     # -- buffers --------------------------------------------------------------
 
     # -- puts -------------------------------------------------------------------
@@ -236,8 +253,10 @@ class ServerClient(Client):
     def _put_views(
         self, keys: list[bytes], views: list[memoryview], worth: Sequence[Worth] | None = None
     ) -> list[bool]:
+        """Stores views[i] under keys[i]; `worth` (per key) goes in each PUT_BATCH / RESERVE
+        map as its "worth" field, sliced to the frame's keys, on either path."""
         result = BatchResult(keys)
-        result.worth = worth  # PUT_BATCH "worth"; one-sided puts (shm, rdma) do not carry it yet
+        result.worth = worth
         if keys:
             sizes = [len(v) for v in views]
             chunk = min(self._transport.put_chunk_bytes or self.frame_payload_bytes_max, self.frame_payload_bytes_max)
@@ -245,14 +264,23 @@ class ServerClient(Client):
             # A value over a chunk (one-sided puts): one frame at a time, so each
             # reservation may wait for room instead of queueing behind another.
             depth = 1 if self._transport.put_chunk_bytes and max(sizes) > chunk else None
-            self._run(self._transport.put_ops(result, slices, views), result, depth)
+            if self._native_for(slices):
+                kind = int(getattr(self._transport, "put_kind", ChecksumKind.XXH3))  # shm: the arena's, per connection
+                self._run(NativePut(result, slices, views, kind), result, depth)
+            else:
+                self._run(self._transport.put_ops(result, slices, views), result, depth)
         return result.values
 
     # -- gets -------------------------------------------------------------------
 
-    def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list:
+    def _get_ops(self, keys: list[bytes], result: BatchResult, targets=None) -> list | NativeCall:
         sizes = None if targets is None else [len(t) for t in targets]
-        return self._transport.get_ops(result, self._split(len(keys), sizes), self.verify_checksums, targets)
+        slices = self._split(len(keys), sizes)
+        verify = self.verify_checksums
+        if self._native_for(slices):
+            transport = self._transport
+            return NativeGet(result, slices, verify, targets, lambda s: transport.get_ops(result, s, verify, targets))
+        return self._transport.get_ops(result, slices, verify, targets)
 
     def get(self, key):
         """The value as bytes, or None on a miss. get_into avoids the copy into bytes."""
@@ -277,7 +305,11 @@ class ServerClient(Client):
     def _exists(self, keys: list[bytes]) -> BatchResult:
         result = BatchResult(keys)
         if keys:
-            self._run([ExistsOp(result, lo, hi) for lo, hi in self._split(len(keys))], result)
+            slices = self._split(len(keys))
+            if self._native_for(slices):
+                self._run(NativeExists(result, slices), result)
+            else:
+                self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result)
         return result
 
     def batch_is_exist(self, keys) -> list[bool]:
@@ -296,7 +328,11 @@ class ServerClient(Client):
     def batch_remove(self, keys) -> list[bool]:
         result = BatchResult(normalize_keys(keys))
         if result.keys:
-            self._run([RemoveOp(result, lo, hi) for lo, hi in self._split(len(result.keys))], result)
+            slices = self._split(len(result.keys))
+            if self._native_for(slices):
+                self._run(NativeRemove(result, slices), result)
+            else:
+                self._run([RemoveOp(result, lo, hi) for lo, hi in slices], result)
         return result.values
 
     # -- control ------------------------------------------------------------------

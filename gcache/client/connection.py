@@ -84,6 +84,7 @@ class Connection:
         self.broken = False
         self.reused = False  # set by the pool when handed out again after being idle
         self.arena: Arena | None = None  # what a one-sided transport (shm, rdma) moves bytes through
+        self.native: object | None = None  # the native client core on this socket (gcache.client.native_core)
         # The deadline of the call using this connection (gcache.client.deadline): every
         # wait is capped by what is left of it. Set for a call, cleared by end_call().
         self.deadline = call_deadline.current()

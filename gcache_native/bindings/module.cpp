@@ -11,6 +11,7 @@ void bind_ketama(py::module_& m);       // client/ketama.cpp (batch placement ha
 void bind_shm_copy(py::module_& m);     // client/shm_copy.cpp (one-sided copies, client side)
 void bind_copy_ranges(py::module_& m);  // client/copy_ranges.cpp (batched memcpys: the host mover)
 void bind_cuda_copy(py::module_& m);    // client/cuda_copy.cpp (batched CUDA copies: the GPU mover)
+void bind_client_core(py::module_& m);  // client/core_bindings.cpp (the native client core)
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "GCache native core: arena, index, disk segments, data server";
@@ -29,4 +30,5 @@ PYBIND11_MODULE(_native, m) {
   bind_shm_copy(m);
   bind_copy_ranges(m);
   bind_cuda_copy(m);
+  bind_client_core(m);
 }

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/shm_copy.h"
 #include "common/assert.h"
 #include "common/checksum.h"
 
@@ -28,22 +29,12 @@
 
 namespace py = pybind11;
 
+namespace gcache::shm_copy {
 namespace {
 
 constexpr size_t kChunkBytes = 64 << 10;        // copied, then hashed while in L2
 constexpr size_t kBytesPerThreadMin = 1 << 20;  // below it a thread costs more than it saves
 constexpr int kThreadsMax = 8;
-
-struct CopyItem {
-  const uint8_t* src;
-  uint8_t* dst;
-  uint64_t length;
-  uint64_t expected;  // checksum to compare (reads)
-  gcache::ChecksumKind kind = gcache::kChecksumKindNew;
-  uint64_t sum = 0;  // checksum of the bytes copied
-};
-
-enum class Hash { None, Source, Destination };
 
 // Copies of at least this many bytes bypass the cache (streaming stores): glibc
 // switches to them only for much larger copies, and a batch of 256 KiB values
@@ -176,6 +167,8 @@ class CopyPool {
   std::vector<std::thread> threads_;  // detached at exit with the process
 };
 
+}  // namespace
+
 // Splits items into contiguous runs of about equal bytes, one per thread.
 // With Hash::None, only copies (every sum stays 0).
 void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
@@ -211,6 +204,15 @@ void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
   }
   CopyPool::get().run(jobs);
 }
+
+size_t copy_pool_threads() { return CopyPool::get().threads(); }
+
+}  // namespace gcache::shm_copy
+
+namespace {
+using gcache::shm_copy::CopyItem;
+using gcache::shm_copy::Hash;
+using gcache::shm_copy::run_items;
 
 // The kind of each value's sum: "cks" of a LOOKUP answer, or empty (a node
 // from before XXH3: every sum is xxh64).
@@ -390,6 +392,6 @@ void bind_shm_copy(py::module_& m) {
         "Copies each source into the mapped arena at its offset (offset < 0: skipped), hashing each source "
         "chunk just before it is copied; returns their checksums of `kind` (default XXH3; 0 for skipped).");
   m.def(
-      "copy_pool_threads", [] { return CopyPool::get().threads(); },
+      "copy_pool_threads", [] { return gcache::shm_copy::copy_pool_threads(); },
       "Helper threads the persistent copy pool has started so far (at most 7).");
 }

@@ -28,6 +28,7 @@ class MsgpackReader {
   bool skip();  // one value of any kind, depth-bounded
 
   bool at_end() const { return p_ == end_; }
+  int peek() const { return p_ < end_ ? *p_ : -1; }  // the next byte (a value's type), -1 at the end
   size_t remaining() const { return size_t(end_ - p_); }
   const std::string& error() const { return error_; }
 

@@ -16,6 +16,9 @@ from gcache.client.client import ServerClient
 from gcache.client.cluster_client import ClusterClient
 from gcache.client.deadline import Deadline
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
 
 class FakeClock:
     def __init__(self):

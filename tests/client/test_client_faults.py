@@ -11,6 +11,9 @@ from gcache import Client, errors
 from tests.support.servers import ServerProcess
 from tests.support.slots import busy_connection
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
 
 def test_killed_server_gives_connection_error(server):
     client = Client(server.address, timeout_s=2, retries=2)

@@ -9,6 +9,10 @@ import pytest
 
 from gcache import Client, errors
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
+
 KIB = 1 << 10
 FRAME_LIMIT = 256 * KIB
 SMALL_FRAMES = ["--frame-payload-bytes-max", "256KiB", "--value-bytes-max", "64KiB"]

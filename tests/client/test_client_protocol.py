@@ -224,6 +224,7 @@ def reply(header, meta, payload=b"", request_id=None, status=0):
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_response_trickled_byte_by_byte_is_read_exactly():
     value = bytes(range(256)) * 3
 
@@ -236,6 +237,7 @@ def test_response_trickled_byte_by_byte_is_read_exactly():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_wrong_request_id_is_a_protocol_error():
     peer = ScriptedPeer(
         lambda conn, h: conn.sendall(reply(h, {"ex": [True], "prefix": 1}, request_id=h.request_id + 1))
@@ -245,6 +247,7 @@ def test_wrong_request_id_is_a_protocol_error():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_lengths_not_matching_payload_is_a_protocol_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"lens": [5], "sums": [0]}, b"abc")))
     with pytest.raises(errors.ProtocolError):
@@ -252,6 +255,7 @@ def test_lengths_not_matching_payload_is_a_protocol_error():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_error_status_maps_to_typed_error():
     peer = ScriptedPeer(
         lambda conn, h: conn.sendall(reply(h, {"error": "too many keys", "kind": "batch_keys"}, status=3))
@@ -261,6 +265,7 @@ def test_error_status_maps_to_typed_error():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_silent_peer_times_out_instead_of_hanging():
     release = threading.Event()
     peer = ScriptedPeer(lambda conn, h: release.wait(10))
@@ -272,6 +277,7 @@ def test_silent_peer_times_out_instead_of_hanging():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_peer_closing_mid_response_is_a_connection_error():
     peer = ScriptedPeer(lambda conn, h: conn.sendall(reply(h, {"lens": [100], "sums": [0]}, b"x" * 100)[:-10]))
     with pytest.raises(errors.ConnectionError, match="closed the connection"):
@@ -286,6 +292,7 @@ def test_keys_meta_encoding_matches_msgpack(keys):
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 @pytest.mark.parametrize("into", [False, True])
 def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
     """A value whose bytes do not match the server's xxh64 raises, and the exception's
@@ -310,6 +317,7 @@ def test_bytes_failing_their_checksum_are_a_miss_in_results_never_a_value(into):
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_a_node_from_before_xxh3_refusing_a_trailing_put_is_a_clear_error():
     """The refusal a pre-XXH3 node gives a PUT without "sums" names the cause and the way out."""
 
@@ -323,6 +331,7 @@ def test_a_node_from_before_xxh3_refusing_a_trailing_put_is_a_clear_error():
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("client_core")
 def test_a_node_from_before_xxh3_failing_every_sum_in_the_map_is_a_clear_error():
     """Small values carry XXH3 sums in the map; a pre-XXH3 node checks them as xxh64 and
     refuses them all, without the "ck" a new node echoes: the client names the cause."""

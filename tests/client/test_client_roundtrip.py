@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from gcache import Client, errors
 from tests.support.servers import ServerProcess
 
-pytestmark = pytest.mark.process  # starts processes
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("client_core")]  # starts processes; both cores
 
 VALUE_BYTES_MAX = 1024 * 1024
 SIZES = [0, 1, 4096, 256 * 1024, VALUE_BYTES_MAX]
@@ -24,7 +24,7 @@ def node(tmp_path_factory):
 
 
 @pytest.fixture
-def client(node):
+def client(node, client_core):
     with Client(node.address, timeout_s=10) as c:
         yield c
 

@@ -10,6 +10,9 @@ import pytest
 from gcache import errors
 from gcache.client.transports.shm import MappedArena
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
 
 def test_arena_closed_mid_copy_unmaps_after_the_copy_and_refuses_new_copies():
     """The mapping outlives close() while a copy holds it; a copy after close() is ClientClosedError."""

@@ -35,6 +35,10 @@ from tests.support.raw_protocol import (
 )
 from tests.support.raw_shm import COMMIT, LOOKUP, RESERVE, RawShm
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
+
 KIB = 1024
 SMALL, LARGE = 100, 64 * KIB  # inline in a LOOKUP answer / leased (over INLINE_BYTES_MAX)
 XXH3 = 1

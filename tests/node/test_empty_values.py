@@ -17,6 +17,9 @@ import gcache
 from tests.support.raw_protocol import OK
 from tests.support.raw_shm import LOOKUP, RawShm
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
 
 @pytest.fixture
 def sock_dir():

@@ -25,6 +25,10 @@ from tests.support.raw_protocol import BAD_FRAME, OK, PING, RawConnection, raw_a
 from tests.support.raw_shm import COMMIT, FORBIDDEN, LOOKUP, RELEASE, RESERVE, RawShm
 
 KIB, MIB = 1024, 1024 * 1024
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
+
 WAIT_S = 30  # bound on every wait for the server to act on its own
 wait_until = functools.partial(waiting.wait_until, timeout_s=WAIT_S, step_s=0.05)
 

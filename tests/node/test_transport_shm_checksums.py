@@ -19,6 +19,10 @@ from tests.support.raw_shm import COMMIT, LOOKUP, RESERVE, RawShm
 XXH64, XXH3 = 0, 1
 
 
+# Every test runs on the native client core and on the Python reference path.
+pytestmark = pytest.mark.usefixtures("client_core")
+
+
 @pytest.fixture
 def node_and_sock(server_factory):
     path = tempfile.mkdtemp(prefix="gck")  # short: a socket path fits 107 bytes

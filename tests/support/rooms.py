@@ -75,8 +75,8 @@ PYTHON_ROOMS: list[Room] = [
         "gcache/client/",
         Product.STORE,
         "`gcache.Client`: the contract (`api`), the choice of implementation (`factory`), one node "
-        "(`client`, `connection`, `pipeline`, `pool`, `operations`, `arena`: the one-sided transports' "
-        "contract), one deadline per call (`deadline`), a cluster (`cluster_client`, `node_set`, "
+        "(`client`, `connection`, `pipeline`, `pool`, `operations`: the Python reference path, `native_core`: "
+        "the native core behind it, `arena`: the one-sided transports' contract), one deadline per call (`deadline`), a cluster (`cluster_client`, `node_set`, "
         "`map_source`), `transports/` (tcp `base`, `shm`, `shm_ops`, `rdma`, `choose` for `auto`), `device/` "
         "(GPU arrays and pinned staging)",
     ),
@@ -293,8 +293,9 @@ NATIVE_FOLDERS: list[NativeFolder] = [
     ),
     NativeFolder(
         "client",
-        "what the Python client runs natively: the ketama ring and the rendezvous scores, socket receive "
-        "helpers, shared-memory copies",
+        "what the Python client runs natively: the client core (`core_framing`, `core_channel`, `core_tcp`, "
+        "`core_shm`, `core_bindings`: one request frame per call, the GIL released), the ketama ring and the "
+        "rendezvous scores, socket receive helpers, shared-memory copies (`shm_copy`)",
     ),
     NativeFolder("bindings", "the pybind11 module"),
 ]

@@ -21,6 +21,7 @@ from gcache._native import shm_read_into, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.arena import Arena
 from gcache.client.connection import Connection
+from gcache.client.native_core import native_arena
 from gcache.client.operations import BatchResult, MetaOp
 from gcache.client.transports.base import PUT_CHUNK_BYTES_MAX, Transport, put_checksum_kind, put_chunk_for
 from gcache.client.transports.shm_ops import lookup_ops, reserve_ops
@@ -60,6 +61,7 @@ class MappedArena(Arena):
         self, fd: int, size: int, instance: str, lease_s: float, threads: int = 0, put_kind: int = ChecksumKind.XXH3
     ):
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.native = native_arena(fd, size)  # the native core's mapping (None without the core)
         self.size = size
         self.instance = instance
         self.lease_s = lease_s  # how long a LOOKUP lease lasts on the server
@@ -109,6 +111,8 @@ class MappedArena(Arena):
         with self._lock:
             self._closing = True
             idle = self._users == 0
+        if self.native is not None:
+            self.native.close()  # later native copies raise; unmapped when its last holder lets go
         if idle:
             self._unmap()
 

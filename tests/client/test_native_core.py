@@ -1,0 +1,253 @@
+"""The native client core (gcache.client.native_core) against the Python reference path,
+on a real gcache-server over tcp and shm: the same bytes, statuses, errors and misses.
+(The client, shm and dishonest-checksum test files also run each test on both paths:
+the `client_core` fixture.)"""
+
+import socket
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+
+import gcache
+from gcache import errors
+from gcache.client import native_core, pipeline
+from gcache.wire.protocol import FLAG_RESPONSE, HEADER_BYTES, Opcode, decode_header, encode_header
+from tests.support.servers import ServerProcess
+
+pytestmark = pytest.mark.process  # starts processes
+
+VALUE_BYTES_MAX = 1 << 20
+SIZES = [0, 1, 4095, 16 << 10, (16 << 10) + 1, 64 << 10, 256 << 10, VALUE_BYTES_MAX]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    server = ServerProcess(
+        tmp_path_factory.mktemp("native_core") / "data",
+        memory="256MiB",
+        extra_args=["--value-bytes-max", str(VALUE_BYTES_MAX)],
+    ).start()
+    yield server
+    server.kill()
+
+
+def _client(address: str, core: str, transport: str, monkeypatch, **kwargs) -> gcache.Client:
+    monkeypatch.setenv(native_core.CORE_ENV, core)
+    client = gcache.Client(address, transport=transport, timeout_s=10, **kwargs)
+    assert client._native == (core == "native") and client.transport == transport
+    return client
+
+
+def _pattern(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _outcome(call):
+    """What a call answered: its value, or its error's type, keys, sizes and per-key results."""
+    try:
+        return ("ok", call())
+    except errors.GCacheError as exc:
+        return (type(exc).__name__, getattr(exc, "keys", None), getattr(exc, "sizes", None), exc.results)
+
+
+def _script(c: gcache.Client, ns: bytes) -> list:
+    """Every operation the client has, with hits, misses and per-key problems; returns what each
+    answered, keys without the namespace so two clients' answers compare."""
+    k = [ns + b"v%d" % i for i in range(len(SIZES))]
+    values = [_pattern(size, size) for size in SIZES]
+    out = [_outcome(lambda: c.put(k[0], values[0]))]
+    out.append(_outcome(lambda: c.put_batch(k[1:], values[1:])))
+    out.append(_outcome(lambda: c.put_batch(k[:2], values[:2])))  # exist already: True
+    big = ns + b"big"
+    out.append(_outcome(lambda: c.put_batch([big, ns + b"ok"], [b"x" * (VALUE_BYTES_MAX + 1), b"fine"])))
+    missing = ns + b"missing"
+    out.append(_outcome(lambda: c.get_batch([*k, missing, big])))
+    out.append(_outcome(lambda: [c.get(key) for key in (k[2], missing)]))
+    buf = np.zeros(sum(SIZES) + 100, dtype=np.uint8)
+    offsets = np.cumsum([0, *SIZES])[:-1].tolist()
+    out.append(_outcome(lambda: c.batch_get_into([*k, missing], buf, [*SIZES, 100], [*offsets, sum(SIZES)])))
+    out.append(bytes(buf[: sum(SIZES)]) == b"".join(values))
+    small = [bytearray(size) for size in SIZES]
+    small[5] = bytearray(10)  # too small for its value: left untouched, the others still read
+    out.append(_outcome(lambda: c.batch_get_into(k, small)))
+    out.append([bytes(s) for s in small])
+    out.append(_outcome(lambda: c.get_into(k[3], bytearray(3))))
+    out.append(_outcome(lambda: c.batch_is_exist([*k, missing])))
+    out.append(_outcome(lambda: c.batch_exists_prefix([k[0], k[1], missing, k[2]])))
+    out.append(_outcome(lambda: c.batch_remove([k[0], missing, k[0]])))
+    out.append(_outcome(lambda: c.batch_remove([k[0]])))
+    out.append(_outcome(lambda: c.get(k[0])))
+
+    def unprefixed(x):
+        if isinstance(x, bytes) and x.startswith(ns):
+            return x[len(ns) :]
+        if isinstance(x, (list, tuple)):
+            return type(x)(unprefixed(y) for y in x)
+        return x
+
+    return unprefixed(out)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_every_operation_answers_as_the_reference(node, monkeypatch, transport, verify):
+    with (
+        _client(node.address, "native", transport, monkeypatch, verify_checksums=verify) as native,
+        _client(node.address, "python", transport, monkeypatch, verify_checksums=verify) as reference,
+    ):
+        ns = f"{transport}{verify}/".encode()
+        got = _script(native, b"n" + ns)
+        want = _script(reference, b"p" + ns)
+        assert got == want
+        assert got[4][1][2] == _pattern(SIZES[2], SIZES[2])  # the answers hold the real bytes
+        # Each reads what the other wrote, byte for byte.
+        for size in SIZES[1:]:
+            assert native.get(b"p" + ns + b"v%d" % SIZES.index(size)) == _pattern(size, size)
+            assert reference.get(b"n" + ns + b"v%d" % SIZES.index(size)) == _pattern(size, size)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_batch_over_several_frames_answers_as_the_reference(node, monkeypatch, transport):
+    """Frames of 3 keys / 100 KiB: slices, shm RESERVE chunks, answers in key order. (Over tcp a
+    call of several frames runs on the reference pipeline, which keeps several in flight.)"""
+    n, size = 20, 40 << 10
+    values = [_pattern(size, i) for i in range(n)]
+    answers = []
+    for core in ("native", "python"):
+        with _client(node.address, core, transport, monkeypatch, batch_keys_max=3) as c:
+            c.frame_payload_bytes_max = 100 << 10
+            keys = [f"{core}{transport}split{i}".encode() for i in range(n)]
+            answers.append(
+                (
+                    c.put_batch(keys, values),
+                    c.get_batch(keys + [b"nope"]) == values + [None],
+                    c.batch_is_exist(keys[:5] + [b"nope"] + keys[5:]),
+                    c.batch_exists_prefix(keys[:7] + [b"nope"]),
+                    c.batch_remove(keys[::2]),
+                    c.get_batch(keys[:4]) == [None, values[1], None, values[3]],
+                )
+            )
+    assert answers[0] == answers[1]
+    assert answers[0][0] == [True] * n and answers[0][1] and answers[0][5]
+
+
+def test_the_native_core_is_what_runs(node, monkeypatch):
+    """With the core on, no call goes through the Python pipeline."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the reference pipeline ran")
+
+    for transport in ("tcp", "shm"):
+        with _client(node.address, "native", transport, monkeypatch) as c:
+            monkeypatch.setattr(pipeline, "run", refused)
+            assert c.put(b"runs" + transport.encode(), b"v" * 5000)
+            assert c.get(b"runs" + transport.encode()) == b"v" * 5000
+            assert c.is_exist(b"runs" + transport.encode()) and c.remove(b"runs" + transport.encode())
+            monkeypatch.undo()
+
+
+def test_an_unusable_core_warns_once_and_the_reference_runs(node, monkeypatch):
+    monkeypatch.setattr(native_core, "_LOAD_ERROR", "gcache._native has no client core (test)")
+    monkeypatch.setattr(native_core, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="no client core.*Python reference path"):
+        c = gcache.Client(node.address, transport="tcp")
+    with c:
+        assert c._native is False
+        assert c.put(b"fallback", b"x") and c.get(b"fallback") == b"x"
+    monkeypatch.setattr(native_core, "_LOAD_ERROR", None)
+    with pytest.warns(RuntimeWarning, match="does not drive transport 'rdma'"):
+        assert native_core.usable_for("rdma") is False
+
+
+def test_a_bad_core_choice_is_refused(node, monkeypatch):
+    monkeypatch.setenv(native_core.CORE_ENV, "fast")
+    with pytest.raises(errors.InvalidArgumentError, match="GCACHE_CLIENT_CORE"):
+        gcache.Client(node.address, transport="tcp")
+
+
+def _serve_one(sock: socket.socket, answer: dict, seen: list) -> None:
+    header = decode_header(sock.recv(HEADER_BYTES, socket.MSG_WAITALL))
+    seen.append(msgpack.unpackb(sock.recv(header.meta_len, socket.MSG_WAITALL), raw=False))
+    if header.payload_len:
+        seen.append(sock.recv(header.payload_len, socket.MSG_WAITALL))
+    body = msgpack.packb(answer, use_bin_type=True)
+    sock.sendall(encode_header(header.opcode, header.request_id, len(body), 0, 0, FLAG_RESPONSE) + body)
+
+
+@pytest.mark.parametrize("entries", [1, 20])
+def test_extra_put_entries_reach_the_request_map(entries):
+    """A PUT's optional map entries (e.g. a value description) pass through the core as they are."""
+    from gcache._native import CoreConnection, checksum
+
+    extra = {f"x{i}": i * 1.5 for i in range(entries)}
+    ours, theirs = socket.socketpair()
+    seen: list = []
+    peer = threading.Thread(target=_serve_one, args=(theirs, {"st": [0], "ck": 1}, seen))
+    peer.start()
+    try:
+        extra_bytes, count = native_core.encode_extra_entries(extra)
+        statuses, ck = CoreConnection(ours.fileno()).put([b"k"], [b"value"], 1, 7, extra_bytes, count, 5.0)
+    finally:
+        peer.join(10)
+        ours.close()
+        theirs.close()
+    assert (statuses, ck) == ([0], True)
+    meta, payload = seen
+    assert meta == {"keys": [b"k"], "lens": [5], "ck": 1, "sums": [checksum(b"value", 1)], "epoch": 7, **extra}
+    assert payload == b"value"
+    assert native_core.encode_extra_entries(None) == (b"", 0)
+
+
+def test_a_core_error_keeps_the_connection_contract(monkeypatch):
+    """An answer to another request: ProtocolError, the connection is dropped (not reused)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            header = decode_header(conn.recv(HEADER_BYTES, socket.MSG_WAITALL))
+            conn.recv(header.meta_len, socket.MSG_WAITALL)
+            body = msgpack.packb({"ex": [True], "prefix": 1})
+            conn.sendall(encode_header(Opcode.EXISTS_BATCH, header.request_id + 1, len(body), 0, 0, 1) + body)
+            conn.recv(1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setenv(native_core.CORE_ENV, "native")
+    client = gcache.Client(f"127.0.0.1:{listener.getsockname()[1]}", transport="tcp", retries=0)
+    with pytest.raises(errors.ProtocolError, match="out of order"):
+        client.is_exist(b"k")
+    assert client._pool.open_count == 0
+    client.close()
+    listener.close()
+    thread.join(10)
+
+
+@pytest.mark.usefixtures("client_core")
+@pytest.mark.parametrize("size", [10, 64 << 10])  # sums in the map; sums trailing the values
+def test_the_puts_worth_goes_out_on_either_path(size):
+    """put_batch(..., worth=): the same "worth" field (gcache.wire.worth) on the native and the reference path."""
+    from gcache.wire.worth import ValueKind, Worth, worth_field
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    seen: list = []
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            _serve_one(conn, {"st": [0, 0], "ck": 1}, seen)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    worth = [Worth(ValueKind.STATE_CHECKPOINT, 512), Worth(ValueKind.ATTENTION_PAGE, 16)]
+    with gcache.Client(f"127.0.0.1:{listener.getsockname()[1]}", transport="tcp", retries=0) as c:
+        assert c.put_batch([b"k", b"j"], [b"v" * size, b"w" * size], worth=worth) == [True, True]
+    thread.join(10)
+    listener.close()
+    assert seen[0]["worth"] == worth_field(worth) and seen[0]["keys"] == [b"k", b"j"]
