@@ -39,6 +39,7 @@ from gcache.integrations.vllm.kv.state_groups import (
     extend_hashes,
     why_not_served,
 )
+from gcache.integrations.vllm.transfer import digests
 from gcache.integrations.vllm.transfer.staging import StagingPool
 from gcache.serving.announce.wire import KIND_FULL, KIND_SWA
 
@@ -137,6 +138,7 @@ class SchedulerSide:
         self.prefetcher: Prefetcher | None = None
         self._prefetch_checked = False  # whether prefetch was set up (or found impossible)
         self.tax = AsyncTax(stats, self.costs)
+        self.digests = digests.from_env()  # debug only (transfer/digests.py)
         self._idle_wait_left = IDLE_PREFETCH_WAIT_S  # this step's scheduler may still wait this long
 
     # -- requests -----------------------------------------------------------------------
@@ -431,6 +433,14 @@ class SchedulerSide:
             elif handed:  # cannot happen (the hit is the staged prefix): loaded from the store
                 self.prefetcher.give_back(list(handed.values()))
         asynchronous = track.asynchronous
+        if self.digests is not None:  # debug (transfer/digests.py): the blocks a load fills
+            shared = [(b.block_id, b.ref_cnt, b.block_hash is not None) for b in blocks.blocks[0][local:end]]
+            self.digests.note(
+                f"load {request.request_id} local={local} end={end} ext={num_external_tokens} "
+                f"computed={request.num_computed_tokens} prompt={track.prompt_len} staged={bool(slots)} "
+                f"async={asynchronous} first={[b.block_id for b in blocks.blocks[0][:local]]} "
+                f"blocks={shared} keys={[p.page_hash[:12] for p in pages]}"
+            )
         self.pending_loads.append(LoadSpec(request.request_id, tuple(pages), asynchronous, slots))
         track.loading = frozenset(p.block_id for p in pages)
         if asynchronous:

@@ -24,6 +24,7 @@ COUNTERS = (
     "values_save_failed",
     "save_pages_dropped",  # the put queue was full
     "save_pages_dropped_staging",  # no free save slots
+    "save_pages_dropped_load_failed",  # computed in a step whose synchronous load failed (issue 37)
     "swa_values_saved",
     "state_values_offered",  # boundary states vLLM offered that the scheduler planned to save
     "state_values_queued",  # ...that the worker queued for the store

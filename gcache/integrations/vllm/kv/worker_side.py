@@ -251,6 +251,17 @@ class WorkerSide:
         req_ids: list[str] = []
         reused = False
         states = 0
+        if self.load_errors:
+            # A synchronous load of this step failed: vLLM ran this step's forward over the failed
+            # blocks (the loading request's and any request that hit them in its prefix cache), and
+            # recomputes those requests from the first failed block only after the step. The pages
+            # this step computed may hold KV built on garbage; saved, they would be kept ("already
+            # there") over the right bytes and served to every engine (issue 37). None is saved:
+            # a miss; the scheduler saves the loading request's pages again once recomputed.
+            for spec in meta.saves:
+                self.saving.add(spec.req_id)  # reported sent at once: nothing copies from its blocks
+            self.stats.count("save_pages_dropped_load_failed", sum(len(spec.pages) for spec in meta.saves))
+            return
         for spec in meta.saves:
             self.saving.add(spec.req_id)
             refs = [r for r in spec.pages if self._writes(r)]

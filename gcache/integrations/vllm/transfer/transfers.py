@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from gcache.integrations.common.job_queue import JobQueue
+from gcache.integrations.vllm.transfer import digests
 from gcache.integrations.vllm.transfer.movers.base import BlockMover, Event
 from gcache.integrations.vllm.transfer.values import Copies
 from gcache.wire.worth import ValueKind, Worth
@@ -124,6 +125,7 @@ class Transfers:
         self._done: list[tuple[str, set[int]]] = []  # asynchronous loads: (request id, failed blocks)
         self._loads_running = 0  # asynchronous loads submitted, not in _done yet
         self._done_cv = threading.Condition(self._lock)
+        self.digests = digests.from_env()  # debug only (digests.py)
 
     # -- saves --------------------------------------------------------------------------
 
@@ -157,6 +159,8 @@ class Transfers:
         copied = self.mover.record(self.save_stream)
         if reused_next_step:
             self.mover.wait_event(compute, copied)
+        if self.digests is not None:
+            self._log_values("S", pages, self.save_pool.addresses(slots), copied, "save")
         keys: list[bytes] = []
         addresses: list[int] = []
         sizes: list[int] = []
@@ -206,6 +210,37 @@ class Transfers:
         finally:
             self.save_pool.give_back(job.slots)
             self.stats.count("save_s", time.perf_counter() - start)
+
+    def _log_values(self, kind: str, pages: list[Page], addresses: np.ndarray, copied: Event, tag: str) -> None:
+        """Debug (digests.py): each page's value as staged at `addresses`."""
+        log_ = self.digests
+        if log_ is None:
+            return
+        self.mover.synchronize(copied)
+        for page, address in zip(pages, addresses):
+            nbytes = self.values[page.group].value_bytes
+            digest = digests.digest_at(int(address), nbytes)
+            log_.line(kind, page.keys[0], digest, page.block_id, tag)
+            if kind == "S":
+                log_.keep(page.keys[0], digest, int(address), nbytes)
+
+    def _log_loaded(self, pages: list[Page], addresses: np.ndarray, ok: Sequence[int], copied: Event, tag: str) -> None:
+        """Debug (digests.py): each loaded page's value as read (R) and as its block holds it
+        after the copy (L), gathered back out of the block."""
+        log_ = self.digests
+        if log_ is None:
+            return
+        self.mover.synchronize(copied)
+        mine = [pages[i] for i in ok]
+        self._log_values("R", mine, np.asarray(addresses)[list(ok)], copied, tag)
+        for page in mine:
+            values = self.values[page.group]
+            buf, base = digests.host_buffer(values.value_bytes)
+            back = values.gather([page.block_id], [base])
+            self.mover.copy(self.load_stream, back.dst, back.src, back.sizes)
+            self.mover.synchronize(self.mover.record(self.load_stream))
+            log_.line("L", page.keys[0], digests.digest_at(base, values.value_bytes), page.block_id, tag)
+            del buf
 
     def copies_pending(self, req_ids: set[str]) -> set[str]:
         """The requests among `req_ids` whose blocks a save still copies from (never blocks)."""
@@ -281,6 +316,8 @@ class Transfers:
                 raise
             failed |= bad
             copied = self._scatter(part, slots, ok, self.mover.record(compute))
+            if self.digests is not None:
+                self._log_loaded(part, self.load_pool.addresses(slots), ok, copied, "sync")
             self.mover.wait_event(compute, copied)  # the forward reads the blocks after the copy
             if at + chunk < len(pages):
                 self.mover.synchronize(copied)
@@ -302,6 +339,8 @@ class Transfers:
             staged.release()
             raise
         self.mover.wait_event(compute, copied)
+        if self.digests is not None:
+            self._log_loaded(pages, staged.addresses, range(len(pages)), copied, "staged-sync")
         with self._lock:
             self._landing.append((copied, staged.release))
         self._count_staged(pages, time.perf_counter() - start)
@@ -349,7 +388,10 @@ class Transfers:
                 try:
                     ok, bad = self._fetch(pages, slots)
                     failed |= bad
-                    self.mover.synchronize(self._scatter(pages, slots, ok, job.after))
+                    copied = self._scatter(pages, slots, ok, job.after)
+                    self.mover.synchronize(copied)
+                    if self.digests is not None:
+                        self._log_loaded(pages, self.load_pool.addresses(slots), ok, copied, "async")
                 finally:
                     self.load_pool.give_back(slots)
         except Exception:  # our bug or a store error: these blocks are recomputed
@@ -363,9 +405,10 @@ class Transfers:
         failed: set[int] = set()
         start = time.perf_counter()
         try:
-            self.mover.synchronize(
-                self._scatter_from(job.pages, staged.addresses, list(range(len(job.pages))), job.after)
-            )
+            copied = self._scatter_from(job.pages, staged.addresses, list(range(len(job.pages))), job.after)
+            self.mover.synchronize(copied)
+            if self.digests is not None:
+                self._log_loaded(job.pages, staged.addresses, range(len(job.pages)), copied, "staged-async")
             self._count_staged(job.pages, time.perf_counter() - start)
         except Exception:  # our bug: these blocks are recomputed
             log.exception("GCache connector: a staged load failed")
