@@ -132,7 +132,15 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
             keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
             self.worker_side = WorkerSide(
-                self.settings, self.groups, keys, self.client, self.store, self.stats, config.num_blocks, engine_id
+                self.settings,
+                self.groups,
+                keys,
+                self.client,
+                self.store,
+                self.stats,
+                config.num_blocks,
+                engine_id,
+                steps_scheduled_ahead=1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0,
             )
         log.info(
             "GCacheConnector (%s): store %s, groups %s, keys ...%s",

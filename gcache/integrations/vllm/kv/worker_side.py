@@ -103,8 +103,13 @@ class WorkerSide:
         stats: ConnectorStats,
         num_blocks: int,
         engine_id: str = "",
+        steps_scheduled_ahead: int = 0,
     ) -> None:
         self.settings = settings
+        # Steps vLLM schedules before it has read a step's output (1 with async scheduling): a
+        # failed load's blocks may be computed over that many steps more before vLLM recomputes.
+        self.steps_scheduled_ahead = steps_scheduled_ahead
+        self.unsafe_steps = 0  # steps whose computed pages must not be saved (a load failed)
         self.engine_id = engine_id
         self.link: link.WorkerLink | None = None
         self.groups = groups
@@ -254,10 +259,14 @@ class WorkerSide:
         if self.load_errors:
             # A synchronous load of this step failed: vLLM ran this step's forward over the failed
             # blocks (the loading request's and any request that hit them in its prefix cache), and
-            # recomputes those requests from the first failed block only after the step. The pages
-            # this step computed may hold KV built on garbage; saved, they would be kept ("already
-            # there") over the right bytes and served to every engine (issue 37). None is saved:
-            # a miss; the scheduler saves the loading request's pages again once recomputed.
+            # recomputes those requests from the first failed block only once it reads the step's
+            # output. The pages computed until then may hold KV built on garbage; saved, they would
+            # be kept ("already there") over the right bytes and served to every engine (issue 37).
+            # None is saved: a miss; the scheduler saves the loading request's pages again once
+            # they are recomputed.
+            self.unsafe_steps = 1 + self.steps_scheduled_ahead
+        if self.unsafe_steps:
+            self.unsafe_steps -= 1
             for spec in meta.saves:
                 self.saving.add(spec.req_id)  # reported sent at once: nothing copies from its blocks
             self.stats.count("save_pages_dropped_load_failed", sum(len(spec.pages) for spec in meta.saves))
