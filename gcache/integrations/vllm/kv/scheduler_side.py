@@ -291,6 +291,13 @@ class SchedulerSide:
         entry = prefetcher.get(req_id) if prefetcher is not None else None
         if prefetcher is None or entry is None:
             return None
+        if local < entry.first:
+            # vLLM evicted pages it held when the request arrived: the prefetch never read them
+            # (nor asked whether the store has them). A load of them would be planned unlooked-up
+            # and fail where the store evicted them too; the lookup asks for every page instead.
+            prefetcher.drop(req_id)
+            self.stats.count("prefetch_behind")
+            return None
         if not entry.done.is_set():
             left = self.settings.prefetch_wait_s - (time.monotonic() - entry.started)
             if left > 0 and self._idle_wait_left > 0 and not self.tax.others_running(req_id):

@@ -37,6 +37,7 @@ COUNTERS = (
     "prefetch_refused",  # no room (staging or prefetches in flight): looked up when asked instead
     "prefetch_cancelled",  # the request finished, was aborted, or its hit was smaller
     "prefetch_timeouts",  # the store took longer than gcache_prefetch_wait_s: recomputed
+    "prefetch_behind",  # vLLM lost pages it held at arrival: those were never read; looked up instead
     "prefetch_pages_staged",
     "prefetch_bytes_staged",
     "loads_staged",  # loads copied from prefetch staging (no store call in the step)
