@@ -15,6 +15,7 @@ COUNTERS = (
     "bytes_loaded",
     "load_failed_values",  # values missing, short or corrupt: their blocks are recomputed
     "load_values_no_staging",  # values not loaded: no free load slots
+    "values_loaded_direct",  # of values_loaded: straight from the store's shared memory into the blocks
     "loads_refused_queue_full",
     "loads_async",
     "loads_sync",
