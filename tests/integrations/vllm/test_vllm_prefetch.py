@@ -56,9 +56,7 @@ def runs(models, tmp_path_factory):
         out["a"] = run_engine(dict(gcache_spec(model, url, [P1, P2, P3, P4, *BATCH]), max_tokens=1), work / "a")
         tags = out["a"]["counters"]["value_tags"]
         # A store that does not answer: long client timeouts, so only the prefetch's own wait ends it.
-        extra = dict(
-            gcache_prefetch_wait_s=0.5, gcache_timeout_s=30.0, gcache_suspect_s=0.0, gcache_direct_loads=False
-        )
+        extra = dict(gcache_prefetch_wait_s=0.5, gcache_timeout_s=30.0, gcache_suspect_s=0.0, gcache_direct_loads=False)
         spec = dict(gcache_spec(model, url, [P1, P2, P3, P3, P4], **extra), gates=[1, 3, 4], abort_prompts=[2])
         b = EngineRun(dict(spec, reset_between=True), work / "b")
         try:
