@@ -44,6 +44,7 @@ COUNTERS = (
     "staged_bytes_loaded",
     # The async tax: a load between steps parks its request in WAITING_FOR_REMOTE_KVS...
     "remote_waits",  # requests that left it (scheduled after their load)
+    "remote_waits_one_step",  # of those, the ones that waited at most 1 engine step (the median's goal)
     "remote_wait_steps",  # engine steps they spent there, summed
     # ...and a load in the step makes the others' step longer: steps that ran other requests,
     # with a load in the step or in flight, and without.
