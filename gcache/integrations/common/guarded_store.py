@@ -122,6 +122,18 @@ class GuardedStore:
             return []
         return self._call("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
 
+    @property
+    def can_scatter(self) -> bool:
+        """Whether get_scatter reads straight from the store's shared memory (same host, shm)."""
+        return bool(getattr(self.client, "can_scatter", False))
+
+    def get_scatter(self, keys: list[bytes], runs: Any) -> list[int | None]:
+        """As get_into, each value straight into its runs (gcache.client.scatter.ScatterRuns);
+        a value that fails its checksum writes nothing."""
+        if not keys:
+            return []
+        return self._call("get", self.client.batch_get_scatter, [None] * len(keys), keys, runs)
+
     def put_from(
         self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None, worth: list[Worth] | None = None
     ) -> list[bool]:

@@ -265,9 +265,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         nothing: tuple[set[str], set[str], set[str]] = (set(), set(), set())
         meta = self._connector_metadata
-        idle = isinstance(meta, GCacheConnectorMetadata) and meta.idle
+        ours = isinstance(meta, GCacheConnectorMetadata)
+        idle = ours and meta.idle
+        wait_s = meta.load_wait_s if ours else 0.0
         sent, recving, failed = self._safely(
-            "results", nothing, self._worker().transfer_results, finished_req_ids, idle
+            "results", nothing, self._worker().transfer_results, finished_req_ids, idle, wait_s
         )
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recving, failed_recving=failed)
 

@@ -43,6 +43,9 @@ class ConnectorSettings(StoreSettings):
     load_step_fraction: float = 0.5  # busy engine: a load in the step may add this much of a step
     sync_load_max_s: float = 0.25  # idle engine: a load longer than this runs between steps
     idle_wait_s: float = 0.01  # an empty step waits this long for a load in flight (report it now)
+    # Direct loads: CPU KV and a same-host store (shm): values go from the store's shared memory
+    # straight into the KV blocks, each checked first (one pass, no staging); prefetch is then off.
+    direct_loads: bool = True
     # Prefetch (prefetch.py): a request's stored prefix read into staging when it arrives.
     prefetch: bool = True
     prefetch_mib: int = 256  # staging memory for prefetched values
@@ -74,6 +77,7 @@ class ConnectorSettings(StoreSettings):
         "gcache_save_queue_jobs_max",
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
+        "gcache_direct_loads",
         "gcache_state_boundaries_max",
         "gcache_state_admission",
         "gcache_put_worth",
@@ -134,6 +138,7 @@ class ConnectorSettings(StoreSettings):
             load_step_fraction=extra.number("gcache_load_step_fraction", cls.load_step_fraction, 0.0, 100.0),
             sync_load_max_s=extra.number("gcache_sync_load_max_s", cls.sync_load_max_s, 0.0, 600.0),
             idle_wait_s=extra.number("gcache_idle_wait_s", cls.idle_wait_s, 0.0, 1.0),
+            direct_loads=extra.flag("gcache_direct_loads", cls.direct_loads),
             prefetch=extra.flag("gcache_prefetch", cls.prefetch),
             prefetch_mib=extra.integer("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20),
             prefetch_requests_max=extra.integer("gcache_prefetch_requests_max", cls.prefetch_requests_max, 1, 1 << 16),

@@ -15,6 +15,7 @@ COUNTERS = (
     "bytes_loaded",
     "load_failed_values",  # values missing, short or corrupt: their blocks are recomputed
     "load_values_no_staging",  # values not loaded: no free load slots
+    "values_loaded_direct",  # of values_loaded: straight from the store's shared memory into the blocks
     "loads_refused_queue_full",
     "loads_async",
     "loads_sync",
@@ -43,6 +44,7 @@ COUNTERS = (
     "staged_bytes_loaded",
     # The async tax: a load between steps parks its request in WAITING_FOR_REMOTE_KVS...
     "remote_waits",  # requests that left it (scheduled after their load)
+    "remote_waits_one_step",  # of those, the ones that waited at most 1 engine step (the median's goal)
     "remote_wait_steps",  # engine steps they spent there, summed
     # ...and a load in the step makes the others' step longer: steps that ran other requests,
     # with a load in the step or in flight, and without.
