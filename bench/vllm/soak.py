@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if conn:
         counted, mismatched = reconcile(conn, node)
-        figures.update(counted)
+        figures.update(counted, node_all=node)  # every node counter: what a mismatch needs looked at
         problems += mismatched
     if figures["failed"]:
         problems.append(f"{figures['failed']} requests failed: {figures['first_errors']}")
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         if growth > args.rss_tolerance:
             problems.append(f"{name}: RSS grew {growth:.1%} after warm-up ({base >> 20} -> {peak >> 20} MiB)")
     figures["problems"] = problems
-    print(json.dumps({k: v for k, v in figures.items() if k != "first_errors"}, indent=1))
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("first_errors", "node_all")}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(figures))
     print("soak: OK" if not problems else "soak: FAILED\n  " + "\n  ".join(problems))

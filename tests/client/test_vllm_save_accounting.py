@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 import gcache
 from bench.vllm.soak_counters import KEYS, reconcile
 from gcache.integrations.common.guarded_store import GuardedStore
@@ -25,9 +27,12 @@ def node_counters(server) -> dict[str, int]:
     return counters
 
 
-def test_the_wire_tally_equals_the_nodes_counters(server_factory):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_the_wire_tally_equals_the_nodes_counters(server_factory, transport):
+    """Over both ways a put travels on one host: PUT_BATCH (tcp) and RESERVE + COMMIT (shm),
+    each value counted once by the node, whatever became of it."""
     server = server_factory(memory="8MiB", disk="0")
-    client = gcache.Client(server.address, transport="tcp", timeout_s=2.0, retries=0)
+    client = gcache.Client(server.address, transport=transport, timeout_s=2.0, retries=0)
     store = GuardedStore(client, 60.0, ConnectorStats(), log)
     values = [bytes([i + 1]) * VALUE for i in range(4)]
     keys = [f"acct-{i}".encode() for i in range(4)]
