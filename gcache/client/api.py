@@ -15,7 +15,7 @@ here are shared, so both answer the same inputs the same way.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from gcache import errors
@@ -23,6 +23,7 @@ from gcache.client.buffers import BufferRegistry, byte_view, slice_view
 from gcache.client.device import arrays as device_arrays
 from gcache.client.device import staging as device_buffers
 from gcache.wire.protocol import normalize_key, normalize_keys
+from gcache.wire.worth import Worth, check_worth
 
 
 def _is_address(obj) -> bool:
@@ -53,8 +54,11 @@ class Client(ABC):
         """Closes every connection; later calls raise ClientClosedError."""
 
     @abstractmethod
-    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        """Stores views[i] under keys[i] (keys normalized, views checked)."""
+    def _put_views(
+        self, keys: list[bytes], views: list[memoryview], worth: Sequence[Worth] | None = None
+    ) -> list[bool]:
+        """Stores views[i] under keys[i] (keys normalized, views checked); `worth`
+        (checked), when given, goes in the PUT as its "worth" field."""
 
     @abstractmethod
     def _get_views(self, keys: list[bytes], views: list[memoryview]) -> list:
@@ -169,11 +173,15 @@ class Client(ABC):
         """Stores `value` (any bytes-like object). False: not admitted (no space), try later."""
         return self._put_views([normalize_key(key)], [byte_view(value, writable=False)])[0]
 
-    def put_batch(self, keys, values) -> list[bool]:
+    def put_batch(self, keys, values, worth: Sequence[Worth] | None = None) -> list[bool]:
+        """`worth`: per key (ValueKind, recompute cost), told to the node for its eviction
+        (gcache.wire.worth; docs/protocol.md, "Value worth")."""
         keys = normalize_keys(keys)
         if len(values) != len(keys):
             raise errors.InvalidArgumentError(f"put_batch: {len(keys)} keys but {len(values)} values")
-        return self._put_views(keys, [byte_view(v, writable=False) for v in values])
+        if worth is not None:
+            check_worth(worth, len(keys))
+        return self._put_views(keys, [byte_view(v, writable=False) for v in values], worth)
 
     def put_from(self, key, buffer, offset: int = 0, size: int | None = None) -> bool:
         """Stores buffer[offset:offset+size] without copying it.
@@ -187,13 +195,18 @@ class Client(ABC):
         view = self._view(buffer, offset, size, writable=False, what="put_from")
         return self._put_views([normalize_key(key)], [view])[0]
 
-    def batch_put_from(self, keys, buffers, sizes=None, offsets=None) -> list[bool]:
-        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer."""
+    def batch_put_from(
+        self, keys, buffers, sizes=None, offsets=None, worth: Sequence[Worth] | None = None
+    ) -> list[bool]:
+        """Stores one slice per key: `buffers` is a list (buffers or addresses) or one buffer.
+        `worth` as in put_batch (not carried for device arrays)."""
         if device_arrays.any_device_array(buffers):
             return device_buffers.batch_put_from(self, keys, buffers, sizes, offsets)
         keys = normalize_keys(keys)
         views = self._views(len(keys), buffers, sizes, offsets, writable=False, what="batch_put_from")
-        return self._put_views(keys, views)
+        if worth is not None:
+            check_worth(worth, len(keys))
+        return self._put_views(keys, views, worth)
 
     # -- gets -------------------------------------------------------------------------
 

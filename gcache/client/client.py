@@ -9,6 +9,7 @@ each is retried on a fresh connection when a connection fails.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from gcache import errors
 from gcache.client import deadline as call_deadline
@@ -20,6 +21,7 @@ from gcache.client.pool import ConnectionPool
 from gcache.client.transports.choose import open_transport
 from gcache.wire.auth import resolve_token
 from gcache.wire.protocol import BATCH_KEYS_MAX, Opcode, normalize_key, normalize_keys
+from gcache.wire.worth import Worth
 
 RETRIES_MAX = 10
 PIPELINE_DEPTH_MAX = 64
@@ -231,8 +233,11 @@ class ServerClient(Client):
 
     # -- puts -------------------------------------------------------------------
 
-    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_views(
+        self, keys: list[bytes], views: list[memoryview], worth: Sequence[Worth] | None = None
+    ) -> list[bool]:
         result = BatchResult(keys)
+        result.worth = worth  # PUT_BATCH "worth"; one-sided puts (shm, rdma) do not carry it yet
         if keys:
             sizes = [len(v) for v in views]
             chunk = min(self._transport.put_chunk_bytes or self.frame_payload_bytes_max, self.frame_payload_bytes_max)

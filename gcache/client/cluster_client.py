@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -45,6 +45,7 @@ from gcache.cluster.cluster_map import DEAD, ClusterMap
 from gcache.cluster.master_api import MasterCredentials, parse_master_url
 from gcache.cluster.placement import Placement
 from gcache.wire.protocol import normalize_keys
+from gcache.wire.worth import Worth
 
 log = logging.getLogger(__name__)
 
@@ -457,12 +458,16 @@ class ClusterClient(Client):
 
     # -- puts -----------------------------------------------------------------------
 
-    def _put_views(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_views(
+        self, keys: list[bytes], views: list[memoryview], worth: Sequence[Worth] | None = None
+    ) -> list[bool]:
         # Routed by owner; a put whose owner is down returns False, like one the
         # node did not admit.
         def put_part(client, idx):
             # Keys and views are already checked: skip batch_put_from's second pass.
-            return client._put_views(_pick(keys, idx), _pick(views, idx))
+            return client._put_views(
+                _pick(keys, idx), _pick(views, idx), None if worth is None else _pick(list(worth), idx)
+            )
 
         return self._batch(keys, False, put_part).values
 

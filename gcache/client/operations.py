@@ -10,6 +10,7 @@ has been read, so the connection stays in sync and other keys still count.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from gcache import errors
 from gcache._native import checksum, xxh64
@@ -25,6 +26,7 @@ from gcache.wire.protocol import (
     encode_keys_meta,
     encode_meta,
 )
+from gcache.wire.worth import Worth, worth_field
 
 # Bytes per key a response map may use, for bounding what is in flight (msgpack
 # uint64 is 9 bytes at most; a bool 1).
@@ -41,6 +43,7 @@ class BatchResult:
         self.values: list = [None] * len(keys)
         self.prefixes: dict[int, int] = {}  # lo -> leading existing keys in that slice
         self.meta: dict | None = None
+        self.worth: Sequence[Worth] | None = None  # a put's per-key "worth" (gcache.wire.worth)
         self.reset()
 
     def reset(self) -> None:
@@ -236,6 +239,8 @@ class PutOp(Operation):
         meta = {"keys": self.keys, "lens": [len(v) for v in self.values]}
         if self.kind != ChecksumKind.XXH64:
             meta["ck"] = int(self.kind)
+        if self.result.worth is not None:
+            meta["worth"] = worth_field(self.result.worth[self.lo : self.hi])
         if self.trail:
             meta["trail"] = True
         else:

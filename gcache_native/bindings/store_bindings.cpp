@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include "common/checksum.h"
@@ -122,8 +123,15 @@ struct PyStore {
   }
 
   // What the data server does for one PUT_BATCH: the values are one chain, in order.
-  std::vector<int> put_batch(const std::vector<py::bytes>& keys, const std::vector<py::buffer>& values, OwnerId owner) {
+  // `worth`: per key (ValueKind, recompute cost), as a PUT's "worth" field.
+  std::vector<int> put_batch(const std::vector<py::bytes>& keys, const std::vector<py::buffer>& values, OwnerId owner,
+                             const std::optional<std::vector<std::pair<uint64_t, uint64_t>>>& worth) {
     if (keys.size() != values.size()) throw std::invalid_argument("put_batch: as many values as keys, please");
+    if (worth && worth->size() != keys.size())
+      throw std::invalid_argument("put_batch: worth needs one (kind, cost) per key");
+    if (worth)
+      for (const auto& [kind, cost] : *worth)
+        if (kind > kValueKindMax) throw std::invalid_argument("put_batch: unknown value kind " + std::to_string(kind));
     std::vector<std::string> ks(keys.begin(), keys.end());
     std::vector<py::buffer_info> infos;
     for (const py::buffer& v : values) infos.push_back(contiguous(v, "put_batch"));
@@ -133,6 +141,10 @@ struct PyStore {
     const uint64_t chain = store.new_put_batch();
     for (size_t i = 0; i < ks.size(); ++i) {
       PutHint hint{chain, ks.size() >= 2 && i + 1 == ks.size(), owner};
+      if (worth) {
+        hint.kind = ValueKind((*worth)[i].first);
+        hint.worth_cost = (*worth)[i].second;
+      }
       statuses[i] = put_one(store, ks[i], static_cast<const uint8_t*>(infos[i].ptr),
                             static_cast<uint64_t>(infos[i].size * infos[i].itemsize), hint);
     }
@@ -281,8 +293,9 @@ void bind_store(py::module_& m) {
            "Stores value under key; returns a PutStatus code (Store.STORED, EXISTS, ...). An explicit checksum "
            "is of checksum_kind (0 xxh64, 1 xxh3); none: the store takes the value's XXH3.")
       .def("put_batch", &PyStore::put_batch, py::arg("keys"), py::arg("values"), py::arg("owner") = 0,
+           py::arg("worth") = py::none(),
            "Stores the values as one put batch (one prefix chain, in order), as PUT_BATCH does; "
-           "a PutStatus code per key.")
+           "a PutStatus code per key. worth: per key (kind, cost) as PUT_BATCH's \"worth\" field.")
       .def("exists", &PyStore::exists, py::arg("keys"),
            "([present per key], leading keys present), as EXISTS_BATCH does (a use of that prefix).")
       .def(

@@ -65,6 +65,12 @@ struct Entry {
   uint8_t freq = 0;       // s3fifo: 0..3, bumped per hit
   uint64_t last_use = 0;  // chain, lru: the policy's clock at the last insert or use
   std::list<Entry*>::iterator queue_pos;
+  // Cost-aware eviction (eviction/worth.h): 0 = the value carried no "worth"
+  // and the policy orders it; else its cost-per-byte class, kept while the
+  // Entry lives (a reload from disk keeps it).
+  uint8_t worth_class = 0;
+  uint8_t value_kind = 0;  // ValueKind, as the client said
+  uint64_t touched = 0;    // the worth layer's clock at the last insert or use
 
   uint32_t leases = 0;  // readers holding the memory copy
   uint32_t pins = 0;    // loads from disk in flight (keep the Entry alive)

@@ -115,6 +115,22 @@ EvictionPolicy::Step ChainPolicy::next(Entry** victim, OwnerId owner) {
   return Step::Victim;
 }
 
+Entry* ChainPolicy::peek(OwnerId owner) const {
+  const double weight = fresh_weight();
+  Entry* e = nullptr;
+  double oldest = -1;
+  for (auto& [id, queues] : queues_) {
+    if (owner != kAnyOwner && id != owner) continue;
+    double age;
+    Entry* head = queues.coldest(weight, tick_, &age);
+    if (head && age > oldest) {
+      e = head;
+      oldest = age;
+    }
+  }
+  return e;
+}
+
 void ChainPolicy::coldest_first(std::vector<Entry*>* out) const {
   for (auto& [id, queues] : queues_) {
     out->insert(out->end(), queues.fresh().begin(), queues.fresh().end());

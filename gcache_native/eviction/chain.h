@@ -44,6 +44,7 @@ class ChainPolicy : public EvictionPolicy {
   void on_exists(Entry* const* in_memory, const uint64_t* key_hashes, size_t n, size_t prefix) override;
   Step next(Entry** victim, OwnerId owner) override;
   bool scopes_owners() const override { return true; }
+  Entry* peek(OwnerId owner) const override;
   void coldest_first(std::vector<Entry*>* out) const override;
   size_t count() const override { return count_; }
   void fill_gauges(const GaugeSink& add) const override;

@@ -27,12 +27,22 @@ struct EvictionConfig {
 // Throws std::invalid_argument with a readable message for out-of-range values.
 void validate_eviction_config(const EvictionConfig& config);
 
+// What a value is, as its client says in a PUT's "worth" field (docs/protocol.md,
+// "Value worth"). The numbers are the contract: never renumber.
+enum class ValueKind : uint8_t { Other = 0, AttentionPage = 1, StateCheckpoint = 2 };
+constexpr uint64_t kValueKindMax = 2;
+constexpr uint64_t kWorthVersion = 1;  // the "worth" field's "v" this node speaks
+
 // What the Store knows about a value it inserts: the values of one put batch
 // form one prefix chain, in order (docs/protocol.md, PUT_BATCH).
 struct PutHint {
   uint64_t batch = 0;       // put batch id from Store::new_put_batch(); 0 = not part of a batch
   bool chain_tail = false;  // the batch's last value, in a batch of two or more
   OwnerId owner = 0;        // who the value belongs to (tenants); 0 = the default owner
+  // From "worth": what recomputing the value would cost (prefill tokens it
+  // spares); 0 = not said, the value is ordered by the policy alone.
+  uint64_t worth_cost = 0;
+  ValueKind kind = ValueKind::Other;
 };
 
 uint64_t key_hash_of(std::string_view key);

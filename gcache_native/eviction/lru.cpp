@@ -56,6 +56,21 @@ EvictionPolicy::Step LruPolicy::next(Entry** victim, OwnerId owner) {
   return Step::Victim;
 }
 
+Entry* LruPolicy::peek(OwnerId owner) const {
+  Entry* e = nullptr;
+  double oldest = -1;
+  for (auto& [id, queues] : queues_) {
+    if (owner != kAnyOwner && id != owner) continue;
+    double age;
+    Entry* head = queues.coldest(1.0, tick_, &age);
+    if (head && age > oldest) {
+      e = head;
+      oldest = age;
+    }
+  }
+  return e;
+}
+
 void LruPolicy::coldest_first(std::vector<Entry*>* out) const {
   for (auto& [id, queues] : queues_) out->insert(out->end(), queues.used().begin(), queues.used().end());
 }

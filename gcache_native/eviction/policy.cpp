@@ -6,6 +6,7 @@
 #include "eviction/chain.h"
 #include "eviction/lru.h"
 #include "eviction/s3fifo.h"
+#include "eviction/worth.h"
 
 namespace gcache {
 
@@ -33,14 +34,22 @@ void validate_eviction_config(const EvictionConfig& c) {
     throw std::invalid_argument("fresh_weight must be 0 (tuned online) or in [1, 64]");
 }
 
-std::unique_ptr<EvictionPolicy> make_eviction_policy(const EvictionConfig& config, uint64_t memory_bytes) {
-  validate_eviction_config(config);
+namespace {
+std::unique_ptr<EvictionPolicy> make_recency_policy(const EvictionConfig& config, uint64_t memory_bytes) {
   switch (config.kind) {
     case PolicyKind::Chain: return std::make_unique<ChainPolicy>(memory_bytes, config);
     case PolicyKind::S3Fifo: return std::make_unique<S3Fifo>(memory_bytes, config.small_queue_fraction);
     case PolicyKind::Lru: return std::make_unique<LruPolicy>();
   }
   throw std::invalid_argument("unknown eviction policy");
+}
+}  // namespace
+
+// Every policy is wrapped in the worth layer: values put with a "worth" are
+// weighed by cost per byte; the rest keep the configured policy's order.
+std::unique_ptr<EvictionPolicy> make_eviction_policy(const EvictionConfig& config, uint64_t memory_bytes) {
+  validate_eviction_config(config);
+  return std::make_unique<WorthPolicy>(make_recency_policy(config, memory_bytes));
 }
 
 // Equal to std::hash<std::string> of the same bytes (the standard requires it).

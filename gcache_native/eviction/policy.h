@@ -46,6 +46,9 @@ class EvictionPolicy {
   // answer Empty for it.
   virtual Step next(Entry** victim, OwnerId owner = kAnyOwner) = 0;
   virtual bool scopes_owners() const = 0;
+  // The value next(owner) would look at first, unchanged; null when none. Lets
+  // the worth layer (eviction/worth.h) compare it with the values it orders.
+  virtual Entry* peek(OwnerId owner) const = 0;
 
   // Every queued value, coldest first (flush order; the warm list is its reverse). O(values).
   virtual void coldest_first(std::vector<Entry*>* out) const = 0;

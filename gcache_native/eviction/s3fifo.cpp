@@ -71,6 +71,12 @@ EvictionPolicy::Step S3Fifo::next(Entry** victim, OwnerId owner) {
   return Step::Victim;
 }
 
+Entry* S3Fifo::peek(OwnerId owner) const {
+  if (owner != kAnyOwner || (small_.empty() && main_.empty())) return nullptr;
+  bool from_small = !small_.empty() && (small_bytes_ >= small_target_bytes_ || main_.empty());
+  return from_small ? small_.front() : main_.front();
+}
+
 void S3Fifo::coldest_first(std::vector<Entry*>* out) const {
   out->insert(out->end(), small_.begin(), small_.end());
   out->insert(out->end(), main_.begin(), main_.end());

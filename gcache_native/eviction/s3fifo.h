@@ -29,6 +29,7 @@ class S3Fifo : public EvictionPolicy {
   Step next(Entry** victim, OwnerId owner) override;
   bool scopes_owners() const override { return false; }
   void coldest_first(std::vector<Entry*>* out) const override;
+  Entry* peek(OwnerId owner) const override;
   size_t count() const override { return small_.size() + main_.size(); }
   void fill_gauges(const GaugeSink& add) const override;
   void check() const override;

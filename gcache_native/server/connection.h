@@ -47,6 +47,11 @@ struct BatchMeta {
   ChecksumKind checksum_kind = ChecksumKind::Xxh64;
   bool has_ck = false;
   bool sums_trail = false;  // PUT_BATCH "trail": each value is followed by its 8-byte sum in the payload
+  // PUT_BATCH "worth" (docs/protocol.md, "Value worth"): per key its ValueKind
+  // and recompute cost; checked against the batch in Server::handle_put.
+  bool has_worth = false;
+  uint64_t worth_version = 0;
+  std::vector<uint64_t> worth_kinds, worth_costs;
   bool has_keys = false, has_lens = false, has_sums = false, has_epoch = false, has_res = false;
   void clear() {
     keys.clear();
@@ -61,6 +66,10 @@ struct BatchMeta {
     chain_ends = true;
     checksum_kind = ChecksumKind::Xxh64;
     has_ck = sums_trail = false;
+    has_worth = false;
+    worth_version = 0;
+    worth_kinds.clear();
+    worth_costs.clear();
     has_keys = has_lens = has_sums = has_epoch = has_res = false;
   }
 };
@@ -234,6 +243,9 @@ void linger_close(Server::Connection* c);
 // Parses a request's metadata map: "keys", "lens", "sums", "epoch"; other
 // keys are skipped. An empty metadata section means {}.
 Server::Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b);
+// A parsed "worth" (PUT_BATCH, RESERVE) against its n keys: the version this
+// node speaks, one kind and one cost per key, known kinds.
+Server::Reply check_worth(const BatchMeta& b, size_t n);
 // The checksum a reader gets for a leased value: its own, or for a reader
 // that speaks only xxh64 (no "ck" in its request) the value's xxh64, taken
 // from the leased bytes now (a pass a legacy peer costs; new peers never).

@@ -180,6 +180,41 @@ std::string peer_address(const sockaddr_storage& addr) {
 
 }  // namespace
 
+// PUT_BATCH "worth": {"v": 1, "kind": [uint per key], "cost": [uint per key]}
+// (docs/protocol.md, "Value worth"). Its checks against the batch (lengths, kinds)
+// are handle_put's, before any value is stored.
+static Reply parse_worth(MsgpackReader& r, uint32_t batch_keys_max, BatchMeta* b) {
+  auto bad = [&r](const std::string& what) {
+    return Reply::fail(FrameStatus::BadFrame, "malformed \"worth\": " + what + " (" + r.error() +
+                                                  "); send {\"v\": 1, \"kind\": [...], \"cost\": [...]} "
+                                                  "as docs/protocol.md describes");
+  };
+  uint32_t fields;
+  if (!r.read_map(&fields)) return bad("not a map");
+  b->has_worth = true;
+  for (uint32_t f = 0; f < fields; ++f) {
+    std::string_view field;
+    if (!r.read_bytes(&field)) return bad("a field name is not a string");
+    if (field == "v") {
+      if (!r.read_uint(&b->worth_version)) return bad("\"v\" must be an unsigned integer");
+      continue;
+    }
+    if (field != "kind" && field != "cost") {
+      if (!r.skip()) return bad("unreadable value");
+      continue;
+    }
+    std::vector<uint64_t>& v = field == "kind" ? b->worth_kinds : b->worth_costs;
+    uint32_t n;
+    if (!r.read_array(&n)) return bad("\"kind\" and \"cost\" must be arrays");
+    if (n > batch_keys_max)
+      return Reply::fail(FrameStatus::LimitExceeded, "\"worth\" lists more values than batch_keys_max");
+    v.resize(n);
+    for (uint32_t k = 0; k < n; ++k)
+      if (!r.read_uint(&v[k])) return bad("\"kind\" and \"cost\" hold unsigned integers");
+  }
+  return {};
+}
+
 Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max, BatchMeta* b) {
   b->clear();
   if (meta.empty()) return {};
@@ -213,6 +248,10 @@ Reply parse_batch_meta(const std::vector<uint8_t>& meta, uint32_t batch_keys_max
       }
       b->checksum_kind = ChecksumKind(kind);
       b->has_ck = true;
+      continue;
+    }
+    if (name == "worth") {
+      if (Reply bad_worth = parse_worth(r, batch_keys_max, b); bad_worth.status != FrameStatus::Ok) return bad_worth;
       continue;
     }
     if (name == "trail") {
@@ -875,6 +914,23 @@ void Server::run_handler(Connection* c, const FrameHeader& h, PutAdmission* admi
   if (reply.status != FrameStatus::Ok) send_error(c, metrics_, h.opcode, h.request_id, reply.status, reply.error);
 }
 
+Reply check_worth(const BatchMeta& b, size_t n) {
+  if (b.worth_version != kWorthVersion)
+    return Reply::fail(FrameStatus::BadFrame,
+                       "\"worth\" version " + std::to_string(b.worth_version) +
+                           " is not spoken here; this node speaks \"v\": " + std::to_string(kWorthVersion));
+  if (b.worth_kinds.size() != n || b.worth_costs.size() != n)
+    return Reply::fail(FrameStatus::BadFrame, "\"worth\" needs one \"kind\" and one \"cost\" per key (" +
+                                                  std::to_string(n) + " keys, " + std::to_string(b.worth_kinds.size()) +
+                                                  " kinds, " + std::to_string(b.worth_costs.size()) + " costs)");
+  for (uint64_t kind : b.worth_kinds)
+    if (kind > kValueKindMax)
+      return Reply::fail(FrameStatus::BadFrame, "unknown value kind " + std::to_string(kind) +
+                                                    " in \"worth\"; this node knows 0 (other), 1 (attention "
+                                                    "page), 2 (state checkpoint)");
+  return {};
+}
+
 Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admission) {
   const BatchMeta& b = c->batch;
   const size_t n = b.keys.size();
@@ -884,6 +940,12 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
     return Reply::fail(FrameStatus::BadFrame,
                        "PUT_BATCH needs \"keys\", \"lens\" and \"sums\" of equal length (or \"trail\": true "
                        "with a sum after each value)");
+  }
+  if (b.has_worth) {
+    if (Reply bad = check_worth(b, n); bad.status != FrameStatus::Ok) {
+      discard(c, h.payload_len);  // nothing stored: the field is the client's bug
+      return bad;
+    }
   }
   // With "trail" each value is followed by its 8-byte sum in the payload.
   uint64_t total = b.sums_trail ? uint64_t(n) * 8 : 0;
@@ -906,7 +968,12 @@ Reply Server::handle_put(Connection* c, const FrameHeader& h, PutAdmission* admi
   const uint64_t chain = store_->new_put_batch();  // a put batch is one prefix chain, in order
   try {
     for (size_t i = 0; i < n; ++i) {
-      statuses[i] = uint8_t(put_one(c, i, PutHint{chain, n >= 2 && i + 1 == n, 0}, &consumed));
+      PutHint hint{chain, n >= 2 && i + 1 == n, 0};
+      if (b.has_worth) {
+        hint.worth_cost = b.worth_costs[i];
+        hint.kind = ValueKind(b.worth_kinds[i]);
+      }
+      statuses[i] = uint8_t(put_one(c, i, hint, &consumed));
     }
   } catch (const ConnectionLost&) {
     throw;
@@ -1105,8 +1172,10 @@ Reply Server::handle_ping(Connection* c, const FrameHeader& h) {
   // How a same-host client reaches this node one-sided: "instance" names it, so
   // a client can check that the Unix socket leads to the node it pinged.
   const bool shm = !config_.unix_socket_path.empty() && !auth_on();
-  out.map(shm ? 6 : 5);
+  out.map(shm ? 7 : 6);
   write_kinds_spoken(out);  // "cks": the checksum kinds a PUT may use
+  out.str("worth");         // the PUT "worth" version spoken (docs/protocol.md, "Value worth")
+  out.uint(kWorthVersion);
   out.str("version");
   out.str(config_.version);
   out.str("epoch");

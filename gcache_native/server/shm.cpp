@@ -286,6 +286,9 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   const size_t n = b.keys.size();
   if (!b.has_lens || b.lens.size() != n)
     return Reply::fail(FrameStatus::BadFrame, "RESERVE needs \"keys\" and \"lens\" of equal length");
+  if (b.has_worth) {
+    if (Reply bad = check_worth(b, n); bad.status != FrameStatus::Ok) return bad;  // nothing reserved
+  }
   if (!c->shm.can_reserve()) {
     return Reply::fail(FrameStatus::LimitExceeded, "this connection holds " +
                                                        std::to_string(ShmSession::kReserveGroupsMax) +
@@ -299,6 +302,10 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   group.chain_continued = b.chain_continues && c->shm.chain != 0;
   group.chain = group.chain_continued ? c->shm.chain : store_->new_put_batch();
   group.chain_ends = b.chain_ends;
+  if (b.has_worth) {
+    group.worth_kinds = b.worth_kinds;
+    group.worth_costs = b.worth_costs;
+  }
   c->shm.chain = group.chain;
   const uint64_t total = check_reserve(*store_, metrics_, b, &group.statuses);
   // The blocks count against the PUT reservation budget until COMMIT. Only a
@@ -388,8 +395,12 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
     if (r.data == nullptr) continue;
     // Published without reading the block: the writer's sum is taken on trust
     // and every reader checks it (docs/security.md, "Checksums a writer declares").
-    const PutStatus s = store_->commit_unverified(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind},
-                                                  PutHint{group.chain, tail_at_end && i + 1 == n, r.owner});
+    PutHint hint{group.chain, tail_at_end && i + 1 == n, r.owner};
+    if (!group.worth_costs.empty()) {
+      hint.worth_cost = group.worth_costs[i];
+      hint.kind = ValueKind(group.worth_kinds[i]);
+    }
+    const PutStatus s = store_->commit_unverified(group.keys[i], r, ValueChecksum{b.sums[i], b.checksum_kind}, hint);
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) stored_bytes += r.length;
   }

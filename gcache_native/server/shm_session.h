@@ -31,6 +31,7 @@ class ShmSession {
     uint64_t chain = 0;      // the put batch (prefix chain) its values join (PutHint)
     bool chain_ends = true;  // its last value is the chain's last
     bool chain_continued = false;
+    std::vector<uint64_t> worth_kinds, worth_costs;  // RESERVE "worth", per key; empty: not said
   };
 
   ShmSession() = default;

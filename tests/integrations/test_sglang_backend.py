@@ -25,11 +25,11 @@ def entry_keys(page_hash: str, layout: str, layers: int) -> list[bytes]:
     code = CODES[layout]
     if layout == "layer_first":
         return [
-            f"{page_hash}.full-{code}-{part}@g{layer}{SUFFIX}".encode()
+            f"{page_hash}.full-{code}-bfloat16-{part}@g{layer}{SUFFIX}".encode()
             for layer in range(layers)
             for part in ("k", "v")
         ]
-    return [f"{page_hash}.full-{code}-{part}{SUFFIX}".encode() for part in ("k", "v")]
+    return [f"{page_hash}.full-{code}-bfloat16-{part}{SUFFIX}".encode() for part in ("k", "v")]
 
 
 def test_factory_loads_the_backend_by_module_path(sgl, server, storage_config, attach, host_pool):
@@ -83,7 +83,7 @@ def test_v0_round_trip_byte_for_byte(layout, server, storage_config, attach, hos
     assert writer.batch_set(hashes, pages) is True
     raw = gcache.Client(server.address)
     code = CODES[layout]
-    assert raw.get_batch([f"{h}.full-{code}-page{SUFFIX}".encode() for h in hashes]) == [
+    assert raw.get_batch([f"{h}.full-{code}-bfloat16-page{SUFFIX}".encode() for h in hashes]) == [
         page_bytes(src, p) for p in src_pages
     ]
     raw.close()
@@ -149,7 +149,10 @@ def test_tp_ranks_never_see_each_others_pages(server, storage_config, attach, ho
         assert backend.batch_get_v1(hashes, slots(fresh, [4, 5, 6, 7])) == [True] * 4
         assert [page_bytes(fresh, p) for p in (4, 5, 6, 7)] == [page_bytes(pools[rank], p) for p in (0, 1, 2, 3)]
     raw = gcache.Client(server.address)
-    assert raw.batch_is_exist([f"{hashes[0]}.full-pf-k_org-model_{r}_2".encode() for r in (0, 1)]) == [True, True]
+    assert raw.batch_is_exist([f"{hashes[0]}.full-pf-bfloat16-k_org-model_{r}_2".encode() for r in (0, 1)]) == [
+        True,
+        True,
+    ]
     raw.close()
 
 

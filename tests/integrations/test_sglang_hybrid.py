@@ -51,13 +51,13 @@ def test_swa_prefix_needs_full_pages_and_its_swa_window(sgl, server, storage_con
 
     raw = gcache.Client(server.address)
     # A missing full page at 6 cuts the prefix there: only the checkpoint at 4 is left.
-    assert raw.remove(f"{hashes[6]}.full-pf-k_org-model_0_1".encode()) is True
+    assert raw.remove(f"{hashes[6]}.full-pf-bfloat16-k_org-model_0_1".encode()) is True
     result = backend.batch_exists_v2(hashes, probe)
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (4, [4])
     assert result.extra_pool_hit_pages == {kv: 6, swa_name: 4}
 
     # Full pages 0-5 are there, but the checkpoint at 4 lost SWA page 3: nothing is restorable.
-    assert raw.remove(f"{hashes[3]}.swa-pf-k_org-model_0_1".encode()) is True
+    assert raw.remove(f"{hashes[3]}.swa-pf-bfloat16-k_org-model_0_1".encode()) is True
     result = backend.batch_exists_v2(hashes, probe)
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (0, [])
     assert result.extra_pool_hit_pages == {kv: 6}
@@ -72,9 +72,9 @@ def test_swa_pages_round_trip_byte_for_byte(sgl, server, storage_config, attach,
     assert backend.batch_set_v2([swa_transfer(sgl, hashes[2:4], slots(swa, [5, 6]))]) == {swa_name: [True, True]}
     raw = gcache.Client(server.address)
     for page_hash, page in zip(hashes[2:4], (5, 6)):
-        k, v = raw.get_batch([f"{page_hash}.swa-pf-{part}_org-model_0_1".encode() for part in "kv"])
+        k, v = raw.get_batch([f"{page_hash}.swa-pf-bfloat16-{part}_org-model_0_1".encode() for part in "kv"])
         assert k + v == page_bytes(swa, page)
-    assert raw.batch_is_exist([f"{h}.full-pf-k_org-model_0_1".encode() for h in hashes]) == [False] * 4
+    assert raw.batch_is_exist([f"{h}.full-pf-bfloat16-k_org-model_0_1".encode() for h in hashes]) == [False] * 4
     raw.close()
 
     reader, _, swa2 = hybrid(sgl, attach, storage_config, host_pool, server.address)

@@ -77,23 +77,23 @@ def test_unsupported_configs_are_clear_errors():
     with pytest.raises(KeyLayoutError, match="cannot build GCache keys"):
         key_builder(Config(model_name="bad model!"), None)
     with pytest.raises(KeyLayoutError, match="layout 'page_unified' is not supported"):
-        PoolKeys(key_builder(Config(), None), "kv", "page_unified", [("k", None)])
+        PoolKeys(key_builder(Config(), None), "kv", "page_unified", [("k", None)], "bfloat16")
 
 
 def test_entry_keys_in_get_page_buffer_meta_order():
     builder = key_builder(Config(), "tenant")
     assert pool_tag("kv") == "full" and pool_tag("swa") == "swa"
-    page_first = PoolKeys(builder, "kv", "page_first", entry_parts(2, split_kv=True))
+    page_first = PoolKeys(builder, "kv", "page_first", entry_parts(2, split_kv=True), "bfloat16")
     assert page_first.entries([H]) == [
-        f"tenant/{H}.full-pf-k_a-b_1_4".encode(),
-        f"tenant/{H}.full-pf-v_a-b_1_4".encode(),
+        f"tenant/{H}.full-pf-bfloat16-k_a-b_1_4".encode(),
+        f"tenant/{H}.full-pf-bfloat16-v_a-b_1_4".encode(),
     ]
-    layer_first = PoolKeys(builder, "swa", "layer_first", entry_parts(4, split_kv=True))
+    layer_first = PoolKeys(builder, "swa", "layer_first", entry_parts(4, split_kv=True), "float8e4m3fn")
     assert layer_first.entries([H]) == [
-        f"tenant/{H}.swa-lf-{p}@g{layer}_a-b_1_4".encode() for layer in (0, 1) for p in "kv"
+        f"tenant/{H}.swa-lf-float8e4m3fn-{p}@g{layer}_a-b_1_4".encode() for layer in (0, 1) for p in "kv"
     ]
-    mla = PoolKeys(builder, "kv", "page_head", entry_parts(1, split_kv=False))
-    assert mla.entries([H, H]) == [f"tenant/{H}.full-ph-kv_a-b_1_4".encode()] * 2
+    mla = PoolKeys(builder, "kv", "page_head", entry_parts(1, split_kv=False), "bfloat16")
+    assert mla.entries([H, H]) == [f"tenant/{H}.full-ph-bfloat16-kv_a-b_1_4".encode()] * 2
     with pytest.raises(KeyLayoutError, match="expected K/V pairs"):
         entry_parts(3, split_kv=True)
 
@@ -112,3 +112,21 @@ def test_prefix_rules():
     indexer = ("idx", "all_pages", 1, [True] * 4 + [False] * 2)
     assert fold(6, [("swa", "trailing_pages", 2, present), indexer]) == (3, {"kv": 6, "swa": 6, "idx": 4}, [3])
     assert fold(0, [("swa", "trailing_pages", 2, [])]) == (0, {}, [])
+
+
+def test_pools_of_other_element_types_never_share_keys():
+    # Equal-sized fp8 variants (or Mamba state dtypes) are different bytes under one model name.
+    import torch
+
+    from gcache.integrations.sglang.keys import dtypes_word
+
+    builder = key_builder(Config(), None)
+    words = [dtypes_word([torch.empty(1, dtype=d)]) for d in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    assert words == ["float8e4m3fn", "float8e5m2"]
+    e4, e5 = (PoolKeys(builder, "kv", "page_first", entry_parts(2, split_kv=True), w).entries([H]) for w in words)
+    assert not set(e4) & set(e5)
+    assert (
+        dtypes_word([torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.bfloat16)]) == "bfloat16.float32"
+    )
+    with pytest.raises(KeyLayoutError, match="element types"):
+        PoolKeys(builder, "kv", "page_first", entry_parts(2, split_kv=True), "")

@@ -49,6 +49,7 @@ from gcache.wire.protocol import (
     encode_keys_meta,
     encode_meta,
 )
+from gcache.wire.worth import worth_field
 
 
 def release_frame(lease: int, bad_offsets: Sequence[int] = ()) -> bytes:
@@ -221,9 +222,10 @@ class ReserveOp(Operation):
         self.commit: CommitOp | None = None
 
     def request_meta_bytes(self, epoch):
-        return encode_request_meta(
-            {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first, "last": self.last}, epoch
-        )
+        meta = {"keys": self.keys, "lens": [len(v) for v in self.values], "cont": not self.first, "last": self.last}
+        if self.result.worth is not None:  # kept with the reservation until its COMMIT
+            meta["worth"] = worth_field(self.result.worth[self.lo : self.hi])
+        return encode_request_meta(meta, epoch)
 
     def on_response(self, conn, meta, payload_len):
         n = self.hi - self.lo

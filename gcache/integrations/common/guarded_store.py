@@ -18,6 +18,7 @@ from gcache import errors
 from gcache.client.api import Client
 from gcache.common.breaker import Breaker
 from gcache.integrations.common.counters import Counters
+from gcache.wire.worth import Worth
 
 # Failures of the store or the path to it: the store goes suspect.
 OUTAGE = (
@@ -150,10 +151,15 @@ class GuardedStore:
             return []
         return self._tallied("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
 
-    def put_from(self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None) -> list[bool]:
+    def put_from(
+        self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None, worth: list[Worth] | None = None
+    ) -> list[bool]:
+        """`worth`: per key, told to the node in the PUT (gcache.wire.worth); None: not said."""
         if not keys:
             return []
-        return self._tallied("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
+        if worth is None:
+            return self._tallied("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
+        return self._tallied("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes, None, worth)
 
     def remove(self, keys: list[bytes]) -> bool:
         """True when every key is gone (removed now, or absent already)."""

@@ -91,7 +91,9 @@ class GCacheHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self._add_pool(mem_pool_host, "kv")
         if not is_logical(mem_pool_host):
-            self._flat = flat_page_keys(self.builder, "kv", mem_pool_host.layout)
+            self._flat = flat_page_keys(
+                self.builder, "kv", mem_pool_host.layout, self._pages[AttentionKind.FULL].dtypes
+            )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: object) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)

@@ -5,12 +5,15 @@ One value per page *entry*: `get_page_buffer_meta` splits a page into entries
 stored under its own key, so reads and writes go straight between the host
 pool and the socket. The key (see gcache.wire.keys.KeyBuilder) is
 
-    [namespace "/"] page_hash "." pool "-" layout "-" part ["@g" layer]
+    [namespace "/"] page_hash "." pool "-" layout "-" dtypes "-" part ["@g" layer]
         "_" model [shard] ["_" tp_rank "_" tp_size] ["_" pp_size "_" pp_rank]
 
 - pool: "full" for SGLang's KV pool, else SGLang's pool name ("swa", ...);
 - layout: the host pool's byte order (lf, pf, pfd, ph): the same page in two
   layouts is different bytes, so it must never be read back under the other;
+- dtypes: the element types of the pool's tensors ("bfloat16"; a Mamba pool's
+  "bfloat16.float32", fp8 "float8e4m3fn"): two deployments of one model name whose `--kv-cache-dtype`
+  or Mamba state dtypes differ hold equal-sized, different bytes;
 - part: "k" / "v" (MHA), "kv" (one entry: MLA), or "page" (the legacy flat page);
 - "@g" layer: the layer of a `layer_first` entry;
 - model: SGLang's model name with '/' as '-'; shard: "_cp{r}_{n}" under attention
@@ -98,9 +101,16 @@ class PoolKeys:
     """Keys of one host pool's pages: `entries(page_hashes)` lists every entry key, page by page."""
 
     def __init__(
-        self, builder: KeyBuilder, pool_name: object, layout: str, parts: list[tuple[str, int | None]]
+        self,
+        builder: KeyBuilder,
+        pool_name: object,
+        layout: str,
+        parts: list[tuple[str, int | None]],
+        dtypes: str,
     ) -> None:
-        base = f"{pool_tag(pool_name)}-{layout_code(layout)}"
+        if not dtypes or not all(c.isalnum() or c == "." for c in dtypes):
+            raise KeyLayoutError(f"pool {pool_name!s}: cannot name its element types {dtypes!r} in a key")
+        base = f"{pool_tag(pool_name)}-{layout_code(layout)}-{dtypes}"
         self.builder = builder
         self.parts = [(f"{base}-{part}", layer) for part, layer in parts]
         self.per_page = len(self.parts)
@@ -110,6 +120,12 @@ class PoolKeys:
         return [key(h, pool, layer) for h in page_hashes for pool, layer in self.parts]
 
 
-def flat_page_keys(builder: KeyBuilder, pool_name: object, layout: str) -> PoolKeys:
+def flat_page_keys(builder: KeyBuilder, pool_name: object, layout: str, dtypes: str) -> PoolKeys:
     """The legacy (v0) interface stores each page as one flat tensor: one key per page."""
-    return PoolKeys(builder, pool_name, layout, [(PART_PAGE, None)])
+    return PoolKeys(builder, pool_name, layout, [(PART_PAGE, None)], dtypes)
+
+
+def dtypes_word(tensors: Iterable[Any]) -> str:
+    """The key's dtypes word: the tensors' element types ("_" dropped: it separates the
+    key's fields), sorted, "." between."""
+    return ".".join(sorted({str(t.dtype).removeprefix("torch.").replace("_", "") for t in tensors}))

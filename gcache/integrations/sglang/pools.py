@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gcache.integrations.sglang.keys import KeyLayoutError, PoolKeys, entry_parts
+from gcache.integrations.sglang.keys import KeyLayoutError, PoolKeys, dtypes_word, entry_parts
 from gcache.wire.keys import KeyBuilder
 
 # SGLang's host pools and torch tensors are untyped here (no stubs): Any.
@@ -59,7 +59,8 @@ class PoolPages:
             )
         self.entry_sizes = [int(s) for s in sizes]
         split_kv = getattr(host_pool, "v_buffer", None) is not None
-        self.keys = PoolKeys(builder, pool_name, host_pool.layout, entry_parts(len(ptrs), split_kv))
+        self.dtypes = dtypes_word(pool_tensors(host_pool))
+        self.keys = PoolKeys(builder, pool_name, host_pool.layout, entry_parts(len(ptrs), split_kv), self.dtypes)
         self.page_bytes = sum(self.entry_sizes)
 
     @property

@@ -115,7 +115,7 @@ def test_states_come_from_the_offers_and_decode_boundaries_extend_the_chain():
 
 
 def test_a_request_saves_at_most_its_bound_of_boundaries():
-    s = side(state_boundaries_max=1)
+    s = side(state_boundaries_max=1, state_admission="offered")
     tokens = list(range(1, 80))
     s.matched_tokens(request(tokens, 70), 0)
     meta = s.build_meta(
@@ -175,8 +175,9 @@ def test_states_are_not_cached_without_align_mode_or_with_speculative_blocks():
     assert "speculative" in (why_not_served([STATE._replace(speculative_blocks=1)]) or "")
 
 
-def test_a_state_models_pages_are_not_announced():
-    """Its pages resume nothing without the states, which KV events do not carry."""
+def test_a_state_models_pages_and_states_are_announced():
+    """Its attention pages as their group's blocks, and each saved state as one block of its
+    state group (kind "mamba") at the page it ends: a router credits up to that boundary."""
     events = Events()
     s = side(events=events)
     tokens = list(range(1, 41))
@@ -186,4 +187,12 @@ def test_a_state_models_pages_are_not_announced():
     meta = s.build_meta(
         output(new=[("r", [[0, 2, 5], [10, 11, 12]], 0)], offers={"r": [(0, 7, 32)]}, scheduled={"r": 40})
     )
-    assert saved(meta, 1) and events.saved_pages == []
+    assert saved(meta, 1) and saved(meta, 0) == [(prompt_page_hashes(tokens, BS)[1], 7)]
+    announced = [(p.group_idx, p.kind, p.block_hash, p.parent_hash, list(p.token_ids)) for p in events.saved_pages]
+    h = req.block_hashes
+    assert announced == [
+        (1, "full_attention", h[0], None, tokens[:16]),
+        (1, "full_attention", h[1], h[0], tokens[16:32]),
+        (0, "mamba", h[1], h[0], tokens[16:32]),  # the state after pages 0-1
+    ]
+    assert all(p.keys for p in events.saved_pages)  # what the source confirms in the store first

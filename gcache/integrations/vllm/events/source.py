@@ -40,7 +40,7 @@ class Page(NamedTuple):
     """One saved page of one KV cache group, as vLLM names it."""
 
     group_idx: int
-    kind: str  # wire.KIND_FULL / KIND_SWA
+    kind: str  # wire.KIND_FULL / KIND_SWA, or vLLM's kind of a state group ("mamba")
     window: int | None
     block_size: int
     block_hash: BlockHash

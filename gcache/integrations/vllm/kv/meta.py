@@ -16,6 +16,7 @@ class PageRef(NamedTuple):
     group: int  # the KV cache group's index
     page_hash: str
     block_id: int  # the vLLM block the page lives in (or is loaded into)
+    tokens: int = 0  # a save's: the prefix length at the page's end (what a state spares)
 
 
 class LoadSpec(NamedTuple):

@@ -164,10 +164,12 @@ class SchedulerSide:
             track.swa_pages = {
                 g.index: plan.prompt_tail_pages(len(prompt), self.block_size, every, g.tail) for g in self.swa
             }
-            # A state model's pages resume nothing without their states, which the events do not
-            # carry yet: not announced, so a router never credits a prefix no engine can resume.
-            if self.events is not None and not self.states and self._announceable(request, items):
-                track.block_hashes, track.tokens = request.block_hashes, prompt
+            # A state model's states are announced too (their group's kind, "mamba"): a router
+            # credits its pages only up to a boundary whose state is announced (the window rule
+            # with a window of one token). Its tokens are the growing list: decode-time states.
+            if self.events is not None and self._announceable(request, items):
+                track.block_hashes = request.block_hashes
+                track.tokens = track.all_tokens if self.states else prompt
             self.tracks[request.request_id] = track
         return track
 
@@ -197,7 +199,7 @@ class SchedulerSide:
                 self._keys([track.hashes[p]], group),
             )
             for group, p in refs
-            if p < len(hashes)
+            if p < len(hashes) and (p + 1) * bs <= len(track.tokens)
         ]
 
     def _missing(self, track: Track, refs: list[tuple[Group, int]]) -> None:
@@ -453,16 +455,16 @@ class SchedulerSide:
             wanted = None if group.kind != AttentionKind.SWA else track.swa_pages[group.index]
             for p in range(track.saved_upto, min(done, len(row))):
                 if (wanted is None or p in wanted) and row[p] != NULL_BLOCK:
-                    pages.append(PageRef(group.index, track.hashes[p], row[p]))
+                    pages.append(PageRef(group.index, track.hashes[p], row[p], (p + 1) * self.block_size))
                     page_nos.append(p)
         track.saved_upto = max(track.saved_upto, done)
         if not pages:
             return None
-        if self.events is not None and track.block_hashes is not None and page_nos:
+        if self.events is not None and track.block_hashes is not None and (page_nos or states):
             attention = pages[len(states) :]
-            self.events.saved(
-                self._event_pages(track, [(self.groups[r.group], p) for r, p in zip(attention, page_nos)])
-            )
+            refs = [(self.groups[r.group], p) for r, p in zip(attention, page_nos)]
+            refs += [(self.groups[r.group], r.tokens // self.block_size - 1) for r in states]  # at their boundary
+            self.events.saved(self._event_pages(track, refs))
         self.saving.add(req_id)
         return SaveSpec(req_id, tuple(pages))
 
@@ -492,7 +494,7 @@ class SchedulerSide:
         track.state_upto = max(track.state_upto, furthest)
         track.state_boundaries += len({o.page for o in offers})
         self.stats.count("state_values_offered", len(offers))
-        return [PageRef(o.group, track.hashes[o.page], o.block_id) for o in offers]
+        return [PageRef(o.group, track.hashes[o.page], o.block_id, (o.page + 1) * self.block_size) for o in offers]
 
     def build_meta(self, out: SchedulerOutput) -> GCacheConnectorMetadata:
         now = time.perf_counter()

@@ -49,7 +49,13 @@ class ConnectorSettings(StoreSettings):
     prefetch_requests_max: int = 32  # prefetches queued or running at once
     prefetch_wait_s: float = 2.0  # the longest a request waits for its prefetch; then recomputed
     state_boundaries_max: int = 64  # boundary states saved per request (hybrids); later offers dropped
-    state_admission: str = "offered"  # which offered states to save: "offered" (all) or "ends"
+    # Which offered states to save: "ends" (the prompt's end, decode boundaries, the branch
+    # point: Marconi's placement, 1.3-2.1x LRU's reusable tokens on the traces) or "offered" (all).
+    state_admission: str = "ends"
+    # Tell the node each saved value's kind and recompute cost (the PUT's "worth"): off by
+    # default, since on the hybrid traces the node's cost weighing does not beat recency
+    # (docs/hybrid-models.md, "Which states the node keeps").
+    put_worth: bool = False
     # The L3 as vLLM KV events (docs/kv-events.md): a ZMQ PUB endpoint of the scheduler's own.
     kv_events_endpoint: str | None = None  # e.g. "ipc:///tmp/gcache-l3.kv" (binds, host only); None: no events
     kv_events_topic: str | None = None  # default kv@<pod>@<model>
@@ -74,6 +80,7 @@ class ConnectorSettings(StoreSettings):
         "gcache_async_load_min_tokens",
         "gcache_state_boundaries_max",
         "gcache_state_admission",
+        "gcache_put_worth",
         "gcache_load_step_fraction",
         "gcache_sync_load_max_s",
         "gcache_idle_wait_s",
@@ -138,6 +145,7 @@ class ConnectorSettings(StoreSettings):
             prefetch_requests_max=extra.integer("gcache_prefetch_requests_max", cls.prefetch_requests_max, 1, 1 << 16),
             prefetch_wait_s=extra.number("gcache_prefetch_wait_s", cls.prefetch_wait_s, 0.0, 600.0),
             state_admission=admission,
+            put_worth=extra.flag("gcache_put_worth", cls.put_worth),
             state_boundaries_max=extra.integer("gcache_state_boundaries_max", cls.state_boundaries_max, 0, 1 << 20),
             kv_events_endpoint=endpoint,
             kv_events_topic=extra.name("gcache_kv_events_topic"),

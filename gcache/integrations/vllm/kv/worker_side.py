@@ -22,6 +22,7 @@ from gcache.integrations.vllm.transfer.page_runs import PageRunsError, page_runs
 from gcache.integrations.vllm.transfer.staging import StagingPool
 from gcache.integrations.vllm.transfer.transfers import Page, Staged, Transfers
 from gcache.integrations.vllm.transfer.values import GroupValues
+from gcache.wire.worth import ValueKind, Worth
 
 if TYPE_CHECKING:  # torch's type: Any to the type check (not installed in .venv)
     import torch
@@ -181,7 +182,9 @@ class WorkerSide:
         out = []
         for ref in refs:
             group = self.groups[ref.group]
-            out.append(Page(ref.group, self.keys.value_keys(ref.page_hash, group, self.tags[ref.group]), ref.block_id))
+            keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
+            worth = value_worth(group, ref.tokens) if self.settings.put_worth else None
+            out.append(Page(ref.group, keys, ref.block_id, worth))
         return out
 
     def _writes(self, ref: PageRef) -> bool:
@@ -300,3 +303,12 @@ class WorkerSide:
         if self.transfers is not None:
             self.transfers.flush(CLOSE_TIMEOUT_S)
             self.transfers.close(CLOSE_TIMEOUT_S)
+
+
+def value_worth(group: Group, tokens: int) -> Worth:
+    """What a saved value spares an engine, for the node's eviction (the PUT's "worth"):
+    a state checkpoint its whole prefix (a hybrid resumes nowhere else without it), an
+    attention page its block's tokens (docs/hybrid-models.md, "Which states the node keeps")."""
+    if group.kind == AttentionKind.STATE:
+        return Worth(ValueKind.STATE_CHECKPOINT, tokens)
+    return Worth(ValueKind.ATTENTION_PAGE, group.block_size)

@@ -38,6 +38,7 @@ import numpy as np
 from gcache.integrations.common.job_queue import JobQueue
 from gcache.integrations.vllm.transfer.movers.base import BlockMover, Event
 from gcache.integrations.vllm.transfer.values import Copies
+from gcache.wire.worth import ValueKind, Worth
 
 if TYPE_CHECKING:
     from gcache.integrations.common.guarded_store import GuardedStore
@@ -54,6 +55,10 @@ class Page(NamedTuple):
     group: int  # KV cache group index
     keys: list[bytes]  # the value's segment keys
     block_id: int
+    worth: Worth | None = None  # a save's: told to the node (each segment its share of the cost)
+
+
+UNSAID = Worth(ValueKind.OTHER, 0)  # a value saved without a worth, in a batch with some
 
 
 class PutJob(NamedTuple):
@@ -63,6 +68,7 @@ class PutJob(NamedTuple):
     slots: list[int]
     copied: Event  # the mover's event: the slots hold the bytes once it completed
     swa_values: int  # values of sliding-window groups, for the counters
+    worth: list[Worth] | None = None  # per key, the PUT's "worth" (None: not said)
 
 
 class LoadJob(NamedTuple):
@@ -155,18 +161,24 @@ class Transfers:
         keys: list[bytes] = []
         addresses: list[int] = []
         sizes: list[int] = []
+        worth: list[Worth] = []
         swa = 0
         for page, address in zip(pages, self.save_pool.addresses(slots)):
             spans = self.values[page.group].segment_spans()
+            total = sum(length for _, length in spans) or 1
             for key, (at, length) in zip(page.keys, spans):
                 keys.append(key)
                 addresses.append(int(address) + at)
                 sizes.append(length)
+                # A segment spares its share (cost per byte kept); cost 0: not said.
+                said = page.worth or UNSAID
+                worth.append(Worth(said.kind, -(-said.cost * length // total)))
             swa += page.group in self.swa_groups
         with self._lock:
             self._copies.append((copied, frozenset(req_ids)))
             self._last_copy = copied
-        if not self.saver.submit(PutJob(keys, addresses, sizes, slots, copied, swa)):  # closed meanwhile
+        told = worth if any(p.worth is not None for p in pages) else None
+        if not self.saver.submit(PutJob(keys, addresses, sizes, slots, copied, swa, told)):  # closed meanwhile
             self.mover.synchronize(copied)
             self.save_pool.give_back(slots)
             self._dropped("save_pages_dropped", pages)
@@ -186,7 +198,10 @@ class Transfers:
                 self.stats.count("values_skipped_existing", len(job.keys) - len(todo))
             if todo:
                 done = self.store.put_from(
-                    [job.keys[i] for i in todo], [job.addresses[i] for i in todo], [job.sizes[i] for i in todo]
+                    [job.keys[i] for i in todo],
+                    [job.addresses[i] for i in todo],
+                    [job.sizes[i] for i in todo],
+                    None if job.worth is None else [job.worth[i] for i in todo],
                 )
                 saved = [i for i, ok in zip(todo, done) if ok]
                 self.stats.count("values_saved", len(saved))

@@ -1,0 +1,108 @@
+"""SGLang 0.5.23's Mamba host pool (`MambaPoolHost`) on the CPU, for the tests.
+
+As with the MHA pool (sglang_modules.HostPoolStandIn), SGLang's module cannot be imported
+on a CPU-only machine with `sglang --no-deps` (pool_host/mamba.py imports sglang.srt.utils,
+which imports transformers and the GPU kernels). The stand-in runs SGLang's *own* code for
+everything the GCache backend touches: `init_kv_buffer`, `get_page_buffer_meta`,
+`get_hybrid_pool_buffer`, `get_data_page`, `get_size_per_token` and their helpers are
+compiled from the installed `sglang/srt/mem_cache/pool_host/mamba.py`, unchanged; only the
+constructor (the device pool plumbing) is this file's.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from gcache.testing.sglang_modules import SGLANG_VERSION, sglang_root
+
+BORROWED = (
+    "init_kv_buffer",
+    "get_page_buffer_meta",
+    "get_hybrid_pool_buffer",
+    "_iter_page_tensors",
+    "_flatten_tensor_bytes",
+    "get_data_page",
+    "get_size_per_token",
+)
+_METHODS: dict[str, Any] | None = None
+
+
+def _borrowed_methods() -> dict[str, Any]:
+    root = sglang_root()
+    if root is None:
+        raise ImportError(f"sglang is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
+    path = root / "srt" / "mem_cache" / "pool_host" / "mamba.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MambaPoolHost")
+    funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in BORROWED]
+    missing = set(BORROWED) - {f.name for f in funcs}
+    if missing:
+        raise ImportError(f"sglang's MambaPoolHost has no {sorted(missing)}: not sglang {SGLANG_VERSION}?")
+    future = ast.ImportFrom(module="__future__", names=[ast.alias(name="annotations")], level=0)
+    module = ast.Module(body=[future, *funcs], type_ignores=[])
+    ast.fix_missing_locations(module)
+    import numpy as np
+    import torch
+
+    def alloc_cpu(dims: Any, *, dtype: Any, device: Any, pin_memory: bool, allocator: Any, **_: Any) -> Any:
+        return torch.zeros(dims, dtype=dtype, device=device)
+
+    namespace: dict[str, Any] = {"torch": torch, "np": np, "ALLOC_MEMORY_FUNCS": {"cpu": alloc_cpu}}
+    exec(compile(module, str(path), "exec"), namespace)
+    return {name: namespace[name] for name in BORROWED}
+
+
+class MambaHostPoolStandIn:
+    """A Mamba host pool (one state slot per page) with SGLang's own page code."""
+
+    init_kv_buffer: Any  # set from SGLang's source on the first construction
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MambaHostPoolStandIn:
+        global _METHODS
+        if _METHODS is None:
+            _METHODS = _borrowed_methods()
+            for name, method in _METHODS.items():
+                setattr(cls, name, method)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        *,
+        slots: int,
+        layers: int = 2,
+        temporal_shape: tuple[int, ...] = (4, 8, 16),  # heads, head dim, state size
+        conv_shape: tuple[int, ...] = (3, 48),  # conv kernel - 1, channels
+        dtype: Any = None,
+        conv_dtype: Any = None,
+        layout: str = "page_first",
+    ) -> None:
+        import numpy as np
+        import torch
+
+        self.layout = layout
+        self.page_size = 1
+        self.size = slots
+        self.page_num = slots
+        self.num_mamba_layers = layers
+        self.temporal_state_shape = torch.Size(temporal_shape)
+        self.conv_state_shapes = [torch.Size(conv_shape)]
+        self.temporal_state_elem_size = int(np.prod(temporal_shape))
+        self.conv_state_elem_sizes = [int(np.prod(conv_shape))]
+        self.temporal_dtype = dtype or torch.float32
+        self.conv_dtype = self.dtype = conv_dtype or torch.bfloat16
+        self.slot_state_device_tensors: list[Any] = []
+        self.device = "cpu"
+        self._buffer_device = torch.device("cpu")
+        self.pin_memory = False
+        self.allocator = None
+        self.size_per_token = self.get_size_per_token()
+        self.kv_buffer = self.init_kv_buffer()
+
+    def get_size_per_token(self) -> int:  # replaced by SGLang's on construction
+        raise NotImplementedError
+
+    def slot_indices(self, slots: list[int]) -> Any:
+        import torch
+
+        return torch.tensor(slots, dtype=torch.int64)
