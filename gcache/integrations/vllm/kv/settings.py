@@ -66,6 +66,10 @@ class ConnectorSettings(StoreSettings):
     kv_events_pages_max: int = 1 << 18  # announced pages remembered (LRU); the oldest withdrawn beyond
     kv_events_queue_max: int = 4096  # notices and event batches waiting; beyond: dropped, counted
     kv_events_confirm_s: float = 30.0  # a saved page not in the store after this is never announced
+    # Cumulative counters in JSON files (docs/vllm-loads.md): <dir>/scheduler.json and
+    # <dir>/worker-<rank>.json, rewritten every stats_interval_s and at shutdown. None: no files.
+    stats_dir: str | None = None
+    stats_interval_s: float = 5.0
 
     KNOWN = STORE_KEYS + (
         "gcache_model",
@@ -94,6 +98,8 @@ class ConnectorSettings(StoreSettings):
         "gcache_kv_events_pages_max",
         "gcache_kv_events_queue_max",
         "gcache_kv_events_confirm_s",
+        "gcache_stats_dir",
+        "gcache_stats_interval_s",
     )
 
     @property
@@ -152,4 +158,6 @@ class ConnectorSettings(StoreSettings):
             kv_events_pages_max=extra.integer("gcache_kv_events_pages_max", cls.kv_events_pages_max, 1, 1 << 26),
             kv_events_queue_max=extra.integer("gcache_kv_events_queue_max", cls.kv_events_queue_max, 1, 1 << 20),
             kv_events_confirm_s=extra.number("gcache_kv_events_confirm_s", cls.kv_events_confirm_s, 0.1, 86400.0),
+            stats_dir=extra.name("gcache_stats_dir"),
+            stats_interval_s=extra.number("gcache_stats_interval_s", cls.stats_interval_s, 0.05, 3600.0),
         )

@@ -19,12 +19,14 @@ COUNTERS = (
     "loads_refused_queue_full",
     "loads_async",
     "loads_sync",
+    "save_values_offered",  # values of the pages a step completed: saved, skipped, failed or dropped
     "values_saved",  # (page, group) values written
     "bytes_saved",
     "values_skipped_existing",
     "values_save_failed",
     "save_pages_dropped",  # the put queue was full
     "save_pages_dropped_staging",  # no free save slots
+    "save_values_dropped",  # the values of the pages dropped (either reason)
     "swa_values_saved",
     "state_values_offered",  # boundary states vLLM offered that the scheduler planned to save
     "state_values_queued",  # ...that the worker queued for the store

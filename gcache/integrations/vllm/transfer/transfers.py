@@ -159,12 +159,13 @@ class Transfers:
         some of these blocks go back to vLLM's pool after this step (sliding-window blocks)."""
         if not pages:
             return
+        self.stats.count("save_values_offered", sum(len(p.keys) for p in pages))
         if not self.saver.has_room():
-            self.stats.count("save_pages_dropped", len(pages))
+            self._dropped("save_pages_dropped", pages)
             return
         slots = self.save_pool.take_up_to(len(pages))
         if len(slots) < len(pages):  # the pool is full: the prefix first (a later page alone is never read)
-            self.stats.count("save_pages_dropped_staging", len(pages) - len(slots))
+            self._dropped("save_pages_dropped_staging", pages[len(slots) :])
             pages, req_ids = pages[: len(slots)], req_ids[: len(slots)]
             if not pages:
                 return
@@ -198,7 +199,11 @@ class Transfers:
         if not self.saver.submit(PutJob(keys, addresses, sizes, slots, copied, swa, told)):  # closed meanwhile
             self.mover.synchronize(copied)
             self.save_pool.give_back(slots)
-            self.stats.count("save_pages_dropped", len(pages))
+            self._dropped("save_pages_dropped", pages)
+
+    def _dropped(self, reason: str, pages: list[Page]) -> None:
+        self.stats.count(reason, len(pages))
+        self.stats.count("save_values_dropped", sum(len(p.keys) for p in pages))
 
     def _put(self, job: PutJob) -> None:
         start = time.perf_counter()
