@@ -161,7 +161,7 @@ class GuardedStore:
         a value that fails its checksum writes nothing."""
         if not keys:
             return []
-        return self._call("get", self.client.batch_get_scatter, [None] * len(keys), keys, runs)
+        return self._tallied("get", self.client.batch_get_scatter, [None] * len(keys), keys, runs)
 
     def put_from(
         self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None, worth: list[Worth] | None = None

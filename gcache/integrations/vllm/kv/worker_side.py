@@ -190,9 +190,9 @@ class WorkerSide:
         out = []
         for ref in refs:
             group = self.groups[ref.group]
-            keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
+            value_keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
             worth = value_worth(group, ref.tokens) if self.settings.put_worth else None
-            out.append(Page(ref.group, keys, ref.block_id, worth))
+            out.append(Page(ref.group, value_keys, ref.block_id, worth))
         return out
 
     def _writes(self, ref: PageRef) -> bool:
