@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common/checksum.h"
@@ -31,11 +31,11 @@ const uint64_t* data_of(const U64Array& a, size_t n, const char* what) {
 }
 
 py::list read_scatter(py::buffer arena_buf, const std::vector<uint64_t>& offsets, const std::vector<int64_t>& lens,
-                      const std::vector<uint64_t>& sums, const std::vector<uint8_t>& kinds,
-                      const U64Array& run_first, const U64Array& run_dst, const U64Array& run_at,
-                      const U64Array& run_len, bool verify) {
+                      const std::vector<uint64_t>& sums, const std::vector<uint8_t>& kinds, const U64Array& run_first,
+                      const U64Array& run_dst, const U64Array& run_at, const U64Array& run_len, bool verify) {
   const size_t n = lens.size();
-  if (offsets.size() != n || sums.size() != n) throw py::value_error("offsets, lens and sums must have one entry per key");
+  if (offsets.size() != n || sums.size() != n)
+    throw py::value_error("offsets, lens and sums must have one entry per key");
   if (!kinds.empty() && kinds.size() != n) throw py::value_error("kinds must be empty or have one entry per key");
   const uint64_t* first = data_of(run_first, n + 1, "run_first");
   const size_t runs = size_t(first[n]);
