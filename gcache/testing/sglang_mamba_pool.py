@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gcache.testing.sglang_modules import borrowed_methods
+from gcache.testing.sglang_modules import BorrowingStandIn, borrowed_methods
 
 BORROWED = (
     "init_kv_buffer",
@@ -24,7 +24,6 @@ BORROWED = (
     "get_data_page",
     "get_size_per_token",
 )
-_METHODS: dict[str, Any] | None = None
 
 
 def _borrowed_methods() -> dict[str, Any]:
@@ -38,18 +37,11 @@ def _borrowed_methods() -> dict[str, Any]:
     return borrowed_methods("mamba.py", "MambaPoolHost", BORROWED, namespace)
 
 
-class MambaHostPoolStandIn:
+class MambaHostPoolStandIn(BorrowingStandIn):
     """A Mamba host pool (one state slot per page) with SGLang's own page code."""
 
     init_kv_buffer: Any  # set from SGLang's source on the first construction
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> MambaHostPoolStandIn:
-        global _METHODS
-        if _METHODS is None:
-            _METHODS = _borrowed_methods()
-            for name, method in _METHODS.items():
-                setattr(cls, name, method)
-        return super().__new__(cls)
+    borrow = staticmethod(_borrowed_methods)
 
     def __init__(
         self,

@@ -103,22 +103,28 @@ def _borrowed_methods() -> dict[str, Any]:
     return borrowed_methods("mha.py", "MHATokenToKVPoolHost", BORROWED, namespace)
 
 
-_METHODS: dict[str, Any] | None = None
+class BorrowingStandIn:
+    """A stand-in whose page methods are SGLang's own, set on the class from SGLang's
+    source (`borrow()`) when the first one is built (SGLang may be absent at import)."""
+
+    @staticmethod
+    def borrow() -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__dict__.get("_borrowed", False):
+            for name, method in cls.borrow().items():
+                setattr(cls, name, method)
+            cls._borrowed = True
+        return super().__new__(cls)
 
 
-class HostPoolStandIn:
+class HostPoolStandIn(BorrowingStandIn):
     """An MHA host pool on the CPU, with SGLang's own page arithmetic (see module doc)."""
 
     # set from SGLang's source on the first construction (BORROWED); declared for the type checker
     init_kv_buffer: Callable[[], Any]
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> HostPoolStandIn:
-        global _METHODS
-        if _METHODS is None:
-            _METHODS = _borrowed_methods()
-            for name, method in _METHODS.items():
-                setattr(cls, name, method)
-        return super().__new__(cls)
+    borrow = staticmethod(_borrowed_methods)
 
     def __init__(
         self,
