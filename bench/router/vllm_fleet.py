@@ -185,7 +185,7 @@ class Fleet:
         cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)]
         l3_events = ""
         if connector:
-            extra: dict = {"gcache_url": self.store.address}
+            extra: dict = {"gcache_url": self.store.address, **self.connector_extra(k)}
             if self.l3_events_on:
                 l3_port = free_port()
                 extra[L3_EVENTS_SETTING] = f"tcp://*:{l3_port}"
@@ -199,6 +199,10 @@ class Fleet:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         return Engine(k, Child(f"engine-{k}", cmd, self.work, env, port), ev_port, connector, l3_events)
+
+    def connector_extra(self, k: int) -> dict:
+        """More of engine k's kv_connector_extra_config (a subclass's: e.g. gcache_stats_dir)."""
+        return {}
 
     def _wait_healthy(self, e: Engine, deadline: float) -> None:
         while time.monotonic() < deadline:

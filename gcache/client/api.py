@@ -233,6 +233,18 @@ class Client(ABC):
         views = self._views(len(keys), buffers, sizes, offsets, writable=True, what="batch_get_into")
         return self._get_views(keys, views)
 
+    def batch_get_scatter(self, keys, runs) -> list:
+        """Reads each value straight into its runs (gcache.client.scatter.ScatterRuns):
+        per key its length, or None (a miss, a bad checksum, a value of another size).
+        Only a client of one server over the shm transport can; others raise
+        TransportUnavailableError (see can_scatter)."""
+        raise errors.TransportUnavailableError(f"{type(self).__name__} cannot read into scattered runs")
+
+    @property
+    def can_scatter(self) -> bool:
+        """Whether batch_get_scatter works on this client."""
+        return False
+
     # -- exists / remove -----------------------------------------------------------------
 
     def is_exist(self, key) -> bool:

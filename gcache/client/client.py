@@ -19,6 +19,7 @@ from gcache.client.connection import parse_address
 from gcache.client.native_core import NativeCall, NativeExists, NativeGet, NativePut, NativeRemove
 from gcache.client.operations import BatchResult, ExistsOp, MetaOp, RemoveOp
 from gcache.client.pool import ConnectionPool
+from gcache.client.scatter import ScatterLookupOp
 from gcache.client.transports.choose import open_transport
 from gcache.wire.auth import resolve_token
 from gcache.wire.protocol import BATCH_KEYS_MAX, ChecksumKind, Opcode, normalize_key, normalize_keys
@@ -298,6 +299,20 @@ class ServerClient(Client):
         result = BatchResult(keys)
         if keys:
             self._run(self._get_ops(keys, result, views), result)
+        return result.values
+
+    @property
+    def can_scatter(self) -> bool:
+        return self._transport.name == "shm"
+
+    def batch_get_scatter(self, keys, runs) -> list:
+        if not self.can_scatter:
+            return super().batch_get_scatter(keys, runs)
+        result = BatchResult(normalize_keys(keys))
+        runs.check(len(result.keys))
+        if result.keys:
+            slices = self._split(len(result.keys), runs.sizes)
+            self._run([ScatterLookupOp(result, lo, hi, runs, self.verify_checksums) for lo, hi in slices], result)
         return result.values
 
     # -- exists / remove ----------------------------------------------------------

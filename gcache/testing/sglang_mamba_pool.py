@@ -11,10 +11,9 @@ constructor (the device pool plumbing) is this file's.
 
 from __future__ import annotations
 
-import ast
 from typing import Any
 
-from gcache.testing.sglang_modules import SGLANG_VERSION, sglang_root
+from gcache.testing.sglang_modules import BorrowingStandIn, borrowed_methods
 
 BORROWED = (
     "init_kv_buffer",
@@ -25,23 +24,9 @@ BORROWED = (
     "get_data_page",
     "get_size_per_token",
 )
-_METHODS: dict[str, Any] | None = None
 
 
 def _borrowed_methods() -> dict[str, Any]:
-    root = sglang_root()
-    if root is None:
-        raise ImportError(f"sglang is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
-    path = root / "srt" / "mem_cache" / "pool_host" / "mamba.py"
-    tree = ast.parse(path.read_text(), filename=str(path))
-    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MambaPoolHost")
-    funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in BORROWED]
-    missing = set(BORROWED) - {f.name for f in funcs}
-    if missing:
-        raise ImportError(f"sglang's MambaPoolHost has no {sorted(missing)}: not sglang {SGLANG_VERSION}?")
-    future = ast.ImportFrom(module="__future__", names=[ast.alias(name="annotations")], level=0)
-    module = ast.Module(body=[future, *funcs], type_ignores=[])
-    ast.fix_missing_locations(module)
     import numpy as np
     import torch
 
@@ -49,22 +34,14 @@ def _borrowed_methods() -> dict[str, Any]:
         return torch.zeros(dims, dtype=dtype, device=device)
 
     namespace: dict[str, Any] = {"torch": torch, "np": np, "ALLOC_MEMORY_FUNCS": {"cpu": alloc_cpu}}
-    exec(compile(module, str(path), "exec"), namespace)
-    return {name: namespace[name] for name in BORROWED}
+    return borrowed_methods("mamba.py", "MambaPoolHost", BORROWED, namespace)
 
 
-class MambaHostPoolStandIn:
+class MambaHostPoolStandIn(BorrowingStandIn):
     """A Mamba host pool (one state slot per page) with SGLang's own page code."""
 
     init_kv_buffer: Any  # set from SGLang's source on the first construction
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> MambaHostPoolStandIn:
-        global _METHODS
-        if _METHODS is None:
-            _METHODS = _borrowed_methods()
-            for name, method in _METHODS.items():
-                setattr(cls, name, method)
-        return super().__new__(cls)
+    borrow = staticmethod(_borrowed_methods)
 
     def __init__(
         self,

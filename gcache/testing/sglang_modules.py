@@ -70,21 +70,28 @@ def load_sglang_storage() -> tuple[types.ModuleType, Any]:
     return hicache_storage, StorageBackendFactory
 
 
-def _borrowed_methods() -> dict[str, Any]:
-    """SGLang's MHATokenToKVPoolHost methods, compiled from its installed source."""
+def borrowed_methods(source: str, class_name: str, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
+    """Methods `names` of SGLang's class `class_name` in srt/mem_cache/pool_host/`source`,
+    compiled from its installed source into `namespace` (the globals they need)."""
     root = sglang_root()
     if root is None:
         raise ImportError(f"sglang is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
-    path = root / "srt" / "mem_cache" / "pool_host" / "mha.py"
+    path = root / "srt" / "mem_cache" / "pool_host" / source
     tree = ast.parse(path.read_text(), filename=str(path))
-    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MHATokenToKVPoolHost")
-    funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in BORROWED]
-    missing = set(BORROWED) - {f.name for f in funcs}
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    funcs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    missing = set(names) - {f.name for f in funcs}
     if missing:
-        raise ImportError(f"sglang's MHATokenToKVPoolHost has no {sorted(missing)}: not sglang {SGLANG_VERSION}?")
+        raise ImportError(f"sglang's {class_name} has no {sorted(missing)}: not sglang {SGLANG_VERSION}?")
     future = ast.ImportFrom(module="__future__", names=[ast.alias(name="annotations")], level=0)
     module = ast.Module(body=[future, *funcs], type_ignores=[])
     ast.fix_missing_locations(module)
+    exec(compile(module, str(path), "exec"), namespace)
+    return {name: namespace[name] for name in names}  # decorators (@property) kept
+
+
+def _borrowed_methods() -> dict[str, Any]:
+    """SGLang's MHATokenToKVPoolHost methods, compiled from its installed source."""
     import torch
 
     def alloc_cpu(
@@ -93,26 +100,31 @@ def _borrowed_methods() -> dict[str, Any]:
         return torch.zeros(dims, dtype=dtype, device=device)
 
     namespace: dict[str, Any] = {"torch": torch, "ALLOC_MEMORY_FUNCS": {"cpu": alloc_cpu}, "PageUnifiedLayout": None}
-    exec(compile(module, str(path), "exec"), namespace)
-    return {name: namespace[name] for name in BORROWED}  # decorators (@property) kept
+    return borrowed_methods("mha.py", "MHATokenToKVPoolHost", BORROWED, namespace)
 
 
-_METHODS: dict[str, Any] | None = None
+class BorrowingStandIn:
+    """A stand-in whose page methods are SGLang's own, set on the class from SGLang's
+    source (`borrow()`) when the first one is built (SGLang may be absent at import)."""
+
+    @staticmethod
+    def borrow() -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__dict__.get("_borrowed", False):
+            for name, method in cls.borrow().items():
+                setattr(cls, name, method)
+            cls._borrowed = True
+        return super().__new__(cls)
 
 
-class HostPoolStandIn:
+class HostPoolStandIn(BorrowingStandIn):
     """An MHA host pool on the CPU, with SGLang's own page arithmetic (see module doc)."""
 
     # set from SGLang's source on the first construction (BORROWED); declared for the type checker
     init_kv_buffer: Callable[[], Any]
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> HostPoolStandIn:
-        global _METHODS
-        if _METHODS is None:
-            _METHODS = _borrowed_methods()
-            for name, method in _METHODS.items():
-                setattr(cls, name, method)
-        return super().__new__(cls)
+    borrow = staticmethod(_borrowed_methods)
 
     def __init__(
         self,

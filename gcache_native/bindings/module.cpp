@@ -10,6 +10,7 @@ void bind_io(py::module_& m);           // client/io_bindings.cpp (client-side s
 void bind_ketama(py::module_& m);       // client/ketama.cpp (batch placement hashes)
 void bind_shm_copy(py::module_& m);     // client/shm_copy.cpp (one-sided copies, client side)
 void bind_copy_ranges(py::module_& m);  // client/copy_ranges.cpp (batched memcpys: the host mover)
+void bind_shm_scatter(py::module_& m);  // client/shm_scatter.cpp (arena -> KV blocks, checked first)
 void bind_cuda_copy(py::module_& m);    // client/cuda_copy.cpp (batched CUDA copies: the GPU mover)
 void bind_client_core(py::module_& m);  // client/core_bindings.cpp (the native client core)
 
@@ -29,6 +30,7 @@ PYBIND11_MODULE(_native, m) {
   bind_ketama(m);
   bind_shm_copy(m);
   bind_copy_ranges(m);
+  bind_shm_scatter(m);
   bind_cuda_copy(m);
   bind_client_core(m);
 }

@@ -19,6 +19,15 @@ constexpr uint32_t kMetaBytesMax = 16 << 20;  // the protocol's limit on a map (
 // Values left to read at least this large go straight into their targets.
 constexpr size_t kDirectReadBytesMin = 16 << 10;
 std::atomic<uint64_t> request_ids{uint64_t(1) << 62};  // apart from the Python client's counter
+
+// After a partial sendmsg / recvmsg of `moved` bytes: skip the iovecs it finished, trim the next.
+void advance(std::vector<iovec>& iov, size_t* first, size_t moved) {
+  while (*first < iov.size() && moved >= iov[*first].iov_len) moved -= iov[(*first)++].iov_len;
+  if (*first < iov.size()) {
+    iov[*first].iov_base = static_cast<uint8_t*>(iov[*first].iov_base) + moved;
+    iov[*first].iov_len -= moved;
+  }
+}
 }  // namespace
 
 uint64_t next_request_id() { return request_ids.fetch_add(1, std::memory_order_relaxed); }
@@ -69,12 +78,7 @@ bool Channel::send(std::vector<iovec>& iov, CoreError* e) {
       if (errno == EINTR) continue;
       return io_failed(true, e);
     }
-    size_t moved = size_t(r);
-    while (first < iov.size() && moved >= iov[first].iov_len) moved -= iov[first++].iov_len;
-    if (first < iov.size()) {
-      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + moved;
-      iov[first].iov_len -= moved;
-    }
+    advance(iov, &first, size_t(r));
   }
   return true;
 }
@@ -192,12 +196,7 @@ bool Channel::read_into(std::vector<iovec>& iov, CoreError* e) {
       e->kind = ErrorKind::Closed;
       return false;
     }
-    size_t moved = size_t(r);
-    while (first < iov.size() && moved >= iov[first].iov_len) moved -= iov[first++].iov_len;
-    if (first < iov.size()) {
-      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + moved;
-      iov[first].iov_len -= moved;
-    }
+    advance(iov, &first, size_t(r));
   }
   return true;
 }

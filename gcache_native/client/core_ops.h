@@ -37,6 +37,22 @@ struct GetAnswer {
 struct ValueSink {
   std::vector<iovec> targets;
   std::function<void(const std::vector<int64_t>& sizes, std::vector<uint8_t*>* dests)> allocate;
+
+  // Where each found value (lens[j] >= 0) goes; a target too small for its value gets
+  // none and is marked TooSmall in `outcome` (never write past a caller's buffer).
+  std::vector<uint8_t*> destinations(const std::vector<int64_t>& lens, std::vector<Outcome>* outcome) {
+    std::vector<uint8_t*> dests(lens.size(), nullptr);
+    if (allocate) {
+      allocate(lens, &dests);
+      return dests;
+    }
+    for (size_t j = 0; j < lens.size(); ++j) {
+      if (lens[j] < 0) continue;
+      if (uint64_t(lens[j]) > targets[j].iov_len) (*outcome)[j] = Outcome::TooSmall;
+      else dests[j] = static_cast<uint8_t*>(targets[j].iov_base);
+    }
+    return dests;
+  }
 };
 
 struct PutAnswer {

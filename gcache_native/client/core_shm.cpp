@@ -86,16 +86,7 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   const int64_t lease = r.lease;
   out->sizes = r.lens;
   out->outcome.assign(n, Outcome::Miss);
-  std::vector<uint8_t*> dests(n, nullptr);
-  if (sink.allocate) {
-    sink.allocate(r.lens, &dests);
-  } else {
-    for (size_t j = 0; j < n; ++j) {
-      if (r.lens[j] < 0) continue;
-      if (uint64_t(r.lens[j]) > sink.targets[j].iov_len) out->outcome[j] = Outcome::TooSmall;
-      else dests[j] = static_cast<uint8_t*>(sink.targets[j].iov_base);
-    }
-  }
+  const std::vector<uint8_t*> dests = sink.destinations(r.lens, &out->outcome);
   // Inline values, in key order (checked by the node before it sent them).
   for (size_t j = 0; j < n; ++j) {
     if (r.lens[j] < 0 || !r.inl[j]) continue;

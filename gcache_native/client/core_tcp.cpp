@@ -158,19 +158,7 @@ bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_
                                  " bytes but its lengths add up to " + std::to_string(found));
   out->sizes = r.lens;
   out->outcome.assign(n, Outcome::Miss);
-  std::vector<uint8_t*> dests(n, nullptr);
-  if (sink.allocate) {
-    sink.allocate(r.lens, &dests);
-  } else {
-    for (size_t j = 0; j < n; ++j) {
-      if (r.lens[j] < 0) continue;
-      if (uint64_t(r.lens[j]) > sink.targets[j].iov_len) {
-        out->outcome[j] = Outcome::TooSmall;  // never write past a caller's buffer
-      } else {
-        dests[j] = static_cast<uint8_t*>(sink.targets[j].iov_base);
-      }
-    }
-  }
+  const std::vector<uint8_t*> dests = sink.destinations(r.lens, &out->outcome);
   // The values in key order: runs of ones that fit go in one scatter read; the rest are skipped.
   std::vector<iovec> iov;
   for (size_t j = 0; j < n; ++j) {

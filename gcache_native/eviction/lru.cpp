@@ -31,20 +31,31 @@ void LruPolicy::on_exists(Entry* const* in_memory, const uint64_t*, size_t n, si
     if (in_memory[i]) on_read(in_memory[i]);
 }
 
-EvictionPolicy::Step LruPolicy::next(Entry** victim, OwnerId owner) {
-  ChainQueues<Entry>* from = nullptr;
+namespace {
+
+// The oldest head among `owner`'s lists (every owner's for kAnyOwner), and its list in *from.
+template <class Map, class Queues>
+Entry* coldest_head(Map& queues_by_owner, OwnerId owner, uint64_t tick, Queues** from) {
   Entry* e = nullptr;
   double oldest = -1;
-  for (auto& [id, queues] : queues_) {
+  for (auto& [id, queues] : queues_by_owner) {
     if (owner != kAnyOwner && id != owner) continue;
     double age;
-    Entry* head = queues.coldest(1.0, tick_, &age);
+    Entry* head = queues.coldest(1.0, tick, &age);
     if (head && age > oldest) {
       e = head;
-      from = &queues;
+      *from = &queues;
       oldest = age;
     }
   }
+  return e;
+}
+
+}  // namespace
+
+EvictionPolicy::Step LruPolicy::next(Entry** victim, OwnerId owner) {
+  ChainQueues<Entry>* from = nullptr;
+  Entry* e = coldest_head(queues_, owner, tick_, &from);
   if (!e) return Step::Empty;
   if (e->leases > 0 || e->pins > 0) {
     from->requeue(e);
@@ -57,18 +68,8 @@ EvictionPolicy::Step LruPolicy::next(Entry** victim, OwnerId owner) {
 }
 
 Entry* LruPolicy::peek(OwnerId owner) const {
-  Entry* e = nullptr;
-  double oldest = -1;
-  for (auto& [id, queues] : queues_) {
-    if (owner != kAnyOwner && id != owner) continue;
-    double age;
-    Entry* head = queues.coldest(1.0, tick_, &age);
-    if (head && age > oldest) {
-      e = head;
-      oldest = age;
-    }
-  }
-  return e;
+  const ChainQueues<Entry>* from = nullptr;
+  return coldest_head(queues_, owner, tick_, &from);
 }
 
 void LruPolicy::coldest_first(std::vector<Entry*>* out) const {

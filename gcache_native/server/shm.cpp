@@ -324,15 +324,12 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
       continue;
     }
     Reservation r;
+    // begin_put counts an Exists or a NoSpace itself (as for PUT_BATCH): not again here.
     const PutStatus s = store_->begin_put(b.keys[i], b.lens[i], &r, owner_of(c, config_.tenants.get(), b.keys[i]));
     group.statuses[i] = uint8_t(s);
     if (s == PutStatus::Stored) {
       group.reservations[i] = r;
       group.budget_bytes += b.lens[i];
-    } else if (s == PutStatus::Exists) {
-      metrics_->puts_exists++;
-    } else if (s == PutStatus::NoSpace) {
-      metrics_->puts_no_space++;
     }
   }
   if (budgeted && total > group.budget_bytes) reservations_.release(c->owner, total - group.budget_bytes);

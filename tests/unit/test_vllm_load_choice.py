@@ -92,8 +92,24 @@ def test_the_async_tax_counts_steps_parked_and_the_others_step_times():
     tax.scheduled("r", now=4.0)
     c = stats.snapshot()
     assert (c["remote_waits"], c["remote_wait_s"], c["remote_wait_steps"]) == (1, 3.5, 2)
+    assert c["remote_waits_one_step"] == 0  # it waited 2 steps
     assert (c["steps_plain"], c["step_plain_s"]) == (1, 1.0)
     assert (c["steps_loading"], c["step_loading_s"]) == (2, 3.0)
     assert costs.recent_step_s() == 1.0  # only plain steps weigh a load
     tax.finished("a")
     assert not tax.others_running("r")
+
+
+def test_the_async_tax_counts_the_waits_of_at_most_one_step():
+    from gcache.integrations.vllm.kv.async_tax import AsyncTax
+    from gcache.integrations.vllm.kv.stats import ConnectorStats
+
+    stats = ConnectorStats()
+    tax = AsyncTax(stats, LoadCosts())
+    tax.step({"a"}, set(), now=0.0)
+    tax.park("q", now=0.5)  # planned while step 2 is scheduled...
+    tax.step({"a"}, set(), now=1.0)
+    tax.step({"a", "q"}, set(), now=2.0)  # ...and runs in step 3: it waited 1 step
+    tax.scheduled("q", now=2.0)
+    c = stats.snapshot()
+    assert (c["remote_waits"], c["remote_wait_steps"], c["remote_waits_one_step"]) == (1, 1, 1)

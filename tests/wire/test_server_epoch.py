@@ -19,6 +19,7 @@ from gcache.cluster.cluster_map import ACTIVE, ClusterMap, NodeInfo
 from gcache.cluster.placement import Placement
 from gcache.server.rebalance import Rebalancer
 from gcache.wire.protocol import FrameStatus, encode_keys_meta
+from gcache.wire.worth import WORTH_VERSION
 from tests.support import waiting
 from tests.support.raw_protocol import (
     BAD_FRAME,
@@ -112,7 +113,14 @@ def test_ping_answers_epoch_and_map_whatever_the_request_epoch(node):
     with RawConnection(node.port) as c:
         answer = c.ping()
         assert len(answer["instance"]) == 16  # random per server start (hex)
-        assert answer == {"version": "0.1.0", "epoch": 5, "map": MAP, "instance": answer["instance"], "cks": [0, 1]}
+        assert answer == {
+            "version": "0.1.0",
+            "epoch": 5,
+            "map": MAP,
+            "instance": answer["instance"],
+            "cks": [0, 1],
+            "worth": WORTH_VERSION,
+        }
         frame = c.request(PING, {"epoch": 1})
         assert frame.status == OK and frame.meta["map"] == MAP
     node.set_cluster_map(6, b"")
@@ -123,6 +131,7 @@ def test_ping_answers_epoch_and_map_whatever_the_request_epoch(node):
             "map": b"",
             "instance": answer["instance"],
             "cks": [0, 1],
+            "worth": WORTH_VERSION,
         }
 
 

@@ -17,7 +17,7 @@ import threading
 from contextlib import contextmanager
 
 from gcache import errors
-from gcache._native import shm_read_into, shm_read_values, shm_write_from
+from gcache._native import shm_read_into, shm_read_scatter, shm_read_values, shm_write_from
 from gcache.client import pipeline
 from gcache.client.arena import Arena
 from gcache.client.connection import Connection
@@ -97,6 +97,12 @@ class MappedArena(Arena):
     def read_into(self, offsets, lens, sums, dests, verify: bool, kinds=()) -> list[int]:
         with self._use() as arena:
             return shm_read_into(arena, offsets, lens, sums, dests, self.threads, verify, list(kinds))
+
+    def read_scatter(self, offsets, lens, sums, kinds, first, dst, at, run_lens, verify: bool) -> list[int]:
+        """Each value (lens[i] >= 0) into its runs (client/scatter.py), checked before copied;
+        the indices that failed their checksum."""
+        with self._use() as arena:
+            return shm_read_scatter(arena, offsets, lens, sums, list(kinds), first, dst, at, run_lens, verify)
 
     def read_values(self, offsets, lens, sums, verify: bool, kinds=()):
         with self._use() as arena:

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar, cast
 from gcache import errors
 from gcache.client.api import Client
 from gcache.common.breaker import Breaker
+from gcache.integrations.common.counters import Counters
 from gcache.wire.worth import Worth
 
 # Failures of the store or the path to it: the store goes suspect.
@@ -33,6 +34,17 @@ OUTAGE = (
 PARTIAL = (errors.BufferTooSmallError, errors.ValueTooLargeError, errors.ChecksumMismatchError)
 
 T = TypeVar("T")
+
+# What the store was asked, per value, as the node counts it (`wire`): a put answered True was
+# stored or already there (node: puts_stored + puts_exists), one answered False the node
+# refused (puts_no_space, puts_too_large, checksum_failures_put); a get found (hits) or not
+# (misses). "unanswered": the call failed on the way (a timeout, a lost connection): the node
+# may have served those values or not. "unsent": the store was suspect, nothing was sent.
+WIRE_COUNTERS = tuple(
+    f"{op}_values_{outcome}"
+    for op in ("put", "get")
+    for outcome in ("answered_yes", "answered_no", "unanswered", "unsent")
+)
 
 
 class Counts(Protocol):
@@ -60,6 +72,7 @@ class GuardedStore:
         self.log = log
         self.remove_corrupt = remove_corrupt
         self._breaker = Breaker(suspect_s)
+        self.wire = Counters(WIRE_COUNTERS)
 
     @property
     def down(self) -> bool:
@@ -69,9 +82,25 @@ class GuardedStore:
     # -- the guard -------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[..., T], failed: T, *args: Any) -> T:
+        return self._attempt(what, fn, failed, *args)[0]
+
+    def _tallied(self, op: str, fn: Callable[..., list[Any]], failed: list[Any], *args: Any) -> list[Any]:
+        """A put or get, counted per value in `wire` by what became of it."""
+        answer, outcome = self._attempt(op, fn, failed, *args)
+        n = len(failed)
+        if outcome != "answered":
+            self.wire.count(f"{op}_values_{outcome}", n)
+            return answer
+        yes = sum(1 for a in answer if a) if op == "put" else sum(1 for a in answer if a is not None)
+        self.wire.count(f"{op}_values_answered_yes", yes)
+        self.wire.count(f"{op}_values_answered_no", n - yes)
+        return answer
+
+    def _attempt(self, what: str, fn: Callable[..., T], failed: T, *args: Any) -> tuple[T, str]:
+        """The answer, and "answered", "unanswered" (the call failed) or "unsent" (suspect)."""
         if self._breaker.is_suspect():
             self.stats.count("calls_while_suspect")
-            return failed
+            return failed, "unsent"
         try:
             answer = fn(*args)
         except PARTIAL as exc:
@@ -89,14 +118,14 @@ class GuardedStore:
                     exc,
                     self.suspect_s,
                 )
-            return failed
+            return failed, "unanswered"
         except errors.GCacheError as exc:  # bad arguments or a closed client: not an outage
             self.stats.count("store_errors")
             self.log.error("GCache %s failed: %s", what, exc)
-            return failed
+            return failed, "unanswered"
         if self._breaker.succeed():
             self.log.warning("GCache store at %s answers again", getattr(self.client, "address", "?"))
-        return answer
+        return answer, "answered"
 
     def _drop(self, keys: list[bytes]) -> None:
         try:
@@ -120,7 +149,19 @@ class GuardedStore:
         buffers: addresses or writable views."""
         if not keys:
             return []
-        return self._call("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
+        return self._tallied("get", self.client.batch_get_into, [None] * len(keys), keys, buffers, sizes)
+
+    @property
+    def can_scatter(self) -> bool:
+        """Whether get_scatter reads straight from the store's shared memory (same host, shm)."""
+        return bool(getattr(self.client, "can_scatter", False))
+
+    def get_scatter(self, keys: list[bytes], runs: Any) -> list[int | None]:
+        """As get_into, each value straight into its runs (gcache.client.scatter.ScatterRuns);
+        a value that fails its checksum writes nothing."""
+        if not keys:
+            return []
+        return self._tallied("get", self.client.batch_get_scatter, [None] * len(keys), keys, runs)
 
     def put_from(
         self, keys: list[bytes], buffers: list[Any], sizes: list[int] | None = None, worth: list[Worth] | None = None
@@ -129,8 +170,8 @@ class GuardedStore:
         if not keys:
             return []
         if worth is None:
-            return self._call("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
-        return self._call("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes, None, worth)
+            return self._tallied("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes)
+        return self._tallied("put", self.client.batch_put_from, [False] * len(keys), keys, buffers, sizes, None, worth)
 
     def remove(self, keys: list[bytes]) -> bool:
         """True when every key is gone (removed now, or absent already)."""

@@ -42,6 +42,11 @@ class JobQueue(Generic[Job]):
         with self._cv:
             return not self._closed and len(self._queue) < self.jobs_max
 
+    def pending(self) -> int:
+        """Jobs queued or running now."""
+        with self._cv:
+            return len(self._queue) + self._running
+
     def _loop(self) -> None:
         while True:
             with self._cv:

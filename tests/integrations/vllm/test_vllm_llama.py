@@ -1,7 +1,8 @@
 """GCacheConnector in a real vLLM engine, Llama-style model (one full-attention KV group).
 
 One store, then fresh engine processes in turn: a connector-less baseline, A (cold: saves),
-another model (never hits A's pages), and B (prefetch off: the worker reads the store),
+another model (never hits A's pages), and B (prefetch off: the worker reads the store, straight
+from its shared memory into the KV blocks: the direct load),
 which serves four prompts and between them has the store changed under it: a page's bytes
 flipped in the server's memory, a middle page removed, the server killed. B's every output equals the baseline's exactly (tokens and
 top-3 logprobs); only its hit counts differ.
@@ -89,6 +90,8 @@ def test_fresh_process_hits_and_matches_the_connectorless_run_exactly(runs):
     assert b[0]["num_cached_tokens"] == PAGES * BLOCK_SIZE  # P1's 6 pages, from the store
     assert same_output(b[0], base[0])
     assert runs["b"]["counters"]["scheduler"]["loads_sync"] >= 1
+    worker = runs["b"]["counters"]["worker"]
+    assert worker["values_loaded_direct"] == worker["values_loaded"] >= PAGES  # arena -> blocks, no staging
 
 
 def test_a_page_with_flipped_bytes_is_recomputed_not_served(runs):

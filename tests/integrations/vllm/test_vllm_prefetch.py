@@ -1,6 +1,8 @@
 """GCacheConnector's prefetch and load choice in a real vLLM engine (Llama-style tiny model):
 a request's prefix is read into staging when it arrives (on_new_request), and the scheduler
-plans a copy from staging once it is there.
+plans a copy from staging once it is there. With a same-host store over shared memory the
+connector loads straight from it instead (test_vllm_llama.py), so these engines set
+gcache_direct_loads off: the staging path is what a remote store or a GPU gets.
 
 One store; A saves every prompt; a fresh engine B then serves, between gates: a plain hit; a
 request arriving while the store is paused (SIGSTOP: a store that does not answer), which
@@ -54,7 +56,7 @@ def runs(models, tmp_path_factory):
         out["a"] = run_engine(dict(gcache_spec(model, url, [P1, P2, P3, P4, *BATCH]), max_tokens=1), work / "a")
         tags = out["a"]["counters"]["value_tags"]
         # A store that does not answer: long client timeouts, so only the prefetch's own wait ends it.
-        extra = dict(gcache_prefetch_wait_s=0.5, gcache_timeout_s=30.0, gcache_suspect_s=0.0)
+        extra = dict(gcache_prefetch_wait_s=0.5, gcache_timeout_s=30.0, gcache_suspect_s=0.0, gcache_direct_loads=False)
         spec = dict(gcache_spec(model, url, [P1, P2, P3, P3, P4], **extra), gates=[1, 3, 4], abort_prompts=[2])
         b = EngineRun(dict(spec, reset_between=True), work / "b")
         try:
@@ -71,7 +73,8 @@ def runs(models, tmp_path_factory):
         finally:
             server.proc.send_signal(signal.SIGCONT)
             b.kill()
-        batch = dict(gcache_spec(model, url, BATCH, gcache_prefetch_mib=PREFETCH_MIB), together=True, **SMALL_KV)
+        staging = dict(gcache_prefetch_mib=PREFETCH_MIB, gcache_direct_loads=False)
+        batch = dict(gcache_spec(model, url, BATCH, **staging), together=True, **SMALL_KV)
         out["batch"] = run_engine(batch, work / "batch")
         yield out
     finally:

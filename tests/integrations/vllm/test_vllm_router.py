@@ -281,6 +281,31 @@ def test_the_router_tokenizes_every_prompt_as_the_engine_does(stack):
     assert res["stored_agreement"] == 1.0
 
 
+def wait_routers_hold(stack, worker: str, messages: list[dict]) -> None:
+    """Until every router's view has the worker holding this chat prompt's whole blocks: the
+    engine's KV events for them are in Redis (through its translator), and each router's view of
+    the worker has caught up with Redis (its page count equals the worker's page hash there).
+    Routing the next turn before that depends on the events' publish lag."""
+    import redis as redis_py
+
+    from gcache.router.engine_prompts import ModelTokenizer
+    from gcache.serving.redis_layout import Keys, id_bytes, page_ids
+
+    ids = ModelTokenizer(str(stack["model"])).tokens(True, {"model": MODEL, "messages": messages})
+    want = [id_bytes(p) for p in page_ids(ids, BLOCK)[: len(ids) // BLOCK]]
+    key = Keys().pages(worker)
+    r = redis_py.Redis.from_url(stack["redis"].url)
+    try:
+        wait_until(lambda: all(f is not None for f in r.hmget(key, want)), f"{worker}'s pages of the prompt in Redis")
+        for router in stack["routers"]:
+            wait_until(
+                lambda router=router: workers_seen(router).get(worker, {}).get("pages") == r.hlen(key),
+                f"{router.name}'s view of {worker} caught up with Redis",
+            )
+    finally:
+        r.close()
+
+
 def test_conversations_stay_on_the_engine_holding_their_prefix_and_hit_there(stack):
     routers, engines = stack["routers"], {stack["a"].url, stack["b"].url}
     convs = {i: conversation_start(i) for i in range(4)}
@@ -305,6 +330,7 @@ def test_conversations_stay_on_the_engine_holding_their_prefix_and_hit_there(sta
             direct, _, _ = chat(port, msgs, stream=False)
             assert text == direct
             prev[i] = usage["prompt_tokens"]
+            wait_routers_hold(stack, worker, msgs)  # the next turn is routed by what this one stored
             msgs.append({"role": "assistant", "content": text})
             msgs.append({"role": "user", "content": f"Turn {turn + 1}: and then? Keep going, conversation {i}."})
 

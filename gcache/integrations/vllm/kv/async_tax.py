@@ -53,7 +53,9 @@ class AsyncTax:
             since, step = parked
             self.stats.count("remote_waits")
             self.stats.count("remote_wait_s", now - since)
-            self.stats.count("remote_wait_steps", self.steps - 1 - step)
+            waited = self.steps - 1 - step
+            self.stats.count("remote_wait_steps", waited)
+            self.stats.count("remote_waits_one_step", int(waited <= 1))
 
     def others_running(self, req_id: str) -> bool:
         return bool(self.running - {req_id})

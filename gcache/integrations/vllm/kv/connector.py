@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,6 +30,7 @@ from gcache.common.attention import AttentionKind
 from gcache.integrations.common.connect import connect
 from gcache.integrations.common.engine_boundary import EngineBoundary
 from gcache.integrations.common.guarded_store import GuardedStore
+from gcache.integrations.common.stats_file import StatsFile
 from gcache.integrations.vllm.events.setup import L3Events, l3_events
 from gcache.integrations.vllm.interval_stats import SummedIntervalStats
 from gcache.integrations.vllm.kv import link
@@ -127,9 +129,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 register_buffer=self.client.register_buffer,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = 0 if tp_size == 1 else get_tensor_model_parallel_rank()
+            rank = self._rank(tp_size)
             keys = PageKeys(model, self.settings.namespace, rank, tp_size, is_mla)
             self.worker_side = WorkerSide(
                 self.settings,
@@ -142,6 +142,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id,
                 steps_scheduled_ahead=1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0,
             )
+        self.stats_file: StatsFile | None = None
+        if self.settings.stats_dir is not None:
+            name = "scheduler.json" if role == KVConnectorRole.SCHEDULER else f"worker-{self._rank(tp_size)}.json"
+            path = Path(self.settings.stats_dir) / name
+            self.stats_file = StatsFile(path, self.counters, self.settings.stats_interval_s, log)
         log.info(
             "GCacheConnector (%s): store %s, groups %s, keys ...%s",
             role.name,
@@ -149,6 +154,12 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             [f"{g.kind}:{len(g.layer_names)}" for g in self.groups],
             rank_keys(model, self.settings.namespace, 1, is_mla)[0].builder.suffix,
         )
+
+    @staticmethod
+    def _rank(tp_size: int) -> int:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return 0 if tp_size == 1 else get_tensor_model_parallel_rank()
 
     # -- the boundary: nothing raises into vLLM ---------------------------------------------
 
@@ -165,8 +176,13 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: a dropped save is a later miss
 
     def counters(self) -> dict[str, float]:
+        """This half's totals since it started: the counters (stats.py), the store calls per
+        value by outcome (guarded_store.WIRE_COUNTERS), and gauges (what is held now)."""
         gauges = self.scheduler_side.gauges() if self.scheduler_side is not None else {}
-        return {**self.stats.snapshot(), **gauges}
+        transfers = self.worker_side.transfers if self.worker_side is not None else None
+        if transfers is not None:
+            gauges["saves_pending"] = transfers.saver.pending()  # steps whose puts are not done
+        return {**self.stats.snapshot(), **self.store.wire.snapshot(), **gauges}
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Worker side: waits (bounded) for every queued save; True when all were written.
@@ -273,9 +289,11 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         nothing: tuple[set[str], set[str], set[str]] = (set(), set(), set())
         meta = self._connector_metadata
-        idle = isinstance(meta, GCacheConnectorMetadata) and meta.idle
+        ours = isinstance(meta, GCacheConnectorMetadata)
+        idle = ours and meta.idle
+        wait_s = meta.load_wait_s if ours else 0.0
         sent, recving, failed = self._safely(
-            "results", nothing, self._worker().transfer_results, finished_req_ids, idle
+            "results", nothing, self._worker().transfer_results, finished_req_ids, idle, wait_s
         )
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recving, failed_recving=failed)
 
@@ -301,4 +319,6 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._safely("events", None, self.events.close)
         if self.worker_side is not None:
             self._safely("shutdown", None, self.worker_side.close)
+        if self.stats_file is not None:  # after the saves' last puts
+            self._safely("stats file", None, self.stats_file.close)
         self.client.close()

@@ -23,6 +23,7 @@ class WorkerLink:
     alloc_host: Callable[[int], memoryview]  # the worker mover's staging memory (pinned on a GPU)
     value_bytes: dict[int, int]  # per group index: one value's bytes
     segment_spans: dict[int, list[tuple[int, int]]]  # per group index: (offset, length) of its segments
+    direct: bool = False  # its loads go from the store's shared memory straight into the blocks
     # Set by the scheduler once its prefetch pool exists: the pool the worker copies staged
     # values from, and how the worker hands their slots back once its copy completed.
     staging: StagingPool | None = None

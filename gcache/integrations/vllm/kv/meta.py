@@ -37,6 +37,9 @@ class GCacheConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
     idle: bool = False  # the step runs no forward: the worker may wait briefly for a load in flight
+    # A step with a forward: how long the worker may wait at its end for a load in flight, so
+    # the load is reported in this step rather than the next (0: do not wait).
+    load_wait_s: float = 0.0
 
 
 @dataclass

@@ -62,7 +62,10 @@ log = logging.getLogger("gcache.integrations.vllm")
 NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's out-of-window slots)
 UNPLACED = -1  # a state load's block when vLLM gave none: the worker fails that load
 TRACKED_MAX = 65536  # requests tracked at once; beyond that new ones are neither loaded nor saved
-IDLE_PREFETCH_WAIT_S = 0.05  # an idle engine's scheduler waits this long per ask for a prefetch
+IDLE_PREFETCH_WAIT_S = 0.05  # an idle engine's scheduler waits this long per step for a prefetch
+# A busy step waits for prefetches and async loads at most gcache_load_step_fraction of a plain
+# step, and never longer than this (a step time measured on a stalled machine).
+BUSY_WAIT_MAX_S = 0.05
 
 
 @dataclass
@@ -139,7 +142,7 @@ class SchedulerSide:
         self._prefetch_checked = False  # whether prefetch was set up (or found impossible)
         self.tax = AsyncTax(stats, self.costs)
         self.digests = digests.from_env()  # debug only (transfer/digests.py)
-        self._idle_wait_left = IDLE_PREFETCH_WAIT_S  # this step's scheduler may still wait this long
+        self._waited_s = 0.0  # this step's scheduler waited this long for prefetches
 
     # -- requests -----------------------------------------------------------------------
 
@@ -254,6 +257,8 @@ class SchedulerSide:
         why = None
         if linked is None:
             why = "off, or the worker is in another process"
+        elif linked.direct:  # a load in the step costs about what a prefetch's read alone does
+            why = "off: loads go straight from the store's shared memory into the KV blocks"
         elif self.swa or any(g.kind != AttentionKind.FULL for g in self.groups) or len(self.rank_keys) != 1:
             why = "only for full-attention models at tensor parallel size 1"
         else:
@@ -300,10 +305,11 @@ class SchedulerSide:
             return None
         if not entry.done.is_set():
             left = self.settings.prefetch_wait_s - (time.monotonic() - entry.started)
-            if left > 0 and self._idle_wait_left > 0 and not self.tax.others_running(req_id):
-                started = time.monotonic()  # nobody else waits on this step (bounded per step)
-                entry.done.wait(min(left, self._idle_wait_left))
-                self._idle_wait_left -= time.monotonic() - started
+            budget = min(left, self._wait_budget(req_id) - self._waited_s)
+            if budget > 0:  # bounded per step: see _wait_budget
+                started = time.monotonic()
+                entry.done.wait(budget)
+                self._waited_s += time.monotonic() - started
             if not entry.done.is_set():
                 if left > 0:
                     return None, False
@@ -318,6 +324,18 @@ class SchedulerSide:
             return 0, False
         track.staged = True
         return end, False
+
+    def _wait_budget(self, req_id: str) -> float:
+        """How long this step's scheduler may wait for a prefetch in all. Idle: nobody else
+        waits on the step. Busy: as long as a load in the step may add (the load choice's
+        fraction of a plain step), since not waiting costs the request a whole step."""
+        if not self.tax.others_running(req_id):
+            return IDLE_PREFETCH_WAIT_S
+        return self.busy_wait_s()
+
+    def busy_wait_s(self) -> float:
+        """What a busy step may add to wait for a transfer that is about to land."""
+        return min(BUSY_WAIT_MAX_S, self.settings.load_step_fraction * self.costs.recent_step_s())
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -518,7 +536,7 @@ class SchedulerSide:
         cached = out.scheduled_cached_reqs
         running = {new.req_id for new in out.scheduled_new_reqs} | set(cached.req_ids)
         self.tax.step(running, {spec.req_id for spec in self.pending_loads}, now)
-        self._idle_wait_left = IDLE_PREFETCH_WAIT_S
+        self._waited_s = 0.0
         saves = []
         offers = boundary_offers(out, {g.index for g in self.states}, self.block_size) if self.states else {}
         for new in out.scheduled_new_reqs:
@@ -565,6 +583,7 @@ class SchedulerSide:
             saves=saves,
             preempted=preempted,
             idle=not any(out.num_scheduled_tokens.values()),
+            load_wait_s=self.busy_wait_s() if self.tax.parked else 0.0,
         )
 
     def worker_output(self, output: KVConnectorOutput) -> None:

@@ -43,6 +43,9 @@ class ConnectorSettings(StoreSettings):
     load_step_fraction: float = 0.5  # busy engine: a load in the step may add this much of a step
     sync_load_max_s: float = 0.25  # idle engine: a load longer than this runs between steps
     idle_wait_s: float = 0.01  # an empty step waits this long for a load in flight (report it now)
+    # Direct loads: CPU KV and a same-host store (shm): values go from the store's shared memory
+    # straight into the KV blocks, each checked first (one pass, no staging); prefetch is then off.
+    direct_loads: bool = True
     # Prefetch (prefetch.py): a request's stored prefix read into staging when it arrives.
     prefetch: bool = True
     prefetch_mib: int = 256  # staging memory for prefetched values
@@ -63,6 +66,10 @@ class ConnectorSettings(StoreSettings):
     kv_events_pages_max: int = 1 << 18  # announced pages remembered (LRU); the oldest withdrawn beyond
     kv_events_queue_max: int = 4096  # notices and event batches waiting; beyond: dropped, counted
     kv_events_confirm_s: float = 30.0  # a saved page not in the store after this is never announced
+    # Cumulative counters in JSON files (docs/vllm-loads.md): <dir>/scheduler.json and
+    # <dir>/worker-<rank>.json, rewritten every stats_interval_s and at shutdown. None: no files.
+    stats_dir: str | None = None
+    stats_interval_s: float = 5.0
 
     KNOWN = STORE_KEYS + (
         "gcache_model",
@@ -74,6 +81,7 @@ class ConnectorSettings(StoreSettings):
         "gcache_save_queue_jobs_max",
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
+        "gcache_direct_loads",
         "gcache_state_boundaries_max",
         "gcache_state_admission",
         "gcache_put_worth",
@@ -90,6 +98,8 @@ class ConnectorSettings(StoreSettings):
         "gcache_kv_events_pages_max",
         "gcache_kv_events_queue_max",
         "gcache_kv_events_confirm_s",
+        "gcache_stats_dir",
+        "gcache_stats_interval_s",
     )
 
     @property
@@ -134,6 +144,7 @@ class ConnectorSettings(StoreSettings):
             load_step_fraction=extra.number("gcache_load_step_fraction", cls.load_step_fraction, 0.0, 100.0),
             sync_load_max_s=extra.number("gcache_sync_load_max_s", cls.sync_load_max_s, 0.0, 600.0),
             idle_wait_s=extra.number("gcache_idle_wait_s", cls.idle_wait_s, 0.0, 1.0),
+            direct_loads=extra.flag("gcache_direct_loads", cls.direct_loads),
             prefetch=extra.flag("gcache_prefetch", cls.prefetch),
             prefetch_mib=extra.integer("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20),
             prefetch_requests_max=extra.integer("gcache_prefetch_requests_max", cls.prefetch_requests_max, 1, 1 << 16),
@@ -147,4 +158,6 @@ class ConnectorSettings(StoreSettings):
             kv_events_pages_max=extra.integer("gcache_kv_events_pages_max", cls.kv_events_pages_max, 1, 1 << 26),
             kv_events_queue_max=extra.integer("gcache_kv_events_queue_max", cls.kv_events_queue_max, 1, 1 << 20),
             kv_events_confirm_s=extra.number("gcache_kv_events_confirm_s", cls.kv_events_confirm_s, 0.1, 86400.0),
+            stats_dir=extra.name("gcache_stats_dir"),
+            stats_interval_s=extra.number("gcache_stats_interval_s", cls.stats_interval_s, 0.05, 3600.0),
         )

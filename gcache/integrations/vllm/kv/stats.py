@@ -15,9 +15,11 @@ COUNTERS = (
     "bytes_loaded",
     "load_failed_values",  # values missing, short or corrupt: their blocks are recomputed
     "load_values_no_staging",  # values not loaded: no free load slots
+    "values_loaded_direct",  # of values_loaded: straight from the store's shared memory into the blocks
     "loads_refused_queue_full",
     "loads_async",
     "loads_sync",
+    "save_values_offered",  # values of the pages a step completed: saved, skipped, failed or dropped
     "values_saved",  # (page, group) values written
     "bytes_saved",
     "values_skipped_existing",
@@ -25,6 +27,7 @@ COUNTERS = (
     "save_pages_dropped",  # the put queue was full
     "save_pages_dropped_staging",  # no free save slots
     "save_pages_dropped_load_failed",  # computed in a step whose synchronous load failed (issue 37)
+    "save_values_dropped",  # the values of the pages dropped (any of the three reasons)
     "swa_values_saved",
     "state_values_offered",  # boundary states vLLM offered that the scheduler planned to save
     "state_values_queued",  # ...that the worker queued for the store
@@ -45,6 +48,7 @@ COUNTERS = (
     "staged_bytes_loaded",
     # The async tax: a load between steps parks its request in WAITING_FOR_REMOTE_KVS...
     "remote_waits",  # requests that left it (scheduled after their load)
+    "remote_waits_one_step",  # of those, the ones that waited at most 1 engine step (the median's goal)
     "remote_wait_steps",  # engine steps they spent there, summed
     # ...and a load in the step makes the others' step longer: steps that ran other requests,
     # with a load in the step or in flight, and without.

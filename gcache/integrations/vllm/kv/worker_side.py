@@ -165,12 +165,16 @@ class WorkerSide:
         self.transfers = Transfers(mover, values, swa, pools[0], pools[1], self.store, self.stats, self.settings)
         self.value_bytes = {g: v.value_bytes for g, v in values.items()}
         self.link = link.WorkerLink(
-            mover.alloc_host, dict(self.value_bytes), {g: v.segment_spans() for g, v in values.items()}
+            mover.alloc_host,
+            dict(self.value_bytes),
+            {g: v.segment_spans() for g, v in values.items()},
+            direct=self.transfers.direct,
         )
         link.publish(self.engine_id, self.link)
         log.info(
-            "GCacheConnector worker: %s mover, values %s, staging %d MiB",
+            "GCacheConnector worker: %s mover%s, values %s, staging %d MiB",
             mover.describe(),
+            ", loads straight from the store's shared memory" if self.transfers.direct else "",
             {g: f"{t.tag} ({values[g].value_bytes} B)" for g, t in self.tags.items()},
             self.settings.staging_bytes >> 20,
         )
@@ -183,13 +187,17 @@ class WorkerSide:
             raise RuntimeError("GCacheConnector worker: a step before vLLM registered its KV caches")
         return self.transfers
 
-    def _pages(self, refs: Iterable[PageRef]) -> list[Page]:
+    def _pages(self, refs: Iterable[PageRef], keys: bool = True) -> list[Page]:
+        """The pages of `refs`; without their store keys when `keys` is False (a staged load
+        only copies: no per-page key built on the step's path)."""
+        if not keys:
+            return [Page(ref.group, [], ref.block_id) for ref in refs]
         out = []
         for ref in refs:
             group = self.groups[ref.group]
-            keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
+            value_keys = self.keys.value_keys(ref.page_hash, group, self.tags[ref.group])
             worth = value_worth(group, ref.tokens) if self.settings.put_worth else None
-            out.append(Page(ref.group, keys, ref.block_id, worth))
+            out.append(Page(ref.group, value_keys, ref.block_id, worth))
         return out
 
     def _writes(self, ref: PageRef) -> bool:
@@ -201,7 +209,7 @@ class WorkerSide:
     def start_load(self, meta: GCacheConnectorMetadata) -> None:
         for spec in meta.loads:
             try:
-                pages = self._pages(spec.pages)
+                pages = self._pages(spec.pages, keys=not spec.staged)
             except Exception as exc:  # a bad key: fail these pages, vLLM recomputes
                 log.error("GCache connector: load of %s refused: %s", spec.req_id, exc)
                 self._failed(spec.req_id, spec.asynchronous, {r.block_id for r in spec.pages})
@@ -289,14 +297,19 @@ class WorkerSide:
 
     # -- reports ------------------------------------------------------------------------
 
-    def transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+    def transfer_results(
+        self, finished_req_ids: set[str], idle: bool = False, busy_wait_s: float = 0.0
+    ) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving). `idle`: the step ran no
         forward, so nobody waits while it waits (bounded) for a load in flight to finish: the
-        load is reported in this step rather than the next (and its thread runs meanwhile)."""
+        load is reported in this step rather than the next (and its thread runs meanwhile).
+        `busy_wait_s`: a step with a forward waits that long at most (the scheduler's budget):
+        a load reported now is scheduled next step instead of a step later."""
         self.finished_saving |= set(finished_req_ids) & self.saving
         transfers = self._transfers()
-        if idle and self.settings.idle_wait_s > 0:
-            transfers.wait_loaded(self.settings.idle_wait_s)
+        wait_s = self.settings.idle_wait_s if idle else busy_wait_s
+        if wait_s > 0:
+            transfers.wait_loaded(wait_s)
         sent = self.finished_saving - transfers.copies_pending(self.finished_saving)
         self.finished_saving -= sent
         self.saving -= sent

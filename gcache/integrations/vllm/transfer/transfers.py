@@ -19,6 +19,11 @@ anything reaches the device) is never copied: its blocks are reported failed and
 recomputes them. Synchronous loads run the same way inside start_load, with the compute stream
 waiting for the copy before the forward.
 
+Direct loads (CPU KV, the store on this host over shm, one segment per value): no slot and no
+second copy. One LOOKUP, then one native pass copies each value from the store's shared memory
+into its blocks' runs, after checking the value's checksum on those bytes (a value that fails
+writes nothing: its blocks are recomputed). Sync and async loads both go this way then.
+
 Staged loads (the scheduler's prefetch read the values already, kv/prefetch.py) skip the read:
 one batched copy from the staged slots into the blocks, in the step or on the loader thread;
 the slots go back (`release`) once that copy completed.
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from gcache.client.scatter import ScatterRuns
 from gcache.integrations.common.job_queue import JobQueue
 from gcache.integrations.vllm.transfer import digests
 from gcache.integrations.vllm.transfer.movers.base import BlockMover, Event
@@ -86,6 +92,10 @@ class Staged(NamedTuple):
     release: Callable[[], None]  # once the copy from them completed
 
 
+def _u64(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.uint64)
+
+
 def _concat(parts: list[Copies]) -> Copies:
     if len(parts) == 1:
         return parts[0]
@@ -114,6 +124,14 @@ class Transfers:
         self.store = store
         self.stats = stats
         self.skip_existing = settings.skip_existing
+        # Straight from the store's shared memory into host KV (module text): memcpys need host
+        # blocks, and a segmented value's runs could straddle its segments.
+        self.direct = (
+            settings.direct_loads
+            and mover.name == "host"
+            and store.can_scatter
+            and all(v.segments == 1 for v in values.values())
+        )
         self.save_stream = mover.new_stream("save")
         self.load_stream = mover.new_stream("load")
         self.saver = JobQueue("gcache-vllm-saver", self._put, settings.save_queue_jobs_max, log)
@@ -143,12 +161,13 @@ class Transfers:
         some of these blocks go back to vLLM's pool after this step (sliding-window blocks)."""
         if not pages:
             return
+        self.stats.count("save_values_offered", sum(len(p.keys) for p in pages))
         if not self.saver.has_room():
-            self.stats.count("save_pages_dropped", len(pages))
+            self._dropped("save_pages_dropped", pages)
             return
         slots = self.save_pool.take_up_to(len(pages))
         if len(slots) < len(pages):  # the pool is full: the prefix first (a later page alone is never read)
-            self.stats.count("save_pages_dropped_staging", len(pages) - len(slots))
+            self._dropped("save_pages_dropped_staging", pages[len(slots) :])
             pages, req_ids = pages[: len(slots)], req_ids[: len(slots)]
             if not pages:
                 return
@@ -184,7 +203,11 @@ class Transfers:
         if not self.saver.submit(PutJob(keys, addresses, sizes, slots, copied, swa, told)):  # closed meanwhile
             self.mover.synchronize(copied)
             self.save_pool.give_back(slots)
-            self.stats.count("save_pages_dropped", len(pages))
+            self._dropped("save_pages_dropped", pages)
+
+    def _dropped(self, reason: str, pages: list[Page]) -> None:
+        self.stats.count(reason, len(pages))
+        self.stats.count("save_values_dropped", sum(len(p.keys) for p in pages))
 
     def _put(self, job: PutJob) -> None:
         start = time.perf_counter()
@@ -233,7 +256,14 @@ class Transfers:
         self.mover.synchronize(copied)
         mine = [pages[i] for i in ok]
         self._log_values("R", mine, np.asarray(addresses)[list(ok)], copied, tag)
-        for page in mine:
+        self._log_blocks(mine, tag)
+
+    def _log_blocks(self, pages: list[Page], tag: str) -> None:
+        """Debug (digests.py): each page's value as its block holds it (L), gathered back out."""
+        log_ = self.digests
+        if log_ is None:
+            return
+        for page in pages:
             values = self.values[page.group]
             buf, base = digests.host_buffer(values.value_bytes)
             back = values.gather([page.block_id], [base])
@@ -277,6 +307,40 @@ class Transfers:
         self.stats.count("load_failed_values", len(bad))
         return ok, {pages[i].block_id for i in bad}
 
+    def _fetch_direct(self, pages: list[Page]) -> set[int]:
+        """Reads the values straight into their blocks (module text): the blocks that failed.
+        The runs come from numpy per group; one call copies them all."""
+        keys: list[bytes] = []
+        sizes: list[int] = []
+        owner: list[int] = []  # page index of each key
+        parts: list[Copies] = []
+        counts: list[np.ndarray] = []
+        for g, values in self.values.items():
+            mine = [i for i, p in enumerate(pages) if p.group == g]
+            if not mine:
+                continue
+            # From slot address 0: each run's source is its offset within the value.
+            parts.append(values.scatter(np.zeros(len(mine), dtype=np.int64), [pages[i].block_id for i in mine]))
+            keys += [pages[i].keys[0] for i in mine]
+            sizes += [values.value_bytes] * len(mine)
+            owner += mine
+            counts.append(np.full(len(mine), values.runs_per_page, dtype=np.uint64))
+        if not keys:
+            return set()
+        copies = _concat(parts)
+        first = np.concatenate((np.zeros(1, dtype=np.uint64), np.cumsum(np.concatenate(counts), dtype=np.uint64)))
+        runs = ScatterRuns(sizes, first, _u64(copies.dst), _u64(copies.src), _u64(copies.sizes))
+        got = self.store.get_scatter(keys, runs)
+        bad = {owner[j] for j, (n, want) in enumerate(zip(got, sizes)) if n != want}
+        loaded = len(keys) - len(bad)
+        self.stats.count("values_loaded", loaded)
+        self.stats.count("values_loaded_direct", loaded)
+        self.stats.count("bytes_loaded", sum(n for j, n in enumerate(sizes) if owner[j] not in bad))
+        self.stats.count("load_failed_values", len(bad))
+        if self.digests is not None:
+            self._log_blocks([p for i, p in enumerate(pages) if i not in bad], "direct")
+        return {pages[i].block_id for i in bad}
+
     def _scatter(self, pages: list[Page], slots: list[int], ok: list[int], after: Event) -> Event:
         """Queues the copies of the pages read whole into their blocks; the copy's event."""
         return self._scatter_from(pages, self.load_pool.addresses(slots), ok, after)
@@ -298,9 +362,14 @@ class Transfers:
         than half the load pool goes in chunks (each chunk's copy completes before its slots
         are read into again)."""
         self._reap_landed()
+        start = time.perf_counter()
+        if self.direct:
+            try:
+                return self._fetch_direct(pages)
+            finally:
+                self.stats.count("load_s", time.perf_counter() - start)
         chunk = max(1, self.load_pool.slot_count // 2)  # leaves room for the loader thread
         failed: set[int] = set()
-        start = time.perf_counter()
         compute = self.mover.compute_stream()
         for at in range(0, len(pages), chunk):
             part = pages[at : at + chunk]
@@ -377,6 +446,9 @@ class Transfers:
         failed: set[int] = set()
         start = time.perf_counter()
         try:
+            if self.direct:
+                failed = self._fetch_direct(job.pages)
+                return
             chunk = max(1, self.load_pool.slot_count // 2)  # leaves room for synchronous loads
             for at in range(0, len(job.pages), chunk):
                 pages = job.pages[at : at + chunk]
