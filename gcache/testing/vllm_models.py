@@ -357,6 +357,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     results = []
     gates = set(spec.get("gates", ()))
+    if spec.get("batches"):  # [[prompt index, ...], ...]: each list one generate call, in order
+        for batch in spec["batches"]:
+            t0 = time.perf_counter()
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=spec["prompts"][i]) for i in batch], params, use_tqdm=False
+            )
+            results += [_result(out, time.perf_counter() - t0) for out in outs]
+        _flush_saves()
+        return dict(results=results, init_s=init_s, counters=_connector_counters(llm))
     if spec.get("together"):  # one batch: the engine schedules them side by side
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
