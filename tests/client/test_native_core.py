@@ -295,6 +295,21 @@ def test_one_key_calls_take_the_fast_path_and_answer_as_the_reference(node, monk
         assert native._pool.open_count == 1  # one connection served every call
 
 
+def test_the_spin_setting_is_checked_and_zero_turns_it_off(node, monkeypatch):
+    for bad in ("fast", "-1", "10001"):
+        monkeypatch.setenv(native_core.SPIN_ENV, bad)
+        with pytest.raises(errors.InvalidArgumentError, match="GCACHE_CLIENT_SPIN_US"):
+            gcache.Client(node.address, transport="tcp")
+    monkeypatch.setenv(native_core.SPIN_ENV, "0")  # every wait blocks at once: the same answers
+    for transport in ("tcp", "shm"):
+        with _client(node.address, "native", transport, monkeypatch) as c:
+            assert c.put(b"nospin" + transport.encode(), b"s" * 5000)
+            assert c.get(b"nospin" + transport.encode()) == b"s" * 5000 and c.get(b"nospin/none") is None
+            conn = c._pool.take_idle()
+            assert conn.native.spin_us == 0.0
+            c._pool.release(conn)
+
+
 def _outcome_of(call) -> tuple:
     """An error's type and message (and an AuthError's kind), or ("ok", the answer)."""
     try:
