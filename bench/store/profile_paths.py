@@ -310,14 +310,17 @@ def parse_strace(file: Path) -> dict[int, collections.Counter]:
 
 
 KERNEL_COPY = re.compile(r"copy_user|copy_to_iter|copy_from_iter|_copy_to_user|_copy_from_user|rep_movs|memcpy|memmove")
-USER_COPY = re.compile(r"memcpy|memmove|copy_streaming|__memmove")
+USER_COPY = re.compile(r"memcpy|memmove|copy_streaming|copy_bytes|__memmove")
 HASH = re.compile(r"XXH|xxh|checksum", re.I)
+FUSED = re.compile(r"fused_avx")  # common/xxh3_copy.cpp: the copy and its XXH3 in one pass
 
 
 def categorize(dso: str, sym: str) -> str:
     if dso.startswith("[kernel"):
         return "kernel copy" if KERNEL_COPY.search(sym) else "kernel other"
     if "_native" in dso:
+        if FUSED.search(sym):
+            return "native copy+hash (fused)"
         if HASH.search(sym):
             return "native hash"
         return "native copy" if USER_COPY.search(sym) else "native other"

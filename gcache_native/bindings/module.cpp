@@ -4,6 +4,7 @@
 namespace py = pybind11;
 
 void bind_checksum(py::module_& m);     // common/checksum.cpp
+void bind_xxh3_copy(py::module_& m);    // common/xxh3_copy.cpp (copy + XXH3 in one pass)
 void bind_store(py::module_& m);        // bindings/store_bindings.cpp
 void bind_server(py::module_& m);       // bindings/server_bindings.cpp
 void bind_io(py::module_& m);           // client/io_bindings.cpp (client-side socket helpers)
@@ -24,6 +25,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DEBUG") = false;
 #endif
   bind_checksum(m);
+  bind_xxh3_copy(m);
   bind_store(m);
   bind_server(m);
   bind_io(m);

@@ -1,7 +1,8 @@
 // Client side of the one-sided transports: copies between a mapped arena and
 // the caller's buffers with the GIL released, each value's checksum (XXH3 for
 // new values, xxh64 for old ones: ChecksumKind) computed in the same pass
-// (chunk by chunk, while the chunk is still in cache), across the threads of
+// (common/xxh3_copy.h: fused into the copy, or chunk by chunk while in cache;
+// each value whole on one thread), across the threads of
 // one persistent, bounded copy pool for large batches. A value whose bytes do
 // not match the checksum the server gave is reported, never returned as a hit.
 #include <pybind11/pybind11.h>
@@ -22,17 +23,13 @@
 #include "client/shm_copy.h"
 #include "common/assert.h"
 #include "common/checksum.h"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
+#include "common/xxh3_copy.h"
 
 namespace py = pybind11;
 
 namespace gcache::shm_copy {
 namespace {
 
-constexpr size_t kChunkBytes = 64 << 10;        // copied, then hashed while in L2
 constexpr size_t kBytesPerThreadMin = 1 << 20;  // below it a thread costs more than it saves
 constexpr int kThreadsMax = 8;
 
@@ -41,55 +38,19 @@ constexpr int kThreadsMax = 8;
 // copied one by one then runs at half the memory bandwidth (bench/store/shm_kernels.py).
 constexpr size_t kStreamingBytesMin = 128 << 10;
 
-// `stream`: use streaming stores whatever n (the caller decided by the whole value's size).
-void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
-#if defined(__SSE2__)
-  if (stream && n >= 64) {
-    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
-    std::memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    const size_t blocks = n / 64;
-    for (size_t i = 0; i < blocks; ++i, dst += 64, src += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-    }
-    _mm_sfence();  // streaming stores are weakly ordered: visible before we return
-    n -= blocks * 64;
-  }
-#endif
-  std::memcpy(dst, src, n);
-}
-
-// Copies n bytes, hashing chunk by chunk while each chunk is in cache: a read
-// hashes what it copied out (what the caller gets); a write hashes the
-// caller's bytes just before copying them, so a source changed mid-copy makes
-// the stored block differ from its sum, which COMMIT then refuses.
+// Copies n bytes with their checksum in one pass (common/xxh3_copy.h: XXH3 fused
+// into the copy where the CPU has AVX2; elsewhere, and for xxh64, each chunk is
+// hashed while in cache). A read hashes the bytes it delivers; a write the bytes
+// it stores, so a source changed mid-copy makes the stored block differ from its
+// sum, and every reader then refuses it.
 uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash, gcache::ChecksumKind kind) {
   const bool stream = n >= kStreamingBytesMin;
   if (hash == Hash::None) {
-    copy_streaming(dst, src, n, stream);
+    gcache::copy_bytes(dst, src, n, stream);
     return 0;
   }
-  gcache::ChecksumStream h(kind);
-  for (uint64_t at = 0; at < n; at += kChunkBytes) {
-    const size_t c = size_t(std::min<uint64_t>(kChunkBytes, n - at));
-    if (hash == Hash::Source) {
-      h.update(src + at, c);  // now in cache: stream it out
-      copy_streaming(dst + at, src + at, c, stream);
-    } else {
-      std::memcpy(dst + at, src + at, c);  // hashed from cache right after
-      h.update(dst + at, c);
-    }
-  }
-  return h.digest();
+  const auto side = hash == Hash::Source ? gcache::HashSide::Source : gcache::HashSide::Destination;
+  return gcache::copy_and_checksum(kind, side, dst, src, n, stream);
 }
 
 // The copy threads: started once (at most kThreadsMax - 1 helpers, the

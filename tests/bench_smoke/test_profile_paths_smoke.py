@@ -85,6 +85,12 @@ def test_strace_lines_count_each_call_once(tmp_path):
         ("[kernel.kallsyms]", "_copy_to_iter", "kernel copy"),
         ("[kernel.kallsyms]", "tcp_sendmsg_locked", "kernel other"),
         ("_native.cpython-311-x86_64-linux-gnu.so", "(anonymous namespace)::copy_streaming", "native copy"),
+        ("_native.cpython-311-x86_64-linux-gnu.so", "gcache::copy_bytes", "native copy"),
+        (
+            "_native.cpython-311-x86_64-linux-gnu.so",
+            "gcache::(anonymous namespace)::fused_avx512<(gcache::(anonymous namespace)::Store)2>",
+            "native copy+hash (fused)",
+        ),
         ("libxxhash.so.0.8.1", "0x0000000000008b08", "native hash"),
         ("libpython3.11.so.1.0", "_PyEval_EvalFrameDefault", "python interpreter"),
         ("_multiarray_umath.cpython-311-x86_64-linux-gnu.so", "UBYTE_equal", "numpy"),

@@ -264,7 +264,8 @@ PYTHON_ROOMS: list[Room] = [
 NATIVE_FOLDERS: list[NativeFolder] = [
     NativeFolder(
         "common",
-        "the arena (allocator, shared memory), checksums (`ChecksumKind`: XXH3 / xxh64 from libxxhash), "
+        "the arena (allocator, shared memory), checksums (`ChecksumKind`: XXH3 / xxh64 from libxxhash; "
+        "`xxh3_copy`: XXH3 fused into a copy, AVX2 / AVX-512 chosen at run time), "
         "sha256, msgpack, the frame header, metrics, the key limits (`key_limits.h`), `GCACHE_ASSERT` "
         "(`assert.h`: on in debug builds)",
     ),
