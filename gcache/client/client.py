@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from gcache import errors
 from gcache.client import deadline as call_deadline
-from gcache.client import native_core, pipeline
+from gcache.client import native_core, one_key, pipeline
 from gcache.client.api import Client
 from gcache.client.connection import parse_address
 from gcache.client.native_core import NativeCall, NativeExists, NativeGet, NativePut, NativeRemove
@@ -137,6 +137,8 @@ class ServerClient(Client):
         if first is not None:
             self._pool.adopt(first)
         self._native = native_core.usable_for(self._transport.name)
+        if self._native:
+            native_core.spin_us()  # a bad $GCACHE_CLIENT_SPIN_US is said here, not at a call
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -169,21 +171,32 @@ class ServerClient(Client):
 
     # -- the retry loop -------------------------------------------------------
 
-    def _run(self, ops: list | NativeCall, result: BatchResult, depth: int | None = None) -> None:
+    def _run(
+        self,
+        ops: list | NativeCall,
+        result: BatchResult,
+        depth: int | None = None,
+        deadline: call_deadline.Deadline | None = None,
+        stale_retry: bool = True,
+    ) -> None:
+        """Runs the call's frames, retrying on a fresh connection as the class says.
+        `deadline` and `stale_retry` continue a call gcache.client.one_key began (its
+        deadline; whether the immediate retry after a stale idle connection is left)."""
         # One deadline for the whole call: a ClusterClient's (its part of a larger call),
         # else call_timeout_s from now. Every wait below is capped by it.
-        deadline = call_deadline.current()
-        if deadline is None:
-            with call_deadline.using(call_deadline.Deadline(self.call_timeout_s)) as deadline:
-                self._run_until(ops, result, depth, deadline)
+        current = call_deadline.current()
+        if current is not None:
+            self._run_until(ops, result, depth, current, stale_retry)
         else:
-            self._run_until(ops, result, depth, deadline)
+            with call_deadline.using(deadline or call_deadline.Deadline(self.call_timeout_s)) as deadline:
+                self._run_until(ops, result, depth, deadline, stale_retry)
 
-    def _run_until(self, ops: list | NativeCall, result: BatchResult, depth: int | None, deadline) -> None:
+    def _run_until(
+        self, ops: list | NativeCall, result: BatchResult, depth: int | None, deadline, stale_retry_left: bool
+    ) -> None:
         epoch = self._epoch  # one epoch for every frame and retry of this call
         depth = min(depth or self.pipeline_depth, self._transport.pipeline_depth or self.pipeline_depth)
         attempt = 0
-        stale_retry_left = True
         while True:
             conn = None
             try:
@@ -285,8 +298,16 @@ class ServerClient(Client):
 
     def get(self, key):
         """The value as bytes, or None on a miss. get_into avoids the copy into bytes."""
-        result = BatchResult([normalize_key(key)])
-        self._run(self._get_ops(result.keys, result), result)
+        key = normalize_key(key)
+        if self._native:
+            value = one_key.get(self, key)
+            if value is not one_key.NOT_TAKEN:
+                return value
+        return self._get_general(key)
+
+    def _get_general(self, key: bytes, deadline: call_deadline.Deadline | None = None, stale_retry: bool = True):
+        result = BatchResult([key])
+        self._run(self._get_ops(result.keys, result), result, None, deadline, stale_retry)
         return result.values[0]
 
     def get_batch(self, keys) -> list:
@@ -317,15 +338,25 @@ class ServerClient(Client):
 
     # -- exists / remove ----------------------------------------------------------
 
-    def _exists(self, keys: list[bytes]) -> BatchResult:
+    def _exists(
+        self, keys: list[bytes], deadline: call_deadline.Deadline | None = None, stale_retry: bool = True
+    ) -> BatchResult:
         result = BatchResult(keys)
         if keys:
             slices = self._split(len(keys))
             if self._native_for(slices):
-                self._run(NativeExists(result, slices), result)
+                self._run(NativeExists(result, slices), result, None, deadline, stale_retry)
             else:
-                self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result)
+                self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result, None, deadline, stale_retry)
         return result
+
+    def is_exist(self, key) -> bool:
+        key = normalize_key(key)
+        if self._native:
+            found = one_key.exists(self, key)
+            if found is not one_key.NOT_TAKEN:
+                return found
+        return self._exists([key]).values[0]
 
     def batch_is_exist(self, keys) -> list[bool]:
         return self._exists(normalize_keys(keys)).values

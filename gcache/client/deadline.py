@@ -27,6 +27,13 @@ class Deadline:
         self.budget_s = budget_s
         self.at = clock() + budget_s
 
+    @classmethod
+    def since(cls, started: float, budget_s: float) -> Deadline:
+        """The deadline of a call that began at `started` (time.monotonic)."""
+        deadline = cls(budget_s)
+        deadline.at = started + budget_s
+        return deadline
+
     def left(self) -> float:
         """Seconds left (<= 0: over)."""
         return self.at - self._clock()

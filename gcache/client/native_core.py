@@ -24,6 +24,7 @@ import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from gcache import errors
 from gcache.client import pipeline
@@ -34,6 +35,12 @@ from gcache.wire.protocol import ChecksumKind, FrameStatus, PutStatus, RemoveSta
 from gcache.wire.worth import worth_field
 
 CORE_ENV = "GCACHE_CLIENT_CORE"  # "python": the reference path; "native" (default)
+SPIN_ENV = "GCACHE_CLIENT_SPIN_US"
+# A small request's answer comes within microseconds; blocking for it costs the kernel's
+# sleep and wake-up. The core polls the socket this long first (a bounded spin), only after a
+# request of at most 64 KiB (Channel::send).
+SPIN_US_DEFAULT = 50.0
+SPIN_US_MAX = 10_000.0
 NATIVE_TRANSPORTS = ("tcp", "shm")
 _NO_EPOCH = -1
 
@@ -85,6 +92,21 @@ def usable_for(transport: str, core: str | None = None) -> bool:
     return True
 
 
+def spin_us() -> float:
+    """How long the core polls for a small request's answer before it blocks
+    ($GCACHE_CLIENT_SPIN_US, default SPIN_US_DEFAULT; 0: never)."""
+    raw = os.environ.get(SPIN_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else SPIN_US_DEFAULT
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= SPIN_US_MAX:
+        raise errors.InvalidArgumentError(
+            f"${SPIN_ENV} must be a number of microseconds in [0, {SPIN_US_MAX:g}], got {raw!r}"
+        )
+    return value
+
+
 def native_arena(fd: int, size: int):
     """The core's own mapping of a server's arena (None without the core)."""
     return None if CoreArena is None else CoreArena(fd, size)
@@ -103,10 +125,14 @@ def encode_extra_entries(extra: dict | None) -> tuple[bytes, int]:
     return packed[skip:], len(extra)
 
 
-def _core(conn: Connection):
+def core_of(conn: Connection):
     core = conn.native
     if core is None:
         core = conn.native = CoreConnection(conn.sock.fileno())
+        core.spin_us = spin_us()
+        arena: Any = conn.arena  # a MappedArena: the core drives no other kind
+        if arena is not None:  # what the one-key calls (gcache.client.one_key) read through
+            core.bind_arena(arena.native, arena.lease_s * shm_ops.LEASE_TRUST, arena.threads)
     return core
 
 
@@ -125,7 +151,7 @@ def _deadline_left(conn: Connection, doing: str) -> float:
     return max(0.0, left)
 
 
-def _failure(conn: Connection, exc: Exception, doing: str, op: Operation | None = None) -> Exception:
+def failure(conn: Connection, exc: Exception, doing: str, op: Operation | None = None) -> Exception:
     """The gcache error the reference path raises for the same failure."""
     kind, message, err, status, meta_bytes, in_sync = exc.args
     if kind == "timeout":  # no progress for the socket's timeout (capped by the deadline), as the reference
@@ -161,7 +187,7 @@ class NativeCall(ABC):
         self.slices = slices
 
     def run(self, conn: Connection, epoch: int | None, depth: int) -> None:
-        core = _core(conn)
+        core = core_of(conn)
         e = _NO_EPOCH if epoch is None else epoch
         for k, (lo, hi) in enumerate(self.slices):
             try:
@@ -169,7 +195,7 @@ class NativeCall(ABC):
             except CoreError as exc:
                 if self.fall_back(conn, exc, lo, hi, epoch, depth):
                     continue
-                raise _failure(conn, exc, self.doing, self.reference_op(lo, hi)) from None
+                raise failure(conn, exc, self.doing, self.reference_op(lo, hi)) from None
 
     @abstractmethod
     def run_slice(self, core, conn: Connection, k: int, lo: int, hi: int, epoch: int) -> None:

@@ -76,6 +76,18 @@ class ConnectionPool:
                 self._notify()
             raise
 
+    def take_idle(self) -> Connection | None:
+        """An idle connection fit for reuse, or None (none idle, or the pool closed): never
+        waits and never connects (gcache.client.one_key; acquire() does the rest)."""
+        with self._lock:
+            if self._idle and not self._closed:
+                conn, idle_since = self._idle[-1]
+                if time.monotonic() - idle_since < IDLE_REUSE_S_MAX:
+                    self._idle.pop()
+                    conn.reused = True
+                    return conn
+        return None
+
     def _notify(self) -> None:
         """Wakes one waiting acquire() (the lock held); nothing to do when none waits."""
         if self._waiting:

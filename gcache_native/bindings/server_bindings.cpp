@@ -142,7 +142,7 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
       "put_reserve_bytes_max", "index_bytes_max", "eviction_policy",
       "eviction_ghost_factor", "eviction_fresh_weight", "eviction_tail_hint", "disk_exclusive",
       "unix_socket_path", "shm_lease_s", "shm_scrub", "instance_id", "preauth_connections_max",
-      "preauth_connections_per_address_max"};
+      "preauth_connections_per_address_max", "spin_us"};
   // clang-format on
   for (auto item : config) {
     const std::string key = py::cast<std::string>(item.first);
@@ -185,9 +185,11 @@ void read_config(const py::dict& config, StoreConfig* sc, ServerConfig* vc) {
     else if (key == "unix_socket_path") vc->unix_socket_path = py::cast<std::string>(v);
     else if (key == "shm_lease_s") vc->shm_lease_s = py::cast<double>(v);
     else if (key == "shm_scrub") vc->shm_scrub = py::cast<bool>(v);
+    else if (key == "spin_us") vc->spin_us = py::cast<uint32_t>(v);
     else if (key == "instance_id") vc->instance_id = py::cast<std::string>(v);
   }
   if (!(vc->shm_lease_s > 0 && vc->shm_lease_s <= 3600)) throw py::value_error("shm_lease_s must be in (0, 3600]");
+  if (vc->spin_us > 10000) throw py::value_error("spin_us must be in [0, 10000]");
   if (vc->preauth_connections_max == 0 || vc->preauth_connections_per_address_max == 0)
     throw py::value_error("preauth_connections_max and preauth_connections_per_address_max must be at least 1");
   if (vc->tenants) {
@@ -279,7 +281,8 @@ preauth_connections_per_address_max (both at least 1), connections_per_address_m
 meta_buffer_bytes_max, put_reserve_bytes_max, index_bytes_max, eviction_policy
 ("chain", "s3fifo", "lru"), eviction_ghost_factor, eviction_fresh_weight (0 =
 tuned online), eviction_tail_hint, disk_exclusive (docs/storage.md), unix_socket_path ("" = none),
-shm_lease_s, shm_scrub, instance_id (docs/protocol.md, "Shared memory and RDMA"). Unknown keys
+shm_lease_s, shm_scrub, instance_id (docs/protocol.md, "Shared memory and RDMA"), spin_us (how long
+a connection's thread polls for the next small request before it sleeps; 0 = never). Unknown keys
 and out-of-range values raise ValueError.
 Raises StoreOpenError (data dir unusable) or BindError (port taken).
 )doc")

@@ -166,6 +166,67 @@ class CoreConnection {
     return py::make_tuple(values, too_small, bad);
   }
 
+  // The one-key calls (get_one, exists_one) read through this arena: bound once per
+  // connection, so a call passes only what changes per call.
+  void bind_arena(const std::shared_ptr<CoreArena>& arena, double trusted_s, int threads) {
+    arena_ = arena;
+    shm_ = ShmOptions{trusted_s, threads};
+  }
+
+  // One key's value as bytes, None on a miss, False when its bytes failed their checksum:
+  // get() of one key with no lists built or taken apart on either side.
+  py::object get_one(const py::bytes& key, bool verify, int64_t epoch, double deadline_left_s) {
+    const Keys k{std::string_view(PyBytes_AS_STRING(key.ptr()), size_t(PyBytes_GET_SIZE(key.ptr())))};
+    PyObject* made = nullptr;
+    bool out_of_memory = false;
+    PyThreadState* saved = nullptr;
+    ValueSink sink;
+    sink.allocate = [&made, &out_of_memory, &saved](const std::vector<int64_t>& sizes, std::vector<uint8_t*>* dests) {
+      if (sizes[0] < 0) return;
+      PyEval_RestoreThread(saved);  // the GIL just to make the bytes object
+      made = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(sizes[0]));
+      if (made == nullptr) {
+        PyErr_Clear();
+        out_of_memory = true;
+      } else {
+        (*dests)[0] = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(made));
+      }
+      saved = PyEval_SaveThread();
+    };
+    GetAnswer answer;
+    CoreError error;
+    ch_.set_deadline(deadline_from(deadline_left_s));
+    saved = PyEval_SaveThread();
+    bool ok;
+    try {
+      ok = arena_ ? shm_get(ch_, *arena_, shm_, k, sink, verify, epoch, &answer, &error)
+                  : tcp_get(ch_, k, sink, verify, epoch, &answer, &error);
+    } catch (...) {
+      PyEval_RestoreThread(saved);
+      Py_XDECREF(made);
+      throw;
+    }
+    PyEval_RestoreThread(saved);
+    py::object value = py::reinterpret_steal<py::object>(made);  // owned from here
+    if (!ok) raise_core_error(error);
+    if (out_of_memory) throw std::bad_alloc();
+    switch (answer.outcome[0]) {
+      case Outcome::Hit: return value;
+      case Outcome::BadChecksum: return py::bool_(false);
+      default: return py::none();
+    }
+  }
+
+  bool exists_one(const py::bytes& key, int64_t epoch, double deadline_left_s) {
+    const Keys k{std::string_view(PyBytes_AS_STRING(key.ptr()), size_t(PyBytes_GET_SIZE(key.ptr())))};
+    std::vector<uint8_t> present;
+    int64_t prefix = 0;
+    CoreError error;
+    ch_.set_deadline(deadline_from(deadline_left_s));
+    if (!without_gil([&] { return tcp_exists(ch_, k, epoch, &present, &prefix, &error); })) raise_core_error(error);
+    return present[0] != 0;
+  }
+
   // (per-key put statuses, the answer named its checksum kind)
   py::tuple put(const py::list& keys, const py::list& values, int kind, int64_t epoch, const py::bytes& extra,
                 uint32_t extra_count, double deadline_left_s, const std::shared_ptr<CoreArena>& arena, bool first,
@@ -211,9 +272,16 @@ class CoreConnection {
   }
 
   size_t buffered() const { return ch_.buffered(); }
+  double spin_us() const { return double(ch_.spin_ns()) / 1e3; }
+  void set_spin_us(double us) {
+    if (!(us >= 0 && us <= 10000)) throw py::value_error("spin_us must be in [0, 10000]");
+    ch_.set_spin_ns(int64_t(us * 1e3));
+  }
 
  private:
   Channel ch_;
+  std::shared_ptr<CoreArena> arena_;  // bind_arena (shm); null: tcp
+  ShmOptions shm_;
 };
 
 }  // namespace
@@ -235,8 +303,14 @@ void bind_client_core(py::module_& m) {
       .def("put", &CoreConnection::put, py::arg("keys"), py::arg("values"), py::arg("kind"), py::arg("epoch"),
            py::arg("extra") = py::bytes(), py::arg("extra_count") = 0, py::arg("deadline_left_s") = -1.0,
            py::arg("arena") = none, py::arg("first") = true, py::arg("last") = true, py::arg("threads") = 0)
+      .def("bind_arena", &CoreConnection::bind_arena, py::arg("arena"), py::arg("trusted_s"), py::arg("threads"),
+           "The arena get_one reads through (shm connections), bound once.")
+      .def("get_one", &CoreConnection::get_one, "key, verify, epoch, deadline_left_s -> bytes | None | False (bad sum)")
+      .def("exists_one", &CoreConnection::exists_one, "key, epoch, deadline_left_s -> bool")
       .def("exists", &CoreConnection::exists, py::arg("keys"), py::arg("epoch"), py::arg("deadline_left_s"))
       .def("remove", &CoreConnection::remove, py::arg("keys"), py::arg("epoch"), py::arg("deadline_left_s"))
       .def_property_readonly("buffered", &CoreConnection::buffered,
-                             "Bytes read past the last answer (0 between calls).");
+                             "Bytes read past the last answer (0 between calls).")
+      .def_property("spin_us", &CoreConnection::spin_us, &CoreConnection::set_spin_us,
+                    "How long the wait for a small request's answer polls before it blocks (0: never).");
 }

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/spin_step.h"
+
 namespace gcache::client_core {
 
 namespace {
@@ -28,6 +30,7 @@ void advance(std::vector<iovec>& iov, size_t* first, size_t moved) {
     iov[*first].iov_len -= moved;
   }
 }
+
 }  // namespace
 
 uint64_t next_request_id() { return request_ids.fetch_add(1, std::memory_order_relaxed); }
@@ -66,6 +69,8 @@ bool Channel::io_failed(bool sending, CoreError* e) {
 }
 
 bool Channel::send(std::vector<iovec>& iov, CoreError* e) {
+  spin_armed_ = spin_ns_ > 0 && quick_next_;
+  quick_next_ = false;
   size_t first = 0;
   while (first < iov.size() && iov[first].iov_len == 0) ++first;
   while (first < iov.size()) {
@@ -98,7 +103,7 @@ bool Channel::fill(size_t need, CoreError* e) {
   }
   while (end_ - pos_ < need) {
     if (!before_wait(e)) return false;
-    const ssize_t r = recv(fd_, buf_ + end_, cap_ - end_, 0);
+    const ssize_t r = wait_recv(buf_ + end_, cap_ - end_);
     if (r < 0) {
       if (errno == EINTR) continue;
       return io_failed(false, e);
@@ -110,6 +115,24 @@ bool Channel::fill(size_t need, CoreError* e) {
     end_ += size_t(r);
   }
   return true;
+}
+
+// The answer to a small request comes within microseconds; a thread that blocks in recv for
+// it pays the kernel's sleep and wake-up, most of a small call's time. So first poll the socket
+// without blocking for up to spin_ns_ (a bounded spin), then block as usual. Only for a quick
+// answer (expect_quick_answer): a batch's answer takes longer than a spin lasts, and a thread
+// spinning for it would take the core the node or the copy threads need.
+ssize_t Channel::wait_recv(void* into, size_t n) {
+  if (spin_armed_) {
+    const int64_t until = now_ns() + spin_ns_;
+    do {
+      const ssize_t r = recv(fd_, into, n, MSG_DONTWAIT);
+      if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return r;
+      spin_step();
+    } while (now_ns() < until);
+    spin_armed_ = false;  // it did not come in time: block for the rest of this answer
+  }
+  return recv(fd_, into, n, 0);
 }
 
 bool Channel::read_reply(uint64_t request_id, Opcode op, FrameHeader* h, ReplyFields* fields, CoreError* e) {

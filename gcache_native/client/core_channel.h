@@ -5,6 +5,7 @@
 // every wait. Every failure is a CoreError the binding maps onto gcache.errors.
 #pragma once
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cstdint>
@@ -46,6 +47,12 @@ class Channel {
 
   // The steady-clock time the current call must end by (0: none).
   void set_deadline(int64_t deadline_ns) { deadline_ns_ = deadline_ns; }
+  // How long a wait for a quick answer polls the socket before it blocks (0: never; see wait_recv).
+  void set_spin_ns(int64_t spin_ns) { spin_ns_ = spin_ns < 0 ? 0 : spin_ns; }
+  int64_t spin_ns() const { return spin_ns_; }
+  // The next request's answer comes within microseconds (few keys, little payload:
+  // quick_call in core_ops.h): waiting for it spins first. Cleared by every send.
+  void expect_quick_answer() { quick_next_ = true; }
   int fd() const { return fd_; }
 
   // Sends every byte of iov (consumed in place).
@@ -62,10 +69,14 @@ class Channel {
  private:
   bool fill(size_t need, CoreError* e);  // at least `need` bytes buffered
   bool before_wait(CoreError* e);
+  ssize_t wait_recv(void* into, size_t n);  // recv of at least one byte, spinning first when armed
   bool io_failed(bool sending, CoreError* e);
 
   int fd_;
   int64_t deadline_ns_ = 0;
+  int64_t spin_ns_ = 0;
+  bool quick_next_ = false;  // expect_quick_answer(), for the next send
+  bool spin_armed_ = false;  // the last request's answer is near: waits for it spin first
   uint8_t* buf_;
   size_t cap_;
   size_t pos_ = 0, end_ = 0;

@@ -60,6 +60,14 @@ struct PutAnswer {
   bool ck = false;          // the answer named the checksum kind it checked
 };
 
+// A call of at most this many keys and this much request payload is answered within
+// microseconds: its wait spins before it blocks (Channel::expect_quick_answer).
+constexpr size_t kQuickKeysMax = 8;
+constexpr uint64_t kQuickPayloadBytesMax = 64 << 10;
+inline bool quick_call(size_t keys, uint64_t payload_bytes = 0) {
+  return keys <= kQuickKeysMax && payload_bytes <= kQuickPayloadBytesMax;
+}
+
 // Over TCP: values travel in the frames.
 bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_t epoch, GetAnswer* out, CoreError* e);
 bool tcp_put(Channel& ch, const Keys& keys, const std::vector<iovec>& values, ChecksumKind kind, int64_t epoch,

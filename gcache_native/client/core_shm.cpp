@@ -65,6 +65,7 @@ bool shm_get(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   const int64_t sent_at = now_ns();  // the server's lease starts after this
   const std::vector<uint8_t>& frame = f.finish(Opcode::Lookup, rid, 0);
   std::vector<iovec> iov{iovec{const_cast<uint8_t*>(frame.data()), frame.size()}};
+  if (quick_call(n)) ch.expect_quick_answer();
   if (!ch.send(iov, e)) return false;
   FrameHeader h;
   ReplyFields r;
@@ -162,6 +163,7 @@ bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   append_extra(m, extra);
   const std::vector<uint8_t>& frame = f.finish(Opcode::Reserve, rid, 0);
   std::vector<iovec> iov{iovec{const_cast<uint8_t*>(frame.data()), frame.size()}};
+  if (quick_call(n)) ch.expect_quick_answer();
   if (!ch.send(iov, e)) return false;
   FrameHeader h;
   ReplyFields r;
@@ -205,6 +207,7 @@ bool shm_put(Channel& ch, CoreArena& arena, const ShmOptions& opt, const Keys& k
   }
   const std::vector<uint8_t>& commit = c.finish(Opcode::Commit, commit_id, 0);
   std::vector<iovec> civ{iovec{const_cast<uint8_t*>(commit.data()), commit.size()}};
+  if (quick_call(n)) ch.expect_quick_answer();
   if (!ch.send(civ, e)) return false;
   ReplyFields cr;
   if (!ch.read_reply(commit_id, Opcode::Commit, &h, &cr, e)) return false;

@@ -142,6 +142,7 @@ bool tcp_get(Channel& ch, const Keys& keys, ValueSink& sink, bool verify, int64_
   f.epoch(epoch);
   f.meta().str("ck");  // this client reads "cks"
   f.meta().uint(uint64_t(ChecksumKind::Xxh3));
+  if (quick_call(n)) ch.expect_quick_answer();
   if (!send_frame(ch, f.finish(Opcode::GetBatch, rid, 0), nullptr, e)) return false;
   FrameHeader h;
   ReplyFields r;
@@ -210,6 +211,7 @@ bool tcp_put(Channel& ch, const Keys& keys, const std::vector<iovec>& values, Ch
   f.epoch(epoch);
   append_extra(m, extra);
   const std::vector<uint8_t>& head = f.finish(Opcode::PutBatch, rid, trail ? total + 8 * n : total);
+  if (quick_call(n, total)) ch.expect_quick_answer();
   if (!(trail ? send_trailed(ch, head, values, kind, total, e) : send_frame(ch, head, &values, e))) return false;
   FrameHeader h;
   ReplyFields r;
@@ -225,6 +227,7 @@ bool tcp_exists(Channel& ch, const Keys& keys, int64_t epoch, std::vector<uint8_
                 CoreError* e) {
   const uint64_t rid = next_request_id();
   RequestFrame f;
+  if (quick_call(keys.size())) ch.expect_quick_answer();
   if (!send_frame(ch, keys_frame(f, Opcode::ExistsBatch, rid, keys, epoch), nullptr, e)) return false;
   FrameHeader h;
   ReplyFields r;
@@ -242,6 +245,7 @@ bool tcp_exists(Channel& ch, const Keys& keys, int64_t epoch, std::vector<uint8_
 bool tcp_remove(Channel& ch, const Keys& keys, int64_t epoch, std::vector<int64_t>* st, CoreError* e) {
   const uint64_t rid = next_request_id();
   RequestFrame f;
+  if (quick_call(keys.size())) ch.expect_quick_answer();
   if (!send_frame(ch, keys_frame(f, Opcode::RemoveBatch, rid, keys, epoch), nullptr, e)) return false;
   FrameHeader h;
   ReplyFields r;

@@ -116,6 +116,10 @@ struct Server::Connection {
   std::vector<uint8_t> meta;
   std::vector<uint8_t> scratch;
   ReadAhead in;  // every read of a frame goes through it (server/io.h)
+  // Server::spin_for_frame: the last frame was small (its next one may be microseconds
+  // behind), and frames left to wait before spinning again after a spin that caught none.
+  bool small_frame = false;
+  uint8_t spin_skip = 0;
   MsgpackWriter out{kFrameHeaderBytes};
   BatchMeta batch;
   std::vector<Lease> leases;

@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "common/checksum.h"
+#include "common/spin_step.h"
 
 namespace gcache {
 namespace {
@@ -193,6 +194,16 @@ ssize_t ReadAhead::fill(int fd) {
   while (got < 0 && errno == EINTR);
   if (got > 0) end_ = size_t(got);
   return got;
+}
+
+bool ReadAhead::spin_fill(int fd, int64_t until_us) {
+  do {
+    const ssize_t got = fill(fd);
+    if (got > 0) return true;
+    if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return false;
+    spin_step();
+  } while (now_us() < until_us);
+  return false;
 }
 
 size_t ReadAhead::take(void* out, size_t n) {

@@ -62,6 +62,10 @@ class ReadAhead {
   // With nothing buffered: one non-blocking recv of up to kBytes. Returns
   // what recv returns (0: the peer closed; -1: errno says why).
   ssize_t fill(int fd);
+  // With nothing buffered: fill() again and again (a bounded spin) until bytes arrive or
+  // until_us (steady clock) passes. True: bytes are buffered. False: none came in time, or
+  // the peer closed or failed (the caller's poll() then reports it).
+  bool spin_fill(int fd, int64_t until_us);
   // Exactly n bytes into buf (hashed into `landed` as they are copied or
   // land), then tail_n bytes into tail: buffered bytes first; a small rest
   // (under kBytes / 2) through the buffer, refilled by a blocking recv that

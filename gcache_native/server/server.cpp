@@ -29,9 +29,15 @@
 namespace gcache {
 namespace {
 
-constexpr size_t kScratchBytes = 256 << 10;   // discard buffer per connection
-constexpr size_t kMetaKeepBytes = 1 << 20;    // larger meta buffers are freed after use
-constexpr size_t kMetaFreeBytes = 64 << 10;   // meta buffer bytes not charged to the global budget
+constexpr size_t kScratchBytes = 256 << 10;  // discard buffer per connection
+constexpr size_t kMetaKeepBytes = 1 << 20;   // larger meta buffers are freed after use
+constexpr size_t kMetaFreeBytes = 64 << 10;  // meta buffer bytes not charged to the global budget
+// Server::spin_for_frame: only after a request of at most this payload and these keys (a
+// client that sends larger ones spends longer on each answer than a spin lasts), and after a
+// spin that caught nothing, not for this many frames.
+constexpr uint64_t kSpinFrameBytesMax = 64 << 10;
+constexpr size_t kSpinFrameKeysMax = 8;
+constexpr uint8_t kSpinSkipFrames = 8;
 constexpr int kLingerMs = 1000;               // drain time after a fatal error response
 constexpr size_t kLingerBytesMax = 16 << 20;  // ... and the most bytes drained
 // A cluster map is a few hundred bytes per node; this bound keeps every
@@ -354,6 +360,7 @@ Server::Server(const ServerConfig& config, Store* store, Metrics* metrics)
       preauth_peers_(config.preauth_connections_per_address_max),
       reservations_(config.put_reserve_bytes_max, config.put_reserve_bytes_max / 4),
       meta_buffers_(config.meta_buffer_bytes_max, config.meta_buffer_bytes_max / 4) {
+  spinners_max_ = std::max(1u, std::thread::hardware_concurrency() / 2);  // leave the clients their cores
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -627,6 +634,7 @@ void Server::serve(Connection* c) {
         linger_close(c);
         break;
       }
+      c->small_frame = h.payload_len <= kSpinFrameBytesMax && c->batch.keys.size() <= kSpinFrameKeysMax;
     }
   } catch (const ConnectionLost& lost) {
     if (lost.timeout) metrics_->errors_timeout++;
@@ -642,8 +650,9 @@ void Server::serve(Connection* c) {
 // reservation expiry (to expire it). Also the stop signal, when idle.
 Server::Flow Server::await_frame(Connection* c) {
   if (c->shm.next_deadline_us() != 0 && expire_shm(c)) return Flow::Close;
-  // The next frame is here already (a client that pipelines): no poll.
-  if (c->in.buffered() > 0) return set_activity(c, Activity::Busy) ? Flow::Proceed : Flow::Close;
+  // The next frame is here already (a client that pipelines), or came while this thread
+  // spun for it: no poll.
+  if (c->in.buffered() > 0 || spin_for_frame(c)) return set_activity(c, Activity::Busy) ? Flow::Proceed : Flow::Close;
   // Auth off, a connection waiting with nothing held may be closed to make room (admission.cpp).
   const bool holds_nothing = !auth_on() && c->shm.next_deadline_us() == 0 && c->rdma_id == 0;
   if (!set_activity(c, holds_nothing ? Activity::Idle : Activity::Busy)) return Flow::Close;
@@ -669,6 +678,27 @@ Server::Flow Server::await_frame(Connection* c) {
   if (stopping_ && now_us() > stop_deadline_us_) return Flow::Close;
   if (!set_activity(c, Activity::Busy)) return Flow::Close;  // closed to make room just now
   return Flow::Proceed;
+}
+
+// After a small request a client's next one often follows within microseconds (a loop of
+// single GETs): poll the socket without blocking for up to --spin-us rather than sleep in
+// poll() and pay the kernel's wake-up. Bounded three ways: the time, the number of threads
+// spinning at once (spinners_max_, a share of the cores), and per connection: a spin that
+// caught nothing makes the next kSpinSkipFrames frames wait in poll() at once.
+bool Server::spin_for_frame(Connection* c) {
+  if (config_.spin_us == 0 || !c->small_frame || stopping_ || unauthenticated(c)) return false;
+  if (c->spin_skip > 0) {
+    --c->spin_skip;
+    return false;
+  }
+  if (spinners_.fetch_add(1, std::memory_order_relaxed) >= spinners_max_) {
+    spinners_.fetch_sub(1, std::memory_order_relaxed);
+    return false;
+  }
+  const bool caught = c->in.spin_fill(c->fd, now_us() + config_.spin_us);
+  spinners_.fetch_sub(1, std::memory_order_relaxed);
+  if (!caught) c->spin_skip = kSpinSkipFrames;
+  return caught;
 }
 
 // The frame's deadline: one budget for all its bytes from its first byte; an

@@ -3,6 +3,8 @@ on a real gcache-server over tcp and shm: the same bytes, statuses, errors and m
 (The client, shm and dishonest-checksum test files also run each test on both paths:
 the `client_core` fixture.)"""
 
+import os
+import signal
 import socket
 import threading
 
@@ -35,7 +37,7 @@ def node(tmp_path_factory):
 
 def _client(address: str, core: str, transport: str, monkeypatch, **kwargs) -> gcache.Client:
     monkeypatch.setenv(native_core.CORE_ENV, core)
-    client = gcache.Client(address, transport=transport, timeout_s=10, **kwargs)
+    client = gcache.Client(address, transport=transport, **{"timeout_s": 10, **kwargs})
     assert client._native == (core == "native") and client.transport == transport
     return client
 
@@ -251,3 +253,156 @@ def test_the_puts_worth_goes_out_on_either_path(size):
     thread.join(10)
     listener.close()
     assert seen[0]["worth"] == worth_field(worth) and seen[0]["keys"] == [b"k", b"j"]
+
+
+# -- the one-key calls (gcache.client.one_key): get() and is_exist() on an idle connection ------
+
+
+def _general_path_refused(monkeypatch, client) -> None:
+    """From here on a get() or is_exist() of `client` that left the one-key path fails the test."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(client, "_get_general", refused)
+    monkeypatch.setattr(client, "_exists", refused)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_key_calls_take_the_fast_path_and_answer_as_the_reference(node, monkeypatch, transport, verify):
+    ns = f"one/{transport}{verify}/".encode()
+    keys = [ns + b"%d" % size for size in SIZES]
+    values = [_pattern(size, size + 7) for size in SIZES]
+    with (
+        _client(node.address, "native", transport, monkeypatch, verify_checksums=verify) as native,
+        _client(node.address, "python", transport, monkeypatch, verify_checksums=verify) as reference,
+    ):
+        assert native.put_batch(keys, values) == [True] * len(keys)  # leaves an idle connection
+        _general_path_refused(monkeypatch, native)
+        for key, value in zip(keys, values):
+            got = native.get(key)
+            assert got == reference.get(key) == value and type(got) is bytes
+            assert native.is_exist(key) is reference.is_exist(key) is True
+        missing = ns + b"missing"
+        assert native.get(missing) is reference.get(missing) is None
+        assert native.is_exist(missing) is reference.is_exist(missing) is False
+        assert native.get(ns.decode() + "0") == b""  # a str key, an empty value: b"", not a miss
+        with pytest.raises(errors.KeyInvalidError):
+            native.get(b"")
+        with pytest.raises(errors.KeyInvalidError):
+            native.is_exist(b"x" * 513)
+        assert native._pool.open_count == 1  # one connection served every call
+
+
+def test_the_spin_setting_is_checked_and_zero_turns_it_off(node, monkeypatch):
+    for bad in ("fast", "-1", "10001"):
+        monkeypatch.setenv(native_core.SPIN_ENV, bad)
+        with pytest.raises(errors.InvalidArgumentError, match="GCACHE_CLIENT_SPIN_US"):
+            gcache.Client(node.address, transport="tcp")
+    monkeypatch.setenv(native_core.SPIN_ENV, "0")  # every wait blocks at once: the same answers
+    for transport in ("tcp", "shm"):
+        with _client(node.address, "native", transport, monkeypatch) as c:
+            assert c.put(b"nospin" + transport.encode(), b"s" * 5000)
+            assert c.get(b"nospin" + transport.encode()) == b"s" * 5000 and c.get(b"nospin/none") is None
+            conn = c._pool.take_idle()
+            assert conn.native.spin_us == 0.0
+            c._pool.release(conn)
+
+
+def _outcome_of(call) -> tuple:
+    """An error's type and message (and an AuthError's kind), or ("ok", the answer)."""
+    try:
+        return ("ok", call())
+    except errors.GCacheError as exc:
+        return (type(exc).__name__, str(exc), getattr(exc, "kind", None))
+
+
+def _one_key_failures(node, monkeypatch, transport: str, fail, readable: bool = True, **kwargs) -> list:
+    """A native client and a reference client, each with an idle connection, then `fail()`, then
+    one get() and one is_exist() of each: their outcomes, native first, and which native calls
+    began on the one-key path (a failure there goes on in the general path, as the retry loop
+    would). `readable`: the warm-up reads its value back too."""
+    from gcache.client import one_key
+
+    began = []
+    for name, fn in (("get", one_key.get), ("exists", one_key.exists)):
+
+        def counted(client, key, fn=fn, name=name):
+            began.append(name)
+            return fn(client, key)
+
+        monkeypatch.setattr(one_key, name, counted)
+    clients = [_client(node.address, core, transport, monkeypatch, **kwargs) for core in ("native", "python")]
+    for c in clients:
+        assert c.put(b"warm", b"w") and (not readable or c.get(b"warm") == b"w")
+    began.clear()
+    fail()
+    try:
+        out = [(_outcome_of(lambda: c.get(b"warm")), _outcome_of(lambda: c.is_exist(b"warm"))) for c in clients]
+    finally:
+        for c in clients:
+            c.close()
+    return [out[0], out[1], began]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_key_calls_to_a_killed_server_fail_as_the_reference(server_factory, monkeypatch, transport):
+    node = server_factory()
+    native, reference, began = _one_key_failures(node, monkeypatch, transport, node.kill, timeout_s=2, retries=2)
+    assert native == reference and began == ["get", "exists"]
+    assert native[0][0] == "ConnectionError" and "gave up after 3 attempt(s)" in native[0][1]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_key_calls_to_a_hung_server_time_out_as_the_reference(server_factory, monkeypatch, transport):
+    from tests.client.test_client_faults import wait_stopped
+
+    node = server_factory()
+
+    def hang():
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        wait_stopped(node.proc.pid)
+
+    try:
+        native, reference, began = _one_key_failures(node, monkeypatch, transport, hang, timeout_s=0.5, retries=1)
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+    assert native == reference and began == ["get", "exists"]
+    assert native[0][0] == native[1][0] == "TimeoutError" and "made no progress" in native[0][1]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_key_calls_after_a_restart_retry_as_the_reference(server_factory, monkeypatch, transport, tmp_path):
+    node = server_factory()
+
+    restarted = ServerProcess(tmp_path / "restarted")
+    restarted.port = node.port  # a new server process where the clients expect one
+
+    def restart():
+        node.kill()
+        restarted.start()
+
+    try:
+        native, reference, began = _one_key_failures(node, monkeypatch, transport, restart, timeout_s=5, retries=2)
+    finally:
+        restarted.kill()
+    # The idle connection died with the old server: one retry at once on a fresh one, a miss there.
+    assert native == reference == (("ok", None), ("ok", False)) and began == ["get", "exists"]
+
+
+def test_a_refused_one_key_call_raises_as_the_reference(server_factory, monkeypatch, tmp_path):
+    """A status answer (here FORBIDDEN: a tenant without the read role) raises the reference's
+    error (not retried)."""
+    path = tmp_path / "auth.toml"
+    path.write_text(f'[tenants.writer]\ntoken = "{WRITER}"\nroles = ["write"]\n')
+    path.chmod(0o600)
+    node = server_factory(extra_args=["--auth-file", str(path)])
+    native, reference, began = _one_key_failures(
+        node, monkeypatch, "tcp", lambda: None, readable=False, token=WRITER, retries=2
+    )
+    assert native == reference and began == ["get", "exists"]
+    assert native[0][0] == "AuthError" and native[0][2] == "forbidden"
+
+
+WRITER = "writer-secret-0123456789"

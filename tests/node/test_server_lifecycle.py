@@ -49,6 +49,8 @@ def test_bad_flag_exits_2():
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
     result = run_server_cli("--memory", "lots")
     assert result.returncode == 2 and "size 'lots' is not understood" in result.stderr
+    result = run_server_cli("--spin-us", "20000")
+    assert result.returncode == 2 and "--spin-us must be in [0, 10000]" in result.stderr
 
 
 def test_bad_config_file_exits_2(tmp_path):

@@ -346,12 +346,17 @@ def test_bytes_changed_in_the_arena_are_never_a_hit_to_a_checking_reader(server_
         gcache.Client(node.address, transport="shm", verify_checksums=True) as checked,
     ):
         assert c.put(b"k", b"A" * BIG) and c.put(b"ok", b"C" * 100)  # "k" is leased, "ok" inline
+        assert c.put(b"k1", b"E" * BIG)
         scribble(b"k")
+        scribble(b"k1")
         assert checked.get(b"ok") == b"C" * 100
         with pytest.raises(errors.ChecksumMismatchError) as info:
             checked.get_batch([b"k", b"ok"])
         assert info.value.results == [None, b"C" * 100]
-        wait_until(lambda: counters(node.address)["checksum_failures_read"] == 1, "the bad value reported")
+        with pytest.raises(errors.ChecksumMismatchError) as info:
+            checked.get(b"k1")  # one key (gcache.client.one_key on the native core): the same error
+        assert info.value.keys == [b"k1"] and info.value.results == [None]
+        wait_until(lambda: counters(node.address)["checksum_failures_read"] == 2, "the bad values reported")
         assert c.get(b"k") is None and checked.get(b"k") is None  # removed: a miss from now on
         assert c.batch_get_into([b"k", b"ok"], [bytearray(BIG), bytearray(100)]) == [None, 100]
         # The lease counted as lapsed for every copy: even without verify_checksums.
