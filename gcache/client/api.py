@@ -248,6 +248,10 @@ class Client(ABC):
     # -- exists / remove -----------------------------------------------------------------
 
     def is_exist(self, key) -> bool:
+        return self._exists_one(key)
+
+    def _exists_one(self, key) -> bool:
+        """is_exist's body: a client with a faster one-key path overrides this, not is_exist."""
         return self.batch_is_exist([key])[0]
 
     def remove(self, key) -> bool:

@@ -350,7 +350,7 @@ class ServerClient(Client):
                 self._run([ExistsOp(result, lo, hi) for lo, hi in slices], result, None, deadline, stale_retry)
         return result
 
-    def is_exist(self, key) -> bool:
+    def _exists_one(self, key) -> bool:
         key = normalize_key(key)
         if self._native:
             found = one_key.exists(self, key)
