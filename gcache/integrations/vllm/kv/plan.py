@@ -40,6 +40,29 @@ def prompt_tail_pages(prompt_len: int, block_size: int, every: int, tail: int) -
     return CheckpointRule(block_size, every).prompt_keep_pages(prompt_len, tail * block_size)
 
 
+def loadable_pages(prompt_len: int, block_size: int, last_page: bool) -> int:
+    """The prompt pages a hit may cover. vLLM computes at least the prompt's last token, so a
+    hit stops before the page holding it; but when the prompt ends on a page boundary and
+    `last_page` allows it (full-attention groups only), the last page is loaded whole and
+    vLLM recomputes its last token alone, over the loaded value (hit_tokens: prompt_len - 1).
+    A state group must not: its state at the last cut already includes that last token."""
+    if last_page and prompt_len > 0 and prompt_len % block_size == 0:
+        return prompt_len // block_size
+    return max(0, prompt_len - 1) // block_size
+
+
+def hit_tokens(prompt_len: int, end_pages: int, block_size: int, num_computed_tokens: int) -> int:
+    """The tokens vLLM is told a hit of pages [.., end_pages) brings past its own
+    `num_computed_tokens`: never the prompt's last token, which vLLM computes."""
+    return min(end_pages * block_size, prompt_len - 1) - num_computed_tokens
+
+
+def loaded_pages(num_external_tokens: int, block_size: int) -> int:
+    """The pages vLLM allocated for a hit of `num_external_tokens` past a block-aligned local
+    hit: a partly reported last page (the prompt's, hit_tokens) is a whole page loaded."""
+    return -(-num_external_tokens // block_size)
+
+
 def best_cut(
     local: int, full_end: int, swa: list[tuple[int, list[bool]]], states: list[list[bool]] | None = None
 ) -> int:

@@ -3,7 +3,9 @@ it into, and which freshly computed pages to save.
 
 A hit is counted from vLLM's own (block-aligned) local hit on: full-attention pages must all
 be stored (one batch_exists_prefix over every rank and segment of their values), and each
-sliding-window group must hold the window tail before the cut (plan.best_cut). Saves cover
+sliding-window group must hold the window tail before the cut (plan.best_cut). A hit stops
+before the page holding the prompt's last token, except that a full-attention prompt ending on
+a page boundary loads that page too and reports prompt - 1 tokens (plan.loadable_pages). Saves cover
 the prompt's pages as the forward computes them (chunk by chunk under chunked prefill);
 sliding-window groups save only checkpoint tails (plan.prompt_tail_pages), in the step that
 computes them, before vLLM frees out-of-window blocks. State groups (state_groups.py) save
@@ -95,6 +97,7 @@ class Track:
     state_upto: int = 0
     state_boundaries: int = 0  # boundaries whose states were planned for saving (bounded per request)
     branch: int = 0  # the end of the stored prefix its lookup found, in pages (a prefix seen before)
+    loaded_end: int = 0  # the end of its last load, in pages, until its first step plans saves
 
 
 class SchedulerSide:
@@ -123,6 +126,10 @@ class SchedulerSide:
             log.warning("GCacheConnector: %s; nothing is loaded or saved", why)
             load = save = False
         self.block_size = groups[0].block_size
+        # Loads may take a prompt's last page (plan.loadable_pages): full-attention groups only. A
+        # state at the last cut includes the token vLLM recomputes; a sliding-window group's
+        # checkpoint tail for that cut is not shown to serve the recomputed token's window.
+        self.last_page = settings.load_last_page and all(g.kind == AttentionKind.FULL for g in groups)
         self.rank_keys = rank_keys
         self.tags: dict[int, GroupTag] | None = None  # group index -> GroupTag, from the workers' handshake
         self.store = store
@@ -282,12 +289,18 @@ class SchedulerSide:
         prefetcher = self._prefetch() if track is not None and not track.no_load else None
         if prefetcher is None or track is None:
             return
-        most = (track.prompt_len - 1) // self.block_size
+        most = self._loadable(track)
+        # vLLM's own hit never covers the prompt's last token, whatever it holds.
+        local_pages = min(local_pages, plan.loadable_pages(track.prompt_len, self.block_size, last_page=False))
         if most <= local_pages:
             return
         groups = [g.index for g in self.groups]
         keys = [[self._keys([track.hashes[p]], g) for g in self.groups] for p in range(local_pages, most)]
         prefetcher.start(request.request_id, local_pages, groups, keys)
+
+    def _loadable(self, track: Track) -> int:
+        """The prompt pages a hit of this request may cover (plan.loadable_pages)."""
+        return plan.loadable_pages(track.prompt_len, self.block_size, self.last_page)
 
     def _from_prefetch(self, req_id: str, track: Track, local: int, most: int) -> tuple[int | None, bool] | None:
         """The hit from the request's prefetch: None when it has none (ask the store), (None,
@@ -364,7 +377,7 @@ class SchedulerSide:
             return 0, False
         bs = self.block_size
         local = num_computed_tokens // bs
-        most = (track.prompt_len - 1) // bs  # vLLM computes at least the prompt's last token
+        most = self._loadable(track)
         track.staged = False
         staged = self._from_prefetch(request.request_id, track, local, most)
         if staged is not None:
@@ -373,7 +386,7 @@ class SchedulerSide:
                 track.hit = None
                 return (None, False) if end is None else (0, False)
             track.hit = (local, end)
-            tokens = end * bs - num_computed_tokens
+            tokens = plan.hit_tokens(track.prompt_len, end, bs, num_computed_tokens)
             track.asynchronous = self.loads_asynchronously(request.request_id, tokens, end - local, staged=True)
             return tokens, track.asynchronous
         if most <= local:
@@ -417,24 +430,30 @@ class SchedulerSide:
             track.hit = None
             return 0, False
         track.hit = (local, end)
-        tokens = end * bs - num_computed_tokens
+        tokens = plan.hit_tokens(track.prompt_len, end, bs, num_computed_tokens)
         track.asynchronous = self.loads_asynchronously(request.request_id, tokens, end - local, staged=False)
         return tokens, track.asynchronous
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         track = self.tracks.get(request.request_id)
         if track is None or num_external_tokens <= 0 or track.hit is None:
+            if track is not None:
+                track.loaded_end = 0
             if self.prefetcher is not None:  # no load: its staging goes back
                 self.prefetcher.drop(request.request_id)
             return
         local, end = track.hit
         track.hit = None
-        count = num_external_tokens // self.block_size
+        count = plan.loaded_pages(num_external_tokens, self.block_size)
         if count != end - local:
             log.warning(
-                "GCache connector: vLLM allocated %d external tokens, planned %d", num_external_tokens, end - local
+                "GCache connector: vLLM allocated %d external tokens (%d pages), planned %d pages",
+                num_external_tokens,
+                count,
+                end - local,
             )
             end = min(end, local + count)
+        track.loaded_end = end
         pages = []
         at: list[tuple[int, int]] = []  # (page, group) of each PageRef
         for group in self.groups:
@@ -531,6 +550,15 @@ class SchedulerSide:
         self.stats.count("state_values_offered", len(offers))
         return [PageRef(o.group, track.hashes[o.page], o.block_id, (o.page + 1) * self.block_size) for o in offers]
 
+    def _saved_from(self, track: Track, num_computed_tokens: int) -> int:
+        """Where a request's saves start in its first step: past the pages it holds, including a
+        prompt's last page that its load took whole (vLLM counts one token of it uncomputed)."""
+        pages = num_computed_tokens // self.block_size
+        if track.loaded_end * self.block_size == track.prompt_len and num_computed_tokens == track.prompt_len - 1:
+            pages = track.loaded_end
+        track.loaded_end = 0
+        return pages
+
     def build_meta(self, out: SchedulerOutput) -> GCacheConnectorMetadata:
         now = time.perf_counter()
         cached = out.scheduled_cached_reqs
@@ -545,7 +573,7 @@ class SchedulerSide:
                 continue
             self.tax.scheduled(new.req_id, now)
             track.block_ids = [list(ids) for ids in new.block_ids]
-            track.saved_upto = new.num_computed_tokens // self.block_size  # hits are stored already
+            track.saved_upto = self._saved_from(track, new.num_computed_tokens)  # hits are stored already
             states = self._state_saves(track, offers.pop(new.req_id)) if new.req_id in offers else []
             computed = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
             spec = self._plan_saves(new.req_id, track, computed, states)
@@ -559,7 +587,7 @@ class SchedulerSide:
             self.tax.scheduled(req_id, now)
             if req_id in cached.resumed_req_ids:  # after a preemption: new blocks, from its hit on
                 track.block_ids = [list(ids) for ids in (new_ids or ())]
-                track.saved_upto = cached.num_computed_tokens[i] // self.block_size
+                track.saved_upto = self._saved_from(track, cached.num_computed_tokens[i])
             elif new_ids is not None:
                 for group, ids in enumerate(new_ids):
                     track.block_ids[group].extend(ids)
@@ -598,6 +626,7 @@ class SchedulerSide:
             if req_id in failed or (bad_blocks and track.loading & bad_blocks):
                 track.no_load = True
                 track.loading = frozenset()
+                track.loaded_end = 0
                 # vLLM recomputes from the first failed page on: save those pages again.
                 first = min(
                     (p for row in track.block_ids for p, b in enumerate(row) if b in bad_blocks),

@@ -46,6 +46,9 @@ class ConnectorSettings(StoreSettings):
     # Direct loads: CPU KV and a same-host store (shm): values go from the store's shared memory
     # straight into the KV blocks, each checked first (one pass, no staging); prefetch is then off.
     direct_loads: bool = True
+    # A prompt that ends on a page boundary loads its last page too and vLLM recomputes only its
+    # last token (full-attention models only; plan.loadable_pages). False: that page is recomputed.
+    load_last_page: bool = True
     # Prefetch (prefetch.py): a request's stored prefix read into staging when it arrives.
     prefetch: bool = True
     prefetch_mib: int = 256  # staging memory for prefetched values
@@ -82,6 +85,7 @@ class ConnectorSettings(StoreSettings):
         "gcache_load_queue_jobs_max",
         "gcache_async_load_min_tokens",
         "gcache_direct_loads",
+        "gcache_load_last_page",
         "gcache_state_boundaries_max",
         "gcache_state_admission",
         "gcache_put_worth",
@@ -145,6 +149,7 @@ class ConnectorSettings(StoreSettings):
             sync_load_max_s=extra.number("gcache_sync_load_max_s", cls.sync_load_max_s, 0.0, 600.0),
             idle_wait_s=extra.number("gcache_idle_wait_s", cls.idle_wait_s, 0.0, 1.0),
             direct_loads=extra.flag("gcache_direct_loads", cls.direct_loads),
+            load_last_page=extra.flag("gcache_load_last_page", cls.load_last_page),
             prefetch=extra.flag("gcache_prefetch", cls.prefetch),
             prefetch_mib=extra.integer("gcache_prefetch_mib", cls.prefetch_mib, 1, 1 << 20),
             prefetch_requests_max=extra.integer("gcache_prefetch_requests_max", cls.prefetch_requests_max, 1, 1 << 16),
