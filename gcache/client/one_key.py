@@ -39,23 +39,12 @@ def _idle_connection(client):
 
 def get(client, key: bytes):
     """client.get(key) for a normalized key: the value, None on a miss, or NOT_TAKEN."""
-    conn = _idle_connection(client)
-    if conn is None:
-        return NOT_TAKEN
     started = time.monotonic()
-    epoch = client._epoch
-    error = None
-    try:
-        core = native_core.core_of(conn)
-        value = core.get_one(key, client.verify_checksums, _NO_EPOCH if epoch is None else epoch, client.call_timeout_s)
-    except native_core.CoreError as exc:
-        error = native_core.failure(conn, exc, _GET_DOING)  # marks conn broken where the stream is
-    finally:
-        client._pool.release(conn)
+    value, error = _on_idle_connection(
+        client, _GET_DOING, lambda core, epoch: core.get_one(key, client.verify_checksums, epoch, client.call_timeout_s)
+    )
     if error is not None:
-        if not isinstance(error, errors.ConnectionError):
-            raise error
-        return client._get_general(key, _after_stale(client, started), stale_retry=False)
+        return client._get_general(key, _after_stale(client, started, error), stale_retry=False)
     if value is False:  # its bytes failed their checksum: a miss the caller hears of, as on the general path
         result = BatchResult([key])
         result.bad_checksum.append(0)
@@ -65,29 +54,35 @@ def get(client, key: bytes):
 
 def exists(client, key: bytes):
     """client.is_exist(key) for a normalized key: a bool, or NOT_TAKEN."""
-    conn = _idle_connection(client)
-    if conn is None:
-        return NOT_TAKEN
     started = time.monotonic()
-    epoch = client._epoch
-    error = None
-    try:
-        core = native_core.core_of(conn)
-        found = core.exists_one(key, _NO_EPOCH if epoch is None else epoch, client.call_timeout_s)
-    except native_core.CoreError as exc:
-        error = native_core.failure(conn, exc, _EXISTS_DOING)
-    finally:
-        client._pool.release(conn)
+    found, error = _on_idle_connection(
+        client, _EXISTS_DOING, lambda core, epoch: core.exists_one(key, epoch, client.call_timeout_s)
+    )
     if error is not None:
-        if not isinstance(error, errors.ConnectionError):
-            raise error
-        return client._exists([key], _after_stale(client, started), stale_retry=False).values[0]
+        return client._exists([key], _after_stale(client, started, error), stale_retry=False).values[0]
     return found
 
 
-def _after_stale(client, started: float) -> call_deadline.Deadline:
+def _on_idle_connection(client, doing: str, call):
+    """call(core, epoch) on an idle pooled connection: (its answer, None), (None, the failure
+    as a gcache error), or (NOT_TAKEN, None) where the call may not take this path."""
+    conn = _idle_connection(client)
+    if conn is None:
+        return NOT_TAKEN, None
+    epoch = client._epoch
+    try:
+        return call(native_core.core_of(conn), _NO_EPOCH if epoch is None else epoch), None
+    except native_core.CoreError as exc:
+        return None, native_core.failure(conn, exc, doing)  # marks conn broken where the stream is
+    finally:
+        client._pool.release(conn)
+
+
+def _after_stale(client, started: float, error: Exception) -> call_deadline.Deadline:
     """What the retry loop does after a reused connection failed (it may have been closed
     while idle): drop the other idle ones and retry at once, once, not counted as an attempt;
-    the call's deadline still counts from its start."""
+    the call's deadline still counts from its start. Any other failure is raised as it is."""
+    if not isinstance(error, errors.ConnectionError):
+        raise error
     client._pool.discard_idle()
     return call_deadline.Deadline.since(started, client.call_timeout_s)
