@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from gcache.tools.devcluster.local_server import LocalServer
@@ -20,6 +21,14 @@ class ServerProcess(LocalServer):
 
     def log(self) -> str:
         return self.log_tail()
+
+
+def shm_server(data_dir: Path) -> tuple[ServerProcess, str]:
+    """A started ServerProcess that also listens on a Unix socket (the shm transport's
+    handshake), and that socket's path: in a new short temp folder, since a socket path must
+    stay short (a pytest tmp path can pass the kernel's 108-byte limit)."""
+    socket = f"{tempfile.mkdtemp(prefix='gc-node-')}/node.sock"
+    return ServerProcess(data_dir, extra_args=["--unix-socket", socket]).start(), socket
 
 
 def run_server_cli(*args: str, timeout_s: float = 60, check: bool = False) -> subprocess.CompletedProcess:

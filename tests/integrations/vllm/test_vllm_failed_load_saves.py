@@ -12,13 +12,11 @@ equal a connector-less engine's exactly.
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 import gcache
 from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
-from tests.support.servers import ServerProcess
+from tests.support.servers import shm_server
 from tests.support.vllm_store import flip_byte, page_keys
 from tests.support.vllm_support import gcache_spec, run_engine, same_output
 
@@ -33,9 +31,7 @@ SYNC = dict(gcache_prefetch=False, gcache_async_load_min_tokens=1 << 20)  # B's 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("failed-load")
-    sock_dir = tempfile.mkdtemp(prefix="gc-vllm-")  # a socket path must stay short
-    socket = f"{sock_dir}/node.sock"
-    server = ServerProcess(work / "store", extra_args=["--unix-socket", socket]).start()
+    server, socket = shm_server(work / "store")
     url, model = server.address, models["llama"]
     out = {}
     try:

@@ -10,13 +10,11 @@ top-3 logprobs); only its hit counts differ.
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 import gcache
 from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
-from tests.support.servers import ServerProcess
+from tests.support.servers import shm_server
 from tests.support.vllm_store import PAGE_BYTES, flip_byte, page_keys
 from tests.support.vllm_support import EngineRun, gcache_spec, run_engine, same_first_token, same_output
 
@@ -32,10 +30,9 @@ PAGES = 200 // BLOCK_SIZE
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("llama")
-    sock_dir = tempfile.mkdtemp(prefix="gc-vllm-")  # a socket path must stay short
-    server = ServerProcess(work / "store", extra_args=["--unix-socket", f"{sock_dir}/node.sock"]).start()
+    server, socket = shm_server(work / "store")
     url, model = server.address, models["llama"]
-    out = {"server": server, "socket": f"{sock_dir}/node.sock", "model": model}
+    out = {"server": server, "socket": socket, "model": model}
     try:
         out["base"] = run_engine(dict(model=str(model), prompts=[P1 + S1, P2, P3, P4, P1]), work / "base")
         # One token per prompt: each prompt's pages must be saved by its own (only) step.

@@ -18,12 +18,11 @@ end; staging never exceeds its size.
 from __future__ import annotations
 
 import signal
-import tempfile
 
 import pytest
 
 from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
-from tests.support.servers import ServerProcess
+from tests.support.servers import shm_server
 from tests.support.vllm_store import PAGE_BYTES, flip_byte, page_keys
 from tests.support.vllm_support import EngineRun, gcache_spec, run_engine, same_output
 
@@ -45,9 +44,7 @@ PREFETCH_MIB = 1
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("prefetch")
-    sock_dir = tempfile.mkdtemp(prefix="gc-vllm-")  # a socket path must stay short
-    socket = f"{sock_dir}/node.sock"
-    server = ServerProcess(work / "store", extra_args=["--unix-socket", socket]).start()
+    server, socket = shm_server(work / "store")
     url, model = server.address, models["llama"]
     out: dict = {}
     try:

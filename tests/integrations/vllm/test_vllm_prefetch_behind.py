@@ -13,13 +13,11 @@ without a failed load.
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 import gcache
 from gcache.testing.vllm_models import BLOCK_SIZE, prompt_tokens
-from tests.support.servers import ServerProcess
+from tests.support.servers import shm_server
 from tests.support.vllm_store import page_keys
 from tests.support.vllm_support import gcache_spec, run_engine, same_output
 
@@ -35,8 +33,7 @@ SMALL_KV = dict(kv_cache_bytes=40 * BLOCK_SIZE * 1024, max_model_len=1200, max_t
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("prefetch-behind")
-    sock_dir = tempfile.mkdtemp(prefix="gc-vllm-")  # a socket path must stay short
-    server = ServerProcess(work / "store", extra_args=["--unix-socket", f"{sock_dir}/node.sock"]).start()
+    server, _ = shm_server(work / "store")
     url, model = server.address, models["llama"]
     out = {}
     try:
