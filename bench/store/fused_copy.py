@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bench.store.shm_kernels import print_rates
 from gcache._native import CHECKSUM_XXH3, copy_levels, shm_read_into, shm_write_from, xxh3, xxh3_copy
 from gcache.common.units import parse_size
 
@@ -115,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'hot (in cache)' if args.hot else f'rotating over {region >> 20} MiB'}, "
         f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
-    print(f"{'kernel':40s} {'GB/s min / median / max':>26s}  vs memcpy")
-    for name, r in rates.items():
-        med = statistics.median(r)
-        print(f"{name:40s} {min(r):7.2f} / {med:6.2f} / {max(r):6.2f}  {med / base:8.2f}")
+    print_rates(rates, base, width=40)
     return 0
 
 

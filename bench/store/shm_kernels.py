@@ -85,11 +85,16 @@ def main(argv=None) -> int:
     results = {name: timed(fn, args.runs, batch_bytes) for name, fn in kernels.items()}
     base = statistics.median(results["memcpy, one thread (baseline)"])
     print(f"shm kernels: {n} x {size} B = {batch_bytes >> 20} MiB per call, {args.runs} runs, {os.cpu_count()} cores")
-    print(f"{'kernel':44s} {'GB/s min / median / max':>26s}  vs memcpy")
-    for name, rates in results.items():
-        med = statistics.median(rates)
-        print(f"{name:44s} {min(rates):7.2f} / {med:6.2f} / {max(rates):6.2f}  {med / base:8.2f}")
+    print_rates(results, base)
     return 0
+
+
+def print_rates(rates: dict[str, list[float]], base: float, width: int = 44) -> None:
+    """One line per kernel: GB/s min / median / max and the median's ratio to `base`."""
+    print(f"{'kernel':{width}s} {'GB/s min / median / max':>26s}  vs memcpy")
+    for name, r in rates.items():
+        med = statistics.median(r)
+        print(f"{name:{width}s} {min(r):7.2f} / {med:6.2f} / {max(r):6.2f}  {med / base:8.2f}")
 
 
 if __name__ == "__main__":
