@@ -41,7 +41,8 @@ fresh worker process per tree every round, alternating bursts, so both see the s
     .venv/bin/python -m bench.store.profile_paths --path shm-get4k --baseline ../before --runs 8 --seconds 0.3
 
 `--floors` measures, in this process, what the hardware allows for the same bytes: one
-thread's memcpy of a batch (gcache-bench's memcpy_batch_gbps), one TCP stream over loopback
+thread's memcpy of a batch out of and into a rotating arena (gcache-bench's
+memcpy_batch_gbps, memcpy_put_gbps), one TCP stream over loopback
 through batch-sized buffers (loopback_tcp_batch_gbps), and a Python request / 4 KiB reply
 ping-pong over TCP and over a Unix socket (p50): a client that needs one round trip
 cannot beat the ping-pong of its own transport.
@@ -588,6 +589,15 @@ def memcpy_batch(batch_bytes: int, seconds: float = 0.5) -> dict:
     return {"gbps": gbps, "us_per_batch": batch_bytes / (gbps * 1e9) * 1e6}
 
 
+def memcpy_put(batch_bytes: int, seconds: float = 0.5) -> dict:
+    """One thread copying one batch-sized buffer into a rotating 256 MiB destination
+    (gcache-bench's memcpy_put_gbps, what shm-put's copy into arena blocks must do)."""
+    from gcache.tools.storebench import limits
+
+    gbps = limits.memcpy_put_gbps(batch_bytes, seconds=seconds)
+    return {"gbps": gbps, "us_per_batch": batch_bytes / (gbps * 1e9) * 1e6}
+
+
 # -- main ---------------------------------------------------------------------------------
 
 
@@ -618,6 +628,7 @@ RUN_FIELDS = (
 def floor_round(batch_bytes: int) -> dict:
     return {
         "memcpy_batch": memcpy_batch(batch_bytes),
+        "memcpy_put": memcpy_put(batch_bytes),
         "loopback_tcp_batch": loopback(batch_bytes),
         # The sender streams through a GET's working set (the store reads its arena from
         # memory), the receiver through one batch (the caller's buffer), as in tcp-get.

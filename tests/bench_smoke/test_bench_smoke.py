@@ -226,7 +226,8 @@ def test_bench_per_transport_beside_the_machine(server):
     )
     assert report["config"]["transports"] == ["tcp", "shm", "rdma"]
     limits = report["limits"]
-    assert limits["memcpy_batch_gbps"] > 0 and len(limits["memcpy_batch_gbps_runs"]) == 2
+    for probe in ("memcpy_batch_gbps", "memcpy_put_gbps", "loopback_tcp_put_gbps", "loopback_tcp_get_gbps"):
+        assert limits[probe] > 0 and len(limits[f"{probe}_runs"]) == 2, probe
     assert limits["python_tcp_pingpong_p50_us"] > 0 and len(limits["python_tcp_pingpong_p50_us_runs"]) == 2
     by = report["transports"]["by_transport"]
     assert list(by) == ["tcp", "shm", "rdma"]
@@ -255,15 +256,15 @@ def test_bench_per_transport_beside_the_machine(server):
     targets = report["transports"]["targets"]
     assert {(t["transport"], t["measure"], t["against"]) for t in targets} == {
         ("shm", "get_gbps", "memcpy_batch"),
-        ("shm", "put_gbps", "memcpy_batch"),
+        ("shm", "put_gbps", "memcpy_put"),
         ("shm", "latency_p50_us", "us"),
         ("shm", "latency_p50_us", "python_tcp_pingpong"),
-        ("tcp", "put_gbps", "loopback_tcp_batch"),
-        ("tcp", "get_gbps", "loopback_tcp_batch"),
+        ("tcp", "put_gbps", "loopback_tcp_put"),
+        ("tcp", "get_gbps", "loopback_tcp_get"),
     }
     tcp_put = next(t for t in targets if t["transport"] == "tcp" and t["measure"] == "put_gbps")
     runs = report["peers"]["gcache"]["workloads"]["put"]["runs"]  # the tcp suite: the first transport
-    ratios = sorted(r["gbps"] / limits["loopback_tcp_batch_gbps_runs"][r["round"]] for r in runs)
+    ratios = sorted(r["gbps"] / limits["loopback_tcp_put_gbps_runs"][r["round"]] for r in runs)
     assert tcp_put["spread"] == pytest.approx([ratios[0], sum(ratios) / 2, ratios[1]])
     assert tcp_put["ratio"] == pytest.approx(tcp_put["spread"][1])
     assert isinstance(tcp_put["met"], bool)

@@ -23,6 +23,7 @@ LOOPBACK_BYTES = 512 << 20  # per measurement
 LOOPBACK_CHUNK_BYTES = 4 << 20  # one sendall / recv_into at a time
 LOOPBACK_TIMEOUT_S = 60.0
 MEMCPY_SOURCE_BYTES_MAX = 256 << 20  # batch copies rotate over this much source: past the L3 cache
+ARENA_FLOOR_BYTES = 256 << 20  # the store's end of an operation's floor rotates over this much
 PINGPONG_ROUNDS = 2000
 PINGPONG_REQUEST_BYTES = 32
 
@@ -43,14 +44,28 @@ def memcpy_batch_gbps(batch_bytes: int, source_bytes: int = MEMCPY_SOURCE_BYTES_
     """One thread copying one batch's bytes into one caller-sized buffer, batch after
     batch, from a rotating source larger than the L3 cache: what a one-sided GET of
     that batch must at least do (np.copyto runs on the calling thread only)."""
-    batches = max(2, min(source_bytes, 1 << 34) // batch_bytes)
-    src = np.ones(batches * batch_bytes, dtype=np.uint8)
-    dst = np.zeros(batch_bytes, dtype=np.uint8)  # both touched before timing
+    return _memcpy_rotating_gbps(batch_bytes, source_bytes, rotate_source=True, seconds=seconds)
+
+
+def memcpy_put_gbps(batch_bytes: int, destination_bytes: int = MEMCPY_SOURCE_BYTES_MAX, seconds: float = 0.3) -> float:
+    """One thread copying one caller-sized batch, batch after batch, into a destination
+    rotating over more than the L3 cache: what a one-sided PUT of that batch must at least
+    do (a store's arena blocks are not in the cache; the caller's buffer may be)."""
+    return _memcpy_rotating_gbps(batch_bytes, destination_bytes, rotate_source=False, seconds=seconds)
+
+
+def _memcpy_rotating_gbps(batch_bytes: int, rotating_bytes: int, rotate_source: bool, seconds: float) -> float:
+    batches = max(2, min(rotating_bytes, 1 << 34) // batch_bytes)
+    rotating = np.ones(batches * batch_bytes, dtype=np.uint8)
+    fixed = np.full(batch_bytes, 2, dtype=np.uint8)  # both written (paged in) before timing
     copied, elapsed, i = 0, 0.0, 0
     while elapsed < seconds or i < batches:
         at = (i % batches) * batch_bytes
         start = time.perf_counter()
-        np.copyto(dst, src[at : at + batch_bytes])
+        if rotate_source:
+            np.copyto(fixed, rotating[at : at + batch_bytes])
+        else:
+            np.copyto(rotating[at : at + batch_bytes], fixed)
         elapsed += time.perf_counter() - start
         copied += batch_bytes
         i += 1
@@ -130,7 +145,10 @@ with socket.create_connection(("127.0.0.1", port), timeout=60) as out:
 
 
 def loopback_tcp_gbps(
-    total_bytes: int = LOOPBACK_BYTES, chunk_bytes: int = LOOPBACK_CHUNK_BYTES, buffer_bytes: int | None = None
+    total_bytes: int = LOOPBACK_BYTES,
+    chunk_bytes: int = LOOPBACK_CHUNK_BYTES,
+    buffer_bytes: int | None = None,
+    sender_buffer_bytes: int | None = None,
 ) -> float:
     """Bandwidth of one TCP stream over 127.0.0.1, from a sender process to this one.
 
@@ -140,8 +158,11 @@ def loopback_tcp_gbps(
     (= chunk_bytes) both ends reuse one cache-resident 4 MiB buffer: the best
     case. buffer_bytes = one batch's bytes makes both ends stream through
     memory the size of a batch, as a store's arena and a caller's buffer do.
+    `sender_buffer_bytes` (default: buffer_bytes) sizes the sender's end apart: a store's
+    arena (larger than the cache) on one end, a caller's batch on the other.
     """
     buffer_bytes = max(buffer_bytes or chunk_bytes, chunk_bytes)
+    sender_buffer_bytes = max(sender_buffer_bytes or buffer_bytes, chunk_bytes)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -154,11 +175,11 @@ def loopback_tcp_gbps(
             str(listener.getsockname()[1]),
             str(total_bytes),
             str(chunk_bytes),
-            str(buffer_bytes),
+            str(sender_buffer_bytes),
         ]
     )
     # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
-    sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8))  # type: ignore[arg-type]
+    sink = memoryview(np.full(buffer_bytes, 0, dtype=np.uint8))  # type: ignore[arg-type]  # paged in
     received = first_bytes = 0
     elapsed = 0.0
     try:
@@ -191,7 +212,10 @@ PROBES = (
     "memcpy_gbps",
     "loopback_tcp_gbps",
     "loopback_tcp_batch_gbps",
+    "loopback_tcp_put_gbps",
+    "loopback_tcp_get_gbps",
     "memcpy_batch_gbps",
+    "memcpy_put_gbps",
     "python_tcp_pingpong_p50_us",
 )
 
@@ -200,14 +224,21 @@ def measure_round(batch_bytes: int | None = None, reply_bytes: int = 4096) -> di
     """Every probe once: {probe: value} (the batch probes only with batch_bytes).
 
     loopback_tcp_gbps is the cache-resident best case; loopback_tcp_batch_gbps streams
-    through buffers of one batch's bytes; memcpy_batch_gbps is one thread copying one
-    batch's bytes into one buffer; python_tcp_pingpong_p50_us is a Python request/reply of
-    `reply_bytes`.
+    through buffers of one batch's bytes. Each operation's own floor has the store's end
+    rotate over an arena larger than the cache, as a store's does: loopback_tcp_put_gbps
+    (a batch-sized sender into it), loopback_tcp_get_gbps (out of it into a batch-sized
+    receiver), memcpy_put_gbps (one thread, a batch into it), memcpy_batch_gbps (one thread,
+    out of it into one batch-sized buffer: a GET's). python_tcp_pingpong_p50_us is a Python
+    request/reply of `reply_bytes`.
     """
     out = {"memcpy_gbps": memcpy_gbps(), "loopback_tcp_gbps": loopback_tcp_gbps()}
     if batch_bytes:
+        arena = max(ARENA_FLOOR_BYTES, 2 * batch_bytes)
         out["loopback_tcp_batch_gbps"] = loopback_tcp_gbps(buffer_bytes=batch_bytes)
+        out["loopback_tcp_put_gbps"] = loopback_tcp_gbps(buffer_bytes=arena, sender_buffer_bytes=batch_bytes)
+        out["loopback_tcp_get_gbps"] = loopback_tcp_gbps(buffer_bytes=batch_bytes, sender_buffer_bytes=arena)
         out["memcpy_batch_gbps"] = memcpy_batch_gbps(batch_bytes)
+        out["memcpy_put_gbps"] = memcpy_put_gbps(batch_bytes)
     out["python_tcp_pingpong_p50_us"] = python_tcp_pingpong_p50_us(reply_bytes)
     return out
 

@@ -9,12 +9,12 @@ from gcache.tools.storebench.report import MEASURES, measure_spread
 # measure -> the machine limits drawn beside it (report["limits"] fields)
 _LIMITS = {
     "put_gbps": (
-        ("memcpy of the batch", "memcpy_batch_gbps"),
-        ("loopback TCP of the batch", "loopback_tcp_batch_gbps"),
+        ("memcpy into an arena", "memcpy_put_gbps"),
+        ("loopback TCP into an arena", "loopback_tcp_put_gbps"),
     ),
     "get_gbps": (
-        ("memcpy of the batch", "memcpy_batch_gbps"),
-        ("loopback TCP of the batch", "loopback_tcp_batch_gbps"),
+        ("memcpy out of an arena", "memcpy_batch_gbps"),
+        ("loopback TCP out of an arena", "loopback_tcp_get_gbps"),
     ),
 }
 

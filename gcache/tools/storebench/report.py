@@ -38,32 +38,41 @@ TARGETS = (
 
 
 # Per transport (transport, measure, against, comparison, bound): ratio = measure / against,
-# except against "us", where the bound is the measure itself in microseconds.
+# except against "us", where the bound is the measure itself in microseconds. The bounds
+# are issue 39's: each operation against its own floor (the store's end of it in memory
+# larger than the cache, as an arena is).
 TRANSPORT_TARGETS = (
-    ("shm", "get_gbps", "memcpy_batch", ">=", 0.8),
-    ("shm", "put_gbps", "memcpy_batch", ">=", 0.6),
+    ("shm", "get_gbps", "memcpy_batch", ">=", 1.0),
+    ("shm", "put_gbps", "memcpy_put", ">=", 0.8),
     ("shm", "latency_p50_us", "us", "<=", 15.0),
-    ("shm", "latency_p50_us", "python_tcp_pingpong", "<", 1.0),
-    ("tcp", "put_gbps", "loopback_tcp_batch", ">=", 0.85),
-    ("tcp", "get_gbps", "loopback_tcp_batch", ">=", 0.85),
+    ("shm", "latency_p50_us", "python_tcp_pingpong", "<=", 0.6),
+    ("tcp", "put_gbps", "loopback_tcp_put", ">=", 0.9),
+    ("tcp", "get_gbps", "loopback_tcp_get", ">=", 0.9),
 )
 _LIMIT_FIELDS = {
     "memcpy_batch": "memcpy_batch_gbps",
+    "memcpy_put": "memcpy_put_gbps",
     "loopback_tcp_batch": "loopback_tcp_batch_gbps",
+    "loopback_tcp_put": "loopback_tcp_put_gbps",
+    "loopback_tcp_get": "loopback_tcp_get_gbps",
     "python_tcp_pingpong": "python_tcp_pingpong_p50_us",
 }
 _COMPARE = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b}
 
 
 # Machine limits a store's measure is divided by, per round: (name, limits field, label).
+# Each operation's own floor first; the batch-sized loopback (both ends in a batch's
+# buffer, partly cache-resident) stays for comparison with older reports.
 LIMITS_FOR = {
     "put_gbps": (
+        ("loopback_tcp_put", "loopback_tcp_put_gbps", "loopback TCP into an arena"),
         ("loopback_tcp_batch", "loopback_tcp_batch_gbps", "batch-sized loopback TCP"),
-        ("memcpy_batch", "memcpy_batch_gbps", "memcpy of the batch"),
+        ("memcpy_put", "memcpy_put_gbps", "memcpy into an arena"),
     ),
     "get_gbps": (
+        ("loopback_tcp_get", "loopback_tcp_get_gbps", "loopback TCP out of an arena"),
         ("loopback_tcp_batch", "loopback_tcp_batch_gbps", "batch-sized loopback TCP"),
-        ("memcpy_batch", "memcpy_batch_gbps", "memcpy of the batch"),
+        ("memcpy_batch", "memcpy_batch_gbps", "memcpy out of an arena"),
     ),
     "latency_p50_us": (("python_tcp_pingpong", "python_tcp_pingpong_p50_us", "Python TCP ping-pong p50"),),
 }
@@ -220,7 +229,10 @@ def build(
                 ("loopback_tcp", "loopback_tcp_gbps"),
                 ("memcpy", "memcpy_gbps"),
                 ("memcpy_batch", "memcpy_batch_gbps"),
+                ("memcpy_put", "memcpy_put_gbps"),
                 ("loopback_tcp_batch", "loopback_tcp_batch_gbps"),
+                ("loopback_tcp_put", "loopback_tcp_put_gbps"),
+                ("loopback_tcp_get", "loopback_tcp_get_gbps"),
             ):
                 if limits.get(f"{field}_runs"):
                     fraction_spreads[f"{op}_of_{suffix}"] = ratio_spread(ours[key], limit_rounds(limits, field))
@@ -300,9 +312,12 @@ def _machine_rows(cfg: dict) -> tuple:
     batch = format_size(cfg["value_size"] * cfg["batch"])
     return (
         ("memcpy_gbps", "memcpy, one thread, 256 MiB (GB/s)"),
-        ("memcpy_batch_gbps", f"memcpy of one batch ({batch}), one thread (GB/s)"),
+        ("memcpy_batch_gbps", f"memcpy, arena -> {batch} batch, 1 thread (GB/s)"),
+        ("memcpy_put_gbps", f"memcpy, {batch} batch -> arena, 1 thread (GB/s)"),
         ("loopback_tcp_gbps", "loopback TCP, 4 MiB cache-resident (GB/s)"),
         ("loopback_tcp_batch_gbps", f"loopback TCP, {batch} buffers (GB/s)"),
+        ("loopback_tcp_put_gbps", f"loopback TCP, {batch} batch -> arena (GB/s)"),
+        ("loopback_tcp_get_gbps", f"loopback TCP, arena -> {batch} batch (GB/s)"),
         ("python_tcp_pingpong_p50_us", f"Python TCP ping-pong p50, {format_size(cfg['latency_value_size'])} (us)"),
     )
 
@@ -367,8 +382,11 @@ def render_table(report: dict) -> str:
 def render_transport_targets(report: dict) -> list[str]:
     """The --transport targets, each with the median [min..max] of its per-round ratio."""
     limit_names = {
-        "memcpy_batch": "memcpy (one thread, same bytes)",
+        "memcpy_batch": "memcpy out of an arena",
+        "memcpy_put": "memcpy into an arena",
         "loopback_tcp_batch": "batch-sized loopback TCP",
+        "loopback_tcp_put": "loopback TCP into an arena",
+        "loopback_tcp_get": "loopback TCP out of an arena",
         "python_tcp_pingpong": "Python TCP ping-pong p50",
         "us": "microseconds",
     }
