@@ -118,7 +118,8 @@ def test_values_larger_than_a_put_chunk_and_a_batch_over_the_lookup_limit(server
         assert [bytes(t) for t in targets] == values
         with pytest.raises(errors.ValueTooLargeError):
             c.put(b"too-large", bytes(4 * MIB + 1))
-    assert gauges(node.address)["leases_active"] == 0
+    # A RELEASE has no answer: the client's last one may still be on its way when it closes.
+    wait_until(lambda: gauges(node.address)["leases_active"] == 0, "the client's last leases released")
 
 
 def test_a_lease_pins_its_value_until_released(server_factory, sock_dir):
