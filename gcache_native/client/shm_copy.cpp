@@ -9,10 +9,12 @@
 #include <pybind11/stl.h>
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -37,14 +39,38 @@ constexpr int kThreadsMax = 8;
 // switches to them only for much larger copies, and a batch of 256 KiB values
 // copied one by one then runs at half the memory bandwidth (bench/store/shm_kernels.py).
 constexpr size_t kStreamingBytesMin = 128 << 10;
+constexpr uint64_t kLastLevelCacheDefault = 8 << 20;  // where neither sysconf nor sysfs says
+
+// The last-level cache's size: sysconf, else sysfs (VMs often leave sysconf at 0).
+uint64_t last_level_cache_bytes() {
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (l3 > 0) return uint64_t(l3);
+  std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+  unsigned long kib = 0;
+  char unit = 0;
+  const bool read = f != nullptr && std::fscanf(f, "%lu%c", &kib, &unit) == 2 && unit == 'K';
+  if (f != nullptr) std::fclose(f);
+  return read && kib > 0 ? uint64_t(kib) << 10 : kLastLevelCacheDefault;
+}
+
+// Whether a call's copies bypass the cache. A write's destination is the arena, read
+// later by another process if ever: streamed. A read's destination is the caller's
+// buffer, which the caller reads next: a call whose bytes fit in 3/4 of the last-level
+// cache (glibc's own rule for one large memcpy) keeps them there with plain stores;
+// a larger one would only evict the rest, so it streams.
+bool streams(Hash hash, uint64_t call_bytes) {
+  static const uint64_t read_cached_max = last_level_cache_bytes() / 4 * 3;
+  return hash == Hash::Source || call_bytes > read_cached_max;
+}
 
 // Copies n bytes with their checksum in one pass (common/xxh3_copy.h: XXH3 fused
 // into the copy where the CPU has AVX2; elsewhere, and for xxh64, each chunk is
 // hashed while in cache). A read hashes the bytes it delivers; a write the bytes
 // it stores, so a source changed mid-copy makes the stored block differ from its
 // sum, and every reader then refuses it.
-uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash, gcache::ChecksumKind kind) {
-  const bool stream = n >= kStreamingBytesMin;
+uint64_t copy_and_hash(const uint8_t* src, uint8_t* dst, uint64_t n, Hash hash, gcache::ChecksumKind kind,
+                       bool stream_call) {
+  const bool stream = stream_call && n >= kStreamingBytesMin;
   if (hash == Hash::None) {
     gcache::copy_bytes(dst, src, n, stream);
     return 0;
@@ -140,9 +166,10 @@ void run_items(std::vector<CopyItem>& items, int threads, Hash hash) {
   int t = threads > 0 ? threads : std::min(kThreadsMax, cores);
   t = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(t), total / kBytesPerThreadMin)));
   t = std::min<int>(t, int(items.size()));
-  auto work = [&items, hash](size_t lo, size_t hi) {
+  const bool stream = streams(hash, total);
+  auto work = [&items, hash, stream](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i)
-      items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash, items[i].kind);
+      items[i].sum = copy_and_hash(items[i].src, items[i].dst, items[i].length, hash, items[i].kind, stream);
   };
   if (t <= 1) {
     work(0, items.size());
