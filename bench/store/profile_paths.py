@@ -36,7 +36,9 @@ to compare, wall-clock rates swing by tens of percent.
 
 `--baseline TREE` compares this checkout's client with another's (e.g. `git worktree add` of
 the commit before, with its native module built or copied in) on one server started here: a
-fresh worker process per tree every round, alternating bursts, so both see the same load:
+fresh worker process per tree every round, alternating bursts, so both see the same load.
+It prints each tree's min / median / max of client CPU per call, p50 and GB/s, the ratio of
+the medians, and the min / median / max over the rounds of each round's own ratio:
 
     .venv/bin/python -m bench.store.profile_paths --path shm-get4k --baseline ../before --runs 8 --seconds 0.3
 
@@ -705,7 +707,7 @@ def ab_compare(args, address: str, name: str) -> dict:
                     procs[side].stdin.flush()
                     figures = json.loads(procs[side].stdout.readline())
                     if b:
-                        runs[side].append(figures)
+                        runs[side].append(dict(figures, round=rnd))
         finally:
             for proc in procs.values():
                 proc.stdin.close()
@@ -715,12 +717,28 @@ def ab_compare(args, address: str, name: str) -> dict:
         med = {side: statistics.median(r[field] for r in runs[side]) for side in trees}
         result[field] = {side: spread([r[field] for r in runs[side]]) for side in trees}
         result[field]["this / baseline (medians)"] = f"{med['this'] / med['baseline']:.3f}"
+        ratios = round_ratios(runs, field)
+        result[field]["this / baseline per round"] = spread(ratios)
         print(
             f"A/B {name:10s} {field:22s} this {result[field]['this']}   baseline {result[field]['baseline']}   "
-            f"this / baseline {result[field]['this / baseline (medians)']}",
+            f"this / baseline {result[field]['this / baseline (medians)']}   "
+            f"per round ({len(ratios)}) min/median/max {spread(ratios)}",
             flush=True,
         )
     return result
+
+
+def round_ratios(runs: dict[str, list[dict]], field: str) -> list[float]:
+    """this / baseline of `field` in each round (the median of each side's bursts in it): the
+    two sides of a round ran under the same load, so its ratio is what the load leaves alone."""
+    per_round: dict[int, dict[str, list[float]]] = collections.defaultdict(lambda: {"this": [], "baseline": []})
+    for side, side_runs in runs.items():
+        for r in side_runs:
+            per_round[r["round"]][side].append(r[field])
+    return [
+        statistics.median(sides["this"]) / statistics.median(sides["baseline"])
+        for _, sides in sorted(per_round.items())
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,16 @@ def test_baseline_mode_runs_both_trees(tmp_path):
     ab = json.loads((tmp_path / "report.json").read_text())["paths"]["tcp-get4k"]["ab"]
     for side in ("this", "baseline"):
         assert len(ab["runs"][side]) == profile_paths.AB_BURSTS - 1
-        assert all(r["ops"] == 10 and r["client_cpu_us_per_op"] > 0 for r in ab["runs"][side])
+        assert all(r["ops"] == 10 and r["client_cpu_us_per_op"] > 0 and r["round"] == 0 for r in ab["runs"][side])
+    assert "this / baseline per round" in ab["client_cpu_us_per_op"]
+
+
+def test_round_ratios_pair_each_round_by_its_medians():
+    runs = {
+        "this": [{"round": 0, "x": 1.0}, {"round": 0, "x": 3.0}, {"round": 0, "x": 2.0}, {"round": 1, "x": 5.0}],
+        "baseline": [{"round": 1, "x": 10.0}, {"round": 0, "x": 4.0}, {"round": 0, "x": 8.0}, {"round": 0, "x": 6.0}],
+    }
+    assert profile_paths.round_ratios(runs, "x") == [2.0 / 6.0, 5.0 / 10.0]
 
 
 @pytest.mark.process
