@@ -14,7 +14,8 @@
 
 namespace gcache {
 
-// The freed blocks of one size (the container's node), at most `kept_max`.
+// The freed blocks of one size (the container's node), at most `kept_max`
+// (never more than the container held at once).
 class NodePool {
  public:
   explicit NodePool(size_t kept_max) : kept_max_(kept_max) { free_.reserve(kept_max); }  // give() never allocates

@@ -95,8 +95,8 @@ class Index {
   void unreserve(uint64_t cost) { reserved_ -= cost; }
 
  private:
-  static constexpr size_t kSpareNodesMax = 4096;  // hash nodes kept for reuse (as kSpareEntriesMax)
-  NodePool nodes_{kSpareNodesMax};                // before map_: it outlives the map
+  static constexpr size_t kSpareNodesMax = 1 << 18;  // hash nodes kept for reuse (see kSpareEntriesMax)
+  NodePool nodes_{kSpareNodesMax};                   // before map_: it outlives the map
   Map map_{Map::allocator_type(&nodes_)};
   std::unordered_set<Entry*> doomed_;  // unlinked, still leased/pinned
   std::vector<Entry*> retired_;        // died during a flush, freed when the last flush ends
@@ -105,8 +105,11 @@ class Index {
   uint64_t reserved_ = 0;  // cost() of keys reserved but not yet committed
   uint64_t inserts_ = 0;   // keys indexed so far (inserts())
   // Freed entries kept for make_entry (their key strings keep their bytes):
-  // at most kSpareEntriesMax, the rest deleted.
-  static constexpr size_t kSpareEntriesMax = 4096;
+  // at most kSpareEntriesMax, the rest deleted. Never more than the index
+  // held at once. A small bound is worse than none: the entries kept pin
+  // holes in malloc's heap between the ones given back, and a large REMOVE
+  // then leaves every other allocation a fragmented heap.
+  static constexpr size_t kSpareEntriesMax = 1 << 18;
   std::vector<Entry*> spare_;
   void recycle(Entry* e);
 };

@@ -69,8 +69,9 @@ class MemoryTier {
   SharedArena arena_;
   BlockAllocator allocator_;
   // Both maps take and give one node per put: their nodes are recycled
-  // (common/node_pool.h), each pool declared before (outliving) its map.
-  static constexpr size_t kSpareNodesMax = 4096;
+  // (common/node_pool.h; bound as Index's), each pool declared before
+  // (outliving) its map.
+  static constexpr size_t kSpareNodesMax = 1 << 18;
   using Reserved =
       std::map<uint64_t, uint64_t, std::less<uint64_t>, PoolAllocator<std::pair<const uint64_t, uint64_t>>>;
   using ByOffset = std::map<uint64_t, Entry*, std::less<uint64_t>, PoolAllocator<std::pair<const uint64_t, Entry*>>>;
