@@ -230,8 +230,10 @@ bool MsgpackReader::skip_depth(int depth) {
 }
 
 void MsgpackWriter::put_be(uint8_t tag, uint64_t v, size_t n) {
-  buf_.push_back(tag);
-  for (size_t i = n; i-- > 0;) buf_.push_back(uint8_t(v >> (8 * i)));
+  uint8_t bytes[9];  // the tag and up to 8 big-endian bytes, appended at once
+  bytes[0] = tag;
+  for (size_t i = 0; i < n; ++i) bytes[1 + i] = uint8_t(v >> (8 * (n - 1 - i)));
+  buf_.insert(buf_.end(), bytes, bytes + 1 + n);
 }
 
 void MsgpackWriter::map(uint32_t count) {

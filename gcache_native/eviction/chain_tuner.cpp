@@ -52,8 +52,9 @@ void ChainTuner::on_put(uint64_t key_hash, uint64_t bytes, const PutHint& hint) 
 }
 
 void ChainTuner::insert(Shadow& s, uint64_t key_hash, uint64_t bytes, const PutHint& hint) {
-  if (s.nodes.count(key_hash)) return;  // present here: the put is EXISTS
-  Node& n = s.nodes[key_hash];
+  auto [slot, added] = s.nodes.try_emplace(key_hash);  // one lookup
+  if (!added) return;                                  // present here: the put is EXISTS
+  Node& n = slot->second;
   n.key_hash = key_hash;
   n.mem_block = bytes;
   bool same_batch = hint.batch != 0 && hint.batch == s.batch;

@@ -177,7 +177,7 @@ Reply Server::handle_lookup(Connection* c, const FrameHeader& h) {
   // a lease, a copy and a RELEASE. The rest are leased for the client to copy.
   const uint64_t inline_max = std::min<uint64_t>(b.inline_max, kLookupInlineBytesMax);
   LeaseGuard sent{store_, &c->leases};  // the inline values, released once sent
-  std::vector<Lease> kept;
+  std::vector<Lease> kept = c->shm.spare_leases();
   kept.reserve(n);
   const uint8_t* base = store_->arena_base();
   std::vector<uint64_t> offsets(n, 0), sums(n, 0);
@@ -294,8 +294,8 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
                                                        std::to_string(ShmSession::kReserveGroupsMax) +
                                                        " open reservations: COMMIT or RELEASE them first");
   }
-  ShmSession::ReserveGroup group;
-  group.keys.reserve(n);
+  ShmSession::ReserveGroup group = c->shm.spare_reserve_group();
+  group.keys.resize(n);
   group.reservations.resize(n);
   group.has_epoch = b.has_epoch;
   group.epoch = b.epoch;
@@ -316,7 +316,7 @@ Reply Server::handle_reserve(Connection* c, const FrameHeader& h) {
   if (!budgeted) metrics_->puts_reserve_refused++;
   const uint8_t* base = store_->arena_base();
   for (size_t i = 0; i < n; ++i) {
-    group.keys.emplace_back(b.keys[i]);
+    group.keys[i].assign(b.keys[i]);
     if (group.statuses[i] != uint8_t(PutStatus::Stored)) continue;  // refused above
     if (!budgeted) {
       group.statuses[i] = uint8_t(PutStatus::NoSpace);
@@ -413,6 +413,7 @@ Reply Server::handle_commit(Connection* c, const FrameHeader& h) {
   out.str("st");
   out.array(uint32_t(n));
   for (uint8_t s : group.statuses) out.uint(s);
+  c->shm.recycle(std::move(group));
   send_response(c, h.opcode, h.request_id, FrameStatus::Ok);
   return {};
 }

@@ -21,8 +21,45 @@ bool ShmSession::release_lease(Store* store, uint64_t id) {
   if (it == leases_.end()) return false;
   for (const Lease& l : it->second.leases) store->release(l);
   leased_keys_ -= it->second.leases.size();
+  recycle_leases(std::move(it->second.leases));
   leases_.erase(it);
   return true;
+}
+
+std::vector<Lease> ShmSession::spare_leases() {
+  std::vector<Lease> leases = std::move(spare_leases_);
+  spare_leases_ = {};
+  leases.clear();
+  return leases;
+}
+
+void ShmSession::recycle_leases(std::vector<Lease>&& leases) {
+  if (leases.capacity() > spare_leases_.capacity()) spare_leases_ = std::move(leases);
+}
+
+ShmSession::ReserveGroup ShmSession::spare_reserve_group() {
+  ReserveGroup group = std::move(spare_group_);
+  spare_group_ = {};
+  // Everything but the vectors' capacity (and the keys' strings) starts anew.
+  std::vector<std::string> keys = std::move(group.keys);
+  std::vector<Reservation> reservations = std::move(group.reservations);
+  std::vector<uint8_t> statuses = std::move(group.statuses);
+  std::vector<uint64_t> worth_kinds = std::move(group.worth_kinds), worth_costs = std::move(group.worth_costs);
+  group = {};
+  group.keys = std::move(keys);
+  reservations.clear();
+  group.reservations = std::move(reservations);
+  statuses.clear();
+  group.statuses = std::move(statuses);
+  worth_kinds.clear();
+  worth_costs.clear();
+  group.worth_kinds = std::move(worth_kinds);
+  group.worth_costs = std::move(worth_costs);
+  return group;
+}
+
+void ShmSession::recycle(ReserveGroup&& group) {
+  if (group.reservations.capacity() >= spare_group_.reservations.capacity()) spare_group_ = std::move(group);
 }
 
 size_t ShmSession::verify_reported(Store* store, uint64_t id, std::vector<uint64_t> offsets, const uint8_t* base) {

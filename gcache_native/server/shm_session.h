@@ -48,6 +48,15 @@ class ShmSession {
   // nothing. Returns how many were bad (removed).
   size_t verify_reported(Store* store, uint64_t id, std::vector<uint64_t> offsets, const uint8_t* base);
 
+  // An empty group (or lease list) for the next RESERVE (LOOKUP): the
+  // vectors of the last one committed (released) when there is one, their
+  // capacity kept, so a steady stream of batches does not allocate them anew.
+  // A group's `keys` keep their strings (assign() into them reuses their
+  // bytes): size it with keys.resize().
+  ReserveGroup spare_reserve_group();
+  void recycle(ReserveGroup&& group);
+  std::vector<Lease> spare_leases();
+
   bool can_reserve() const { return reserves_.size() < kReserveGroupsMax; }
   uint64_t add_reservation(ReserveGroup&& group);
   // Removes and returns the group (false: unknown id); the caller commits or aborts it.
@@ -81,6 +90,11 @@ class ShmSession {
   size_t leased_keys_ = 0;
   std::map<uint64_t, LeaseGroup> leases_;
   std::map<uint64_t, ReserveGroup> reserves_;
+  // One of each kept for reuse (spare_reserve_group, spare_leases); capacity
+  // bounded by what one batch needed.
+  ReserveGroup spare_group_;
+  std::vector<Lease> spare_leases_;
+  void recycle_leases(std::vector<Lease>&& leases);
 };
 
 }  // namespace gcache

@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/node_pool.h"
 #include "core/entry.h"
 
 namespace gcache {
@@ -18,8 +19,9 @@ namespace gcache {
 class Index {
  public:
   // Keys are views of Entry::key (stable: entries never move), so a lookup
-  // allocates nothing.
-  using Map = std::unordered_map<std::string_view, Entry*>;
+  // allocates nothing; the hash nodes are recycled (common/node_pool.h).
+  using Map = std::unordered_map<std::string_view, Entry*, std::hash<std::string_view>, std::equal_to<std::string_view>,
+                                 PoolAllocator<std::pair<const std::string_view, Entry*>>>;
 
   // Heap one index entry takes: its key bytes, the Entry, the hash node and
   // bucket slot, the segment-list node, allocator overhead.
@@ -37,9 +39,23 @@ class Index {
   // e's key must not be indexed yet.
   void insert(Entry* e) {
     GCACHE_ASSERT(!e->doomed() && find(e->key) == nullptr);
-    map_.emplace(std::string_view(e->key), e);
-    bytes_ += cost(e->key.size());
+    const bool inserted = try_insert(e);
+    GCACHE_ASSERT(inserted);
+    (void)inserted;
   }
+  // Indexes e unless its key is indexed already (false: nothing changed, e is
+  // still the caller's). One hash lookup, where find + insert take two.
+  bool try_insert(Entry* e) {
+    GCACHE_ASSERT(!e->doomed());
+    if (!map_.emplace(std::string_view(e->key), e).second) return false;
+    bytes_ += cost(e->key.size());
+    ++inserts_;
+    return true;
+  }
+  // Grows with every key indexed: a key that find() missed is still missing
+  // as long as this has not changed (the caller held the lock meanwhile or
+  // checks this instead of a second find).
+  uint64_t inserts() const { return inserts_; }
   void erase(Entry* e) {
     map_.erase(std::string_view(e->key));
     bytes_ -= cost(e->key.size());
@@ -53,11 +69,17 @@ class Index {
   // False if e is not kept (already freed: retired during a flush).
   bool forget_doomed(Entry* e) { return doomed_.erase(e) > 0; }
   const std::unordered_set<Entry*>& doomed() const { return doomed_; }
+  // A new Entry (nothing set but its defaults) for a key about to be indexed:
+  // a freed one when one is spare, so a store that removes and puts keys at
+  // the same pace does not go through malloc for every Entry and key.
+  Entry* make_entry();
+  // Gives back an entry make_entry() handed out that was never indexed.
+  void discard(Entry* e) { recycle(e); }
   // Frees an entry nothing references, or retires it while a flush runs (a
   // flush holds Entry pointers without the lock).
   void free(Entry* e) {
     if (flushes_running_ > 0) retired_.push_back(e);
-    else delete e;
+    else recycle(e);
   }
   void begin_flush() { ++flushes_running_; }
   void end_flush();  // the last flush to end frees the retired entries
@@ -73,12 +95,23 @@ class Index {
   void unreserve(uint64_t cost) { reserved_ -= cost; }
 
  private:
-  Map map_;
+  static constexpr size_t kSpareNodesMax = 1 << 18;  // hash nodes kept for reuse (see kSpareEntriesMax)
+  NodePool nodes_{kSpareNodesMax};                   // before map_: it outlives the map
+  Map map_{Map::allocator_type(&nodes_)};
   std::unordered_set<Entry*> doomed_;  // unlinked, still leased/pinned
   std::vector<Entry*> retired_;        // died during a flush, freed when the last flush ends
   uint32_t flushes_running_ = 0;
   uint64_t bytes_ = 0;     // estimated heap of the index (cost() per key)
   uint64_t reserved_ = 0;  // cost() of keys reserved but not yet committed
+  uint64_t inserts_ = 0;   // keys indexed so far (inserts())
+  // Freed entries kept for make_entry (their key strings keep their bytes):
+  // at most kSpareEntriesMax, the rest deleted. Never more than the index
+  // held at once. A small bound is worse than none: the entries kept pin
+  // holes in malloc's heap between the ones given back, and a large REMOVE
+  // then leaves every other allocation a fragmented heap.
+  static constexpr size_t kSpareEntriesMax = 1 << 18;
+  std::vector<Entry*> spare_;
+  void recycle(Entry* e);
 };
 
 }  // namespace gcache

@@ -12,6 +12,7 @@
 
 #include "common/arena_allocator.h"
 #include "common/arena_shared_memory.h"
+#include "common/node_pool.h"
 #include "core/entry.h"
 
 namespace gcache {
@@ -67,9 +68,17 @@ class MemoryTier {
  private:
   SharedArena arena_;
   BlockAllocator allocator_;
-  std::map<uint64_t, uint64_t> reserved_;  // offset -> block: puts and loads in flight
-  std::map<uint64_t, Entry*> by_offset_;   // memory copies in address order
-  uint64_t window_cursor_ = 0;             // where the next window search starts
+  // Both maps take and give one node per put: their nodes are recycled
+  // (common/node_pool.h; bound as Index's), each pool declared before
+  // (outliving) its map.
+  static constexpr size_t kSpareNodesMax = 1 << 18;
+  using Reserved =
+      std::map<uint64_t, uint64_t, std::less<uint64_t>, PoolAllocator<std::pair<const uint64_t, uint64_t>>>;
+  using ByOffset = std::map<uint64_t, Entry*, std::less<uint64_t>, PoolAllocator<std::pair<const uint64_t, Entry*>>>;
+  NodePool reserved_nodes_{kSpareNodesMax}, by_offset_nodes_{kSpareNodesMax};
+  Reserved reserved_{Reserved::allocator_type(&reserved_nodes_)};    // offset -> block: puts and loads in flight
+  ByOffset by_offset_{ByOffset::allocator_type(&by_offset_nodes_)};  // memory copies in address order
+  uint64_t window_cursor_ = 0;                                       // where the next window search starts
   uint64_t entries_ = 0, value_bytes_ = 0, leases_active_ = 0;
 };
 

@@ -641,19 +641,19 @@ struct Store::Impl {
       if (!sound) bump(metrics->checksum_failures_put);
       return sound ? PutStatus::KeyInvalid : PutStatus::ChecksumMismatch;
     }
-    if (find(key)) {  // a concurrent put of the same key won
-      memory.free(r.offset, r.block_bytes);
-      bump(metrics->puts_exists);
-      return PutStatus::Exists;
-    }
-    Entry* e = new Entry;
-    e->key = std::string(key);
+    Entry* e = index.make_entry();
+    e->key.assign(key);
     e->key_hash = key_hash;
     e->owner = r.owner != 0 ? r.owner : hint.owner;
     e->length = r.length;
     e->checksum = declared.sum;
     e->checksum_kind = declared.kind;
-    index.insert(e);
+    if (!index.try_insert(e)) {  // a concurrent put of the same key won (one lookup: no find first)
+      index.discard(e);
+      memory.free(r.offset, r.block_bytes);
+      bump(metrics->puts_exists);
+      return PutStatus::Exists;
+    }
     attach_memory(e, r.offset, r.block_bytes);
     e->verified = verified;
     policy->insert(e, hint);
@@ -684,6 +684,14 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     return storable;
   }
   Impl::Locks l(s);
+  // Making room may drop mu: the key is looked up again only if a key was
+  // indexed meanwhile (a put of this key is one).
+  uint64_t inserts_seen = s.index.inserts();
+  const auto indexed_meanwhile = [&] {
+    if (s.index.inserts() == inserts_seen) return false;
+    inserts_seen = s.index.inserts();
+    return s.find(key) != nullptr;
+  };
   if (s.find(key)) {
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
@@ -692,7 +700,7 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     bump(s.metrics->puts_no_space);
     return PutStatus::NoSpace;
   }
-  if (s.find(key)) {
+  if (indexed_meanwhile()) {
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
   }
@@ -701,7 +709,7 @@ PutStatus Store::begin_put(std::string_view key, uint64_t length, Reservation* o
     bump(s.metrics->puts_no_space);
     return PutStatus::NoSpace;
   }
-  if (s.find(key)) {
+  if (indexed_meanwhile()) {
     bump(s.metrics->puts_exists);
     return PutStatus::Exists;
   }
@@ -905,8 +913,9 @@ bool Store::remove(std::string_view key) {
     e = s.find(key);
     if (!e) return false;
   }
-  bool had_disk_copy = e->on_disk;
-  std::string removed_key = e->key;
+  const bool had_disk_copy = e->on_disk;
+  std::string removed_key;  // the tombstone's key (unlink may free e)
+  if (had_disk_copy) removed_key = e->key;
   s.unlink(e);
   if (had_disk_copy) s.write_tombstone(removed_key);
   bump(s.metrics->removes);
