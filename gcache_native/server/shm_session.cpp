@@ -26,40 +26,37 @@ bool ShmSession::release_lease(Store* store, uint64_t id) {
   return true;
 }
 
-std::vector<Lease> ShmSession::spare_leases() {
-  std::vector<Lease> leases = std::move(spare_leases_);
-  spare_leases_ = {};
-  leases.clear();
-  return leases;
+namespace {
+// v emptied, its capacity kept.
+template <class V>
+V cleared(V v) {
+  v.clear();
+  return v;
 }
+}  // namespace
+
+std::vector<Lease> ShmSession::spare_leases() { return cleared(std::exchange(spare_leases_, {})); }
 
 void ShmSession::recycle_leases(std::vector<Lease>&& leases) {
-  if (leases.capacity() > spare_leases_.capacity()) spare_leases_ = std::move(leases);
+  if (leases.capacity() <= kSpareKeysMax && leases.capacity() > spare_leases_.capacity())
+    spare_leases_ = std::move(leases);
 }
 
 ShmSession::ReserveGroup ShmSession::spare_reserve_group() {
-  ReserveGroup group = std::move(spare_group_);
-  spare_group_ = {};
-  // Everything but the vectors' capacity (and the keys' strings) starts anew.
-  std::vector<std::string> keys = std::move(group.keys);
-  std::vector<Reservation> reservations = std::move(group.reservations);
-  std::vector<uint8_t> statuses = std::move(group.statuses);
-  std::vector<uint64_t> worth_kinds = std::move(group.worth_kinds), worth_costs = std::move(group.worth_costs);
-  group = {};
-  group.keys = std::move(keys);
-  reservations.clear();
-  group.reservations = std::move(reservations);
-  statuses.clear();
-  group.statuses = std::move(statuses);
-  worth_kinds.clear();
-  worth_costs.clear();
-  group.worth_kinds = std::move(worth_kinds);
-  group.worth_costs = std::move(worth_costs);
+  ReserveGroup spare = std::exchange(spare_group_, {});
+  ReserveGroup group;  // everything but the vectors' capacity (and the keys' strings) starts anew
+  group.keys = std::move(spare.keys);
+  group.reservations = cleared(std::move(spare.reservations));
+  group.statuses = cleared(std::move(spare.statuses));
+  group.worth_kinds = cleared(std::move(spare.worth_kinds));
+  group.worth_costs = cleared(std::move(spare.worth_costs));
   return group;
 }
 
 void ShmSession::recycle(ReserveGroup&& group) {
-  if (group.reservations.capacity() >= spare_group_.reservations.capacity()) spare_group_ = std::move(group);
+  // A larger batch's vectors and key strings are freed: what a connection keeps stays small.
+  if (group.keys.size() <= kSpareKeysMax && group.reservations.capacity() >= spare_group_.reservations.capacity())
+    spare_group_ = std::move(group);
 }
 
 size_t ShmSession::verify_reported(Store* store, uint64_t id, std::vector<uint64_t> offsets, const uint8_t* base) {

@@ -90,8 +90,9 @@ class ShmSession {
   size_t leased_keys_ = 0;
   std::map<uint64_t, LeaseGroup> leases_;
   std::map<uint64_t, ReserveGroup> reserves_;
-  // One of each kept for reuse (spare_reserve_group, spare_leases); capacity
-  // bounded by what one batch needed.
+  // One of each kept for reuse (spare_reserve_group, spare_leases), only from a
+  // batch of at most kSpareKeysMax keys (bounds what an idle connection holds).
+  static constexpr size_t kSpareKeysMax = 256;
   ReserveGroup spare_group_;
   std::vector<Lease> spare_leases_;
   void recycle_leases(std::vector<Lease>&& leases);
