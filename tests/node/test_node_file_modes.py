@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gcache
+from gcache.client.transports import choose
 from gcache.common.processes import free_port
 from tests.support import REPO_ROOT, waiting
 from tests.support.servers import ServerProcess, run_server_cli
@@ -130,7 +131,10 @@ def test_memory_only_node_creates_its_data_dir_so_same_host_clients_get_shared_m
         node.kill()
 
 
-def test_a_node_without_a_unix_socket_says_so_and_auto_says_why_it_chose_tcp(tmp_path, caplog):
+def test_a_node_without_a_unix_socket_says_so_and_auto_says_why_it_chose_tcp(tmp_path, caplog, monkeypatch):
+    # The "said once" memory is per process: an earlier test's node on the same (reused) port
+    # would already be in it.
+    monkeypatch.setattr(choose, "_tcp_logged", set())
     node = ServerProcess(tmp_path / "node", disk="0", extra_args=["--unix-socket", ""]).start()
     try:
         waiting.wait_until(lambda: "no shared memory for same-host clients" in node.log(), timeout_s=30)
